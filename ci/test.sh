@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CPU test bed: one command that builds the environment and runs the tests.
+#   bash ci/test.sh [PYTEST ARGS...]
+# Creates .venv (or $SGLANG_ELASTIC_VENV) with SGLang 0.5.17 installed --no-deps,
+# the packages it imports on CPU (exact pins: ci/constraints-cpu.txt), this
+# package (editable), then runs pytest. Re-running reuses the venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${SGLANG_ELASTIC_VENV:-.venv}
+py=${PYTHON:-python3}
+uv_pin="uv==0.13.9"
+
+command -v uv >/dev/null 2>&1 || "$py" -m pip install -q "$uv_pin"
+[ -x "$venv/bin/python" ] || uv venv -q --seed -p "$py" "$venv"
+export VIRTUAL_ENV=$PWD/$venv
+# SGLang's own dependency list pulls GPU-only packages: take it without deps,
+# then exactly the runtime packages it imports on CPU.
+uv pip install -q --no-deps sglang==0.5.17 flashinfer-python==0.6.15.post1
+uv pip install -q -c ci/constraints-cpu.txt -r ci/requirements-cpu.txt
+uv pip install -q --no-deps -e .
+# The PyPI sglang-0.5.17 wheel, for the build-wheel tests (kept between runs).
+mkdir -p .cache/wheels
+ls .cache/wheels/sglang-0.5.17-*.whl >/dev/null 2>&1 || \
+  "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: sglang==0.5.17 -d .cache/wheels
+export SGLANG_ELASTIC_TEST_WHEEL=$(ls .cache/wheels/sglang-0.5.17-*.whl | head -1)
+exec "$venv/bin/pytest" "$@"

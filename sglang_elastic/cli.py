@@ -1,0 +1,121 @@
+"""``sglang-elastic`` command line.
+
+    sglang-elastic patch status      [--sglang-dir DIR]
+    sglang-elastic patch apply       [--sglang-dir DIR]
+    sglang-elastic patch revert      [--sglang-dir DIR]
+    sglang-elastic patch build-wheel --out DIR [--wheel PATH]
+    sglang-elastic patch check       --sglang-src DIR [--report FILE]
+    sglang-elastic patch manifest    --wheel PATH        (maintainers: rewrite patches/manifest.json)
+    sglang-elastic serve             [--model NAME] [--dry-run] [SGLANG FLAGS...]
+
+Refusals print one line on stderr and exit 2, having changed nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from sglang_elastic import __version__, patchset
+
+
+def _add_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sglang-dir", type=Path, default=None, help="the sglang package directory or the site-packages holding it (default: the installed sglang)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sglang-elastic", allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=f"sglang-elastic {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    patch = sub.add_parser("patch", help="apply, revert, inspect the SGLang 0.5.17 patch series")
+    psub = patch.add_subparsers(dest="op", required=True)
+    for op, hlp in (("status", "per patch: pristine / applied / foreign changes"), ("apply", "apply the whole series, or nothing"), ("revert", "restore the wheel's files byte for byte")):
+        _add_dir(psub.add_parser(op, help=hlp))
+    bw = psub.add_parser("build-wheel", help="write a patched sglang-0.5.17+elastic<N> wheel")
+    bw.add_argument("--out", type=Path, required=True)
+    bw.add_argument("--wheel", type=Path, default=None, help="the sglang-0.5.17 wheel (default: download it from PyPI with pip)")
+    ck = psub.add_parser("check", help="dry-run the series against another SGLang tree")
+    ck.add_argument("--sglang-src", type=Path, required=True, help="an SGLang source tree, unpacked wheel or site-packages")
+    ck.add_argument("--report", type=Path, default=None, help="also write the Markdown report here")
+    mf = psub.add_parser("manifest", help="maintainers: recompute patches/manifest.json from the 0.5.17 wheel")
+    mf.add_argument("--wheel", type=Path, required=True)
+    mf.add_argument("--out", type=Path, default=None)
+
+    sv = sub.add_parser("serve", allow_abbrev=False, help="start the patched SGLang server on an embedded model shape (extra flags go to SGLang)")
+    sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config (default: llama-3.1-8b)")
+    sv.add_argument("--dry-run", action="store_true", help="print the launch_server command and exit")
+    sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
+    return ap
+
+
+def _patch(args: argparse.Namespace) -> int:
+    if args.op == "status":
+        inst = patchset.locate(args.sglang_dir)
+        st = patchset.status(inst)
+        print(f"SGLang {inst.version} at {inst.package_dir}: {patchset.overall(st).value}")
+        for s in st:
+            print(f"  {s.name}: {s.state.value}" + (f" ({s.detail})" if s.detail else ""))
+        return 0
+    if args.op == "apply":
+        inst = patchset.locate(args.sglang_dir)
+        files = patchset.apply(inst)
+        print(f"applied {len(patchset.load_series())} patch(es) to SGLang {inst.version} at {inst.package_dir} ({len(files)} file(s))")
+        return 0
+    if args.op == "revert":
+        inst = patchset.locate(args.sglang_dir)
+        files = patchset.revert(inst)
+        print(f"reverted {len(files)} file(s) of SGLang {inst.version} at {inst.package_dir} to the wheel" if files else "already pristine: nothing to revert")
+        return 0
+    if args.op == "build-wheel":
+        src = args.wheel
+        with tempfile.TemporaryDirectory() as tmp:
+            if src is None:
+                src = patchset.download_wheel(Path(tmp))
+            out = patchset.build_wheel(src, args.out)
+        print(out)
+        return 0
+    if args.op == "check":
+        inst = patchset.locate(args.sglang_src)
+        rows = patchset.check(inst)
+        report = patchset.check_report(inst, rows)
+        if args.report:
+            args.report.write_text(report)
+        print(report, end="")
+        return 0
+    if args.op == "manifest":
+        import zipfile
+
+        series = patchset.load_series()
+        with zipfile.ZipFile(args.wheel) as z:
+            pristine = {p: z.read(p) for p in patchset.touched_files(series)}
+        text = json.dumps(patchset.build_manifest(series, pristine), indent=2) + "\n"
+        out = args.out or (patchset._patch_dir() / "manifest.json")
+        Path(out).write_text(text)
+        print(out)
+        return 0
+    raise AssertionError(args.op)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = _parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra and args.cmd != "serve":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.cmd == "patch":
+            return _patch(args)
+        from sglang_elastic import serve
+
+        return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)
+    except (patchset.PatchError, ValueError) as e:
+        print(f"sglang-elastic: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,675 @@
+"""The patch series against SGLang 0.5.17 and the operations on it.
+
+The series lives in ``patches/`` (shipped as ``sglang_elastic.patches``): a
+``series`` file naming ``NNNN-topic.patch`` files in order, each a unified diff
+whose paths are relative to ``site-packages`` (``a/sglang/srt/...``), i.e. the
+same paths as the SGLang wheel's ``RECORD``. ``manifest.json`` holds, for every
+file the series touches, its sha256 in the 0.5.17 wheel and after each patch
+that touches it; that is what lets ``status`` and ``revert`` work on an install
+whose ``RECORD`` no longer describes the pristine wheel (a patched wheel built
+with ``build-wheel``).
+
+Every operation computes all new file contents in memory first and writes only
+when every patch applies exactly; a failed write is rolled back, so a refusal
+or an error changes nothing.
+
+Idea and format: GNU ``patch``'s unified diffs and hunk search (offset, then
+fuzz by dropping outer context lines); wheel ``RECORD`` hashes per PEP 376/427.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import dataclasses
+import enum
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+SGLANG_VERSION = "0.5.17"
+PACKAGE = "sglang"
+
+
+class PatchError(RuntimeError):
+    """A refusal or failure of a patch operation; its message is one line."""
+
+
+# ----------------------------------------------------------------------------
+# Unified diff parsing and hunk application
+
+
+@dataclasses.dataclass(frozen=True)
+class Hunk:
+    """One ``@@ -a,b +c,d @@`` hunk; ``lines`` keep their ' ', '-', '+' tag."""
+
+    src_start: int  # 1-based line number in the old file
+    dst_start: int  # 1-based line number in the new file
+    lines: Tuple[Tuple[str, str], ...]  # (tag, text with its newline)
+
+    def old(self, reverse: bool = False) -> List[str]:
+        keep = " +" if reverse else " -"
+        return [t for tag, t in self.lines if tag in keep]
+
+    def new(self, reverse: bool = False) -> List[str]:
+        return self.old(not reverse)
+
+    def context_edges(self) -> Tuple[int, int]:
+        """Number of leading and trailing context lines (for fuzz)."""
+        tags = [tag for tag, _ in self.lines]
+        lead = next((i for i, t in enumerate(tags) if t != " "), len(tags))
+        trail = next((i for i, t in enumerate(reversed(tags)) if t != " "), len(tags))
+        return lead, trail
+
+
+@dataclasses.dataclass(frozen=True)
+class FilePatch:
+    path: str  # relative to site-packages, e.g. "sglang/srt/entrypoints/http_server.py"
+    hunks: Tuple[Hunk, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str  # file name, e.g. "0001-server-info.patch"
+    header: str  # the comment above the first diff: what it wires and why
+    files: Tuple[FilePatch, ...]
+
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def _strip_prefix(p: str) -> str:
+    p = p.split("\t", 1)[0].strip()
+    return p[2:] if p.startswith(("a/", "b/")) else p
+
+
+def parse_patch(name: str, text: str) -> Patch:
+    """Parse one unified diff (``diff -u`` / ``git diff`` output).
+
+    Raises:
+        PatchError: on a malformed hunk (counts that do not match its lines).
+    """
+    lines = text.splitlines(keepends=True)
+    header: List[str] = []
+    files: List[FilePatch] = []
+    i = 0
+    while i < len(lines) and not lines[i].startswith("--- "):
+        header.append(lines[i])
+        i += 1
+    while i < len(lines):
+        if not lines[i].startswith("--- "):
+            i += 1
+            continue
+        if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
+            raise PatchError(f"{name}: '---' line {i + 1} is not followed by '+++'")
+        path = _strip_prefix(lines[i + 1][4:])
+        i += 2
+        hunks: List[Hunk] = []
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = _HUNK_RE.match(lines[i])
+            if not m:
+                raise PatchError(f"{name}: bad hunk header at line {i + 1}: {lines[i].strip()}")
+            n_old = int(m.group(2) or 1)
+            n_new = int(m.group(4) or 1)
+            i += 1
+            body: List[Tuple[str, str]] = []
+            o = n = 0
+            while i < len(lines) and (o < n_old or n < n_new):
+                raw = lines[i]
+                tag, textl = (raw[0], raw[1:]) if raw not in ("\n", "\r\n") else (" ", raw)
+                if tag == "\\":  # "\ No newline at end of file": strip it from the previous line
+                    ptag, ptext = body[-1]
+                    body[-1] = (ptag, ptext.rstrip("\r\n"))
+                    i += 1
+                    continue
+                if tag not in " +-":
+                    raise PatchError(f"{name}: unexpected line {i + 1} in hunk: {raw.rstrip()}")
+                body.append((tag, textl))
+                o += tag in " -"
+                n += tag in " +"
+                i += 1
+            if i < len(lines) and lines[i].startswith("\\"):
+                ptag, ptext = body[-1]
+                body[-1] = (ptag, ptext.rstrip("\r\n"))
+                i += 1
+            if o != n_old or n != n_new:
+                raise PatchError(f"{name}: hunk at {path}:{m.group(1)} has {o}/{n} lines, header says {n_old}/{n_new}")
+            hunks.append(Hunk(int(m.group(1)), int(m.group(3)), tuple(body)))
+        files.append(FilePatch(path, tuple(hunks)))
+    if not files:
+        raise PatchError(f"{name}: no file diffs found")
+    return Patch(name, "".join(header), tuple(files))
+
+
+class HunkState(str, enum.Enum):
+    EXACT = "applies"
+    OFFSET = "offset"
+    FUZZ = "fuzz"
+    CONFLICT = "conflicts"
+
+
+@dataclasses.dataclass(frozen=True)
+class HunkResult:
+    index: int  # 1-based hunk number within its file
+    state: HunkState
+    offset: int = 0  # lines between the expected and the found position
+    fuzz: int = 0  # context lines dropped at each end to find a match
+
+
+def _find(lines: Sequence[str], needle: Sequence[str], expected: int, lo: int) -> Optional[int]:
+    """Position of ``needle`` in ``lines`` at or after ``lo``, nearest ``expected``."""
+    n = len(needle)
+    last = len(lines) - n
+    if last < lo:
+        return None
+    expected = min(max(expected, lo), last)
+    for d in range(0, max(expected - lo, last - expected) + 1):
+        for pos in (expected - d, expected + d) if d else (expected,):
+            if lo <= pos <= last and list(lines[pos : pos + n]) == list(needle):
+                return pos
+    return None
+
+
+def apply_to_text(fp: FilePatch, text: str, reverse: bool = False, max_fuzz: int = 0) -> Tuple[Optional[str], List[HunkResult]]:
+    """Apply one file's hunks to ``text`` (or take them out, with ``reverse``).
+
+    Each hunk is looked for at its header's line, shifted by the offset the
+    previous hunk was found at, then at growing distances (GNU patch's search);
+    with ``max_fuzz`` > 0, up to that many outer context lines may be dropped.
+
+    Returns:
+        the new text (None when any hunk conflicts) and one result per hunk.
+    """
+    lines = text.splitlines(keepends=True)
+    out: List[str] = []
+    results: List[HunkResult] = []
+    cursor = 0  # first line of ``lines`` not yet copied to ``out``
+    shift = 0  # offset the previous hunk was found at
+    ok = True
+    for idx, h in enumerate(fp.hunks, 1):
+        old, new = h.old(reverse), h.new(reverse)
+        start = h.dst_start if reverse else h.src_start
+        if not old:  # pure insertion: "@@ -N,0" inserts after line N
+            pos, fuzz, a, b = max(min(start + shift, len(lines)), cursor), 0, 0, 0
+            expected = start
+        else:
+            expected = start - 1
+            pos = None
+            lead, trail = h.context_edges()
+            for fuzz in range(max_fuzz + 1):
+                a, b = min(fuzz, lead), min(fuzz, trail)
+                p = _find(lines, old[a : len(old) - b], expected + shift + a, cursor)
+                if p is not None:
+                    pos = p - a
+                    break
+            if pos is None:
+                results.append(HunkResult(idx, HunkState.CONFLICT))
+                ok = False
+                continue
+        # Outer context dropped for fuzz stays as the file has it.
+        out.extend(lines[cursor : pos + a])
+        out.extend(new[a : len(new) - b])
+        cursor = pos + len(old) - b
+        shift = pos - expected
+        state = HunkState.FUZZ if a or b else (HunkState.OFFSET if shift else HunkState.EXACT)
+        results.append(HunkResult(idx, state, shift, max(a, b)))
+    out.extend(lines[cursor:])
+    return ("".join(out) if ok else None), results
+
+
+# ----------------------------------------------------------------------------
+# The series shipped with this package
+
+
+def _patch_dir() -> Path:
+    return Path(str(resources.files("sglang_elastic.patches")))
+
+
+def load_series(patch_dir: Optional[Path] = None) -> List[Patch]:
+    """Read ``series`` and parse every patch it names, in order."""
+    d = patch_dir or _patch_dir()
+    names = [ln.split("#", 1)[0].strip() for ln in (d / "series").read_text().splitlines()]
+    return [parse_patch(n, (d / n).read_text()) for n in names if n]
+
+
+def load_manifest(patch_dir: Optional[Path] = None) -> dict:
+    d = patch_dir or _patch_dir()
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _read_record(text: str) -> Dict[str, str]:
+    """A wheel RECORD (CSV: path, hash, size) as path -> hash."""
+    return {row[0]: row[1] for row in csv.reader(io.StringIO(text)) if len(row) >= 2}
+
+
+def sha256_b64(data: bytes) -> str:
+    """Hash in a wheel RECORD's form: urlsafe base64 without padding."""
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def touched_files(series: Sequence[Patch]) -> List[str]:
+    seen: Dict[str, None] = {}
+    for p in series:
+        for f in p.files:
+            seen.setdefault(f.path, None)
+    return list(seen)
+
+
+def apply_series_to_contents(series: Sequence[Patch], contents: Dict[str, bytes], reverse: bool = False) -> Dict[str, bytes]:
+    """Apply (or reverse) the whole series to in-memory files.
+
+    Args:
+        contents: path (relative to site-packages) -> bytes, for every touched file.
+
+    Raises:
+        PatchError: naming the first patch, file and hunk that does not apply exactly.
+    """
+    out = dict(contents)
+    for p in reversed(series) if reverse else series:
+        for fp in p.files:
+            text = out[fp.path].decode("utf-8")
+            new, results = apply_to_text(fp, text, reverse=reverse)
+            bad = [r for r in results if r.state is not HunkState.EXACT]
+            if new is None or bad:
+                r = bad[0]
+                raise PatchError(f"{p.name}: {fp.path} hunk #{r.index} {r.state.value}" + (f" (offset {r.offset})" if r.offset else ""))
+            out[fp.path] = new.encode("utf-8")
+    return out
+
+
+def build_manifest(series: Sequence[Patch], pristine: Dict[str, bytes]) -> dict:
+    """Hashes of every touched file in the wheel and after each patch touching it."""
+    files: Dict[str, dict] = {}
+    cur = dict(pristine)
+    for path in touched_files(series):
+        files[path] = {"pristine": sha256_b64(pristine[path]), "after": {}}
+    for p in series:
+        cur = apply_series_to_contents([p], cur)
+        for fp in p.files:
+            files[fp.path]["after"][p.name] = sha256_b64(cur[fp.path])
+    return {"sglang_version": SGLANG_VERSION, "series": [p.name for p in series], "files": files}
+
+
+# ----------------------------------------------------------------------------
+# An SGLang install (site-packages or a source tree)
+
+
+@dataclasses.dataclass
+class Install:
+    """Where an SGLang package lives and what its metadata says."""
+
+    root: Path  # the directory holding the ``sglang`` package (site-packages or ``python/``)
+    version: str
+    record: Dict[str, str]  # path -> RECORD hash ("" when there is no RECORD)
+
+    @property
+    def package_dir(self) -> Path:
+        return self.root / PACKAGE
+
+    def read(self, rel: str) -> bytes:
+        p = self.root / rel
+        if not p.is_file():
+            raise PatchError(f"{rel} is missing from {self.root}")
+        return p.read_bytes()
+
+    @property
+    def base_version(self) -> str:
+        return self.version.split("+", 1)[0]
+
+
+def _version_from_source(pkg: Path) -> Optional[str]:
+    for name in ("_version.py", "version.py"):
+        f = pkg / name
+        if f.is_file():
+            m = re.search(r"""^__version__\s*=\s*(?:\w+\s*=\s*)?["']([^"']+)["']""", f.read_text(), re.M)
+            if m:
+                return m.group(1)
+    return None
+
+
+def locate(sglang_dir: Optional[os.PathLike] = None) -> Install:
+    """Find the SGLang package to work on.
+
+    Args:
+        sglang_dir: the ``sglang`` package directory, or a directory holding it
+            (site-packages, a repo's ``python/``, or a repo root). Default: the
+            installed ``sglang`` found on ``sys.path`` (not imported).
+
+    Raises:
+        PatchError: when no SGLang package is found there.
+    """
+    if sglang_dir is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec(PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise PatchError("no installed sglang found; pass --sglang-dir")
+        pkg = Path(list(spec.submodule_search_locations)[0])
+    else:
+        d = Path(sglang_dir).resolve()
+        for cand in (d, d / PACKAGE, d / "python" / PACKAGE):
+            if (cand / "srt").is_dir() and cand.name == PACKAGE:
+                pkg = cand
+                break
+        else:
+            raise PatchError(f"{d} holds no sglang package (looked for sglang/srt)")
+    root = pkg.parent
+    dist = sorted(root.glob(f"{PACKAGE}-*.dist-info"))
+    record: Dict[str, str] = {}
+    version = None
+    if dist:
+        meta = (dist[-1] / "METADATA").read_text(errors="replace")
+        m = re.search(r"^Version:\s*(\S+)", meta, re.M)
+        version = m.group(1) if m else None
+        rec = dist[-1] / "RECORD"
+        if rec.is_file():
+            record = {path: h[len("sha256=") :] for path, h in _read_record(rec.read_text()).items() if h.startswith("sha256=")}
+    version = version or _version_from_source(pkg)
+    if version is None:
+        raise PatchError(f"cannot tell the SGLang version of {pkg} (no dist-info, no version.py)")
+    return Install(root, version, record)
+
+
+# ----------------------------------------------------------------------------
+# status / apply / revert
+
+
+class State(str, enum.Enum):
+    PRISTINE = "pristine"
+    APPLIED = "applied"
+    PARTIAL = "partially applied"
+    FOREIGN = "foreign changes"
+
+
+@dataclasses.dataclass
+class PatchStatus:
+    name: str
+    state: State
+    detail: str = ""
+
+
+def _file_step(manifest: dict, path: str, digest: str, series: Sequence[Patch]) -> Optional[int]:
+    """How far along the series a file is: 0 = pristine, k = after the k-th patch
+    (index into ``series``) that touches it; None = neither (foreign change)."""
+    entry = manifest["files"][path]
+    if digest == entry["pristine"]:
+        return 0
+    for k, p in enumerate(series, 1):
+        if entry["after"].get(p.name) == digest:
+            return k
+    return None
+
+
+def status(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Optional[dict] = None) -> List[PatchStatus]:
+    """Per-patch state of ``inst``: pristine, applied, or foreign changes."""
+    series = list(series if series is not None else load_series())
+    manifest = manifest or load_manifest()
+    steps: Dict[str, Optional[int]] = {}
+    for path in touched_files(series):
+        try:
+            digest = sha256_b64(inst.read(path))
+        except PatchError:
+            steps[path] = None
+            continue
+        steps[path] = _file_step(manifest, path, digest, series)
+    out = []
+    for k, p in enumerate(series, 1):
+        per = [steps[f.path] for f in p.files]
+        foreign = [f.path for f, s in zip(p.files, per) if s is None]
+        if foreign:
+            out.append(PatchStatus(p.name, State.FOREIGN, "changed by something else: " + ", ".join(foreign)))
+        elif all(s >= k for s in per):
+            out.append(PatchStatus(p.name, State.APPLIED))
+        elif all(s < k for s in per):
+            out.append(PatchStatus(p.name, State.PRISTINE))
+        else:
+            out.append(PatchStatus(p.name, State.PARTIAL))
+    return out
+
+
+def overall(statuses: Iterable[PatchStatus]) -> State:
+    states = {s.state for s in statuses}
+    if State.FOREIGN in states:
+        return State.FOREIGN
+    if states == {State.APPLIED}:
+        return State.APPLIED
+    if states == {State.PRISTINE}:
+        return State.PRISTINE
+    return State.PARTIAL
+
+
+def _check_version(inst: Install) -> None:
+    if inst.base_version != SGLANG_VERSION:
+        raise PatchError(f"SGLang {inst.version} at {inst.package_dir}: this patch set targets {SGLANG_VERSION} only")
+
+
+def _write_atomically(root: Path, contents: Dict[str, bytes]) -> None:
+    """Replace every file or none: each goes through a temp file and os.replace;
+    on any failure the files already replaced get their old bytes back."""
+    old = {rel: (root / rel).read_bytes() for rel in contents}
+    done: List[str] = []
+    try:
+        for rel, data in contents.items():
+            target = root / rel
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".sglang-elastic-")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                os.chmod(tmp, target.stat().st_mode & 0o7777)
+                os.replace(tmp, target)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            done.append(rel)
+    except BaseException as e:
+        for rel in done:
+            (root / rel).write_bytes(old[rel])
+        raise PatchError(f"write failed, nothing changed: {e}") from e
+
+
+def apply(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Optional[dict] = None) -> List[str]:
+    """Apply the whole series to ``inst``, or change nothing.
+
+    Refuses (``PatchError``, one line) when the version is not 0.5.17, when a
+    touched file differs from the 0.5.17 wheel (its RECORD and our manifest),
+    or when any patch is already (partly) applied.
+
+    Returns:
+        the files written, relative to ``inst.root``.
+    """
+    series = list(series if series is not None else load_series())
+    manifest = manifest or load_manifest()
+    _check_version(inst)
+    st = status(inst, series, manifest)
+    if any(s.state is not State.PRISTINE for s in st):
+        s = next(s for s in st if s.state is not State.PRISTINE)
+        raise PatchError(f"refusing: {s.name} is {s.state.value}" + (f" ({s.detail})" if s.detail else "") + "; run 'sglang-elastic patch status'")
+    contents = {p: inst.read(p) for p in touched_files(series)}
+    for path, data in contents.items():
+        digest = sha256_b64(data)
+        if inst.record and inst.record.get(path) not in (None, digest):
+            raise PatchError(f"refusing: {path} differs from the SGLang {inst.version} wheel (RECORD hash mismatch)")
+    new = apply_series_to_contents(series, contents)
+    _write_atomically(inst.root, new)
+    return list(new)
+
+
+def revert(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Optional[dict] = None) -> List[str]:
+    """Restore every touched file byte-identical to the 0.5.17 wheel.
+
+    Refuses when the series is not fully applied or a file has foreign changes
+    (it would not come back identical). Returns the files written.
+    """
+    series = list(series if series is not None else load_series())
+    manifest = manifest or load_manifest()
+    st = status(inst, series, manifest)
+    if overall(st) is State.PRISTINE:
+        return []
+    if overall(st) is not State.APPLIED:
+        s = next(s for s in st if s.state is not State.APPLIED)
+        raise PatchError(f"refusing: {s.name} is {s.state.value}" + (f" ({s.detail})" if s.detail else ""))
+    contents = {p: inst.read(p) for p in touched_files(series)}
+    old = apply_series_to_contents(series, contents, reverse=True)
+    for path, data in old.items():
+        if sha256_b64(data) != manifest["files"][path]["pristine"]:
+            raise PatchError(f"refusing: reversing the series does not give the wheel's {path} back")
+    _write_atomically(inst.root, old)
+    return list(old)
+
+
+# ----------------------------------------------------------------------------
+# check against another SGLang tree
+
+
+@dataclasses.dataclass
+class CheckRow:
+    patch: str
+    path: str
+    hunk: int
+    state: HunkState
+    offset: int
+    fuzz: int
+
+
+def check(src: Install, series: Optional[Sequence[Patch]] = None, max_fuzz: int = 2) -> List[CheckRow]:
+    """Dry-run the series against another SGLang tree (e.g. a newer release).
+
+    Each patch is tried on the files as the previous patches left them (with
+    fuzz up to ``max_fuzz``, like ``patch -F2``); nothing is written.
+    """
+    series = list(series if series is not None else load_series())
+    cur: Dict[str, Optional[str]] = {}
+    rows: List[CheckRow] = []
+    for p in series:
+        for fp in p.files:
+            if fp.path not in cur:
+                f = src.root / fp.path
+                cur[fp.path] = f.read_text() if f.is_file() else None
+            text = cur[fp.path]
+            if text is None:
+                rows.extend(CheckRow(p.name, fp.path, i, HunkState.CONFLICT, 0, 0) for i in range(1, len(fp.hunks) + 1))
+                continue
+            new, results = apply_to_text(fp, text, max_fuzz=max_fuzz)
+            rows.extend(CheckRow(p.name, fp.path, r.index, r.state, r.offset, r.fuzz) for r in results)
+            if new is not None:
+                cur[fp.path] = new
+    return rows
+
+
+def check_report(src: Install, rows: Sequence[CheckRow]) -> str:
+    """A Markdown report of ``check`` rows, per patch and per hunk."""
+    out = [
+        f"# Rebase check: sglang-elastic series against SGLang {src.version}",
+        "",
+        f"Produced by `sglang-elastic patch check --sglang-src <SGLang {src.version} tree>`; each patch is",
+        "dry-run on the files as the earlier patches left them, with fuzz up to 2.",
+        "",
+        "| patch | file | hunk | result |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        res = r.state.value
+        if r.state is HunkState.OFFSET:
+            res += f" ({r.offset:+d} lines)"
+        elif r.state is HunkState.FUZZ:
+            res += f" {r.fuzz} (offset {r.offset:+d})"
+        out.append(f"| {r.patch} | `{r.path}` | #{r.hunk} | {res} |")
+    verdict = {}
+    for r in rows:
+        prev = verdict.get(r.patch, HunkState.EXACT)
+        order = list(HunkState)
+        verdict[r.patch] = max(prev, r.state, key=order.index)
+    out += ["", "| patch | verdict |", "|---|---|"]
+    out += [f"| {p} | {v.value} |" for p, v in verdict.items()]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------
+# build-wheel
+
+LOCAL_VERSION = "elastic"
+
+
+def series_number(series: Sequence[Patch]) -> int:
+    """N in ``+elastic<N>``: the number of the last patch in the series."""
+    m = re.match(r"(\d+)", series[-1].name)
+    return int(m.group(1)) if m else len(series)
+
+
+def download_wheel(dest: Path) -> Path:
+    """Fetch the PyPI ``sglang==0.5.17`` wheel for this interpreter with pip."""
+    import subprocess
+    import sys
+
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"{PACKAGE}=={SGLANG_VERSION}", "-d", str(dest)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(dest.glob(f"{PACKAGE}-{SGLANG_VERSION}-*.whl"))
+    if r.returncode != 0 or not found:
+        raise PatchError(f"could not download the sglang {SGLANG_VERSION} wheel ({' '.join(cmd)}): {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+    return found[-1]
+
+
+def build_wheel(src_wheel: Path, out_dir: Path, series: Optional[Sequence[Patch]] = None) -> Path:
+    """Write ``sglang-0.5.17+elastic<N>-<tags>.whl``: the wheel with the series
+    applied, dist-info renamed, METADATA's version bumped and a fresh RECORD.
+
+    Raises:
+        PatchError: when the input is not the 0.5.17 wheel or its files differ
+            from their RECORD hashes.
+    """
+    import zipfile
+
+    series = list(series if series is not None else load_series())
+    m = re.match(rf"^{PACKAGE}-([^-]+)-(.+)\.whl$", src_wheel.name)
+    if not m:
+        raise PatchError(f"{src_wheel.name} is not an sglang wheel")
+    if m.group(1) != SGLANG_VERSION:
+        raise PatchError(f"{src_wheel.name} is SGLang {m.group(1)}: this patch set targets {SGLANG_VERSION} only")
+    new_version = f"{SGLANG_VERSION}+{LOCAL_VERSION}{series_number(series)}"
+    old_di, new_di = f"{PACKAGE}-{SGLANG_VERSION}.dist-info", f"{PACKAGE}-{new_version}.dist-info"
+    with zipfile.ZipFile(src_wheel) as zin:
+        infos = zin.infolist()
+        rec = _read_record(zin.read(f"{old_di}/RECORD").decode())
+        contents = {}
+        for path in touched_files(series):
+            data = zin.read(path)
+            if rec.get(path) != "sha256=" + sha256_b64(data):
+                raise PatchError(f"{src_wheel.name}: {path} does not match its RECORD hash")
+            contents[path] = data
+        patched = apply_series_to_contents(series, contents)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out = out_dir / f"{PACKAGE}-{new_version}-{m.group(2)}.whl"
+        rows = []
+        tmp = out.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+            for info in infos:
+                name = info.filename
+                if name == f"{old_di}/RECORD":
+                    continue
+                data = patched.get(name)
+                if data is None:
+                    data = zin.read(info)
+                if name == f"{old_di}/METADATA":
+                    data = re.sub(rb"^Version: .*$", f"Version: {new_version}".encode(), data, count=1, flags=re.M)
+                if name.startswith(old_di + "/"):
+                    name = new_di + name[len(old_di) :]
+                ninfo = zipfile.ZipInfo(name, info.date_time)
+                ninfo.external_attr = info.external_attr
+                ninfo.compress_type = zipfile.ZIP_DEFLATED
+                zout.writestr(ninfo, data)
+                if not name.endswith("/"):
+                    rows.append((name, f"sha256={sha256_b64(data)}", len(data)))
+            rows.append((f"{new_di}/RECORD", "", ""))
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerows(rows)
+            zout.writestr(zipfile.ZipInfo(f"{new_di}/RECORD", infos[0].date_time), buf.getvalue())
+        os.replace(tmp, out)
+    return out

@@ -1,0 +1,112 @@
+"""The main job: SGLang 0.5.17's own server, patched, on an embedded model shape.
+
+``sglang-elastic serve [--model NAME] [--dry-run] [SGLANG FLAGS...]`` runs
+``python -m sglang.launch_server`` with the Llama-3.1-8B shape shipped in this
+package (``sglang_elastic/models/``, random weights through
+``--load-format dummy``, no tokenizer: send ``input_ids``). Any flag it does
+not know is handed to SGLang unchanged and, coming last, overrides the
+defaults below (argparse keeps the last value of a repeated flag).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+TEST_COMMAND = "bash ci/test.sh"
+
+#: Defaults that make the offline GPU bundle (../shared/gpu-host) serve: the
+#: bundle has no FA3 library (hence FlashInfer) and no xgrammar static lib.
+DEFAULT_FLAGS = (
+    "--load-format", "dummy",
+    "--skip-tokenizer-init",
+    "--attention-backend", "flashinfer",
+    "--sampling-backend", "pytorch",
+    "--grammar-backend", "none",
+)
+
+
+def model_names() -> List[str]:
+    root = Path(str(resources.files("sglang_elastic.models")))
+    return sorted(p.parent.name for p in root.glob("*/config.json"))
+
+
+def model_path(name: str) -> Path:
+    """Directory of an embedded model config (``config.json`` only).
+
+    Raises:
+        ValueError: for an unknown name (the message lists the known ones).
+    """
+    root = Path(str(resources.files("sglang_elastic.models")))
+    path = root / name
+    if not (path / "config.json").is_file():
+        raise ValueError(f"unknown model {name!r}; embedded: {', '.join(model_names())}")
+    return path
+
+
+def has_nvidia_gpu() -> bool:
+    """True when an NVIDIA GPU is visible (nvidia-smi lists one, or torch sees CUDA)."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+            if r.returncode == 0 and "GPU" in r.stdout:
+                return True
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def build_command(model: str, extra: Sequence[str], python: Optional[str] = None) -> List[str]:
+    """The ``launch_server`` command line: model, defaults, then the user's flags."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path(model))]
+    cmd += list(DEFAULT_FLAGS)
+    cmd += list(extra)
+    return cmd
+
+
+def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patched: bool = True) -> int:
+    """Start the patched server in the foreground; returns its exit code.
+
+    Exits with 2 and a one-line message, starting nothing, when there is no
+    NVIDIA GPU or the series is not applied to the installed SGLang.
+    """
+    cmd = build_command(model, extra)
+    if dry_run:
+        print(" ".join(cmd))
+        return 0
+    if not has_nvidia_gpu():
+        print(
+            "sglang-elastic serve: no NVIDIA GPU on this machine, so no server is started. "
+            f"To check the project here, run the CPU test suite: {TEST_COMMAND}",
+            file=sys.stderr,
+        )
+        return 2
+    if require_patched:
+        from sglang_elastic import patchset
+
+        try:
+            state = patchset.overall(patchset.status(patchset.locate()))
+        except patchset.PatchError as e:
+            print(f"sglang-elastic serve: {e}", file=sys.stderr)
+            return 2
+        if state is not patchset.State.APPLIED:
+            print(
+                f"sglang-elastic serve: the installed SGLang is {state.value}; "
+                "run 'sglang-elastic patch apply' first (or pass --allow-unpatched)",
+                file=sys.stderr,
+            )
+            return 2
+    env = dict(os.environ)
+    env.setdefault("SGLANG_PLUGINS", "")  # all plugins; set it to narrow them
+    return subprocess.call(cmd, env=env)

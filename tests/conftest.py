@@ -1,0 +1,59 @@
+"""Fixtures that build real SGLang 0.5.17 installs to patch.
+
+``sglang_site`` is a throwaway site-packages holding the installed SGLang's
+files that the series touches plus its real dist-info (METADATA, RECORD), so
+patch operations run against the wheel's own bytes and hashes without touching
+the test environment's SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic import patchset
+
+
+def installed_sglang_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None, "the test bed must have SGLang 0.5.17 installed (bash ci/test.sh)"
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def make_site(dst: Path, extra_files=()) -> Path:
+    """Copy the touched files (and ``extra_files``) of the installed SGLang and
+    its dist-info into ``dst``; return ``dst``."""
+    src = installed_sglang_root()
+    files = set(patchset.touched_files(patchset.load_series())) | set(extra_files) | {"sglang/version.py", "sglang/_version.py"}
+    for rel in files:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, dst / rel)
+    (dst / "sglang" / "srt").mkdir(parents=True, exist_ok=True)
+    (di,) = src.glob("sglang-*.dist-info")
+    (dst / di.name).mkdir()
+    for name in ("METADATA", "RECORD"):
+        shutil.copy2(di / name, dst / di.name / name)
+    return dst
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under ``root`` with its bytes (to prove nothing changed)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def sglang_site(tmp_path: Path) -> Path:
+    return make_site(tmp_path / "site")
+
+
+@pytest.fixture
+def test_wheel() -> Path:
+    """The PyPI sglang-0.5.17 wheel that ci/test.sh downloads."""
+    p = os.environ.get("SGLANG_ELASTIC_TEST_WHEEL")
+    if not p or not Path(p).is_file():
+        pytest.fail("SGLANG_ELASTIC_TEST_WHEEL is not set to the sglang-0.5.17 wheel; run the tests with: bash ci/test.sh")
+    return Path(p)

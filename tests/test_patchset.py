@@ -1,0 +1,225 @@
+"""The patch series tooling, specified against real SGLang 0.5.17 files."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic import patchset
+from sglang_elastic.patchset import HunkState, PatchError, State
+
+from conftest import installed_sglang_root, make_site, snapshot
+
+HTTP = "sglang/srt/entrypoints/http_server.py"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang_elastic.cli", *args], capture_output=True, text=True)
+
+
+def synthetic_patch(site: Path, rel: str, name: str, old: str, new: str) -> patchset.Patch:
+    """A one-hunk patch replacing the first ``old`` line of ``rel`` by ``new``."""
+    a = (site / rel).read_text().splitlines(keepends=True)
+    b = list(a)
+    i = next(k for k, ln in enumerate(b) if old in ln)
+    b[i] = b[i].replace(old, new)
+    diff = "".join(difflib.unified_diff(a, b, f"a/{rel}", f"b/{rel}"))
+    return patchset.parse_patch(name, f"# {name}: test patch\n" + diff)
+
+
+# --- the committed series ---------------------------------------------------
+
+
+def test_every_patch_is_headed_by_a_comment_and_named_in_series():
+    series = patchset.load_series()
+    assert [p.name for p in series] == patchset.load_manifest()["series"]
+    for p in series:
+        assert p.name[:4].isdigit() and p.name.endswith(".patch")
+        lines = [ln for ln in p.header.splitlines() if ln.strip()]
+        assert len(lines) >= 3 and all(ln.startswith("#") for ln in lines), p.name
+
+
+def test_manifest_matches_the_series_on_the_installed_wheel_files():
+    root = installed_sglang_root()
+    series = patchset.load_series()
+    pristine = {rel: (root / rel).read_bytes() for rel in patchset.touched_files(series)}
+    assert patchset.build_manifest(series, pristine) == patchset.load_manifest()
+
+
+# --- apply / status / revert ------------------------------------------------
+
+
+def test_apply_status_revert_round_trip_is_byte_identical(sglang_site):
+    before = snapshot(sglang_site)
+    inst = patchset.locate(sglang_site)
+    assert inst.version == "0.5.17"
+    assert patchset.overall(patchset.status(inst)) is State.PRISTINE
+    # The wheel's RECORD vouches for the starting bytes.
+    assert inst.record[HTTP] == patchset.sha256_b64(before[HTTP])
+
+    written = patchset.apply(inst)
+    assert written == [HTTP]
+    text = (sglang_site / HTTP).read_text()
+    assert '"sglang_elastic": _sglang_elastic_server_info(server_args)' in text
+    assert [s.state for s in patchset.status(inst)] == [State.APPLIED]
+
+    assert patchset.revert(inst) == [HTTP]
+    assert snapshot(sglang_site) == before
+    assert patchset.overall(patchset.status(inst)) is State.PRISTINE
+
+
+def test_refuses_a_fake_0_5_16_tree_and_changes_nothing(sglang_site):
+    (meta,) = sglang_site.glob("sglang-*.dist-info/METADATA")
+    meta.write_text(meta.read_text().replace("Version: 0.5.17", "Version: 0.5.16", 1))
+    before = snapshot(sglang_site)
+    with pytest.raises(PatchError, match=r"SGLang 0\.5\.16 .*targets 0\.5\.17 only"):
+        patchset.apply(patchset.locate(sglang_site))
+    assert snapshot(sglang_site) == before
+
+
+def test_refuses_a_hand_edited_file_and_changes_nothing(sglang_site):
+    f = sglang_site / HTTP
+    f.write_text(f.read_text().replace("async def server_info():", "async def server_info():  # local tweak", 1))
+    before = snapshot(sglang_site)
+    inst = patchset.locate(sglang_site)
+    assert patchset.status(inst)[0].state is State.FOREIGN
+    with pytest.raises(PatchError, match="foreign changes"):
+        patchset.apply(inst)
+    with pytest.raises(PatchError, match="foreign changes"):
+        patchset.revert(inst)
+    assert snapshot(sglang_site) == before
+
+
+def test_refuses_a_file_that_differs_from_the_record_even_if_the_manifest_knows_it(sglang_site):
+    # A RECORD that does not vouch for the bytes (e.g. another build of 0.5.17).
+    (rec,) = sglang_site.glob("sglang-*.dist-info/RECORD")
+    rec.write_text(rec.read_text().replace(f"{HTTP},sha256=", f"{HTTP},sha256=x", 1))
+    before = snapshot(sglang_site)
+    with pytest.raises(PatchError, match="RECORD hash mismatch"):
+        patchset.apply(patchset.locate(sglang_site))
+    assert snapshot(sglang_site) == before
+
+
+def test_refuses_an_already_applied_series(sglang_site):
+    inst = patchset.locate(sglang_site)
+    patchset.apply(inst)
+    after = snapshot(sglang_site)
+    with pytest.raises(PatchError, match="is applied"):
+        patchset.apply(inst)
+    assert snapshot(sglang_site) == after
+
+
+def test_partly_applied_series_is_reported_and_refused(tmp_path):
+    site = make_site(tmp_path / "site")
+    p1 = patchset.load_series()[0]
+    p2 = synthetic_patch(site, "sglang/_version.py", "0002-test.patch", "= (0, 5, 17)", "= (0, 5, 17)  # test")
+    series = [p1, p2]
+    pristine = {rel: (site / rel).read_bytes() for rel in patchset.touched_files(series)}
+    manifest = patchset.build_manifest(series, pristine)
+    inst = patchset.locate(site)
+    patchset.apply(inst, [p1], manifest)  # only the first one
+    st = patchset.status(inst, series, manifest)
+    assert [s.state for s in st] == [State.APPLIED, State.PRISTINE]
+    assert patchset.overall(st) is State.PARTIAL
+    before = snapshot(site)
+    with pytest.raises(PatchError, match="0001-server-info.patch is applied"):
+        patchset.apply(inst, series, manifest)
+    with pytest.raises(PatchError, match="0002-test.patch is pristine"):
+        patchset.revert(inst, series, manifest)
+    assert snapshot(site) == before
+
+
+def test_a_failed_write_rolls_back_the_files_already_written(tmp_path, monkeypatch):
+    site = make_site(tmp_path / "site")
+    p1 = patchset.load_series()[0]
+    p2 = synthetic_patch(site, "sglang/_version.py", "0002-test.patch", "= (0, 5, 17)", "= (0, 5, 17)  # test")
+    series = [p1, p2]
+    pristine = {rel: (site / rel).read_bytes() for rel in patchset.touched_files(series)}
+    manifest = patchset.build_manifest(series, pristine)
+    before = snapshot(site)
+    real_replace = os.replace
+    calls = []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(patchset.os, "replace", flaky_replace)
+    with pytest.raises(PatchError, match="nothing changed: disk full"):
+        patchset.apply(patchset.locate(site), series, manifest)
+    assert len(calls) == 2  # the first file had been replaced, then restored
+    assert snapshot(site) == before
+
+
+# --- hunk search (check) ----------------------------------------------------
+
+
+def _src_tree(tmp_path: Path, edit) -> patchset.Install:
+    site = make_site(tmp_path / "src")
+    f = site / HTTP
+    f.write_text(edit(f.read_text()))
+    return patchset.locate(site)
+
+
+def test_check_reports_exact_offset_fuzz_and_conflict(tmp_path):
+    exact = patchset.check(_src_tree(tmp_path / "a", lambda t: t))
+    assert [(r.state, r.offset) for r in exact] == [(HunkState.EXACT, 0)]
+
+    shifted = patchset.check(_src_tree(tmp_path / "b", lambda t: "# one\n# two\n# three\n" + t))
+    assert [(r.state, r.offset) for r in shifted] == [(HunkState.OFFSET, 3)]
+
+    # The outermost context line of hunk 1 changed: only fuzz 1 finds it.
+    fuzzy = patchset.check(_src_tree(tmp_path / "c", lambda t: t.replace("            # `None` when publishing is disabled", "            # None when publishing is disabled", 1)))
+    assert [(r.state, r.fuzz, r.offset) for r in fuzzy] == [(HunkState.FUZZ, 1, 0)]
+
+    gone = patchset.check(_src_tree(tmp_path / "d", lambda t: t.replace('"kv_events": server_args.describe_kv_events_publisher(),', "")))
+    assert [r.state for r in gone] == [HunkState.CONFLICT]
+
+
+def test_fuzzy_apply_keeps_the_files_own_context_lines():
+    fp = patchset.parse_patch(
+        "x.patch",
+        "--- a/f.py\n+++ b/f.py\n@@ -1,5 +1,6 @@\n a\n b\n c\n+NEW\n d\n e\n",
+    ).files[0]
+    new, res = patchset.apply_to_text(fp, "z\nA\nb\nc\nd\ne\n", max_fuzz=2)
+    assert new == "z\nA\nb\nc\nNEW\nd\ne\n"
+    assert (res[0].state, res[0].fuzz, res[0].offset) == (HunkState.FUZZ, 1, 1)
+    back, res = patchset.apply_to_text(fp, new, reverse=True, max_fuzz=2)
+    assert back == "z\nA\nb\nc\nd\ne\n"
+
+
+def test_malformed_hunk_is_a_clear_error():
+    with pytest.raises(PatchError, match="header says"):
+        patchset.parse_patch("bad.patch", "--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n")
+
+
+# --- command line -----------------------------------------------------------
+
+
+def test_cli_status_apply_revert_and_one_line_refusal(sglang_site):
+    r = cli("patch", "status", "--sglang-dir", str(sglang_site))
+    assert r.returncode == 0 and ": pristine" in r.stdout.splitlines()[0], r.stdout + r.stderr
+    assert cli("patch", "apply", "--sglang-dir", str(sglang_site)).returncode == 0
+    r = cli("patch", "apply", "--sglang-dir", str(sglang_site))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "refusing" in r.stderr
+    r = cli("patch", "status", "--sglang-dir", str(sglang_site / "sglang"))
+    assert ": applied" in r.stdout.splitlines()[0]
+    assert cli("patch", "revert", "--sglang-dir", str(sglang_site)).returncode == 0
+    r = cli("patch", "status", "--sglang-dir", str(sglang_site / "nowhere"))
+    assert r.returncode == 2 and "holds no sglang package" in r.stderr
+
+
+def test_cli_check_writes_a_report(tmp_path):
+    src = _src_tree(tmp_path, lambda t: "\n" + t)
+    report = tmp_path / "rebase.md"
+    r = cli("patch", "check", "--sglang-src", str(src.root), "--report", str(report))
+    assert r.returncode == 0, r.stderr
+    text = report.read_text()
+    assert "| 0001-server-info.patch | `sglang/srt/entrypoints/http_server.py` | #1 | offset (+1 lines) |" in text

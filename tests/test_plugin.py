@@ -1,0 +1,80 @@
+"""The plugin and the patched endpoint, through SGLang's own loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sglang_elastic import __version__, patchset
+
+from conftest import installed_sglang_root
+
+
+def run_py(code: str, **env) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_sglang_plugin_loader_discovers_and_runs_the_plugin():
+    out = run_py(
+        "import json\n"
+        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group, load_plugins\n"
+        "import sglang_elastic.plugin as p\n"
+        "found = load_plugins_by_group(GENERAL_PLUGINS_GROUP)\n"
+        "before = p.is_loaded()\n"
+        "load_plugins()\n"
+        "print(json.dumps({'names': sorted(found), 'dist': found['sglang_elastic'][1], 'before': before, 'after': p.is_loaded()}))\n"
+    )
+    got = json.loads(out)
+    assert "sglang_elastic" in got["names"]
+    assert got["dist"] == "sglang-elastic"
+    assert (got["before"], got["after"]) == (False, True)
+
+
+def test_sglang_plugins_whitelist_can_exclude_the_plugin():
+    out = run_py(
+        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
+        "print(sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP)))\n",
+        SGLANG_PLUGINS="someone_else",
+    )
+    assert "sglang_elastic" not in out
+
+
+def test_kernels_live_under_sglang_elastic_not_top_level(tmp_path):
+    # From a neutral directory (not the repo root, which is on sys.path under
+    # ``python -m``), ``kernels`` must not resolve to our kernels/ directory.
+    code = (
+        "import importlib.util, json, os, sglang_elastic.kernels as k\n"
+        "s = importlib.util.find_spec('kernels')\n"
+        "print(json.dumps([os.path.dirname(k.__file__), s and s.origin]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ours, top = json.loads(r.stdout)
+    assert Path(ours).name == "kernels"
+    assert top is None or Path(top).parent != Path(ours)
+
+
+def test_patched_http_server_reports_sglang_elastic(tmp_path):
+    # A full copy of the installed SGLang, patched, imported in a subprocess.
+    site = tmp_path / "site"
+    root = installed_sglang_root()
+    shutil.copytree(root / "sglang", site / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    (di,) = root.glob("sglang-*.dist-info")
+    shutil.copytree(di, site / di.name)
+    patchset.apply(patchset.locate(site))
+    out = run_py(
+        "import json, sglang.srt.entrypoints.http_server as h\n"
+        "assert h.__file__.startswith(%r), h.__file__\n"
+        "print(json.dumps(h._sglang_elastic_server_info(None)))\n" % str(site),
+        PYTHONPATH=str(site),
+    )
+    info = json.loads(out)
+    assert info["patched"] is True
+    assert info["version"] == __version__ and info["sglang_version"] == "0.5.17"
+    assert info["series"] == ["0001-server-info.patch"]

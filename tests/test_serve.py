@@ -1,0 +1,49 @@
+"""The main job's command line and its refusal without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_elastic import serve
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "sglang_elastic.cli", *args], capture_output=True, text=True, **kw)
+
+
+def test_dry_run_uses_the_embedded_llama_8b_shape_and_forwards_flags_last():
+    r = cli("serve", "--dry-run", "--port", "31000", "--attention-backend", "triton")
+    assert r.returncode == 0, r.stderr
+    argv = r.stdout.split()
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    model_dir = argv[argv.index("--model-path") + 1]
+    cfg = json.loads(open(f"{model_dir}/config.json").read())
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["hidden_size"]) == (32, 8, 4096)
+    for flag in ("--skip-tokenizer-init", "--load-format"):
+        assert flag in argv
+    # The user's flags come after the defaults, so SGLang's argparse keeps them.
+    assert argv[-4:] == ["--port", "31000", "--attention-backend", "triton"]
+    assert argv.index("flashinfer") < argv.index("triton")
+
+
+def test_unknown_embedded_model_is_a_clear_error():
+    r = cli("serve", "--embedded-model", "gpt-7", "--dry-run")
+    assert r.returncode == 2 and "unknown model 'gpt-7'" in r.stderr and "llama-3.1-8b" in r.stderr
+
+
+@pytest.mark.skipif(serve.has_nvidia_gpu(), reason="this machine has a GPU: the no-GPU refusal cannot be observed")
+def test_without_a_gpu_serve_exits_at_once_naming_the_test_command():
+    r = cli("serve", timeout=120)
+    assert r.returncode == 2
+    assert "no NVIDIA GPU" in r.stderr and serve.TEST_COMMAND in r.stderr
+
+
+def test_launch_script_refuses_on_this_cpu_machine_before_installing_anything():
+    if serve.has_nvidia_gpu():
+        pytest.skip("GPU present")
+    r = subprocess.run(["bash", "scripts/launch.sh"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and serve.TEST_COMMAND in r.stderr
