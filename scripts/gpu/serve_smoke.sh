@@ -26,7 +26,7 @@ grep -q ': applied$' <(head -1 "$work/patch_status.txt")
 
 PYTHON=python3 bash scripts/launch.sh --host 127.0.0.1 --port "$port" > "$work/server.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null; sleep 3; pkill -f sglang 2>/dev/null || true' EXIT
+trap 'kill $server 2>/dev/null; sleep 3; pkill -f "sglang.launch_server|sglang::" 2>/dev/null || true' EXIT
 for i in $(seq 1 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
   kill -0 $server 2>/dev/null || { tail -50 "$work/server.log"; echo "server died" >&2; exit 1; }
