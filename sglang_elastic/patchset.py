@@ -228,7 +228,13 @@ def apply_to_text(fp: FilePatch, text: str, reverse: bool = False, max_fuzz: int
 
 
 def _patch_dir() -> Path:
-    return Path(str(resources.files("sglang_elastic.patches")))
+    """``patches/``: installed as ``sglang_elastic.patches`` (pyproject's
+    package-dir), or beside the package in a source checkout that is on
+    ``sys.path`` as is (``python -m sglang_elastic.cli`` from the repo root)."""
+    try:
+        return Path(str(resources.files("sglang_elastic.patches")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "patches"
 
 
 def load_series(patch_dir: Optional[Path] = None) -> List[Patch]:
