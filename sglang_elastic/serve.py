@@ -76,7 +76,7 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
 
 
 def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patched: bool = True) -> int:
-    """Start the patched server in the foreground; returns its exit code.
+    """Replace this process with the patched server (``os.execv``).
 
     Exits with 2 and a one-line message, starting nothing, when there is no
     NVIDIA GPU or the series is not applied to the installed SGLang.
@@ -107,6 +107,7 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
                 file=sys.stderr,
             )
             return 2
-    env = dict(os.environ)
-    env.setdefault("SGLANG_PLUGINS", "")  # all plugins; set it to narrow them
-    return subprocess.call(cmd, env=env)
+    # exec: the server takes this process's place, so signals (Ctrl-C, kill)
+    # reach SGLang's launcher, which tears down its scheduler processes.
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
