@@ -12,7 +12,10 @@ if ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
   echo "scripts/launch.sh: no NVIDIA GPU on this machine, so no server is started. To check the project here, run the CPU test suite: bash ci/test.sh" >&2
   exit 2
 fi
-"$py" -c "import sglang_elastic" 2>/dev/null || "$py" -m pip install -q --no-deps --no-build-isolation ${SGLANG_ELASTIC_PIP_ARGS:-} .
+# Installed (not merely importable from this directory): SGLang finds the
+# plugin through the distribution's entry point.
+"$py" -c "import importlib.metadata as m; m.distribution('sglang-elastic')" 2>/dev/null \
+  || "$py" -m pip install -q --no-deps --no-build-isolation ${SGLANG_ELASTIC_PIP_ARGS:-} .
 if "$py" -m sglang_elastic.cli patch status | head -1 | grep -q ': pristine$'; then
   "$py" -m sglang_elastic.cli patch apply
 fi

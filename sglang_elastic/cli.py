@@ -3,10 +3,10 @@
     sglang-elastic patch status      [--sglang-dir DIR]
     sglang-elastic patch apply       [--sglang-dir DIR]
     sglang-elastic patch revert      [--sglang-dir DIR]
-    sglang-elastic patch build-wheel --out DIR [--wheel PATH]
+    sglang-elastic patch build-wheel --out DIR [--wheel PATH | --python-version X.Y]
     sglang-elastic patch check       --sglang-src DIR [--report FILE]
     sglang-elastic patch manifest    --wheel PATH        (maintainers: rewrite patches/manifest.json)
-    sglang-elastic serve             [--model NAME] [--dry-run] [SGLANG FLAGS...]
+    sglang-elastic serve             [--embedded-model NAME] [--dry-run] [--allow-unpatched] [SGLANG FLAGS...]
 
 Refusals print one line on stderr and exit 2, having changed nothing.
 """
@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     bw = psub.add_parser("build-wheel", help="write a patched sglang-0.5.17+elastic<N> wheel")
     bw.add_argument("--out", type=Path, required=True)
     bw.add_argument("--wheel", type=Path, default=None, help="the sglang-0.5.17 wheel (default: download it from PyPI with pip)")
+    bw.add_argument("--python-version", default=None, help="download the wheel for this CPython (e.g. 3.12) instead of the running one")
     ck = psub.add_parser("check", help="dry-run the series against another SGLang tree")
     ck.add_argument("--sglang-src", type=Path, required=True, help="an SGLang source tree, unpacked wheel or site-packages")
     ck.add_argument("--report", type=Path, default=None, help="also write the Markdown report here")
@@ -75,12 +77,12 @@ def _patch(args: argparse.Namespace) -> int:
         src = args.wheel
         with tempfile.TemporaryDirectory() as tmp:
             if src is None:
-                src = patchset.download_wheel(Path(tmp))
+                src = patchset.download_wheel(Path(tmp), args.python_version)
             out = patchset.build_wheel(src, args.out)
         print(out)
         return 0
     if args.op == "check":
-        inst = patchset.locate(args.sglang_src)
+        inst = patchset.locate(args.sglang_src, need_version=False)
         rows = patchset.check(inst)
         report = patchset.check_report(inst, rows)
         if args.report:
@@ -88,9 +90,9 @@ def _patch(args: argparse.Namespace) -> int:
         print(report, end="")
         return 0
     if args.op == "manifest":
-        import zipfile
-
         series = patchset.load_series()
+        if not args.wheel.name.startswith(f"sglang-{patchset.SGLANG_VERSION}-"):
+            raise patchset.PatchError(f"{args.wheel.name} is not the sglang {patchset.SGLANG_VERSION} wheel")
         with zipfile.ZipFile(args.wheel) as z:
             pristine = {p: z.read(p) for p in patchset.touched_files(series)}
         text = json.dumps(patchset.build_manifest(series, pristine), indent=2) + "\n"
@@ -112,8 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from sglang_elastic import serve
 
         return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)
-    except (patchset.PatchError, ValueError) as e:
-        print(f"sglang-elastic: {e}", file=sys.stderr)
+    except (patchset.PatchError, ValueError, OSError, zipfile.BadZipFile, KeyError) as e:
+        print(f"sglang-elastic: {type(e).__name__ + ': ' if not isinstance(e, patchset.PatchError) else ''}{e}", file=sys.stderr)
         return 2
 
 

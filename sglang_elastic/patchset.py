@@ -109,6 +109,10 @@ def parse_patch(name: str, text: str) -> Patch:
         if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
             raise PatchError(f"{name}: '---' line {i + 1} is not followed by '+++'")
         path = _strip_prefix(lines[i + 1][4:])
+        if _strip_prefix(lines[i][4:]) == "/dev/null" or path == "/dev/null":
+            raise PatchError(f"{name}: creating or deleting files is not supported; patch existing SGLang files only")
+        if not path.startswith(PACKAGE + "/") or ".." in Path(path).parts:
+            raise PatchError(f"{name}: {path} is not a path inside the {PACKAGE}/ package")
         i += 2
         hunks: List[Hunk] = []
         while i < len(lines) and lines[i].startswith("@@"):
@@ -339,16 +343,20 @@ def _version_from_source(pkg: Path) -> Optional[str]:
     return None
 
 
-def locate(sglang_dir: Optional[os.PathLike] = None) -> Install:
+def locate(sglang_dir: Optional[os.PathLike] = None, need_version: bool = True) -> Install:
     """Find the SGLang package to work on.
 
     Args:
         sglang_dir: the ``sglang`` package directory, or a directory holding it
             (site-packages, a repo's ``python/``, or a repo root). Default: the
             installed ``sglang`` found on ``sys.path`` (not imported).
+        need_version: when False (``check`` on a git checkout, whose version
+            is only known to setuptools-scm), an unknown version is "unknown".
 
     Raises:
-        PatchError: when no SGLang package is found there.
+        PatchError: when no SGLang package is found there, when several
+            ``sglang-*.dist-info`` sit beside it, or (``need_version``) when
+            its version cannot be read.
     """
     if sglang_dir is None:
         import importlib.util
@@ -358,6 +366,8 @@ def locate(sglang_dir: Optional[os.PathLike] = None) -> Install:
             raise PatchError("no installed sglang found; pass --sglang-dir")
         pkg = Path(list(spec.submodule_search_locations)[0])
     else:
+        if not str(sglang_dir).strip():
+            raise PatchError("--sglang-dir is empty")
         d = Path(sglang_dir).resolve()
         for cand in (d, d / PACKAGE, d / "python" / PACKAGE):
             if (cand / "srt").is_dir() and cand.name == PACKAGE:
@@ -367,18 +377,24 @@ def locate(sglang_dir: Optional[os.PathLike] = None) -> Install:
             raise PatchError(f"{d} holds no sglang package (looked for sglang/srt)")
     root = pkg.parent
     dist = sorted(root.glob(f"{PACKAGE}-*.dist-info"))
+    if len(dist) > 1:
+        raise PatchError(f"several SGLang dist-infos in {root} ({', '.join(d.name for d in dist)}): remove the stale ones")
     record: Dict[str, str] = {}
     version = None
     if dist:
-        meta = (dist[-1] / "METADATA").read_text(errors="replace")
-        m = re.search(r"^Version:\s*(\S+)", meta, re.M)
+        meta = dist[0] / "METADATA"
+        if not meta.is_file():
+            raise PatchError(f"{dist[0]} has no METADATA: a broken install")
+        m = re.search(r"^Version:\s*(\S+)", meta.read_text(errors="replace"), re.M)
         version = m.group(1) if m else None
-        rec = dist[-1] / "RECORD"
+        rec = dist[0] / "RECORD"
         if rec.is_file():
             record = {path: h[len("sha256=") :] for path, h in _read_record(rec.read_text()).items() if h.startswith("sha256=")}
     version = version or _version_from_source(pkg)
     if version is None:
-        raise PatchError(f"cannot tell the SGLang version of {pkg} (no dist-info, no version.py)")
+        if need_version:
+            raise PatchError(f"cannot tell the SGLang version of {pkg}: no dist-info beside it and no version string in sglang/_version.py or sglang/version.py")
+        version = "unknown"
     return Install(root, version, record)
 
 
@@ -416,20 +432,24 @@ def status(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Op
     """Per-patch state of ``inst``: pristine, applied, or foreign changes."""
     series = list(series if series is not None else load_series())
     manifest = manifest or load_manifest()
+    unknown = [p for p in touched_files(series) if p not in manifest.get("files", {})]
+    if unknown:
+        raise PatchError(f"manifest.json does not describe {', '.join(unknown)}: run 'sglang-elastic patch manifest'")
     steps: Dict[str, Optional[int]] = {}
+    missing = set()
     for path in touched_files(series):
-        try:
-            digest = sha256_b64(inst.read(path))
-        except PatchError:
+        if not (inst.root / path).is_file():
             steps[path] = None
+            missing.add(path)
             continue
-        steps[path] = _file_step(manifest, path, digest, series)
+        steps[path] = _file_step(manifest, path, sha256_b64(inst.read(path)), series)
     out = []
     for k, p in enumerate(series, 1):
         per = [steps[f.path] for f in p.files]
         foreign = [f.path for f, s in zip(p.files, per) if s is None]
         if foreign:
-            out.append(PatchStatus(p.name, State.FOREIGN, "changed by something else: " + ", ".join(foreign)))
+            what = [f"{f} (missing)" if f in missing else f for f in foreign]
+            out.append(PatchStatus(p.name, State.FOREIGN, "changed by something else: " + ", ".join(what)))
         elif all(s >= k for s in per):
             out.append(PatchStatus(p.name, State.APPLIED))
         elif all(s < k for s in per):
@@ -450,6 +470,10 @@ def overall(statuses: Iterable[PatchStatus]) -> State:
     return State.PARTIAL
 
 
+def _is(state: State) -> str:
+    return "has foreign changes" if state is State.FOREIGN else f"is {state.value}"
+
+
 def _check_version(inst: Install) -> None:
     if inst.base_version != SGLANG_VERSION:
         raise PatchError(f"SGLang {inst.version} at {inst.package_dir}: this patch set targets {SGLANG_VERSION} only")
@@ -467,7 +491,10 @@ def _write_atomically(root: Path, contents: Dict[str, bytes]) -> None:
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
-                os.chmod(tmp, target.stat().st_mode & 0o7777)
+                st = target.stat()
+                os.chmod(tmp, st.st_mode & 0o7777)
+                if hasattr(os, "chown") and os.geteuid() == 0:
+                    os.chown(tmp, st.st_uid, st.st_gid)  # keep the owner when root patches a user's tree
                 os.replace(tmp, target)
             except BaseException:
                 if os.path.exists(tmp):
@@ -496,12 +523,15 @@ def apply(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Opt
     st = status(inst, series, manifest)
     if any(s.state is not State.PRISTINE for s in st):
         s = next(s for s in st if s.state is not State.PRISTINE)
-        raise PatchError(f"refusing: {s.name} is {s.state.value}" + (f" ({s.detail})" if s.detail else "") + "; run 'sglang-elastic patch status'")
+        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else "") + "; run 'sglang-elastic patch status'")
     contents = {p: inst.read(p) for p in touched_files(series)}
-    for path, data in contents.items():
-        digest = sha256_b64(data)
-        if inst.record and inst.record.get(path) not in (None, digest):
-            raise PatchError(f"refusing: {path} differs from the SGLang {inst.version} wheel (RECORD hash mismatch)")
+    # The stock wheel's RECORD must vouch for the bytes too. (A wheel built by
+    # build-wheel, version 0.5.17+elastic<N>, records the patched hashes: there
+    # the manifest's pristine hashes, checked by status() above, decide.)
+    if inst.version == SGLANG_VERSION and inst.record:
+        for path, data in contents.items():
+            if inst.record.get(path) not in (None, sha256_b64(data)):
+                raise PatchError(f"refusing: {path} differs from the SGLang {inst.version} wheel (RECORD hash mismatch)")
     new = apply_series_to_contents(series, contents)
     _write_atomically(inst.root, new)
     return list(new)
@@ -520,7 +550,7 @@ def revert(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Op
         return []
     if overall(st) is not State.APPLIED:
         s = next(s for s in st if s.state is not State.APPLIED)
-        raise PatchError(f"refusing: {s.name} is {s.state.value}" + (f" ({s.detail})" if s.detail else ""))
+        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else ""))
     contents = {p: inst.read(p) for p in touched_files(series)}
     old = apply_series_to_contents(series, contents, reverse=True)
     for path, data in old.items():
@@ -557,7 +587,7 @@ def check(src: Install, series: Optional[Sequence[Patch]] = None, max_fuzz: int 
         for fp in p.files:
             if fp.path not in cur:
                 f = src.root / fp.path
-                cur[fp.path] = f.read_text() if f.is_file() else None
+                cur[fp.path] = f.read_bytes().decode("utf-8", errors="surrogateescape") if f.is_file() else None
             text = cur[fp.path]
             if text is None:
                 rows.extend(CheckRow(p.name, fp.path, i, HunkState.CONFLICT, 0, 0) for i in range(1, len(fp.hunks) + 1))
@@ -609,17 +639,22 @@ def series_number(series: Sequence[Patch]) -> int:
     return int(m.group(1)) if m else len(series)
 
 
-def download_wheel(dest: Path) -> Path:
-    """Fetch the PyPI ``sglang==0.5.17`` wheel for this interpreter with pip."""
+def download_wheel(dest: Path, python_version: Optional[str] = None) -> Path:
+    """Fetch the PyPI ``sglang==0.5.17`` wheel with pip: for this interpreter,
+    or for ``python_version`` (e.g. "3.12", for another host; SGLang's wheels
+    are CPython-version specific)."""
     import subprocess
     import sys
 
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"{PACKAGE}=={SGLANG_VERSION}", "-d", str(dest)]
+    if python_version:
+        cmd += ["--python-version", python_version, "--platform", "manylinux_2_34_x86_64"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(dest.glob(f"{PACKAGE}-{SGLANG_VERSION}-*.whl"))
     if r.returncode != 0 or not found:
-        raise PatchError(f"could not download the sglang {SGLANG_VERSION} wheel ({' '.join(cmd)}): {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise PatchError(f"could not download the sglang {SGLANG_VERSION} wheel ({' '.join(cmd)}): {last}")
     return found[-1]
 
 
@@ -641,11 +676,21 @@ def build_wheel(src_wheel: Path, out_dir: Path, series: Optional[Sequence[Patch]
         raise PatchError(f"{src_wheel.name} is SGLang {m.group(1)}: this patch set targets {SGLANG_VERSION} only")
     new_version = f"{SGLANG_VERSION}+{LOCAL_VERSION}{series_number(series)}"
     old_di, new_di = f"{PACKAGE}-{SGLANG_VERSION}.dist-info", f"{PACKAGE}-{new_version}.dist-info"
+    if not src_wheel.is_file():
+        raise PatchError(f"{src_wheel}: no such file")
+    if not zipfile.is_zipfile(src_wheel):
+        raise PatchError(f"{src_wheel}: not a wheel (not a zip archive)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PatchError(f"--out {out_dir} exists and is not a directory")
     with zipfile.ZipFile(src_wheel) as zin:
         infos = zin.infolist()
+        if f"{old_di}/RECORD" not in zin.namelist():
+            raise PatchError(f"{src_wheel.name}: no {old_di}/RECORD inside")
         rec = _read_record(zin.read(f"{old_di}/RECORD").decode())
         contents = {}
         for path in touched_files(series):
+            if path not in zin.namelist():
+                raise PatchError(f"{src_wheel.name}: {path} is missing")
             data = zin.read(path)
             if rec.get(path) != "sha256=" + sha256_b64(data):
                 raise PatchError(f"{src_wheel.name}: {path} does not match its RECORD hash")

@@ -43,19 +43,22 @@ def server_info(server_args: Any = None) -> Dict[str, Any]:
 
     Returns:
         ``{"version", "sglang_version", "patched", "series", "plugin_loaded",
-        "features"}``; ``patched`` is True because only patched SGLang calls this.
+        "features"}``: ``series`` maps each patch to its state in the SGLang
+        this process runs (read from the files, not assumed), ``patched`` is
+        True when every patch is applied.
+
+    Raises:
+        PatchError: when the installed SGLang cannot be inspected (patch 0001
+        turns any error into an ``"error"`` field).
     """
     from sglang_elastic import patchset
 
-    try:
-        series = [p.name for p in patchset.load_series()]
-    except Exception as e:  # a broken install must not break the endpoint
-        series = [f"unreadable: {e}"]
+    st = patchset.status(patchset.locate())
     return {
         "version": __version__,
         "sglang_version": SGLANG_VERSION,
-        "patched": True,
-        "series": series,
+        "patched": patchset.overall(st) is patchset.State.APPLIED,
+        "series": {s.name: s.state.value for s in st},
         "plugin_loaded": _loaded,
         "features": list(_features),
     }

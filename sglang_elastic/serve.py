@@ -1,11 +1,12 @@
 """The main job: SGLang 0.5.17's own server, patched, on an embedded model shape.
 
-``sglang-elastic serve [--model NAME] [--dry-run] [SGLANG FLAGS...]`` runs
-``python -m sglang.launch_server`` with the Llama-3.1-8B shape shipped in this
-package (``sglang_elastic/models/``, random weights through
-``--load-format dummy``, no tokenizer: send ``input_ids``). Any flag it does
-not know is handed to SGLang unchanged and, coming last, overrides the
-defaults below (argparse keeps the last value of a repeated flag).
+``sglang-elastic serve [--embedded-model NAME] [--dry-run] [SGLANG FLAGS...]``
+runs ``python -m sglang.launch_server`` with the Llama-3.1-8B shape shipped in
+this package (``sglang_elastic/models/``, random weights through
+``--load-format dummy``, no tokenizer: send ``input_ids``). Every flag it does
+not know goes to SGLang unchanged. A default is added only when the user did
+not give that flag; giving ``--model-path`` (a real model) drops the embedded
+shape with its ``--load-format dummy`` and ``--skip-tokenizer-init``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ from typing import List, Optional, Sequence
 
 TEST_COMMAND = "bash ci/test.sh"
 
-#: Defaults that make the offline GPU bundle (../shared/gpu-host) serve: the
-#: bundle has no FA3 library (hence FlashInfer) and no xgrammar static lib.
-DEFAULT_FLAGS = (
-    "--load-format", "dummy",
-    "--skip-tokenizer-init",
-    "--attention-backend", "flashinfer",
-    "--sampling-backend", "pytorch",
-    "--grammar-backend", "none",
-)
+#: For the embedded shapes: random weights, no tokenizer.
+EMBEDDED_MODEL_FLAGS = (("--load-format", "dummy"), ("--skip-tokenizer-init", None))
+
+#: Backends, each added only if the user gave none: FlashInfer is the decode
+#: baseline this project measures against, and the offline GPU bundle
+#: (../shared/gpu-host) has neither FA3 (SGLang's H200 default) nor
+#: xgrammar's library (hence no grammar backend, PyTorch sampling).
+BACKEND_FLAGS = (("--attention-backend", "flashinfer"), ("--sampling-backend", "pytorch"), ("--grammar-backend", "none"))
 
 
 def model_names() -> List[str]:
@@ -67,12 +67,22 @@ def has_nvidia_gpu() -> bool:
         return False
 
 
+def _given(extra: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in extra)
+
+
 def build_command(model: str, extra: Sequence[str], python: Optional[str] = None) -> List[str]:
-    """The ``launch_server`` command line: model, defaults, then the user's flags."""
-    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path(model))]
-    cmd += list(DEFAULT_FLAGS)
-    cmd += list(extra)
-    return cmd
+    """The ``launch_server`` command line: defaults the user did not give, then
+    the user's flags as given."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server"]
+    defaults = list(BACKEND_FLAGS)
+    if not (_given(extra, "--model-path") or _given(extra, "--model")):
+        cmd += ["--model-path", str(model_path(model))]
+        defaults = list(EMBEDDED_MODEL_FLAGS) + defaults
+    for flag, value in defaults:
+        if not _given(extra, flag):
+            cmd += [flag] if value is None else [flag, value]
+    return cmd + list(extra)
 
 
 def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patched: bool = True) -> int:

@@ -186,7 +186,7 @@ def test_check_reports_exact_offset_fuzz_and_conflict(tmp_path):
 def test_fuzzy_apply_keeps_the_files_own_context_lines():
     fp = patchset.parse_patch(
         "x.patch",
-        "--- a/f.py\n+++ b/f.py\n@@ -1,5 +1,6 @@\n a\n b\n c\n+NEW\n d\n e\n",
+        "--- a/sglang/f.py\n+++ b/sglang/f.py\n@@ -1,5 +1,6 @@\n a\n b\n c\n+NEW\n d\n e\n",
     ).files[0]
     new, res = patchset.apply_to_text(fp, "z\nA\nb\nc\nd\ne\n", max_fuzz=2)
     assert new == "z\nA\nb\nc\nNEW\nd\ne\n"
@@ -197,7 +197,16 @@ def test_fuzzy_apply_keeps_the_files_own_context_lines():
 
 def test_malformed_hunk_is_a_clear_error():
     with pytest.raises(PatchError, match="header says"):
-        patchset.parse_patch("bad.patch", "--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n")
+        patchset.parse_patch("bad.patch", "--- a/sglang/f\n+++ b/sglang/f\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n")
+
+
+@pytest.mark.parametrize(
+    "old,new,msg",
+    [("a/sglang/../etc/x", "b/sglang/../etc/x", "not a path inside"), ("a/vllm/x.py", "b/vllm/x.py", "not a path inside"), ("/dev/null", "b/sglang/new.py", "creating or deleting")],
+)
+def test_patches_may_only_edit_existing_files_inside_sglang(old, new, msg):
+    with pytest.raises(PatchError, match=msg):
+        patchset.parse_patch("evil.patch", f"--- {old}\n+++ {new}\n@@ -1 +1 @@\n-a\n+b\n")
 
 
 # --- command line -----------------------------------------------------------
@@ -223,3 +232,50 @@ def test_cli_check_writes_a_report(tmp_path):
     assert r.returncode == 0, r.stderr
     text = report.read_text()
     assert "| 0001-server-info.patch | `sglang/srt/entrypoints/http_server.py` | #1 | offset (+1 lines) |" in text
+
+
+# --- odd installs -----------------------------------------------------------
+
+
+def test_missing_file_is_named_as_missing(sglang_site):
+    (sglang_site / HTTP).unlink()
+    (st,) = patchset.status(patchset.locate(sglang_site))
+    assert st.state is State.FOREIGN and f"{HTTP} (missing)" in st.detail
+
+
+def test_two_dist_infos_are_refused_rather_than_guessed(sglang_site):
+    (sglang_site / "sglang-0.5.9.dist-info").mkdir()
+    with pytest.raises(PatchError, match="several SGLang dist-infos"):
+        patchset.locate(sglang_site)
+
+
+def test_crlf_file_conflicts_in_check_as_it_would_in_apply(tmp_path):
+    src = _src_tree(tmp_path, lambda t: t.replace("\n", "\r\n"))
+    assert [r.state for r in patchset.check(src)] == [HunkState.CONFLICT]
+
+
+def test_check_accepts_a_git_checkout_without_a_version(tmp_path):
+    # A checkout: python/sglang/..., no dist-info, version from setuptools-scm only.
+    repo = tmp_path / "repo"
+    (repo / "python" / "sglang" / "srt" / "entrypoints").mkdir(parents=True)
+    (repo / HTTP.replace("sglang/", "python/sglang/", 1)).write_bytes((installed_sglang_root() / HTTP).read_bytes())
+    r = cli("patch", "check", "--sglang-src", str(repo))
+    assert r.returncode == 0, r.stderr
+    assert "against SGLang unknown" in r.stdout and "| #1 | applies |" in r.stdout
+    r = cli("patch", "status", "--sglang-dir", str(repo))
+    assert r.returncode == 2 and "cannot tell the SGLang version" in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-zip", "no-record"])
+def test_build_wheel_bad_inputs_are_one_line_errors(tmp_path, kind):
+    whl = tmp_path / "sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl"
+    if kind == "not-zip":
+        whl.write_text("hello")
+    elif kind == "no-record":
+        import zipfile
+
+        with zipfile.ZipFile(whl, "w") as z:
+            z.writestr("sglang/__init__.py", "")
+    r = cli("patch", "build-wheel", "--wheel", str(whl), "--out", str(tmp_path / "dist"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert {"missing": "no such file", "not-zip": "not a zip archive", "no-record": "RECORD"}[kind] in r.stderr

@@ -77,4 +77,5 @@ def test_patched_http_server_reports_sglang_elastic(tmp_path):
     info = json.loads(out)
     assert info["patched"] is True
     assert info["version"] == __version__ and info["sglang_version"] == "0.5.17"
-    assert info["series"] == ["0001-server-info.patch"]
+    assert info["series"] == {"0001-server-info.patch": "applied"}
+    assert "error" not in info

@@ -25,9 +25,17 @@ def test_dry_run_uses_the_embedded_llama_8b_shape_and_forwards_flags_last():
     assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["hidden_size"]) == (32, 8, 4096)
     for flag in ("--skip-tokenizer-init", "--load-format"):
         assert flag in argv
-    # The user's flags come after the defaults, so SGLang's argparse keeps them.
+    # The user's flags come as given, and a default the user overrode is gone.
     assert argv[-4:] == ["--port", "31000", "--attention-backend", "triton"]
-    assert argv.index("flashinfer") < argv.index("triton")
+    assert "flashinfer" not in argv and argv.count("--attention-backend") == 1
+    assert argv[argv.index("--sampling-backend") + 1] == "pytorch"
+
+
+def test_a_real_model_path_drops_the_dummy_weights_and_tokenizer_skip():
+    argv = serve.build_command("llama-3.1-8b", ["--model-path", "/models/real", "--grammar-backend=xgrammar"], python="py")
+    assert argv.count("--model-path") == 1 and "/models/real" in argv
+    assert "--load-format" not in argv and "--skip-tokenizer-init" not in argv
+    assert "--grammar-backend" not in argv[:-3] and argv[-1] == "--grammar-backend=xgrammar"
 
 
 def test_unknown_embedded_model_is_a_clear_error():

@@ -66,10 +66,14 @@ def test_built_wheel_installs_offline_into_a_fresh_venv_and_reports_applied(test
     r = status()
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].endswith(": applied") and "0.5.17+elastic1" in r.stdout
-    # The RECORD of a patched install no longer describes the wheel; revert
-    # still restores the 0.5.17 bytes, checked against the original RECORD.
+    # The RECORD of a patched install describes the patched files; revert
+    # still restores the 0.5.17 wheel's bytes (the manifest knows them) ...
     r = subprocess.run([sys.executable, "-m", "sglang_elastic.cli", "patch", "revert", "--sglang-dir", str(site)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     with zipfile.ZipFile(test_wheel) as z:
         assert (site / HTTP).read_bytes() == z.read(HTTP)
     assert status().stdout.splitlines()[0].endswith(": pristine")
+    # ... and apply works again there.
+    r = subprocess.run([sys.executable, "-m", "sglang_elastic.cli", "patch", "apply", "--sglang-dir", str(site)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert status().stdout.splitlines()[0].endswith(": applied")
