@@ -1,0 +1,235 @@
+"""Fixed virtual ranges for per-layer KV buffers, with a base part always
+backed and an elastic part lent and reclaimed in steps.
+
+Every per-layer K and V buffer ``i`` (``row_bytes[i]`` bytes per token, e.g.
+``kv_heads * head_dim * dtype_bytes`` for SGLang's NHD layout
+``[tokens, kv_heads, head_dim]``) gets one virtual range sized for
+``base_tokens + max_elastic_tokens`` tokens, inside a single reservation. The
+ranges never move, so CUDA graphs that captured them stay valid. Tokens
+``[0, base_tokens)`` (including SGLang's padding slot 0) are backed at start and
+never unmapped. The elastic tokens above are backed in *steps*: one physical
+handle per step, mapped at offsets into every buffer (few, large handles: one
+``cuMemCreate`` per step instead of one per buffer), unmapped and released as a
+whole on reclaim, last step first (LIFO), so the lent tokens are always the
+contiguous range ``[base_tokens, base_tokens + lent_tokens)``.
+
+Idea: the Elastic KV Cache paper (arXiv 2608.23658) and kvcached's
+reserve-then-map pool; in-tree starting point SGLang's grow-only
+``sglang/srt/mem_cache/kv_vmm_backing.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, List, Optional, Sequence
+
+from sglang_elastic.vmm.base import VmmBackend, VmmError, align_up
+
+logger = logging.getLogger(__name__)
+
+
+def token_quantum(row_bytes: Sequence[int], granularity: int, page_size: int = 1) -> int:
+    """Smallest token count whose bytes are a whole number of granules in every
+    buffer and that is a whole number of pages: lend steps and the base
+    boundary are multiples of it."""
+    q = page_size
+    for r in row_bytes:
+        q = math.lcm(q, granularity // math.gcd(granularity, r))
+    return q
+
+
+@dataclasses.dataclass
+class _Step:
+    handle: Optional[Any]  # one handle mapped at offsets into every buffer
+    per_buffer: Optional[List[Any]]  # or one handle per buffer (no offset mapping)
+
+
+class ElasticArena:
+    """VA-stable per-layer buffers with a lendable tail.
+
+    Args:
+        backend: a :class:`VmmBackend` (CUDA or host).
+        row_bytes: bytes per token of each buffer (2 x layers entries for MHA).
+        base_tokens: tokens always backed, rounded down to the token quantum.
+        max_elastic_tokens: the most tokens that can be lent, rounded down to
+            whole steps.
+        step_tokens: tokens per lend/reclaim step (default: all of them, one
+            step). Rounded up to the token quantum.
+        page_size: KV page size in tokens (steps hold whole pages).
+
+    Raises:
+        VmmError: when reserving or backing the base fails (nothing is left
+            reserved or mapped then).
+        ValueError: on sizes that leave no base or no buffers.
+    """
+
+    def __init__(self, backend: VmmBackend, row_bytes: Sequence[int], base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, page_size: int = 1):
+        if not row_bytes or min(row_bytes) <= 0:
+            raise ValueError("row_bytes must list at least one positive size")
+        self.backend = backend
+        self.row_bytes = [int(r) for r in row_bytes]
+        g = backend.granularity()
+        self.quantum = token_quantum(self.row_bytes, g, page_size)
+        self.base_tokens = base_tokens // self.quantum * self.quantum
+        if self.base_tokens <= 0:
+            raise ValueError(f"base_tokens {base_tokens} is below one token quantum ({self.quantum})")
+        step = align_up(step_tokens or max(max_elastic_tokens, self.quantum), self.quantum)
+        self.step_tokens = step
+        self.max_steps = max_elastic_tokens // step
+        self.max_elastic_tokens = self.max_steps * step
+        self.spans = [align_up((self.base_tokens + self.max_elastic_tokens) * r, g) for r in self.row_bytes]
+        self.total_va = sum(self.spans)
+        self.va = backend.reserve(self.total_va)
+        self.buffer_va: List[int] = []
+        off = 0
+        for s in self.spans:
+            self.buffer_va.append(self.va + off)
+            off += s
+        self._steps: List[_Step] = []
+        self._base: List[Any] = []
+        try:
+            self._map_range(self.base_tokens, 0, self._base)
+        except BaseException:
+            self.backend.free_va(self.va, self.total_va)
+            raise
+        self.lending_disabled = False
+
+    # -- geometry ---------------------------------------------------------
+
+    @property
+    def lent_steps(self) -> int:
+        return len(self._steps)
+
+    @property
+    def lent_tokens(self) -> int:
+        return len(self._steps) * self.step_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens backed now: base plus lent."""
+        return self.base_tokens + self.lent_tokens
+
+    def step_bytes(self) -> int:
+        return sum(self.step_tokens * r for r in self.row_bytes)
+
+    @property
+    def lent_bytes(self) -> int:
+        return self.lent_steps * self.step_bytes()
+
+    def token_va(self, buffer: int, token: int) -> int:
+        return self.buffer_va[buffer] + token * self.row_bytes[buffer]
+
+    # -- mapping ----------------------------------------------------------
+
+    def _map_range(self, ntok: int, tok0: int, handles_out: List[Any]) -> Any:
+        """Back tokens ``[tok0, tok0+ntok)`` of every buffer; all or nothing."""
+        be = self.backend
+        sizes = [ntok * r for r in self.row_bytes]
+        mapped: List[int] = []
+        created: List[Any] = []
+        try:
+            if be.supports_offset_mapping:
+                h = be.create(sum(sizes))
+                created.append(h)
+                off = 0
+                for i, sz in enumerate(sizes):
+                    be.map(self.token_va(i, tok0), sz, h, off)
+                    mapped.append(i)
+                    off += sz
+            else:
+                for i, sz in enumerate(sizes):
+                    h = be.create(sz)
+                    created.append(h)
+                    be.map(self.token_va(i, tok0), sz, h, 0)
+                    mapped.append(i)
+        except BaseException:
+            for i in mapped:
+                try:
+                    be.unmap(self.token_va(i, tok0), sizes[i])
+                except VmmError:
+                    logger.exception("unmap during rollback failed")
+            for h in created:
+                try:
+                    be.release(h)
+                except VmmError:
+                    logger.exception("release during rollback failed")
+            raise
+        handles_out.extend(created)
+        return created
+
+    def _unmap_range(self, ntok: int, tok0: int, handles: Sequence[Any]) -> None:
+        """Unmap tokens ``[tok0, tok0+ntok)`` of every buffer and release the
+        handles; goes on past failures and raises the first at the end."""
+        first: Optional[BaseException] = None
+        for i, r in enumerate(self.row_bytes):
+            try:
+                self.backend.unmap(self.token_va(i, tok0), ntok * r)
+            except VmmError as e:
+                first = first or e
+        for h in handles:
+            try:
+                self.backend.release(h)
+            except VmmError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def lend(self, steps: Optional[int] = None) -> int:
+        """Back ``steps`` more elastic steps (default: all that remain).
+
+        A step whose mapping fails is rolled back; the steps lent before it
+        stay, and lending is disabled (``lending_disabled``): later calls lend
+        nothing, so the owner can reclaim what is lent and serve on the base.
+        Returns the steps lent by this call.
+
+        Raises:
+            VmmError: from the failing call (the arena is consistent).
+        """
+        if self.lending_disabled:
+            return 0
+        want = self.max_steps - self.lent_steps if steps is None else min(steps, self.max_steps - self.lent_steps)
+        done = 0
+        for _ in range(max(want, 0)):
+            handles: List[Any] = []
+            try:
+                self._map_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles)
+            except VmmError:
+                self.lending_disabled = True
+                raise
+            self._steps.append(_Step(handles[0] if self.backend.supports_offset_mapping else None, None if self.backend.supports_offset_mapping else handles))
+            done += 1
+        return done
+
+    def reclaim(self, steps: Optional[int] = None) -> int:
+        """Unmap and release the top ``steps`` lent steps (default: all).
+
+        The caller must have vacated the tokens first. A step whose unmap
+        fails is still dropped from the lent range (its tokens were vacated),
+        lending is disabled (the range may still be mapped: CUDA cannot map
+        over it again), and the error is raised after the remaining steps are
+        reclaimed. Returns the steps reclaimed.
+        """
+        n = self.lent_steps if steps is None else min(steps, self.lent_steps)
+        first: Optional[BaseException] = None
+        for _ in range(n):
+            st = self._steps.pop()
+            handles = [st.handle] if st.handle is not None else list(st.per_buffer or [])
+            try:
+                self._unmap_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles)
+            except VmmError as e:
+                first = first or e
+        if first is not None:
+            self.lending_disabled = True
+            raise first
+        return n
+
+    def close(self) -> None:
+        """Reclaim everything, unmap the base and free the reservation."""
+        try:
+            self.reclaim()
+        finally:
+            self._unmap_range(self.base_tokens, 0, self._base)
+            self._base = []
+            self.backend.free_va(self.va, self.total_va)
