@@ -6,9 +6,12 @@ device memory, ``cuMemMap``, ``cuMemSetAccess``), plus ``cuMemUnmap`` and
 reserved (CUDA graphs captured the addresses; they must never move).
 
 Few, large handles: on the H200, mapping 8 GiB took 1.6 ms as one handle and
-194 ms as 2 MiB handles, so callers create one handle per lend step and map it
-at offsets into every per-layer buffer. ``supports_offset_mapping`` is probed
-once (older drivers documented ``offset`` as "must be zero").
+194 ms as 2 MiB handles. Mapping one handle at nonzero offsets into several
+buffers would need ``cuMemMap``'s ``offset`` argument, which the driver
+documents as "currently must be zero": ``supports_offset_mapping`` is probed
+once, and on the H200 here (driver 580.159.04, CUDA 13.0) the probe is refused
+(``offset_mapping_error`` keeps why), so the arena creates one handle per
+buffer per lend step (64 for Llama-3.1-8B) instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class CudaBackend(VmmBackend):
     Raises:
         VmmError: when the driver cannot be loaded or initialised.
     """
+
+    offset_mapping_error: str = ""
 
     def __init__(self, device: int = 0):
         try:
@@ -73,7 +78,8 @@ class CudaBackend(VmmBackend):
             self.map(va, g, h, offset=g)
             self.unmap(va, g)
             return True
-        except VmmError:
+        except VmmError as e:
+            self.offset_mapping_error = str(e)
             return False
         finally:
             self.release(h)
