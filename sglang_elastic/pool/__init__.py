@@ -1,0 +1,16 @@
+"""The elastic KV pool: SGLang's MHA pool and allocators over a VMM arena.
+
+Knows SGLang's pool classes (``sglang/srt/mem_cache``); the VMM part lives in
+:mod:`sglang_elastic.vmm`. Scheduler wiring (when to lend and reclaim) is
+not here yet.
+"""
+
+from sglang_elastic.pool.kv_pool import (
+    ElasticMHATokenToKVPool,
+    ElasticPagedTokenToKVPoolAllocator,
+    ElasticTokenToKVPoolAllocator,
+    relocate_kv,
+)
+from sglang_elastic.pool.tensor import tensor_at
+
+__all__ = ["ElasticMHATokenToKVPool", "ElasticPagedTokenToKVPoolAllocator", "ElasticTokenToKVPoolAllocator", "relocate_kv", "tensor_at"]

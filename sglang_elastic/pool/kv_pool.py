@@ -1,0 +1,217 @@
+"""SGLang's MHA KV pool and token allocators over an elastic arena.
+
+- :class:`ElasticMHATokenToKVPool` is SGLang's ``MHATokenToKVPool``
+  (``sglang/srt/mem_cache/memory_pool.py``) whose per-layer K and V tensors sit
+  at the fixed addresses of an :class:`~sglang_elastic.vmm.ElasticArena`,
+  sized for every token that can ever be lent. Everything else (``set_kv_buffer``,
+  ``get_key_buffer``, the copy kernels, CUDA-graph capture) is SGLang's.
+- :class:`ElasticTokenToKVPoolAllocator` (page size 1) and
+  :class:`ElasticPagedTokenToKVPoolAllocator` (page size > 1) are SGLang's
+  allocators (``allocator/token.py``, ``allocator/paged.py``) that can grow
+  their free list when the arena lends (:meth:`lend`) and withdraw it again
+  (:meth:`withdraw`), handing back the in-use ids above the new top so the
+  caller can migrate or release their owners before the arena unmaps them.
+
+Token ids: ``[0, page_size)`` is SGLang's padding page; ids below
+``arena.base_tokens`` are always backed; ``[base, base + lent)`` are lent.
+The allocator's ``size`` is the number of usable ids now
+(``base + lent - page_size``), so ``available_size()`` and every check built on
+``allocator.size`` follow the lent capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from sglang_elastic.pool.tensor import tensor_at
+from sglang_elastic.vmm import ElasticArena, VmmBackend
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticMHATokenToKVPool(MHATokenToKVPool):
+    """``MHATokenToKVPool`` on VMM-backed, address-stable per-layer buffers.
+
+    Args:
+        backend: the VMM backend (``CudaBackend`` on GPU, ``HostBackend`` in tests).
+        base_tokens: rows always backed, padding page included (rounded down
+            to the arena's token quantum, a multiple of ``page_size``).
+        max_elastic_tokens: most rows that can be lent on top.
+        step_tokens: rows per lend/reclaim step (default: one step).
+        *args, **kwargs: ``MHATokenToKVPool``'s, without ``size`` (derived).
+
+    Shapes: ``k_buffer[l]`` is ``[base + max_elastic, head_num, head_dim]`` of
+    ``store_dtype`` (NHD, SGLang's default layout); only rows below
+    ``base + lent`` are backed.
+
+    Raises:
+        NotImplementedError: for the HND / vectorized_5d layouts or a quantized
+            KV cache (their buffers are not one row per token).
+        VmmError: when the arena cannot be reserved or its base backed.
+    """
+
+    def __init__(self, *args, backend: VmmBackend, base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, **kwargs):
+        if "size" in kwargs:
+            raise TypeError("ElasticMHATokenToKVPool derives size from base_tokens and max_elastic_tokens")
+        self._elastic_spec = (backend, base_tokens, max_elastic_tokens, step_tokens)
+        self.arena: Optional[ElasticArena] = None
+        page_size = kwargs["page_size"]
+        # Rows are fixed before MHATokenToKVPool sizes anything: build the
+        # arena first, from the per-row bytes of each K and V buffer.
+        dtype = kwargs["dtype"]
+        store_bytes = torch.empty((), dtype=torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype).element_size()
+        layers = kwargs["layer_num"]
+        head_num = kwargs.get("swa_head_num") or kwargs["head_num"]
+        head_dim = kwargs.get("swa_head_dim") or kwargs["head_dim"]
+        v_head_dim = kwargs.get("swa_v_head_dim") or kwargs.get("v_head_dim") or head_dim
+        rows = [head_num * head_dim * store_bytes] * layers + [head_num * v_head_dim * store_bytes] * layers
+        self.arena = ElasticArena(backend, rows, base_tokens, max_elastic_tokens, step_tokens, page_size=page_size)
+        total_rows = self.arena.base_tokens + self.arena.max_elastic_tokens
+        try:
+            super().__init__(total_rows - page_size, *args, **kwargs)
+        except BaseException:
+            self.arena.close()
+            raise
+
+    def _create_buffers_normal(self):
+        if self.use_hnd or self.kv_cache_layout == "vectorized_5d":
+            raise NotImplementedError("the elastic KV pool supports SGLang's NHD layout only")
+        a = self.arena
+        rows = self.size + self.page_size
+        assert rows == a.base_tokens + a.max_elastic_tokens
+        self.k_buffer = [tensor_at(a.buffer_va[i], (rows, self.head_num, self.head_dim), self.store_dtype, self.device) for i in range(self.layer_num)]
+        self.v_buffer = [tensor_at(a.buffer_va[self.layer_num + i], (rows, self.head_num, self.v_head_dim), self.store_dtype, self.device) for i in range(self.layer_num)]
+        # Stock pools start zeroed (torch.zeros); the base rows do here too.
+        for buf in self.k_buffer + self.v_buffer:
+            buf[: a.base_tokens].zero_()
+
+    def _create_quantized_buffers(self):
+        raise NotImplementedError("the elastic KV pool does not support a quantized KV cache yet")
+
+    def _clear_buffers(self):
+        super()._clear_buffers()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+class _ElasticAllocatorMixin:
+    """Lend/withdraw on top of an SGLang allocator whose ids are ``unit``-sized
+    (tokens for page size 1, pages otherwise)."""
+
+    def _init_elastic(self, pool: ElasticMHATokenToKVPool) -> None:
+        self.arena = pool.arena
+        self._lent_tokens = 0
+
+    # unit conversion (token ids for page size 1, page ids otherwise)
+    def _units(self, tokens: int) -> int:
+        return tokens // self.page_size
+
+    @property
+    def base_tokens(self) -> int:
+        return self.arena.base_tokens
+
+    @property
+    def lent_tokens(self) -> int:
+        return self._lent_tokens
+
+    def _set_size(self, tokens_backed: int) -> None:
+        self.size = tokens_backed - self.page_size
+        if hasattr(self, "num_pages"):
+            self.num_pages = self.size // self.page_size
+
+    def lend(self, lent_tokens: int) -> torch.Tensor:
+        """Append the ids of ``[base + lent_now, base + lent_tokens)`` to the
+        free list (the arena must back them already). Returns the new ids
+        (token ids, or page ids when ``page_size > 1``)."""
+        if lent_tokens < self._lent_tokens:
+            raise ValueError(f"lend({lent_tokens}) below the lent {self._lent_tokens}: use withdraw")
+        if self.base_tokens + lent_tokens > self.arena.capacity_tokens:
+            raise ValueError(f"lend({lent_tokens}): the arena backs only {self.arena.lent_tokens} lent tokens")
+        lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
+        new = torch.arange(lo, hi, dtype=torch.int64, device=self.device)
+        self.free_pages = torch.cat((self.free_pages, new))
+        self._lent_tokens = lent_tokens
+        self._set_size(self.base_tokens + lent_tokens)
+        return new
+
+    def withdraw(self, lent_tokens: int) -> torch.Tensor:
+        """Shrink the lent range to ``lent_tokens``: drop the free ids at or
+        above the new top from the free lists and return the ids there that
+        are still in use (sorted), which the caller must vacate (migrate,
+        evict, or retract their requests) before the arena unmaps them.
+
+        Raises:
+            RuntimeError: inside ``free_group_begin/end`` (frees still pending).
+        """
+        if not getattr(self, "is_not_in_free_group", True):
+            raise RuntimeError("withdraw inside a free group: end the group first")
+        if lent_tokens > self._lent_tokens:
+            raise ValueError(f"withdraw({lent_tokens}) above the lent {self._lent_tokens}: use lend")
+        top = self._units(self.base_tokens + lent_tokens)
+        old_top = self._units(self.base_tokens + self._lent_tokens)
+        freed_above = torch.cat((self.free_pages[self.free_pages >= top], self.release_pages[self.release_pages >= top]))
+        self.free_pages = self.free_pages[self.free_pages < top]
+        self.release_pages = self.release_pages[self.release_pages < top]
+        in_use = torch.ones(old_top - top, dtype=torch.bool, device=self.device)
+        in_use[freed_above - top] = False
+        self._lent_tokens = lent_tokens
+        self._set_size(self.base_tokens + lent_tokens)
+        return torch.nonzero(in_use).flatten().to(torch.int64) + top
+
+
+class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocator):
+    """SGLang's page-size-1 allocator over an elastic pool; starts with the base ids only."""
+
+    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
+        self._init_elastic(pool)
+        super().__init__(pool.arena.base_tokens - 1, dtype, device, pool, need_sort)
+
+
+class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
+    """SGLang's paged allocator (``page_size > 1``) over an elastic pool; ids are page ids."""
+
+    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
+        self._init_elastic(pool)
+        super().__init__(pool.arena.base_tokens - pool.page_size, pool.page_size, dtype, device, pool, need_sort)
+
+
+def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin, src: torch.Tensor) -> Optional[torch.Tensor]:
+    """Move the K/V of the in-use ids ``src`` (from :meth:`withdraw`) into
+    freshly allocated ids below the lent top, for every layer.
+
+    Args:
+        src: int64 ids (token ids, or page ids when ``page_size > 1``).
+
+    Returns:
+        the destination ids, ``dst[i]`` taking ``src[i]``'s K/V (the caller
+        rewrites ``req_to_token``, radix-tree values and prefix indices from
+        ``src`` to ``dst``), or None, changing nothing, when the allocator has
+        too few free ids (the caller then evicts or retracts first).
+
+    The copy is SGLang's ``move_kv_cache_native`` (memory_pool.py).
+    """
+    from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+    n = src.numel()
+    if n == 0:
+        return src.clone()
+    p = pool.page_size
+    dst = allocator.alloc(n * p)
+    if dst is None:
+        return None
+    if p == 1:
+        src_tok, dst_tok, dst_units = src, dst, dst
+    else:
+        offs = torch.arange(p, device=src.device)
+        src_tok = (src[:, None] * p + offs).flatten()
+        dst_tok = dst
+        dst_units = dst[::p] // p
+    move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst_tok, src_tok)
+    return dst_units
