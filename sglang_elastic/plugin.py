@@ -26,12 +26,46 @@ _features: List[str] = []
 
 
 def load() -> None:
-    """Entry point run by SGLang's plugin loader; idempotent."""
+    """Entry point run by SGLang's plugin loader; idempotent.
+
+    Registers (applied by SGLang's ``HookRegistry.apply_hooks`` right after):
+    - AFTER ``ServerArgs.add_cli_args``: our flags join SGLang's parser;
+    - BEFORE ``ServerArgs.from_cli_args``: parse and check them, publish the
+      config to the scheduler processes (:mod:`sglang_elastic.config`).
+    """
     global _loaded
     if _loaded:
         return
     _loaded = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.BEFORE)
     logger.info("sglang-elastic %s plugin loaded (features: %s)", __version__, ", ".join(_features) or "none")
+
+
+def _add_cli_args(result, parser, *args, **kwargs):
+    from sglang_elastic import config
+
+    config.add_cli_args(parser)
+    return result
+
+
+def _from_cli_args(cls, ns, *args, **kwargs):
+    from sglang_elastic import config
+
+    try:
+        cfg = config.from_namespace(ns)
+    except config.ConfigError as e:
+        raise SystemExit(f"sglang-elastic: {e}") from None
+    if cfg.enabled and not config.POOL_WIRED:
+        raise SystemExit(
+            "sglang-elastic: --enable-elastic-kv is parsed but the elastic pool is not wired into "
+            "SGLang's server yet (sglang_elastic.pool exists; the scheduler integration does not): "
+            "start without it rather than silently on the stock pool"
+        )
+    config.publish(cfg)
+    return None
 
 
 def is_loaded() -> bool:

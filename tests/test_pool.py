@@ -26,10 +26,11 @@ from sglang_elastic.vmm import HostBackend
 HEADS, DIM, LAYERS = 2, 64, 3  # 256 B per row in bf16: the quantum is 16 tokens at 4 KiB granules
 
 
-def make_pool(page_size: int, base=64, elastic=128, step=32):
+def make_pool(page_size: int, base=64, elastic=128, step=32, offset_mapping=True):
     """A small pool, so that random allocations spill into the lent range and
-    reclaims must migrate or retract."""
-    be = HostBackend(granularity=4096)
+    reclaims must migrate or retract. ``offset_mapping=False`` is the H200's
+    case: one handle per buffer per step."""
+    be = HostBackend(granularity=4096, offset_mapping=offset_mapping)
     pool = ElasticMHATokenToKVPool(
         backend=be, base_tokens=base, max_elastic_tokens=elastic, step_tokens=step,
         page_size=page_size, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM, layer_num=LAYERS,
@@ -93,21 +94,30 @@ def test_lend_grows_admission_capacity_and_withdraw_returns_in_use_ids(page_size
         assert in_use.tolist() == expect
         assert alloc.size == a.base_tokens + a.step_tokens - page_size
         assert alloc.available_size() == page_size  # only the low unit is free
+        with pytest.raises(RuntimeError, match="lend during a vacate"):
+            alloc.lend(a.step_tokens)
+        a.reclaim(1)
+        alloc.end_vacate()
         with pytest.raises(ValueError):
             alloc.lend(10 * a.max_elastic_tokens)
+        with pytest.raises(ValueError, match="non-negative multiple of the page size"):
+            alloc.withdraw(-page_size)
+        if page_size > 1:
+            with pytest.raises(ValueError, match="non-negative multiple of the page size"):
+                alloc.lend(a.step_tokens + page_size // 2)
     finally:
         pool._clear_buffers()
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size,offset_mapping", [(1, True), (16, True), (16, False)])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, data):
+def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, offset_mapping, data):
     """Property: across any sequence of alloc / free / lend / reclaim (with
     migration into the base, or retraction when the base is full), no id is
     owned twice, owned and free ids partition the backed ids, the allocator's
     accounting matches, and every live token keeps its K/V bytes."""
-    be, pool, alloc = make_pool(page_size)
+    be, pool, alloc = make_pool(page_size, offset_mapping=offset_mapping)
     a = pool.arena
     owners = {}  # request id -> int64 token ids it owns
     kv = {}  # token id -> (k rows per layer, v rows per layer)
@@ -156,7 +166,9 @@ def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, 
                     assert set(units.tolist()) <= set(in_use.tolist())
                     dst = relocate_kv(pool, alloc, units)
                     if dst is None:
-                        alloc.free(ids[~hi])
+                        # Retract: SGLang frees the request's whole row, ids
+                        # above the top included; those frees must be dropped.
+                        alloc.free(ids)
                         for t in ids.tolist():
                             kv.pop(t)
                         del owners[r]
@@ -172,6 +184,7 @@ def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, 
                             kv[new] = kv.pop(old)
                     owners[r] = new_ids
                 a.reclaim(steps)
+                alloc.end_vacate()
 
             # -- invariants ----------------------------------------------------
             top_tok = a.base_tokens + a.lent_tokens
@@ -184,7 +197,8 @@ def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, 
             assert not (set(free_tok.tolist()) & set(owned.tolist())), "an owned token is on the free list"
             assert set(free_tok.tolist()) | set(owned.tolist()) == set(range(page_size, top_tok)), "ids leaked"
             assert alloc.available_size() + owned.numel() == alloc.size == top_tok - page_size
-            assert be.live_handles == 1 + a.lent_steps  # one handle for the base, one per lent step
+            per_step = 1 if offset_mapping else len(a.row_bytes)
+            assert be.live_handles == per_step * (1 + a.lent_steps)  # the base and each lent step
             for t in owned.tolist():
                 for l in range(LAYERS):
                     assert torch.equal(pool.get_key_buffer(l)[t], kv[t][0][l])
@@ -220,6 +234,7 @@ def test_reclaim_migrates_into_free_base_ids_and_says_when_there_are_none(page_s
             assert torch.equal(pool.get_key_buffer(l)[dst_tok], k * (l + 1))
             assert torch.equal(pool.get_value_buffer(l)[dst_tok], v * (l + 1))
         a.reclaim()
+        alloc.end_vacate()
         # With the base full, a second vacate has nowhere to go: None, nothing allocated.
         a.lend()
         alloc.lend(a.lent_tokens)
@@ -230,3 +245,51 @@ def test_reclaim_migrates_into_free_base_ids_and_says_when_there_are_none(page_s
         assert alloc.available_size() == free_before - a.lent_tokens + page_size
     finally:
         pool._clear_buffers()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_frees_above_the_top_during_a_vacate_are_dropped(page_size):
+    """A request that finishes (or is retracted) after withdraw and before
+    the reclaim frees ids that are about to be unmapped: they must never come
+    back as allocatable."""
+    be, pool, alloc = make_pool(page_size)
+    a = pool.arena
+    try:
+        a.lend()
+        alloc.lend(a.lent_tokens)
+        alloc.alloc(alloc.available_size() - a.lent_tokens)  # base busy
+        lent = alloc.alloc(2 * 16)
+        alloc.withdraw(0)
+        alloc.free(lent)  # its owner finished meanwhile
+        if page_size > 1:
+            alloc.free_segment(lent[:16], start_pos=0)  # the fixed-shape path too
+        a.reclaim()
+        alloc.end_vacate()
+        assert alloc.available_size() == 0
+        assert alloc.alloc(page_size) is None
+    finally:
+        pool._clear_buffers()
+
+
+def test_page_size_1_hands_out_freed_base_ids_before_lent_ids():
+    be, pool, alloc = make_pool(1)
+    a = pool.arena
+    try:
+        held = alloc.alloc(alloc.available_size())
+        a.lend()
+        alloc.lend(a.lent_tokens)
+        alloc.free(held[:8])
+        got = alloc.alloc(8)
+        assert int(got.max()) < a.base_tokens
+    finally:
+        pool._clear_buffers()
+
+
+def test_a_dropped_pool_gives_its_memory_back():
+    import gc
+
+    be, pool, alloc = make_pool(16)
+    pool.arena.lend()
+    del pool, alloc
+    gc.collect()
+    assert be.live_handles == 0 and not be._maps

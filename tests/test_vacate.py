@@ -78,6 +78,7 @@ def test_vacate_with_a_radix_tree_and_running_requests(page_size):
         req_to_token[1, :32] = remap_ids(req_to_token[1, :32], top, in_use, dst, page_size)
         prefix_indices = remap_ids(prefix_indices, top, in_use, dst, page_size)
         a.reclaim()
+        alloc.end_vacate()
 
         assert all(int(n.value.max()) < top for n in iter_nodes(tree))
         assert int(req_to_token[1, :32].max()) < top

@@ -141,6 +141,45 @@ def test_a_failing_map_rolls_the_step_back_and_keeps_earlier_steps(fail_call):
     assert be.live_handles == 0
 
 
+def test_out_of_memory_ends_the_lend_but_does_not_disable_lending():
+    be = HostBackend(granularity=GRAN, fail_on={"create": lambda n: "oom" if n == 2 else False})
+    a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=64, step_tokens=64)
+    try:
+        with pytest.raises(VmmError) as err:
+            a.lend()
+        assert err.value.out_of_memory and not a.lending_disabled
+        assert a.lend() == 1  # memory came back: lending works again
+    finally:
+        a.close()
+
+
+def test_default_step_is_the_whole_reserve_even_when_it_is_not_a_quantum_multiple():
+    be = HostBackend(granularity=GRAN)
+    a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=100)  # quantum 64
+    try:
+        assert (a.max_steps, a.step_tokens, a.max_elastic_tokens) == (1, 64, 64)
+    finally:
+        a.close()
+
+
+def test_host_backend_enforces_cuda_mapping_rules():
+    be = HostBackend(granularity=GRAN, offset_mapping=False)
+    va = be.reserve(4 * GRAN)
+    h = be.create(2 * GRAN)
+    with pytest.raises(VmmError, match="nonzero handle offset"):
+        be.map(va, GRAN, h, offset=GRAN)
+    be.map(va, 2 * GRAN, h)
+    with pytest.raises(VmmError, match="already mapped"):
+        be.map(va + GRAN, GRAN, h)
+    with pytest.raises(VmmError, match="whole mappings"):
+        be.unmap(va, GRAN)
+    with pytest.raises(VmmError, match="still has mappings"):
+        be.free_va(va, 4 * GRAN)
+    be.unmap(va, 2 * GRAN)
+    be.release(h)
+    be.free_va(va, 4 * GRAN)
+
+
 def test_a_failing_create_leaves_nothing_behind():
     be = HostBackend(granularity=GRAN, fail_on={"create": lambda n: n == 2})
     a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=64, step_tokens=64)

@@ -69,8 +69,8 @@ def main():
         t0 = time.perf_counter()
         units = alloc.withdraw(0)
         dst = relocate_kv(pool, alloc, units)
-        torch.cuda.synchronize()
-        arena.reclaim()
+        arena.reclaim()  # synchronizes the device before unmapping
+        alloc.end_vacate()
         t1 = time.perf_counter()
         vacate_ms.append((t1 - t0) * 1e3)
         dst_tok = (dst[:, None] * P + torch.arange(P, device="cuda")).flatten()

@@ -22,6 +22,7 @@ The allocator's ``size`` is the number of usable ids now
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional
 
 import torch
@@ -72,6 +73,10 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         v_head_dim = kwargs.get("swa_v_head_dim") or kwargs.get("v_head_dim") or head_dim
         rows = [head_num * head_dim * store_bytes] * layers + [head_num * v_head_dim * store_bytes] * layers
         self.arena = ElasticArena(backend, rows, base_tokens, max_elastic_tokens, step_tokens, page_size=page_size)
+        # The tensors do not own the arena's memory: the pool does, for its
+        # whole life (SGLang keeps the pool as long as the server runs). A
+        # tensor kept past the pool's end points at freed memory.
+        weakref.finalize(self, self.arena.close)
         total_rows = self.arena.base_tokens + self.arena.max_elastic_tokens
         try:
             super().__init__(total_rows - page_size, *args, **kwargs)
@@ -108,6 +113,19 @@ class _ElasticAllocatorMixin:
     def _init_elastic(self, pool: ElasticMHATokenToKVPool) -> None:
         self.arena = pool.arena
         self._lent_tokens = 0
+        # Between withdraw() and end_vacate(): frees of ids at or above this
+        # unit are dropped (they are being unmapped), not put back on a list.
+        self._vacate_top: Optional[int] = None
+
+    def _check_tokens(self, what: str, lent_tokens: int) -> None:
+        if lent_tokens < 0 or lent_tokens % self.page_size:
+            raise ValueError(f"{what}({lent_tokens}): lent tokens must be a non-negative multiple of the page size {self.page_size}")
+
+    def _drop_vacated(self, units: torch.Tensor) -> torch.Tensor:
+        """Units below the vacate top (all of them outside a vacate)."""
+        if self._vacate_top is None or units.numel() == 0:
+            return units
+        return units[units < self._vacate_top]
 
     # unit conversion (token ids for page size 1, page ids otherwise)
     def _units(self, tokens: int) -> int:
@@ -130,6 +148,9 @@ class _ElasticAllocatorMixin:
         """Append the ids of ``[base + lent_now, base + lent_tokens)`` to the
         free list (the arena must back them already). Returns the new ids
         (token ids, or page ids when ``page_size > 1``)."""
+        self._check_tokens("lend", lent_tokens)
+        if self._vacate_top is not None:
+            raise RuntimeError("lend during a vacate: call end_vacate() after the arena reclaimed")
         if lent_tokens < self._lent_tokens:
             raise ValueError(f"lend({lent_tokens}) below the lent {self._lent_tokens}: use withdraw")
         if self.base_tokens + lent_tokens > self.arena.capacity_tokens:
@@ -147,9 +168,15 @@ class _ElasticAllocatorMixin:
         are still in use (sorted), which the caller must vacate (migrate,
         evict, or retract their requests) before the arena unmaps them.
 
+        Until :meth:`end_vacate`, frees of ids at or above the new top (an
+        owner retracted or finished instead of migrated) are dropped rather
+        than put back on a free list.
+
         Raises:
             RuntimeError: inside ``free_group_begin/end`` (frees still pending).
+            ValueError: for a negative or non-page-multiple ``lent_tokens``.
         """
+        self._check_tokens("withdraw", lent_tokens)
         if not getattr(self, "is_not_in_free_group", True):
             raise RuntimeError("withdraw inside a free group: end the group first")
         if lent_tokens > self._lent_tokens:
@@ -163,15 +190,38 @@ class _ElasticAllocatorMixin:
         in_use[freed_above - top] = False
         self._lent_tokens = lent_tokens
         self._set_size(self.base_tokens + lent_tokens)
+        self._vacate_top = top if self._vacate_top is None else min(self._vacate_top, top)
         return torch.nonzero(in_use).flatten().to(torch.int64) + top
+
+    def end_vacate(self) -> None:
+        """Close the vacate window opened by :meth:`withdraw`: call it once the
+        arena has reclaimed (no id at or above the top is held any more)."""
+        self._vacate_top = None
 
 
 class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocator):
-    """SGLang's page-size-1 allocator over an elastic pool; starts with the base ids only."""
+    """SGLang's page-size-1 allocator over an elastic pool; starts with the base ids only.
+
+    Unlike SGLang's, a free goes to the head of the free list (as the paged
+    allocator does), so lent ids appended by :meth:`lend` are handed out
+    last and fewer of them need migrating on a reclaim.
+    """
 
     def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
         self._init_elastic(pool)
         super().__init__(pool.arena.base_tokens - 1, dtype, device, pool, need_sort)
+
+    def free(self, free_index: torch.Tensor):
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        free_index = self._drop_vacated(free_index)
+        if self.need_sort:
+            self.release_pages = torch.cat((self.release_pages, free_index))
+        else:
+            self.free_pages = torch.cat((free_index, self.free_pages))
 
 
 class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
@@ -180,6 +230,10 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
     def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
         self._init_elastic(pool)
         super().__init__(pool.arena.base_tokens - pool.page_size, pool.page_size, dtype, device, pool, need_sort)
+
+    def _release_page_ids(self, *page_ids: torch.Tensor):
+        # Every paged free path (free, free_segment, free_group_end) ends here.
+        super()._release_page_ids(*(self._drop_vacated(p) for p in page_ids))
 
 
 def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin, src: torch.Tensor) -> Optional[torch.Tensor]:

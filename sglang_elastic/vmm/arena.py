@@ -75,7 +75,8 @@ class ElasticArena:
         self.base_tokens = base_tokens // self.quantum * self.quantum
         if self.base_tokens <= 0:
             raise ValueError(f"base_tokens {base_tokens} is below one token quantum ({self.quantum})")
-        step = align_up(step_tokens or max(max_elastic_tokens, self.quantum), self.quantum)
+        whole = max_elastic_tokens // self.quantum * self.quantum
+        step = align_up(step_tokens or max(whole, self.quantum), self.quantum)
         self.step_tokens = step
         self.max_steps = max_elastic_tokens // step
         self.max_elastic_tokens = self.max_steps * step
@@ -89,6 +90,7 @@ class ElasticArena:
             off += s
         self._steps: List[_Step] = []
         self._base: List[Any] = []
+        self._stale: List[tuple] = []  # (va, size) whose unmap failed: retried by close()
         try:
             self._map_range(self.base_tokens, 0, self._base)
         except BaseException:
@@ -167,6 +169,7 @@ class ElasticArena:
             try:
                 self.backend.unmap(self.token_va(i, tok0), ntok * r)
             except VmmError as e:
+                self._stale.append((self.token_va(i, tok0), ntok * r))
                 first = first or e
         for h in handles:
             try:
@@ -180,9 +183,11 @@ class ElasticArena:
         """Back ``steps`` more elastic steps (default: all that remain).
 
         A step whose mapping fails is rolled back; the steps lent before it
-        stay, and lending is disabled (``lending_disabled``): later calls lend
-        nothing, so the owner can reclaim what is lent and serve on the base.
-        Returns the steps lent by this call.
+        stay. Out of memory (the memory is in use elsewhere: temporary) just
+        ends the call; any other failure disables lending
+        (``lending_disabled``): later calls lend nothing, so the owner can
+        reclaim what is lent and serve on the base. Returns the steps lent by
+        this call.
 
         Raises:
             VmmError: from the failing call (the arena is consistent).
@@ -195,8 +200,9 @@ class ElasticArena:
             handles: List[Any] = []
             try:
                 self._map_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles)
-            except VmmError:
-                self.lending_disabled = True
+            except VmmError as e:
+                if not e.out_of_memory:
+                    self.lending_disabled = True
                 raise
             self._steps.append(_Step(handles[0] if self.backend.supports_offset_mapping else None, None if self.backend.supports_offset_mapping else handles))
             done += 1
@@ -205,13 +211,17 @@ class ElasticArena:
     def reclaim(self, steps: Optional[int] = None) -> int:
         """Unmap and release the top ``steps`` lent steps (default: all).
 
-        The caller must have vacated the tokens first. A step whose unmap
+        The caller must have vacated the tokens first. The device is
+        synchronized before anything is unmapped (``cuMemUnmap`` does not wait
+        for queued kernels that still read or write the range). A step whose unmap
         fails is still dropped from the lent range (its tokens were vacated),
         lending is disabled (the range may still be mapped: CUDA cannot map
         over it again), and the error is raised after the remaining steps are
         reclaimed. Returns the steps reclaimed.
         """
         n = self.lent_steps if steps is None else min(steps, self.lent_steps)
+        if n:
+            self.backend.synchronize()
         first: Optional[BaseException] = None
         for _ in range(n):
             st = self._steps.pop()
@@ -226,10 +236,22 @@ class ElasticArena:
         return n
 
     def close(self) -> None:
-        """Reclaim everything, unmap the base and free the reservation."""
+        """Reclaim everything, unmap the base and free the reservation; idempotent."""
+        if self.va is None:
+            return
         try:
             self.reclaim()
         finally:
-            self._unmap_range(self.base_tokens, 0, self._base)
-            self._base = []
-            self.backend.free_va(self.va, self.total_va)
+            self.backend.synchronize()
+            try:
+                self._unmap_range(self.base_tokens, 0, self._base)
+            finally:
+                self._base = []
+                stale, self._stale = self._stale, []
+                for rng in stale:
+                    try:
+                        self.backend.unmap(*rng)
+                    except VmmError:
+                        logger.exception("unmap of a range that failed to unmap before failed again")
+                va, self.va = self.va, None
+                self.backend.free_va(va, self.total_va)

@@ -21,7 +21,14 @@ from typing import Any
 
 
 class VmmError(RuntimeError):
-    """A VMM call failed; the message names the call and the driver's error."""
+    """A VMM call failed; the message names the call and the driver's error.
+
+    ``out_of_memory`` is True when the driver had no memory to give (a
+    temporary condition: the memory is in use elsewhere)."""
+
+    def __init__(self, message: str, out_of_memory: bool = False):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -68,6 +75,9 @@ class VmmBackend(abc.ABC):
     @abc.abstractmethod
     def release(self, handle: Any) -> None:
         """Drop the handle; its memory goes back once no mapping uses it."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (before unmapping memory it may use)."""
 
     def memset(self, va: int, value: int, size: int) -> None:  # pragma: no cover - backends override
         raise NotImplementedError

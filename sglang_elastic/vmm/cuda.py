@@ -5,8 +5,9 @@ device memory, ``cuMemMap``, ``cuMemSetAccess``), plus ``cuMemUnmap`` and
 ``cuMemRelease`` so memory can be given back while the addresses stay
 reserved (CUDA graphs captured the addresses; they must never move).
 
-Few, large handles: on the H200, mapping 8 GiB took 1.6 ms as one handle and
-194 ms as 2 MiB handles. Mapping one handle at nonzero offsets into several
+Few, large handles: the project brief reports that on the H200 mapping 8 GiB
+took 1.6 ms as one handle and 194 ms as 2 MiB handles (not re-measured here;
+``scripts/gpu/bench_vmm.py`` measures this code's own calls). Mapping one handle at nonzero offsets into several
 buffers would need ``cuMemMap``'s ``offset`` argument, which the driver
 documents as "currently must be zero": ``supports_offset_mapping`` is probed
 once, and on the H200 here (driver 580.159.04, CUDA 13.0) the probe is refused
@@ -67,7 +68,7 @@ class CudaBackend(VmmBackend):
     def _check(self, result, label: str):
         err = result[0] if isinstance(result, tuple) else result
         if err != self._d.CUresult.CUDA_SUCCESS:
-            raise VmmError(f"{label} failed: {err}")
+            raise VmmError(f"{label} failed: {err}", out_of_memory=err == self._d.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
         return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
     def _probe_offset_mapping(self) -> bool:

@@ -7,8 +7,12 @@
   (replaces the mapping by a fresh reservation, as ``cuMemUnmap`` keeps the VA)
 - release: close the memfd (pages go once the last mapping is gone)
 
-An access to an unmapped address faults, as on the GPU. ``fail_on`` injects
-failures into named calls for fault tests.
+An access to an unmapped address faults, as on the GPU. The backend also
+enforces CUDA's rules that ``mmap`` alone would let pass: no mapping over a
+mapped range, unmap only whole mappings, no freeing a reservation that still
+has mappings; and with ``offset_mapping=False`` it refuses nonzero handle
+offsets as the H200's driver does (``CUDA_ERROR_NOT_SUPPORTED``). ``fail_on``
+injects failures into named calls for fault tests.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ class HostBackend(VmmBackend):
             size). Tests use 64 KiB-2 MiB to mimic the GPU's 2 MiB.
         fail_on: call name ("create", "map", "unmap", ...) -> predicate on the
             call count; when it returns True the call raises ``VmmError``
-            before doing anything (fault injection).
+            before doing anything (fault injection); when it returns "oom" the
+            error is an out-of-memory one.
+        offset_mapping: whether ``map`` accepts a nonzero handle offset.
     """
 
-    def __init__(self, granularity: Optional[int] = None, fail_on: Optional[Dict[str, Callable[[int], bool]]] = None):
+    def __init__(self, granularity: Optional[int] = None, fail_on: Optional[Dict[str, Callable[[int], bool]]] = None, offset_mapping: bool = True):
         page = mmap.PAGESIZE
         self._gran = granularity or page
         if self._gran % page:
@@ -50,13 +56,16 @@ class HostBackend(VmmBackend):
         self.fail_on = dict(fail_on or {})
         self.calls: Dict[str, int] = {}
         self.live_handles = 0
+        self.supports_offset_mapping = offset_mapping
+        self._maps: Dict[int, int] = {}  # va -> size of each live mapping
 
     def _enter(self, name: str) -> None:
         n = self.calls.get(name, 0) + 1
         self.calls[name] = n
         pred = self.fail_on.get(name)
-        if pred is not None and pred(n):
-            raise VmmError(f"{name} failed: injected fault (call {n})")
+        verdict = pred(n) if pred is not None else False
+        if verdict:
+            raise VmmError(f"{name} failed: injected fault (call {n})", out_of_memory=verdict == "oom")
 
     def _check_aligned(self, name: str, *values: int) -> None:
         for v in values:
@@ -81,8 +90,13 @@ class HostBackend(VmmBackend):
             _libc.munmap(ctypes.c_void_p(va + size), tail)
         return va
 
+    def _overlaps(self, va: int, size: int):
+        return [m for m, sz in self._maps.items() if m < va + size and va < m + sz]
+
     def free_va(self, va: int, size: int) -> None:
         self._enter("free_va")
+        if self._overlaps(va, size):
+            raise VmmError("free_va failed: the range still has mappings (cuMemAddressFree would refuse)")
         if _libc.munmap(ctypes.c_void_p(va), size) != 0:
             raise VmmError(f"free_va failed: munmap errno {ctypes.get_errno()}")
 
@@ -101,15 +115,25 @@ class HostBackend(VmmBackend):
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
         self._enter("map")
         self._check_aligned("map", va, size, offset)
+        if offset and not self.supports_offset_mapping:
+            raise VmmError("map failed: nonzero handle offset not supported (as CUDA_ERROR_NOT_SUPPORTED)")
+        if self._overlaps(va, size):
+            raise VmmError("map failed: the range is already mapped")
         got = _libc.mmap(ctypes.c_void_p(va), size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, handle, offset)
         if got != va:
             raise VmmError(f"map failed: mmap errno {ctypes.get_errno()}")
+        self._maps[va] = size
 
     def unmap(self, va: int, size: int) -> None:
         self._enter("unmap")
+        inside = self._overlaps(va, size)
+        if not inside or sum(self._maps[m] for m in inside) != size or min(inside) != va:
+            raise VmmError("unmap failed: the range is not a set of whole mappings")
         got = _libc.mmap(ctypes.c_void_p(va), size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
         if got != va:
             raise VmmError(f"unmap failed: mmap errno {ctypes.get_errno()}")
+        for m in inside:
+            del self._maps[m]
 
     def release(self, handle: int) -> None:
         self._enter("release")

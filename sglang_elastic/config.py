@@ -1,0 +1,130 @@
+"""sglang-elastic's server flags: one module, one frozen config object.
+
+The flags join SGLang's own parser (``python -m sglang.launch_server`` /
+``sglang serve``): the plugin hooks ``ServerArgs.add_cli_args`` to add them and
+``ServerArgs.from_cli_args`` to parse and check them (a bad value stops the
+launch with one line naming the flag), then publishes the config in the
+environment variable ``SGLANG_ELASTIC_CONFIG`` so SGLang's scheduler
+processes, which receive ``ServerArgs`` but not our fields, read the same
+values with :func:`current`.
+
+Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
+
+- ``--enable-elastic-kv``: build the elastic KV pool instead of SGLang's.
+- ``--elastic-kv-mode {dynamic,always-lent,off}``: ``dynamic`` lends while only
+  decodes run and reclaims before a prefill needs the reserve;
+  ``always-lent`` lends at start and never reclaims (reproduces the Elastic KV
+  paper's finding that a permanently committed reserve runs out of memory on
+  a long prompt: warned at start-up); ``off`` builds the pool but never lends.
+- ``--elastic-kv-lend-bytes N``: bytes to lend (suffixes K/M/G/KiB/MiB/GiB
+  accepted; default: measured after CUDA-graph capture).
+- ``--elastic-kv-step-mb N``: MiB per per-layer buffer in one lend/reclaim
+  step (default 0: the whole reserve in one step).
+- ``--elastic-kv-lend-after-steps N``: decode-only steps in a row before
+  lending (hysteresis, default 32).
+- ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
+  and sampling when measuring the lendable bytes (default 1024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+ENV = "SGLANG_ELASTIC_CONFIG"
+#: Whether ``--enable-elastic-kv`` builds the elastic pool inside SGLang. Until
+#: the scheduler integration lands, enabling it is refused at start-up.
+POOL_WIRED = False
+MODES = ("dynamic", "always-lent", "off")
+
+
+class ConfigError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticKVConfig:
+    enabled: bool = False
+    mode: str = "dynamic"
+    lend_bytes: Optional[int] = None  # None: measured after CUDA-graph capture
+    step_mb: int = 0
+    lend_after_steps: int = 32
+    margin_mb: int = 1024
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"--elastic-kv-mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.lend_bytes is not None and self.lend_bytes <= 0:
+            raise ConfigError(f"--elastic-kv-lend-bytes must be positive, not {self.lend_bytes}")
+        if self.step_mb < 0:
+            raise ConfigError(f"--elastic-kv-step-mb must be >= 0, not {self.step_mb}")
+        if self.lend_after_steps < 1:
+            raise ConfigError(f"--elastic-kv-lend-after-steps must be >= 1, not {self.lend_after_steps}")
+        if self.margin_mb < 0:
+            raise ConfigError(f"--elastic-kv-margin-mb must be >= 0, not {self.margin_mb}")
+        if not self.enabled and (self.mode != "dynamic" or self.lend_bytes is not None or self.step_mb):
+            raise ConfigError("--elastic-kv-* flags need --enable-elastic-kv")
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, text: str) -> "ElasticKVConfig":
+        try:
+            return cls(**json.loads(text))
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{ENV} is not a valid sglang-elastic config: {e}") from e
+
+
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; ``"1.5G"`` -> 1500000000; a plain integer is bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 8589934592, 8GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the sglang-elastic flags to an argparse parser (SGLang's)."""
+    g = parser.add_argument_group("sglang-elastic: elastic KV pool")
+    g.add_argument("--enable-elastic-kv", action="store_true", help="Build the elastic (CUDA VMM) KV pool: lend the prefill reserve to the KV cache while only decodes run.")
+    g.add_argument("--elastic-kv-mode", choices=MODES, default="dynamic", help="dynamic: lend/reclaim as the batch needs; always-lent: lend at start, never reclaim (reproduces the OOM of a committed reserve); off: never lend.")
+    g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
+    g.add_argument("--elastic-kv-step-mb", type=int, default=0, help="MiB per per-layer buffer in one lend/reclaim step (0: the whole reserve at once).")
+    g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
+    g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes.")
+
+
+def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
+    """The config from parsed flags (missing flags take their defaults)."""
+    return ElasticKVConfig(
+        enabled=bool(getattr(ns, "enable_elastic_kv", False)),
+        mode=getattr(ns, "elastic_kv_mode", "dynamic"),
+        lend_bytes=getattr(ns, "elastic_kv_lend_bytes", None),
+        step_mb=getattr(ns, "elastic_kv_step_mb", 0),
+        lend_after_steps=getattr(ns, "elastic_kv_lend_after_steps", 32),
+        margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
+    )
+
+
+def publish(cfg: ElasticKVConfig) -> None:
+    """Make ``cfg`` visible to this process's children (SGLang's schedulers)."""
+    os.environ[ENV] = cfg.to_env()
+    if cfg.enabled and cfg.mode == "always-lent":
+        logger.warning("sglang-elastic: --elastic-kv-mode always-lent commits the prefill reserve to the KV cache for good; a long prompt can run out of memory (this mode exists to show that)")
+
+
+def current() -> ElasticKVConfig:
+    """The config of this server (from ``SGLANG_ELASTIC_CONFIG``; defaults when unset)."""
+    text = os.environ.get(ENV)
+    return ElasticKVConfig.from_env(text) if text else ElasticKVConfig()

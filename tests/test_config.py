@@ -1,0 +1,86 @@
+"""sglang-elastic flags inside SGLang's own argument parsing (through the plugin)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_elastic import config
+
+MODEL = os.path.join(os.path.dirname(config.__file__), "models", "llama-3.1-8b")
+
+PARSE = """
+import json, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+sa = prepare_server_args(sys.argv[1:])
+print("CONFIG", os.environ.get("SGLANG_ELASTIC_CONFIG"))
+print("MODEL", sa.model_path)
+"""
+
+
+def launch_args(*flags):
+    r = subprocess.run([sys.executable, "-c", PARSE, "--model-path", MODEL, "--device", "cpu", *flags], capture_output=True, text=True, timeout=300)
+    cfg = next((json.loads(l.split(" ", 1)[1]) for l in r.stdout.splitlines() if l.startswith("CONFIG ") and l != "CONFIG None"), None)
+    return r, cfg
+
+
+def test_flags_join_sglangs_parser_and_enabling_is_refused_until_the_pool_is_wired():
+    r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-step-mb", "128")
+    assert config.POOL_WIRED is False  # flip this test when the scheduler integration lands
+    assert r.returncode != 0 and cfg is None
+    assert "--enable-elastic-kv is parsed but the elastic pool is not wired" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_published_config_reaches_child_processes(monkeypatch):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    cfg = config.from_namespace(p.parse_args(["--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-step-mb", "128"]))
+    assert cfg == config.ElasticKVConfig(enabled=True, mode="always-lent", lend_bytes=8 << 30, step_mb=128, lend_after_steps=32, margin_mb=1024)
+    monkeypatch.delenv(config.ENV, raising=False)
+    config.publish(cfg)
+    out = subprocess.run([sys.executable, "-c", "from sglang_elastic import config; print(config.current())"], capture_output=True, text=True)
+    assert "ElasticKVConfig(enabled=True, mode='always-lent', lend_bytes=8589934592, step_mb=128" in out.stdout
+
+
+def test_without_the_flag_nothing_is_enabled():
+    r, cfg = launch_args()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cfg["enabled"] is False
+    assert f"MODEL {MODEL}" in r.stdout  # SGLang's own args are untouched
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--enable-elastic-kv", "--elastic-kv-lend-bytes", "8XB"], "not a byte size: '8XB'"),
+        (["--enable-elastic-kv", "--elastic-kv-mode", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--elastic-kv-mode", "always-lent"], "--elastic-kv-* flags need --enable-elastic-kv"),
+        (["--enable-elastic-kv", "--elastic-kv-lend-after-steps", "0"], "--elastic-kv-lend-after-steps must be >= 1"),
+        (["--enable-elastic-kv", "--elastic-kv-lend-bytes", "0"], "--elastic-kv-lend-bytes must be positive"),
+    ],
+)
+def test_bad_values_stop_the_launch_with_one_clear_line(flags, message):
+    r, cfg = launch_args(*flags)
+    assert r.returncode != 0 and cfg is None
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text,value", [("8589934592", 8 << 30), ("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000), ("64 kib", 65536)])
+def test_parse_bytes(text, value):
+    assert config.parse_bytes(text) == value
+
+
+def test_config_round_trips_through_the_environment():
+    cfg = config.ElasticKVConfig(enabled=True, mode="off", lend_bytes=123, step_mb=2, lend_after_steps=5, margin_mb=0)
+    assert config.ElasticKVConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(config.ConfigError, match="not a valid sglang-elastic config"):
+        config.ElasticKVConfig.from_env('{"enabled": true, "colour": "red"}')
