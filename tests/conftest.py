@@ -8,8 +8,13 @@ the test environment's SGLang.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+# CPU machines run the Triton kernels in Triton's interpreter; it must be on
+# before any kernel module is imported (triton.jit reads it at decoration).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util
 import shutil
 from pathlib import Path
 

@@ -1,0 +1,284 @@
+"""Block-table decode attention: split-KV and compact work-queue (Triton).
+
+Both read SGLang's KV layout directly: per-layer ``k_buffer`` / ``v_buffer``
+of shape ``[slots, kv_heads, head_dim]`` addressed through ``kv_indptr`` /
+``kv_indices`` (CSR token ids, as SGLang's Triton and FlashInfer backends
+build them from ``req_to_token``; with page size 16 the ids of a page are
+consecutive, the kernels do not care). All ``G = q_heads / kv_heads`` query
+heads of a KV head are computed in one program, so each K/V row is read once
+per step (GQA), with a tensor-core ``tl.dot`` over the padded group.
+
+- :func:`split_kv_decode`: flash-decoding. Request ``b``'s KV is cut into
+  ``num_splits[b]`` chunks (computed on the GPU from the lengths), program
+  ``(b, h, s)`` reduces chunk ``s``; a merge kernel combines the partial
+  outputs by their log-sum-exp. Grid ``(batch, kv_heads, max_splits)``.
+- :func:`work_queue_decode`: one dense list of ``(request, chunk)`` items for
+  all requests (no padding for short ones), built on the GPU with a prefix sum,
+  consumed by a persistent grid of ``programs x kv_heads`` programs that stride
+  over it; the same merge, segmented by ``chunk_offsets``.
+
+Neither needs a host sync: chunk counts and the item list live on the GPU, so
+one batch size's launch can be captured in a CUDA graph and replayed with
+other lengths (grids depend only on the batch size and the maxima passed in).
+
+Ideas: Flash-Decoding (Dao et al., 2023), FlashInfer's split-KV planner
+(``flashinfer/data/include/flashinfer/attention/scheduler.cuh``), SGLang's
+Triton decode (``sglang/kernels/ops/attention/decode_attention.py``), and the
+PersistentKV paper's compact work queue (arXiv 2606.26666).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_attn(
+    q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr,
+    b, h, start, end, out_slot,
+    sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_mo_s, stride_mo_h, stride_ml_s,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Attention of the G query heads of KV head ``h`` of request ``b`` over
+    KV positions ``[start, end)`` of its index list; writes the partial output
+    (unnormalised by nothing: already divided by its own sum) and its LSE into
+    slot ``out_slot`` of the mid buffers."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    qh = h * G + offs_g
+    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if DOT_F32:  # Triton's interpreter computes bf16 tl.dot wrongly: do it in fp32 there
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        tok = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log(l_i)
+    tl.store(mid_o_ptr + out_slot * stride_mo_s + qh[:, None] * stride_mo_h + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + out_slot * stride_ml_s + qh, lse, mask=mask_g)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, chunk_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_mo_s, stride_mo_h, stride_ml_s,
+    MAX_SPLITS: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    lo = tl.load(indptr_ptr + b)
+    hi = tl.load(indptr_ptr + b + 1)
+    chunk = tl.load(chunk_ptr + b)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, hi)
+    if start < end:
+        _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * MAX_SPLITS + s, sm_scale,
+                      stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
+                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32)
+
+
+@triton.jit
+def _queue_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, item_offsets_ptr, num_items_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale, batch,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_mo_s, stride_mo_h, stride_ml_s,
+    CHUNK: tl.constexpr, LOG2_BATCH: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Persistent: program (p, h) takes items p, p + P, ... of the dense list."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    P = tl.num_programs(0)
+    total = tl.load(num_items_ptr)
+    for item in range(p, total, P):
+        # request of this item: largest b with item_offsets[b] <= item (binary search)
+        b = item * 0
+        for bit in tl.static_range(LOG2_BATCH + 1):
+            cand = b + (1 << (LOG2_BATCH - bit))
+            ok = cand < batch
+            off = tl.load(item_offsets_ptr + cand, mask=ok, other=0)
+            b = tl.where(ok & (off <= item), cand, b)
+        c = item - tl.load(item_offsets_ptr + b)
+        kv_lo = tl.load(indptr_ptr + b)
+        kv_hi = tl.load(indptr_ptr + b + 1)
+        start = kv_lo + c * CHUNK
+        end = tl.minimum(start + CHUNK, kv_hi)
+        _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, item, sm_scale,
+                      stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
+                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32)
+
+
+@triton.jit
+def _merge_kernel(
+    mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
+    stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr,
+):
+    """Combine request b's partials of query head qh (segment of the mid
+    buffers) by log-sum-exp; an empty request (length 0) gets zeros."""
+    b = tl.program_id(0)
+    qh = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if SEG_STRIDE == 1:
+        first = tl.load(seg_start_ptr + b)
+    else:
+        first = b * SEG_STRIDE
+    n = tl.load(seg_count_ptr + b)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(0, n):
+        slot = first + i
+        lse = tl.load(mid_lse_ptr + slot * stride_ml_s + qh + tl.zeros([1], tl.int32))
+        o = tl.load(mid_o_ptr + slot * stride_mo_s + qh * stride_mo_h + offs_d, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * scale_old + o * w
+        l = l * scale_old + w
+        m = m_new
+    out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _dot_f32(q: torch.Tensor) -> bool:
+    """fp32 dots under ``TRITON_INTERPRET=1`` for bf16 (the interpreter's bf16
+    ``tl.dot`` is wrong; on a GPU the dots stay bf16 tensor-core ones)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+
+
+def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"q heads {Hq} not a multiple of kv heads {Hkv}")
+    G = Hq // Hkv
+    return B, Hq, Hkv, D, G, max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
+
+
+def split_kv_decode(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    sm_scale: Optional[float] = None, max_splits: int = 32, min_chunk: int = 256, block_n: int = 32, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Split-KV decode attention over SGLang's paged KV layout.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]`` bf16/fp16, one query token per request.
+        k_buffer, v_buffer: ``[slots, kv_heads, head_dim]``, same dtype (one layer).
+        kv_indptr: ``[batch + 1]`` int32/int64 offsets into ``kv_indices``.
+        kv_indices: ``[total]`` int32/int64 slot ids (token ids, any page size).
+        sm_scale: softmax scale (default ``head_dim ** -0.5``).
+        max_splits: the most chunks per request (the grid's third dimension).
+        min_chunk: the smallest chunk in tokens; a request gets
+            ``min(max_splits, ceil(len / min_chunk))`` chunks.
+        out: optional ``[batch, q_heads, head_dim]`` output buffer.
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` in ``q``'s dtype; requests of length 0 get zeros.
+
+    Raises:
+        ValueError: when ``q_heads`` is not a multiple of ``kv_heads``.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    splits = torch.clamp((lens + min_chunk - 1) // min_chunk, 1, max_splits)
+    chunk = (lens + splits - 1) // splits
+    chunk = ((chunk + block_n - 1) // block_n * block_n).to(torch.int32)
+    chunk = torch.clamp(chunk, min=block_n)
+    nsplit = torch.where(lens > 0, (lens + chunk - 1) // chunk, 0).to(torch.int32)
+    mid_o = torch.empty((B * max_splits, Hq, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((B * max_splits, Hq), dtype=torch.float32, device=q.device)
+    _split_kernel[(B, Hkv, max_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
+        MAX_SPLITS=max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
+    )
+    o = out if out is not None else torch.empty_like(q)
+    _merge_kernel[(B, Hq)](
+        mid_o, mid_lse, nsplit, nsplit, o,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), o.stride(0), o.stride(1),
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits,
+    )
+    return o
+
+
+def work_queue_decode(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    sm_scale: Optional[float] = None, chunk: int = 512, max_items: Optional[int] = None, programs: int = 132, block_n: int = 32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Compact work-queue decode attention (arguments as :func:`split_kv_decode`).
+
+    Args:
+        chunk: tokens per work item (a multiple of ``block_n``).
+        max_items: capacity of the item list; default ``batch * ceil(max_len /
+            chunk)`` computed from the lengths (a host read: pass it to keep the
+            call sync-free and CUDA-graph safe).
+        programs: persistent programs per KV head (e.g. the SM count).
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    if chunk % block_n:
+        raise ValueError(f"chunk {chunk} must be a multiple of block_n {block_n}")
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    n_items = ((lens + chunk - 1) // chunk).to(torch.int32)
+    item_offsets = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(n_items, 0, out=item_offsets[1:])
+    num_items = item_offsets[B:]
+    if max_items is None:
+        max_items = int(n_items.sum()) or 1
+    mid_o = torch.empty((max_items, Hq, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((max_items, Hq), dtype=torch.float32, device=q.device)
+    _queue_kernel[(programs, Hkv)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, mid_o, mid_lse, sm_scale, B,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
+        CHUNK=chunk, LOG2_BATCH=max(0, math.ceil(math.log2(max(B, 1)))),
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
+    )
+    o = out if out is not None else torch.empty_like(q)
+    _merge_kernel[(B, Hq)](
+        mid_o, mid_lse, item_offsets, n_items, o,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), o.stride(0), o.stride(1),
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1,
+    )
+    return o

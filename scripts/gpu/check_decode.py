@@ -1,0 +1,110 @@
+"""GPU correctness (large shapes) and first timings of the decode kernels.
+
+For each case: random bf16 Q/K/V (Hq=32, Hkv=8, d=128, pages of 16 scattered
+over a 1M-token pool), ``split_kv_decode`` and ``work_queue_decode`` against a
+float32-accumulated torch reference (float64 for B1), then kernel time with
+``triton.testing.do_bench`` (median, L2 flushed by do_bench between runs) and
+the KV read bandwidth it implies. Not the issue's benchmark
+(``scripts/gpu/bench_decode.py``: FlashInfer baselines, CUDA graphs, policy):
+a first look at where the kernels stand.
+
+    python scripts/gpu/check_decode.py --out docs/results/decode_check_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+
+from sglang_elastic.kernels.decode_attention import split_kv_decode, work_queue_decode
+
+HQ, HKV, D, PAGE, POOL = 32, 8, 128, 16, 1 << 20
+
+
+def make(lens, g):
+    k = torch.randn(POOL, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(POOL, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    pages = torch.randperm(POOL // PAGE - 1, device="cuda", generator=g) + 1
+    idx, used = [], 0
+    for n in lens:
+        need = -(-n // PAGE)
+        p = pages[used : used + need]
+        used += need
+        idx.append((p[:, None] * PAGE + torch.arange(PAGE, device="cuda")).flatten()[:n])
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(torch.tensor(lens, device="cuda"), 0)
+    return q, k, v, indptr, torch.cat(idx).to(torch.int32)
+
+
+def reference(q, k, v, indptr, idx):
+    out = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    G = HQ // HKV
+    for b in range(q.shape[0]):
+        ids = idx[indptr[b] : indptr[b + 1]].long()
+        K = k[ids].double().repeat_interleave(G, 1)  # [n, Hq, D]
+        V = v[ids].double().repeat_interleave(G, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), K) * D**-0.5
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), V)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    zipf = [int(1024 + 60 * 1024 / (r + 1) ** 1.1) for r in range(32)]
+    cases = [
+        ("B1_32K", [32768]),
+        ("B1_128K", [131072]),
+        ("B8_2x64K_6x4K", [65536] * 2 + [4096] * 6),
+        ("B32_zipf_1K-61K", zipf),
+        ("B64_8x32K_56x2K", [32768] * 8 + [2048] * 56),
+        ("B1_128K_among_1token", [131072] + [1] * 15),
+    ]
+    rows = []
+    for name, lens in cases:
+        q, k, v, indptr, idx = make(lens, g)
+        ref = reference(q, k, v, indptr, idx)
+        kv_bytes = sum(lens) * HKV * D * 2 * 2
+        max_items = len(lens) * -(-max(lens) // 512)
+        row = {"name": name, "batch": len(lens), "tokens": sum(lens), "kv_mb": kv_bytes / 1e6}
+        for label, fn in (
+            ("split", lambda: split_kv_decode(q, k, v, indptr, idx, max_splits=64, min_chunk=512)),
+            ("work_queue", lambda: work_queue_decode(q, k, v, indptr, idx, chunk=512, max_items=max_items, programs=132)),
+        ):
+            out = fn()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            row[f"{label}_rel_err"] = err
+            row[f"{label}_us"] = us
+            row[f"{label}_tbps"] = kv_bytes / (us * 1e-6) / 1e12
+        rows.append(row)
+        print(f"{name:24s} split {row['split_us']:8.1f} us ({row['split_tbps']:.2f} TB/s, err {row['split_rel_err']:.1e}) | queue {row['work_queue_us']:8.1f} us ({row['work_queue_tbps']:.2f} TB/s, err {row['work_queue_rel_err']:.1e})", flush=True)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    res = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "commit": os.environ.get("SGLANG_ELASTIC_COMMIT", "unknown"),
+        "command": "python scripts/gpu/check_decode.py " + " ".join(sys.argv[1:]),
+        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page_size": PAGE, "dtype": "bfloat16"},
+        "note": "do_bench median; eager launches (no CUDA graph); includes the merge kernel and the GPU-side chunk/item computation",
+        "cases": rows,
+    }
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+    if any(r[f"{l}_rel_err"] > 1e-2 for r in rows for l in ("split", "work_queue")):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Split-KV and work-queue decode kernels vs a float64 reference.
+
+Runs under Triton's interpreter here (small shapes); the large shapes and the
+timings are for ``scripts/gpu`` on the H200. Each case draws fresh random
+K/V/Q, scatters the requests' KV over random slots (as SGLang's allocator
+leaves them), poisons the output, and requires every element written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_elastic.kernels.decode_attention import split_kv_decode, work_queue_decode
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def reference(q, k, v, indptr, indices, scale):
+    """float64 attention of each request's single query over its KV rows."""
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        ids = indices[indptr[b] : indptr[b + 1]].long()
+        K, V = k[ids].double(), v[ids].double()
+        for h in range(Hq):
+            p = torch.softmax((K[:, h // G] @ q[b, h].double()) * scale, 0)
+            out[b, h] = p @ V[:, h // G]
+    return out
+
+
+def make_case(lens, hq, hkv, d, dtype, page_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = int(sum(lens))
+    slots = (total // page_size + 2 * len(lens) + 4) * page_size
+    k = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    v = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    # page-granular scatter: each request's pages are random pages (page 0 is the padding page)
+    pages = (torch.randperm(slots // page_size - 1, generator=g) + 1).tolist()
+    idx, off = [], 0
+    for n in lens:
+        need = -(-n // page_size)
+        mine, pages = pages[:need], pages[need:]
+        toks = [p * page_size + i for p in mine for i in range(page_size)][:n]
+        idx += toks
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return q, k, v, indptr, torch.tensor(idx, dtype=torch.int32)
+
+
+CASES = [
+    # (name, lens, hq, hkv, d, page_size)
+    ("len1", [1], 8, 2, 64, 1),
+    ("ragged_page16", [37, 1, 130, 16], 8, 2, 64, 16),
+    ("gqa1_mha", [50, 200], 4, 4, 64, 1),
+    ("gqa8_d128", [300, 3], 16, 2, 128, 16),
+    ("gqa16_d256", [40], 16, 1, 256, 1),
+    ("one_long_among_1_token", [1, 1, 1500, 1, 1], 8, 2, 64, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,lens,hq,hkv,d,page_size", CASES, ids=[c[0] for c in CASES])
+def test_split_kv_matches_float64(name, lens, hq, hkv, d, page_size, dtype):
+    seed = int(torch.randint(0, 2**31, ()))  # fresh inputs each run; printed on failure
+    q, k, v, indptr, idx = make_case(lens, hq, hkv, d, dtype, page_size, seed=seed)
+    out = torch.full_like(q, float("nan"))
+    # chunks shorter than most requests, and longer than some (min_chunk 64, 4 splits max)
+    split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, out=out)
+    assert not torch.isnan(out).any(), "an output element was not written"
+    ref = reference(q, k, v, indptr, idx, d**-0.5)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,lens,hq,hkv,d,page_size", CASES, ids=[c[0] for c in CASES])
+def test_work_queue_matches_float64(name, lens, hq, hkv, d, page_size, dtype):
+    seed = int(torch.randint(0, 2**31, ()))
+    q, k, v, indptr, idx = make_case(lens, hq, hkv, d, dtype, page_size, seed=seed)
+    out = torch.full_like(q, float("nan"))
+    # 3 persistent programs per KV head stride over more items than they are
+    work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, out=out)
+    assert not torch.isnan(out).any(), "an output element was not written"
+    ref = reference(q, k, v, indptr, idx, d**-0.5)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} (seed {seed})"
+
+
+def test_work_queue_with_a_fixed_item_capacity_needs_no_host_read_and_replays_other_lengths():
+    """The capacity passed in fixes every buffer and the grid, so one launch
+    shape serves batches of other lengths (what a CUDA graph replays)."""
+    for lens in ([100, 5, 33], [7, 190, 64]):
+        q, k, v, indptr, idx = make_case(lens, 8, 2, 64, torch.float16, 1, seed=sum(lens))
+        out = work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=2, max_items=3 * 4)
+        ref = reference(q, k, v, indptr, idx, 64**-0.5)
+        assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-3
+
+
+def test_group_must_divide():
+    q = torch.zeros(1, 6, 64, dtype=torch.float16)
+    k = torch.zeros(4, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="not a multiple"):
+        split_kv_decode(q, k, k, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
