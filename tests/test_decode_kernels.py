@@ -39,7 +39,7 @@ def make_case(lens, hq, hkv, d, dtype, page_size, seed):
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
     # page-granular scatter: each request's pages are random pages (page 0 is the padding page)
     pages = (torch.randperm(slots // page_size - 1, generator=g) + 1).tolist()
-    idx, off = [], 0
+    idx = []
     for n in lens:
         need = -(-n // page_size)
         mine, pages = pages[:need], pages[need:]
@@ -61,28 +61,22 @@ CASES = [
 ]
 
 
+KERNELS = {
+    # chunks shorter than most requests and longer than some; 4 splits at most
+    "split_kv": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, out=out),
+    # 3 persistent programs per KV head stride over more items than they are
+    "work_queue": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, out=out),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name,lens,hq,hkv,d,page_size", CASES, ids=[c[0] for c in CASES])
-def test_split_kv_matches_float64(name, lens, hq, hkv, d, page_size, dtype):
+def test_kernel_matches_float64(name, lens, hq, hkv, d, page_size, dtype, kernel):
     seed = int(torch.randint(0, 2**31, ()))  # fresh inputs each run; printed on failure
     q, k, v, indptr, idx = make_case(lens, hq, hkv, d, dtype, page_size, seed=seed)
     out = torch.full_like(q, float("nan"))
-    # chunks shorter than most requests, and longer than some (min_chunk 64, 4 splits max)
-    split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, out=out)
-    assert not torch.isnan(out).any(), "an output element was not written"
-    ref = reference(q, k, v, indptr, idx, d**-0.5)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err <= TOL[dtype], f"relative error {err:.2e} (seed {seed})"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name,lens,hq,hkv,d,page_size", CASES, ids=[c[0] for c in CASES])
-def test_work_queue_matches_float64(name, lens, hq, hkv, d, page_size, dtype):
-    seed = int(torch.randint(0, 2**31, ()))
-    q, k, v, indptr, idx = make_case(lens, hq, hkv, d, dtype, page_size, seed=seed)
-    out = torch.full_like(q, float("nan"))
-    # 3 persistent programs per KV head stride over more items than they are
-    work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, out=out)
+    KERNELS[kernel](q, k, v, indptr, idx, out)
     assert not torch.isnan(out).any(), "an output element was not written"
     ref = reference(q, k, v, indptr, idx, d**-0.5)
     err = ((out.double() - ref).norm() / ref.norm()).item()

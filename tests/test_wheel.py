@@ -6,7 +6,6 @@ import csv
 import io
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 

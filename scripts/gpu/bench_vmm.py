@@ -16,14 +16,10 @@ pool-level numbers (vacating pages, scheduler hooks) come with the pool.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+from sglang_elastic import results
 from sglang_elastic.vmm import ElasticArena
 from sglang_elastic.vmm.cuda import CudaBackend
 
@@ -139,12 +135,8 @@ def main():
         r["name"] = name
         cases.append(r)
         print(f"{name:32s} lend p50 {r['lend_ms']['p50']:8.2f} ms p99 {r['lend_ms']['p99']:8.2f} | reclaim p50 {r['reclaim_ms']['p50']:8.2f} ms p99 {r['reclaim_ms']['p99']:8.2f} | base ok {r['base_bytes_intact']} ({time.perf_counter() - t0:.1f}s)", flush=True)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": os.environ.get("SGLANG_ELASTIC_COMMIT", "unknown"),
-        "command": "python scripts/gpu/bench_vmm.py " + " ".join(sys.argv[1:]),
+        **results.header(),
         "granularity_bytes": be.granularity(),
         "supports_offset_mapping": be.supports_offset_mapping,
         "offset_mapping_error": be.offset_mapping_error,
@@ -153,9 +145,7 @@ def main():
         "base_tokens": a.base_tokens,
         "cases": cases,
     }
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    results.write(a.out, result)
 
 
 if __name__ == "__main__":

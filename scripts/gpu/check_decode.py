@@ -14,15 +14,12 @@ a first look at where the kernels stand.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 
 import torch
 import triton
 
+from sglang_elastic import results
 from sglang_elastic.kernels.decode_attention import split_kv_decode, work_queue_decode
 
 HQ, HKV, D, PAGE, POOL = 32, 8, 128, 16, 1 << 20
@@ -89,19 +86,13 @@ def main():
             row[f"{label}_tbps"] = kv_bytes / (us * 1e-6) / 1e12
         rows.append(row)
         print(f"{name:24s} split {row['split_us']:8.1f} us ({row['split_tbps']:.2f} TB/s, err {row['split_rel_err']:.1e}) | queue {row['work_queue_us']:8.1f} us ({row['work_queue_tbps']:.2f} TB/s, err {row['work_queue_rel_err']:.1e})", flush=True)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     res = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": os.environ.get("SGLANG_ELASTIC_COMMIT", "unknown"),
-        "command": "python scripts/gpu/check_decode.py " + " ".join(sys.argv[1:]),
+        **results.header(),
         "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page_size": PAGE, "dtype": "bfloat16"},
         "note": "do_bench median; eager launches (no CUDA graph); includes the merge kernel and the GPU-side chunk/item computation",
         "cases": rows,
     }
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    results.write(a.out, res)
     if any(r[f"{l}_rel_err"] > 1e-2 for r in rows for l in ("split", "work_queue")):
         sys.exit(1)
 

@@ -14,17 +14,14 @@ the host; repeats for several cycles, timing withdraw + migrate + reclaim.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import types
 
 import torch
 
+from sglang_elastic import results
 from sglang_elastic.pool import ElasticMHATokenToKVPool, ElasticPagedTokenToKVPoolAllocator, relocate_kv
 from sglang_elastic.vmm.cuda import CudaBackend
 
@@ -80,12 +77,8 @@ def main():
         alloc.free(hold)
         alloc.free(dst_tok)
         print(f"cycle {c}: migrated {dst_tok.numel()} tokens x {L} layers, K/V identical: {ok}, withdraw+migrate+reclaim {vacate_ms[-1]:.2f} ms", flush=True)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     res = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "commit": os.environ.get("SGLANG_ELASTIC_COMMIT", "unknown"),
-        "command": "python scripts/gpu/check_pool.py " + " ".join(sys.argv[1:]),
+        **results.header(),
         "shape": {"layers": L, "kv_heads": H, "head_dim": D, "page_size": P, "dtype": "bfloat16"},
         "base_tokens": arena.base_tokens,
         "elastic_tokens": arena.max_elastic_tokens,
@@ -95,9 +88,7 @@ def main():
         "cycles": cycles,
     }
     pool._clear_buffers()
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    results.write(a.out, res)
     if not ok_all:
         sys.exit(1)
 

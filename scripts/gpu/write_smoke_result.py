@@ -1,28 +1,9 @@
 """Assemble docs/results/serve_smoke_h200.json from /server_info and bench_serving's JSONL."""
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 
-
-def gpu_name() -> str:
-    try:
-        out = subprocess.check_output(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], text=True)
-        return "; ".join(line.strip() for line in out.strip().splitlines())
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def commit() -> str:
-    env = os.environ.get("SGLANG_ELASTIC_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from sglang_elastic import results
 
 
 def main() -> None:
@@ -38,10 +19,7 @@ def main() -> None:
     elastic = info.get("sglang_elastic") or {}
     ok = int(bench["completed"])
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu_name(),
-        "commit": commit(),
-        "command": a.command,
+        **results.header(a.command),
         "sglang_version": info.get("version"),
         "patched": bool(elastic.get("patched")),
         "sglang_elastic": elastic,
@@ -57,9 +35,7 @@ def main() -> None:
         "attention_backend": info.get("attention_backend"),
         "note": "TTFT/ITL are not measured: with --skip-tokenizer-init the stream carries output_ids, not text, which bench_serving times by.",
     }
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    results.write(a.out, result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ buffer per lend step (64 for Llama-3.1-8B) instead.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from sglang_elastic.vmm.base import VmmBackend, VmmError
 

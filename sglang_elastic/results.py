@@ -1,0 +1,48 @@
+"""GPU result files: every JSON under ``docs/results/`` starts with the same
+header (``date``, ``gpu``, ``commit``, ``command``) so a number can be traced
+to the code and the command that produced it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict, Optional
+
+
+def gpu_name() -> str:
+    """``nvidia-smi``'s name, memory and driver of every GPU, or "unknown"."""
+    try:
+        out = subprocess.check_output(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], text=True)
+        return "; ".join(line.strip() for line in out.strip().splitlines())
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def commit() -> str:
+    """``SGLANG_ELASTIC_COMMIT`` (the device host has no .git), else ``git rev-parse HEAD``."""
+    env = os.environ.get("SGLANG_ELASTIC_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def header(command: Optional[str] = None) -> Dict[str, Any]:
+    """``{date, gpu, commit, command}``; command defaults to this script's argv."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu_name(),
+        "commit": commit(),
+        "command": command or "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
+def write(path: str, result: Dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
