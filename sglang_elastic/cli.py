@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
     patch = sub.add_parser("patch", help="apply, revert, inspect the SGLang 0.5.17 patch series")
     psub = patch.add_subparsers(dest="op", required=True)
-    for op, hlp in (("status", "per patch: pristine / applied / foreign changes"), ("apply", "apply the whole series, or nothing"), ("revert", "restore the wheel's files byte for byte")):
+    for op, hlp in (("status", "per patch: pristine / applied / partially applied / foreign changes"), ("apply", "apply the whole series, or nothing"), ("revert", "restore the wheel's files byte for byte")):
         _add_dir(psub.add_parser(op, help=hlp))
     bw = psub.add_parser("build-wheel", help="write a patched sglang-0.5.17+elastic<N> wheel")
     bw.add_argument("--out", type=Path, required=True)
@@ -48,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     mf.add_argument("--wheel", type=Path, required=True)
     mf.add_argument("--out", type=Path, default=None)
 
-    sv = sub.add_parser("serve", allow_abbrev=False, help="start the patched SGLang server on an embedded model shape (extra flags go to SGLang)")
-    sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config (default: llama-3.1-8b)")
+    sv = sub.add_parser(
+        "serve", allow_abbrev=False, help="start the patched SGLang server on an embedded model shape (extra flags go to SGLang)",
+        description="Start python -m sglang.launch_server on the patched SGLang. Every flag not listed here is passed to SGLang unchanged and overrides our defaults (see the README).",
+    )
+    sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config: llama-3.1-8b (default), qwen2.5-32b, llama-3.1-70b (needs --tp >= 2 on an H200)")
     sv.add_argument("--dry-run", action="store_true", help="print the launch_server command and exit")
     sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
     return ap

@@ -69,7 +69,8 @@ class ElasticKVConfig:
             raise ConfigError(f"--elastic-kv-lend-after-steps must be >= 1, not {self.lend_after_steps}")
         if self.margin_mb < 0:
             raise ConfigError(f"--elastic-kv-margin-mb must be >= 0, not {self.margin_mb}")
-        if not self.enabled and (self.mode != "dynamic" or self.lend_bytes is not None or self.step_mb):
+        defaults = ElasticKVConfig.__dataclass_fields__
+        if not self.enabled and any(getattr(self, f) != defaults[f].default for f in ("mode", "lend_bytes", "step_mb", "lend_after_steps", "margin_mb")):
             raise ConfigError("--elastic-kv-* flags need --enable-elastic-kv")
 
     def to_env(self) -> str:

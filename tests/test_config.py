@@ -84,3 +84,13 @@ def test_config_round_trips_through_the_environment():
     assert config.ElasticKVConfig.from_env(cfg.to_env()) == cfg
     with pytest.raises(config.ConfigError, match="not a valid sglang-elastic config"):
         config.ElasticKVConfig.from_env('{"enabled": true, "colour": "red"}')
+
+
+@pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-step-mb", "64")])
+def test_every_elastic_flag_needs_the_enable_flag(flag, value):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    with pytest.raises(config.ConfigError, match="need --enable-elastic-kv"):
+        config.from_namespace(p.parse_args([flag, value]))
