@@ -26,7 +26,7 @@ from sglang_elastic.vmm import HostBackend
 HEADS, DIM, LAYERS = 2, 64, 3  # 256 B per row in bf16: the quantum is 16 tokens at 4 KiB granules
 
 
-def make_pool(page_size: int, base=64, elastic=128, step=32, offset_mapping=True):
+def make_pool(page_size: int, base=64, elastic=128, step=32, offset_mapping=True, need_sort=False):
     """A small pool, so that random allocations spill into the lent range and
     reclaims must migrate or retract. ``offset_mapping=False`` is the H200's
     case: one handle per buffer per step."""
@@ -37,7 +37,7 @@ def make_pool(page_size: int, base=64, elastic=128, step=32, offset_mapping=True
         device="cpu", enable_memory_saver=False, enable_alt_stream=False,
     )
     cls = ElasticTokenToKVPoolAllocator if page_size == 1 else ElasticPagedTokenToKVPoolAllocator
-    return be, pool, cls(pool, torch.bfloat16, "cpu")
+    return be, pool, cls(pool, torch.bfloat16, "cpu", need_sort=need_sort)
 
 
 def layer(i):
@@ -109,15 +109,20 @@ def test_lend_grows_admission_capacity_and_withdraw_returns_in_use_ids(page_size
         pool._clear_buffers()
 
 
-@pytest.mark.parametrize("page_size,offset_mapping", [(1, True), (16, True), (16, False)])
+@pytest.mark.parametrize(
+    "page_size,offset_mapping,need_sort",
+    [(1, True, False), (16, True, False), (16, False, False), (1, False, True), (16, True, True)],
+    ids=["p1", "p16", "p16-handle-per-buffer", "p1-need-sort", "p16-need-sort"],
+)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, offset_mapping, data):
+def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, offset_mapping, need_sort, data):
     """Property: across any sequence of alloc / free / lend / reclaim (with
     migration into the base, or retraction when the base is full), no id is
     owned twice, owned and free ids partition the backed ids, the allocator's
     accounting matches, and every live token keeps its K/V bytes."""
-    be, pool, alloc = make_pool(page_size, offset_mapping=offset_mapping)
+    # need_sort: SGLang's PD-disaggregation mode, frees go to release_pages
+    be, pool, alloc = make_pool(page_size, offset_mapping=offset_mapping, need_sort=need_sort)
     a = pool.arena
     owners = {}  # request id -> int64 token ids it owns
     kv = {}  # token id -> (k rows per layer, v rows per layer)
