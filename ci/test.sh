@@ -10,7 +10,9 @@ venv=${SGLANG_ELASTIC_VENV:-.venv}
 py=${PYTHON:-python3}
 uv_pin="uv==0.13.9"
 
-command -v uv >/dev/null 2>&1 || "$py" -m pip install -q "$uv_pin"
+# uv through its Python module: no reliance on a shim being on PATH.
+"$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install -q "$uv_pin"
+uv() { "$py" -m uv "$@"; }
 [ -x "$venv/bin/python" ] || uv venv -q --seed -p "$py" "$venv"
 export VIRTUAL_ENV=$PWD/$venv
 # SGLang's own dependency list pulls GPU-only packages: take it without deps,
