@@ -14,12 +14,13 @@ uv_pin="uv==0.13.9"
 "$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install -q "$uv_pin"
 uv() { "$py" -m uv "$@"; }
 [ -x "$venv/bin/python" ] || uv venv -q --seed -p "$py" "$venv"
-export VIRTUAL_ENV=$PWD/$venv
+vpy=$PWD/$venv/bin/python
 # SGLang's own dependency list pulls GPU-only packages: take it without deps,
-# then exactly the runtime packages it imports on CPU.
-uv pip install -q --no-deps sglang==0.5.17 flashinfer-python==0.6.15.post1
-uv pip install -q -c ci/constraints-cpu.txt -r ci/requirements-cpu.txt
-uv pip install -q --no-deps -e .
+# then exactly the runtime packages it imports on CPU. (-p: uv run as a module
+# would otherwise target the interpreter that runs it.)
+uv pip install -q -p "$vpy" --no-deps sglang==0.5.17 flashinfer-python==0.6.15.post1
+uv pip install -q -p "$vpy" -c ci/constraints-cpu.txt -r ci/requirements-cpu.txt
+uv pip install -q -p "$vpy" --no-deps -e .
 # The PyPI sglang-0.5.17 wheel, for the build-wheel tests (kept between runs).
 mkdir -p .cache/wheels
 ls .cache/wheels/sglang-0.5.17-*.whl >/dev/null 2>&1 || \
