@@ -20,7 +20,6 @@ reserve-then-map pool; in-tree starting point SGLang's grow-only
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Any, List, Optional, Sequence
@@ -38,12 +37,6 @@ def token_quantum(row_bytes: Sequence[int], granularity: int, page_size: int = 1
     for r in row_bytes:
         q = math.lcm(q, granularity // math.gcd(granularity, r))
     return q
-
-
-@dataclasses.dataclass
-class _Step:
-    handle: Optional[Any]  # one handle mapped at offsets into every buffer
-    per_buffer: Optional[List[Any]]  # or one handle per buffer (no offset mapping)
 
 
 class ElasticArena:
@@ -88,11 +81,12 @@ class ElasticArena:
         for s in self.spans:
             self.buffer_va.append(self.va + off)
             off += s
-        self._steps: List[_Step] = []
-        self._base: List[Any] = []
+        # Each lent step is the list of handles backing it: one mapped at
+        # offsets into every buffer, or one per buffer without offset mapping.
+        self._steps: List[List[Any]] = []
         self._stale: List[tuple] = []  # (va, size) whose unmap failed: retried by close()
         try:
-            self._map_range(self.base_tokens, 0, self._base)
+            self._base = self._map_range(self.base_tokens, 0)
         except BaseException:
             self.backend.free_va(self.va, self.total_va)
             raise
@@ -125,8 +119,9 @@ class ElasticArena:
 
     # -- mapping ----------------------------------------------------------
 
-    def _map_range(self, ntok: int, tok0: int, handles_out: List[Any]) -> Any:
-        """Back tokens ``[tok0, tok0+ntok)`` of every buffer; all or nothing."""
+    def _map_range(self, ntok: int, tok0: int) -> List[Any]:
+        """Back tokens ``[tok0, tok0+ntok)`` of every buffer, all or nothing;
+        returns the handles created for it."""
         be = self.backend
         sizes = [ntok * r for r in self.row_bytes]
         mapped: List[int] = []
@@ -158,7 +153,6 @@ class ElasticArena:
                 except VmmError:
                     logger.exception("release during rollback failed")
             raise
-        handles_out.extend(created)
         return created
 
     def _unmap_range(self, ntok: int, tok0: int, handles: Sequence[Any]) -> None:
@@ -197,14 +191,12 @@ class ElasticArena:
         want = self.max_steps - self.lent_steps if steps is None else min(steps, self.max_steps - self.lent_steps)
         done = 0
         for _ in range(max(want, 0)):
-            handles: List[Any] = []
             try:
-                self._map_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles)
+                self._steps.append(self._map_range(self.step_tokens, self.base_tokens + self.lent_tokens))
             except VmmError as e:
                 if not e.out_of_memory:
                     self.lending_disabled = True
                 raise
-            self._steps.append(_Step(handles[0] if self.backend.supports_offset_mapping else None, None if self.backend.supports_offset_mapping else handles))
             done += 1
         return done
 
@@ -224,8 +216,7 @@ class ElasticArena:
             self.backend.synchronize()
         first: Optional[BaseException] = None
         for _ in range(n):
-            st = self._steps.pop()
-            handles = [st.handle] if st.handle is not None else list(st.per_buffer or [])
+            handles = self._steps.pop()
             try:
                 self._unmap_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles)
             except VmmError as e:
