@@ -20,6 +20,7 @@ from sglang_elastic.pool import (
     ElasticTokenToKVPoolAllocator,
     relocate_kv,
     tensor_at,
+    unit_tokens,
 )
 from sglang_elastic.vmm import HostBackend
 
@@ -198,7 +199,7 @@ def test_random_alloc_free_lend_reclaim_keeps_ownership_and_kv_bytes(page_size, 
             assert owned.numel() == 0 or (int(owned.min()) >= page_size and int(owned.max()) < top_tok)
             free_units = torch.cat((alloc.free_pages, alloc.release_pages))
             assert free_units.unique().numel() == free_units.numel(), "a free id is listed twice"
-            free_tok = free_units if page_size == 1 else (free_units[:, None] * page_size + torch.arange(page_size)).flatten()
+            free_tok = unit_tokens(free_units, page_size)
             assert not (set(free_tok.tolist()) & set(owned.tolist())), "an owned token is on the free list"
             assert set(free_tok.tolist()) | set(owned.tolist()) == set(range(page_size, top_tok)), "ids leaked"
             assert alloc.available_size() + owned.numel() == alloc.size == top_tok - page_size
@@ -234,7 +235,7 @@ def test_reclaim_migrates_into_free_base_ids_and_says_when_there_are_none(page_s
         assert units.tolist() == want_units.tolist()
         dst = relocate_kv(pool, alloc, units)
         assert dst is not None and int(dst.max()) < a.base_tokens // page_size
-        dst_tok = dst if page_size == 1 else (dst[:, None] * page_size + torch.arange(page_size)).flatten()
+        dst_tok = unit_tokens(dst, page_size)
         for l in range(LAYERS):
             assert torch.equal(pool.get_key_buffer(l)[dst_tok], k * (l + 1))
             assert torch.equal(pool.get_value_buffer(l)[dst_tok], v * (l + 1))

@@ -22,7 +22,7 @@ import types
 import torch
 
 from sglang_elastic import results
-from sglang_elastic.pool import ElasticMHATokenToKVPool, ElasticPagedTokenToKVPoolAllocator, relocate_kv
+from sglang_elastic.pool import ElasticMHATokenToKVPool, ElasticPagedTokenToKVPoolAllocator, relocate_kv, unit_tokens
 from sglang_elastic.vmm.cuda import CudaBackend
 
 
@@ -70,7 +70,7 @@ def main():
         alloc.end_vacate()
         t1 = time.perf_counter()
         vacate_ms.append((t1 - t0) * 1e3)
-        dst_tok = (dst[:, None] * P + torch.arange(P, device="cuda")).flatten()
+        dst_tok = unit_tokens(dst, P)
         ok = all(torch.equal(pool.get_key_buffer(l)[dst_tok].cpu(), ref[l][0]) and torch.equal(pool.get_value_buffer(l)[dst_tok].cpu(), ref[l][1]) for l in range(L))
         ok_all &= ok
         cycles.append({"migrated_tokens": int(dst_tok.numel()), "ok": ok, "vacate_ms": vacate_ms[-1]})

@@ -10,10 +10,11 @@ from sglang_elastic.pool.kv_pool import (
     ElasticPagedTokenToKVPoolAllocator,
     ElasticTokenToKVPoolAllocator,
     relocate_kv,
+    unit_tokens,
 )
 from sglang_elastic.pool.tensor import tensor_at
 
-__all__ = ["ElasticMHATokenToKVPool", "ElasticPagedTokenToKVPoolAllocator", "ElasticTokenToKVPoolAllocator", "relocate_kv", "tensor_at"]
+__all__ = ["ElasticMHATokenToKVPool", "ElasticPagedTokenToKVPoolAllocator", "ElasticTokenToKVPoolAllocator", "relocate_kv", "tensor_at", "unit_tokens"]
 from sglang_elastic.pool.vacate import evict_above, iter_nodes, remap_ids, remap_tree  # noqa: E402
 
 __all__ += ["evict_above", "iter_nodes", "remap_ids", "remap_tree"]

@@ -236,6 +236,14 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVP
         super()._release_page_ids(*(self._drop_vacated(p) for p in page_ids))
 
 
+def unit_tokens(units: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token ids of allocator units: the ids themselves for page size 1, every
+    slot of each page (``page * page_size + [0, page_size)``) otherwise."""
+    if page_size == 1:
+        return units
+    return (units[:, None] * page_size + torch.arange(page_size, device=units.device)).flatten()
+
+
 def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin, src: torch.Tensor) -> Optional[torch.Tensor]:
     """Move the K/V of the in-use ids ``src`` (from :meth:`withdraw`) into
     freshly allocated ids below the lent top, for every layer.
@@ -260,12 +268,6 @@ def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin
     dst = allocator.alloc(n * p)
     if dst is None:
         return None
-    if p == 1:
-        src_tok, dst_tok, dst_units = src, dst, dst
-    else:
-        offs = torch.arange(p, device=src.device)
-        src_tok = (src[:, None] * p + offs).flatten()
-        dst_tok = dst
-        dst_units = dst[::p] // p
-    move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst_tok, src_tok)
-    return dst_units
+    # alloc returns token ids; for pages they come page by page
+    move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, unit_tokens(src, p))
+    return dst if p == 1 else dst[::p] // p
