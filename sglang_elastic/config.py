@@ -18,8 +18,11 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   a long prompt: warned at start-up); ``off`` builds the pool but never lends.
 - ``--elastic-kv-lend-bytes N``: bytes to lend (suffixes K/M/G/KiB/MiB/GiB
   accepted; default: measured after CUDA-graph capture).
-- ``--elastic-kv-step-mb N``: MiB per per-layer buffer in one lend/reclaim
-  step (default 0: the whole reserve in one step).
+- ``--elastic-kv-handle-mb N``: MiB of one physical handle, i.e. of one
+  per-layer K or V buffer's slice of a lend/reclaim step (default 0: the whole
+  reserve in one step, one handle per buffer). The H200's driver cannot map
+  one handle at offsets into several buffers, so a step takes one handle per
+  buffer (64 for Llama-3.1-8B): fewer, larger steps are faster.
 - ``--elastic-kv-lend-after-steps N``: decode-only steps in a row before
   lending (hysteresis, default 32).
 - ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
@@ -39,9 +42,6 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_ELASTIC_CONFIG"
-#: Whether ``--enable-elastic-kv`` builds the elastic pool inside SGLang. Until
-#: the scheduler integration lands, enabling it is refused at start-up.
-POOL_WIRED = False
 MODES = ("dynamic", "always-lent", "off")
 
 
@@ -54,7 +54,7 @@ class ElasticKVConfig:
     enabled: bool = False
     mode: str = "dynamic"
     lend_bytes: Optional[int] = None  # None: measured after CUDA-graph capture
-    step_mb: int = 0
+    handle_mb: int = 0
     lend_after_steps: int = 32
     margin_mb: int = 1024
 
@@ -63,14 +63,14 @@ class ElasticKVConfig:
             raise ConfigError(f"--elastic-kv-mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.lend_bytes is not None and self.lend_bytes <= 0:
             raise ConfigError(f"--elastic-kv-lend-bytes must be positive, not {self.lend_bytes}")
-        if self.step_mb < 0:
-            raise ConfigError(f"--elastic-kv-step-mb must be >= 0, not {self.step_mb}")
+        if self.handle_mb < 0:
+            raise ConfigError(f"--elastic-kv-handle-mb must be >= 0, not {self.handle_mb}")
         if self.lend_after_steps < 1:
             raise ConfigError(f"--elastic-kv-lend-after-steps must be >= 1, not {self.lend_after_steps}")
         if self.margin_mb < 0:
             raise ConfigError(f"--elastic-kv-margin-mb must be >= 0, not {self.margin_mb}")
         defaults = ElasticKVConfig.__dataclass_fields__
-        if not self.enabled and any(getattr(self, f) != defaults[f].default for f in ("mode", "lend_bytes", "step_mb", "lend_after_steps", "margin_mb")):
+        if not self.enabled and any(getattr(self, f) != defaults[f].default for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb")):
             raise ConfigError("--elastic-kv-* flags need --enable-elastic-kv")
 
     def to_env(self) -> str:
@@ -101,7 +101,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-elastic-kv", action="store_true", help="Build the elastic (CUDA VMM) KV pool: lend the prefill reserve to the KV cache while only decodes run.")
     g.add_argument("--elastic-kv-mode", choices=MODES, default="dynamic", help="dynamic: lend/reclaim as the batch needs; always-lent: lend at start, never reclaim (reproduces the OOM of a committed reserve); off: never lend.")
     g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
-    g.add_argument("--elastic-kv-step-mb", type=int, default=0, help="MiB per per-layer buffer in one lend/reclaim step (0: the whole reserve at once).")
+    g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes.")
 
@@ -112,10 +112,44 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
         mode=getattr(ns, "elastic_kv_mode", "dynamic"),
         lend_bytes=getattr(ns, "elastic_kv_lend_bytes", None),
-        step_mb=getattr(ns, "elastic_kv_step_mb", 0),
+        handle_mb=getattr(ns, "elastic_kv_handle_mb", 0),
         lend_after_steps=getattr(ns, "elastic_kv_lend_after_steps", 32),
         margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
     )
+
+
+#: SGLang features the elastic pool does not support: (flag, test on its value).
+_UNSUPPORTED = (
+    ("--speculative-algorithm", lambda v: v is not None),
+    ("--enable-hierarchical-cache", bool),
+    ("--enable-hisparse", bool),
+    ("--enable-lmcache", bool),
+    ("--enable-flexkv", bool),
+    ("--disaggregation-mode", lambda v: v not in (None, "null")),
+    ("--pp-size", lambda v: (v or 1) > 1),
+    ("--dcp-size", lambda v: (v or 1) > 1),
+    ("--enable-dp-attention", bool),
+    ("--enable-page-major-kv-layout", bool),
+    ("--enable-unified-memory", bool),
+    ("--enable-memory-saver", bool),
+    ("--kv-cache-dtype", lambda v: v in ("fp4_e2m1", "mxfp8")),
+)
+
+
+def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
+    """Refuse SGLang features the elastic pool does not support, at start-up.
+
+    Raises:
+        ConfigError: naming the first conflicting flag.
+    """
+    if not cfg.enabled:
+        return
+    for flag, bad in _UNSUPPORTED:
+        v = getattr(ns, flag[2:].replace("-", "_"), None)
+        if bad(v):
+            raise ConfigError(f"--enable-elastic-kv does not support {flag} {v!r} (the elastic pool is SGLang's plain MHA pool on one device, no spec decoding, no host-cache tiers)")
+    if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").lower() in ("1", "true", "yes"):
+        raise ConfigError("--enable-elastic-kv and SGLANG_ENABLE_POST_CAPTURE_KV_SIZING both size the KV pool after CUDA-graph capture: use one")
 
 
 def publish(cfg: ElasticKVConfig) -> None:

@@ -41,6 +41,14 @@ def load() -> None:
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.BEFORE)
+    from sglang_elastic import config
+
+    # Scheduler processes inherit the launcher's parsed config (SGLANG_ELASTIC_CONFIG).
+    if config.current().enabled:
+        from sglang_elastic.sched import hooks
+
+        hooks.register()
+        _features.append("elastic-kv")
     logger.info("sglang-elastic %s plugin loaded (features: %s)", __version__, ", ".join(_features) or "none")
 
 
@@ -56,14 +64,9 @@ def _from_cli_args(cls, ns, *args, **kwargs):
 
     try:
         cfg = config.from_namespace(ns)
+        config.check_server_args(cfg, ns)
     except config.ConfigError as e:
         raise SystemExit(f"sglang-elastic: {e}") from None
-    if cfg.enabled and not config.POOL_WIRED:
-        raise SystemExit(
-            "sglang-elastic: --enable-elastic-kv is parsed but the elastic pool is not wired into "
-            "SGLang's server yet (sglang_elastic.pool exists; the scheduler integration does not): "
-            "start without it rather than silently on the stock pool"
-        )
     config.publish(cfg)
     return None
 
@@ -94,5 +97,11 @@ def server_info(server_args: Any = None) -> Dict[str, Any]:
         "patched": patchset.overall(st) is patchset.State.APPLIED,
         "series": {s.name: s.state.value for s in st},
         "plugin_loaded": _loaded,
-        "features": list(_features),
+        "features": list(_features) or (["elastic-kv"] if _elastic_enabled() else []),
     }
+
+
+def _elastic_enabled() -> bool:
+    from sglang_elastic import config
+
+    return config.current().enabled

@@ -30,11 +30,25 @@ def launch_args(*flags):
     return r, cfg
 
 
-def test_flags_join_sglangs_parser_and_enabling_is_refused_until_the_pool_is_wired():
-    r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-step-mb", "128")
-    assert config.POOL_WIRED is False  # flip this test when the scheduler integration lands
+def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes():
+    r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024}
+    assert f"MODEL {MODEL}" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--speculative-algorithm", "NGRAM"], "does not support --speculative-algorithm 'NGRAM'"),
+        (["--enable-hierarchical-cache"], "does not support --enable-hierarchical-cache True"),
+        (["--pp-size", "2"], "does not support --pp-size 2"),
+    ],
+)
+def test_unsupported_sglang_features_are_refused_at_start_up(flags, message):
+    r, cfg = launch_args("--enable-elastic-kv", *flags)
     assert r.returncode != 0 and cfg is None
-    assert "--enable-elastic-kv is parsed but the elastic pool is not wired" in r.stderr and "Traceback" not in r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_published_config_reaches_child_processes(monkeypatch):
@@ -42,12 +56,12 @@ def test_published_config_reaches_child_processes(monkeypatch):
 
     p = argparse.ArgumentParser()
     config.add_cli_args(p)
-    cfg = config.from_namespace(p.parse_args(["--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-step-mb", "128"]))
-    assert cfg == config.ElasticKVConfig(enabled=True, mode="always-lent", lend_bytes=8 << 30, step_mb=128, lend_after_steps=32, margin_mb=1024)
+    cfg = config.from_namespace(p.parse_args(["--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128"]))
+    assert cfg == config.ElasticKVConfig(enabled=True, mode="always-lent", lend_bytes=8 << 30, handle_mb=128, lend_after_steps=32, margin_mb=1024)
     monkeypatch.delenv(config.ENV, raising=False)
     config.publish(cfg)
     out = subprocess.run([sys.executable, "-c", "from sglang_elastic import config; print(config.current())"], capture_output=True, text=True)
-    assert "ElasticKVConfig(enabled=True, mode='always-lent', lend_bytes=8589934592, step_mb=128" in out.stdout
+    assert "ElasticKVConfig(enabled=True, mode='always-lent', lend_bytes=8589934592, handle_mb=128" in out.stdout
 
 
 def test_without_the_flag_nothing_is_enabled():
@@ -80,13 +94,13 @@ def test_parse_bytes(text, value):
 
 
 def test_config_round_trips_through_the_environment():
-    cfg = config.ElasticKVConfig(enabled=True, mode="off", lend_bytes=123, step_mb=2, lend_after_steps=5, margin_mb=0)
+    cfg = config.ElasticKVConfig(enabled=True, mode="off", lend_bytes=123, handle_mb=2, lend_after_steps=5, margin_mb=0)
     assert config.ElasticKVConfig.from_env(cfg.to_env()) == cfg
     with pytest.raises(config.ConfigError, match="not a valid sglang-elastic config"):
         config.ElasticKVConfig.from_env('{"enabled": true, "colour": "red"}')
 
 
-@pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-step-mb", "64")])
+@pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-handle-mb", "64")])
 def test_every_elastic_flag_needs_the_enable_flag(flag, value):
     import argparse
 

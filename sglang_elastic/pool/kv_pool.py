@@ -45,6 +45,8 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
             to the arena's token quantum, a multiple of ``page_size``).
         max_elastic_tokens: most rows that can be lent on top.
         step_tokens: rows per lend/reclaim step (default: one step).
+        round_base_up: back ``base_tokens`` rounded up to the arena's quantum
+            (the server: the allocator then hands out exactly SGLang's count).
         *args, **kwargs: ``MHATokenToKVPool``'s, without ``size`` (derived).
 
     Shapes: ``k_buffer[l]`` is ``[base + max_elastic, head_num, head_dim]`` of
@@ -57,7 +59,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         VmmError: when the arena cannot be reserved or its base backed.
     """
 
-    def __init__(self, *args, backend: VmmBackend, base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, **kwargs):
+    def __init__(self, *args, backend: VmmBackend, base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, round_base_up: bool = False, **kwargs):
         if "size" in kwargs:
             raise TypeError("ElasticMHATokenToKVPool derives size from base_tokens and max_elastic_tokens")
         self._elastic_spec = (backend, base_tokens, max_elastic_tokens, step_tokens)
@@ -72,7 +74,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         head_dim = kwargs.get("swa_head_dim") or kwargs["head_dim"]
         v_head_dim = kwargs.get("swa_v_head_dim") or kwargs.get("v_head_dim") or head_dim
         rows = [head_num * head_dim * store_bytes] * layers + [head_num * v_head_dim * store_bytes] * layers
-        self.arena = ElasticArena(backend, rows, base_tokens, max_elastic_tokens, step_tokens, page_size=page_size)
+        self.arena = ElasticArena(backend, rows, base_tokens, max_elastic_tokens, step_tokens, page_size=page_size, round_base_up=round_base_up)
         # The tensors do not own the arena's memory: the pool does, for its
         # whole life (SGLang keeps the pool as long as the server runs). A
         # tensor kept past the pool's end points at freed memory.
@@ -110,12 +112,22 @@ class _ElasticAllocatorMixin:
     """Lend/withdraw on top of an SGLang allocator whose ids are ``unit``-sized
     (tokens for page size 1, pages otherwise)."""
 
-    def _init_elastic(self, pool: ElasticMHATokenToKVPool) -> None:
+    def _init_elastic(self, pool: ElasticMHATokenToKVPool, base_tokens: Optional[int]) -> int:
+        """Returns the base ids' count, padding page included."""
         self.arena = pool.arena
         self._lent_tokens = 0
+        # Ids [page_size, usable_base) are the base; lent ids start at the
+        # arena's (quantum-aligned) base, so rows in between stay unused.
+        usable = pool.arena.base_tokens if base_tokens is None else base_tokens
+        if usable % pool.page_size or not pool.page_size < usable <= pool.arena.base_tokens:
+            raise ValueError(f"base_tokens {usable} must be a page multiple in ({pool.page_size}, {pool.arena.base_tokens}]")
+        self.usable_base_tokens = usable
         # Between withdraw() and end_vacate(): frees of ids at or above this
-        # unit are dropped (they are being unmapped), not put back on a list.
+        # unit are dropped (they are being unmapped), not put back on a list,
+        # and recorded so still_in_use() can tell the vacate what is left.
         self._vacate_top: Optional[int] = None
+        self._dropped: list = []
+        return usable
 
     def _check_tokens(self, what: str, lent_tokens: int) -> None:
         if lent_tokens < 0 or lent_tokens % self.page_size:
@@ -125,7 +137,17 @@ class _ElasticAllocatorMixin:
         """Units below the vacate top (all of them outside a vacate)."""
         if self._vacate_top is None or units.numel() == 0:
             return units
-        return units[units < self._vacate_top]
+        keep = units < self._vacate_top
+        self._dropped.append(units[~keep])
+        return units[keep]
+
+    def still_in_use(self, units: torch.Tensor) -> torch.Tensor:
+        """``units`` (from :meth:`withdraw`) less those freed since (their
+        owner finished, was evicted or retracted during the vacate)."""
+        if not self._dropped or units.numel() == 0:
+            return units
+        gone = torch.cat(self._dropped)
+        return units[~torch.isin(units, gone)]
 
     # unit conversion (token ids for page size 1, page ids otherwise)
     def _units(self, tokens: int) -> int:
@@ -139,10 +161,20 @@ class _ElasticAllocatorMixin:
     def lent_tokens(self) -> int:
         return self._lent_tokens
 
-    def _set_size(self, tokens_backed: int) -> None:
-        self.size = tokens_backed - self.page_size
+    def _set_size(self, lent_tokens: int) -> None:
+        self.size = self.usable_base_tokens - self.page_size + lent_tokens
         if hasattr(self, "num_pages"):
             self.num_pages = self.size // self.page_size
+
+    def clear(self):
+        """SGLang's ``clear`` (every id free: ``flush_cache``), keeping the lent ids."""
+        lent = self._lent_tokens
+        self._set_size(0)
+        super().clear()
+        self._set_size(lent)
+        if lent:
+            lo, hi = self._units(self.base_tokens), self._units(self.base_tokens + lent)
+            self.free_pages = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
 
     def lend(self, lent_tokens: int) -> torch.Tensor:
         """Append the ids of ``[base + lent_now, base + lent_tokens)`` to the
@@ -159,7 +191,7 @@ class _ElasticAllocatorMixin:
         new = torch.arange(lo, hi, dtype=torch.int64, device=self.device)
         self.free_pages = torch.cat((self.free_pages, new))
         self._lent_tokens = lent_tokens
-        self._set_size(self.base_tokens + lent_tokens)
+        self._set_size(lent_tokens)
         return new
 
     def withdraw(self, lent_tokens: int) -> torch.Tensor:
@@ -189,7 +221,7 @@ class _ElasticAllocatorMixin:
         in_use = torch.ones(old_top - top, dtype=torch.bool, device=self.device)
         in_use[freed_above - top] = False
         self._lent_tokens = lent_tokens
-        self._set_size(self.base_tokens + lent_tokens)
+        self._set_size(lent_tokens)
         self._vacate_top = top if self._vacate_top is None else min(self._vacate_top, top)
         return torch.nonzero(in_use).flatten().to(torch.int64) + top
 
@@ -197,6 +229,7 @@ class _ElasticAllocatorMixin:
         """Close the vacate window opened by :meth:`withdraw`: call it once the
         arena has reclaimed (no id at or above the top is held any more)."""
         self._vacate_top = None
+        self._dropped = []
 
 
 class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocator):
@@ -207,9 +240,9 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
     last and fewer of them need migrating on a reclaim.
     """
 
-    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
-        self._init_elastic(pool)
-        super().__init__(pool.arena.base_tokens - 1, dtype, device, pool, need_sort)
+    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False, base_tokens: Optional[int] = None):
+        base = self._init_elastic(pool, base_tokens)
+        super().__init__(base - 1, dtype, device, pool, need_sort)
 
     def free(self, free_index: torch.Tensor):
         if free_index.numel() == 0:
@@ -227,9 +260,9 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocatorMixin, TokenToKVPoolAllocat
 class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
     """SGLang's paged allocator (``page_size > 1``) over an elastic pool; ids are page ids."""
 
-    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False):
-        self._init_elastic(pool)
-        super().__init__(pool.arena.base_tokens - pool.page_size, pool.page_size, dtype, device, pool, need_sort)
+    def __init__(self, pool: ElasticMHATokenToKVPool, dtype: torch.dtype, device: str, need_sort: bool = False, base_tokens: Optional[int] = None):
+        base = self._init_elastic(pool, base_tokens)
+        super().__init__(base - pool.page_size, pool.page_size, dtype, device, pool, need_sort)
 
     def _release_page_ids(self, *page_ids: torch.Tensor):
         # Every paged free path (free, free_segment, free_group_end) ends here.

@@ -77,38 +77,46 @@ def iter_nodes(tree) -> Iterator:
         stack.extend(node.children.values())
 
 
+def _reaching(values, top_tok: int):
+    """Indices of the tensors in ``values`` holding an id ``>= top_tok``,
+    found with one device-to-host read for all of them."""
+    if not values:
+        return []
+    lens = torch.tensor([v.numel() for v in values])
+    flat = torch.cat([v.reshape(-1).to(torch.int64) for v in values])
+    owner = torch.repeat_interleave(torch.arange(len(values)), lens).to(flat.device)
+    hits = torch.zeros(len(values), dtype=torch.int64, device=flat.device).index_add_(0, owner, (flat >= top_tok).to(torch.int64))
+    return torch.nonzero(hits).flatten().tolist()
+
+
 def remap_tree(tree, top_tok: int, src_units: torch.Tensor, dst_units: torch.Tensor, page_size: int) -> int:
     """Rewrite ``TreeNode.value`` of every node holding ids ``>= top_tok``.
     Returns the number of nodes rewritten."""
-    n = 0
-    for node in iter_nodes(tree):
-        v = node.value
-        if v is not None and v.numel() and int(v.max()) >= top_tok:
-            node.value = remap_ids(v, top_tok, src_units, dst_units, page_size)
-            n += 1
-    return n
+    nodes = [n for n in iter_nodes(tree) if n.value is not None and n.value.numel()]
+    hit = _reaching([n.value for n in nodes], top_tok)
+    for i in hit:
+        nodes[i].value = remap_ids(nodes[i].value, top_tok, src_units, dst_units, page_size)
+    return len(hit)
 
 
 def evict_above(tree, top_tok: int) -> int:
     """Evict unlocked radix-cache leaves whose slots reach ``top_tok`` or above,
-    repeating as parents become such leaves. Must run before
-    ``allocator.withdraw`` (the freed slots go to the free list, which
-    ``withdraw`` then filters). Returns the tokens evicted.
+    repeating as parents become such leaves. Returns the tokens evicted.
 
     Uses SGLang's own eviction steps (``free_segment`` of the value,
-    ``_delete_leaf``; ``RadixCache.evict``, radix_cache.py).
+    ``_delete_leaf``; ``RadixCache.evict``, radix_cache.py). Frees of ids above
+    the top during a vacate are dropped by the allocator (they are being
+    unmapped), so this may run before or after ``allocator.withdraw``.
     """
     evicted = 0
-    changed = True
-    while changed:
-        changed = False
-        for node in list(tree.evictable_leaves):
-            v = node.value
-            if v is None or node.lock_ref > 0 or v.numel() == 0 or int(v.max()) < top_tok:
-                continue
-            tree.token_to_kv_pool_allocator.free_segment(v, start_pos=0)
-            evicted += len(v)
+    while True:
+        leaves = [n for n in tree.evictable_leaves if n.lock_ref == 0 and n.value is not None and n.value.numel()]
+        hit = _reaching([n.value for n in leaves], top_tok)
+        if not hit:
+            return evicted
+        for i in hit:
+            node = leaves[i]
+            tree.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+            evicted += len(node.value)
             tree._delete_leaf(node)
             tree._record_remove_event(node)
-            changed = True
-    return evicted

@@ -45,7 +45,9 @@ class ElasticArena:
     Args:
         backend: a :class:`VmmBackend` (CUDA or host).
         row_bytes: bytes per token of each buffer (2 x layers entries for MHA).
-        base_tokens: tokens always backed, rounded down to the token quantum.
+        base_tokens: tokens always backed, rounded down to the token quantum
+            (up with ``round_base_up``: the server's pool keeps SGLang's exact
+            token count and backs up to one quantum more).
         max_elastic_tokens: the most tokens that can be lent, rounded down to
             whole steps.
         step_tokens: tokens per lend/reclaim step (default: all of them, one
@@ -58,14 +60,14 @@ class ElasticArena:
         ValueError: on sizes that leave no base or no buffers.
     """
 
-    def __init__(self, backend: VmmBackend, row_bytes: Sequence[int], base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, page_size: int = 1):
+    def __init__(self, backend: VmmBackend, row_bytes: Sequence[int], base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, page_size: int = 1, round_base_up: bool = False):
         if not row_bytes or min(row_bytes) <= 0:
             raise ValueError("row_bytes must list at least one positive size")
         self.backend = backend
         self.row_bytes = [int(r) for r in row_bytes]
         g = backend.granularity()
         self.quantum = token_quantum(self.row_bytes, g, page_size)
-        self.base_tokens = base_tokens // self.quantum * self.quantum
+        self.base_tokens = align_up(base_tokens, self.quantum) if round_base_up else base_tokens // self.quantum * self.quantum
         if self.base_tokens <= 0:
             raise ValueError(f"base_tokens {base_tokens} is below one token quantum ({self.quantum})")
         whole = max_elastic_tokens // self.quantum * self.quantum
@@ -91,6 +93,28 @@ class ElasticArena:
             self.backend.free_va(self.va, self.total_va)
             raise
         self.lending_disabled = False
+
+    def set_steps(self, lendable_tokens: int, step_tokens: Optional[int] = None) -> int:
+        """Re-cut what can be lent: at most ``lendable_tokens`` (capped by the
+        reserved ``max_elastic_tokens``), in steps of ``step_tokens`` (default:
+        one step). The server calls this once it has measured the free memory
+        after CUDA-graph capture, before lending anything. Returns the
+        lendable tokens (whole steps).
+
+        Raises:
+            RuntimeError: while anything is lent.
+        """
+        if self._steps:
+            raise RuntimeError("set_steps while lent: reclaim first")
+        whole = max(min(lendable_tokens, self.max_elastic_tokens), 0) // self.quantum * self.quantum
+        step = min(align_up(step_tokens or max(whole, self.quantum), self.quantum), max(whole, self.quantum))
+        self.step_tokens = step
+        self.max_steps = whole // step
+        return self.max_steps * step
+
+    @property
+    def lendable_tokens(self) -> int:
+        return self.max_steps * self.step_tokens
 
     # -- geometry ---------------------------------------------------------
 

@@ -1,0 +1,297 @@
+"""Elastic KV pool on the GPU: one server per mode, the same workloads, one JSON.
+
+    # one phase per server (each starts SGLang, runs the workloads, stops it)
+    python scripts/gpu/bench_elastic.py phase --mode elastic --out $OUT/elastic.json
+    python scripts/gpu/bench_elastic.py phase --mode stock --out $OUT/stock.json
+    python scripts/gpu/bench_elastic.py phase --mode always-lent --out $OUT/always.json
+    python scripts/gpu/bench_elastic.py phase --mode elastic --tp 2 --out $OUT/tp2.json
+    # then
+    python scripts/gpu/bench_elastic.py assemble $OUT/*.json --out docs/results/elastic_h200.json
+
+``scripts/gpu/bench_elastic.sh`` runs them in order. Every server gets the same
+SGLang flags (Llama-3.1-8B shape, dummy weights with a fixed seed, FlashInfer,
+``--enable-deterministic-inference`` so greedy outputs do not depend on how
+requests happened to be batched: the elastic run's reclaims shift batch
+timing). Workloads (token ids; ``--skip-tokenizer-init``):
+
+- ``cycles``: 40 long decodes run while short requests arrive one by one; each
+  arrival makes the elastic server reclaim (migrating the decodes' lent pages),
+  and ``--elastic-kv-lend-after-steps`` decode steps later it lends again. The
+  first 64 short requests are the identity set: their greedy output ids are
+  compared with the stock server's.
+- ``burst``: 40 running decodes, then three ~62K-token prompts arrive while the
+  reserve is lent: failed requests and the prompts' TTFT (ms).
+- ``itl``: 40 requests decoding together after a lend (nothing toggling):
+  median inter-token latency (ms).
+
+Lend/reclaim latencies come from the server's own event log
+(``SGLANG_ELASTIC_EVENTS``, one JSON line per operation, scheduler-thread ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "sglang_elastic" / "models" / "llama-3.1-8b"
+VOCAB = 128256
+SEED = 1234
+
+
+def server_cmd(mode: str, tp: int, port: int) -> List[str]:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--load-format", "dummy",
+        "--skip-tokenizer-init", "--attention-backend", "flashinfer", "--sampling-backend", "pytorch",
+        "--grammar-backend", "none", "--enable-deterministic-inference", "--random-seed", "0",
+        "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--enable-metrics",
+    ]
+    if mode != "stock":
+        cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent", "--elastic-kv-lend-after-steps", "8"]
+    return cmd
+
+
+class Server:
+    def __init__(self, mode: str, tp: int, port: int, workdir: Path):
+        self.mode, self.tp, self.port, self.workdir = mode, tp, port, workdir
+        self.log = workdir / f"server_{mode}_tp{tp}.log"
+        self.events = workdir / f"events_{mode}_tp{tp}.jsonl"
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        self.events.unlink(missing_ok=True)
+        self.cmd = server_cmd(self.mode, self.tp, self.port)
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        t0 = time.time()
+        import urllib.request
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server ({self.mode}) exited during start-up; tail:\n" + self.tail())
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        self.start_s = time.time() - t0
+        print(f"[{self.mode}] up in {self.start_s:.0f}s", flush=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(open(self.log, errors="replace").readlines()[-n:])
+
+    def __exit__(self, *exc):
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except Exception:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def log_int(self, pattern: str) -> Optional[int]:
+        m = re.findall(pattern, open(self.log, errors="replace").read())
+        return int(m[-1]) if m else None
+
+    def event_list(self) -> List[Dict[str, Any]]:
+        if not self.events.exists():
+            return []
+        return [json.loads(line) for line in open(self.events) if line.strip()]
+
+
+async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None) -> Dict[str, Any]:
+    """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    stamps, out, err = [], [], None
+    try:
+        async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=1800)) as r:
+            if r.status != 200:
+                return {"ok": False, "error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    err = str(chunk["error"])[:200]
+                    continue
+                stamps.append(time.perf_counter())
+                out = chunk.get("output_ids", out)
+                fin = chunk.get("meta_info", {}).get("finish_reason")
+                if fin and fin.get("type") == "abort":
+                    err = f"aborted: {fin}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return {"ok": False, "error": repr(e)[:200]}
+    if err or len(out) != max_new:
+        return {"ok": False, "error": err or f"{len(out)} of {max_new} tokens", "output_ids": out}
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps}
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any]:
+    async with aiohttp.ClientSession() as s:
+        longs = [asyncio.create_task(generate(s, url, p, 1536)) for p in prompts(40, 1024, 1024, SEED)]
+        await asyncio.sleep(3.0)
+        shorts = []
+        for p in prompts(n_short, 64, 512, SEED + 1):
+            shorts.append(asyncio.create_task(generate(s, url, p, 32)))
+            await asyncio.sleep(gap_s)
+        short_res = await asyncio.gather(*shorts)
+        long_res = await asyncio.gather(*longs)
+    return {"identity_outputs": [r.get("output_ids") for r in short_res[:64]], "failed": sum(not r["ok"] for r in short_res + long_res),
+            "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5]}
+
+
+async def workload_burst(url: str) -> Dict[str, Any]:
+    async with aiohttp.ClientSession() as s:
+        longs = [asyncio.create_task(generate(s, url, p, 1024)) for p in prompts(40, 512, 2048, SEED + 2)]
+        await asyncio.sleep(4.0)  # decode-only long enough to lend
+        bursts = [asyncio.create_task(generate(s, url, p, 16)) for p in prompts(3, 62000, 62000, SEED + 3)]
+        b = await asyncio.gather(*bursts)
+        l = await asyncio.gather(*longs)
+    ok_ttft = [r["ttft_ms"] for r in b if r["ok"]]
+    return {"failed_requests": sum(not r["ok"] for r in b + l), "errors": [r["error"] for r in b + l if not r["ok"]][:5],
+            "ttft_ms": ok_ttft, "ttft_ms_median": statistics.median(ok_ttft) if ok_ttft else None}
+
+
+async def workload_itl(url: str) -> Dict[str, Any]:
+    async with aiohttp.ClientSession() as s:
+        res = await asyncio.gather(*[generate(s, url, p, 512) for p in prompts(40, 512, 512, SEED + 4)])
+    # skip the first 64 tokens: prefill, and the lend after the first decode steps
+    gaps = [g for r in res if r["ok"] for g in r["gaps_ms"][64:]]
+    return {"failed": sum(not r["ok"] for r in res), "itl_ms_median": statistics.median(gaps) if gaps else None,
+            "itl_ms_mean": statistics.fmean(gaps) if gaps else None, "samples": len(gaps)}
+
+
+def pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def phase(args) -> None:
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp}
+    with Server(args.mode, args.tp, args.port, work) as srv:
+        res["command"] = " ".join(srv.cmd)
+        res["start_s"] = srv.start_s
+        res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
+        if "burst" in args.workloads:
+            res["burst"] = asyncio.run(workload_burst(srv.url))
+            print(f"[{args.mode}] burst {res['burst']}", flush=True)
+        res["alive_after_burst"] = srv.alive()
+        if srv.alive() and "cycles" in args.workloads:
+            res["cycles_run"] = asyncio.run(workload_cycles(srv.url, args.short_requests, args.gap_s))
+            print(f"[{args.mode}] cycles failed={res['cycles_run']['failed']}", flush=True)
+        if srv.alive() and "itl" in args.workloads:
+            res["itl"] = asyncio.run(workload_itl(srv.url))
+            print(f"[{args.mode}] itl {res['itl']}", flush=True)
+        res["alive"] = srv.alive()
+        res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemory|CUDA_ERROR_OUT_OF_MEMORY", open(srv.log, errors="replace").read(), re.I))
+        ev = srv.event_list()
+        res["lends"] = [e for e in ev if e["op"] == "lend"]
+        res["reclaims"] = [e for e in ev if e["op"] == "reclaim"]
+        res["lent_tokens_max"] = max((e["tokens"] for e in res["lends"]), default=0)
+        res["lent_bytes_max"] = max((e["bytes"] for e in res["lends"]), default=0)
+        res["log_tail"] = srv.tail(25)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"[{args.mode}] wrote {args.out}", flush=True)
+
+
+def assemble(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from sglang_elastic import results
+
+    parts = {}
+    for p in args.parts:
+        d = json.loads(Path(p).read_text())
+        parts[(d["mode"], d["tp"])] = d
+    st, el, al, tp2 = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1)), parts.get(("elastic", 2))
+    lend = [e["ms"] for e in el["lends"]] if el else []
+    rec = [e["ms"] for e in el["reclaims"]] if el else []
+    ident = None
+    if st and el and "cycles_run" in st and "cycles_run" in el:
+        a, b = st["cycles_run"]["identity_outputs"], el["cycles_run"]["identity_outputs"]
+        ident = len(a) == len(b) == 64 and all(x is not None and x == y for x, y in zip(a, b))
+    itl_overhead = None
+    if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
+        itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100
+    out = results.header(args.command)
+    out.update({
+        "lent_bytes": el["lent_bytes_max"] if el else None,
+        "kv_tokens_stock": st["kv_tokens_base"] if st else None,
+        "kv_tokens_lent": (el["kv_tokens_base"] + el["lent_tokens_max"]) if el and el["kv_tokens_base"] else None,
+        "lend_ms": {"p50": pct(lend, 50), "p99": pct(lend, 99)},
+        "reclaim_ms": {"p50": pct(rec, 50), "p99": pct(rec, 99)},
+        "cycles": len(rec),
+        "outputs_identical": ident,
+        "burst": {
+            "oom": bool(el and (el["oom_in_log"] or not el["alive"])),
+            "failed_requests": el["burst"]["failed_requests"] if el and "burst" in el else None,
+            "ttft_ms_stock": st["burst"]["ttft_ms_median"] if st and "burst" in st else None,
+            "ttft_ms_elastic": el["burst"]["ttft_ms_median"] if el and "burst" in el else None,
+        },
+        "always_lent": {"oom": bool(al["oom_in_log"] or not al["alive"]), "failed_requests": al["burst"]["failed_requests"] if "burst" in al else None,
+                        "alive_after_burst": al["alive_after_burst"], "errors": al["burst"]["errors"] if "burst" in al else None} if al else None,
+        "itl_overhead_pct": itl_overhead,
+        "itl_ms_median": {"stock": st["itl"]["itl_ms_median"] if st and "itl" in st else None, "elastic": el["itl"]["itl_ms_median"] if el and "itl" in el else None},
+        "migrated_units_total": sum(e.get("moved_units", 0) for e in el["reclaims"]) if el else None,
+        "retracted_total": sum(e.get("retracted", 0) for e in el["reclaims"]) if el else None,
+        "failed_requests_total": {k[0] + f"_tp{k[1]}": (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0) + (d.get("itl", {}).get("failed") or 0) for k, d in parts.items()},
+        "tp2": None,
+        "server_commands": {f"{k[0]}_tp{k[1]}": d["command"] for k, d in parts.items()},
+    })
+    if tp2:
+        l2, r2 = [e["ms"] for e in tp2["lends"]], [e["ms"] for e in tp2["reclaims"]]
+        fails = (tp2.get("burst", {}).get("failed_requests") or 0) + (tp2.get("cycles_run", {}).get("failed") or 0)
+        out["tp2"] = {"ok": bool(tp2["alive"] and fails == 0 and len(r2) > 0), "lend_ms_p99": pct(l2, 99), "reclaim_ms_p99": pct(r2, 99),
+                      "cycles": len(r2), "failed_requests": fails, "lent_tokens": tp2["lent_tokens_max"], "kv_tokens_base": tp2["kv_tokens_base"]}
+    results.write(args.out, out)
+    print(json.dumps({k: v for k, v in out.items() if k != "server_commands"}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("phase")
+    p.add_argument("--mode", choices=["stock", "elastic", "always-lent"], required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--workloads", default="burst,cycles,itl")
+    p.add_argument("--short-requests", type=int, default=110, help="short arrivals in the cycles workload (the first 64 are the identity set)")
+    p.add_argument("--gap-s", type=float, default=0.25, help="seconds between short arrivals")
+    p.add_argument("--workdir", default="/tmp/bench_elastic")
+    p.add_argument("--out", required=True)
+    a = sub.add_parser("assemble")
+    a.add_argument("parts", nargs="+")
+    a.add_argument("--out", required=True)
+    a.add_argument("--command", default="bash scripts/gpu/bench_elastic.sh")
+    args = ap.parse_args()
+    phase(args) if args.cmd == "phase" else assemble(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The elastic KV pool's GPU results: docs/results/elastic_h200.json.
+#
+#   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
+#   bash scripts/gpu/bench_elastic.sh [OUTDIR] [GROUP ...]
+#
+# A GROUP is a space-separated list of phases run at the same time, each on its
+# own GPUs: MODE[-tpN]@GPU[,GPU...] with MODE stock | elastic | always-lent.
+# Default (2 H200s, ~12 min): "elastic@0 stock@1" "always-lent@0" "elastic-tp2@0,1".
+# Each phase writes OUTDIR/<mode>_tp<N>.json (scripts/gpu/bench_elastic.py);
+# then every part in OUTDIR is assembled into $RESULT
+# (default docs/results/elastic_h200.json). Parts from an earlier run in OUTDIR
+# are kept, so groups can run in separate calls and be assembled at the end.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-/tmp/bench_elastic/parts}; shift || true
+groups=("$@")
+[ ${#groups[@]} -gt 0 ] || groups=("elastic@0 stock@1" "always-lent@0" "elastic-tp2@0,1")
+site=${SITE:-/tmp/site}
+mkdir -p "$out"
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+port=30000
+for group in "${groups[@]}"; do
+  pids=()
+  for spec in $group; do
+    name=${spec%@*}; gpus=${spec#*@}
+    mode=${name%-tp*}; tp=1; [[ $name == *-tp* ]] && tp=${name##*-tp}
+    wl=burst,cycles,itl; [ "$mode" = always-lent ] && wl=burst
+    port=$((port + 10))
+    CUDA_VISIBLE_DEVICES=$gpus python3 scripts/gpu/bench_elastic.py phase --mode "$mode" --tp "$tp" --port $port \
+      --workloads $wl --workdir "$out/work_${name}" --out "$out/${mode}_tp${tp}.json" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || echo "a phase of group '$group' failed (see $out/work_*)" >&2; done
+done
+python3 scripts/gpu/bench_elastic.py assemble "$out"/*_tp*.json --out "${RESULT:-docs/results/elastic_h200.json}" \
+  --command "bash scripts/gpu/bench_elastic.sh $out ${groups[*]@Q}"

@@ -1,0 +1,300 @@
+"""Lend and reclaim inside SGLang's scheduler.
+
+One :class:`ElasticController` per scheduler process (one per TP rank) owns
+the decisions; :mod:`sglang_elastic.sched.hooks` calls it from two places of
+``Scheduler._get_new_batch_prefill_raw`` (sglang/srt/managers/scheduler.py):
+
+- before it, :meth:`ElasticController.before_prefill`: when the reserve is
+  lent and a prefill batch may form (waiting requests or a chunked request),
+  reclaim first, because ``PrefillAdder`` reads ``available_size()`` live and
+  the prefill's activations need the reserve;
+- after it, :meth:`ElasticController.after_prefill`: count decode-only steps;
+  after ``--elastic-kv-lend-after-steps`` of them in a row, lend.
+
+A reclaim (:meth:`reclaim`) vacates the lent rows, SGLang's way where SGLang
+has a way:
+
+1. wait for the in-flight batch (the overlap scheduler launched it; its kernels
+   read and write lent rows);
+2. evict radix-cache-only leaves above the base (``evict_above``);
+3. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
+   in-use ones come back;
+4. if the base lacks free room for them, SGLang's ``evict_from_tree_cache``
+   (LRU), then retract decode requests, largest first (fewest retractions),
+   with SGLang's ``ScheduleBatch.release_req``; they are re-queued and finish
+   normally;
+5. copy the K/V of what is left into free base ids (``relocate_kv``) and
+   rewrite ``req_to_token``, radix-tree values and ``prefix_indices``;
+6. unmap (``arena.reclaim``) and close the vacate window.
+
+The pool's owner-visible size follows the lent capacity: the allocator's
+``size``, the invariant checker's and the pool-stats observer's
+``max_total_num_tokens``. The scheduler's own ``max_total_num_tokens`` (request
+length limits, ``max_new_tokens`` clipping) stays the base: a request must fit
+in what cannot be reclaimed.
+
+TP > 1: every rank takes the same decisions from the same inputs (SGLang's
+schedulers are replicated); what can differ, a lend cut short by out of
+memory on one rank, is agreed with a MIN all-reduce over the TP CPU group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import List, Optional
+
+import torch
+
+from sglang_elastic.config import ElasticKVConfig
+from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_tree
+from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool
+from sglang_elastic.vmm import VmmError
+
+logger = logging.getLogger(__name__)
+
+#: JSON-lines file that receives one record per lend/reclaim (benchmarks).
+EVENTS_ENV = "SGLANG_ELASTIC_EVENTS"
+
+
+class ElasticController:
+    """Lend/reclaim policy and mechanics for one scheduler.
+
+    Args:
+        sched: SGLang's ``Scheduler`` (after ``__init__``), whose
+            ``token_to_kv_pool_allocator`` is one of ours.
+        cfg: the server's :class:`~sglang_elastic.config.ElasticKVConfig`.
+    """
+
+    def __init__(self, sched, cfg: ElasticKVConfig):
+        self.sched = sched
+        self.cfg = cfg
+        self.alloc = sched.token_to_kv_pool_allocator
+        self.pool: ElasticMHATokenToKVPool = self.alloc._kvcache
+        self.arena = self.pool.arena
+        self.page = self.alloc.page_size
+        self.tp_size = sched.tp_group.world_size
+        self.decode_only_steps = 0
+        self.cycles = 0
+        self.metrics = None
+        if sched.metrics_reporter.enable_metrics:
+            from sglang_elastic.sched.metrics import ElasticMetrics
+
+            self.metrics = ElasticMetrics({k: str(v) for k, v in sched.metrics_collector.labels.items()})
+        path = os.environ.get(EVENTS_ENV)
+        self._events = open(path, "a", buffering=1) if path and sched.tp_group.rank_in_group == 0 else None
+        self.lendable_tokens = self._measure()
+        logger.info(
+            "sglang-elastic: base %d KV tokens (SGLang's max_total_num_tokens), lendable %d tokens = %.2f GiB in %d step(s), mode %s",
+            self.alloc.usable_base_tokens - self.page, self.lendable_tokens,
+            self.lendable_tokens * self.arena.step_bytes() / max(self.arena.step_tokens, 1) / 2**30, self.arena.max_steps, cfg.mode,
+        )
+        if cfg.mode == "always-lent":
+            self.lend()
+
+    # -- sizing -------------------------------------------------------------
+
+    def _agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the TP group (every rank must call)."""
+        if self.tp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.sched.tp_cpu_group)
+        return int(t.item())
+
+    def _measure(self) -> int:
+        """Tokens to lend: ``--elastic-kv-lend-bytes``, or the free device
+        memory now (after CUDA-graph capture, torch's cache emptied) less
+        ``--elastic-kv-margin-mb``; agreed over TP, cut into steps."""
+        row_bytes = sum(self.arena.row_bytes)  # bytes per token, all layers, K and V
+        if self.cfg.lend_bytes is not None:
+            want = self.cfg.lend_bytes
+        else:
+            self.arena.backend.synchronize()
+            torch.cuda.empty_cache()
+            free, _total = torch.cuda.mem_get_info()
+            want = free - self.cfg.margin_mb * 2**20
+        tokens = self._agree_min(max(want, 0) // row_bytes)
+        step = self.cfg.handle_mb * 2**20 // max(self.arena.row_bytes) if self.cfg.handle_mb else None
+        return self.arena.set_steps(tokens, step)
+
+    @property
+    def lent(self) -> bool:
+        return self.alloc.lent_tokens > 0
+
+    def _sync_sizes(self) -> None:
+        """Point every live copy of the pool size at the allocator's."""
+        s = self.sched
+        s.invariant_checker.max_total_num_tokens = self.alloc.size
+        s.pool_stats_observer.max_total_num_tokens = self.alloc.size
+        if self.metrics:
+            self.metrics.lent_tokens.set(self.alloc.lent_tokens)
+            self.metrics.lent_bytes.set(self.arena.lent_bytes)
+
+    def _event(self, **rec) -> None:
+        if self._events is not None:
+            rec.update(t=time.time(), lent_tokens=self.alloc.lent_tokens, tp=self.tp_size)
+            self._events.write(json.dumps(rec) + "\n")
+
+    # -- scheduler hooks ------------------------------------------------------
+
+    def before_prefill(self, running_batch) -> None:
+        """Reclaim when lent and ``_get_new_batch_prefill_raw`` may form a
+        prefill batch (its own early-exit condition, negated)."""
+        s = self.sched
+        if not self.lent or self.cfg.mode != "dynamic":
+            return
+        if s.chunked_req is None and (running_batch.batch_is_full or len(s.waiting_queue) == 0):
+            return
+        self.reclaim(running_batch)
+
+    def after_prefill(self, new_batch, running_batch) -> None:
+        """Count decode-only steps; lend after enough in a row."""
+        if new_batch is not None or running_batch.is_empty():
+            self.decode_only_steps = 0
+            return
+        self.decode_only_steps += 1
+        if self.cfg.mode == "dynamic" and not self.lent and self.decode_only_steps >= self.cfg.lend_after_steps and self.lendable_tokens > 0 and not self.arena.lending_disabled:
+            self.lend()
+
+    # -- lend -------------------------------------------------------------
+
+    def lend(self) -> int:
+        """Back every lendable step and append its ids to the free list.
+        Returns the tokens lent now (0 when nothing could be lent)."""
+        t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
+        err: Optional[VmmError] = None
+        try:
+            self.arena.lend()
+        except VmmError as e:  # the arena rolled the failing step back
+            err = e
+            self._vmm_failed("lend", e)
+        steps = self._agree_min(self.arena.lent_steps)
+        if self.arena.lent_steps > steps:
+            try:
+                self.arena.reclaim(self.arena.lent_steps - steps)
+            except VmmError as e:
+                self._vmm_failed("reclaim after a short lend", e)
+                steps = 0
+        if steps == 0:
+            return 0
+        self.alloc.lend(steps * self.arena.step_tokens)
+        self._sync_sizes()
+        ms = (time.perf_counter() - t0) * 1e3
+        if self.metrics:
+            self.metrics.lends.inc()
+            self.metrics.lend_ms.observe(ms)
+        self._event(op="lend", ms=ms, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
+        logger.info("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms", self.alloc.lent_tokens, self.arena.lent_bytes / 2**30, ms)
+        return self.alloc.lent_tokens
+
+    def _vmm_failed(self, what: str, e: VmmError) -> None:
+        if self.metrics:
+            self.metrics.vmm_failures.inc()
+        if self.arena.lending_disabled:
+            logger.error("sglang-elastic: %s failed (%s); lending disabled, serving on the base pool", what, e)
+        else:
+            logger.warning("sglang-elastic: %s ran out of device memory (%s); will try again later", what, e)
+
+    # -- reclaim ------------------------------------------------------------
+
+    def reclaim(self, running_batch) -> None:
+        """Vacate and unmap every lent row (see the module docstring).
+        Requests whose KV cannot move into the base are retracted (re-queued),
+        never dropped."""
+        s = self.sched
+        t0 = time.perf_counter()
+        self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
+        top = self.arena.base_tokens
+        tree = s.tree_cache
+        evict_above(tree, top)
+        in_use = self.alloc.withdraw(0)
+        retracted: List = []
+        while True:
+            in_use = self.alloc.still_in_use(in_use)
+            need = in_use.numel() * self.page
+            if need == 0 or self.alloc.available_size() >= need:
+                break
+            from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+            evict_from_tree_cache(tree, need)
+            if self.alloc.available_size() >= need:
+                continue
+            if not self._retract_one(running_batch, retracted):
+                break
+            evict_above(tree, top)
+        in_use = self.alloc.still_in_use(in_use)
+        moved = 0
+        if in_use.numel():
+            dst = relocate_kv(self.pool, self.alloc, in_use)
+            if dst is None:  # cannot happen: every owner above was retracted or fits
+                raise RuntimeError(f"sglang-elastic: no base room for {in_use.numel()} lent units after retracting every request")
+            self._remap(running_batch, top, in_use, dst)
+            moved = in_use.numel()
+        try:
+            self.arena.reclaim()
+        except VmmError as e:
+            self._vmm_failed("reclaim", e)
+        self.alloc.end_vacate()
+        self._sync_sizes()
+        if retracted:
+            self._requeue(running_batch, retracted)
+        self.cycles += 1
+        self.decode_only_steps = 0
+        ms = (time.perf_counter() - t0) * 1e3
+        if self.metrics:
+            self.metrics.reclaims.inc()
+            self.metrics.reclaim_ms.observe(ms)
+            self.metrics.migrated_pages.inc(moved)
+            self.metrics.retracted_reqs.inc(len(retracted))
+        self._event(op="reclaim", ms=ms, moved_units=moved, retracted=len(retracted))
+        logger.info("sglang-elastic: reclaimed in %.2f ms (%d pages moved, %d requests retracted)", ms, moved, len(retracted))
+
+    def _retract_one(self, batch, retracted: List) -> bool:
+        """Retract the running request holding the most KV (fewest retractions
+        free the room). Unlike SGLang's ``retract_decode``, which aborts its
+        last request when even that one does not fit, the last one is
+        re-queued too: nothing is dropped."""
+        if not batch.reqs:
+            return False
+        idx = max(range(len(batch.reqs)), key=lambda i: batch.reqs[i].kv.kv_allocated_len if batch.reqs[i].kv else 0)
+        req = batch.reqs[idx]
+        batch.release_req(idx, len(batch.reqs) - 1, self.sched.server_args)
+        batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != idx])
+        batch.batch_is_full = False
+        retracted.append(req)
+        return True
+
+    def _requeue(self, batch, retracted: List) -> None:
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+
+        s = self.sched
+        s.new_token_ratio_tracker.current = NewTokenRatioTracker.estimate_new_token_ratio_after_retract(batch.reqs)
+        for req in retracted:
+            s._add_request_to_queue(req, is_retracted=True)
+        logger.warning("sglang-elastic: reclaim retracted %d request(s) (the base had no room for their KV); re-queued", len(retracted))
+
+    def _remap(self, batch, top: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rewrite every id held above ``top``: ``req_to_token`` rows of the
+        running requests (their allocated length), their ``prefix_indices``,
+        and the radix tree's node values."""
+        s = self.sched
+        remap_tree(s.tree_cache, top, src, dst, self.page)
+        reqs = [r for r in batch.reqs if r.kv is not None and r.kv.kv_allocated_len > 0]
+        if reqs:
+            r2t = s.req_to_token_pool.req_to_token
+            rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=r2t.device)
+            lens = torch.tensor([r.kv.kv_allocated_len for r in reqs], dtype=torch.int64, device=r2t.device)
+            width = int(max(r.kv.kv_allocated_len for r in reqs))
+            block = r2t[rows, :width]
+            valid = torch.arange(width, device=r2t.device)[None, :] < lens[:, None]
+            block[valid] = remap_ids(block[valid], top, src, dst, self.page)
+            r2t[rows, :width] = block
+        for r in batch.reqs:
+            p = getattr(r, "prefix_indices", None)
+            if p is not None and p.numel():
+                r.prefix_indices = remap_ids(p, top, src, dst, self.page)

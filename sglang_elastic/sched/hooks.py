@@ -1,0 +1,56 @@
+"""Where the elastic KV pool hooks into SGLang 0.5.17 (no patch needed).
+
+Registered with SGLang's ``HookRegistry`` (sglang/srt/plugins/hook_registry.py)
+by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
+
+| target | kind | does |
+|---|---|---|
+| ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds the elastic pool (:mod:`.build`) |
+| ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
+| ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
+| ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form; lend after decode-only steps |
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_elastic import config
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_elastic.sched import build
+
+    HookRegistry.register(f"{_CONFIGURATOR}._build_mha_kv_pool", build.build_mha_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build.build_allocator, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.__init__", _after_scheduler_init, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}._get_new_batch_prefill_raw", _around_prefill_raw, HookType.AROUND)
+
+
+def _after_scheduler_init(result, sched, *args, **kwargs):
+    from sglang_elastic.pool.kv_pool import _ElasticAllocatorMixin
+    from sglang_elastic.sched.controller import ElasticController
+
+    if isinstance(getattr(sched, "token_to_kv_pool_allocator", None), _ElasticAllocatorMixin):
+        sched._sglang_elastic = ElasticController(sched, config.current())
+    else:
+        logger.error("sglang-elastic: --enable-elastic-kv is on but this scheduler runs SGLang's stock pool (see the error above): nothing will be lent")
+    return result
+
+
+def _around_prefill_raw(orig, sched, *args, **kwargs):
+    ctl = getattr(sched, "_sglang_elastic", None)
+    if ctl is None:
+        return orig(sched, *args, **kwargs)
+    running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
+    ctl.before_prefill(running_batch)
+    new_batch, running_batch = orig(sched, *args, **kwargs)
+    ctl.after_prefill(new_batch, running_batch)
+    return new_batch, running_batch
