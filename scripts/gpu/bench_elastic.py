@@ -52,21 +52,29 @@ VOCAB = 128256
 SEED = 1234
 
 
-def server_cmd(mode: str, tp: int, port: int) -> List[str]:
+#: The identity servers: batch-invariant kernels (SGLang's deterministic
+#: inference; Triton attention keeps the radix cache there), a small base so
+#: the decodes spill into lent pages and reclaims must migrate or retract.
+ID_FLAGS = ["--attention-backend", "triton", "--enable-deterministic-inference", "--cuda-graph-backend-prefill", "disabled", "--max-total-tokens", "65536"]
+ID_ELASTIC = ["--elastic-kv-lend-bytes", "4GiB", "--elastic-kv-lend-after-steps", "4"]
+
+
+def server_cmd(mode: str, tp: int, port: int, identity: bool) -> List[str]:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--load-format", "dummy",
-        "--skip-tokenizer-init", "--attention-backend", "flashinfer", "--sampling-backend", "pytorch",
-        "--grammar-backend", "none", "--enable-deterministic-inference", "--random-seed", "0",
+        "--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none", "--random-seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--enable-metrics",
     ]
+    cmd += ID_FLAGS if identity else ["--attention-backend", "flashinfer"]
     if mode != "stock":
-        cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent", "--elastic-kv-lend-after-steps", "8"]
+        cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent"]
+        cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
     return cmd
 
 
 class Server:
-    def __init__(self, mode: str, tp: int, port: int, workdir: Path):
-        self.mode, self.tp, self.port, self.workdir = mode, tp, port, workdir
+    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False):
+        self.mode, self.tp, self.port, self.workdir, self.identity = mode, tp, port, workdir, identity
         self.log = workdir / f"server_{mode}_tp{tp}.log"
         self.events = workdir / f"events_{mode}_tp{tp}.jsonl"
         self.url = f"http://127.0.0.1:{port}"
@@ -74,7 +82,7 @@ class Server:
     def __enter__(self):
         env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         self.events.unlink(missing_ok=True)
-        self.cmd = server_cmd(self.mode, self.tp, self.port)
+        self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         t0 = time.time()
         import urllib.request
@@ -149,6 +157,24 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> List[List[int]]:
     return [[rng.randrange(10, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+async def workload_identity(url: str) -> Dict[str, Any]:
+    """32 background decodes that outgrow the 65,536-token base, and 64 short
+    requests arriving two at a time (each arrival: a reclaim on the elastic
+    server, which must migrate or retract the decodes' lent pages)."""
+    async with aiohttp.ClientSession() as s:
+        longs = [asyncio.create_task(generate(s, url, p, 1024)) for p in prompts(32, 1024, 1024, SEED + 5)]
+        await asyncio.sleep(2.0)
+        shorts = []
+        for i, p in enumerate(prompts(64, 256, 768, SEED + 6)):
+            shorts.append(asyncio.create_task(generate(s, url, p, 48)))
+            if i % 2:
+                await asyncio.sleep(0.3)
+        short_res = await asyncio.gather(*shorts)
+        long_res = await asyncio.gather(*longs)
+    return {"identity_outputs": [r.get("output_ids") for r in short_res], "background_outputs": [r.get("output_ids") for r in long_res],
+            "failed": sum(not r["ok"] for r in short_res + long_res), "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5]}
+
+
 async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         longs = [asyncio.create_task(generate(s, url, p, 1536)) for p in prompts(40, 1024, 1024, SEED)]
@@ -194,11 +220,14 @@ def pct(xs: List[float], q: float) -> Optional[float]:
 def phase(args) -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp}
-    with Server(args.mode, args.tp, args.port, work) as srv:
+    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp, "identity": args.identity}
+    with Server(args.mode, args.tp, args.port, work, args.identity) as srv:
         res["command"] = " ".join(srv.cmd)
         res["start_s"] = srv.start_s
         res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
+        if args.identity:
+            res["identity_run"] = asyncio.run(workload_identity(srv.url))
+            print(f"[{args.mode}-id] failed={res['identity_run']['failed']}", flush=True)
         if "burst" in args.workloads:
             res["burst"] = asyncio.run(workload_burst(srv.url))
             print(f"[{args.mode}] burst {res['burst']}", flush=True)
@@ -228,14 +257,21 @@ def assemble(args) -> None:
     parts = {}
     for p in args.parts:
         d = json.loads(Path(p).read_text())
-        parts[(d["mode"], d["tp"])] = d
+        parts[(d["mode"] + ("-id" if d.get("identity") else ""), d["tp"])] = d
     st, el, al, tp2 = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1)), parts.get(("elastic", 2))
+    sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
     lend = [e["ms"] for e in el["lends"]] if el else []
     rec = [e["ms"] for e in el["reclaims"]] if el else []
-    ident = None
-    if st and el and "cycles_run" in st and "cycles_run" in el:
-        a, b = st["cycles_run"]["identity_outputs"], el["cycles_run"]["identity_outputs"]
-        ident = len(a) == len(b) == 64 and all(x is not None and x == y for x, y in zip(a, b))
+    ident, identity = None, None
+    if sid and eid and "identity_run" in sid and "identity_run" in eid:
+        a, b = sid["identity_run"], eid["identity_run"]
+        same = [x is not None and x == y for x, y in zip(a["identity_outputs"], b["identity_outputs"])]
+        same_bg = [x is not None and x == y for x, y in zip(a["background_outputs"], b["background_outputs"])]
+        ident = len(same) == 64 and all(same)
+        identity = {"requests": len(same), "identical": sum(same), "background_requests": len(same_bg), "background_identical": sum(same_bg),
+                    "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
+                    "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
+                    "failed_requests": a["failed"] + b["failed"], "server_stock": sid["command"], "server_elastic": eid["command"]}
     itl_overhead = None
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
         itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100
@@ -248,6 +284,7 @@ def assemble(args) -> None:
         "reclaim_ms": {"p50": pct(rec, 50), "p99": pct(rec, 99)},
         "cycles": len(rec),
         "outputs_identical": ident,
+        "identity": identity,
         "burst": {
             "oom": bool(el and (el["oom_in_log"] or not el["alive"])),
             "failed_requests": el["burst"]["failed_requests"] if el and "burst" in el else None,
@@ -279,6 +316,7 @@ def main() -> None:
     p = sub.add_parser("phase")
     p.add_argument("--mode", choices=["stock", "elastic", "always-lent"], required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--identity", action="store_true", help="the identity servers (deterministic Triton attention, small base) and workload")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--workloads", default="burst,cycles,itl")
     p.add_argument("--short-requests", type=int, default=110, help="short arrivals in the cycles workload (the first 64 are the identity set)")

@@ -128,7 +128,9 @@ class ElasticController:
         """Point every live copy of the pool size at the allocator's."""
         s = self.sched
         s.invariant_checker.max_total_num_tokens = self.alloc.size
-        s.pool_stats_observer.max_total_num_tokens = self.alloc.size
+        # A frozen dataclass in SGLang (the size never changes there): its
+        # token usage must divide by the capacity that is backed now.
+        object.__setattr__(s.pool_stats_observer, "max_total_num_tokens", self.alloc.size)
         if self.metrics:
             self.metrics.lent_tokens.set(self.alloc.lent_tokens)
             self.metrics.lent_bytes.set(self.arena.lent_bytes)
