@@ -59,13 +59,19 @@ ID_FLAGS = ["--attention-backend", "triton", "--enable-deterministic-inference",
 ID_ELASTIC = ["--elastic-kv-lend-bytes", "4GiB", "--elastic-kv-lend-after-steps", "4"]
 
 
-def server_cmd(mode: str, tp: int, port: int, identity: bool) -> List[str]:
+#: Prefill without CUDA graphs: its activations come from torch's allocator
+#: at run time (with SGLang's default breakable prefill graphs they sit in the
+#: graph pool captured at start-up, and lending the free memory cannot starve them).
+EAGER = ["--cuda-graph-backend-prefill", "disabled"]
+
+
+def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = False) -> List[str]:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--load-format", "dummy",
         "--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none", "--random-seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--tp", str(tp), "--enable-metrics",
     ]
-    cmd += ID_FLAGS if identity else ["--attention-backend", "flashinfer"]
+    cmd += ID_FLAGS if identity else ["--attention-backend", "flashinfer"] + (EAGER if eager else [])
     if mode != "stock":
         cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent"]
         cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
@@ -73,8 +79,8 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool) -> List[str]:
 
 
 class Server:
-    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False):
-        self.mode, self.tp, self.port, self.workdir, self.identity = mode, tp, port, workdir, identity
+    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False):
+        self.mode, self.tp, self.port, self.workdir, self.identity, self.eager = mode, tp, port, workdir, identity, eager
         self.log = workdir / f"server_{mode}_tp{tp}.log"
         self.events = workdir / f"events_{mode}_tp{tp}.jsonl"
         self.url = f"http://127.0.0.1:{port}"
@@ -82,7 +88,7 @@ class Server:
     def __enter__(self):
         env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         self.events.unlink(missing_ok=True)
-        self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity)
+        self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         t0 = time.time()
         import urllib.request
@@ -220,8 +226,8 @@ def pct(xs: List[float], q: float) -> Optional[float]:
 def phase(args) -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp, "identity": args.identity}
-    with Server(args.mode, args.tp, args.port, work, args.identity) as srv:
+    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager}
+    with Server(args.mode, args.tp, args.port, work, args.identity, args.eager) as srv:
         res["command"] = " ".join(srv.cmd)
         res["start_s"] = srv.start_s
         res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
@@ -239,14 +245,15 @@ def phase(args) -> None:
             res["itl"] = asyncio.run(workload_itl(srv.url))
             print(f"[{args.mode}] itl {res['itl']}", flush=True)
         res["alive"] = srv.alive()
-        res["oom_in_log"] = bool(re.search(r"out of memory|OutOfMemory|CUDA_ERROR_OUT_OF_MEMORY", open(srv.log, errors="replace").read(), re.I))
+        # torch's "CUDA out of memory", FlashInfer/driver OOM; not our own start-up warning
+        res["oom_in_log"] = bool(re.search(r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation", open(srv.log, errors="replace").read()))
         ev = srv.event_list()
         res["lends"] = [e for e in ev if e["op"] == "lend"]
         res["reclaims"] = [e for e in ev if e["op"] == "reclaim"]
         res["lent_tokens_max"] = max((e["tokens"] for e in res["lends"]), default=0)
         res["lent_bytes_max"] = max((e["bytes"] for e in res["lends"]), default=0)
         res["log_tail"] = srv.tail(25)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
     print(f"[{args.mode}] wrote {args.out}", flush=True)
 
 
@@ -257,9 +264,19 @@ def assemble(args) -> None:
     parts = {}
     for p in args.parts:
         d = json.loads(Path(p).read_text())
-        parts[(d["mode"] + ("-id" if d.get("identity") else ""), d["tp"])] = d
+        parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else ""), d["tp"])] = d
     st, el, al, tp2 = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1)), parts.get(("elastic", 2))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
+    ale, ele, ste = parts.get(("always-lent-eager", 1)), parts.get(("elastic-eager", 1)), parts.get(("stock-eager", 1))
+
+    def burst_of(d):
+        if not d or "burst" not in d:
+            return None
+        return {"oom": bool(d["oom_in_log"] or not d["alive"]), "failed_requests": d["burst"]["failed_requests"], "ttft_ms_median": d["burst"]["ttft_ms_median"],
+                "alive_after_burst": d["alive_after_burst"], "lent_tokens": d["lent_tokens_max"], "errors": d["burst"]["errors"]}
+
+    def breakdown(evs, keys):
+        return {k: {"p50": pct([e[k] for e in evs if k in e], 50), "p99": pct([e[k] for e in evs if k in e], 99)} for k in keys}
     lend = [e["ms"] for e in el["lends"]] if el else []
     rec = [e["ms"] for e in el["reclaims"]] if el else []
     ident, identity = None, None
@@ -291,13 +308,19 @@ def assemble(args) -> None:
             "ttft_ms_stock": st["burst"]["ttft_ms_median"] if st and "burst" in st else None,
             "ttft_ms_elastic": el["burst"]["ttft_ms_median"] if el and "burst" in el else None,
         },
-        "always_lent": {"oom": bool(al["oom_in_log"] or not al["alive"]), "failed_requests": al["burst"]["failed_requests"] if "burst" in al else None,
-                        "alive_after_burst": al["alive_after_burst"], "errors": al["burst"]["errors"] if "burst" in al else None} if al else None,
+        "always_lent": {
+            "oom": any(b["oom"] for b in (burst_of(al), burst_of(ale)) if b),
+            "prefill_graphs": burst_of(al),  # SGLang's default: prefill activations pre-captured in the graph pool
+            "eager_prefill": burst_of(ale),  # --cuda-graph-backend-prefill disabled
+        },
+        "burst_eager_prefill": {"stock": burst_of(ste), "elastic": burst_of(ele), "always_lent": burst_of(ale)},
+        "lend_breakdown_ms": breakdown(el["lends"], ["empty_cache_ms", "map_ms"]) if el else None,
+        "reclaim_breakdown_ms": breakdown(el["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]) if el else None,
         "itl_overhead_pct": itl_overhead,
         "itl_ms_median": {"stock": st["itl"]["itl_ms_median"] if st and "itl" in st else None, "elastic": el["itl"]["itl_ms_median"] if el and "itl" in el else None},
         "migrated_units_total": sum(e.get("moved_units", 0) for e in el["reclaims"]) if el else None,
         "retracted_total": sum(e.get("retracted", 0) for e in el["reclaims"]) if el else None,
-        "failed_requests_total": {k[0] + f"_tp{k[1]}": (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0) + (d.get("itl", {}).get("failed") or 0) for k, d in parts.items()},
+        "failed_requests_total": {f"{k[0]}_tp{k[1]}": (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0) + (d.get("itl", {}).get("failed") or 0) for k, d in parts.items()},
         "tp2": None,
         "server_commands": {f"{k[0]}_tp{k[1]}": d["command"] for k, d in parts.items()},
     })
@@ -316,6 +339,7 @@ def main() -> None:
     p = sub.add_parser("phase")
     p.add_argument("--mode", choices=["stock", "elastic", "always-lent"], required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--eager", action="store_true", help="prefill without CUDA graphs (--cuda-graph-backend-prefill disabled)")
     p.add_argument("--identity", action="store_true", help="the identity servers (deterministic Triton attention, small base) and workload")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--workloads", default="burst,cycles,itl")

@@ -6,8 +6,9 @@
 #
 # A GROUP is a space-separated list of phases run at the same time, each on its
 # own GPUs: MODE[-id][-tpN]@GPU[,GPU...] with MODE stock | elastic | always-lent;
-# -id: the identity servers and workload (bench_elastic.py --identity).
-# Default (2 H200s, ~16 min): "elastic@0 stock@1" "elastic-id@0 stock-id@1"
+# -id: the identity servers and workload (bench_elastic.py --identity);
+# -eager: prefill without CUDA graphs (bench_elastic.py --eager).
+# Default (2 H200s, ~20 min): "elastic@0 stock@1" "elastic-id@0 stock-id@1"
 # "always-lent@0" "elastic-tp2@0,1".
 # Each phase writes OUTDIR/<mode>_tp<N>.json (scripts/gpu/bench_elastic.py);
 # then every part in OUTDIR is assembled into $RESULT
@@ -17,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-/tmp/bench_elastic/parts}; shift || true
 groups=("$@")
-[ ${#groups[@]} -gt 0 ] || groups=("elastic@0 stock@1" "elastic-id@0 stock-id@1" "always-lent@0" "elastic-tp2@0,1")
+[ ${#groups[@]} -gt 0 ] || groups=("elastic@0 stock@1" "elastic-id@0 stock-id@1" "always-lent@0" "always-lent-eager@0 elastic-eager@1" "elastic-tp2@0,1")
 site=${SITE:-/tmp/site}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
@@ -28,11 +29,12 @@ for group in "${groups[@]}"; do
   for spec in $group; do
     name=${spec%@*}; gpus=${spec#*@}
     mode=${name%-tp*}; tp=1; [[ $name == *-tp* ]] && tp=${name##*-tp}
-    wl=burst,cycles,itl; [ "$mode" = always-lent ] && wl=burst
+    wl=${WORKLOADS:-burst,cycles,itl}; [ "$mode" = always-lent ] && wl=burst
     id=(); if [[ $mode == *-id ]]; then mode=${mode%-id}; id=(--identity); wl=none; fi
+    if [[ $mode == *-eager ]]; then mode=${mode%-eager}; id+=(--eager); wl=burst; fi
     port=$((port + 10))
     CUDA_VISIBLE_DEVICES=$gpus python3 scripts/gpu/bench_elastic.py phase --mode "$mode" --tp "$tp" --port $port \
-      --workloads $wl "${id[@]}" --workdir "$out/work_${name}" --out "$out/${name%-tp*}_tp${tp}.json" &
+      --workloads $wl --short-requests ${SHORT_REQUESTS:-110} "${id[@]}" --workdir "$out/work_${name}" --out "$out/${name%-tp*}_tp${tp}.json" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || echo "a phase of group '$group' failed (see $out/work_*)" >&2; done

@@ -169,6 +169,7 @@ class ElasticController:
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
+        t_map = time.perf_counter()
         err: Optional[VmmError] = None
         try:
             self.arena.lend()
@@ -190,7 +191,8 @@ class ElasticController:
         if self.metrics:
             self.metrics.lends.inc()
             self.metrics.lend_ms.observe(ms)
-        self._event(op="lend", ms=ms, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
+        self._event(op="lend", ms=ms, empty_cache_ms=(t_map - t0) * 1e3, map_ms=(time.perf_counter() - t_map) * 1e3,
+                    tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
         logger.info("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms", self.alloc.lent_tokens, self.arena.lent_bytes / 2**30, ms)
         return self.alloc.lent_tokens
 
@@ -211,6 +213,7 @@ class ElasticController:
         s = self.sched
         t0 = time.perf_counter()
         self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
+        t_vacate = time.perf_counter()
         top = self.arena.base_tokens
         tree = s.tree_cache
         evict_above(tree, top)
@@ -237,6 +240,7 @@ class ElasticController:
                 raise RuntimeError(f"sglang-elastic: no base room for {in_use.numel()} lent units after retracting every request")
             self._remap(running_batch, top, in_use, dst)
             moved = in_use.numel()
+        t_unmap = time.perf_counter()
         try:
             self.arena.reclaim()
         except VmmError as e:
@@ -253,7 +257,8 @@ class ElasticController:
             self.metrics.reclaim_ms.observe(ms)
             self.metrics.migrated_pages.inc(moved)
             self.metrics.retracted_reqs.inc(len(retracted))
-        self._event(op="reclaim", ms=ms, moved_units=moved, retracted=len(retracted))
+        self._event(op="reclaim", ms=ms, wait_ms=(t_vacate - t0) * 1e3, vacate_ms=(t_unmap - t_vacate) * 1e3,
+                    unmap_ms=(time.perf_counter() - t_unmap) * 1e3, moved_units=moved, retracted=len(retracted))
         logger.info("sglang-elastic: reclaimed in %.2f ms (%d pages moved, %d requests retracted)", ms, moved, len(retracted))
 
     def _retract_one(self, batch, retracted: List) -> bool:
