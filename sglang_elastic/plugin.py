@@ -32,6 +32,10 @@ def load() -> None:
     - AFTER ``ServerArgs.add_cli_args``: our flags join SGLang's parser;
     - BEFORE ``ServerArgs.from_cli_args``: parse and check them, publish the
       config to the scheduler processes (:mod:`sglang_elastic.config`).
+
+    And the ``persistentkv`` attention backend in SGLang's registry and
+    backend choices (:func:`sglang_elastic.attention.register`; its CUDA-graph
+    hooks are installed when a scheduler builds the backend).
     """
     global _loaded
     if _loaded:
@@ -41,6 +45,10 @@ def load() -> None:
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.BEFORE)
+    from sglang_elastic import attention
+
+    attention.register()
+    _features.append("decode-attention:" + attention.NAME)
     logger.info("sglang-elastic %s plugin loaded (features: %s)", __version__, ", ".join(_features) or "none")
 
 
