@@ -68,8 +68,39 @@ def test_a_row_needs_positive_times_for_every_policy_path():
 
 
 def test_gpu_scripts_import_on_the_cpu():
-    for name in ("bench_decode",):
+    for name in ("bench_decode", "check_decode_e2e"):
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         assert callable(mod.main)
+
+
+def _e2e():
+    spec = importlib.util.spec_from_file_location("check_decode_e2e", ROOT / "scripts" / "gpu" / "check_decode_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_e2e_comparison_and_trace_checks():
+    e2e = _e2e()
+    ref = {"s": [{"ids": [5, 6, 7], "logprobs": [-0.5, -2.0, -30.0]}]}
+    assert e2e.compare(ref, {"s": [{"ids": [5, 6, 7], "logprobs": [-0.504, -2.01, -30.2]}]})[:2] == (True, pytest.approx(0.2 / 30))
+    same, worst, first = e2e.compare(ref, {"s": [{"ids": [5, 9, 7], "logprobs": [-0.5, -2.0, -30.0]}]})
+    assert not same and first == "s request 0 token 1"
+    assert e2e.check_trace("split", {"capture:split": 4, "replay:split": 64}) == []
+    assert e2e.check_trace("split", {"replay:split": 60, "replay:flashinfer": 4}) == ["forced split but replayed {'flashinfer': 4}"]
+    assert e2e.check_trace("auto", {"eager:split": 3}) == ["no decode step replayed a CUDA graph of persistentkv"]
+    kw = e2e.engine_kwargs("/m", "persistentkv")
+    assert kw["cuda_graph_backend_decode"] == "full" and kw["cuda_graph_backend_prefill"] == "disabled"
+    assert kw["attention_backend"] == "flashinfer" and kw["decode_attention_backend"] == "persistentkv"
+
+
+def test_e2e_engine_kwargs_are_sglang_server_args():
+    """Every keyword the e2e passes to sglang.Engine is a ServerArgs field (a typo would only show on the GPU)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert set(_e2e().engine_kwargs("/m", "persistentkv")) <= fields

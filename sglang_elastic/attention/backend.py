@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 from typing import Dict, Optional, Set
 
 import torch
@@ -56,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 from sglang_elastic.attention import NAME  # noqa: E402
 _SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
+#: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
+TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
 
 
 def _attn_tp_size() -> int:
@@ -170,7 +174,18 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._capture_path: Optional[str] = None
         self._captured: Dict[int, Set[str]] = {}
         self.variant_graphs = False  # set by the capture hook: one graph per (bs, path)
+        self._trace_file = os.environ.get(TRACE_ENV)
+        self._trace_counts: Dict[str, int] = {}
         install_graph_hooks()
+
+    def _trace(self, kind: str, path: str, bs: int) -> None:
+        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE`` (debug only)."""
+        if not self._trace_file:
+            return
+        key = f"{kind}:{path}"
+        self._trace_counts[key] = self._trace_counts.get(key, 0) + 1
+        with open(f"{self._trace_file}.{os.getpid()}", "w") as f:
+            json.dump({"counts": self._trace_counts, "variant_graphs": self.variant_graphs, "policy": self.policy.mode if hasattr(self.policy, "mode") else None}, f)
 
     # ------------------------------------------------------------------ checks
 
@@ -216,6 +231,7 @@ class PersistentKVAttnBackend(AttentionBackend):
             return
         self._require_decode(forward_batch)
         path = self.choose(forward_batch)
+        self._trace("eager", path, bs)
         if path == "flashinfer":
             self.flashinfer.init_forward_metadata(forward_batch)
             self.forward_metadata = DecodeMetadata(path=path, bs=bs)
@@ -249,6 +265,7 @@ class PersistentKVAttnBackend(AttentionBackend):
             if captured and path not in captured:
                 # the graph hooks are not active: replay what was captured for this bs
                 path = next(p for p in self.policy.paths if p in captured)
+        self._trace("capture" if in_capture else "replay", path, bs)
         self.graph_path = path
         if path == "flashinfer":
             self.flashinfer.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
