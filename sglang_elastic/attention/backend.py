@@ -215,7 +215,8 @@ class PersistentKVAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if lens_cpu is not None:
-            return self.policy.choose(lens_cpu[:bs].tolist())
+            lens = lens_cpu[:bs]
+            return self.policy.choose(lens.numpy() if bs >= 64 else lens.tolist())
         total = getattr(forward_batch, "seq_lens_sum", None)
         if total is not None and bs > 0:
             return self.policy.choose([max(1, total // bs)] * bs)
@@ -245,11 +246,11 @@ class PersistentKVAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """Address-stable graph buffers: ``kv_indices`` of ``max_num_tokens *
-        context_len`` int32 (SGLang's sizing), and FlashInfer's own when it is a path."""
-        if self.policy.paths != ("flashinfer",):
-            self.cuda_graph_kv_indices = torch.zeros(max_num_tokens * self.max_context_len, dtype=torch.int32, device=self.device)
+        context_len`` int32 (SGLang's sizing), shared with the FlashInfer delegate when it is a path."""
+        self.cuda_graph_kv_indices = torch.zeros(max_num_tokens * self.max_context_len, dtype=torch.int32, device=self.device)
         if self.flashinfer is not None:
-            self.flashinfer.init_cuda_graph_state(max_bs, max_num_tokens)
+            # one index buffer for both: a step runs one path, and each path refills it for its step
+            self.flashinfer.init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=self.cuda_graph_kv_indices)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Host side of a graph step: pick the path (capture: the path being

@@ -19,7 +19,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_elastic.attention.policy import (
-    PATHS, Calibration, CompactConfig, PathCost, SplitConfig, calibration_from_dict, path_items, path_time_us,
+    PATHS, Calibration, CompactConfig, PathCost, SplitConfig, calibration_from_dict, path_stats, path_time_us,
 )
 
 #: (lengths, measured us) pairs of one path.
@@ -29,8 +29,8 @@ Cases = Sequence[Tuple[Sequence[int], float]]
 def _loss(cost: PathCost, path: str, cases: Cases, calib: Calibration, shape: dict) -> float:
     err = 0.0
     for lens, us in cases:
-        items, merged = path_items(path, lens, calib, shape["kv_heads"])
-        pred = path_time_us(cost, items, merged, batch=len(lens), sm_count=calib.sm_count, merge_tbps=calib.merge_tbps, **shape)
+        pred = path_time_us(cost, path_stats(path, lens, calib, shape["kv_heads"]), batch=len(lens), sm_count=calib.sm_count,
+                            merge_tbps=calib.merge_tbps, **shape)
         err += math.log(pred / us) ** 2
     return err / max(1, len(cases))
 
@@ -129,7 +129,7 @@ def provisional_h200_cases() -> Dict[str, Cases]:
 
 
 def provisional_h200() -> Tuple[Calibration, Dict[str, float]]:
-    split = SplitConfig(max_splits=64, min_chunk=512, block_n=32, partial_budget=8192)
+    split = SplitConfig(max_splits=64, min_chunk=512, block_n=32, partial_budget=4096)
     compact = CompactConfig(target_items=1 << 20, min_chunk=512, programs=132, block_n=32)
     calib, errs = fit_calibration(
         provisional_h200_cases(), gpu="NVIDIA H200", sm_count=132, q_heads=32, kv_heads=8, head_dim=128,

@@ -41,7 +41,7 @@ Calibration JSON (schema ``version`` 1)::
                   "bw_tbps": 3.9,        # KV read bandwidth with the GPU full, TB/s
                   "cta_gbps": 40.0,      # most one work item reads alone, GB/s
                   "ctas_per_sm": 2}, ...},
-      "split":   {"max_splits": 64, "min_chunk": 512, "block_n": 32, "partial_budget": 8192,
+      "split":   {"max_splits": 64, "min_chunk": 512, "block_n": 32, "partial_budget": 4096,
                   "num_warps": null, "num_stages": null},
       "compact": {"target_items": 1024, "min_chunk": 256, "programs": null, "block_n": 32,
                   "num_warps": null, "num_stages": null}
@@ -59,7 +59,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
 
 PATHS = ("flashinfer", "split", "compact")
 MODES = ("auto",) + PATHS
@@ -86,7 +88,7 @@ class SplitConfig:
     max_splits: int = 64
     min_chunk: int = 512
     block_n: int = 32
-    partial_budget: int = 8192  # rows of the mid buffers: max_splits(B) = partial_budget // B
+    partial_budget: int = 4096  # rows of the mid buffers: max_splits(B) = partial_budget // B
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
 
@@ -233,18 +235,11 @@ def _cdiv(a: int, b: int) -> int:
 def flashinfer_items(lens: Sequence[int], sm_count: int, kv_heads: int) -> Tuple[list, bool]:
     """Items (tokens) of FlashInfer's tensor-core decode plan and whether it splits."""
     max_bs_if_split = max(1, (2 * sm_count) // kv_heads)
-    if len(lens) > max_bs_if_split or not lens:
-        return [int(n) for n in lens], False
+    if len(lens) > max_bs_if_split or not any(n > 0 for n in lens):
+        return [int(n) for n in lens if n > 0], False
     max_len = max(lens)
-    lo, hi = 128, max(128, max_len)
-    while lo < hi:  # smallest chunk with sum(ceil(len/chunk)) <= max_bs_if_split
-        mid = (lo + hi) // 2
-        if sum(_cdiv(n, mid) for n in lens) <= max_bs_if_split:
-            hi = mid
-        else:
-            lo = mid + 1
-    chunk = lo
-    items = [min(chunk, n - i * chunk) for n in lens for i in range(max(1, _cdiv(n, chunk)))]
+    chunk = _flashinfer_chunk(np.asarray(lens, dtype=np.int64), max_bs_if_split)
+    items = [min(chunk, n - i * chunk) for n in lens if n > 0 for i in range(_cdiv(n, chunk))]
     return items, chunk < max_len
 
 
@@ -287,6 +282,78 @@ def compact_items(lens: Sequence[int], cfg: CompactConfig) -> list:
     return items
 
 
+class ItemStats(NamedTuple):
+    """What the cost model needs of a path's work items (per KV head)."""
+
+    count: int
+    total: int  # tokens
+    largest: int  # tokens of the largest item
+    merged: bool  # partial outputs are merged
+
+
+_NUMPY_FROM = 64  # batch size from which numpy beats Python ints here
+
+
+def path_stats(path: str, lens, calib: Calibration, kv_heads: int) -> ItemStats:
+    """:class:`ItemStats` of ``path`` for these lengths (the per-step cost: Python
+    ints for small batches, numpy for large; equal to the statistics of
+    :func:`path_items`' lists)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown decode path {path!r}; known: {', '.join(PATHS)}")
+    big = len(lens) >= _NUMPY_FROM
+    if big:
+        n = np.asarray(lens, dtype=np.int64)
+        n = n[n > 0]
+        if n.size == 0:
+            return ItemStats(0, 0, 0, path != "flashinfer")
+        total, longest, count = int(n.sum()), int(n.max()), int(n.size)
+    else:
+        n = [int(x) for x in lens if x > 0]
+        if not n:
+            return ItemStats(0, 0, 0, path != "flashinfer")
+        total, longest, count = sum(n), max(n), len(n)
+    if path == "flashinfer":
+        m = max(1, (2 * calib.sm_count) // kv_heads)
+        if len(lens) > m:
+            return ItemStats(count, total, longest, False)
+        chunk = _flashinfer_chunk(n, m)
+        return ItemStats(sum(-(-x // chunk) for x in n), total, min(longest, chunk), chunk < longest)
+    if path == "compact":
+        c = compact_chunk([total], calib.compact)
+        k = int((-(-n // c)).sum()) if big else sum(-(-x // c) for x in n)
+        return ItemStats(k, total, min(c, longest), True)
+    cfg = calib.split
+    ms, mc, bn = split_max_splits(cfg, len(lens)), cfg.min_chunk, cfg.block_n
+    if big:
+        sp = np.minimum(ms, np.maximum(1, -(-n // mc)))
+        c = np.maximum(bn, -(-(-(-n // sp)) // bn) * bn)
+        return ItemStats(int((-(-n // c)).sum()), total, int(np.minimum(n, c).max()), True)
+    k = largest = 0
+    for x in n:
+        sp = min(ms, max(1, -(-x // mc)))
+        c = max(bn, -(-(-(-x // sp)) // bn) * bn)
+        k += -(-x // c)
+        largest = max(largest, min(x, c))
+    return ItemStats(k, total, largest, True)
+
+
+def _flashinfer_chunk(n, max_items: int, step: int = 64) -> int:
+    """Smallest chunk (>= 128 tokens, searched in ``step``-token units) with
+    ``sum(ceil(n / chunk)) <= max_items`` (FlashInfer's ``PrefillBinarySearchKVChunkSize``;
+    ``n`` holds at most ``max_items`` lengths)."""
+    n = [int(x) for x in n]
+    lo = max(128, -(-sum(n) // max_items)) // step
+    hi = max(lo, -(-max(n) // step))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = mid * step
+        if sum(-(-x // c) for x in n) <= max_items:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(128, lo * step)
+
+
 def path_items(path: str, lens: Sequence[int], calib: Calibration, kv_heads: int) -> Tuple[list, bool]:
     """``(tokens per item per KV head, merges partials)`` for ``path``."""
     if path == "flashinfer":
@@ -298,22 +365,21 @@ def path_items(path: str, lens: Sequence[int], calib: Calibration, kv_heads: int
     raise ValueError(f"unknown decode path {path!r}; known: {', '.join(PATHS)}")
 
 
-def path_time_us(cost: PathCost, items: Sequence[int], merged: bool, *, batch: int, sm_count: int, q_heads: int,
+def path_time_us(cost: PathCost, stats: ItemStats, *, batch: int, sm_count: int, q_heads: int,
                  kv_heads: int, head_dim: int, dtype_bytes: int, merge_tbps: float) -> float:
-    """Predicted microseconds of one layer's decode attention on ``items`` (module docstring)."""
-    if not items:
+    """Predicted microseconds of one layer's decode attention (module docstring)."""
+    if stats.count == 0:
         return cost.launch_us
     tok_bytes = 2 * head_dim * dtype_bytes  # K and V of one token of one KV head
-    n = len(items) * kv_heads
-    total = sum(items) * kv_heads * tok_bytes
-    max_item = max(items) * tok_bytes
+    n = stats.count * kv_heads
+    total = stats.total * kv_heads * tok_bytes
     slots = cost.ctas_per_sm * sm_count
     active = min(n, slots)
     r = min(cost.cta_gbps * 1e3, cost.bw_tbps * 1e6 / active)  # bytes per us per item
-    stream = max(total / (r * active), max_item / (cost.cta_gbps * 1e3), math.ceil(n / slots) * (total / n) / r)
+    stream = max(total / (r * active), stats.largest * tok_bytes / (cost.cta_gbps * 1e3), math.ceil(n / slots) * (total / n) / r)
     merge = 0.0
-    if merged:
-        partial_bytes = len(items) * q_heads * (head_dim + 1) * 4 * 2  # fp32 partial out + lse, written then read
+    if stats.merged:
+        partial_bytes = stats.count * q_heads * (head_dim + 1) * 4 * 2  # fp32 partial out + lse, written then read
         merge = (partial_bytes + batch * q_heads * head_dim * dtype_bytes) / (merge_tbps * 1e6)
     return cost.launch_us + stream + merge
 
@@ -344,11 +410,11 @@ class DecodePolicy:
 
     def predict(self, lens: Iterable[int]) -> Dict[str, float]:
         """Predicted us per layer of every path for these KV lengths."""
-        lens = [int(x) for x in lens]
+        if not isinstance(lens, np.ndarray) or len(lens) < _NUMPY_FROM:
+            lens = [int(x) for x in lens]
         out = {}
         for p in PATHS:
-            items, merged = path_items(p, lens, self.calib, self.kv_heads)
-            out[p] = path_time_us(self.calib.paths[p], items, merged, batch=len(lens), sm_count=self.calib.sm_count,
+            out[p] = path_time_us(self.calib.paths[p], path_stats(p, lens, self.calib, self.kv_heads), batch=len(lens), sm_count=self.calib.sm_count,
                                   q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                   dtype_bytes=self.dtype_bytes, merge_tbps=self.calib.merge_tbps)
         return out
