@@ -245,3 +245,15 @@ def test_graph_hooks_capture_one_graph_per_path_and_key_replays_by_the_chosen_pa
     # another backend's runner keeps SGLang's keys
     other = types.SimpleNamespace(attn_backend=object())
     assert DecodeCudaGraphRunner._make_graph_key(other, 2, None, "lora") == ShapeKey(2, None, "lora")
+
+
+def test_replay_without_a_graph_of_the_chosen_path_replays_the_captured_one():
+    """Hooks inactive (one graph per bs): the replayed path is the captured one, never a path without a graph."""
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), choose=lambda lens: "compact")
+    be.init_cuda_graph_state(2, 2)
+    g = torch.Generator().manual_seed(1)
+    be.init_forward_metadata_out_graph(make_batch(runner, [1, 1], g, fill_pool=False), in_capture=True)  # captures paths[0]
+    be.init_forward_metadata_out_graph(make_batch(runner, [300, 2], g, fill_pool=False))
+    assert be.graph_path == "split" and be.forward_metadata.path == "split"

@@ -174,6 +174,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._capture_path: Optional[str] = None
         self._captured: Dict[int, Set[str]] = {}
         self.variant_graphs = False  # set by the capture hook: one graph per (bs, path)
+        self._warned_fallback = False
         self._trace_file = os.environ.get(TRACE_ENV)
         self._trace_counts: Dict[str, int] = {}
         install_graph_hooks()
@@ -265,6 +266,10 @@ class PersistentKVAttnBackend(AttentionBackend):
             captured = self._captured.get(bs)
             if captured and path not in captured:
                 # the graph hooks are not active: replay what was captured for this bs
+                if not self._warned_fallback:
+                    logger.warning("persistentkv: no decode graph of path %s for bs %d (graph hooks inactive?); replaying %s",
+                                   path, bs, sorted(captured))
+                    self._warned_fallback = True
                 path = next(p for p in self.policy.paths if p in captured)
         self._trace("capture" if in_capture else "replay", path, bs)
         self.graph_path = path
