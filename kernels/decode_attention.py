@@ -152,15 +152,17 @@ def _queue_kernel(
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """Combine request b's partials of query head qh (segment of the mid
-    buffers) by log-sum-exp; an empty request (length 0) gets zeros."""
+    buffers) by log-sum-exp; an empty request (length 0) gets zeros.
+    ``SEGMENTED``: the segment starts at ``seg_start[b]`` (work queue), else
+    at ``b * SEG_STRIDE`` (split)."""
     b = tl.program_id(0)
     qh = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    if SEG_STRIDE == 1:
+    if SEGMENTED:
         first = tl.load(seg_start_ptr + b)
     else:
         first = b * SEG_STRIDE
@@ -280,7 +282,7 @@ def split_kv_run(
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, nsplit, nsplit, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits,
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits, SEGMENTED=False,
     )
     return out
 
@@ -375,7 +377,7 @@ def work_queue_run(
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, item_offsets, n_items, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1,
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1, SEGMENTED=True,
     )
     return out
 
