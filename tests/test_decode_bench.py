@@ -89,11 +89,23 @@ def test_e2e_comparison_and_trace_checks():
     same, worst, first = e2e.compare(ref, {"s": [{"ids": [5, 9, 7], "logprobs": [-0.5, -2.0, -30.0]}]})
     assert not same and first == "s request 0 token 1"
     assert e2e.check_trace("split", {"capture:split": 4, "replay:split": 64}) == []
-    assert e2e.check_trace("split", {"replay:split": 60, "replay:flashinfer": 4}) == ["forced split but replayed {'flashinfer': 4}"]
-    assert e2e.check_trace("auto", {"eager:split": 3}) == ["no decode step replayed a CUDA graph of persistentkv"]
+    assert e2e.check_trace("split", {"replay:split": 60, "replay:flashinfer": 4}) == ["split: expected replays of split only, got {'flashinfer': 4}"]
+    assert e2e.check_trace("auto", {"eager:split": 3, "capture:flashinfer": 1, "capture:split": 1, "capture:compact": 1}) == ["no decode step replayed a CUDA graph of persistentkv"]
+    three = {"capture:flashinfer": 2, "capture:split": 2, "capture:compact": 2}
+    assert e2e.check_trace("auto", {**three, "replay:flashinfer": 9, "replay:split": 3}) == []
+    assert e2e.check_trace("auto-ours", {**three, "replay:flashinfer": 9}) == ["auto-ours: expected replays of split only, got {'flashinfer': 9}"]
+    assert e2e.check_trace("auto", {"capture:flashinfer": 2, "replay:flashinfer": 9}) == ["auto: graphs captured for ['flashinfer'], not one per path"]
     kw = e2e.engine_kwargs("/m", "persistentkv")
     assert kw["cuda_graph_backend_decode"] == "full" and kw["cuda_graph_backend_prefill"] == "disabled"
     assert kw["attention_backend"] == "flashinfer" and kw["decode_attention_backend"] == "persistentkv"
+
+
+def test_e2e_ours_calibration_makes_auto_pick_split(tmp_path):
+    from sglang_elastic.attention.policy import DecodePolicy, load_calibration
+
+    c = load_calibration(_e2e().ours_calibration(str(tmp_path / "c.json")))
+    pol = DecodePolicy(c, q_heads=16, kv_heads=4, head_dim=64)
+    assert {pol.choose(lens) for lens in ([3000], [1500, 700, 3000, 50, 2100, 900, 10, 1200], [1] * 8)} == {"split"}
 
 
 def test_e2e_engine_kwargs_are_sglang_server_args():

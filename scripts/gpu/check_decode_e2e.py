@@ -14,11 +14,15 @@ Engines run one after another in this process with ``skip_tokenizer_init``,
 start), decode graphs on (``cuda_graph_backend_decode="full"``, batch sizes up
 to 8). Two batches: 8 prompts of 10-3000 tokens, and one of 3000.
 
+Modes: ``auto`` (shipped calibration), ``auto-ours`` (``auto`` with a
+calibration that prices FlashInfer and the queue out, so replays must pick
+split graphs among the three captured per batch size), and each forced path.
+
 Checks, per mode against the FlashInfer-only run: the same output tokens, and
 every output token's logprob within ``1e-2 * max(1, |ref|)``; and that the
 decode steps went where they should (the backend's
 ``SGLANG_ELASTIC_DECODE_TRACE`` counts: forced modes replay graphs of their
-path only). Exit 1 on a mismatch. About 1 minute per engine start (FlashInfer
+path only). Exit 1 on a mismatch. About 1 minute per engine start (six engines) (FlashInfer
 JIT on a fresh host adds a few).
 """
 
@@ -32,7 +36,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("auto", "flashinfer", "split", "compact")
+MODES = ("auto", "auto-ours", "flashinfer", "split", "compact")
 NEW_TOKENS = 32
 
 
@@ -66,6 +70,22 @@ def engine_kwargs(model: str, decode_backend):
     return kw
 
 
+def ours_calibration(path: str) -> str:
+    """The shipped calibration with FlashInfer and the queue priced out: ``auto``
+    then captures all three graphs per batch size and must replay split ones."""
+    import dataclasses
+
+    from sglang_elastic.attention.policy import load_calibration
+
+    c = load_calibration()
+    slow = dataclasses.replace(c.paths["flashinfer"], launch_us=1e4)
+    c = dataclasses.replace(c, paths={**c.paths, "flashinfer": slow, "compact": dataclasses.replace(c.paths["compact"], launch_us=1e4),
+                                      "split": dataclasses.replace(c.paths["split"], launch_us=1.0)})
+    with open(path, "w") as f:
+        json.dump(c.to_json(), f)
+    return path
+
+
 def run_engine(model: str, mode, trace_dir: str):
     """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
     import sglang as sgl
@@ -73,7 +93,11 @@ def run_engine(model: str, mode, trace_dir: str):
     from sglang_elastic import config
 
     trace = os.path.join(trace_dir, f"trace_{mode}")
-    if mode:
+    if mode == "auto-ours":
+        calib = ours_calibration(os.path.join(trace_dir, "calibration_ours.json"))
+        config.publish(config.ElasticKVConfig(decode_policy="auto", decode_calibration=calib))
+        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
+    elif mode:
         config.publish(config.ElasticKVConfig(decode_policy=mode))  # the schedulers read it (SGLANG_ELASTIC_CONFIG)
         os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
     else:
@@ -118,10 +142,15 @@ def check_trace(mode: str, counts: dict):
     replays = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("replay:")}
     if not replays:
         problems.append("no decode step replayed a CUDA graph of persistentkv")
-    if mode != "auto":
-        other = {p: n for p, n in replays.items() if p != mode}
+    want = {"auto-ours": "split"}.get(mode, mode)
+    if want != "auto":
+        other = {p: n for p, n in replays.items() if p != want}
         if other:
-            problems.append(f"forced {mode} but replayed {other}")
+            problems.append(f"{mode}: expected replays of {want} only, got {other}")
+    if mode.startswith("auto"):
+        captured = {k.split(":", 1)[1] for k in counts if k.startswith("capture:")}
+        if captured != {"flashinfer", "split", "compact"}:
+            problems.append(f"{mode}: graphs captured for {sorted(captured)}, not one per path")
     return problems
 
 
