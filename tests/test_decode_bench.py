@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_elastic.attention import bench, calibrate, policy
+from sglang_elastic.attention import bench, calibrate
 from sglang_elastic.attention.policy import Calibration, DecodePolicy, PathCost
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -49,14 +49,14 @@ import os
 from typing import Dict, Optional, Set
 
 import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_elastic.attention import NAME
 from sglang_elastic.attention.policy import (
     PATHS, Calibration, DecodePolicy, load_calibration, split_max_splits, work_queue_rows,
 )
 
 logger = logging.getLogger(__name__)
-
-from sglang_elastic.attention import NAME  # noqa: E402
 _SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
 #: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
 TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
@@ -89,9 +89,6 @@ class DecodeMetadata:
     kv_indptr: Optional[torch.Tensor] = None  # [bs + 1] int32
     kv_indices: Optional[torch.Tensor] = None  # [>= sum(seq_lens)] int32 token ids
     max_splits: int = 1  # split path: chunks per request cap at this batch size
-
-
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
 
 
 class PersistentKVAttnBackend(AttentionBackend):
