@@ -17,6 +17,12 @@ per step (GQA), with a tensor-core ``tl.dot`` over the padded group.
   consumed by a persistent grid of ``programs x kv_heads`` programs that stride
   over it; the same merge, segmented by ``chunk_offsets``.
 
+Each comes as ``*_plan`` (once per decode step: chunk counts or the item
+list from the lengths, GPU ops only) and ``*_run`` (once per layer, into
+caller-owned workspaces), as FlashInfer splits ``plan`` / ``run``; the
+SGLang backend (``sglang_elastic.attention``) uses those. ``split_kv_decode``
+/ ``work_queue_decode`` do both in one call.
+
 Neither needs a host sync: chunk counts and the item list live on the GPU, so
 one batch size's launch can be captured in a CUDA graph and replayed with
 other lengths (grids depend only on the batch size and the maxima passed in).
@@ -92,7 +98,7 @@ def _split_kernel(
     sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_mo_s, stride_mo_h, stride_ml_s,
-    MAX_SPLITS: tl.constexpr,
+    max_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -104,25 +110,26 @@ def _split_kernel(
     start = lo + s * chunk
     end = tl.minimum(start + chunk, hi)
     if start < end:
-        _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * MAX_SPLITS + s, sm_scale,
+        _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
                       G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32)
 
 
 @triton.jit
 def _queue_kernel(
-    q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, item_offsets_ptr, num_items_ptr, mid_o_ptr, mid_lse_ptr,
-    sm_scale, batch,
+    q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, item_offsets_ptr, num_items_ptr, chunk_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale, batch, max_items,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_mo_s, stride_mo_h, stride_ml_s,
-    CHUNK: tl.constexpr, LOG2_BATCH: tl.constexpr,
+    LOG2_BATCH: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Persistent: program (p, h) takes items p, p + P, ... of the dense list."""
     p = tl.program_id(0)
     h = tl.program_id(1)
     P = tl.num_programs(0)
-    total = tl.load(num_items_ptr)
+    total = tl.minimum(tl.load(num_items_ptr), max_items)  # the plan keeps total <= capacity; this only guards memory
+    chunk = tl.load(chunk_ptr)
     for item in range(p, total, P):
         # request of this item: largest b with item_offsets[b] <= item (binary search)
         b = item * 0
@@ -134,8 +141,8 @@ def _queue_kernel(
         c = item - tl.load(item_offsets_ptr + b)
         kv_lo = tl.load(indptr_ptr + b)
         kv_hi = tl.load(indptr_ptr + b + 1)
-        start = kv_lo + c * CHUNK
-        end = tl.minimum(start + CHUNK, kv_hi)
+        start = kv_lo + c * chunk
+        end = tl.minimum(start + chunk, kv_hi)
         _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, item, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
                       G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32)
@@ -145,15 +152,17 @@ def _queue_kernel(
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """Combine request b's partials of query head qh (segment of the mid
-    buffers) by log-sum-exp; an empty request (length 0) gets zeros."""
+    buffers) by log-sum-exp; an empty request (length 0) gets zeros.
+    ``SEGMENTED``: the segment starts at ``seg_start[b]`` (work queue), else
+    at ``b * SEG_STRIDE`` (split)."""
     b = tl.program_id(0)
     qh = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    if SEG_STRIDE == 1:
+    if SEGMENTED:
         first = tl.load(seg_start_ptr + b)
     else:
         first = b * SEG_STRIDE
@@ -190,11 +199,200 @@ def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
     return B, Hq, Hkv, D, G, max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
 
 
+def _launch_opts(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
+    """Triton launch options; ``None`` keeps Triton's default (4 warps, 3 stages)."""
+    opts = {}
+    if num_warps is not None:
+        opts["num_warps"] = int(num_warps)
+    if num_stages is not None:
+        opts["num_stages"] = int(num_stages)
+    return opts
+
+
+# ---------------------------------------------------------------------------
+# plan / run (FlashInfer's split: ``plan`` once per decode step from the
+# lengths, on the GPU and CUDA-graph recordable; ``run`` once per layer,
+# allocation-free when the caller passes the workspaces)
+# ---------------------------------------------------------------------------
+
+
+def split_kv_plan(
+    kv_indptr: torch.Tensor, max_splits: int, min_chunk: int, block_n: int = 32,
+    chunk_out: Optional[torch.Tensor] = None, nsplit_out: Optional[torch.Tensor] = None,
+):
+    """Per-request chunk length and chunk count for :func:`split_kv_run` (GPU ops only, no host read).
+
+    Request ``b`` of length ``L`` gets ``min(max_splits, ceil(L / min_chunk))``
+    chunks, each rounded up to a multiple of ``block_n`` tokens.
+
+    Args:
+        kv_indptr: ``[batch + 1]`` int32/int64 offsets (as SGLang builds them).
+        max_splits: the most chunks per request (the grid's third dimension).
+        min_chunk: the smallest chunk in tokens.
+        chunk_out, nsplit_out: optional ``[>= batch]`` int32 buffers (address-stable under CUDA graphs).
+
+    Returns:
+        ``(chunk, nsplit)``: ``[batch]`` int32 tokens per chunk, ``[batch]`` int32
+        chunks (0 for an empty request).
+    """
+    B = kv_indptr.shape[0] - 1
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    splits = torch.clamp((lens + min_chunk - 1) // min_chunk, 1, max_splits)
+    chunk = (lens + splits - 1) // splits
+    chunk = torch.clamp((chunk + block_n - 1) // block_n * block_n, min=block_n).to(torch.int32)
+    nsplit = torch.where(lens > 0, (lens + chunk - 1) // chunk, 0).to(torch.int32)
+    if chunk_out is not None:
+        chunk_out[:B].copy_(chunk)
+        chunk = chunk_out[:B]
+    if nsplit_out is not None:
+        nsplit_out[:B].copy_(nsplit)
+        nsplit = nsplit_out[:B]
+    return chunk, nsplit
+
+
+def split_kv_run(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    chunk: torch.Tensor, nsplit: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+    sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Split-KV decode of one layer from a :func:`split_kv_plan` (two launches: partials, merge).
+
+    Args:
+        q: ``[batch, q_heads, head_dim]`` bf16/fp16.
+        k_buffer, v_buffer: ``[slots, kv_heads, head_dim]`` (SGLang's per-layer buffers).
+        chunk, nsplit: the plan's ``[batch]`` int32 tensors; ``max_splits`` as planned.
+        mid_o: ``[>= batch * max_splits, q_heads, head_dim]`` float32 workspace.
+        mid_lse: ``[>= batch * max_splits, q_heads]`` float32 workspace.
+        out: ``[batch, q_heads, head_dim]`` output (any strides with unit last dim).
+
+    Returns:
+        ``out``.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    if B == 0:
+        return out
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    opts = _launch_opts(num_warps, num_stages)
+    _split_kernel[(B, Hkv, max_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
+        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts,
+    )
+    _merge_kernel[(B, Hq)](
+        mid_o, mid_lse, nsplit, nsplit, out,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits, SEGMENTED=False,
+    )
+    return out
+
+
+def work_queue_plan(
+    kv_indptr: torch.Tensor, chunk: Optional[int] = None, target_items: Optional[int] = None, min_chunk: int = 256,
+    block_n: int = 32, chunk_out: Optional[torch.Tensor] = None, item_offsets_out: Optional[torch.Tensor] = None,
+    n_items_out: Optional[torch.Tensor] = None,
+):
+    """The dense ``(request, chunk)`` item list of :func:`work_queue_run` (GPU ops only, no host read).
+
+    Either a fixed ``chunk`` (tokens, a multiple of ``block_n``) or a
+    ``target_items`` count: then the chunk is chosen on the GPU as
+    ``max(min_chunk, round_up(ceil(sum(lens) / target_items), block_n))``
+    (equal work per item, LeanAttention / FlashInfer's holistic plan), so
+    the list never holds more than ``target_items + batch`` items: size the
+    workspaces with :func:`work_queue_capacity`.
+
+    Returns:
+        ``(chunk, item_offsets, n_items)``: ``[1]`` int32 tokens per item,
+        ``[batch + 1]`` int32 exclusive prefix sum of the per-request item
+        counts (its last entry is the total), ``[batch]`` int32 items per request.
+
+    Raises:
+        ValueError: when neither or both of ``chunk`` / ``target_items`` are given,
+        or ``chunk`` is not a multiple of ``block_n``.
+    """
+    if (chunk is None) == (target_items is None):
+        raise ValueError("give exactly one of chunk (fixed tokens per item) or target_items (chunk chosen on the GPU)")
+    B = kv_indptr.shape[0] - 1
+    dev = kv_indptr.device
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    if chunk is not None:
+        if chunk % block_n:
+            raise ValueError(f"chunk {chunk} must be a multiple of block_n {block_n}")
+        c = torch.full((1,), chunk, dtype=torch.int32, device=dev)
+    else:
+        total = lens.sum().reshape(1).to(torch.int32)
+        c = (total + target_items - 1) // target_items
+        c = torch.clamp((c + block_n - 1) // block_n * block_n, min=max(min_chunk, block_n)).to(torch.int32)
+    if chunk_out is not None:
+        chunk_out[:1].copy_(c)
+        c = chunk_out[:1]
+    n_items = ((lens + c - 1) // c).to(torch.int32)
+    if n_items_out is not None:
+        n_items_out[:B].copy_(n_items)
+        n_items = n_items_out[:B]
+    if item_offsets_out is None:
+        item_offsets = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    else:
+        item_offsets = item_offsets_out[: B + 1]
+        item_offsets[:1].zero_()
+    torch.cumsum(n_items, 0, out=item_offsets[1:])
+    return c, item_offsets, n_items
+
+
+def work_queue_capacity(batch: int, target_items: int) -> int:
+    """Workspace rows :func:`work_queue_plan` with ``target_items`` can fill for ``batch`` requests."""
+    return target_items + batch
+
+
+def work_queue_run(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    chunk: torch.Tensor, item_offsets: torch.Tensor, n_items: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
+    out: torch.Tensor, programs: int = 132, sm_scale: Optional[float] = None, block_n: int = 32,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Compact work-queue decode of one layer from a :func:`work_queue_plan`.
+
+    Args:
+        chunk, item_offsets, n_items: the plan's tensors (``item_offsets[batch]`` is the item count).
+        mid_o: ``[capacity, q_heads, head_dim]`` float32 workspace; ``mid_lse``: ``[capacity, q_heads]``.
+            Items past ``capacity`` are not computed (memory guard; plan within it).
+        programs: persistent programs per KV head (e.g. the SM count).
+
+    Returns:
+        ``out`` (``[batch, q_heads, head_dim]``).
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    if B == 0:
+        return out
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    opts = _launch_opts(num_warps, num_stages)
+    num_items = item_offsets[B:]
+    _queue_kernel[(programs, Hkv)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, chunk, mid_o, mid_lse, sm_scale, B, mid_o.shape[0],
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
+        LOG2_BATCH=max(0, math.ceil(math.log2(max(B, 1)))),
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts,
+    )
+    _merge_kernel[(B, Hq)](
+        mid_o, mid_lse, item_offsets, n_items, out,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1, SEGMENTED=True,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# one-call forms (allocate their workspaces; tests, scripts)
+# ---------------------------------------------------------------------------
+
+
 def split_kv_decode(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     sm_scale: Optional[float] = None, max_splits: int = 32, min_chunk: int = 256, block_n: int = 32, out: Optional[torch.Tensor] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
 ) -> torch.Tensor:
-    """Split-KV decode attention over SGLang's paged KV layout.
+    """Split-KV decode attention over SGLang's paged KV layout (plan + run in one call).
 
     Args:
         q: ``[batch, q_heads, head_dim]`` bf16/fp16, one query token per request.
@@ -214,71 +412,40 @@ def split_kv_decode(
         ValueError: when ``q_heads`` is not a multiple of ``kv_heads``.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
-    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
-    splits = torch.clamp((lens + min_chunk - 1) // min_chunk, 1, max_splits)
-    chunk = (lens + splits - 1) // splits
-    chunk = ((chunk + block_n - 1) // block_n * block_n).to(torch.int32)
-    chunk = torch.clamp(chunk, min=block_n)
-    nsplit = torch.where(lens > 0, (lens + chunk - 1) // chunk, 0).to(torch.int32)
+    chunk, nsplit = split_kv_plan(kv_indptr, max_splits, min_chunk, block_n)
     mid_o = torch.empty((B * max_splits, Hq, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B * max_splits, Hq), dtype=torch.float32, device=q.device)
-    _split_kernel[(B, Hkv, max_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, sm_scale,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
-        MAX_SPLITS=max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
-    )
     o = out if out is not None else torch.empty_like(q)
-    _merge_kernel[(B, Hq)](
-        mid_o, mid_lse, nsplit, nsplit, o,
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), o.stride(0), o.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits,
-    )
-    return o
+    return split_kv_run(q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, nsplit, max_splits, mid_o, mid_lse, o,
+                        sm_scale, block_n, num_warps, num_stages)
 
 
 def work_queue_decode(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     sm_scale: Optional[float] = None, chunk: int = 512, max_items: Optional[int] = None, programs: int = 132, block_n: int = 32,
-    out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Compact work-queue decode attention (arguments as :func:`split_kv_decode`).
 
     Args:
         chunk: tokens per work item (a multiple of ``block_n``).
-        max_items: capacity of the item list; default ``batch * ceil(max_len /
-            chunk)`` computed from the lengths (a host read: pass it to keep the
-            call sync-free and CUDA-graph safe).
+        max_items: capacity of the item list; default ``sum(ceil(len / chunk))``
+            computed from the lengths (a host read: pass it to keep the call
+            sync-free and CUDA-graph safe).
         programs: persistent programs per KV head (e.g. the SM count).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: when ``chunk`` is not a multiple of ``block_n``.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
-    if chunk % block_n:
-        raise ValueError(f"chunk {chunk} must be a multiple of block_n {block_n}")
-    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
-    n_items = ((lens + chunk - 1) // chunk).to(torch.int32)
-    item_offsets = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(n_items, 0, out=item_offsets[1:])
-    num_items = item_offsets[B:]
+    c, item_offsets, n_items = work_queue_plan(kv_indptr, chunk=chunk, block_n=block_n)
     if max_items is None:
         max_items = int(n_items.sum()) or 1
     mid_o = torch.empty((max_items, Hq, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((max_items, Hq), dtype=torch.float32, device=q.device)
-    _queue_kernel[(programs, Hkv)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, mid_o, mid_lse, sm_scale, B,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
-        CHUNK=chunk, LOG2_BATCH=max(0, math.ceil(math.log2(max(B, 1)))),
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
-    )
     o = out if out is not None else torch.empty_like(q)
-    _merge_kernel[(B, Hq)](
-        mid_o, mid_lse, item_offsets, n_items, o,
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), o.stride(0), o.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1,
-    )
-    return o
+    return work_queue_run(q, k_buffer, v_buffer, kv_indptr, kv_indices, c, item_offsets, n_items, mid_o, mid_lse, o,
+                          programs, sm_scale, block_n, num_warps, num_stages)

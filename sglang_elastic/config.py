@@ -27,6 +27,14 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   lending (hysteresis, default 32).
 - ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
   and sampling when measuring the lendable bytes (default 1024).
+
+Decode attention (only with SGLang's ``--decode-attention-backend persistentkv``,
+the backend this package registers; :mod:`sglang_elastic.attention`):
+
+- ``--decode-policy {auto,flashinfer,split,compact}``: ``auto`` picks per decode
+  batch with the calibrated cost model; the others force one path (default auto).
+- ``--decode-calibration PATH``: the policy's calibration JSON (default: the
+  file shipped for the H200, ``sglang_elastic/attention/calibration/``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_ELASTIC_CONFIG"
 MODES = ("dynamic", "always-lent", "off")
+DECODE_POLICIES = ("auto", "flashinfer", "split", "compact")
+#: The SGLang attention backend name the decode flags belong to.
+DECODE_BACKEND = "persistentkv"
 
 
 class ConfigError(ValueError):
@@ -57,8 +68,12 @@ class ElasticKVConfig:
     handle_mb: int = 0
     lend_after_steps: int = 32
     margin_mb: int = 1024
+    decode_policy: str = "auto"
+    decode_calibration: Optional[str] = None  # None: the calibration file shipped in the package
 
     def __post_init__(self):
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ConfigError(f"--decode-policy must be one of {', '.join(DECODE_POLICIES)}, not {self.decode_policy!r}")
         if self.mode not in MODES:
             raise ConfigError(f"--elastic-kv-mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.lend_bytes is not None and self.lend_bytes <= 0:
@@ -104,10 +119,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes.")
+    d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
+    d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
+    d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: the H200 file shipped in sglang_elastic/attention/calibration). Applies only with --decode-attention-backend persistentkv.")
 
 
 def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
-    """The config from parsed flags (missing flags take their defaults)."""
+    """The config from parsed flags (missing flags take their defaults).
+
+    Raises:
+        ConfigError: a bad value; ``--decode-policy`` / ``--decode-calibration``
+        without ``--decode-attention-backend persistentkv``; a calibration file
+        that does not load.
+    """
+    policy = getattr(ns, "decode_policy", None)
+    calibration = getattr(ns, "decode_calibration", None)
+    if policy is not None or calibration is not None:
+        decode_backend = getattr(ns, "decode_attention_backend", None) or getattr(ns, "attention_backend", None)
+        if decode_backend != DECODE_BACKEND:
+            flag = "--decode-policy" if policy is not None else "--decode-calibration"
+            raise ConfigError(f"{flag} applies only with --decode-attention-backend {DECODE_BACKEND} (decode backend here: {decode_backend or 'SGLang default'})")
+    if calibration is not None:
+        from sglang_elastic.attention.policy import CalibrationError, load_calibration
+
+        try:
+            load_calibration(calibration)
+        except CalibrationError as e:
+            raise ConfigError(f"--decode-calibration: {e}") from None
+        calibration = os.path.abspath(calibration)
     return ElasticKVConfig(
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
         mode=getattr(ns, "elastic_kv_mode", "dynamic"),
@@ -115,6 +154,8 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         handle_mb=getattr(ns, "elastic_kv_handle_mb", 0),
         lend_after_steps=getattr(ns, "elastic_kv_lend_after_steps", 32),
         margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
+        decode_policy=policy or "auto",
+        decode_calibration=calibration,
     )
 
 

@@ -32,6 +32,10 @@ def load() -> None:
     - AFTER ``ServerArgs.add_cli_args``: our flags join SGLang's parser;
     - BEFORE ``ServerArgs.from_cli_args``: parse and check them, publish the
       config to the scheduler processes (:mod:`sglang_elastic.config`).
+
+    And the ``persistentkv`` attention backend in SGLang's registry and
+    backend choices (:func:`sglang_elastic.attention.register`; its CUDA-graph
+    hooks are installed when a scheduler builds the backend).
     """
     global _loaded
     if _loaded:
@@ -41,8 +45,10 @@ def load() -> None:
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.BEFORE)
-    from sglang_elastic import config
+    from sglang_elastic import attention, config
 
+    attention.register()
+    _features.append("decode-attention:" + attention.NAME)
     # Scheduler processes inherit the launcher's parsed config (SGLANG_ELASTIC_CONFIG).
     if config.current().enabled:
         from sglang_elastic.sched import hooks
@@ -97,7 +103,7 @@ def server_info(server_args: Any = None) -> Dict[str, Any]:
         "patched": patchset.overall(st) is patchset.State.APPLIED,
         "series": {s.name: s.state.value for s in st},
         "plugin_loaded": _loaded,
-        "features": list(_features) or (["elastic-kv"] if _elastic_enabled() else []),
+        "features": list(_features) + (["elastic-kv"] if _elastic_enabled() and "elastic-kv" not in _features else []),
     }
 
 

@@ -108,3 +108,42 @@ def test_every_elastic_flag_needs_the_enable_flag(flag, value):
     config.add_cli_args(p)
     with pytest.raises(config.ConfigError, match="need --enable-elastic-kv"):
         config.from_namespace(p.parse_args([flag, value]))
+
+
+def test_decode_policy_reaches_the_schedulers_through_sglangs_parser():
+    r, cfg = launch_args("--attention-backend", "flashinfer", "--decode-attention-backend", "persistentkv", "--decode-policy", "compact")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cfg["decode_policy"] == "compact" and cfg["decode_calibration"] is None
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--decode-attention-backend", "persistentkv", "--decode-policy", "fastest"], "invalid choice: 'fastest'"),
+        (["--decode-policy", "split"], "--decode-policy applies only with --decode-attention-backend persistentkv"),
+        (["--attention-backend", "flashinfer", "--decode-policy", "split"], "--decode-policy applies only with --decode-attention-backend persistentkv (decode backend here: flashinfer)"),
+        (["--decode-attention-backend", "triton", "--decode-calibration", "x.json"], "--decode-calibration applies only with --decode-attention-backend persistentkv"),
+        (["--decode-attention-backend", "persistentkv", "--decode-calibration", "/nonexistent.json"], "--decode-calibration: cannot read calibration file /nonexistent.json"),
+    ],
+)
+def test_bad_decode_flags_stop_with_one_clear_line(flags, message, capsys):
+    """The same parse as inside SGLang (its parser gains these flags through the plugin's hook)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--attention-backend")
+    p.add_argument("--decode-attention-backend")
+    config.add_cli_args(p)
+    try:
+        config.from_namespace(p.parse_args(flags))
+    except config.ConfigError as e:
+        assert message in str(e)
+    except SystemExit:
+        assert message in capsys.readouterr().err
+    else:
+        pytest.fail(f"{flags} accepted")
+
+
+def test_decode_policy_value_checked_in_the_config_object():
+    with pytest.raises(config.ConfigError, match="--decode-policy must be one of"):
+        config.ElasticKVConfig(decode_policy="fastest")

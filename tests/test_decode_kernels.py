@@ -64,6 +64,8 @@ CASES = [
 KERNELS = {
     # chunks shorter than most requests and longer than some; 4 splits at most
     "split_kv": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, out=out),
+    # one chunk per request (the split path at batch sizes past its partial budget)
+    "split_kv_one_split": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=1, min_chunk=64, out=out),
     # 3 persistent programs per KV head stride over more items than they are
     "work_queue": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, out=out),
 }

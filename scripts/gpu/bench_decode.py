@@ -1,0 +1,324 @@
+"""Decode attention on the H200: ours (split-KV, compact work queue) against
+FlashInfer (tensor-core decode as SGLang runs it, and the persistent
+``BatchAttention``) and SGLang's Triton decode; fits the policy's calibration.
+
+One command (about 1-2 minutes of GPU time when FlashInfer's kernels are in
+its JIT cache; its first compile can add a minute or two):
+
+    python scripts/gpu/bench_decode.py --out docs/results/decode_h200.json \\
+        --calibration-out sglang_elastic/attention/calibration/h200.json [--sweep]
+
+Shape: Hq=32, Hkv=8, d=128, bf16, a 1M-token pool (2 GiB each of K and V),
+requests' KV scattered over it at page 16 (random pages) and page 1 (random
+tokens). Every timing is one layer's decode attention replayed from a CUDA
+graph, ``triton.testing.do_bench`` median with its 256 MB L2 flush between
+replays (the H200's L2 is 60 MB); plans (ours: ``*_plan``; FlashInfer:
+``plan()``) run outside the timed graph, as SGLang runs them once per step
+for all layers (ours also timed alone: ``ours_*_plan_us``).
+
+- FlashInfer tensor-core: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True,
+  use_cuda_graph=True)`` with page_size 1 and token ids, as SGLang's FlashInfer
+  backend plans it (``flashinfer_backend.py``, ``call_begin_forward``).
+- FlashInfer persistent: ``flashinfer.BatchAttention`` with the real page
+  size (the anchors doc's "persistent" column); timed eager if its run cannot
+  be captured (``notes``).
+- SGLang Triton: ``decode_attention_fwd`` with ``max_kv_splits=8`` (SGLang's
+  default) and ``get_num_kv_splits_triton`` as the Triton backend runs them.
+- Correctness: each output against FlashInfer tensor-core's (relative
+  Frobenius error ``rel_err_vs_flashinfer``, and ``max_abs_err_vs_flashinfer``);
+  exits 1 if ours exceed 1e-2 relative.
+- ``--sweep``: first times a small grid of kernel configs (split:
+  ``min_chunk, max_splits, num_warps, num_stages``; compact: ``target_items,
+  min_chunk, programs, num_warps``) on four cases at page 16, keeps the best
+  geometric mean, writes it into the calibration (the backend launches with it).
+
+The calibration is fitted to this run's timings (all rows) by
+:func:`sglang_elastic.attention.calibrate.fit_calibration`; ``policy_*``
+columns use it (in-sample), ``policy_shipped_*`` the calibration the package
+shipped before the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+import triton
+
+from sglang_elastic import results
+from sglang_elastic.attention import bench
+from sglang_elastic.attention.calibrate import fit_calibration
+from sglang_elastic.attention.policy import DecodePolicy, load_calibration, split_max_splits, work_queue_rows
+from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run, work_queue_plan, work_queue_run
+
+HQ, HKV, D = bench.SHAPE["q_heads"], bench.SHAPE["kv_heads"], bench.SHAPE["head_dim"]
+POOL = 1 << 20
+DT = torch.bfloat16
+SCALE = D**-0.5
+
+
+def graph_us(fn) -> float:
+    """Median us of ``fn`` replayed from a CUDA graph, L2 flushed between replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def eager_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def stream_read_tbps() -> float:
+    """TB/s of ``torch.sum`` over 2 GiB of bf16 (a streaming read; the buffer is freed on return)."""
+    x = torch.empty(1 << 30, dtype=DT, device="cuda").normal_()
+    us = eager_us(lambda: x.sum())
+    return (2 << 30) / (us * 1e-6) / 1e12
+
+
+def make_indices(lens, page_size, g):
+    """CSR token ids scattered at page granularity, and the page ids (page_size > 1)."""
+    n_units = POOL // page_size
+    units = torch.randperm(n_units - 1, device="cuda", generator=g) + 1  # unit 0 stays unused (SGLang's padding slot)
+    tok, pages, used = [], [], 0
+    for n in lens:
+        need = -(-n // page_size)
+        u = units[used: used + need]
+        used += need
+        pages.append(u)
+        tok.append((u[:, None] * page_size + torch.arange(page_size, device="cuda")).flatten()[:n])
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(torch.tensor(lens, device="cuda"), 0)
+    page_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
+    page_indptr[1:] = torch.cumsum(torch.tensor([-(-n // page_size) for n in lens], device="cuda"), 0)
+    return indptr, torch.cat(tok).to(torch.int32), page_indptr, torch.cat(pages).to(torch.int32)
+
+
+class Ours:
+    """Our two paths with the backend's workspaces and configs."""
+
+    def __init__(self, calib, max_bs=256):
+        self.calib = calib
+        rows = max(calib.split.partial_budget, max_bs, work_queue_rows(calib.compact, max_bs))
+        self.mid_o = torch.empty((rows, HQ, D), dtype=torch.float32, device="cuda")
+        self.mid_lse = torch.empty((rows, HQ), dtype=torch.float32, device="cuda")
+        self.sc = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+        self.sn = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+        self.qc = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.qo = torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")
+        self.qn = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+
+    def plan(self, path, indptr):
+        B = indptr.shape[0] - 1
+        if path == "split":
+            c = self.calib.split
+            split_kv_plan(indptr, split_max_splits(c, B), c.min_chunk, c.block_n, self.sc, self.sn)
+        else:
+            c = self.calib.compact
+            work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
+                            chunk_out=self.qc, item_offsets_out=self.qo, n_items_out=self.qn)
+
+    def run(self, path, q, k, v, indptr, idx, out):
+        B = q.shape[0]
+        if path == "split":
+            c = self.calib.split
+            return split_kv_run(q, k, v, indptr, idx, self.sc[:B], self.sn[:B], split_max_splits(c, B), self.mid_o, self.mid_lse,
+                                out, SCALE, c.block_n, c.num_warps, c.num_stages)
+        c = self.calib.compact
+        return work_queue_run(q, k, v, indptr, idx, self.qc, self.qo[: B + 1], self.qn[:B], self.mid_o, self.mid_lse, out,
+                              c.programs or torch.cuda.get_device_properties(0).multi_processor_count, SCALE, c.block_n,
+                              c.num_warps, c.num_stages)
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
+    import flashinfer
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+
+    lens = case["lens"]
+    B = len(lens)
+    indptr, idx, page_indptr, page_idx = make_indices(lens, page_size, g)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=DT, generator=g)
+    t, outs = {}, {}
+
+    # FlashInfer tensor-core decode, planned as SGLang plans it (page_size 1, token ids)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        fi_ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
+        paged_kv_indices_buffer=torch.empty_like(idx), paged_kv_last_page_len_buffer=torch.ones(B, dtype=torch.int32, device="cuda"))
+    w.plan(indptr, idx, torch.ones(B, dtype=torch.int32, device="cuda"), HQ, HKV, D, 1, q_data_type=DT, kv_data_type=DT, sm_scale=SCALE)
+    kv1 = (k.view(-1, 1, HKV, D), v.view(-1, 1, HKV, D))
+    outs["flashinfer"] = torch.empty_like(q)
+    t["flashinfer_us"] = graph_us(lambda: w.run(q, kv1, out=outs["flashinfer"]))
+    ref = outs["flashinfer"]
+
+    # FlashInfer persistent (holistic) BatchAttention at the real page size
+    try:
+        ba = flashinfer.BatchAttention(kv_layout="NHD")
+        ba.plan(torch.arange(B + 1, dtype=torch.int32, device="cuda"), page_indptr, page_idx, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                HQ, HKV, D, D, page_size, causal=False, sm_scale=SCALE, q_data_type=DT, kv_data_type=DT)
+        kvp = (k.view(-1, page_size, HKV, D), v.view(-1, page_size, HKV, D))
+        po = torch.empty_like(q)
+        plse = torch.empty(B, HQ, dtype=torch.float32, device="cuda")
+        fn = lambda: ba.run(q, kvp, out=po, lse=plse)  # noqa: E731
+        try:
+            t["flashinfer_persistent_us"] = graph_us(fn)
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize()
+            notes.setdefault("persistent_eager", []).append(f"{case['name']} p{page_size}: {type(e).__name__}")
+            t["flashinfer_persistent_us"] = eager_us(fn)
+        outs["flashinfer_persistent"] = po
+    except Exception as e:  # noqa: BLE001
+        notes.setdefault("persistent_failed", []).append(f"{case['name']} p{page_size}: {type(e).__name__}: {str(e)[:200]}")
+        t["flashinfer_persistent_us"] = None
+
+    # SGLang's Triton decode (max_kv_splits 8, splits from get_num_kv_splits_triton as the backend computes them)
+    max_kv_splits = 8
+    logits = torch.empty(B, HQ, max_kv_splits, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(B, HQ, max_kv_splits, dtype=torch.float32, device="cuda")
+    nsplits = torch.empty(B, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device="cuda")
+    get_num_kv_splits_triton[(1,)](nsplits, seq_lens, B, 1, HQ, HKV, max_kv_splits, torch.cuda.get_device_properties(0).multi_processor_count,
+                                   MAX_NUM_SEQ=max(256, triton.next_power_of_2(B)))
+    idx64 = idx.long()
+    to = torch.empty_like(q)
+    t["sglang_triton_us"] = graph_us(lambda: decode_attention_fwd(q, k, v, to, indptr, idx64, logits, lse, nsplits, max_kv_splits, SCALE, 1.0, 1.0))
+    outs["sglang_triton"] = to
+
+    # ours: plan once (outside the timed graph, as per step), run per layer
+    for path in ("split", "compact"):
+        ours.plan(path, indptr)
+        o = torch.empty_like(q)
+        t[f"ours_{path}_us"] = graph_us(lambda: ours.run(path, q, k, v, indptr, idx, o))
+        outs[f"ours_{path}"] = o
+        t[f"ours_{path}_plan_us"] = graph_us(lambda: ours.plan(path, indptr))
+    errs = {name: rel_err(o, ref) for name, o in outs.items() if name != "flashinfer"}
+    row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
+    row["max_abs_err_vs_flashinfer"] = {name: (o.float() - ref.float()).abs().max().item() for name, o in outs.items() if name != "flashinfer"}
+    row["ours_split_plan_us"], row["ours_compact_plan_us"] = t["ours_split_plan_us"], t["ours_compact_plan_us"]
+    return row
+
+
+def sweep(calib, k, v, g, notes):
+    """Best split / compact kernel configs (geometric mean over four page-16 cases)."""
+    cases = [c for c in bench.bench_cases() if c["name"] in ("B1_32K", "B8_2x64K_6x4K", "B32_zipf_1K-61K", "B64_8x32K_56x2K")]
+    data = []
+    for c in cases:
+        indptr, idx, _, _ = make_indices(c["lens"], 16, g)
+        data.append((indptr, idx, torch.randn(len(c["lens"]), HQ, D, device="cuda", dtype=DT, generator=g)))
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def score(cal, path):
+        ours = Ours(cal)
+        ts = []
+        for indptr, idx, q in data:
+            ours.plan(path, indptr)
+            o = torch.empty_like(q)
+            ts.append(graph_us(lambda: ours.run(path, q, k, v, indptr, idx, o)))
+        return math.exp(sum(map(math.log, ts)) / len(ts))
+
+    tried = {"split": [], "compact": []}
+    best_split, best_s = calib.split, score(calib, "split")
+    for mc in (256, 512, 1024):
+        for ms in (32, 64):
+            for nw in (4, 8):
+                for ns in (2, 3):
+                    cfg = dataclasses.replace(calib.split, min_chunk=mc, max_splits=ms, num_warps=nw, num_stages=ns)
+                    s = score(dataclasses.replace(calib, split=cfg), "split")
+                    tried["split"].append({**dataclasses.asdict(cfg), "geomean_us": s})
+                    if s < best_s:
+                        best_split, best_s = cfg, s
+    best_compact, best_c = calib.compact, score(calib, "compact")
+    for ti in (512, 1024, 2048):
+        for mc in (256, 512):
+            for pr in (sm, 2 * sm):
+                for nw in (4, 8):
+                    cfg = dataclasses.replace(calib.compact, target_items=ti, min_chunk=mc, programs=pr, num_warps=nw)
+                    s = score(dataclasses.replace(calib, compact=cfg), "compact")
+                    tried["compact"].append({**dataclasses.asdict(cfg), "geomean_us": s})
+                    if s < best_c:
+                        best_compact, best_c = cfg, s
+    notes["sweep"] = {"cases": [c["name"] for c in cases], "best_split_geomean_us": best_s, "best_compact_geomean_us": best_c, "tried": tried}
+    return dataclasses.replace(calib, split=best_split, compact=best_compact)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="result JSON (docs/results/decode_h200.json)")
+    ap.add_argument("--calibration-out", required=True, help="fitted calibration JSON (sglang_elastic/attention/calibration/h200.json)")
+    ap.add_argument("--sweep", action="store_true", help="sweep kernel configs first and record the best in the calibration")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    a = ap.parse_args()
+    t0 = time.time()
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    notes = {"timing": "us per layer, CUDA-graph replay, do_bench median, 256 MB L2 flush between replays; plans outside the graph",
+             "flashinfer_us": "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, use_cuda_graph=True), page_size 1 token ids as SGLang plans it",
+             "flashinfer_persistent_us": "flashinfer.BatchAttention at the case's page size",
+             "sglang_triton_us": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, max_kv_splits 8",
+             "policy": "policy_* from the calibration fitted to this run (in-sample); policy_shipped_* from the calibration shipped before it"}
+    read = stream_read_tbps()
+    print(f"stream read {read:.2f} TB/s", flush=True)
+    shipped = load_calibration()
+    calib = shipped
+    k = torch.randn(POOL, HKV, D, device="cuda", dtype=DT, generator=g)
+    v = torch.randn(POOL, HKV, D, device="cuda", dtype=DT, generator=g)
+    if a.sweep:
+        calib = sweep(calib, k, v, g, notes)
+        print(f"sweep: split {calib.split} compact {calib.compact} ({time.time() - t0:.0f} s)", flush=True)
+    ours = Ours(calib)
+    fi_ws = torch.empty(384 << 20, dtype=torch.uint8, device="cuda")  # SGLang's FlashInfer workspace size
+    cases = bench.bench_cases()
+    if a.cases:
+        keep = set(a.cases.split(","))
+        cases = [c for c in cases if c["name"] in keep]
+    by_name = {c["name"]: c for c in cases}
+    rows = []
+    for page_size in bench.PAGE_SIZES:
+        for c in cases:
+            r = run_case(c, page_size, k, v, ours, fi_ws, g, notes)
+            rows.append(r)
+            e = r["rel_err_vs_flashinfer"]
+            print(f"p{page_size:<2d} {c['name']:18s} split {r['ours_split_us']:7.1f} compact {r['ours_compact_us']:7.1f} | FI tc {r['flashinfer_us']:7.1f} "
+                  f"persistent {r['flashinfer_persistent_us'] or float('nan'):7.1f} triton {r['sglang_triton_us']:7.1f} us | err split {e['ours_split']:.1e} "
+                  f"compact {e['ours_compact']:.1e}", flush=True)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    fitted, fit_errs = fit_calibration(
+        bench.calibration_timings(rows, by_name), gpu=torch.cuda.get_device_name(0), sm_count=sm, start=calib,
+        source=f"scripts/gpu/bench_decode.py at commit {results.commit()}: every case, page 16 and 1, CUDA-graph replay",
+        provisional=False, stream_read_tbps=read, **bench.SHAPE)
+    cd = fitted.to_json()
+    cd["fit_rms_rel_err"] = fit_errs
+    results.write(a.calibration_out, cd)
+    bench.fill_policy(rows, by_name, DecodePolicy(fitted, **bench.SHAPE))
+    bench.fill_policy(rows, by_name, DecodePolicy(shipped, **bench.SHAPE), key="policy_shipped")
+    notes["gpu_seconds"] = round(time.time() - t0, 1)
+    res = bench.assemble(results.header(), read, rows, notes, {"path": a.calibration_out, "fit_rms_rel_err": fit_errs, "split": dataclasses.asdict(fitted.split), "compact": dataclasses.asdict(fitted.compact)})
+    results.write(a.out, res)
+    for r in rows:
+        print(f"p{r['page_size']:<2d} {r['name']:18s} policy {r['policy_pick']:10s} {r['policy_us']:7.1f} us ({r['policy_read_tbps']:.2f} TB/s) vs FI tc {r['flashinfer_us']:7.1f}")
+    print(f"fit rms rel err {json.dumps({p: round(x, 3) for p, x in fit_errs.items()})}; {time.time() - t0:.0f} s")
+    bad = [(r["name"], r["page_size"], p) for r in rows for p in ("ours_split", "ours_compact") if not r["rel_err_vs_flashinfer"][p] <= 1e-2]
+    if bad:
+        print(f"relative error above 1e-2: {bad}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

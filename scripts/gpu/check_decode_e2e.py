@@ -1,0 +1,203 @@
+"""End to end on the GPU: SGLang's offline Engine on a small random-weight
+Llama, FlashInfer alone against FlashInfer prefill + ``persistentkv`` decode
+(policy auto and each forced path), greedy, with decode CUDA graphs on.
+
+    python scripts/gpu/check_decode_e2e.py --out docs/results/decode_e2e_h200.json
+
+Model: ``transformers`` ``LlamaForCausalLM`` (2 layers, hidden 1024, 16 q /
+4 kv heads of 64: GQA group 4, so FlashInfer takes its tensor-core decode,
+vocab 32000, seed 0, weights N(0, 0.1) so that attention dominates the
+residual stream and greedy picks are not near-ties) saved to a temp dir.
+Engines run one after another in this process with ``skip_tokenizer_init``,
+``input_ids``, 32 new tokens, ``return_logprob``; prefill CUDA graphs off
+(``cuda_graph_backend_prefill="disabled"``: their capture is the slow part of a
+start), decode graphs on (``cuda_graph_backend_decode="full"``, batch sizes up
+to 8). Two batches: 8 prompts of 10-3000 tokens, and one of 3000.
+
+Modes: ``control-triton`` (SGLang's own Triton decode beside FlashInfer
+prefill: the noise floor of another correct bf16 kernel, reported but never
+failing the run), ``auto`` (shipped calibration), ``auto-ours`` (``auto`` with a
+calibration that prices FlashInfer and the queue out, so replays must pick
+split graphs among the three captured per batch size), and each forced path.
+
+Checks, per mode against the FlashInfer-only run: the same output tokens, and
+every output token's logprob within ``1e-2 * max(1, |ref|)``; and that the
+decode steps went where they should (the backend's
+``SGLANG_ELASTIC_DECODE_TRACE`` counts: forced modes replay graphs of their
+path only). Exit 1 on a mismatch. About 1 minute per engine start (seven engines) (FlashInfer
+JIT on a fresh host adds a few).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+MODES = ("auto", "auto-ours", "flashinfer", "split", "compact")
+#: Not ours: SGLang's Triton decode beside FlashInfer prefill, the noise floor of
+#: a second correct bf16 decode kernel against FlashInfer (reported, never failed).
+CONTROL = "control-triton"
+NEW_TOKENS = 32
+
+
+def prompts(seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    batch = [[rng.randrange(3, 32000) for _ in range(n)] for n in (1500, 700, 3000, 50, 2100, 900, 10, 1200)]
+    single = [[rng.randrange(3, 32000) for _ in range(3000)]]
+    return {"B8_10-3000": batch, "B1_3000": single}
+
+
+def save_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=64, vocab_size=32000, max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def engine_kwargs(model: str, decode_backend):
+    kw = dict(model_path=model, skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch",
+              grammar_backend="none", cuda_graph_backend_prefill="disabled", cuda_graph_backend_decode="full",
+              cuda_graph_max_bs_decode=8, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True)
+    if decode_backend:
+        kw["decode_attention_backend"] = decode_backend
+    return kw
+
+
+def ours_calibration(path: str) -> str:
+    """The shipped calibration with FlashInfer and the queue priced out: ``auto``
+    then captures all three graphs per batch size and must replay split ones."""
+    import dataclasses
+
+    from sglang_elastic.attention.policy import load_calibration
+
+    c = load_calibration()
+    slow = dataclasses.replace(c.paths["flashinfer"], launch_us=1e4)
+    c = dataclasses.replace(c, paths={**c.paths, "flashinfer": slow, "compact": dataclasses.replace(c.paths["compact"], launch_us=1e4),
+                                      "split": dataclasses.replace(c.paths["split"], launch_us=1.0)})
+    with open(path, "w") as f:
+        json.dump(c.to_json(), f)
+    return path
+
+
+def run_engine(model: str, mode, trace_dir: str):
+    """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
+    import sglang as sgl
+
+    from sglang_elastic import config
+
+    trace = os.path.join(trace_dir, f"trace_{mode}")
+    if mode == CONTROL:
+        os.environ.pop(config.ENV, None)
+        os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
+    elif mode == "auto-ours":
+        calib = ours_calibration(os.path.join(trace_dir, "calibration_ours.json"))
+        config.publish(config.ElasticKVConfig(decode_policy="auto", decode_calibration=calib))
+        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
+    elif mode:
+        config.publish(config.ElasticKVConfig(decode_policy=mode))  # the schedulers read it (SGLANG_ELASTIC_CONFIG)
+        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
+    else:
+        os.environ.pop(config.ENV, None)
+        os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
+    t0 = time.time()
+    llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None))
+    out = {}
+    try:
+        for name, ids in prompts().items():
+            res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}, return_logprob=True)
+            out[name] = [{"ids": r["output_ids"], "logprobs": [lp[0] for lp in r["meta_info"]["output_token_logprobs"]]} for r in res]
+    finally:
+        llm.shutdown()
+    counts = {}
+    for f in glob.glob(trace + ".*"):
+        with open(f) as fh:
+            d = json.load(fh)
+        for k, v in d["counts"].items():
+            counts[k] = counts.get(k, 0) + v
+    return out, counts, time.time() - t0
+
+
+def compare(ref, got, tol: float = 1e-2):
+    """``(tokens_equal, max |dlogprob| / max(1, |ref|), first mismatch or None)``."""
+    worst, first = 0.0, None
+    same = True
+    for name in ref:
+        for i, (a, b) in enumerate(zip(ref[name], got[name])):
+            if a["ids"] != b["ids"]:
+                same = False
+                j = next(j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y)
+                first = first or f"{name} request {i} token {j}"
+            for x, y in zip(a["logprobs"], b["logprobs"]):
+                worst = max(worst, abs(x - y) / max(1.0, abs(x)))
+    return same, worst, first
+
+
+def check_trace(mode: str, counts: dict):
+    """Problems with where the decode steps ran (empty: fine)."""
+    problems = []
+    replays = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("replay:")}
+    if not replays:
+        problems.append("no decode step replayed a CUDA graph of persistentkv")
+    want = {"auto-ours": "split"}.get(mode, mode)
+    if want != "auto":
+        other = {p: n for p, n in replays.items() if p != want}
+        if other:
+            problems.append(f"{mode}: expected replays of {want} only, got {other}")
+    if mode.startswith("auto"):
+        captured = {k.split(":", 1)[1] for k in counts if k.startswith("capture:")}
+        if captured != {"flashinfer", "split", "compact"}:
+            problems.append(f"{mode}: graphs captured for {sorted(captured)}, not one per path")
+    return problems
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--modes", default=",".join((CONTROL,) + MODES), help=f"comma-separated subset of {','.join((CONTROL,) + MODES)}")
+    a = ap.parse_args()
+    from sglang_elastic import results
+
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES and m != CONTROL]
+    if bad:
+        sys.exit(f"unknown mode(s) {bad}; choose from {', '.join((CONTROL,) + MODES)}")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        model = os.path.join(d, "llama-tiny")
+        save_model(model)
+        ref, _, secs = run_engine(model, None, d)
+        print(f"flashinfer alone: {secs:.0f} s", flush=True)
+        runs, ok = [], True
+        for mode in modes:
+            got, counts, secs = run_engine(model, mode, d)
+            same, worst, first = compare(ref, got)
+            problems = [] if mode == CONTROL else check_trace(mode, counts)
+            passed = same and worst <= 1e-2 and not problems
+            if mode != CONTROL:
+                ok &= passed
+            runs.append({"policy": mode, "tokens_equal": same, "first_token_mismatch": first, "max_rel_logprob_diff": worst,
+                         "decode_steps": counts, "problems": problems, "passed": passed, "engine_seconds": round(secs, 1)})
+            print(f"{mode:10s} tokens equal {same} max rel logprob diff {worst:.2e} steps {counts} {problems or ''} ({secs:.0f} s)", flush=True)
+    res = {**results.header(), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
+           "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
+           "new_tokens": NEW_TOKENS, "tolerance": "same tokens; |dlogprob| <= 1e-2 * max(1, |ref|)", "runs": runs,
+           "passed": ok, "seconds": round(time.time() - t0, 1)}
+    results.write(a.out, res)
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""The ``persistentkv`` SGLang attention backend: decode on split-KV, the compact
+work queue or FlashInfer, chosen per batch by :mod:`sglang_elastic.attention.policy`.
+
+Use it for decode only, beside FlashInfer for prefill (SGLang's
+``HybridAttnBackend`` routes DECODE/IDLE here, EXTEND/MIXED to the prefill
+backend)::
+
+    python -m sglang.launch_server ... --attention-backend flashinfer \\
+        --decode-attention-backend persistentkv [--decode-policy auto]
+
+Interface: SGLang 0.5.17's ``AttentionBackend``
+(``sglang/srt/layers/attention/base_attn_backend.py``); patterns from its
+Triton backend (``triton_backend.py``: ``kv_indptr`` / ``kv_indices`` built
+from ``req_to_token`` with ``create_flashinfer_kv_indices_triton``,
+preallocated CUDA-graph buffers sized ``max_num_tokens * context_len``).
+
+Per decode step (once, not per layer):
+
+1. ``init_forward_metadata_out_graph`` (host, before replay): the policy picks
+   the path from ``seq_lens_cpu`` (SGLang's CPU mirror, no device read). For
+   ``flashinfer`` it delegates to SGLang's own ``FlashInferAttnBackend``
+   (built through SGLang's registry, not re-implemented), which plans.
+2. ``init_forward_metadata_in_graph`` (recorded in the CUDA graph): for split /
+   compact, ``kv_indptr = cumsum(seq_lens)``, ``kv_indices`` gathered from
+   ``req_to_token`` and the kernel plan (chunk counts or the item list), all
+   GPU ops on address-stable buffers.
+
+Per layer, ``forward_decode`` writes the new K/V (``set_kv_buffer``) and runs
+the chosen path (two launches for ours: partials, merge).
+
+CUDA graphs: SGLang captures one decode graph per batch size. A graph holds
+one path's kernels, so with ``--decode-policy auto`` the backend has every
+batch size captured once per path (``graph_paths``) and the runner replays
+the graph of the path the policy picked for this step: two ``HookRegistry``
+AROUND hooks installed when the backend is built (:func:`install_graph_hooks`)
+loop ``DecodeCudaGraphRunner.capture_one_shape`` over the paths and add the
+path to the graph key's ``variant_label`` in ``_make_graph_key`` (which the
+runner calls after ``init_forward_metadata_out_graph`` on replay). A forced
+policy captures one graph per batch size, as stock SGLang does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Dict, Optional, Set
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sglang_elastic.attention import NAME
+from sglang_elastic.attention.policy import (
+    PATHS, Calibration, DecodePolicy, load_calibration, split_max_splits, work_queue_rows,
+)
+
+logger = logging.getLogger(__name__)
+_SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
+#: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
+TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
+
+
+def _attn_tp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_size
+
+
+def _attn_dcp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_dcp_size
+
+
+def _device_sm_count(model_runner) -> int:
+    from sglang.srt.utils import get_device_core_count
+
+    return get_device_core_count(getattr(model_runner, "gpu_id", 0))
+
+
+@dataclasses.dataclass
+class DecodeMetadata:
+    """One step's decode metadata (views of the backend's buffers)."""
+
+    path: str
+    bs: int
+    kv_indptr: Optional[torch.Tensor] = None  # [bs + 1] int32
+    kv_indices: Optional[torch.Tensor] = None  # [>= sum(seq_lens)] int32 token ids
+    max_splits: int = 1  # split path: chunks per request cap at this batch size
+
+
+class PersistentKVAttnBackend(AttentionBackend):
+    """Decode attention over SGLang's KV pool with an adaptive choice of kernel.
+
+    Args:
+        model_runner: SGLang's ``ModelRunner`` (reads ``req_to_token_pool``,
+            ``token_to_kv_pool``, ``model_config``, ``server_args``, ``device``).
+        policy: ``auto`` / ``flashinfer`` / ``split`` / ``compact``; default from
+            ``--decode-policy`` (:func:`sglang_elastic.config.current`).
+        calibration: a :class:`Calibration`; default from ``--decode-calibration``
+            or the file shipped in the package.
+
+    Raises:
+        ValueError: a model or setting this backend does not serve (MLA,
+            sliding window, KV dtype other than bf16/fp16, speculative decoding,
+            decode context parallelism), naming what to use instead.
+    """
+
+    # The policy reads seq_lens_cpu: keep SGLang's per-step CPU mirror on.
+    needs_cpu_seq_lens: bool = True
+
+    def __init__(self, model_runner, policy: Optional[str] = None, calibration: Optional[Calibration] = None):
+        super().__init__()
+        from sglang_elastic import config
+
+        cfg = config.current()
+        mode = policy or cfg.decode_policy
+        calib = calibration or load_calibration(cfg.decode_calibration)
+        self._check_supported(model_runner)
+
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = getattr(model_runner, "page_size", 1) or 1
+        self.max_context_len = model_runner.model_config.context_len
+        self.kv_heads = self.token_to_kv_pool.head_num
+        self.head_dim = self.token_to_kv_pool.head_dim
+        self.q_heads = model_runner.model_config.get_max_num_attention_heads() // _attn_tp_size()
+        self.kv_dtype = self.token_to_kv_pool.dtype
+        sm = _device_sm_count(model_runner)
+        if sm and sm != calib.sm_count:
+            logger.warning("persistentkv: calibration is for %s (%d SMs), this GPU has %d SMs: the policy's choices may be off; "
+                           "run scripts/gpu/bench_decode.py on this GPU and pass --decode-calibration", calib.gpu, calib.sm_count, sm)
+        if calib.provisional and mode == "auto":
+            logger.warning("persistentkv: using the PROVISIONAL calibration (%s)", calib.source[:120])
+        self.sm_count = sm or calib.sm_count
+        self.calib = calib
+        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, mode)
+
+        self.flashinfer = None
+        if "flashinfer" in self.policy.paths:
+            from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+            self.flashinfer = ATTENTION_BACKENDS["flashinfer"](model_runner)
+
+        # Eager and graph buffers of our paths (address-stable: allocated once here).
+        max_bs = self.req_to_token_pool.size + 1  # + SGLang's padding row
+        self.max_bs = max_bs
+        dev = self.device
+        self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.split_chunk = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.split_nsplit = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.queue_chunk = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.queue_item_offsets = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.queue_n_items = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        rows = 0
+        if "split" in self.policy.paths:
+            rows = max(rows, calib.split.partial_budget, max_bs)
+        if "compact" in self.policy.paths:
+            rows = max(rows, work_queue_rows(calib.compact, max_bs))
+        self.mid_o = torch.empty((rows, self.q_heads, self.head_dim), dtype=torch.float32, device=dev)
+        self.mid_lse = torch.empty((rows, self.q_heads), dtype=torch.float32, device=dev)
+        self.cuda_graph_kv_indices: Optional[torch.Tensor] = None
+
+        self.forward_metadata: Optional[DecodeMetadata] = None
+        #: Path of the current step (read by the graph-key hook).
+        self.graph_path: str = self.policy.paths[0]
+        self._capture_path: Optional[str] = None
+        self._captured: Dict[int, Set[str]] = {}
+        self.variant_graphs = False  # set by the capture hook: one graph per (bs, path)
+        self._warned_fallback = False
+        self._trace_file = os.environ.get(TRACE_ENV)
+        self._trace_counts: Dict[str, int] = {}
+        install_graph_hooks()
+
+    def _trace(self, kind: str, path: str, bs: int) -> None:
+        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE`` (debug only)."""
+        if not self._trace_file:
+            return
+        key = f"{kind}:{path}"
+        self._trace_counts[key] = self._trace_counts.get(key, 0) + 1
+        with open(f"{self._trace_file}.{os.getpid()}", "w") as f:
+            json.dump({"counts": self._trace_counts, "variant_graphs": self.variant_graphs, "policy": self.policy.mode if hasattr(self.policy, "mode") else None}, f)
+
+    # ------------------------------------------------------------------ checks
+
+    @staticmethod
+    def _check_supported(model_runner) -> None:
+        fix = "use --decode-attention-backend flashinfer (or triton) for this model"
+        if getattr(model_runner, "use_mla_backend", False):
+            raise ValueError(f"persistentkv does not serve MLA models; {fix}")
+        if getattr(model_runner, "sliding_window_size", None) is not None:
+            raise ValueError(f"persistentkv does not serve sliding-window attention; {fix}")
+        dtype = getattr(model_runner, "kv_cache_dtype", None)
+        if dtype is not None and dtype not in _SUPPORTED_KV_DTYPES:
+            raise ValueError(f"persistentkv reads bf16/fp16 KV caches, not {dtype}; {fix} or drop --kv-cache-dtype")
+        sa = model_runner.server_args
+        if getattr(sa, "speculative_algorithm", None) is not None:
+            raise ValueError("persistentkv has no target-verify path: speculative decoding needs another decode backend")
+        if _attn_dcp_size() > 1:
+            raise ValueError(f"persistentkv does not support decode context parallelism; {fix}")
+
+    # ------------------------------------------------------------------ policy
+
+    def choose(self, forward_batch) -> str:
+        """The path for this batch from host-side data only (``seq_lens_cpu``,
+        else ``seq_lens_sum`` spread evenly, else the first path)."""
+        if len(self.policy.paths) == 1:
+            return self.policy.paths[0]
+        bs = forward_batch.batch_size
+        lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        if lens_cpu is not None:
+            lens = lens_cpu[:bs]
+            return self.policy.choose(lens.numpy() if bs >= 64 else lens.tolist())
+        total = getattr(forward_batch, "seq_lens_sum", None)
+        if total is not None and bs > 0:
+            return self.policy.choose([max(1, total // bs)] * bs)
+        return self.policy.paths[0]
+
+    # ---------------------------------------------------------------- metadata
+
+    def init_forward_metadata(self, forward_batch):
+        """Eager step (no CUDA graph): choose, then plan on the GPU (or let FlashInfer plan)."""
+        bs = forward_batch.batch_size
+        if forward_batch.forward_mode.is_idle() or bs == 0:
+            self.forward_metadata = DecodeMetadata(path="idle", bs=0)
+            return
+        self._require_decode(forward_batch)
+        path = self.choose(forward_batch)
+        self._trace("eager", path, bs)
+        if path == "flashinfer":
+            self.flashinfer.init_forward_metadata(forward_batch)
+            self.forward_metadata = DecodeMetadata(path=path, bs=bs)
+            return
+        total = forward_batch.seq_lens_sum
+        if total is None:  # no CPU mirror: size the index list from the device (eager only)
+            total = int(forward_batch.seq_lens[:bs].sum().item())
+        kv_indices = torch.empty(max(1, total), dtype=torch.int32, device=self.device)
+        self.forward_metadata = self._our_metadata(path, bs, kv_indices)
+        self._plan(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Address-stable graph buffers: ``kv_indices`` of ``max_num_tokens *
+        context_len`` int32 (SGLang's sizing), shared with the FlashInfer delegate when it is a path."""
+        self.cuda_graph_kv_indices = torch.zeros(max_num_tokens * self.max_context_len, dtype=torch.int32, device=self.device)
+        if self.flashinfer is not None:
+            # one index buffer for both: a step runs one path, and each path refills it for its step
+            self.flashinfer.init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=self.cuda_graph_kv_indices)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host side of a graph step: pick the path (capture: the path being
+        captured), let FlashInfer plan if it is the path. No device read."""
+        bs = forward_batch.batch_size
+        self._require_decode(forward_batch)
+        if in_capture:
+            path = self._capture_path or self.policy.paths[0]
+            self._captured.setdefault(bs, set()).add(path)
+        else:
+            path = self.choose(forward_batch)
+            captured = self._captured.get(bs)
+            if captured and path not in captured:
+                # the graph hooks are not active: replay what was captured for this bs
+                if not self._warned_fallback:
+                    logger.warning("persistentkv: no decode graph of path %s for bs %d (graph hooks inactive?); replaying %s",
+                                   path, bs, sorted(captured))
+                    self._warned_fallback = True
+                path = next(p for p in self.policy.paths if p in captured)
+        self._trace("capture" if in_capture else "replay", path, bs)
+        self.graph_path = path
+        if path == "flashinfer":
+            self.flashinfer.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+            self.forward_metadata = DecodeMetadata(path=path, bs=bs)
+        else:
+            self.forward_metadata = self._our_metadata(path, bs, self.cuda_graph_kv_indices)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Recorded in the graph: ``kv_indptr`` / ``kv_indices`` and the kernel plan (GPU ops only)."""
+        meta = self.forward_metadata
+        if meta is not None and meta.path in ("split", "compact"):
+            self._plan(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def _require_decode(self, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        if not mode.is_decode_or_idle():
+            raise NotImplementedError(f"persistentkv serves DECODE/IDLE batches only, not {mode.name}: "
+                                      "run prefill on another backend (--attention-backend flashinfer --decode-attention-backend persistentkv)")
+
+    def _our_metadata(self, path: str, bs: int, kv_indices: torch.Tensor) -> DecodeMetadata:
+        return DecodeMetadata(path=path, bs=bs, kv_indptr=self.kv_indptr[: bs + 1], kv_indices=kv_indices,
+                              max_splits=split_max_splits(self.calib.split, bs))
+
+    def _plan(self, forward_batch) -> None:
+        from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
+
+        from sglang_elastic.kernels.decode_attention import split_kv_plan, work_queue_plan
+
+        meta = self.forward_metadata
+        bs = meta.bs
+        seq_lens = forward_batch.seq_lens[:bs]
+        meta.kv_indptr[1:] = torch.cumsum(seq_lens, 0)
+        create_flashinfer_kv_indices_triton[(bs,)](
+            self.req_to_token, forward_batch.req_pool_indices[:bs], seq_lens, meta.kv_indptr, None, meta.kv_indices,
+            self.req_to_token.stride(0),
+        )
+        if meta.path == "split":
+            c = self.calib.split
+            split_kv_plan(meta.kv_indptr, meta.max_splits, c.min_chunk, c.block_n, self.split_chunk, self.split_nsplit)
+        else:
+            c = self.calib.compact
+            work_queue_plan(meta.kv_indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
+                            chunk_out=self.queue_chunk, item_offsets_out=self.queue_item_offsets, n_items_out=self.queue_n_items)
+
+    # ----------------------------------------------------------------- forward
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """One layer's decode attention.
+
+        Args:
+            q: ``[bs, q_heads * head_dim]`` (or any shape viewable as ``[bs, q_heads, head_dim]``).
+            k, v: ``[bs, kv_heads, head_dim]`` new keys/values, written at ``out_cache_loc``.
+            layer: SGLang's ``RadixAttention`` (``layer_id``, ``scaling``, ``logit_cap``).
+
+        Returns:
+            ``[bs, q_heads * head_dim]`` in ``q``'s dtype.
+
+        Raises:
+            NotImplementedError: logit soft-capping or sliding window (not in these kernels).
+        """
+        meta = self.forward_metadata
+        if meta.path == "flashinfer":
+            return self.flashinfer.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+        if (layer.logit_cap or 0) > 0 or (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+            raise NotImplementedError("persistentkv kernels have no logit soft-cap or sliding window: use --decode-policy flashinfer")
+        if save_kv_cache and k is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        from sglang_elastic.kernels.decode_attention import split_kv_run, work_queue_run
+
+        H, D = layer.tp_q_head_num, layer.head_dim
+        q3 = q.reshape(-1, H, D)
+        o = q3.new_empty(q3.shape)
+        kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        if meta.path == "split":
+            c = self.calib.split
+            split_kv_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.split_chunk[: meta.bs], self.split_nsplit[: meta.bs],
+                         meta.max_splits, self.mid_o, self.mid_lse, o, layer.scaling, c.block_n, c.num_warps, c.num_stages)
+        else:
+            c = self.calib.compact
+            work_queue_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.queue_chunk, self.queue_item_offsets[: meta.bs + 1],
+                           self.queue_n_items[: meta.bs], self.mid_o, self.mid_lse, o, c.programs or self.sm_count,
+                           layer.scaling, c.block_n, c.num_warps, c.num_stages)
+        return o.view(-1, H * D)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        raise NotImplementedError(
+            "persistentkv is a decode-only backend: prefill (EXTEND/MIXED) must run on the prefill backend; "
+            "launch with --attention-backend flashinfer --decode-attention-backend persistentkv"
+        )
+
+    @contextlib.contextmanager
+    def capturing(self, path: str):
+        """Capture the graphs of one path (used by the capture hook)."""
+        if path not in self.policy.paths:
+            raise ValueError(f"path {path!r} is not one of this policy's {self.policy.paths}")
+        self._capture_path = path
+        try:
+            yield
+        finally:
+            self._capture_path = None
+
+
+# --------------------------------------------------------------------------
+# registration and CUDA-graph hooks
+# --------------------------------------------------------------------------
+
+
+_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+_hooks_installed = False
+
+
+def find_backend(runner) -> Optional[PersistentKVAttnBackend]:
+    """The persistentkv backend behind a graph runner (directly or as the hybrid's decode backend)."""
+    ab = getattr(runner, "attn_backend", None)
+    for cand in (ab, getattr(ab, "decode_backend", None)):
+        if isinstance(cand, PersistentKVAttnBackend):
+            return cand
+    return None
+
+
+def _capture_one_shape(original, runner, *args, **kwargs):
+    be = find_backend(runner)
+    if be is None or len(be.policy.paths) == 1:
+        return original(runner, *args, **kwargs)
+    be.variant_graphs = True
+    out = None
+    for path in be.policy.paths:
+        with be.capturing(path):
+            out = original(runner, *args, **kwargs)
+    return out
+
+
+def _make_graph_key(original, runner, size, stream_idx=None, variant_label=None):
+    be = find_backend(runner)
+    if be is not None and be.variant_graphs:
+        tag = f"{NAME}:{be.graph_path}"
+        variant_label = f"{variant_label}+{tag}" if variant_label else tag
+    return original(runner, size, stream_idx, variant_label)
+
+
+def install_graph_hooks() -> None:
+    """Per-path decode graphs: AROUND hooks on ``DecodeCudaGraphRunner.capture_one_shape``
+    and ``._make_graph_key`` through SGLang's ``HookRegistry`` (idempotent; run in
+    the process that builds the backend, where the runner module is loaded anyway)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_RUNNER}.capture_one_shape", _capture_one_shape, HookType.AROUND)
+    HookRegistry.register(f"{_RUNNER}._make_graph_key", _make_graph_key, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    _hooks_installed = True
+
+
+__all__ = ["NAME", "PATHS", "PersistentKVAttnBackend", "install_graph_hooks"]

@@ -1,0 +1,119 @@
+"""The CPU half of ``scripts/gpu/bench_decode.py``: its cases, rows, result
+file and calibration fit (unit-tested here; the script adds the GPU timings).
+
+Result file ``docs/results/decode_h200.json``: the common header
+(:func:`sglang_elastic.results.header`: ``date, gpu, commit, command``), then
+``stream_read_tbps``, ``shape``, ``notes``, ``calibration`` (where the fitted
+file went and its fit error) and ``cases``: one row per (case, page size) with
+:data:`ROW_FIELDS`. Times are microseconds per layer (one decode attention
+call), CUDA-graph replay, L2 flushed between replays, medians.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from sglang_elastic.attention.policy import PATHS, DecodePolicy
+
+SHAPE = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
+DTYPE_BYTES = 2  # bf16
+PAGE_SIZES = (16, 1)
+#: timing columns of a row, and the policy path each one measures (None: a baseline only)
+METHODS = {
+    "ours_split_us": "split",
+    "ours_compact_us": "compact",
+    "flashinfer_us": "flashinfer",
+    "flashinfer_persistent_us": None,
+    "sglang_triton_us": None,
+}
+ROW_FIELDS = (
+    "name", "batch", "lengths_desc", "page_size", "ours_split_us", "ours_compact_us", "policy_pick", "policy_us",
+    "flashinfer_us", "flashinfer_persistent_us", "sglang_triton_us", "policy_read_tbps",
+)
+
+
+def zipf_lengths(n: int = 32, lo: int = 1024, top: int = 61440, s: float = 1.1) -> List[int]:
+    """``lo + top / rank**s`` for ranks 1..n: 62,464 down to 2,368 tokens at the defaults
+    (the set of ``scripts/gpu/check_decode.py``)."""
+    return [int(lo + top / (r + 1) ** s) for r in range(n)]
+
+
+def bench_cases() -> List[dict]:
+    """The issue's cases: ``{name, lens, lengths_desc}``."""
+    K = 1024
+    return [
+        {"name": "B1_8K", "lens": [8 * K], "lengths_desc": "1 x 8K"},
+        {"name": "B1_32K", "lens": [32 * K], "lengths_desc": "1 x 32K"},
+        {"name": "B1_128K", "lens": [128 * K], "lengths_desc": "1 x 128K"},
+        {"name": "B8_2x64K_6x4K", "lens": [64 * K] * 2 + [4 * K] * 6, "lengths_desc": "2 x 64K + 6 x 4K"},
+        {"name": "B8_32K", "lens": [32 * K] * 8, "lengths_desc": "8 x 32K"},
+        {"name": "B32_zipf_1K-61K", "lens": zipf_lengths(), "lengths_desc": "32, Zipf: 1024 + 61440 / rank^1.1 (2.4K-61K)"},
+        {"name": "B64_8x32K_56x2K", "lens": [32 * K] * 8 + [2 * K] * 56, "lengths_desc": "8 x 32K + 56 x 2K"},
+        {"name": "B64_8K", "lens": [8 * K] * 64, "lengths_desc": "64 x 8K"},
+        {"name": "B256_2K", "lens": [2 * K] * 256, "lengths_desc": "256 x 2K"},
+    ]
+
+
+def kv_bytes(lens: Sequence[int], kv_heads: int = SHAPE["kv_heads"], head_dim: int = SHAPE["head_dim"], dtype_bytes: int = DTYPE_BYTES) -> int:
+    """Bytes of K and V one decode step of one layer must read."""
+    return int(sum(lens)) * kv_heads * head_dim * 2 * dtype_bytes
+
+
+def make_row(case: dict, page_size: int, timings: Dict[str, Optional[float]], rel_errs: Dict[str, Optional[float]]) -> dict:
+    """A result row before the policy columns (:func:`fill_policy`).
+
+    Raises:
+        ValueError: a timing column missing or not positive.
+    """
+    row = {"name": case["name"], "batch": len(case["lens"]), "lengths_desc": case["lengths_desc"], "page_size": page_size,
+           "tokens": int(sum(case["lens"])), "kv_mb": kv_bytes(case["lens"]) / 1e6}
+    for col in METHODS:
+        us = timings.get(col)
+        if us is not None and not us > 0:
+            raise ValueError(f"{case['name']} page {page_size}: {col} = {us!r} is not a positive time")
+        if us is None and METHODS[col] is not None:
+            raise ValueError(f"{case['name']} page {page_size}: {col} is needed (the policy's {METHODS[col]} path)")
+        row[col] = us
+    row["rel_err_vs_flashinfer"] = dict(rel_errs)
+    return row
+
+
+def fill_policy(rows: List[dict], cases: Dict[str, dict], policy: DecodePolicy, key: str = "policy") -> None:
+    """Add ``{key}_pick``, ``{key}_us`` (the measured time of the picked path) and
+    ``{key}_read_tbps`` (KV bytes / that time) to each row."""
+    col = {p: c for c, p in METHODS.items() if p is not None}
+    for r in rows:
+        lens = cases[r["name"]]["lens"]
+        pick = policy.choose(lens)
+        us = r[col[pick]]
+        r[f"{key}_pick"] = pick
+        r[f"{key}_us"] = us
+        r[f"{key}_read_tbps"] = kv_bytes(lens) / (us * 1e-6) / 1e12
+
+
+def calibration_timings(rows: List[dict], cases: Dict[str, dict]) -> Dict[str, list]:
+    """``{path: [(lens, us), ...]}`` over every row, for
+    :func:`sglang_elastic.attention.calibrate.fit_calibration`."""
+    out: Dict[str, list] = {p: [] for p in PATHS}
+    for r in rows:
+        for c, p in METHODS.items():
+            if p is not None:
+                out[p].append((cases[r["name"]]["lens"], r[c]))
+    return out
+
+
+def assemble(header: dict, stream_read_tbps: float, rows: List[dict], notes: dict, calibration: dict) -> dict:
+    """The result file; checks every row has :data:`ROW_FIELDS`.
+
+    Raises:
+        ValueError: a row lacks a field, or the header lacks one of date/gpu/commit/command.
+    """
+    for k in ("date", "gpu", "commit", "command"):
+        if k not in header:
+            raise ValueError(f"result header lacks {k!r}")
+    for r in rows:
+        missing = [f for f in ROW_FIELDS if f not in r]
+        if missing:
+            raise ValueError(f"row {r.get('name')} page {r.get('page_size')} lacks {missing}")
+    return {**header, "stream_read_tbps": stream_read_tbps,
+            "shape": {**SHAPE, "dtype": "bfloat16"}, "notes": notes, "calibration": calibration, "cases": rows}

@@ -1,0 +1,259 @@
+"""The ``persistentkv`` SGLang backend on SGLang's real pool classes.
+
+``ReqToTokenPool``, ``MHATokenToKVPool`` (its ``set_kv_buffer`` writes the
+new token), ``RadixAttention`` layers, ``ForwardMode`` and SGLang's
+``create_flashinfer_kv_indices_triton`` all run on the CPU under Triton's
+interpreter. What cannot: ``ModelRunner`` and ``ForwardBatch`` (built from a
+scheduler batch on a GPU) are stood in for by namespaces holding exactly the
+fields the backend reads, and the FlashInfer path (SGLang's
+``FlashInferAttnBackend`` needs CUDA) is covered on the GPU by
+``scripts/gpu/check_decode_e2e.py``. CUDA-graph capture/replay is simulated
+by the runner's call order (``init_cuda_graph_state``; per step
+``init_forward_metadata_out_graph`` then ``init_forward_metadata_in_graph``)
+on the same buffers.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from sglang_elastic.attention import backend as backend_mod
+from sglang_elastic.attention.policy import load_calibration
+
+HQ, HKV, D, LAYERS, CTX = 8, 2, 64, 2, 512
+
+
+@pytest.fixture(autouse=True)
+def _single_rank(monkeypatch):
+    # SGLang's parallel context is only initialised inside a server process
+    monkeypatch.setattr(backend_mod, "_attn_tp_size", lambda: 1)
+    monkeypatch.setattr(backend_mod, "_attn_dcp_size", lambda: 1)
+    monkeypatch.setattr(backend_mod, "_device_sm_count", lambda mr: 0)
+
+
+def make_runner(page_size, dtype, slots=4096, max_reqs=6):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    return types.SimpleNamespace(
+        device="cpu", gpu_id=0, page_size=page_size, kv_cache_dtype=dtype, sliding_window_size=None, use_mla_backend=False,
+        req_to_token_pool=ReqToTokenPool(size=max_reqs, max_context_len=CTX, device="cpu", enable_memory_saver=False),
+        token_to_kv_pool=MHATokenToKVPool(slots, page_size, dtype, head_num=HKV, head_dim=D, layer_num=LAYERS, device="cpu",
+                                          enable_memory_saver=False, enable_alt_stream=False),
+        model_config=types.SimpleNamespace(context_len=CTX, get_max_num_attention_heads=lambda: HQ),
+        server_args=types.SimpleNamespace(speculative_algorithm=None),
+    )
+
+
+def make_batch(runner, lens, g, fill_pool=True):
+    """Requests at random req_to_token rows, their KV on random pages; the
+    last position of each is this step's new token (``out_cache_loc``)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    ps = runner.page_size
+    pool = runner.token_to_kv_pool
+    n_pages = pool.size // ps
+    pages = (torch.randperm(n_pages - 1, generator=g) + 1).tolist()
+    rows = (torch.randperm(runner.req_to_token_pool.size, generator=g)[: len(lens)] + 1).tolist()
+    out_loc = []
+    for r, n in zip(rows, lens):
+        need = -(-n // ps)
+        mine, pages = pages[:need], pages[need:]
+        toks = torch.tensor([p * ps + i for p in mine for i in range(ps)][:n], dtype=torch.int32)
+        runner.req_to_token_pool.req_to_token[r, :n] = toks
+        out_loc.append(int(toks[-1]))
+    if fill_pool:
+        for layer_id in range(LAYERS):
+            for buf in (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)):
+                buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    return types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=len(lens), seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+        seq_lens_sum=int(sum(lens)), req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        out_cache_loc=torch.tensor(out_loc, dtype=torch.int64),
+    )
+
+
+def reference(runner, fb, q, layer):
+    """float64 softmax attention of each request's query over its KV rows (after the write)."""
+    pool = runner.token_to_kv_pool
+    kb, vb = pool.get_key_buffer(layer.layer_id).double(), pool.get_value_buffer(layer.layer_id).double()
+    G = HQ // HKV
+    out = torch.zeros(fb.batch_size, HQ, D, dtype=torch.float64)
+    q3 = q.view(-1, HQ, D).double()
+    for b in range(fb.batch_size):
+        ids = runner.req_to_token_pool.req_to_token[fb.req_pool_indices[b], : fb.seq_lens[b]].long()
+        for h in range(HQ):
+            p = torch.softmax(kb[ids, h // G] @ q3[b, h] * layer.scaling, 0)
+            out[b, h] = p @ vb[ids, h // G]
+    return out.view(fb.batch_size, HQ * D)
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def radix_layer(layer_id):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(num_heads=HQ, head_dim=D, scaling=1.3 * D**-0.5,  # not the kernels default: the layer scale must reach them
+                           num_kv_heads=HKV, layer_id=layer_id)
+
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def small_calibration():
+    """The shipped calibration with kernel configs small enough to split these short requests."""
+    import dataclasses
+
+    c = load_calibration()
+    return dataclasses.replace(
+        c, split=dataclasses.replace(c.split, min_chunk=64, max_splits=4, partial_budget=24),
+        compact=dataclasses.replace(c.compact, min_chunk=32, target_items=8, programs=3),
+    )
+
+
+def decode_step(be, runner, fb, g, dtype, layer_id=1):
+    """One layer of one decode step through the base ``forward`` dispatch; returns (out, ref)."""
+    layer = radix_layer(layer_id)
+    bs = fb.batch_size
+    q = torch.randn(bs, HQ * D, generator=g).to(dtype)
+    k = torch.randn(bs, HKV, D, generator=g).to(dtype)
+    v = torch.randn(bs, HKV, D, generator=g).to(dtype)
+    be.mid_o.fill_(float("nan"))  # poisoned workspaces: every partial read must have been written
+    be.mid_lse.fill_(float("nan"))
+    out = be.forward(q, k, v, layer, fb)
+    pool = runner.token_to_kv_pool
+    assert torch.equal(pool.get_key_buffer(layer_id)[fb.out_cache_loc], k), "new K not written at out_cache_loc"
+    assert torch.equal(pool.get_value_buffer(layer_id)[fb.out_cache_loc], v)
+    return out, reference(runner, fb, q, layer)
+
+
+@pytest.mark.parametrize("path", ["split", "compact"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_eager_decode_matches_float64(path, page_size, dtype):
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    runner = make_runner(page_size, dtype)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy=path, calibration=small_calibration())
+    fb = make_batch(runner, [1, 37, 300, 16, 129], g)
+    be.init_forward_metadata(fb)
+    assert be.forward_metadata.path == path
+    out, ref = decode_step(be, runner, fb, g, dtype)
+    assert out.shape == (5, HQ * D) and not torch.isnan(out).any()
+    assert rel_err(out, ref) <= TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("path", ["split", "compact"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_call_order_replays_other_lengths_on_the_same_buffers(path, page_size):
+    """Capture with the runner's fill value (length 1), then two replays of
+    other lengths: the metadata tensors keep their addresses and the outputs
+    stay correct (what a captured graph relies on)."""
+    dtype = torch.bfloat16
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    runner = make_runner(page_size, dtype)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy=path, calibration=small_calibration())
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    assert be.get_cuda_graph_seq_len_fill_value() == 1
+    capture = make_batch(runner, [1, 1, 1, 1], g)
+    be.init_forward_metadata_out_graph(capture, in_capture=True)
+    be.init_forward_metadata_in_graph(capture)
+    ptrs = (be.forward_metadata.kv_indptr.data_ptr(), be.forward_metadata.kv_indices.data_ptr())
+    for lens in ([200, 3, 64, 1], [17, 250, 1, 90]):
+        fb = make_batch(runner, lens, g)
+        be.init_forward_metadata_out_graph(fb)
+        be.init_forward_metadata_in_graph(fb)
+        assert (be.forward_metadata.kv_indptr.data_ptr(), be.forward_metadata.kv_indices.data_ptr()) == ptrs
+        assert be.graph_path == path
+        out, ref = decode_step(be, runner, fb, g, dtype, layer_id=0)
+        assert rel_err(out, ref) <= TOL[dtype], f"seed {seed}"
+
+
+def test_idle_and_extend():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, batch_size=0)
+    be.init_forward_metadata(idle)
+    q = torch.randn(0, HQ * D).half()
+    assert be.forward(q, None, None, radix_layer(0), idle).shape == (0, HQ * D)
+    extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1)
+    with pytest.raises(NotImplementedError, match="decode-only backend"):
+        be.forward(torch.randn(3, HQ * D).half(), None, None, radix_layer(0), extend)
+    with pytest.raises(NotImplementedError, match="DECODE/IDLE batches only"):
+        be.init_forward_metadata(extend)
+
+
+@pytest.mark.parametrize("attr,value,message", [
+    ("kv_cache_dtype", torch.float8_e4m3fn, "bf16/fp16 KV"),
+    ("sliding_window_size", 4096, "sliding-window"),
+    ("use_mla_backend", True, "MLA"),
+])
+def test_unsupported_models_are_refused_at_construction(attr, value, message):
+    runner = make_runner(1, torch.float16)
+    setattr(runner, attr, value)
+    with pytest.raises(ValueError, match=message):
+        backend_mod.PersistentKVAttnBackend(runner, policy="split")
+
+
+def test_registered_in_sglangs_registry_and_choices():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    from sglang_elastic import attention, plugin
+
+    plugin.load()
+    attention.register()  # idempotent
+    assert ATTENTION_BACKEND_CHOICES.count("persistentkv") == 1
+    assert ATTENTION_BACKENDS["persistentkv"] is attention.create_persistentkv_backend
+
+
+def test_graph_hooks_capture_one_graph_per_path_and_key_replays_by_the_chosen_path():
+    """The AROUND hooks on SGLang's DecodeCudaGraphRunner: capture loops the
+    policy's paths (one graph key each), replay keys by the path out_graph chose."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    # a two-path policy without FlashInfer (which needs CUDA): auto restricted to ours
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), choose=lambda lens: "compact" if max(lens) > 100 else "split")
+    fake_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(decode_backend=be))
+    keys = []
+
+    def capture_one_shape(r, size, forward, stream_idx=None, variant_label=None):
+        fb = make_batch(runner, [1] * size, torch.Generator().manual_seed(size), fill_pool=False)
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+        keys.append(DecodeCudaGraphRunner._make_graph_key(r, size, stream_idx, variant_label))
+
+    backend_mod._capture_one_shape(capture_one_shape, fake_runner, 2, None, None, None)
+    assert keys == [ShapeKey(2, None, "persistentkv:split"), ShapeKey(2, None, "persistentkv:compact")]
+    be.init_cuda_graph_state(2, 2)
+    fb = make_batch(runner, [300, 2], torch.Generator().manual_seed(0), fill_pool=False)
+    be.init_forward_metadata_out_graph(fb)
+    assert DecodeCudaGraphRunner._make_graph_key(fake_runner, 2, None, None) == ShapeKey(2, None, "persistentkv:compact")
+    fb = make_batch(runner, [30, 2], torch.Generator().manual_seed(0), fill_pool=False)
+    be.init_forward_metadata_out_graph(fb)
+    assert DecodeCudaGraphRunner._make_graph_key(fake_runner, 2, None, None) == ShapeKey(2, None, "persistentkv:split")
+    # another backend's runner keeps SGLang's keys
+    other = types.SimpleNamespace(attn_backend=object())
+    assert DecodeCudaGraphRunner._make_graph_key(other, 2, None, "lora") == ShapeKey(2, None, "lora")
+
+
+def test_replay_without_a_graph_of_the_chosen_path_replays_the_captured_one():
+    """Hooks inactive (one graph per bs): the replayed path is the captured one, never a path without a graph."""
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), choose=lambda lens: "compact")
+    be.init_cuda_graph_state(2, 2)
+    g = torch.Generator().manual_seed(1)
+    be.init_forward_metadata_out_graph(make_batch(runner, [1, 1], g, fill_pool=False), in_capture=True)  # captures paths[0]
+    be.init_forward_metadata_out_graph(make_batch(runner, [300, 2], g, fill_pool=False))
+    assert be.graph_path == "split" and be.forward_metadata.path == "split"

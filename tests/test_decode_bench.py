@@ -1,0 +1,118 @@
+"""The CPU half of scripts/gpu/bench_decode.py: cases, rows, policy columns, the result file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic.attention import bench, calibrate
+from sglang_elastic.attention.policy import Calibration, DecodePolicy, PathCost
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cases_are_the_issues():
+    cases = {c["name"]: c["lens"] for c in bench.bench_cases()}
+    assert list(cases) == ["B1_8K", "B1_32K", "B1_128K", "B8_2x64K_6x4K", "B8_32K", "B32_zipf_1K-61K", "B64_8x32K_56x2K", "B64_8K", "B256_2K"]
+    assert cases["B8_2x64K_6x4K"] == [65536] * 2 + [4096] * 6
+    assert cases["B64_8x32K_56x2K"] == [32768] * 8 + [2048] * 56
+    z = cases["B32_zipf_1K-61K"]
+    assert len(z) == 32 and z == sorted(z, reverse=True) and 1024 < z[-1] < 4096 and 60 * 1024 < z[0] <= 62 * 1024
+    assert [len(cases[n]) for n in ("B64_8K", "B256_2K")] == [64, 256]
+    assert bench.kv_bytes([32768]) == 32768 * 8 * 128 * 2 * 2  # 134 MB, as in the anchors doc
+    assert bench.PAGE_SIZES == (16, 1)
+
+
+def fake_timings(pol, lens):
+    t = pol.predict(lens)
+    return {"ours_split_us": t["split"], "ours_compact_us": t["compact"], "flashinfer_us": t["flashinfer"],
+            "flashinfer_persistent_us": 0.9 * t["flashinfer"], "sglang_triton_us": 2 * t["flashinfer"]}
+
+
+def test_rows_policy_columns_fit_and_result_file():
+    truth = Calibration(gpu="t", sm_count=132, paths={
+        "flashinfer": PathCost(15.0, 4.3, 30.0), "split": PathCost(6.0, 4.0, 60.0), "compact": PathCost(9.0, 4.4, 60.0)})
+    pol = DecodePolicy(truth, **bench.SHAPE)
+    cases = {c["name"]: c for c in bench.bench_cases()}
+    rows = [bench.make_row(c, ps, fake_timings(pol, c["lens"]), {"ours_split": 3e-3}) for ps in bench.PAGE_SIZES for c in cases.values()]
+    fitted, errs = calibrate.fit_calibration(bench.calibration_timings(rows, cases), gpu="t", sm_count=132, **bench.SHAPE)
+    assert max(errs.values()) < 0.05
+    bench.fill_policy(rows, cases, DecodePolicy(fitted, **bench.SHAPE))
+    col = {"split": "ours_split_us", "compact": "ours_compact_us", "flashinfer": "flashinfer_us"}
+    for r in rows:
+        assert r["policy_pick"] == pol.choose(cases[r["name"]]["lens"])
+        assert r["policy_us"] == r[col[r["policy_pick"]]]  # the measured time of the picked path, not a prediction
+        assert r["policy_read_tbps"] == pytest.approx(r["kv_mb"] * 1e6 / (r["policy_us"] * 1e-6) / 1e12)
+    assert {r["policy_pick"] for r in rows} >= {"split", "flashinfer"}
+    header = {"date": "d", "gpu": "g", "commit": "c", "command": "x"}
+    res = bench.assemble(header, 4.3, rows, {}, {})
+    assert res["stream_read_tbps"] == 4.3 and len(res["cases"]) == 18
+    assert all(set(bench.ROW_FIELDS) <= set(r) for r in res["cases"])
+    with pytest.raises(ValueError, match="lacks 'commit'"):
+        bench.assemble({"date": "d", "gpu": "g", "command": "x"}, 4.3, rows, {}, {})
+    del rows[0]["policy_pick"]
+    with pytest.raises(ValueError, match=r"lacks \['policy_pick'\]"):
+        bench.assemble(header, 4.3, rows, {}, {})
+
+
+def test_a_row_needs_positive_times_for_every_policy_path():
+    c = bench.bench_cases()[0]
+    t = {"ours_split_us": 10.0, "ours_compact_us": 11.0, "flashinfer_us": 9.0, "flashinfer_persistent_us": None, "sglang_triton_us": 20.0}
+    assert bench.make_row(c, 16, t, {})["flashinfer_persistent_us"] is None  # a baseline may be missing (noted in the file)
+    with pytest.raises(ValueError, match="ours_compact_us is needed"):
+        bench.make_row(c, 16, {**t, "ours_compact_us": None}, {})
+    with pytest.raises(ValueError, match="not a positive time"):
+        bench.make_row(c, 16, {**t, "flashinfer_us": float("nan")}, {})
+
+
+def test_gpu_scripts_import_on_the_cpu():
+    for name in ("bench_decode", "check_decode_e2e"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert callable(mod.main)
+
+
+def _e2e():
+    spec = importlib.util.spec_from_file_location("check_decode_e2e", ROOT / "scripts" / "gpu" / "check_decode_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_e2e_comparison_and_trace_checks():
+    e2e = _e2e()
+    ref = {"s": [{"ids": [5, 6, 7], "logprobs": [-0.5, -2.0, -30.0]}]}
+    assert e2e.compare(ref, {"s": [{"ids": [5, 6, 7], "logprobs": [-0.504, -2.01, -30.2]}]})[:2] == (True, pytest.approx(0.2 / 30))
+    same, worst, first = e2e.compare(ref, {"s": [{"ids": [5, 9, 7], "logprobs": [-0.5, -2.0, -30.0]}]})
+    assert not same and first == "s request 0 token 1"
+    assert e2e.check_trace("split", {"capture:split": 4, "replay:split": 64}) == []
+    assert e2e.check_trace("split", {"replay:split": 60, "replay:flashinfer": 4}) == ["split: expected replays of split only, got {'flashinfer': 4}"]
+    assert e2e.check_trace("auto", {"eager:split": 3, "capture:flashinfer": 1, "capture:split": 1, "capture:compact": 1}) == ["no decode step replayed a CUDA graph of persistentkv"]
+    three = {"capture:flashinfer": 2, "capture:split": 2, "capture:compact": 2}
+    assert e2e.check_trace("auto", {**three, "replay:flashinfer": 9, "replay:split": 3}) == []
+    assert e2e.check_trace("auto-ours", {**three, "replay:flashinfer": 9}) == ["auto-ours: expected replays of split only, got {'flashinfer': 9}"]
+    assert e2e.check_trace("auto", {"capture:flashinfer": 2, "replay:flashinfer": 9}) == ["auto: graphs captured for ['flashinfer'], not one per path"]
+    kw = e2e.engine_kwargs("/m", "persistentkv")
+    assert kw["cuda_graph_backend_decode"] == "full" and kw["cuda_graph_backend_prefill"] == "disabled"
+    assert kw["attention_backend"] == "flashinfer" and kw["decode_attention_backend"] == "persistentkv"
+
+
+def test_e2e_ours_calibration_makes_auto_pick_split(tmp_path):
+    from sglang_elastic.attention.policy import DecodePolicy, load_calibration
+
+    c = load_calibration(_e2e().ours_calibration(str(tmp_path / "c.json")))
+    pol = DecodePolicy(c, q_heads=16, kv_heads=4, head_dim=64)
+    assert {pol.choose(lens) for lens in ([3000], [1500, 700, 3000, 50, 2100, 900, 10, 1200], [1] * 8)} == {"split"}
+
+
+def test_e2e_engine_kwargs_are_sglang_server_args():
+    """Every keyword the e2e passes to sglang.Engine is a ServerArgs field (a typo would only show on the GPU)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert set(_e2e().engine_kwargs("/m", "persistentkv")) <= fields
