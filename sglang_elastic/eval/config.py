@@ -178,6 +178,7 @@ class ClusterConfig(_Strict):
     max_parallel_servers: Optional[int] = Field(None, gt=0)
     startup_timeout_s: float = Field(1200.0, gt=0)
     log_dir: str = "/tmp/sglang-eval/logs"
+    warm_first: bool = True  # start one server alone first (FlashInfer JIT cache), then the rest
 
 
 class Experiment(_Strict):
