@@ -82,3 +82,14 @@ def test_length_distributions_stay_in_bounds_and_are_seeded():
     assert xs[:50] == d.sample(random.Random(1), 50)
     u = config.Dist(dist="uniform", min=8192, max=32768).sample(random.Random(2), 1000)
     assert min(u) >= 8192 and max(u) <= 32768 and max(u) - min(u) > 20000
+
+
+def test_run_script_refuses_a_bad_config_with_one_line_and_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("experiment: ttft_vs_chunk\nservers: [{label: a, tp: 5}]\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and "servers.0.tp: tp must be one of (1, 2, 4, 8), not 5" in r.stderr

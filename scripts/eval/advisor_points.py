@@ -38,7 +38,7 @@ def main() -> int:
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"), calibration=cal)
             points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
     hdr = results.header("python scripts/eval/advisor_points.py")
-    hdr["gpu"] = "none (prediction on CPU; measured points as cited)"
+    hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"
     results.write(str(a.out), {**hdr, "points": points})
     report.render_doc(ROOT / "docs/eval.md", a.out.parent, ROOT)
     print(a.out)
