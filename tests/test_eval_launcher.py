@@ -131,3 +131,34 @@ def test_reuse_takes_an_identical_row_and_refuses_a_different_server(tmp_path):
     assert why == "" and got["label"] == "stock" and got["facts"]["max_total_num_tokens"] == 5 and "ttft_vs_chunk.json#tp1" in got["reused_from"]
     got, why = experiments.find_reusable(e2, e2.servers[1], tmp_path)
     assert got is None and "ran another server" in why
+
+
+def test_sglangs_ray_engine_accepts_the_group_ray_entry_hands_it(launcher, monkeypatch):
+    """SGLang's own bundle lookup (sglang/srt/ray/engine.py) on the group that
+    ray_entry.attach makes current: rank 0 lands in bundle 0 beside the driver."""
+    import ray.util
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from sglang_elastic.eval import ray_entry
+
+    pg = placement_group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK", name="sglang-eval-test-attach")
+    ray.get(pg.ready())
+    monkeypatch.setattr(ray.util, "get_current_placement_group", ray.util.get_current_placement_group)  # restored after the test
+    try:
+        got = ray_entry.attach("sglang-eval-test-attach", launcher.namespace)
+        assert got.id == pg.id and ray.util.get_current_placement_group().id == pg.id
+        from sglang.srt.ray.engine import _find_engine_bundle
+
+        assert _find_engine_bundle(ray.util.get_current_placement_group(), 1) == (0, ray.util.get_node_ip_address())
+        with pytest.raises(ValueError, match="placement group 'nope' not found in namespace"):
+            ray_entry.attach("nope", launcher.namespace)
+    finally:
+        remove_placement_group(pg)
+
+
+def test_job_runtime_env_forwards_sglang_and_nccl_but_not_cuda_visible_devices():
+    env = {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root"}
+    from sglang_elastic.eval import ray_entry
+
+    rt = ray_entry.job_runtime_env(environ=env)
+    assert rt == {"env_vars": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0"}, "worker_process_setup_hook": "sglang_elastic.eval.ray_entry.worker_setup"}

@@ -29,7 +29,7 @@ import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 from unittest import mock
 
 GIB = 1 << 30
