@@ -62,3 +62,13 @@ def test_cli(capsys):
     assert "--model-config /nowhere: no config.json there and not an embedded model" in capsys.readouterr().err
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "3"]) == 2
     assert "--tp must be 1, 2, 4 or 8, not 3" in capsys.readouterr().err
+
+
+def test_a_shape_outside_the_weight_count_is_refused(tmp_path):
+    import json
+
+    cfg = json.loads((advisor._model_dir("llama-3.1-8b") / "config.json").read_text())
+    cfg["num_local_experts"] = 8  # an MoE layout the dense weight count would get wrong
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(advisor.AdviseError, match="not a dense MHA decoder of llama, qwen2, mistral"):
+        advisor.predict(str(tmp_path / "config.json"), 140.4, 1)

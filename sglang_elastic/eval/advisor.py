@@ -38,6 +38,8 @@ MIN_GAIN = 0.05
 #: SGLang's activation term floors at 2048 tokens (server_args.py: max(chunked_prefill_size, 2048)).
 SMALL_CHUNK = 2048
 DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
+#: Shapes whose weight count shape_of knows (embeddings, GQA attention, gated MLP, norms, LM head).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 class AdviseError(ValueError):
@@ -110,6 +112,8 @@ def shape_of(server_args) -> Shape:
     LM head) and KV layout from SGLang's ``ModelConfig``."""
     mc = server_args.get_model_config()
     hf = mc.hf_text_config
+    if hf.model_type not in DENSE_MODEL_TYPES or mc.attention_arch.name != "MHA" or getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
+        raise AdviseError(f"{server_args.model_path}: model_type {hf.model_type!r} is not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
     h, inter, layers, vocab = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
     heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
     hd = getattr(hf, "head_dim", None) or h // heads
