@@ -7,6 +7,7 @@
     sglang-elastic patch check       --sglang-src DIR [--report FILE]
     sglang-elastic patch manifest    --wheel PATH        (maintainers: rewrite patches/manifest.json)
     sglang-elastic serve             [--embedded-model NAME] [--dry-run] [--allow-unpatched] [SGLANG FLAGS...]
+    sglang-elastic advise            --model-config PATH --gpu-mem-gb G --tp N [--chunked-prefill-size C] [--json]
 
 Refusals print one line on stderr and exit 2, having changed nothing.
 """
@@ -55,7 +56,27 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config: llama-3.1-8b (default), qwen2.5-32b, llama-3.1-70b (needs --tp >= 2 on an H200)")
     sv.add_argument("--dry-run", action="store_true", help="print the launch_server command and exit")
     sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
+    ad = sub.add_parser(
+        "advise", allow_abbrev=False, help="predict SGLang's prefill reserve, the lendable bytes and the extra KV tokens; recommend elastic / smaller chunk / neither",
+        description="Sizing from SGLang 0.5.17's own ServerArgs (mem_fraction_static, chunked_prefill_size) on a GPU of the given memory, plus measured factors (sglang_elastic/eval/calibration.json). Needs SGLang importable; no GPU.",
+    )
+    ad.add_argument("--model-config", required=True, help="a model directory or its config.json (HF layout), or an embedded name: llama-3.1-8b, qwen2.5-32b, llama-3.1-70b")
+    ad.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB as nvidia-smi reports it / 1024 (H200: 140.4 = 143,771 MiB)")
+    ad.add_argument("--tp", type=int, required=True, help="tensor-parallel degree: 1, 2, 4, 8")
+    ad.add_argument("--chunked-prefill-size", type=int, default=None, help="default: SGLang's choice for this GPU size")
+    ad.add_argument("--margin-mb", type=float, default=1024, help="MiB kept free when lending (--elastic-kv-margin-mb, default 1024)")
+    ad.add_argument("--calibration", type=Path, default=None, help="calibration JSON (default: the packaged one)")
+    ad.add_argument("--json", action="store_true", help="print the prediction as JSON")
     return ap
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from sglang_elastic.eval import advisor
+
+    cal = advisor.load_calibration(args.calibration)
+    p = advisor.predict(args.model_config, args.gpu_mem_gb, args.tp, args.chunked_prefill_size, margin_mib=args.margin_mb, calibration=cal)
+    print(json.dumps(p, indent=2) if args.json else advisor.format_text(p))
+    return 0
 
 
 def _patch(args: argparse.Namespace) -> int:
@@ -114,6 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.cmd == "patch":
             return _patch(args)
+        if args.cmd == "advise":
+            return _advise(args)
         from sglang_elastic import serve
 
         return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)

@@ -1,0 +1,49 @@
+"""The advisor against every measured point: the calibration points
+(sglang_elastic/eval/calibration.json) and E3's rows when
+docs/results/eval/reserve_vs_tp.json exists -> docs/results/eval/advisor.json,
+the table in docs/eval.md. Needs SGLang importable (CPU is enough).
+
+    python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sglang_elastic import results  # noqa: E402
+from sglang_elastic.eval import advisor, report  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/results/eval/advisor.json")
+    a = ap.parse_args()
+    cal = advisor.load_calibration()
+    points = []
+    for p in cal["points"]:
+        pred = advisor.predict(p["model"], p["gpu_mem_mib"] / 1024, p["tp"], p.get("chunked_prefill_size"), calibration=cal)
+        points.append({"label": p["label"], "tp": p["tp"], "source": "calibration (the advisor is fitted to it)", "measured": {k: p.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+    e3 = ROOT / "docs/results/eval/reserve_vs_tp.json"
+    if e3.is_file():
+        d = json.loads(e3.read_text())
+        for r in d["rows"]:
+            f = r.get("facts") or {}
+            if not (r.get("ok") and f.get("gpu_mem_mib")):
+                continue
+            s = r["server"]
+            pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"), calibration=cal)
+            points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+    hdr = results.header("python scripts/eval/advisor_points.py")
+    hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"
+    results.write(str(a.out), {**hdr, "points": points})
+    report.render_doc(ROOT / "docs/eval.md", a.out.parent, ROOT)
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

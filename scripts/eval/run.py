@@ -1,0 +1,56 @@
+"""Run one experiment on Ray and write docs/results/eval/<name>.json, then
+regenerate docs/eval.md's tables and the plots.
+
+    python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
+
+--address joins a running Ray cluster (default: the config's cluster.address,
+else a local cluster on this machine). --standin runs the CPU stand-in server
+(sglang_elastic.eval.standin) instead of SGLang: a dry run of the launcher and
+the workloads, marked as such in the JSON.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the source tree when the package is not installed
+
+from sglang_elastic import results  # noqa: E402
+from sglang_elastic.eval import config, experiments, report  # noqa: E402
+from sglang_elastic.eval.launcher import Launcher  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config", type=Path)
+    ap.add_argument("--address", default=None, help="Ray cluster to join (default: the config's, else start a local one)")
+    ap.add_argument("--standin", action="store_true", help="CPU stand-in server instead of SGLang (dry run)")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs/results/eval")
+    ap.add_argument("--num-gpus", type=int, default=None, help="local cluster only: GPUs to advertise (default: detected; with --standin: 8)")
+    ap.add_argument("--no-report", action="store_true")
+    a = ap.parse_args()
+    try:
+        exp = config.load(a.config)
+    except config.EvalConfigError as e:
+        print(f"run.py: {e}", file=sys.stderr)
+        return 2
+    address = a.address or exp.cluster.address
+    num_gpus = a.num_gpus if a.num_gpus is not None else (8 if a.standin and not address else None)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    with Launcher(address=address, log_dir=exp.cluster.log_dir, num_gpus=num_gpus) as launcher:
+        body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin)
+    out = a.out_dir / f"{exp.result_name}{'.standin' if a.standin else ''}.json"
+    results.write(str(out), {**results.header(), **body})
+    failed = [r["label"] for r in body["rows"] if not r["ok"]]
+    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}")
+    if not a.no_report and not a.standin:
+        try:
+            report.render_doc(ROOT / "docs/eval.md", a.out_dir, ROOT)
+        except ImportError as e:  # the offline GPU bundle has no matplotlib
+            print(f"report not regenerated ({e}); run python scripts/eval/report.py where matplotlib is installed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

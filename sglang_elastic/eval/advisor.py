@@ -1,0 +1,262 @@
+"""``sglang-elastic advise``: how much of SGLang's prefill reserve could be lent
+to the KV cache, for a model shape, a GPU size and a TP degree.
+
+Sizing is SGLang's own: a real ``ServerArgs`` is built for the model with
+``get_device_memory_capacity`` answering the given GPU memory, so
+``_handle_gpu_memory_settings`` (sglang/srt/server_args.py) picks
+``chunked_prefill_size``, the CUDA-graph batch sizes and
+``mem_fraction_static``. The KV cell size comes from SGLang's ``ModelConfig``
+(``get_num_kv_heads(tp)``, ``head_dim``, layers; MHA:
+``kv_heads * (head_dim + v_head_dim) * layers * 2 B``). What SGLang cannot
+answer without a GPU comes from measured points (``calibration.json``):
+
+- ``context_overhead_gib``: GPU memory taken before the model loads (CUDA
+  context, NCCL), so ``pre_model_load_free = gpu_mem - overhead``;
+- ``lendable_fraction``: the part of SGLang's reserve
+  (``pre_model_load_free * (1 - mem_fraction_static)``,
+  kv_cache_configurator.py ``_profile_available_bytes``) still free after
+  CUDA-graph capture (``available_gpu_mem`` in SGLang's start-up log).
+
+Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
+``lendable = reserve * lendable_fraction - margin`` (the elastic pool's
+``--elastic-kv-margin-mb``, default 1 GiB), ``extra tokens = lendable / cell``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, Optional
+from unittest import mock
+
+GIB = 1 << 30
+#: Below this, a gain in KV tokens (fraction of the pool) is not worth a change.
+MIN_GAIN = 0.05
+#: SGLang's activation term floors at 2048 tokens (server_args.py: max(chunked_prefill_size, 2048)).
+SMALL_CHUNK = 2048
+DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
+#: Shapes whose weight count shape_of knows (embeddings, GQA attention, gated MLP, norms, LM head).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class AdviseError(ValueError):
+    pass
+
+
+def _model_dir(model: str) -> Path:
+    p = Path(model)
+    if p.name == "config.json":
+        p = p.parent
+    if (p / "config.json").is_file():
+        return p
+    from sglang_elastic.serve import model_path  # embedded name
+
+    try:
+        return model_path(model)
+    except ValueError:
+        raise AdviseError(f"--model-config {model}: no config.json there and not an embedded model") from None
+
+
+@contextlib.contextmanager
+def _quiet():
+    import logging
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(old)
+
+
+def sglang_server_args(model_dir: Path, gpu_mem_mib: float, tp: int, chunked_prefill_size: Optional[int] = None, post_capture: bool = False, **extra):
+    """SGLang's ``ServerArgs`` for this setup, as ``launch_server`` would build it
+    on a GPU reporting ``gpu_mem_mib`` (with our serve defaults: FlashInfer,
+    dummy weights, no tokenizer)."""
+    import sglang.srt.server_args as sa_mod
+    from sglang.srt.environ import envs
+
+    kw = dict(model_path=str(model_dir), device="cuda", tp_size=tp, load_format="dummy", skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch", grammar_backend="none")
+    if chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = chunked_prefill_size
+    kw.update(extra)
+    with _quiet(), mock.patch.object(sa_mod, "get_device_memory_capacity", lambda *a, **k: gpu_mem_mib), envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.override(post_capture):
+        return sa_mod.ServerArgs(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    params: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype_bytes: int = 2
+
+    def cell_bytes(self, tp: int) -> int:
+        """KV bytes per token per GPU (SGLang's MHA cell size at this TP)."""
+        return max(1, self.kv_heads // tp) * (self.head_dim + self.v_head_dim) * self.num_layers * self.dtype_bytes
+
+    def weight_bytes(self, tp: int) -> float:
+        return self.params * self.dtype_bytes / tp
+
+
+def shape_of(server_args) -> Shape:
+    """Parameter count (dense decoder: embeddings, attention, gated MLP, norms,
+    LM head) and KV layout from SGLang's ``ModelConfig``."""
+    mc = server_args.get_model_config()
+    hf = mc.hf_text_config
+    if hf.model_type not in DENSE_MODEL_TYPES or mc.attention_arch.name != "MHA" or getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
+        raise AdviseError(f"{server_args.model_path}: model_type {hf.model_type!r} is not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
+    h, inter, layers, vocab = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
+    heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    hd = getattr(hf, "head_dim", None) or h // heads
+    bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"  # Qwen2 has q/k/v biases
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + ((heads + 2 * kv) * hd if bias else 0)
+    per_layer = attn + 3 * h * inter + 2 * h
+    params = vocab * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + layers * per_layer + h
+    return Shape(params=params, num_layers=mc.num_hidden_layers, kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim, v_head_dim=getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim)
+
+
+def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
+    if path is None:
+        text = resources.files("sglang_elastic.eval").joinpath("calibration.json").read_text()
+        source = "sglang_elastic/eval/calibration.json"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise AdviseError(f"--calibration {path}: {e.strerror}") from None
+        source = str(path)
+    try:
+        cal = json.loads(text)
+        points = cal["points"]
+        assert points, "no points"
+    except (json.JSONDecodeError, KeyError, AssertionError) as e:
+        raise AdviseError(f"{source}: not a calibration file ({e})") from None
+    cal["source"] = source
+    return cal
+
+
+def derive(point: Dict[str, Any]) -> Dict[str, float]:
+    """Factors of one measured point (see the module doc)."""
+    sa = sglang_server_args(_model_dir(point["model"]), point["gpu_mem_mib"], point["tp"], point.get("chunked_prefill_size"))
+    shape = shape_of(sa)
+    mfs = point["mem_fraction_static"]
+    kv_gib = point["max_total_num_tokens"] * shape.cell_bytes(point["tp"]) / GIB
+    weights_gib = shape.weight_bytes(point["tp"]) / GIB
+    pre_free = (kv_gib + weights_gib) / mfs
+    reserve = pre_free * (1 - mfs)
+    return {
+        "sglang_mem_fraction_static": sa.mem_fraction_static,
+        "pre_model_load_free_gib": pre_free,
+        "context_overhead_gib": point["gpu_mem_mib"] / 1024 - pre_free,
+        "reserve_gib": reserve,
+        "lendable_fraction": point["free_after_graphs_gib"] / reserve,
+    }
+
+
+def factors(cal: Dict[str, Any]) -> Dict[str, float]:
+    """Mean factors over the calibration points."""
+    ds = [derive(p) for p in cal["points"]]
+    return {k: sum(d[k] for d in ds) / len(ds) for k in ("context_overhead_gib", "lendable_fraction")}
+
+
+def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
+    reserve = pre_free_gib * (1 - mfs)
+    kv = pre_free_gib - weights_gib - reserve
+    return reserve, kv, max(0, int(kv * GIB // cell))
+
+
+def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optional[int] = None, margin_mib: float = DEFAULT_MARGIN_MIB, calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Reserve, lendable bytes, extra KV tokens and a recommendation."""
+    if gpu_mem_gib <= 0:
+        raise AdviseError(f"--gpu-mem-gb must be positive, not {gpu_mem_gib}")
+    if tp not in (1, 2, 4, 8):
+        raise AdviseError(f"--tp must be 1, 2, 4 or 8, not {tp}")
+    if chunked_prefill_size is not None and chunked_prefill_size < 1:
+        raise AdviseError(f"--chunked-prefill-size must be positive, not {chunked_prefill_size}")
+    cal = calibration or load_calibration()
+    f = factors(cal)
+    mdir = _model_dir(model)
+    gpu_mem_mib = gpu_mem_gib * 1024
+    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunked_prefill_size)
+    shape = shape_of(sa)
+    cell = shape.cell_bytes(tp)
+    pre_free = gpu_mem_gib - f["context_overhead_gib"]
+    weights = shape.weight_bytes(tp) / GIB
+    reserve, kv, tokens = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
+    free_after = reserve * f["lendable_fraction"]
+    lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
+    extra = int(lendable * GIB // cell)
+    small = sglang_server_args(mdir, gpu_mem_mib, tp, SMALL_CHUNK)
+    _, _, small_tokens = _kv_tokens(pre_free, weights, small.mem_fraction_static, cell)
+    chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
+    out = {
+        "model": str(model),
+        "gpu_mem_gib": gpu_mem_gib,
+        "tp": tp,
+        "chunked_prefill_size": sa.chunked_prefill_size,
+        "mem_fraction_static": sa.mem_fraction_static,
+        "sglang_reserved_mib": round(gpu_mem_mib * (1 - sa.mem_fraction_static)),
+        "reserve_gib": reserve,
+        "reserve_fraction_of_hbm": reserve / gpu_mem_gib,
+        "weights_gib_per_gpu": weights,
+        "kv_pool_gib": kv,
+        "reserve_fraction_of_kv_pool": reserve / kv if kv > 0 else None,
+        "kv_cell_bytes": cell,
+        "max_total_num_tokens": tokens,
+        "free_after_graphs_gib": free_after,
+        "lendable_gib": lendable,
+        "extra_kv_tokens": extra,
+        "extra_kv_fraction": extra / tokens if tokens else None,
+        "small_chunk": SMALL_CHUNK,
+        "small_chunk_mem_fraction_static": small.mem_fraction_static,
+        "small_chunk_extra_kv_tokens": chunk_gain,
+        "factors": f,
+        "calibration": cal["source"],
+        "calibration_points": len(cal["points"]),
+    }
+    out["recommendation"], out["reason"] = recommend(out)
+    return out
+
+
+def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
+    """``elastic`` / ``smaller chunk`` / ``neither``, with the reason in numbers."""
+    tokens = p["max_total_num_tokens"]
+    if tokens <= 0:
+        return "neither", f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) leave no KV pool at TP {p['tp']}: raise the TP degree"
+    eg = p["extra_kv_tokens"] / tokens
+    cg = p["small_chunk_extra_kv_tokens"] / tokens
+    if eg >= MIN_GAIN and eg >= cg:
+        return "elastic", (
+            f"lending {p['lendable_gib']:.1f} GiB of the {p['reserve_gib']:.1f} GiB reserve adds {p['extra_kv_tokens']:,} KV tokens "
+            f"({eg:.0%} of {tokens:,}) while only decodes run; --chunked-prefill-size {p['small_chunk']} would add {p['small_chunk_extra_kv_tokens']:,} ({cg:.0%}) for good"
+        )
+    if cg >= MIN_GAIN:
+        return "smaller chunk", (
+            f"--chunked-prefill-size {p['small_chunk']} adds {p['small_chunk_extra_kv_tokens']:,} KV tokens ({cg:.0%}) permanently "
+            f"(mem_fraction_static {p['mem_fraction_static']} -> {p['small_chunk_mem_fraction_static']}), more than lending ({p['extra_kv_tokens']:,}, {eg:.0%})"
+        )
+    return "neither", f"lending adds {eg:.1%} and a {p['small_chunk']}-token chunk {cg:.1%} to a pool of {tokens:,} tokens, both under {MIN_GAIN:.0%}"
+
+
+def format_text(p: Dict[str, Any]) -> str:
+    lines = [
+        f"model {p['model']}, {p['gpu_mem_gib']:g} GiB per GPU, TP {p['tp']}, chunked_prefill_size {p['chunked_prefill_size']}",
+        f"  SGLang: mem_fraction_static {p['mem_fraction_static']} (reserved {p['sglang_reserved_mib']:,} MiB of the GPU)",
+        f"  reserve (kept out of the KV pool): {p['reserve_gib']:.2f} GiB = {p['reserve_fraction_of_hbm']:.1%} of HBM"
+        + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
+        f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)",
+        f"  free after CUDA graphs (calibrated x{p['factors']['lendable_fraction']:.3f}): {p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
+        f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
+        f"recommendation: {p['recommendation']}: {p['reason']}",
+        f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""The experiment runners: a config -> server jobs on the Ray launcher -> one
+result JSON (``docs/results/eval/<name>.json``, header from
+:mod:`sglang_elastic.results`).
+
+Every row is one server (one start). A row with ``reuse: <experiment>/<label>``
+copies that experiment's row when the server and the workloads are identical
+(E2's stock and smaller-chunk rows from E1), so no server starts for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from sglang_elastic.eval.config import Experiment, ServerConfig
+from sglang_elastic.eval.launcher import Launcher, ServerJob, ServerResult
+from sglang_elastic.eval.ray_entry import MARK_HOOK
+
+logger = logging.getLogger(__name__)
+
+#: Multi-GPU hosts of this project need NVLink multicast off (docs/gpu.md).
+MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+RESULTS_DIR = Path("docs/results/eval")
+
+
+def server_argv(s: ServerConfig, standin: bool = False) -> List[str]:
+    """The command the launcher actor runs for this row (placeholders filled on the node)."""
+    group = ["--placement-group", "{pg_name}", "--namespace", "{namespace}"]
+    if standin:
+        argv = ["{python}", "-m", "sglang_elastic.eval.standin", "--port", "{port}", *group, "--setup-hook", MARK_HOOK, "--tp-size", str(s.tp)]
+        if s.chunked_prefill_size is not None:
+            argv += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
+        if s.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+        return argv
+    from sglang_elastic.serve import build_command
+
+    flags = build_command(s.model, s.launch_flags(), python="python")[3:]  # our serve defaults: embedded shape, FlashInfer
+    return ["{python}", "-m", "sglang_elastic.eval.ray_entry", *group, "--", *flags, "--host", "0.0.0.0", "--port", "{port}", "--use-ray"]
+
+
+def vocab_size(model: str) -> int:
+    from sglang_elastic.serve import model_path
+
+    return int(json.loads((model_path(model) / "config.json").read_text())["vocab_size"])
+
+
+def job_for(exp: Experiment, s: ServerConfig, standin: bool = False) -> ServerJob:
+    return ServerJob(
+        name=s.label,
+        argv=server_argv(s, standin),
+        gpus=s.tp,
+        env={**MULTI_GPU_ENV, **s.env},
+        workloads=[w.model_dump(mode="json") for w in exp.workloads],
+        vocab_size=vocab_size(s.model),
+        startup_timeout_s=exp.cluster.startup_timeout_s,
+        cwd=str(Path.cwd()),
+    )
+
+
+def facts(info: Dict[str, Any], gpu_mem_mib: Optional[int]) -> Dict[str, Any]:
+    """Server-side facts from SGLang 0.5.17's ``GET /server_info``: the server
+    args (``mem_fraction_static``, ``chunked_prefill_size``, ``tp_size``), the
+    scheduler's ``max_total_num_tokens`` and rank 0's
+    ``internal_states[0].memory_usage`` (GiB: ``weight``, ``kvcache``,
+    ``startup_available`` = free after CUDA-graph capture, ``graph``), and our
+    patch's ``sglang_elastic`` key. The reserve is SGLang's slack
+    ``pre_model_load_free * (1 - mem_fraction_static)``, with
+    ``pre_model_load_free = (kvcache + weight) / mem_fraction_static``."""
+    mem = ((info.get("internal_states") or [{}])[0] or {}).get("memory_usage") or {}
+    mfs = info.get("mem_fraction_static")
+    weight, kv, free = mem.get("weight"), mem.get("kvcache"), mem.get("startup_available")
+    out: Dict[str, Any] = {
+        "sglang_version": info.get("version"),
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "mem_fraction_static": mfs,
+        "chunked_prefill_size": info.get("chunked_prefill_size"),
+        "tp_size": info.get("tp_size"),
+        "max_running_requests": info.get("max_running_requests"),
+        "weight_gib": weight,
+        "kv_cache_gib": kv,
+        "free_after_graphs_gib": free,
+        "graph_gib": mem.get("graph"),
+        "gpu_mem_mib": gpu_mem_mib,
+        "sglang_elastic": info.get("sglang_elastic"),
+    }
+    if mfs and weight is not None and kv is not None:
+        pre_free = (kv + weight) / mfs
+        reserve = pre_free - kv - weight
+        out["reserve_gib"] = reserve
+        out["reserve_fraction_of_kv_pool"] = reserve / kv if kv else None
+        out["reserve_fraction_of_hbm"] = reserve / (gpu_mem_mib / 1024) if gpu_mem_mib else None
+    return out
+
+
+def _row(s: ServerConfig, r: ServerResult) -> Dict[str, Any]:
+    return {
+        "label": s.label,
+        "group": s.group,
+        "server": s.model_dump(mode="json"),
+        "identity": s.identity(),
+        "ok": r.ok,
+        "error": r.error,
+        "node_ip": r.node_ip,
+        "startup_s": r.startup_s,
+        "facts": facts(r.server_info, r.gpu_mem_mib) if r.server_info else None,
+        "workloads": r.workloads,
+        "log": r.log_path,
+        "reused_from": None,
+    }
+
+
+def find_reusable(exp: Experiment, s: ServerConfig, results_dir: Path) -> "tuple[Optional[Dict[str, Any]], str]":
+    """The row ``s.reuse`` names, if it measured the same server and workloads."""
+    other, label = s.reuse.split("/", 1)
+    path = results_dir / f"{other}.json"
+    if not path.is_file():
+        return None, f"{path} not found"
+    data = json.loads(path.read_text())
+    row = next((r for r in data.get("rows", []) if r.get("label") == label), None)
+    if row is None:
+        return None, f"no row {label!r} in {path}"
+    if not row.get("ok"):
+        return None, f"row {label!r} of {path} failed"
+    if row.get("identity") != s.identity():
+        return None, f"row {label!r} of {path} ran another server: {row.get('identity')}"
+    want = [w.model_dump(mode="json") for w in exp.workloads]
+    if want and [w.get("workload") for w in row.get("workloads", [])] != want:
+        return None, f"row {label!r} of {path} ran other workloads"
+    out = copy.deepcopy(row)
+    if not want:
+        out["workloads"] = []  # this experiment reads server facts only
+    out.update(label=s.label, group=s.group, server=s.model_dump(mode="json"), reused_from=f"{path.as_posix()}#{label} ({data.get('commit', '?')[:12]}, {data.get('date', '?')})")
+    return out, ""
+
+
+def advisor_for(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The advisor's prediction for a measured row (E3), or None without SGLang."""
+    f = row.get("facts") or {}
+    if not f.get("gpu_mem_mib"):
+        return None
+    try:
+        from sglang_elastic.eval import advisor
+
+        s = row["server"]
+        p = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"))
+    except Exception as e:  # the measurement stands without it
+        return {"error": f"{type(e).__name__}: {e}"}
+    keep = ("mem_fraction_static", "reserve_gib", "reserve_fraction_of_hbm", "reserve_fraction_of_kv_pool", "max_total_num_tokens", "free_after_graphs_gib", "lendable_gib", "extra_kv_tokens", "recommendation", "reason")
+    return {k: p[k] for k in keep}
+
+
+def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, standin: bool = False, progress: bool = True) -> Dict[str, Any]:
+    """Run every row that cannot be reused; rows in the config's order."""
+    rows: Dict[str, Dict[str, Any]] = {}
+    jobs: List[ServerJob] = []
+    notes: List[str] = []
+    for s in exp.servers:
+        if s.reuse and not standin:
+            row, why = find_reusable(exp, s, results_dir)
+            if row is not None:
+                rows[s.label] = row
+                continue
+            notes.append(f"{s.label}: not reused ({why}); started")
+            logger.warning("%s: not reused (%s); starting it", s.label, why)
+        jobs.append(job_for(exp, s, standin))
+    by_label = {s.label: s for s in exp.servers}
+    # The first start on a fresh host JIT-compiles FlashInfer (~4 min): let one
+    # server warm the cache before the others start beside it.
+    waves = [jobs[:1], jobs[1:]] if exp.cluster.warm_first and len(jobs) > 1 else [jobs]
+    for wave in waves:
+        for r in launcher.run(wave, max_parallel=exp.cluster.max_parallel_servers, progress=progress):
+            rows[r.name] = _row(by_label[r.name], r)
+    out = [rows[s.label] for s in exp.servers]
+    if exp.experiment == "reserve_vs_tp" and not standin:
+        for row in out:
+            if row["ok"]:
+                row["advisor"] = advisor_for(row)
+    return {"experiment": exp.experiment, "name": exp.result_name, "description": exp.description, "standin": standin, "notes": notes, "config": exp.model_dump(mode="json"), "rows": out}

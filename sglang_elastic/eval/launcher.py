@@ -1,0 +1,312 @@
+"""Ray launcher: one placement group per SGLang server, a launcher actor in it,
+results and logs gathered on the driver.
+
+Layout (one server, TP = N):
+
+- placement group ``[{"CPU": 1, "GPU": N}]``, ``STRICT_PACK``: the one-bundle
+  layout SGLang's own Ray engine builds when it finds no group
+  (``sglang/srt/ray/engine.py``), so several servers share a node where their
+  bundles fit and wait in Ray's queue where they do not;
+- :class:`ServerActor` (``num_cpus=1, num_gpus=0``) in that bundle: starts the
+  server command as a child process group on its node, waits for ``/health``,
+  reads ``/server_info``, runs the workloads against it from the same node
+  (no cross-node hop in TTFT), stops it and hands its log back;
+- the command for SGLang is ``python -m sglang_elastic.eval.ray_entry
+  --placement-group NAME -- <launch_server flags> --use-ray``: SGLang's
+  ``SchedulerActor`` per TP rank (``num_gpus=1``) lands in the same bundle.
+
+The driver runs each server's life in a thread (``max_parallel`` at a time)
+and shows progress with tqdm.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from sglang_elastic.eval.ray_entry import NAMESPACE
+
+
+@dataclasses.dataclass
+class ServerJob:
+    """One server's life: ``argv`` may hold ``{port}``, ``{pg_name}``,
+    ``{namespace}``, ``{python}``; ``workloads`` are dicts for
+    :func:`sglang_elastic.eval.client.run_workload`."""
+
+    name: str
+    argv: List[str]
+    gpus: int
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    workloads: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    vocab_size: int = 128256
+    startup_timeout_s: float = 1200.0
+    cwd: Optional[str] = None
+
+
+@dataclasses.dataclass
+class ServerResult:
+    name: str
+    ok: bool
+    error: Optional[str] = None
+    node_ip: Optional[str] = None
+    url: Optional[str] = None
+    startup_s: Optional[float] = None
+    server_info: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    gpu_mem_mib: Optional[int] = None
+    workloads: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    log_path: Optional[str] = None
+
+
+def _describe(e: BaseException) -> str:
+    """One message for an error, the actor's own exception rather than Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, BaseException) else e
+    return f"{type(e).__name__}: {e}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class ServerActor:
+    """Runs on the server's node (as a Ray actor; a plain object in-process works too)."""
+
+    def __init__(self, name: str, log_dir: str):
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc: Optional[subprocess.Popen] = None
+        self.url: Optional[str] = None
+
+    def node_ip(self) -> str:
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address()
+        except Exception:
+            return "127.0.0.1"
+
+    def start(self, argv: List[str], env: Dict[str, str], pg_name: str, namespace: str, cwd: Optional[str] = None) -> Dict[str, Any]:
+        port = _free_port()
+        subs = {"port": str(port), "pg_name": pg_name, "namespace": namespace, "python": sys.executable}
+        cmd = [a.format(**subs) for a in argv]
+        child_env = dict(os.environ)
+        if child_env.get("CUDA_VISIBLE_DEVICES") == "":  # this actor holds no GPU; SGLang's actors get theirs from Ray
+            del child_env["CUDA_VISIBLE_DEVICES"]
+        try:
+            import ray
+
+            child_env.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        except Exception:
+            pass
+        child_env.update(env)
+        log = open(self.log_path, "wb")
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd, start_new_session=True)
+        log.close()
+        ip = self.node_ip()
+        self.url = f"http://{ip}:{port}"
+        self.t_start = time.monotonic()
+        return {"url": self.url, "port": port, "node_ip": ip, "pid": self.proc.pid, "command": cmd}
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> float:
+        """Seconds from start until ``GET /health`` answers 200; raises with the
+        log's tail when the process exits or the time runs out."""
+        deadline = self.t_start + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with status {self.proc.returncode} before it was healthy; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.t_start
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(poll_s)
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+
+    def server_info(self) -> Dict[str, Any]:
+        """``GET /server_info`` (0.5.17; ``/get_server_info`` is its deprecated alias)."""
+        try:
+            return _get_json(self.url + "/server_info", timeout=60)
+        except urllib.error.HTTPError:
+            return _get_json(self.url + "/get_server_info", timeout=60)
+
+    def gpu_mem_mib(self) -> Optional[int]:
+        """The smallest ``memory.total`` nvidia-smi lists on this node (what SGLang sizes by)."""
+        try:
+            out = subprocess.check_output(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], text=True, timeout=30)
+            return min(int(x) for x in out.split())
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+
+    def run_workload(self, workload: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
+        from sglang_elastic.eval.client import run_workload
+
+        return run_workload(self.url, workload, vocab_size)
+
+    def stop(self, grace_s: float = 60.0) -> Optional[int]:
+        """SIGTERM to the server's process group (SGLang's launcher tears down
+        its children and, with them, the Ray job's scheduler actors), SIGKILL
+        after ``grace_s``."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(30)
+        return self.proc.returncode
+
+    def log_text(self, max_bytes: int = 8 << 20) -> str:
+        data = self.log_path.read_bytes() if self.log_path.exists() else b""
+        return data[-max_bytes:].decode(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text(1 << 20).splitlines()[-lines:])
+
+
+class Launcher:
+    """A Ray cluster session: ``address=None`` starts a local cluster (its
+    ``num_cpus`` / ``num_gpus`` / ``resources`` as given, else detected), else
+    joins ``address`` (``"auto"``, ``"ray://..."``, ``"HOST:PORT"``)."""
+
+    def __init__(self, address: Optional[str] = None, namespace: str = NAMESPACE, log_dir: str = "/tmp/sglang-eval/logs", num_cpus: Optional[int] = None, num_gpus: Optional[int] = None, resources: Optional[Dict[str, float]] = None, runtime_env: Optional[dict] = None):
+        import ray
+
+        self.namespace = namespace
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            kw: Dict[str, Any] = {"namespace": namespace, "runtime_env": runtime_env or {}, "log_to_driver": True}
+            if address:
+                kw["address"] = address
+            else:
+                kw.update(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, include_dashboard=False)
+            ray.init(**kw)
+        self._run_id = f"{os.getpid()}-{int(time.time())}"
+        self._actor_cls = ray.remote(ServerActor)
+
+    def close(self) -> None:
+        import ray
+
+        if self._owns and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def largest_node_gpus(self) -> float:
+        import ray
+
+        return max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+
+    def run(self, jobs: List[ServerJob], max_parallel: Optional[int] = None, progress: bool = True, on_result: Optional[Callable[[ServerResult], None]] = None) -> List[ServerResult]:
+        """Run every job's server life; results in the jobs' order."""
+        from tqdm.auto import tqdm
+
+        names = [j.name for j in jobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"job names must be unique: {names}")
+        results: Dict[str, ServerResult] = {}
+        bar = tqdm(total=len(jobs), desc="servers", unit="server", disable=not progress, dynamic_ncols=True)
+        lock = threading.Lock()
+        stages: Dict[str, str] = {}
+
+        def stage(name: str, text: str) -> None:
+            with lock:
+                stages[name] = text
+                bar.set_postfix_str(", ".join(f"{k}: {v}" for k, v in stages.items())[:200], refresh=True)
+
+        def one(job: ServerJob) -> ServerResult:
+            try:
+                res = self._run_one(job, lambda t: stage(job.name, t))
+            except Exception as e:  # recorded in the result, other servers go on
+                res = ServerResult(job.name, ok=False, error=_describe(e))
+            with lock:
+                stages.pop(job.name, None)
+                bar.update(1)
+            if on_result:
+                on_result(res)
+            return res
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel or max(1, len(jobs))) as pool:
+            for res in pool.map(one, jobs):
+                results[res.name] = res
+        bar.close()
+        return [results[n] for n in names]
+
+    def _run_one(self, job: ServerJob, stage: Callable[[str], None]) -> ServerResult:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        have = self.largest_node_gpus()
+        if job.gpus > have:
+            raise RuntimeError(f"{job.name} needs {job.gpus} GPU(s) on one node; the largest node in the cluster has {have:g}")
+        pg_name = f"sglang-eval-{self._run_id}-{job.name}"
+        pg = placement_group([{"CPU": 1, "GPU": job.gpus}], strategy="STRICT_PACK", name=pg_name)
+        res = ServerResult(job.name, ok=False)
+        actor = None
+        try:
+            stage("waiting for GPUs")
+            ray.get(pg.ready())
+            actor = self._actor_cls.options(num_cpus=1, num_gpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)).remote(job.name, str(self.log_dir))
+            stage("starting")
+            started = ray.get(actor.start.remote(job.argv, job.env, pg_name, self.namespace, job.cwd))
+            res.url, res.node_ip = started["url"], started["node_ip"]
+            res.startup_s = ray.get(actor.wait_healthy.remote(job.startup_timeout_s))
+            res.server_info = ray.get(actor.server_info.remote())
+            res.gpu_mem_mib = ray.get(actor.gpu_mem_mib.remote())
+            for i, w in enumerate(job.workloads):
+                stage(f"workload {i + 1}/{len(job.workloads)}")
+                res.workloads.append(ray.get(actor.run_workload.remote(w, job.vocab_size)))
+            res.ok = True
+        except Exception as e:
+            res.error = _describe(e)
+        finally:
+            if actor is not None:
+                stage("stopping")
+                try:
+                    ray.get(actor.stop.remote())
+                    log = ray.get(actor.log_text.remote())
+                    local = self.log_dir / f"{job.name}.driver.log"
+                    local.write_text(log)
+                    res.log_path = str(local)
+                except Exception as e:
+                    res.error = (res.error + "; " if res.error else "") + "stop/log: " + _describe(e)
+                ray.kill(actor)
+            remove_placement_group(pg)
+        return res

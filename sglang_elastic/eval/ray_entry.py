@@ -1,0 +1,131 @@
+"""``python -m sglang.launch_server ... --use-ray`` inside a placement group the
+launcher already reserved.
+
+    python -m sglang_elastic.eval.ray_entry --placement-group NAME [--namespace NS] -- LAUNCH_SERVER FLAGS...
+
+SGLang 0.5.17's Ray mode (``--use-ray``: ``sglang/srt/ray/http_server.py`` ->
+``RayEngine._launch_scheduler_processes`` in ``sglang/srt/ray/engine.py``)
+starts one ``SchedulerActor`` per TP rank (``num_gpus=1``) inside
+``ray.util.get_current_placement_group()``, or creates its own group when
+there is none; the HTTP server clears any group given through ``ServerArgs``.
+A ``launch_server`` process is a Ray driver, never inside a placement group,
+so on its own it would reserve a second group beside the launcher's. Three
+gaps, each closed here and nowhere else:
+
+1. the group: this entry looks up the launcher's named group (one bundle of
+   ``{"CPU": 1, "GPU": tp}``, the auto-group layout SGLang itself builds) and
+   answers ``ray.util.get_current_placement_group()`` with it;
+2. the environment: Ray actors start from the raylet's environment, not this
+   process's, so ``SGLANG_*`` (e.g. ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING``,
+   and our ``SGLANG_ELASTIC_CONFIG``), ``NCCL_*`` and the other variables of
+   :data:`FORWARD_PREFIXES` travel in the job's ``runtime_env``;
+3. plugins: ``SchedulerActor`` builds the ``Scheduler`` directly and skips
+   ``run_scheduler_process``, the only scheduler-side caller of
+   ``load_plugins()``; the job's ``worker_process_setup_hook``
+   (:func:`worker_setup`) loads them in every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+NAMESPACE = "sglang-eval"
+#: Environment variables handed to SGLang's scheduler actors (Ray workers).
+FORWARD_PREFIXES = ("SGLANG_", "NCCL_", "TORCH_", "NVSHMEM_", "PYTORCH_", "CUDA_", "FLASHINFER_", "TRITON_", "HF_", "TOKENIZERS_")
+WORKER_SETUP_HOOK = "sglang_elastic.eval.ray_entry.worker_setup"
+MARK_HOOK = "sglang_elastic.eval.ray_entry.mark_worker"
+MARK_ENV = "SGLANG_ELASTIC_RAY_WORKER_SETUP"
+
+
+def forwarded_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The variables of ``environ`` that SGLang's Ray workers must see.
+    ``CUDA_VISIBLE_DEVICES`` stays out: Ray sets it per actor from its GPUs."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(FORWARD_PREFIXES) and k != "CUDA_VISIBLE_DEVICES"}
+
+
+def job_runtime_env(setup_hook: str = WORKER_SETUP_HOOK, environ: Optional[Dict[str, str]] = None) -> dict:
+    return {"env_vars": forwarded_env(environ), "worker_process_setup_hook": setup_hook}
+
+
+def mark_worker() -> None:
+    """Setup hook that only marks the worker (tests: proves the hook runs)."""
+    os.environ[MARK_ENV] = "1"
+
+
+def worker_setup() -> None:
+    """Setup hook of every Ray worker of the server's job: SGLang's plugins
+    (ours included), as ``run_scheduler_process`` would have loaded them."""
+    mark_worker()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def _drop_empty_cuda_visible_devices() -> None:
+    # The launcher actor holds no GPU, so Ray gave it (and its child) an empty
+    # CUDA_VISIBLE_DEVICES; SGLang's ServerArgs would then pick the CPU device.
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def attach(placement_group: str, namespace: str = NAMESPACE, setup_hook: str = WORKER_SETUP_HOOK, address: Optional[str] = None):
+    """Join the cluster as a driver whose workers get :func:`job_runtime_env`,
+    and make the named group this process's "current" placement group.
+
+    Returns the group. Raises ``ValueError`` when the group does not exist.
+    """
+    import ray
+    import ray.util
+
+    _drop_empty_cuda_visible_devices()
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=namespace, runtime_env=job_runtime_env(setup_hook), log_to_driver=True)
+    try:
+        pg = ray.util.get_placement_group(placement_group)
+    except ValueError as e:
+        raise ValueError(f"placement group {placement_group!r} not found in namespace {namespace!r}: {e}") from None
+    ray.util.get_current_placement_group = lambda: pg  # read by sglang/srt/ray/engine.py
+    return pg
+
+
+def _parse(argv: Sequence[str]):
+    ap = argparse.ArgumentParser(prog="python -m sglang_elastic.eval.ray_entry", description=__doc__.split("\n")[0])
+    ap.add_argument("--placement-group", required=True)
+    ap.add_argument("--namespace", default=NAMESPACE)
+    argv = list(argv)
+    if "--" not in argv:
+        ap.error("put the launch_server flags after --")
+    i = argv.index("--")
+    return ap.parse_args(argv[:i]), argv[i + 1 :]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args, server_argv = _parse(sys.argv[1:] if argv is None else argv)
+    _drop_empty_cuda_visible_devices()
+    if "--use-ray" not in server_argv:
+        server_argv.append("--use-ray")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    # Parse first: our plugin publishes SGLANG_ELASTIC_CONFIG while parsing, and
+    # the job's runtime_env is fixed at ray.init.
+    server_args = prepare_server_args(server_argv)
+    attach(args.placement_group, args.namespace)
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Tables (Markdown, in ``docs/eval.md``) and plots (PNG) from the committed
+result JSON; nothing here measures. One block per experiment between
+``<!-- eval:NAME -->`` and ``<!-- /eval:NAME -->`` is replaced; the rest of the
+document is left as written.
+
+    python scripts/eval/report.py    # docs/results/eval/*.json -> docs/eval.md, docs/results/eval/*.png
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+BLOCKS = ("ttft_vs_chunk", "capacity", "reserve_vs_tp", "decode_fraction", "advisor")
+RUN = {
+    "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
+    "capacity": "python scripts/eval/run.py scripts/eval/configs/e2_capacity.yaml",
+    "reserve_vs_tp": "python scripts/eval/run.py scripts/eval/configs/e3_reserve_vs_tp.yaml",
+    "decode_fraction": "python scripts/eval/run.py scripts/eval/configs/e4_decode_fraction.yaml",
+    "advisor": "python scripts/eval/advisor_points.py",
+}
+
+
+def _n(x: Any, fmt: str = "{:,}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _ms(x: Optional[float]) -> str:
+    return _n(None if x is None else x * 1000, "{:,.1f}")
+
+
+def _s(x: Optional[float]) -> str:
+    return _n(x, "{:,.3f}")
+
+
+def _pct(x: Optional[float]) -> str:
+    return _n(None if x is None else 100 * x, "{:.1f} %")
+
+
+def _table(head: List[str], rows: List[List[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _header_line(d: Dict[str, Any], png: Optional[str]) -> str:
+    src = f"`{d['_path']}` ({d.get('date', '?')[:10]}, {d.get('gpu', '?').split(';')[0]}, commit {str(d.get('commit', '?'))[:7]})"
+    if d.get("standin"):
+        src += " **stand-in server, not a GPU measurement**"
+    return src + (f"; plot: `{png}`" if png else "")
+
+
+def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
+    ws = row.get("workloads") or []
+    return ws[i] if len(ws) > i else {}
+
+
+def _err(row: Dict[str, Any]) -> str:
+    if not row.get("ok"):
+        return "failed: " + (row.get("error") or "?").splitlines()[0][:80].replace("|", "/")
+    n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
+    return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
+
+
+# -- E1 ---------------------------------------------------------------------
+
+
+def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
+    rows = []
+    for r in d["rows"]:
+        f, w = r.get("facts") or {}, _w(r)
+        t, itl = w.get("ttft_s") or {}, w.get("decode_itl_s") or {}
+        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(f.get("max_total_num_tokens")), _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _err(r)])
+    md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "notes"], rows)
+
+    def plot(ax_fig):
+        fig, ax = ax_fig
+        pts = [(r, (r.get("facts") or {}).get("chunked_prefill_size") or r["server"].get("chunked_prefill_size")) for r in d["rows"] if r.get("ok")]
+        stock = sorted((c, _w(r)["ttft_s"]) for r, c in pts if c and not r["server"].get("enable_elastic_kv") and _w(r).get("ttft_s", {}).get("median") is not None)
+        if stock:
+            ax.plot([c for c, _ in stock], [t["median"] for _, t in stock], "o-", label="TTFT median")
+            ax.plot([c for c, _ in stock], [t["p99"] for _, t in stock], "s--", label="TTFT p99")
+        for r, c in pts:
+            t = _w(r).get("ttft_s") or {}
+            if r["server"].get("enable_elastic_kv") and t.get("median") is not None:
+                ax.plot([c], [t["median"]], "r*", ms=12, label=f"elastic median ({r['label']})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("--chunked-prefill-size (tokens)")
+        ax.set_ylabel("TTFT of the long prompts (s)")
+        ax2 = ax.twinx()
+        kv = sorted((c, (r.get("facts") or {}).get("max_total_num_tokens")) for r, c in pts if c and not r["server"].get("enable_elastic_kv") and (r.get("facts") or {}).get("max_total_num_tokens"))
+        if kv:
+            ax2.plot([c for c, _ in kv], [k for _, k in kv], "g^:", label="max_total_num_tokens")
+        ax2.set_ylabel("KV tokens (max_total_num_tokens)")
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper right", fontsize=8)
+        ax.set_title("E1: long-prompt TTFT and KV capacity vs chunked prefill size")
+
+    return md, plot
+
+
+# -- E2 ---------------------------------------------------------------------
+
+
+def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per row: KV tokens (plus lent tokens when the server reports them), TTFT
+    deltas against the baseline and whether both are within the tolerance."""
+    cfg = d["config"]
+    tol = cfg.get("ttft_tolerance", 0.01)
+    base = next((r for r in d["rows"] if r["label"] == cfg.get("baseline")), None)
+    bt = (_w(base).get("ttft_s") or {}) if base else {}
+    out = []
+    for r in d["rows"]:
+        f, t = r.get("facts") or {}, _w(r).get("ttft_s") or {}
+        lent = ((f.get("sglang_elastic") or {}) or {}).get("lent_tokens")
+        kv = f.get("max_total_num_tokens")
+        dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None
+        dp = (t["p99"] / bt["p99"] - 1) if t.get("p99") and bt.get("p99") else None
+        out.append({"row": r, "kv_tokens": kv, "lent_tokens": lent, "total": (kv or 0) + (lent or 0) if kv else None, "d_median": dm, "d_p99": dp, "equal_ttft": dm is not None and dp is not None and abs(dm) <= tol and abs(dp) <= tol})
+    base_total = next((x["total"] for x in out if x["row"] is base), None)
+    for x in out:
+        x["vs_baseline"] = (x["total"] / base_total - 1) if x["total"] and base_total else None
+    return out
+
+
+def capacity(d: Dict[str, Any]) -> Tuple[str, Callable]:
+    tol = d["config"].get("ttft_tolerance", 0.01)
+    cr = capacity_rows(d)
+    best: Dict[str, Dict[str, Any]] = {}
+    for x in cr:
+        g = x["row"].get("group") or x["row"]["label"]
+        if x["equal_ttft"] and x["total"] and (g not in best or x["total"] > best[g]["total"]):
+            best[g] = x
+    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), _err(x["row"])] for x in cr]
+    md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", "notes"], rows)
+
+    def plot(ax_fig):
+        fig, ax = ax_fig
+        xs = [x for x in cr if x["total"]]
+        ax.bar(range(len(xs)), [x["kv_tokens"] for x in xs], color=["tab:green" if x["equal_ttft"] else "tab:gray" for x in xs], label="KV tokens")
+        ax.bar(range(len(xs)), [x["lent_tokens"] or 0 for x in xs], bottom=[x["kv_tokens"] for x in xs], color="tab:orange", label="lent tokens")
+        ax.set_xticks(range(len(xs)), [x["row"]["label"] for x in xs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("KV tokens")
+        ax.set_title(f"E2: KV capacity (green: TTFT median and p99 within ±{tol:.0%} of the baseline)")
+        ax.legend(fontsize=8)
+
+    return md, plot
+
+
+# -- E3 ---------------------------------------------------------------------
+
+
+def reserve_vs_tp(d: Dict[str, Any]) -> Tuple[str, Callable]:
+    rows = []
+    for r in d["rows"]:
+        f, a = r.get("facts") or {}, r.get("advisor") or {}
+        rows.append([r["server"]["model"], str(r["server"]["tp"]), _n(f.get("mem_fraction_static")), _n(f.get("reserve_gib"), "{:.2f}"), _pct(f.get("reserve_fraction_of_hbm")), _pct(f.get("reserve_fraction_of_kv_pool")), _n(f.get("free_after_graphs_gib"), "{:.2f}"), _n(f.get("max_total_num_tokens")), _n(a.get("reserve_gib"), "{:.2f}"), _n(a.get("max_total_num_tokens")), _err(r)])
+    md = _table(["model", "TP", "mem_fraction_static", "reserve GiB/GPU", "reserve / HBM", "reserve / KV pool", "free after graphs GiB", "max_total_num_tokens", "advisor reserve GiB", "advisor tokens", "notes"], rows)
+
+    def plot(ax_fig):
+        fig, ax = ax_fig
+        models = sorted({r["server"]["model"] for r in d["rows"]})
+        for m in models:
+            pts = sorted((r["server"]["tp"], r["facts"]) for r in d["rows"] if r["server"]["model"] == m and r.get("ok") and r.get("facts"))
+            pts = [(tp, f) for tp, f in pts if f.get("reserve_fraction_of_hbm") is not None]
+            if pts:
+                ax.plot([tp for tp, _ in pts], [100 * f["reserve_fraction_of_hbm"] for _, f in pts], "o-", label=f"{m}: / HBM")
+                ax.plot([tp for tp, _ in pts], [100 * (f.get("reserve_fraction_of_kv_pool") or 0) for _, f in pts], "s--", label=f"{m}: / KV pool")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("TP")
+        ax.set_ylabel("reserve (%)")
+        ax.set_title("E3: SGLang's prefill reserve per GPU vs TP")
+        ax.legend(fontsize=7)
+
+    return md, plot
+
+
+# -- E4 ---------------------------------------------------------------------
+
+
+def decode_fraction(d: Dict[str, Any]) -> Tuple[str, Callable]:
+    rows = []
+    mixes = []
+    for r in d["rows"]:
+        for w in r.get("workloads") or []:
+            cfg = w.get("workload") or {}
+            mixes.append((f"{r['label']}/{w.get('name')}", w))
+            rows.append([r["label"], str(w.get("name")), _n(cfg.get("num_requests")), _n(cfg.get("request_rate"), "{:g}"), _n(w.get("wall_s"), "{:.1f}"), _pct(w.get("decode_only_fraction")), _pct(w.get("prefill_s") / w["wall_s"] if w.get("wall_s") else None), _pct(w.get("idle_s") / w["wall_s"] if w.get("wall_s") else None), _s((w.get("ttft_s") or {}).get("median")), _ms((w.get("itl_s") or {}).get("median")), _n(w.get("num_errors"))])
+        if not r.get("ok"):
+            rows.append([r["label"], "–", "–", "–", "–", "–", "–", "–", "–", "–", _err(r)])
+    md = _table(["server", "mix", "requests", "rate req/s", "wall s", "decode-only", "prefill pending", "idle", "TTFT median s", "ITL median ms", "errors"], rows)
+
+    def plot(ax_fig):
+        fig, ax = ax_fig
+        names = [n for n, _ in mixes]
+        parts = [("decode_only_s", "decode-only", "tab:green"), ("prefill_s", "prefill pending", "tab:red"), ("idle_s", "idle", "tab:gray")]
+        bottom = [0.0] * len(mixes)
+        for key, lab, col in parts:
+            vals = [100 * w.get(key, 0) / w["wall_s"] if w.get("wall_s") else 0 for _, w in mixes]
+            ax.bar(range(len(mixes)), vals, bottom=bottom, label=lab, color=col)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(mixes)), names, fontsize=8)
+        ax.set_ylabel("share of wall time (%)")
+        ax.set_title("E4: time with only decodes running (the reserve is lendable)")
+        ax.legend(fontsize=8)
+
+    return md, plot
+
+
+# -- advisor ----------------------------------------------------------------
+
+
+def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
+    rows = []
+    for p in d["points"]:
+        m, pr = p["measured"], p["predicted"]
+        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("extra_kv_tokens")), pr.get("recommendation", "–"), p.get("source", "")])
+    md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "free after graphs GiB measured", "predicted", "predicted extra KV tokens (lent)", "recommendation", "source"], rows)
+    return md, None
+
+
+RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "capacity": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
+
+
+def _save_plot(plot: Callable, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    plot((fig, ax))
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})  # no matplotlib version: the PNG depends on the JSON only
+    plt.close(fig)
+
+
+def render_block(name: str, results_dir: Path, root: Path) -> str:
+    path = results_dir / f"{name}.json"
+    if not path.is_file():
+        return f"Not measured yet: `{RUN[name]}` writes `{path.relative_to(root) if path.is_relative_to(root) else path}`."
+    d = json.loads(path.read_text())
+    d["_path"] = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+    md, plot = RENDER[name](d)
+    png = None
+    if plot is not None:
+        png_path = results_dir / f"{name}.png"
+        _save_plot(plot, png_path)
+        png = png_path.relative_to(root).as_posix() if png_path.is_relative_to(root) else str(png_path)
+    return _header_line(d, png) + "\n\n" + md + (f"\n\n![{name}]({Path(png).relative_to('docs').as_posix() if png.startswith('docs/') else png})" if png else "")
+
+
+def render_doc(doc: Path, results_dir: Path, root: Path) -> List[str]:
+    """Rewrite every ``<!-- eval:NAME -->`` block of ``doc``; returns the names rendered."""
+    text = doc.read_text()
+    done = []
+    for name in BLOCKS:
+        pat = re.compile(rf"(<!-- eval:{name} -->\n)(.*?)(<!-- /eval:{name} -->)", re.S)
+        if pat.search(text):
+            body = render_block(name, results_dir, root)
+            text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
+            done.append(name)
+    doc.write_text(text)
+    return done

@@ -1,0 +1,74 @@
+"""The advisor sizes with SGLang's own ServerArgs and reproduces the measured H200 point."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_elastic import cli
+from sglang_elastic.eval import advisor
+
+H200_MIB = 143771
+
+
+def _sglang_reserved_mib(sa, gpu_mib):
+    """server_args.py _handle_gpu_memory_settings, non-post-capture branch, with SGLang's own reserve_for_graph_mb."""
+    reserved = 512 + max(sa.chunked_prefill_size, 2048) * 1.5 + sa.tp_size * sa.pp_size / 8 * 1024 + sa.reserve_for_graph_mb()
+    return max(reserved, 10 * 1024) if gpu_mib > 60 * 1024 else reserved
+
+
+@pytest.mark.parametrize("model, tp, chunk, mfs", [("llama-3.1-8b", 1, None, 0.903), ("llama-3.1-8b", 1, 2048, 0.929), ("llama-3.1-70b", 8, None, 0.893), ("qwen2.5-32b", 2, 32768, None)])
+def test_mem_fraction_static_is_sglangs(model, tp, chunk, mfs):
+    p = advisor.predict(model, H200_MIB / 1024, tp, chunk)
+    sa = advisor.sglang_server_args(advisor._model_dir(model), H200_MIB, tp, chunk)
+    assert p["mem_fraction_static"] == sa.mem_fraction_static == round((H200_MIB - _sglang_reserved_mib(sa, H200_MIB)) / H200_MIB, 3)
+    if mfs is not None:
+        assert p["mem_fraction_static"] == mfs
+    assert p["chunked_prefill_size"] == (chunk or 8192)  # SGLang's H200 default
+
+
+def test_post_capture_sizing_drops_the_activation_reserve():
+    sa = advisor.sglang_server_args(advisor._model_dir("llama-3.1-8b"), H200_MIB, 1, post_capture=True)
+    assert sa.mem_fraction_static == round((H200_MIB - 512 - 128) / H200_MIB, 3) == 0.996
+
+
+def test_the_measured_h200_point_is_reproduced():
+    p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1)
+    assert abs(p["max_total_num_tokens"] - 906051) <= 1
+    assert p["kv_cell_bytes"] == 131072
+    assert p["free_after_graphs_gib"] == pytest.approx(9.02)
+    assert p["lendable_gib"] == pytest.approx(8.02)
+    assert p["extra_kv_tokens"] == int(8.02 * (1 << 30) // 131072)
+    assert p["recommendation"] == "elastic"
+
+
+def test_the_reserve_shrinks_against_the_kv_pool_as_tp_grows():
+    fr = [advisor.predict("llama-3.1-70b", H200_MIB / 1024, tp)["reserve_fraction_of_kv_pool"] for tp in (2, 4, 8)]
+    assert fr[0] > fr[1] > fr[2]
+
+
+def test_recommendations():
+    big = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 1)
+    assert big["max_total_num_tokens"] == 0 and big["recommendation"] == "neither" and "raise the TP degree" in big["reason"]
+    huge_chunk = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 32768)
+    assert huge_chunk["recommendation"] == "smaller chunk"
+    assert huge_chunk["small_chunk_extra_kv_tokens"] > huge_chunk["extra_kv_tokens"] > 0
+
+
+def test_cli(capsys):
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out
+    assert cli.main(["advise", "--model-config", "/nowhere", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 2
+    assert "--model-config /nowhere: no config.json there and not an embedded model" in capsys.readouterr().err
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "3"]) == 2
+    assert "--tp must be 1, 2, 4 or 8, not 3" in capsys.readouterr().err
+
+
+def test_a_shape_outside_the_weight_count_is_refused(tmp_path):
+    import json
+
+    cfg = json.loads((advisor._model_dir("llama-3.1-8b") / "config.json").read_text())
+    cfg["num_local_experts"] = 8  # an MoE layout the dense weight count would get wrong
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(advisor.AdviseError, match="not a dense MHA decoder of llama, qwen2, mistral"):
+        advisor.predict(str(tmp_path / "config.json"), 140.4, 1)

@@ -1,0 +1,95 @@
+"""Experiment configs: every shipped config validates; bad ones fail with one message naming the field."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic.eval import config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "scripts/eval/configs").glob("*.yaml"))
+E1 = {
+    "experiment": "ttft_vs_chunk",
+    "server_defaults": {"model": "llama-3.1-8b", "tp": 1},
+    "servers": [{"label": "chunk-2048", "chunked_prefill_size": 2048}, {"label": "elastic", "enable_elastic_kv": True}],
+    "workloads": [{"kind": "decode_then_long", "decodes": 40, "long_prompts": 6, "long_input_len": 25000}],
+}
+
+
+def test_every_shipped_config_validates_and_covers_the_four_experiments():
+    exps = {config.load(p).experiment for p in CONFIGS}
+    assert exps == set(config.EXPERIMENTS)
+
+
+def test_server_defaults_merge_and_flags_follow_the_fields():
+    e = config.parse(E1)
+    s = e.servers[1]
+    assert (s.model, s.tp, s.enable_elastic_kv) == ("llama-3.1-8b", 1, True)
+    assert e.servers[0].launch_flags() == ["--tp-size", "1", "--chunked-prefill-size", "2048"]
+    assert s.launch_flags() == ["--tp-size", "1", "--enable-elastic-kv"]
+    assert e.result_name == "ttft_vs_chunk"
+
+
+@pytest.mark.parametrize(
+    "patch, needle",
+    [
+        ({"servers": [{"label": "a", "tp": 3}]}, "servers.0.tp: tp must be one of (1, 2, 4, 8), not 3"),
+        ({"servers": [{"label": "a", "model": "gpt-5"}]}, "servers.0.model: unknown embedded model 'gpt-5'"),
+        ({"servers": [{"label": "a"}, {"label": "a"}]}, "server labels must be unique: a"),
+        ({"servers": [{"label": "a", "extra_args": ["--port", "1"]}]}, "launcher owns --host/--port/--use-ray"),
+        ({"servers": [{"label": "a", "mem_fraction_static": 1.2}]}, "servers.0.mem_fraction_static: Input should be less than 1"),
+        ({"servers": [{"label": "a", "chunked_prefill_size": 0}]}, "chunked_prefill_size must be positive"),
+        ({"servers": [{"label": "a", "chunk": 2048}]}, "servers.0.chunk: Extra inputs are not permitted"),
+        ({"workloads": []}, "ttft_vs_chunk needs exactly decode_then_long workloads, got none"),
+        ({"workloads": [{"kind": "decode_then_long", "decodes": -1}]}, "decodes: Input should be greater than or equal to 0"),
+        ({"experiment": "capacity"}, "capacity needs baseline"),
+        ({"experiment": "reserve_vs_tp"}, "reserve_vs_tp reads server facts only: no workloads"),
+        ({"experiment": "decode_fraction"}, "decode_fraction needs mix workloads"),
+        ({"baseline": "nope"}, "baseline 'nope' is not a server label"),
+        ({"experiment": "e9"}, "experiment: Input should be 'ttft_vs_chunk'"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_field_named(patch, needle):
+    with pytest.raises(config.EvalConfigError) as ei:
+        config.parse({**E1, **patch}, "e.yaml")
+    msg = str(ei.value)
+    assert msg.startswith("e.yaml: ") and needle in msg and "\n" not in msg
+
+
+def test_bad_mix_distribution_and_bad_yaml(tmp_path):
+    bad = {"experiment": "decode_fraction", "servers": [{"label": "a"}], "workloads": [{"kind": "mix", "name": "chat", "num_requests": 5, "request_rate": 1, "input_len": {"dist": "lognormal", "median": 512}, "output_len": {"dist": "fixed", "value": 8}}]}
+    with pytest.raises(config.EvalConfigError, match=r"workloads\.0\.mix\.input_len: dist lognormal needs sigma, min, max"):
+        config.parse(bad)
+    p = tmp_path / "x.yaml"
+    p.write_text("servers: [unclosed")
+    with pytest.raises(config.EvalConfigError, match="x.yaml: not valid YAML"):
+        config.load(p)
+    with pytest.raises(config.EvalConfigError, match="cannot read"):
+        config.load(tmp_path / "missing.yaml")
+    p.write_text("- a list\n")
+    with pytest.raises(config.EvalConfigError, match="must be a mapping, not list"):
+        config.load(p)
+
+
+def test_length_distributions_stay_in_bounds_and_are_seeded():
+    d = config.Dist(dist="lognormal", median=512, sigma=1.0, min=16, max=8192)
+    xs = d.sample(random.Random(1), 4000)
+    assert min(xs) >= 16 and max(xs) <= 8192
+    assert 400 < sorted(xs)[2000] < 650  # the median is the configured one
+    assert xs[:50] == d.sample(random.Random(1), 50)
+    u = config.Dist(dist="uniform", min=8192, max=32768).sample(random.Random(2), 1000)
+    assert min(u) >= 8192 and max(u) <= 32768 and max(u) - min(u) > 20000
+
+
+def test_run_script_refuses_a_bad_config_with_one_line_and_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("experiment: ttft_vs_chunk\nservers: [{label: a, tp: 5}]\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and "servers.0.tp: tp must be one of (1, 2, 4, 8), not 5" in r.stderr

@@ -1,0 +1,164 @@
+"""The Ray launcher on a real local Ray cluster (2 CPUs, 4 fake GPUs): placement
+groups of TP GPUs, the server's Ray workers inside them with the forwarded
+environment and the setup hook, health wait, workloads timed from the stream,
+failures as rows, logs on the driver. The server is the CPU stand-in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic.eval import client, config, experiments
+from sglang_elastic.eval.client import RequestRecord
+
+ray = pytest.importorskip("ray")
+
+
+def test_time_shares_split_the_wall_time_by_request_phase():
+    # A waits 0-1 and decodes 1-5; B waits 2-3 and decodes 3-4; C waits 6-7, decodes 7-8.
+    recs = [RequestRecord(1, 1, 0.0, 1.0, 5.0), RequestRecord(1, 1, 2.0, 3.0, 4.0), RequestRecord(1, 1, 6.0, 7.0, 8.0)]
+    s = client.time_shares(recs)
+    assert s["wall_s"] == 8.0
+    assert s["prefill_s"] == 3.0  # 0-1, 2-3, 6-7
+    assert s["decode_only_s"] == 4.0  # 1-2, 3-5, 7-8
+    assert s["idle_s"] == 1.0  # 5-6
+    assert s["decode_only_fraction"] == 0.5
+
+
+def test_itl_counts_every_token_of_a_chunk_inside_the_window():
+    r = RequestRecord(1, 8, 0.0, 1.0, 2.0, chunk_times=[1.0, 1.1, 1.5, 1.6], chunk_tokens=[1, 1, 2, 1])
+    assert client.itl_in_window([r], 1.05, 1.55) == pytest.approx([0.1, 0.2, 0.2])
+    assert client.summary([1.0, 2.0, 3.0, 4.0])["median"] == 2.5
+
+
+def test_facts_read_sglang_0_5_17_server_info_fields():
+    info = {"version": "0.5.17", "max_total_num_tokens": 906051, "mem_fraction_static": 0.903, "chunked_prefill_size": 8192, "tp_size": 1,
+            "internal_states": [{"memory_usage": {"weight": 15.0, "kvcache": 110.6, "startup_available": 9.02, "token_capacity": 906051, "graph": {"decode": 0.5}}}]}
+    f = experiments.facts(info, 143771)
+    assert (f["max_total_num_tokens"], f["free_after_graphs_gib"], f["kv_cache_gib"]) == (906051, 9.02, 110.6)
+    pre_free = (110.6 + 15.0) / 0.903
+    assert f["reserve_gib"] == pytest.approx(pre_free * 0.097)
+    assert f["reserve_fraction_of_kv_pool"] == pytest.approx(pre_free * 0.097 / 110.6)
+    assert f["reserve_fraction_of_hbm"] == pytest.approx(pre_free * 0.097 / (143771 / 1024))
+
+
+def test_real_server_rows_run_sglang_launch_server_with_use_ray_in_the_group():
+    e = config.parse({"experiment": "reserve_vs_tp", "servers": [{"label": "q", "model": "qwen2.5-32b", "tp": 2, "chunked_prefill_size": 4096, "env": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1"}}]})
+    job = experiments.job_for(e, e.servers[0])
+    i = job.argv.index("--")
+    assert job.argv[:i] == ["{python}", "-m", "sglang_elastic.eval.ray_entry", "--placement-group", "{pg_name}", "--namespace", "{namespace}"]
+    rest = job.argv[i + 1 :]
+    assert rest[rest.index("--model-path") + 1].endswith("models/qwen2.5-32b")
+    for flag, value in (("--tp-size", "2"), ("--chunked-prefill-size", "4096"), ("--load-format", "dummy"), ("--attention-backend", "flashinfer"), ("--port", "{port}")):
+        assert rest[rest.index(flag) + 1] == value
+    assert "--use-ray" in rest and "--skip-tokenizer-init" in rest
+    assert job.gpus == 2 and job.vocab_size == 152064
+    assert job.env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] == "1" and job.env["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    from sglang_elastic.eval.launcher import Launcher
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with Launcher(num_cpus=2, num_gpus=4, log_dir=str(tmp_path_factory.mktemp("logs"))) as L:
+        yield L
+
+
+def _exp(**kw):
+    base = {
+        "experiment": "ttft_vs_chunk",
+        "cluster": {"warm_first": False},
+        "servers": [{"label": "tp2", "tp": 2, "chunked_prefill_size": 2048, "env": {"SGLANG_EVAL_PROBE": "forwarded"}}, {"label": "tp1", "tp": 1, "chunked_prefill_size": 8192}],
+        "workloads": [{"kind": "decode_then_long", "decodes": 3, "decode_input_len": 8, "decode_output_len": 3000, "long_prompts": 2, "long_input_len": 4096, "long_output_len": 4, "settle_s": 0.1}],
+    }
+    base.update(kw)
+    return config.parse(base)
+
+
+def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(launcher, tmp_path):
+    out = experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False)
+    rows = {r["label"]: r for r in out["rows"]}
+    assert [r["label"] for r in out["rows"]] == ["tp2", "tp1"]
+    assert all(r["ok"] for r in rows.values()), [r["error"] for r in rows.values()]
+    r2 = rows["tp2"]
+    assert r2["facts"]["chunked_prefill_size"] == 2048 and r2["facts"]["max_total_num_tokens"] == 906051
+    w = r2["workloads"][0]
+    assert w["num_errors"] == 0 and w["ttft_s"]["n"] == 2 and w["decodes_finished_early"] == 0
+    assert w["ttft_s"]["median"] > 0 and w["decode_itl_s"]["n"] > 10
+    # the server's log came back to the driver, and it holds the stand-in's own output
+    assert "standin: serving on" in Path(r2["log"]).read_text()
+
+
+def test_the_server_job_sees_the_reserved_group_gpus_env_and_setup_hook(launcher, tmp_path):
+    e = _exp(workloads=[{"kind": "decode_then_long", "decodes": 0, "long_prompts": 1, "long_input_len": 16, "long_output_len": 2, "settle_s": 0}])
+    job = experiments.job_for(e, e.servers[0], standin=True)
+    [res] = launcher.run([job], progress=False)
+    assert res.ok, res.error
+    probe = res.server_info["standin"]["probe"]
+    assert probe["bundle_specs"] == [{"CPU": 1.0, "GPU": 2.0}]
+    assert probe["pg_is_named_group"] is True  # ray.util.get_current_placement_group() answered with ours
+    ranks = probe["ranks"]
+    assert len(ranks) == 2 and sorted(g for r in ranks for g in r["gpu_ids"]) == sorted(set(g for r in ranks for g in r["gpu_ids"]))
+    assert all(r["setup_hook_ran"] and r["env"]["SGLANG_EVAL_PROBE"] == "forwarded" for r in ranks)
+    assert all(r["node_ip"] == probe["driver_ip"] for r in ranks)  # rank 0 beside the HTTP server, as RayEngine requires
+
+
+def test_failures_are_rows_with_the_reason(launcher, tmp_path):
+    from sglang_elastic.eval.launcher import ServerJob
+
+    jobs = [
+        ServerJob(name="dies", argv=["{python}", "-m", "sglang_elastic.eval.standin", "--port", "{port}", "--fail"], gpus=1, startup_timeout_s=60),
+        ServerJob(name="too-big", argv=["{python}", "-c", "pass"], gpus=8),
+    ]
+    dies, big = launcher.run(jobs, progress=False)
+    assert not dies.ok and "RuntimeError: server exited with status 3 before it was healthy" in dies.error and "failing on purpose" in dies.error
+    assert not big.ok and big.error == "RuntimeError: too-big needs 8 GPU(s) on one node; the largest node in the cluster has 4"
+    assert ray.util.placement_group_table() and all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
+
+
+def test_reuse_takes_an_identical_row_and_refuses_a_different_server(tmp_path):
+    e1 = _exp()
+    row = {"label": "tp1", "ok": True, "identity": e1.servers[1].identity(), "workloads": [{"workload": e1.workloads[0].model_dump(mode="json"), "ttft_s": {"median": 1.0}}], "facts": {"max_total_num_tokens": 5}}
+    (tmp_path / "ttft_vs_chunk.json").write_text(json.dumps({"commit": "abc", "date": "2026-11-30", "rows": [row]}))
+    e2 = config.parse({**_exp().model_dump(mode="json"), "experiment": "capacity", "baseline": "stock", "server_defaults": {}, "servers": [
+        {"label": "stock", "tp": 1, "chunked_prefill_size": 8192, "reuse": "ttft_vs_chunk/tp1"},
+        {"label": "other", "tp": 1, "chunked_prefill_size": 4096, "reuse": "ttft_vs_chunk/tp1"}]})
+    got, why = experiments.find_reusable(e2, e2.servers[0], tmp_path)
+    assert why == "" and got["label"] == "stock" and got["facts"]["max_total_num_tokens"] == 5 and "ttft_vs_chunk.json#tp1" in got["reused_from"]
+    got, why = experiments.find_reusable(e2, e2.servers[1], tmp_path)
+    assert got is None and "ran another server" in why
+
+
+def test_sglangs_ray_engine_accepts_the_group_ray_entry_hands_it(launcher, monkeypatch):
+    """SGLang's own bundle lookup (sglang/srt/ray/engine.py) on the group that
+    ray_entry.attach makes current: rank 0 lands in bundle 0 beside the driver."""
+    import ray.util
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from sglang_elastic.eval import ray_entry
+
+    pg = placement_group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK", name="sglang-eval-test-attach")
+    ray.get(pg.ready())
+    monkeypatch.setattr(ray.util, "get_current_placement_group", ray.util.get_current_placement_group)  # restored after the test
+    try:
+        got = ray_entry.attach("sglang-eval-test-attach", launcher.namespace)
+        assert got.id == pg.id and ray.util.get_current_placement_group().id == pg.id
+        from sglang.srt.ray.engine import _find_engine_bundle
+
+        assert _find_engine_bundle(ray.util.get_current_placement_group(), 1) == (0, ray.util.get_node_ip_address())
+        with pytest.raises(ValueError, match="placement group 'nope' not found in namespace"):
+            ray_entry.attach("nope", launcher.namespace)
+    finally:
+        remove_placement_group(pg)
+
+
+def test_job_runtime_env_forwards_sglang_and_nccl_but_not_cuda_visible_devices():
+    env = {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root"}
+    from sglang_elastic.eval import ray_entry
+
+    rt = ray_entry.job_runtime_env(environ=env)
+    assert rt == {"env_vars": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0"}, "worker_process_setup_hook": "sglang_elastic.eval.ray_entry.worker_setup"}

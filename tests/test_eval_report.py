@@ -1,0 +1,91 @@
+"""Tables and plots regenerate from result JSON alone (fixtures in tests/fixtures/eval)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+from sglang_elastic.eval import report
+
+FIX = Path(__file__).parent / "fixtures" / "eval"
+
+
+def _doc(tmp_path: Path) -> Path:
+    res = tmp_path / "docs" / "results" / "eval"
+    res.mkdir(parents=True)
+    for p in FIX.glob("*.json"):
+        shutil.copy(p, res / p.name)
+    doc = tmp_path / "docs" / "eval.md"
+    doc.write_text("# Eval\n\nprose stays\n\n" + "".join(f"<!-- eval:{n} -->\nold\n<!-- /eval:{n} -->\n\n" for n in report.BLOCKS) + "tail stays\n")
+    return doc
+
+
+def _png_size(p: Path):
+    head = p.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def _table_rows(text: str, block: str):
+    body = text.split(f"<!-- eval:{block} -->")[1].split(f"<!-- /eval:{block} -->")[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in body.splitlines() if line.startswith("| ") and not line.startswith("| row") and not line.startswith("| model") and not line.startswith("| server") and not line.startswith("| measured")]
+
+
+def test_every_block_is_rendered_from_the_json_and_the_prose_is_kept(tmp_path):
+    doc = _doc(tmp_path)
+    done = report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    text = doc.read_text()
+    assert done == list(report.BLOCKS)
+    assert "prose stays" in text and text.endswith("tail stays\n") and "\nold\n" not in text
+    # the advisor JSON is absent from the fixtures: the block says how to make it
+    assert "Not measured yet: `python scripts/eval/advisor_points.py`" in text
+    for name in ("ttft_vs_chunk", "capacity", "reserve_vs_tp", "decode_fraction"):
+        png = doc.parent / "results" / "eval" / f"{name}.png"
+        assert _png_size(png) == (800, 450)
+        assert f"![{name}](results/eval/{name}.png)" in text
+
+
+def test_e1_table_values(tmp_path):
+    doc = _doc(tmp_path)
+    report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    rows = _table_rows(doc.read_text(), "ttft_vs_chunk")
+    assert rows[0] == ["chunk-2048", "2,048", "no", "935,667", "2.100", "2.300", "11.0", "50.0", "80.0", ""]
+    assert rows[3][0] == "elastic-32768" and rows[3][2] == "yes" and rows[3][-1].startswith("failed: RuntimeError: server exited with status 1")
+    assert "`docs/results/eval/ttft_vs_chunk.json` (2026-11-30, NVIDIA H200, 143771 MiB, 580.159.04, commit 0123456)" in doc.read_text()
+
+
+def test_e2_equal_ttft_and_capacity_against_the_baseline(tmp_path):
+    d = json.loads((FIX / "capacity.json").read_text())
+    cr = {x["row"]["label"]: x for x in report.capacity_rows(d)}
+    assert cr["stock"]["equal_ttft"] and cr["stock"]["vs_baseline"] == 0
+    assert not cr["small-chunk-2048"]["equal_ttft"]  # +5 % TTFT
+    assert cr["mfs-0.92"]["equal_ttft"] and abs(cr["mfs-0.92"]["d_p99"] - (2.221 / 2.2 - 1)) < 1e-12
+    assert cr["elastic"]["total"] == 906051 + 65536 and abs(cr["elastic"]["vs_baseline"] - 65536 / 906051) < 1e-12
+    assert cr["mfs-0.93"]["total"] is None and not cr["mfs-0.93"]["equal_ttft"]
+    doc = _doc(tmp_path)
+    report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    rows = {r[0]: r for r in _table_rows(doc.read_text(), "capacity")}
+    assert rows["mfs-0.92"][7] == "yes (best of group)" and rows["mfs-0.91"][7] == "yes"
+    assert rows["elastic"][2:5] == ["906,051", "65,536", "7.2 %"]
+
+
+def test_e3_and_e4_tables(tmp_path):
+    doc = _doc(tmp_path)
+    report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    text = doc.read_text()
+    e3 = _table_rows(text, "reserve_vs_tp")
+    # reserve = (kv + weights) / mfs * (1 - mfs): (110.6 + 14.96) / 0.903 * 0.097 = 13.49 GiB, 9.6 % of 140.4 GiB, 12.2 % of the pool
+    assert e3[0][:8] == ["llama-3.1-8b", "1", "0.903", "13.49", "9.6 %", "12.2 %", "9.02", "906,051"]
+    e4 = _table_rows(text, "decode_fraction")
+    assert e4[0][:8] == ["llama-8b-stock", "chat", "400", "8", "80.0", "25.0 %", "70.0 %", "5.0 %"]
+    assert e4[1][1] == "long-context" and e4[1][5] == "60.0 %"
+
+
+def test_rendering_twice_gives_the_same_files(tmp_path):
+    doc = _doc(tmp_path)
+    report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    first = doc.read_text(), (doc.parent / "results" / "eval" / "capacity.png").read_bytes()
+    report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
+    assert (doc.read_text(), (doc.parent / "results" / "eval" / "capacity.png").read_bytes()) == first
