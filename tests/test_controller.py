@@ -1,0 +1,267 @@
+"""The scheduler-side controller: lend, reclaim (evict, migrate, retract,
+remap), on SGLang's real RadixCache, ReqToTokenPool, Req, release paths
+(``cache_unfinished_req``, ``release_kv_cache``, ``ScheduleBatch.release_req``)
+and our pool on the host VMM backend.
+
+SGLang's ``Scheduler`` itself needs a GPU model runner, so the controller gets
+a shell holding the real components it reads (the attributes the scheduler
+has). ``ScheduleBatch``'s tensor fields belong to the forward pass, which does
+not run here: :class:`Batch` keeps only its ``reqs`` when filtering.
+"""
+
+from __future__ import annotations
+
+import types
+from array import array
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from sglang_elastic.config import ElasticKVConfig
+from sglang_elastic.sched.controller import ElasticController
+
+from test_pool import LAYERS, layer, make_pool
+
+BASE, ELASTIC = 256, 128  # tokens (page size 1); the quantum is 16 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_runtime_context():
+    """SGLang's request code reads its runtime config bags (published by each
+    scheduler process from its ServerArgs): publish real ones, CPU device."""
+    import os
+
+    import sglang_elastic
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
+
+
+class Batch(ScheduleBatch):
+    def filter_batch(self, chunked_req_to_exclude=None, keep_indices=None):
+        self.reqs = [self.reqs[i] for i in keep_indices] if keep_indices is not None else [r for r in self.reqs if not r.finished()]
+
+
+class Bed:
+    """A scheduler shell with SGLang's components, and bookkeeping of the K
+    rows every live request must still read."""
+
+    def __init__(self, fail_on=None):
+        self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
+        if fail_on:
+            self.be.fail_on = fail_on
+        self.r2t = ReqToTokenPool(16, 1024, "cpu", False)
+        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1))
+        self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
+        self.sched = types.SimpleNamespace(
+            token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
+            tp_group=types.SimpleNamespace(world_size=1, rank_in_group=0), metrics_reporter=types.SimpleNamespace(enable_metrics=False),
+            invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
+            server_args=types.SimpleNamespace(disaggregation_mode="null"), new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
+        )
+        self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
+        self.ctl = ElasticController(self.sched, ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes)))
+        self.gen = torch.Generator().manual_seed(0)
+        self.n = 0
+
+    # -- SGLang's request life cycle, as the scheduler drives it ------------
+    def _write(self, ids):
+        for l in range(LAYERS):
+            k = torch.randn(len(ids), self.pool.head_num, self.pool.head_dim, generator=self.gen).bfloat16()
+            self.pool.set_kv_buffer(layer(l), ids, k, -k)
+
+    def admit(self, tokens) -> bool:
+        req = Req(f"r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=1 << 20))
+        self.n += 1
+        req.init_next_round_input(self.tree)  # SGLang's prefix match: prefix_indices, last_node, extend_range
+        prefix = req.prefix_indices
+        new = self.alloc.alloc(len(tokens) - len(prefix))
+        if new is None or self.r2t.available_size() == 0:
+            if new is not None:
+                self.alloc.free(new)
+            return False
+        self.tree.inc_lock_ref(req.last_node)
+        req.cache_protected_len = len(prefix)
+        req.set_extend_range(len(prefix), len(tokens))  # as PrefillAdder does
+        self.r2t.alloc([req])
+        self.r2t.write((req.req_pool_idx, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
+        self._write(new)
+        req.kv = ReqKvInfo(kv_allocated_len=len(tokens), swa_evicted_seqlen=0)
+        req.kv_committed_len = len(tokens)
+        self.tree.cache_unfinished_req(req)
+        self.batch.reqs.append(req)
+        return True
+
+    def decode(self) -> bool:
+        locs = self.alloc.alloc(len(self.batch.reqs))
+        if locs is None:
+            return False
+        for req, loc in zip(self.batch.reqs, locs.tolist()):
+            self.r2t.req_to_token[req.req_pool_idx, req.kv.kv_allocated_len] = loc
+            req.kv.kv_allocated_len += 1
+            req.kv_committed_len += 1
+            req.output_ids.append(int(torch.randint(0, 1000, (1,), generator=self.gen)))
+        self._write(locs)
+        return True
+
+    def finish(self, i: int) -> None:
+        req = self.batch.reqs.pop(i)
+        release_kv_cache(req, self.tree)
+
+    # -- what must hold ------------------------------------------------------
+    def rows(self):
+        return {r.rid: self.r2t.req_to_token[r.req_pool_idx, : r.kv.kv_allocated_len].to(torch.int64).clone() for r in self.batch.reqs}
+
+    def k_of(self, ids):
+        return torch.stack([self.pool.get_key_buffer(l)[ids] for l in range(LAYERS)])
+
+    def check_ownership_and_accounting(self):
+        a = self.alloc
+        free = torch.cat((a.free_pages, a.release_pages)).tolist()
+        tree_ids = [t for n in _nodes(self.tree) for t in n.value.tolist()]
+        req_ids = [t for r in self.batch.reqs for t in self.r2t.req_to_token[r.req_pool_idx, r.cache_protected_len : r.kv.kv_allocated_len].tolist()]
+        owned = free + tree_ids + req_ids
+        assert len(owned) == len(set(owned)), "an id is owned twice"
+        usable = set(range(1, a.usable_base_tokens)) | set(range(a.base_tokens, a.base_tokens + a.lent_tokens))
+        assert set(owned) == usable, "owned and free ids must partition the backed ids"
+        # SGLang's own invariant: available + evictable + protected + uncached == total
+        leak, msg = SchedulerInvariantChecker._check_pool_invariant(
+            "full", a.available_size(), self.tree.evictable_size(), self.tree.protected_size(), 0,
+            self.sched.invariant_checker.max_total_num_tokens, len(req_ids))
+        assert not leak, msg
+        assert self.sched.invariant_checker.max_total_num_tokens == a.size == self.sched.pool_stats_observer.max_total_num_tokens
+
+
+def _nodes(tree):
+    stack = list(tree.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.value is not None:
+            yield n
+
+
+def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_exactly():
+    bed = Bed()
+    assert bed.ctl.lendable_tokens == ELASTIC
+    assert bed.admit(list(range(100, 300)))  # 200 of the 255 base tokens
+    bed.ctl.lend()
+    assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
+    assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens, needs 90 more: spills into the lent range
+    for _ in range(20):
+        assert bed.decode()
+    rows = bed.rows()
+    assert max(int(r.max()) for r in rows.values()) >= bed.alloc.base_tokens  # something really is lent
+    k = {rid: bed.k_of(r) for rid, r in rows.items()}
+    bed.finish(0)  # the first request finishes: its tokens go to the tree; base room appears
+    bed.check_ownership_and_accounting()
+    bed.ctl.reclaim(bed.batch)
+    assert bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0
+    assert bed.sched.waiting_queue == []  # nothing retracted: the base had room
+    for rid, r in bed.rows().items():
+        assert int(r.max()) < bed.alloc.base_tokens
+        assert torch.equal(bed.k_of(r), k[rid]), "K bytes changed across the migration"
+    bed.check_ownership_and_accounting()
+
+
+def test_without_base_room_a_reclaim_retracts_the_largest_request_and_requeues_it():
+    bed = Bed()
+    bed.ctl.lend()
+    assert bed.admit(list(range(1000, 1200)))
+    assert bed.admit(list(range(2000, 2150)))  # 350 tokens: 95+ of them lent
+    while bed.decode() and bed.alloc.available_size() > 0:
+        pass
+    survivors_before = {r.rid for r in bed.batch.reqs}
+    bed.ctl.reclaim(bed.batch)
+    assert [r.rid for r in bed.sched.waiting_queue] == ["r0"]  # the largest
+    assert {r.rid for r in bed.batch.reqs} == survivors_before - {"r0"}
+    assert bed.sched.waiting_queue[0].kv is None  # its KV was released by SGLang's release path
+    bed.check_ownership_and_accounting()
+
+
+def test_a_failing_map_leaves_the_base_pool_serving_and_disables_lending():
+    bed = Bed(fail_on={"map": lambda n: True})
+    assert bed.ctl.lend() == 0
+    assert bed.pool.arena.lending_disabled and bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+    assert bed.admit(list(range(50)))
+    bed.ctl.after_prefill(None, bed.batch)
+    for _ in range(40):  # decode-only steps: no lend is attempted any more
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+
+
+def test_a_failing_unmap_still_completes_the_reclaim_and_disables_lending():
+    bed = Bed()
+    assert bed.admit(list(range(230)))
+    bed.ctl.lend()
+    assert bed.admit(list(range(1000, 1060)))  # 25 base + 35 lent tokens
+    assert int(bed.rows()["r1"].max()) >= bed.alloc.base_tokens
+    bed.finish(0)  # its 230 tokens become evictable: room to migrate into
+    bed.be.fail_on = {"unmap": lambda n: True}
+    bed.ctl.reclaim(bed.batch)
+    bed.be.fail_on = {}
+    assert bed.alloc.lent_tokens == 0 and bed.pool.arena.lending_disabled
+    assert int(bed.rows()["r1"].max()) < bed.alloc.base_tokens
+    assert bed.sched.waiting_queue == []
+    bed.check_ownership_and_accounting()
+
+
+def test_hysteresis_lends_after_the_configured_decode_only_steps_and_reclaims_before_a_prefill():
+    bed = Bed()
+    assert bed.admit(list(range(10)))
+    for _ in range(bed.ctl.cfg.lend_after_steps - 1):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+    bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+    bed.ctl.before_prefill(bed.batch)  # nothing waiting: stays lent
+    assert bed.alloc.lent_tokens == ELASTIC
+    bed.sched.waiting_queue.append(object())
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["admit", "admit_shared", "decode", "finish", "lend", "reclaim"]), st.integers(0, 1 << 16)), min_size=5, max_size=40))
+def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_bytes(ops):
+    bed = Bed()
+    prompts = []
+    for op, x in ops:
+        if op == "admit":
+            toks = [10_000 + (x * 7 + i) % 50_000 for i in range(16 + x % 120)]
+            if bed.admit(toks):
+                prompts.append(toks)
+        elif op == "admit_shared" and prompts:
+            base = prompts[x % len(prompts)]
+            toks = base[: 1 + x % len(base)] + [60_000 + x % 1000 + i for i in range(1 + x % 40)]
+            if bed.admit(toks):
+                prompts.append(toks)
+        elif op == "decode" and bed.batch.reqs:
+            bed.decode()
+        elif op == "finish" and bed.batch.reqs:
+            bed.finish(x % len(bed.batch.reqs))
+        elif op == "lend" and not bed.ctl.lent:
+            bed.ctl.lend()
+        elif op == "reclaim" and bed.ctl.lent:
+            rows = bed.rows()
+            k = {rid: bed.k_of(r) for rid, r in rows.items()}
+            bed.ctl.reclaim(bed.batch)
+            retracted = {r.rid for r in bed.sched.waiting_queue}
+            for rid, r in bed.rows().items():
+                assert rid not in retracted
+                assert int(r.max()) < bed.alloc.base_tokens
+                assert torch.equal(bed.k_of(r), k[rid])
+            bed.sched.waiting_queue.clear()
+        bed.check_ownership_and_accounting()
