@@ -33,7 +33,8 @@ def launch_args(*flags):
 def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes():
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024}
+    assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
+                   "decode_policy": "auto", "decode_calibration": None}
     assert f"MODEL {MODEL}" in r.stdout
 
 

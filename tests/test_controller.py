@@ -154,9 +154,13 @@ def _nodes(tree):
 def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_exactly():
     bed = Bed()
     assert bed.ctl.lendable_tokens == ELASTIC
+    row = bed.pool.arena.row_bytes[0]
+    assert bed.pool.get_kv_size_bytes() == (LAYERS * row * BASE, LAYERS * row * BASE)  # backed base rows, not the reservation
     assert bed.admit(list(range(100, 300)))  # 200 of the 255 base tokens
     bed.ctl.lend()
     assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
+    assert bed.ctl.state() == {"mode": "dynamic", "base_tokens": BASE - 1, "lendable_tokens": ELASTIC, "lent_tokens": ELASTIC,
+                               "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False}
     assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens, needs 90 more: spills into the lent range
     for _ in range(20):
         assert bed.decode()

@@ -42,6 +42,11 @@ def test_facts_read_sglang_0_5_17_server_info_fields():
     assert f["reserve_gib"] == pytest.approx(pre_free * 0.097)
     assert f["reserve_fraction_of_kv_pool"] == pytest.approx(pre_free * 0.097 / 110.6)
     assert f["reserve_fraction_of_hbm"] == pytest.approx(pre_free * 0.097 / (143771 / 1024))
+    assert f["sglang_elastic"] is None  # stock server, unpatched
+    info["sglang_elastic"] = {"version": "0.1.0", "patched": True}
+    info["internal_states"][0]["sglang_elastic"] = {"base_tokens": 906051, "lendable_tokens": 65536, "lent_tokens": 0}
+    f = experiments.facts(info, 143771)
+    assert f["sglang_elastic"] == {"version": "0.1.0", "patched": True, "base_tokens": 906051, "lendable_tokens": 65536, "lent_tokens": 0}
 
 
 def test_real_server_rows_run_sglang_launch_server_with_use_ray_in_the_group():

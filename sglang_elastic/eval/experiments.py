@@ -85,7 +85,9 @@ def facts(info: Dict[str, Any], gpu_mem_mib: Optional[int]) -> Dict[str, Any]:
         "free_after_graphs_gib": free,
         "graph_gib": mem.get("graph"),
         "gpu_mem_mib": gpu_mem_mib,
-        "sglang_elastic": info.get("sglang_elastic"),
+        # patch 0001's key (version, patches) and, with --enable-elastic-kv,
+        # rank 0 scheduler's pool state (base / lendable / lent tokens)
+        "sglang_elastic": {**(info.get("sglang_elastic") or {}), **((((info.get("internal_states") or [{}])[0]) or {}).get("sglang_elastic") or {})} or None,
     }
     if mfs and weight is not None and kv is not None:
         pre_free = (kv + weight) / mfs

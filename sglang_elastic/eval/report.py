@@ -112,7 +112,8 @@ def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for r in d["rows"]:
         f, t = r.get("facts") or {}, _w(r).get("ttft_s") or {}
-        lent = ((f.get("sglang_elastic") or {}) or {}).get("lent_tokens")
+        el = f.get("sglang_elastic") or {}
+        lent = el.get("lendable_tokens", el.get("lent_tokens"))  # capacity while lent
         kv = f.get("max_total_num_tokens")
         dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None
         dp = (t["p99"] / bt["p99"] - 1) if t.get("p99") and bt.get("p99") else None

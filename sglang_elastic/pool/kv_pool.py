@@ -98,6 +98,15 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         for buf in self.k_buffer + self.v_buffer:
             buf[: a.base_tokens].zero_()
 
+    def get_kv_size_bytes(self):
+        """(K bytes, V bytes) of the always-backed base rows: what SGLang logs
+        and reports as ``memory_usage.kvcache`` (the tensors span the whole
+        reservation, lendable rows included, most of it unbacked)."""
+        a = self.arena
+        n = a.base_tokens
+        half = len(a.row_bytes) // 2
+        return sum(r * n for r in a.row_bytes[:half]), sum(r * n for r in a.row_bytes[half:])
+
     def _create_quantized_buffers(self):
         raise NotImplementedError("the elastic KV pool does not support a quantized KV cache yet")
 

@@ -140,6 +140,15 @@ class ElasticController:
             rec.update(t=time.time(), lent_tokens=self.alloc.lent_tokens, tp=self.tp_size)
             self._events.write(json.dumps(rec) + "\n")
 
+    def state(self) -> dict:
+        """The ``sglang_elastic`` entry of this scheduler's internal state
+        (``GET /server_info`` -> ``internal_states[i]``)."""
+        return {
+            "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
+            "lendable_tokens": self.lendable_tokens, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
+            "cycles": self.cycles, "lending_disabled": self.arena.lending_disabled,
+        }
+
     # -- scheduler hooks ------------------------------------------------------
 
     def before_prefill(self, running_batch) -> None:

@@ -9,6 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
 | ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form; lend after decode-only steps |
+| ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def register() -> None:
     HookRegistry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build.build_allocator, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.__init__", _after_scheduler_init, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._get_new_batch_prefill_raw", _around_prefill_raw, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
 
 
 def _after_scheduler_init(result, sched, *args, **kwargs):
@@ -54,3 +56,10 @@ def _around_prefill_raw(orig, sched, *args, **kwargs):
     new_batch, running_batch = orig(sched, *args, **kwargs)
     ctl.after_prefill(new_batch, running_batch)
     return new_batch, running_batch
+
+
+def _after_internal_state(result, sched, *args, **kwargs):
+    ctl = getattr(sched, "_sglang_elastic", None)
+    if ctl is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["sglang_elastic"] = ctl.state()
+    return result
