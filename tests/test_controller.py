@@ -56,6 +56,8 @@ class Bed:
     """A scheduler shell with SGLang's components, and bookkeeping of the K
     rows every live request must still read."""
 
+    tp = None  # (rank, torch.distributed group) for TP tests
+
     def __init__(self, fail_on=None):
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
@@ -65,7 +67,8 @@ class Bed:
         self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
-            tp_group=types.SimpleNamespace(world_size=1, rank_in_group=0), metrics_reporter=types.SimpleNamespace(enable_metrics=False),
+            tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
+            tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
             invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
             server_args=types.SimpleNamespace(disaggregation_mode="null"), new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
         )
@@ -269,3 +272,49 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
                 assert torch.equal(bed.k_of(r), k[rid])
             bed.sched.waiting_queue.clear()
         bed.check_ownership_and_accounting()
+
+
+def _tp_rank(rank: int, port: int, fail_rank: int, out):
+    """One TP rank: a Bed whose controller agrees over a real gloo group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        import os
+
+        import sglang_elastic
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import ServerArgs
+
+        publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
+        Bed.tp = (rank, dist.group.WORLD)
+        bed = Bed(fail_on={"map": lambda n: True} if rank == fail_rank else None)
+        first = bed.ctl.lend()  # rank fail_rank cannot back anything
+        assert bed.admit(list(range(20)))
+        for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no rank may try alone
+            bed.ctl.after_prefill(None, bed.batch)
+        out.put((rank, first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_ranks_agree_when_one_rank_cannot_lend():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, 1, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        res = sorted(out.get(timeout=240) for _ in procs)  # a rank stuck alone in the all-reduce never answers
+    finally:
+        for p in procs:
+            p.join(30)
+            p.kill()
+    # rank 0 could map, rank 1 could not: both lend nothing, roll back, and stop lending
+    assert res == [(0, 0, True, 0, 0), (1, 0, True, 0, 0)]

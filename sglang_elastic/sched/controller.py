@@ -78,6 +78,9 @@ class ElasticController:
         self.tp_size = sched.tp_group.world_size
         self.decode_only_steps = 0
         self.cycles = 0
+        #: Lending stopped on every rank (agreed in :meth:`lend`); a rank's own
+        #: ``arena.lending_disabled`` alone must not change what it does.
+        self.disabled = False
         self.metrics = None
         if sched.metrics_reporter.enable_metrics:
             from sglang_elastic.sched.metrics import ElasticMetrics
@@ -96,13 +99,14 @@ class ElasticController:
 
     # -- sizing -------------------------------------------------------------
 
-    def _agree_min(self, value: int) -> int:
-        """The smallest ``value`` over the TP group (every rank must call)."""
-        if self.tp_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.sched.tp_cpu_group)
-        return int(t.item())
+    def _agree_min(self, *values: int):
+        """The smallest of each value over the TP group (every rank must call):
+        one int for one value, a tuple for several."""
+        if self.tp_size > 1:
+            t = torch.tensor(values, dtype=torch.int64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.sched.tp_cpu_group)
+            values = tuple(int(v) for v in t.tolist())
+        return values[0] if len(values) == 1 else tuple(values)
 
     def _measure(self) -> int:
         """Tokens to lend: ``--elastic-kv-lend-bytes``, or the free device
@@ -146,7 +150,7 @@ class ElasticController:
         return {
             "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
             "lendable_tokens": self.lendable_tokens, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
-            "cycles": self.cycles, "lending_disabled": self.arena.lending_disabled,
+            "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled,
         }
 
     # -- scheduler hooks ------------------------------------------------------
@@ -167,7 +171,7 @@ class ElasticController:
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
-        if self.cfg.mode == "dynamic" and not self.lent and self.decode_only_steps >= self.cfg.lend_after_steps and self.lendable_tokens > 0 and not self.arena.lending_disabled:
+        if self.cfg.mode == "dynamic" and not self.lent and self.decode_only_steps >= self.cfg.lend_after_steps and self.lendable_tokens > 0 and not self.disabled:
             self.lend()
 
     # -- lend -------------------------------------------------------------
@@ -185,13 +189,18 @@ class ElasticController:
         except VmmError as e:  # the arena rolled the failing step back
             err = e
             self._vmm_failed("lend", e)
-        steps = self._agree_min(self.arena.lent_steps)
+        # Every rank takes the same decision: lend what all ranks could back,
+        # and stop lending everywhere once any rank's arena disabled lending
+        # (a rank deciding alone would leave the others in this all-reduce).
+        steps, ok = self._agree_min(self.arena.lent_steps, int(not self.arena.lending_disabled))
+        if not ok:
+            self.disabled = True
+            steps = 0
         if self.arena.lent_steps > steps:
             try:
                 self.arena.reclaim(self.arena.lent_steps - steps)
-            except VmmError as e:
+            except VmmError as e:  # the steps are dropped all the same; lending is off here from now on
                 self._vmm_failed("reclaim after a short lend", e)
-                steps = 0
         if steps == 0:
             return 0
         self.alloc.lend(steps * self.arena.step_tokens)
