@@ -238,6 +238,14 @@ def test_hysteresis_lends_after_the_configured_decode_only_steps_and_reclaims_be
     bed.sched.waiting_queue.append(object())
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == 0
+    for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # a request waits and could be admitted: lending would be undone at once
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+    bed.batch.batch_is_full = True  # it cannot be admitted: the decodes may use the reserve
+    bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

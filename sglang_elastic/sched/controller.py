@@ -155,23 +155,30 @@ class ElasticController:
 
     # -- scheduler hooks ------------------------------------------------------
 
-    def before_prefill(self, running_batch) -> None:
-        """Reclaim when lent and ``_get_new_batch_prefill_raw`` may form a
-        prefill batch (its own early-exit condition, negated)."""
+    def _prefill_may_form(self, running_batch) -> bool:
+        """``_get_new_batch_prefill_raw``'s early-exit condition, negated
+        (priority preemption makes SGLang ignore ``batch_is_full``)."""
         s = self.sched
-        if not self.lent or self.cfg.mode != "dynamic":
-            return
-        if s.chunked_req is None and (running_batch.batch_is_full or len(s.waiting_queue) == 0):
-            return
-        self.reclaim(running_batch)
+        full = running_batch.batch_is_full and not getattr(s, "enable_priority_preemption", False)
+        return s.chunked_req is not None or (not full and len(s.waiting_queue) > 0)
+
+    def before_prefill(self, running_batch) -> None:
+        """Reclaim when lent and a prefill batch may form."""
+        if self.lent and self.cfg.mode == "dynamic" and self._prefill_may_form(running_batch):
+            self.reclaim(running_batch)
 
     def after_prefill(self, new_batch, running_batch) -> None:
-        """Count decode-only steps; lend after enough in a row."""
+        """Count decode-only steps; lend after enough in a row, unless a
+        prefill could form on the next pass (requests wait while the batch is
+        not full: the next pass would reclaim right away)."""
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
-        if self.cfg.mode == "dynamic" and not self.lent and self.decode_only_steps >= self.cfg.lend_after_steps and self.lendable_tokens > 0 and not self.disabled:
+        if (
+            self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
+            and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
+        ):
             self.lend()
 
     # -- lend -------------------------------------------------------------
