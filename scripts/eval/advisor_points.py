@@ -37,6 +37,17 @@ def main() -> int:
             s = r["server"]
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"), calibration=cal)
             points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+    # The elastic pool's own H200 runs: SGLang's token count and what was lent
+    # (free after graphs, torch cache emptied, less the 1 GiB default margin).
+    parts = ROOT / "docs/results/elastic_h200_parts"
+    for name, label in (("elastic_tp1.json", "llama-3.1-8b TP1 (elastic run)"), ("elastic_tp2.json", "llama-3.1-8b TP2 (elastic run)")):
+        f = parts / name
+        if not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        pred = advisor.predict("llama-3.1-8b", 143771 / 1024, d["tp"], None, calibration=cal)
+        points.append({"label": label, "tp": d["tp"], "source": f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)",
+                       "measured": {"max_total_num_tokens": d["kv_tokens_base"], "extra_kv_tokens": d["lent_tokens_max"]}, "predicted": pred})
     hdr = results.header("python scripts/eval/advisor_points.py")
     hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"
     results.write(str(a.out), {**hdr, "points": points})

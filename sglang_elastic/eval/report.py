@@ -215,8 +215,8 @@ def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     rows = []
     for p in d["points"]:
         m, pr = p["measured"], p["predicted"]
-        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("extra_kv_tokens")), pr.get("recommendation", "–"), p.get("source", "")])
-    md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "free after graphs GiB measured", "predicted", "predicted extra KV tokens (lent)", "recommendation", "source"], rows)
+        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), pr.get("recommendation", "–"), p.get("source", "")])
+    md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "free after graphs GiB measured", "predicted", "extra KV tokens (lent) measured", "predicted", "recommendation", "source"], rows)
     return md, None
 
 
