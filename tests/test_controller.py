@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -58,12 +59,13 @@ class Bed:
 
     tp = None  # (rank, torch.distributed group) for TP tests
 
-    def __init__(self, fail_on=None):
+    def __init__(self, fail_on=None, chunk_cache=False):
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
         self.r2t = ReqToTokenPool(16, 1024, "cpu", False)
-        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1))
+        params = CacheInitParams(disable=chunk_cache, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1)
+        self.tree = ChunkCache(params) if chunk_cache else RadixCache(params)  # ChunkCache: --disable-radix-cache
         self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
@@ -146,6 +148,8 @@ class Bed:
 
 
 def _nodes(tree):
+    if tree.is_chunk_cache():
+        return
     stack = list(tree.root_node.children.values())
     while stack:
         n = stack.pop()
@@ -154,8 +158,9 @@ def _nodes(tree):
             yield n
 
 
-def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_exactly():
-    bed = Bed()
+@pytest.mark.parametrize("chunk_cache", [False, True], ids=["radix", "chunk-cache"])
+def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_exactly(chunk_cache):
+    bed = Bed(chunk_cache=chunk_cache)
     assert bed.ctl.lendable_tokens == ELASTIC
     row = bed.pool.arena.row_bytes[0]
     assert bed.pool.get_kv_size_bytes() == (LAYERS * row * BASE, LAYERS * row * BASE)  # backed base rows, not the reservation
@@ -164,8 +169,8 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
     assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
     assert bed.ctl.state() == {"mode": "dynamic", "base_tokens": BASE - 1, "lendable_tokens": ELASTIC, "lent_tokens": ELASTIC,
                                "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False}
-    assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens, needs 90 more: spills into the lent range
-    for _ in range(20):
+    assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens (radix), needs 90+ more: spills into the lent range
+    for _ in range(5 if chunk_cache else 20):  # no shared prefix in a chunk cache: less room left
         assert bed.decode()
     rows = bed.rows()
     assert max(int(r.max()) for r in rows.values()) >= bed.alloc.base_tokens  # something really is lent
@@ -326,3 +331,20 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend():
             p.kill()
     # rank 0 could map, rank 1 could not: both lend nothing, roll back, and stop lending
     assert res == [(0, 0, True, 0, 0), (1, 0, True, 0, 0)]
+
+
+def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():
+    bed = Bed()
+    assert bed.admit(list(range(230)))
+    bed.ctl.lend()
+    assert bed.admit(list(range(1000, 1060)))  # 25 base + 35 lent tokens
+    chunked = bed.batch.reqs.pop()  # SGLang keeps the chunked request out of the batch between chunks
+    bed.sched.chunked_req = chunked
+    before = bed.r2t.req_to_token[chunked.req_pool_idx, :60].to(torch.int64).clone()
+    k = bed.k_of(before)
+    bed.finish(0)
+    bed.ctl.reclaim(bed.batch)
+    after = bed.r2t.req_to_token[chunked.req_pool_idx, :60].to(torch.int64)
+    assert int(before.max()) >= bed.alloc.base_tokens > int(after.max())
+    assert torch.equal(bed.k_of(after), k)
+    assert int(chunked.prefix_indices.max()) < bed.alloc.base_tokens

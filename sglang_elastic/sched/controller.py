@@ -156,11 +156,16 @@ class ElasticController:
     # -- scheduler hooks ------------------------------------------------------
 
     def _prefill_may_form(self, running_batch) -> bool:
-        """``_get_new_batch_prefill_raw``'s early-exit condition, negated
-        (priority preemption makes SGLang ignore ``batch_is_full``)."""
+        """``_get_new_batch_prefill_raw``'s early-exit condition, negated, as
+        it will be evaluated: SGLang first moves ready grammar requests into
+        the waiting queue, and ignores ``batch_is_full`` under priority
+        preemption. Checked before SGLang matches the waiting requests'
+        prefixes (a reclaim evicts and moves tree nodes)."""
         s = self.sched
         full = running_batch.batch_is_full and not getattr(s, "enable_priority_preemption", False)
-        return s.chunked_req is not None or (not full and len(s.waiting_queue) > 0)
+        grammars = getattr(s, "grammar_manager", None)
+        waiting = len(s.waiting_queue) > 0 or (grammars is not None and grammars.has_waiting_grammars())
+        return s.chunked_req is not None or (not full and waiting)
 
     def before_prefill(self, running_batch) -> None:
         """Reclaim when lent and a prefill batch may form."""
@@ -179,7 +184,8 @@ class ElasticController:
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
             and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
         ):
-            self.lend()
+            if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
+                self.decode_only_steps = 0
 
     # -- lend -------------------------------------------------------------
 
@@ -241,7 +247,9 @@ class ElasticController:
         t_vacate = time.perf_counter()
         top = self.arena.base_tokens
         tree = s.tree_cache
-        evict_above(tree, top)
+        radix = not tree.is_chunk_cache()  # --disable-radix-cache: SGLang's ChunkCache holds no ids of its own
+        if radix:
+            evict_above(tree, top)
         in_use = self.alloc.withdraw(0)
         retracted: List = []
         while True:
@@ -256,7 +264,8 @@ class ElasticController:
                 continue
             if not self._retract_one(running_batch, retracted):
                 break
-            evict_above(tree, top)
+            if radix:
+                evict_above(tree, top)
         in_use = self.alloc.still_in_use(in_use)
         moved = 0
         if in_use.numel():
@@ -315,8 +324,11 @@ class ElasticController:
         running requests (their allocated length), their ``prefix_indices``,
         and the radix tree's node values."""
         s = self.sched
-        remap_tree(s.tree_cache, top, src, dst, self.page)
-        reqs = [r for r in batch.reqs if r.kv is not None and r.kv.kv_allocated_len > 0]
+        if not s.tree_cache.is_chunk_cache():
+            remap_tree(s.tree_cache, top, src, dst, self.page)
+        # the chunked request is kept out of the running batch between chunks
+        owners = list(batch.reqs) + ([s.chunked_req] if s.chunked_req is not None and s.chunked_req not in batch.reqs else [])
+        reqs = [r for r in owners if r.kv is not None and r.kv.kv_allocated_len > 0]
         if reqs:
             r2t = s.req_to_token_pool.req_to_token
             rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=r2t.device)
@@ -326,7 +338,7 @@ class ElasticController:
             valid = torch.arange(width, device=r2t.device)[None, :] < lens[:, None]
             block[valid] = remap_ids(block[valid], top, src, dst, self.page)
             r2t[rows, :width] = block
-        for r in batch.reqs:
+        for r in owners:
             p = getattr(r, "prefix_indices", None)
             if p is not None and p.numel():
                 r.prefix_indices = remap_ids(p, top, src, dst, self.page)
