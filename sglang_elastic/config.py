@@ -85,8 +85,9 @@ class ElasticKVConfig:
         if self.margin_mb < 0:
             raise ConfigError(f"--elastic-kv-margin-mb must be >= 0, not {self.margin_mb}")
         defaults = ElasticKVConfig.__dataclass_fields__
-        if not self.enabled and any(getattr(self, f) != defaults[f].default for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb")):
-            raise ConfigError("--elastic-kv-* flags need --enable-elastic-kv")
+        given = [f for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb") if getattr(self, f) != defaults[f].default]
+        if not self.enabled and given:
+            raise ConfigError(f"--elastic-kv-{given[0].replace('_', '-')} (and every --elastic-kv-* flag) needs --enable-elastic-kv")
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -77,7 +77,7 @@ def test_without_the_flag_nothing_is_enabled():
     [
         (["--enable-elastic-kv", "--elastic-kv-lend-bytes", "8XB"], "not a byte size: '8XB'"),
         (["--enable-elastic-kv", "--elastic-kv-mode", "sometimes"], "invalid choice: 'sometimes'"),
-        (["--elastic-kv-mode", "always-lent"], "--elastic-kv-* flags need --enable-elastic-kv"),
+        (["--elastic-kv-mode", "always-lent"], "--elastic-kv-mode (and every --elastic-kv-* flag) needs --enable-elastic-kv"),
         (["--enable-elastic-kv", "--elastic-kv-lend-after-steps", "0"], "--elastic-kv-lend-after-steps must be >= 1"),
         (["--enable-elastic-kv", "--elastic-kv-lend-bytes", "0"], "--elastic-kv-lend-bytes must be positive"),
     ],
@@ -107,7 +107,7 @@ def test_every_elastic_flag_needs_the_enable_flag(flag, value):
 
     p = argparse.ArgumentParser()
     config.add_cli_args(p)
-    with pytest.raises(config.ConfigError, match="need --enable-elastic-kv"):
+    with pytest.raises(config.ConfigError, match=flag + r" \(and every --elastic-kv-\* flag\) needs --enable-elastic-kv"):
         config.from_namespace(p.parse_args([flag, value]))
 
 

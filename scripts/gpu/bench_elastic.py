@@ -216,6 +216,10 @@ async def workload_itl(url: str) -> Dict[str, Any]:
             "itl_ms_mean": statistics.fmean(gaps) if gaps else None, "samples": len(gaps)}
 
 
+def stats(xs: List[float]) -> Dict[str, Optional[float]]:
+    return {"p50": pct(xs, 50), "p99": pct(xs, 99), "max": max(xs) if xs else None, "n": len(xs)}
+
+
 def pct(xs: List[float], q: float) -> Optional[float]:
     if not xs:
         return None
@@ -226,9 +230,12 @@ def pct(xs: List[float], q: float) -> Optional[float]:
 def phase(args) -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    res: Dict[str, Any] = {"mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager}
+    sys.path.insert(0, str(ROOT))
+    from sglang_elastic import results
+
+    res: Dict[str, Any] = {**results.header(), "mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager}
     with Server(args.mode, args.tp, args.port, work, args.identity, args.eager) as srv:
-        res["command"] = " ".join(srv.cmd)
+        res["server_command"] = " ".join(srv.cmd)
         res["start_s"] = srv.start_s
         res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
         if args.identity:
@@ -288,7 +295,7 @@ def assemble(args) -> None:
         identity = {"requests": len(same), "identical": sum(same), "background_requests": len(same_bg), "background_identical": sum(same_bg),
                     "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
                     "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
-                    "failed_requests": a["failed"] + b["failed"], "server_stock": sid["command"], "server_elastic": eid["command"]}
+                    "failed_requests": a["failed"] + b["failed"], "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}
     itl_overhead = None
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
         itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100
@@ -297,8 +304,8 @@ def assemble(args) -> None:
         "lent_bytes": el["lent_bytes_max"] if el else None,
         "kv_tokens_stock": st["kv_tokens_base"] if st else None,
         "kv_tokens_lent": (el["kv_tokens_base"] + el["lent_tokens_max"]) if el and el["kv_tokens_base"] else None,
-        "lend_ms": {"p50": pct(lend, 50), "p99": pct(lend, 99)},
-        "reclaim_ms": {"p50": pct(rec, 50), "p99": pct(rec, 99)},
+        "lend_ms": stats(lend),
+        "reclaim_ms": stats(rec),
         "cycles": len(rec),
         "outputs_identical": ident,
         "identity": identity,
@@ -309,6 +316,7 @@ def assemble(args) -> None:
             "ttft_ms_elastic": el["burst"]["ttft_ms_median"] if el and "burst" in el else None,
         },
         "always_lent": {
+            # true when the permanently lent reserve ran out of memory in any prefill configuration
             "oom": any(b["oom"] for b in (burst_of(al), burst_of(ale)) if b),
             "prefill_graphs": burst_of(al),  # SGLang's default: prefill activations pre-captured in the graph pool
             "eager_prefill": burst_of(ale),  # --cuda-graph-backend-prefill disabled
@@ -318,16 +326,18 @@ def assemble(args) -> None:
         "reclaim_breakdown_ms": breakdown(el["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]) if el else None,
         "itl_overhead_pct": itl_overhead,
         "itl_ms_median": {"stock": st["itl"]["itl_ms_median"] if st and "itl" in st else None, "elastic": el["itl"]["itl_ms_median"] if el and "itl" in el else None},
-        "migrated_units_total": sum(e.get("moved_units", 0) for e in el["reclaims"]) if el else None,
-        "retracted_total": sum(e.get("retracted", 0) for e in el["reclaims"]) if el else None,
+        # the TP1 cycles server (little memory pressure); the identity run's are under "identity"
+        "cycles_server_migrated_units": sum(e.get("moved_units", 0) for e in el["reclaims"]) if el else None,
+        "cycles_server_retracted": sum(e.get("retracted", 0) for e in el["reclaims"]) if el else None,
         "failed_requests_total": {f"{k[0]}_tp{k[1]}": (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0) + (d.get("itl", {}).get("failed") or 0) for k, d in parts.items()},
         "tp2": None,
-        "server_commands": {f"{k[0]}_tp{k[1]}": d["command"] for k, d in parts.items()},
+        "server_commands": {f"{k[0]}_tp{k[1]}": d.get("server_command", d["command"]) for k, d in parts.items()},
     })
     if tp2:
         l2, r2 = [e["ms"] for e in tp2["lends"]], [e["ms"] for e in tp2["reclaims"]]
         fails = (tp2.get("burst", {}).get("failed_requests") or 0) + (tp2.get("cycles_run", {}).get("failed") or 0)
         out["tp2"] = {"ok": bool(tp2["alive"] and fails == 0 and len(r2) > 0), "lend_ms_p99": pct(l2, 99), "reclaim_ms_p99": pct(r2, 99),
+                      "lend_ms": stats(l2), "reclaim_ms": stats(r2), "reclaim_breakdown_ms": breakdown(tp2["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]),
                       "cycles": len(r2), "failed_requests": fails, "lent_tokens": tp2["lent_tokens_max"], "kv_tokens_base": tp2["kv_tokens_base"]}
     results.write(args.out, out)
     print(json.dumps({k: v for k, v in out.items() if k != "server_commands"}, indent=1))

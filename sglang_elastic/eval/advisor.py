@@ -24,6 +24,8 @@ Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 import dataclasses
 import json
@@ -176,8 +178,10 @@ def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
 
 def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optional[int] = None, margin_mib: float = DEFAULT_MARGIN_MIB, calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Reserve, lendable bytes, extra KV tokens and a recommendation."""
-    if gpu_mem_gib <= 0:
-        raise AdviseError(f"--gpu-mem-gb must be positive, not {gpu_mem_gib}")
+    if not math.isfinite(gpu_mem_gib) or gpu_mem_gib <= 0:
+        raise AdviseError(f"--gpu-mem-gb must be a positive number, not {gpu_mem_gib}")
+    if not math.isfinite(margin_mib) or margin_mib < 0:
+        raise AdviseError(f"--margin-mb must be >= 0, not {margin_mib}")
     if tp not in (1, 2, 4, 8):
         raise AdviseError(f"--tp must be 1, 2, 4 or 8, not {tp}")
     if chunked_prefill_size is not None and chunked_prefill_size < 1:
@@ -192,6 +196,10 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     pre_free = gpu_mem_gib - f["context_overhead_gib"]
     weights = shape.weight_bytes(tp) / GIB
     reserve, kv, tokens = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
+    if sa.mem_fraction_static <= 0:
+        raise AdviseError(
+            f"SGLang would keep back {gpu_mem_mib * (1 - sa.mem_fraction_static):,.0f} MiB for activations at --chunked-prefill-size "
+            f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: use a smaller chunk or a larger GPU")
     free_after = reserve * f["lendable_fraction"]
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
     extra = int(lendable * GIB // cell)
@@ -231,7 +239,8 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     """``elastic`` / ``smaller chunk`` / ``neither``, with the reason in numbers."""
     tokens = p["max_total_num_tokens"]
     if tokens <= 0:
-        return "neither", f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) leave no KV pool at TP {p['tp']}: raise the TP degree"
+        return "neither", (f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) and SGLang's reserve ({p['reserve_gib']:.1f} GiB) "
+                           f"leave no KV pool on a {p['gpu_mem_gib']:g} GiB GPU at TP {p['tp']}: raise the TP degree or use a larger GPU")
     eg = p["extra_kv_tokens"] / tokens
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     if eg >= MIN_GAIN and eg >= cg:
