@@ -314,7 +314,8 @@ class ElasticController:
         from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
 
         s = self.sched
-        s.new_token_ratio_tracker.current = NewTokenRatioTracker.estimate_new_token_ratio_after_retract(batch.reqs)
+        if batch.reqs:  # as SGLang's retract_decode, from the requests kept (it always keeps one)
+            s.new_token_ratio_tracker.current = NewTokenRatioTracker.estimate_new_token_ratio_after_retract(batch.reqs)
         for req in retracted:
             s._add_request_to_queue(req, is_retracted=True)
         logger.warning("sglang-elastic: reclaim retracted %d request(s) (the base had no room for their KV); re-queued", len(retracted))
