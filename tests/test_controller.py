@@ -11,6 +11,7 @@ not run here: :class:`Batch` keeps only its ``reqs`` when filtering.
 
 from __future__ import annotations
 
+import os
 import types
 from array import array
 
@@ -27,8 +28,11 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+from sglang_elastic import config
 from sglang_elastic.config import ElasticKVConfig
-from sglang_elastic.sched.controller import ElasticController
+from sglang_elastic.sched import hooks
 
 from test_pool import LAYERS, layer, make_pool
 
@@ -59,7 +63,7 @@ class Bed:
 
     tp = None  # (rank, torch.distributed group) for TP tests
 
-    def __init__(self, fail_on=None, chunk_cache=False):
+    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False):
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
@@ -75,7 +79,19 @@ class Bed:
             server_args=types.SimpleNamespace(disaggregation_mode="null"), new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
         )
         self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
-        self.ctl = ElasticController(self.sched, ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes)))
+        cfg = ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes))
+        if stock_pool:  # this rank's elastic pool failed to build: SGLang's allocator instead
+            self.sched.token_to_kv_pool_allocator = TokenToKVPoolAllocator(BASE - 1, torch.bfloat16, "cpu", self.pool, False)
+        saved = os.environ.get(config.ENV)
+        os.environ[config.ENV] = cfg.to_env()  # what the launcher publishes to its scheduler processes
+        try:
+            hooks._after_scheduler_init(None, self.sched)  # the AFTER hook of Scheduler.__init__
+        finally:
+            if saved is None:
+                os.environ.pop(config.ENV)
+            else:
+                os.environ[config.ENV] = saved
+        self.ctl = getattr(self.sched, "_sglang_elastic", None)
         self.gen = torch.Generator().manual_seed(0)
         self.n = 0
 
@@ -287,7 +303,7 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
         bed.check_ownership_and_accounting()
 
 
-def _tp_rank(rank: int, port: int, fail_rank: int, out):
+def _tp_rank(rank: int, port: int, fail_rank: int, out, stock_rank: int = -1):
     """One TP rank: a Bed whose controller agrees over a real gloo group."""
     import torch.distributed as dist
 
@@ -301,7 +317,10 @@ def _tp_rank(rank: int, port: int, fail_rank: int, out):
 
         publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
         Bed.tp = (rank, dist.group.WORLD)
-        bed = Bed(fail_on={"map": lambda n: True} if rank == fail_rank else None)
+        bed = Bed(fail_on={"map": lambda n: True} if rank == fail_rank else None, stock_pool=rank == stock_rank)
+        if bed.ctl is None:  # some rank runs SGLang's stock pool: no rank has a controller
+            out.put((rank, None))
+            return
         first = bed.ctl.lend()  # rank fail_rank cannot back anything
         assert bed.admit(list(range(20)))
         for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no rank may try alone
@@ -311,7 +330,7 @@ def _tp_rank(rank: int, port: int, fail_rank: int, out):
         dist.destroy_process_group()
 
 
-def test_tp_ranks_agree_when_one_rank_cannot_lend():
+def _run_two_ranks(fail_rank: int, stock_rank: int = -1):
     import multiprocessing as mp
     import socket
 
@@ -320,7 +339,7 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, 1, out)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, fail_rank, out, stock_rank)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -329,8 +348,16 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend():
         for p in procs:
             p.join(30)
             p.kill()
+    return res
+
+
+def test_tp_ranks_agree_when_one_rank_cannot_lend():
     # rank 0 could map, rank 1 could not: both lend nothing, roll back, and stop lending
-    assert res == [(0, 0, True, 0, 0), (1, 0, True, 0, 0)]
+    assert _run_two_ranks(fail_rank=1) == [(0, 0, True, 0, 0), (1, 0, True, 0, 0)]
+
+
+def test_tp_ranks_agree_when_one_rank_fell_back_to_the_stock_pool():
+    assert _run_two_ranks(fail_rank=-1, stock_rank=1) == [(0, None), (1, None)]
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():
