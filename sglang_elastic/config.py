@@ -62,6 +62,23 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ElasticKVConfig:
+    """The server's sglang-elastic flags, checked on construction.
+
+    Fields (flag): ``enabled`` (``--enable-elastic-kv``); ``mode``
+    (``--elastic-kv-mode``: ``dynamic`` / ``always-lent`` / ``off``);
+    ``lend_bytes`` (``--elastic-kv-lend-bytes``, bytes; None = free device
+    memory after CUDA-graph capture less ``margin_mb``); ``handle_mb``
+    (``--elastic-kv-handle-mb``, MiB per physical handle; 0 = one step);
+    ``lend_after_steps`` (``--elastic-kv-lend-after-steps``, decode-only
+    scheduler steps); ``margin_mb`` (``--elastic-kv-margin-mb``, MiB);
+    ``decode_policy`` / ``decode_calibration`` (``--decode-policy`` /
+    ``--decode-calibration``, for the ``persistentkv`` decode backend).
+
+    Raises:
+        ConfigError: on a bad value or an ``--elastic-kv-*`` flag without
+            ``--enable-elastic-kv``; the message names the flag.
+    """
+
     enabled: bool = False
     mode: str = "dynamic"
     lend_bytes: Optional[int] = None  # None: measured after CUDA-graph capture

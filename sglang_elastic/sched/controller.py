@@ -191,7 +191,14 @@ class ElasticController:
 
     def lend(self) -> int:
         """Back every lendable step and append its ids to the free list.
-        Returns the tokens lent now (0 when nothing could be lent)."""
+        Returns the tokens lent now (0 when nothing could be lent).
+
+        TP > 1: a collective over the TP CPU group; every rank calls it at the
+        same scheduler step (the decision inputs are replicated). A failing
+        VMM call is logged and counted, never raised: the arena rolls its step
+        back, out of memory is retried after the next run of decode-only
+        steps, any other failure stops lending on every rank.
+        """
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
@@ -240,7 +247,21 @@ class ElasticController:
     def reclaim(self, running_batch) -> None:
         """Vacate and unmap every lent row (see the module docstring).
         Requests whose KV cannot move into the base are retracted (re-queued),
-        never dropped."""
+        never dropped. No collective: every rank reaches the same state from
+        the same inputs.
+
+        Args:
+            running_batch: SGLang's running ``ScheduleBatch`` (retracted
+                requests are filtered out of it).
+
+        Raises:
+            RuntimeError: if lent ids are still in use after every running
+                request was retracted (a bug; the pool is not unmapped then).
+            ValueError: from :func:`~sglang_elastic.pool.remap_ids` when an id
+                above the base was not relocated (a bug, likewise).
+        A failing unmap is logged, not raised: the rows are vacated, lending
+        stops.
+        """
         s = self.sched
         t0 = time.perf_counter()
         self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
