@@ -303,34 +303,33 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
         bed.check_ownership_and_accounting()
 
 
-def _tp_rank(rank: int, port: int, fail_rank: int, out, stock_rank: int = -1):
-    """One TP rank: a Bed whose controller agrees over a real gloo group."""
+def _tp_rank(rank: int, port: int, out):
+    """One TP rank over a real gloo group, through two scenarios: a rank whose
+    VMM map fails (rank 1), then a rank whose pool fell back to SGLang's
+    stock pool (rank 1). Each rank reports what it ended with."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        import os
-
         import sglang_elastic
         from sglang.srt.runtime_context import publish
         from sglang.srt.server_args import ServerArgs
 
         publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
         Bed.tp = (rank, dist.group.WORLD)
-        bed = Bed(fail_on={"map": lambda n: True} if rank == fail_rank else None, stock_pool=rank == stock_rank)
-        if bed.ctl is None:  # some rank runs SGLang's stock pool: no rank has a controller
-            out.put((rank, None))
-            return
-        first = bed.ctl.lend()  # rank fail_rank cannot back anything
+        bed = Bed(fail_on={"map": lambda n: True} if rank == 1 else None)
+        first = bed.ctl.lend()  # rank 1 cannot back anything
         assert bed.admit(list(range(20)))
         for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no rank may try alone
             bed.ctl.after_prefill(None, bed.batch)
-        out.put((rank, first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps))
+        cannot_map = (first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps)
+        fell_back = Bed(stock_pool=rank == 1).ctl  # no rank may run a controller then
+        out.put((rank, cannot_map, fell_back))
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(fail_rank: int, stock_rank: int = -1):
+def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool():
     import multiprocessing as mp
     import socket
 
@@ -339,25 +338,18 @@ def _run_two_ranks(fail_rank: int, stock_rank: int = -1):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, fail_rank, out, stock_rank)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        res = sorted(out.get(timeout=240) for _ in procs)  # a rank stuck alone in the all-reduce never answers
+        res = sorted(out.get(timeout=240) for _ in procs)  # a rank stuck alone in a collective never answers
     finally:
         for p in procs:
             p.join(30)
             p.kill()
-    return res
-
-
-def test_tp_ranks_agree_when_one_rank_cannot_lend():
-    # rank 0 could map, rank 1 could not: both lend nothing, roll back, and stop lending
-    assert _run_two_ranks(fail_rank=1) == [(0, 0, True, 0, 0), (1, 0, True, 0, 0)]
-
-
-def test_tp_ranks_agree_when_one_rank_fell_back_to_the_stock_pool():
-    assert _run_two_ranks(fail_rank=-1, stock_rank=1) == [(0, None), (1, None)]
+    # rank 0 could map, rank 1 could not: both lend nothing, roll back and stop lending;
+    # rank 1 on SGLang's stock pool: neither rank runs a controller
+    assert res == [(0, (0, True, 0, 0), None), (1, (0, True, 0, 0), None)]
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():
