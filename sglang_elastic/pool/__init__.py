@@ -2,7 +2,7 @@
 
 Knows SGLang's pool classes (``sglang/srt/mem_cache``); the VMM part lives in
 :mod:`sglang_elastic.vmm`. Scheduler wiring (when to lend and reclaim) is
-not here yet.
+:mod:`sglang_elastic.sched`.
 """
 
 from sglang_elastic.pool.kv_pool import (
@@ -15,6 +15,6 @@ from sglang_elastic.pool.kv_pool import (
 from sglang_elastic.pool.tensor import tensor_at
 
 __all__ = ["ElasticMHATokenToKVPool", "ElasticPagedTokenToKVPoolAllocator", "ElasticTokenToKVPoolAllocator", "relocate_kv", "tensor_at", "unit_tokens"]
-from sglang_elastic.pool.vacate import evict_above, iter_nodes, remap_ids, remap_tree  # noqa: E402
+from sglang_elastic.pool.vacate import evict_above, iter_nodes, remap_ids, remap_many, remap_tree  # noqa: E402
 
-__all__ += ["evict_above", "iter_nodes", "remap_ids", "remap_tree"]
+__all__ += ["evict_above", "iter_nodes", "remap_ids", "remap_many", "remap_tree"]

@@ -89,13 +89,24 @@ def _reaching(values, top_tok: int):
     return torch.nonzero(hits).flatten().tolist()
 
 
+def remap_many(values, top_tok: int, src_units: torch.Tensor, dst_units: torch.Tensor, page_size: int):
+    """:func:`remap_ids` over a list of id tensors, with one device-to-host
+    read to find the ones holding an id ``>= top_tok``. Returns the new list
+    (untouched tensors are the same objects) and the indices rewritten."""
+    out = list(values)
+    hit = _reaching(out, top_tok)
+    for i in hit:
+        out[i] = remap_ids(out[i], top_tok, src_units, dst_units, page_size)
+    return out, hit
+
+
 def remap_tree(tree, top_tok: int, src_units: torch.Tensor, dst_units: torch.Tensor, page_size: int) -> int:
     """Rewrite ``TreeNode.value`` of every node holding ids ``>= top_tok``.
     Returns the number of nodes rewritten."""
     nodes = [n for n in iter_nodes(tree) if n.value is not None and n.value.numel()]
-    hit = _reaching([n.value for n in nodes], top_tok)
+    values, hit = remap_many([n.value for n in nodes], top_tok, src_units, dst_units, page_size)
     for i in hit:
-        nodes[i].value = remap_ids(nodes[i].value, top_tok, src_units, dst_units, page_size)
+        nodes[i].value = values[i]
     return len(hit)
 
 

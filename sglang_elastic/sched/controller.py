@@ -49,7 +49,7 @@ from typing import List, Optional
 import torch
 
 from sglang_elastic.config import ElasticKVConfig
-from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_tree
+from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_many, remap_tree
 from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool
 from sglang_elastic.vmm import VmmError
 
@@ -57,6 +57,17 @@ logger = logging.getLogger(__name__)
 
 #: JSON-lines file that receives one record per lend/reclaim (benchmarks).
 EVENTS_ENV = "SGLANG_ELASTIC_EVENTS"
+
+
+def agree_min(sched, *values: int):
+    """The smallest of each value over ``sched``'s TP group (a collective on
+    its CPU group: every rank must call it at the same point). One int for
+    one value, a tuple for several."""
+    if sched.tp_group.world_size > 1:
+        t = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=sched.tp_cpu_group)
+        values = tuple(int(v) for v in t.tolist())
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 class ElasticController:
@@ -99,15 +110,6 @@ class ElasticController:
 
     # -- sizing -------------------------------------------------------------
 
-    def _agree_min(self, *values: int):
-        """The smallest of each value over the TP group (every rank must call):
-        one int for one value, a tuple for several."""
-        if self.tp_size > 1:
-            t = torch.tensor(values, dtype=torch.int64)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.sched.tp_cpu_group)
-            values = tuple(int(v) for v in t.tolist())
-        return values[0] if len(values) == 1 else tuple(values)
-
     def _measure(self) -> int:
         """Tokens to lend: ``--elastic-kv-lend-bytes``, or the free device
         memory now (after CUDA-graph capture, torch's cache emptied) less
@@ -120,7 +122,7 @@ class ElasticController:
             torch.cuda.empty_cache()
             free, _total = torch.cuda.mem_get_info()
             want = free - self.cfg.margin_mb * 2**20
-        tokens = self._agree_min(max(want, 0) // row_bytes)
+        tokens = agree_min(self.sched, max(want, 0) // row_bytes)
         step = self.cfg.handle_mb * 2**20 // max(self.arena.row_bytes) if self.cfg.handle_mb else None
         return self.arena.set_steps(tokens, step)
 
@@ -212,7 +214,7 @@ class ElasticController:
         # Every rank takes the same decision: lend what all ranks could back,
         # and stop lending everywhere once any rank's arena disabled lending
         # (a rank deciding alone would leave the others in this all-reduce).
-        steps, ok = self._agree_min(self.arena.lent_steps, int(not self.arena.lending_disabled))
+        steps, ok = agree_min(self.sched, self.arena.lent_steps, int(not self.arena.lending_disabled))
         if not ok:
             self.disabled = True
             steps = 0
@@ -360,7 +362,7 @@ class ElasticController:
             valid = torch.arange(width, device=r2t.device)[None, :] < lens[:, None]
             block[valid] = remap_ids(block[valid], top, src, dst, self.page)
             r2t[rows, :width] = block
-        for r in owners:
-            p = getattr(r, "prefix_indices", None)
-            if p is not None and p.numel():
-                r.prefix_indices = remap_ids(p, top, src, dst, self.page)
+        holders = [r for r in owners if getattr(r, "prefix_indices", None) is not None and r.prefix_indices.numel()]
+        prefixes, hit = remap_many([r.prefix_indices for r in holders], top, src, dst, self.page)
+        for i in hit:
+            holders[i].prefix_indices = prefixes[i]

@@ -38,20 +38,12 @@ def register() -> None:
 
 def _after_scheduler_init(result, sched, *args, **kwargs):
     from sglang_elastic.pool.kv_pool import _ElasticAllocatorMixin
-    from sglang_elastic.sched.controller import ElasticController
+    from sglang_elastic.sched.controller import ElasticController, agree_min
 
     ours = isinstance(getattr(sched, "token_to_kv_pool_allocator", None), _ElasticAllocatorMixin)
-    if sched.tp_group.world_size > 1:
-        # Every rank must run a controller (its lends are collectives) or none:
-        # a rank whose pool fell back to SGLang's stock pool turns lending off everywhere.
-        import torch
-
-        t = torch.tensor([int(ours)], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=sched.tp_cpu_group)
-        everywhere = bool(t.item())
-    else:
-        everywhere = ours
-    if everywhere:
+    # Every rank must run a controller (its lends are collectives) or none:
+    # a rank whose pool fell back to SGLang's stock pool turns lending off everywhere.
+    if agree_min(sched, int(ours)):
         sched._sglang_elastic = ElasticController(sched, config.current())
     else:
         logger.error("sglang-elastic: --enable-elastic-kv is on but %s runs SGLang's stock pool (see the error above): nothing will be lent",
