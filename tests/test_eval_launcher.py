@@ -98,6 +98,26 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
     assert "standin: serving on" in Path(r2["log"]).read_text()
 
 
+def test_only_runs_the_named_rows_keeps_earlier_ones_and_reports_progress(launcher, tmp_path):
+    first = experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp1"])
+    rows = {r["label"]: r for r in first["rows"]}
+    assert rows["tp1"]["ok"] and rows["tp1"]["measured"]["date"]
+    assert not rows["tp2"]["ok"] and "not in --only" in rows["tp2"]["error"]
+    seen = []
+    second = experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=first,
+                             on_progress=lambda body: seen.append({r["label"]: r["ok"] for r in body["rows"]}))
+    rows2 = {r["label"]: r for r in second["rows"]}
+    assert rows2["tp1"] is not None and rows2["tp1"]["measured"] == rows["tp1"]["measured"]  # kept, not rerun
+    assert rows2["tp2"]["ok"]
+    assert seen == [{"tp2": True, "tp1": True}]  # one progress write per finished server
+    # a kept row must have measured the same server: another chunk size is not kept
+    changed = _exp(servers=[{"label": "tp2", "tp": 2, "chunked_prefill_size": 2048, "env": {"SGLANG_EVAL_PROBE": "forwarded"}}, {"label": "tp1", "tp": 1, "chunked_prefill_size": 4096}])
+    third = experiments.run(changed, launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=second)
+    assert not {r["label"]: r for r in third["rows"]}["tp1"]["ok"]
+    with pytest.raises(ValueError, match="no row nope"):
+        experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["nope"])
+
+
 def test_the_server_job_sees_the_reserved_group_gpus_env_and_setup_hook(launcher, tmp_path):
     e = _exp(workloads=[{"kind": "decode_then_long", "decodes": 0, "long_prompts": 1, "long_input_len": 16, "long_output_len": 2, "settle_s": 0}])
     job = experiments.job_for(e, e.servers[0], standin=True)

@@ -2,6 +2,12 @@
 regenerate docs/eval.md's tables and the plots.
 
     python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
+        [--only LABEL,...] [--no-warm-first]
+
+The JSON is rewritten after every finished server, so a run stopped at a time
+limit keeps what it measured. --only runs some rows and keeps the others from
+the existing result file (when they measured the same server): a long
+experiment can be measured in several calls.
 
 --address joins a running Ray cluster (default: the config's cluster.address,
 else a local cluster on this machine). --standin runs the CPU stand-in server
@@ -10,6 +16,7 @@ the workloads, marked as such in the JSON.
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,6 +36,8 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs/results/eval")
     ap.add_argument("--num-gpus", type=int, default=None, help="local cluster only: GPUs to advertise (default: detected; with --standin: 8)")
     ap.add_argument("--no-report", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated row labels to run; other rows are kept from the existing result file")
+    ap.add_argument("--no-warm-first", action="store_true", help="start every server at once (the host's JIT caches are already warm)")
     a = ap.parse_args()
     try:
         exp = config.load(a.config)
@@ -38,10 +47,22 @@ def main() -> int:
     address = a.address or exp.cluster.address
     num_gpus = a.num_gpus if a.num_gpus is not None else (8 if a.standin and not address else None)
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    with Launcher(address=address, log_dir=exp.cluster.log_dir, num_gpus=num_gpus) as launcher:
-        body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin)
     out = a.out_dir / f"{exp.result_name}{'.standin' if a.standin else ''}.json"
-    results.write(str(out), {**results.header(), **body})
+    only = [x for x in a.only.split(",") if x] if a.only else None
+    unknown = sorted(set(only or ()) - {s.label for s in exp.servers})
+    if unknown:
+        print(f"run.py: --only: no row {', '.join(unknown)} in {a.config}; rows: {', '.join(s.label for s in exp.servers)}", file=sys.stderr)
+        return 2
+    previous = json.loads(out.read_text()) if only and out.is_file() else None
+    head = results.header()
+
+    def write(body):
+        results.write(str(out), {**head, **body})
+
+    with Launcher(address=address, log_dir=exp.cluster.log_dir, num_gpus=num_gpus) as launcher:
+        body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
+                               warm_first=False if a.no_warm_first else None, on_progress=write)
+    write(body)
     failed = [r["label"] for r in body["rows"] if not r["ok"]]
     print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}")
     if not a.no_report and not a.standin:

@@ -3,6 +3,8 @@ Llama, FlashInfer alone against FlashInfer prefill + ``persistentkv`` decode
 (policy auto and each forced path), greedy, with decode CUDA graphs on.
 
     python scripts/gpu/check_decode_e2e.py --out docs/results/decode_e2e_h200.json
+    bash scripts/gpu/check_decode_e2e.sh      # the modes split over the GPUs present, then merged
+
 
 Model: ``transformers`` ``LlamaForCausalLM`` (2 layers, hidden 1024, 16 q /
 4 kv heads of 64: GQA group 4, so FlashInfer takes its tensor-core decode,
@@ -162,12 +164,40 @@ def check_trace(mode: str, counts: dict):
     return problems
 
 
+def merge(parts, out: str, command=None) -> int:
+    """One result from parts run on separate GPUs: their runs side by side, and a
+    check that every part's FlashInfer-alone reference gave the same tokens
+    (and logprobs within the tolerance) as the first part's. Exit status 1 on a
+    failed run or disagreeing references."""
+    from sglang_elastic import results
+
+    datas = [json.load(open(p)) for p in parts]
+    ref = datas[0]["reference"]
+    refs = []
+    for p, d in zip(parts, datas):
+        same, worst, first = compare(ref, d["reference"])
+        refs.append({"part": os.path.basename(p), "gpu_index": d.get("cuda_visible_devices"), "tokens_equal": same, "max_rel_logprob_diff": worst, "first_token_mismatch": first})
+    runs = [r for d in datas for r in d["runs"]]
+    ok = all(d["passed"] for d in datas) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
+    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens", "tolerance")},
+           "runs": runs, "references_agree": refs, "passed": ok, "seconds": max(d["seconds"] for d in datas),
+           "gpu": "; ".join(sorted({d["gpu"] for d in datas})), "commit": datas[0]["commit"]}
+    results.write(out, res)
+    print(f"{out}: {len(runs)} run(s), passed {ok}")
+    return 0 if ok else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--modes", default=",".join((CONTROL,) + MODES), help=f"comma-separated subset of {','.join((CONTROL,) + MODES)}")
+    ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part files (each from --modes on one GPU) into --out instead of running")
+    ap.add_argument("--command", default=None, help="the command recorded in the result (default: this script's argv)")
     a = ap.parse_args()
     from sglang_elastic import results
+
+    if a.merge:
+        sys.exit(merge(a.merge, a.out, a.command))
 
     modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES and m != CONTROL]
@@ -190,10 +220,12 @@ def main():
             runs.append({"policy": mode, "tokens_equal": same, "first_token_mismatch": first, "max_rel_logprob_diff": worst,
                          "decode_steps": counts, "problems": problems, "passed": passed, "engine_seconds": round(secs, 1)})
             print(f"{mode:10s} tokens equal {same} max rel logprob diff {worst:.2e} steps {counts} {problems or ''} ({secs:.0f} s)", flush=True)
-    res = {**results.header(), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
+    res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
            "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
            "new_tokens": NEW_TOKENS, "tolerance": "same tokens; |dlogprob| <= 1e-2 * max(1, |ref|)", "runs": runs,
-           "passed": ok, "seconds": round(time.time() - t0, 1)}
+           "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
+    if a.command:
+        res["command"] = a.command
     results.write(a.out, res)
     if not ok:
         sys.exit(1)

@@ -46,6 +46,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import Dict, Optional, Set
 
 import torch
@@ -174,14 +175,22 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._warned_fallback = False
         self._trace_file = os.environ.get(TRACE_ENV)
         self._trace_counts: Dict[str, int] = {}
+        self._trace_written = 0.0
         install_graph_hooks()
 
     def _trace(self, kind: str, path: str, bs: int) -> None:
-        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE`` (debug only)."""
+        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE.<pid>`` (debug only;
+        rewritten when a key first appears, else at most once a second, so the
+        last second of counts may be missing)."""
         if not self._trace_file:
             return
         key = f"{kind}:{path}"
+        new_key = key not in self._trace_counts
         self._trace_counts[key] = self._trace_counts.get(key, 0) + 1
+        now = time.monotonic()
+        if not new_key and now - self._trace_written < 1.0:  # a live server: at most one write a second
+            return
+        self._trace_written = now
         with open(f"{self._trace_file}.{os.getpid()}", "w") as f:
             json.dump({"counts": self._trace_counts, "variant_graphs": self.variant_graphs, "policy": self.policy.mode if hasattr(self.policy, "mode") else None}, f)
 

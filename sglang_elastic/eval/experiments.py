@@ -10,11 +10,13 @@ copies that experiment's row when the server and the workloads are identical
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from sglang_elastic import results
 from sglang_elastic.eval.config import Experiment, ServerConfig
 from sglang_elastic.eval.launcher import Launcher, ServerJob, ServerResult
 from sglang_elastic.eval.ray_entry import MARK_HOOK
@@ -112,6 +114,8 @@ def _row(s: ServerConfig, r: ServerResult) -> Dict[str, Any]:
         "workloads": r.workloads,
         "log": r.log_path,
         "reused_from": None,
+        # rows of one file may come from several calls (run.py --only)
+        "measured": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": results.commit()},
     }
 
 
@@ -155,12 +159,42 @@ def advisor_for(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {k: p[k] for k in keep}
 
 
-def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, standin: bool = False, progress: bool = True) -> Dict[str, Any]:
-    """Run every row that cannot be reused; rows in the config's order."""
+def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
+    return {"label": s.label, "group": s.group, "server": s.model_dump(mode="json"), "identity": s.identity(), "ok": False,
+            "error": why, "node_ip": None, "startup_s": None, "facts": None, "workloads": [], "log": None, "reused_from": None}
+
+
+def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, standin: bool = False, progress: bool = True,
+        only: Optional[List[str]] = None, previous: Optional[Dict[str, Any]] = None, warm_first: Optional[bool] = None,
+        on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Run every row that cannot be reused; rows in the config's order.
+
+    ``only``: run just these labels; every other row is kept from ``previous``
+    (an earlier result of this experiment) when it measured the same server,
+    else recorded as not run; so an experiment can be measured in several
+    calls. ``on_progress`` gets the result body after each finished server
+    (unfinished rows marked not run), for a caller that writes it as it goes:
+    a run killed at a time limit leaves what it measured.
+
+    Raises:
+        ValueError: ``only`` names a label the config does not have.
+    """
+    if only:
+        unknown = sorted(set(only) - {s.label for s in exp.servers})
+        if unknown:
+            raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
+    kept = {r["label"]: r for r in (previous or {}).get("rows", [])}
     rows: Dict[str, Dict[str, Any]] = {}
     jobs: List[ServerJob] = []
     notes: List[str] = []
     for s in exp.servers:
+        if only and s.label not in only:
+            old = kept.get(s.label)
+            if old is not None and old.get("identity") == s.identity():
+                rows[s.label] = old
+            else:
+                rows[s.label] = _not_run(s, "not run (not in --only, no earlier row)")
+            continue
         if s.reuse and not standin:
             row, why = find_reusable(exp, s, results_dir)
             if row is not None:
@@ -170,15 +204,25 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
             logger.warning("%s: not reused (%s); starting it", s.label, why)
         jobs.append(job_for(exp, s, standin))
     by_label = {s.label: s for s in exp.servers}
+
+    def body() -> Dict[str, Any]:
+        out = [rows.get(s.label) or _not_run(s, "not run (interrupted before it finished)") for s in exp.servers]
+        if exp.experiment == "reserve_vs_tp" and not standin:
+            for row in out:
+                if row["ok"] and "advisor" not in row:
+                    row["advisor"] = advisor_for(row)
+        return {"experiment": exp.experiment, "name": exp.result_name, "description": exp.description, "standin": standin, "notes": notes,
+                "config": exp.model_dump(mode="json"), "rows": out}
+
+    def done(r: ServerResult) -> None:
+        rows[r.name] = _row(by_label[r.name], r)
+        if on_progress:
+            on_progress(body())
+
     # The first start on a fresh host JIT-compiles FlashInfer (~4 min): let one
     # server warm the cache before the others start beside it.
-    waves = [jobs[:1], jobs[1:]] if exp.cluster.warm_first and len(jobs) > 1 else [jobs]
+    first = exp.cluster.warm_first if warm_first is None else warm_first
+    waves = [jobs[:1], jobs[1:]] if first and len(jobs) > 1 else [jobs]
     for wave in waves:
-        for r in launcher.run(wave, max_parallel=exp.cluster.max_parallel_servers, progress=progress):
-            rows[r.name] = _row(by_label[r.name], r)
-    out = [rows[s.label] for s in exp.servers]
-    if exp.experiment == "reserve_vs_tp" and not standin:
-        for row in out:
-            if row["ok"]:
-                row["advisor"] = advisor_for(row)
-    return {"experiment": exp.experiment, "name": exp.result_name, "description": exp.description, "standin": standin, "notes": notes, "config": exp.model_dump(mode="json"), "rows": out}
+        launcher.run(wave, max_parallel=exp.cluster.max_parallel_servers, progress=progress, on_result=done)
+    return body()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# End-to-end greedy/logprob check of the persistentkv decode backend against
+# FlashInfer (scripts/gpu/check_decode_e2e.py), its engine starts split over
+# the GPUs present (each GPU also runs the FlashInfer-alone reference; the
+# merge checks that the references agree), then merged into
+# docs/results/decode_e2e_h200.json.
+#
+#   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
+#   bash scripts/gpu/check_decode_e2e.sh [RESULT_JSON]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+result=${1:-docs/results/decode_e2e_h200.json}
+work=${WORK:-/tmp/decode_e2e}
+site=${SITE:-/tmp/site}
+mkdir -p "$work" "$(dirname "$result")"
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+ngpu=$(nvidia-smi -L | wc -l)
+if [ "$ngpu" -ge 2 ]; then
+  groups=("control-triton,auto,auto-ours" "flashinfer,split,compact")
+else
+  groups=("control-triton,auto,auto-ours,flashinfer,split,compact")
+fi
+pids=(); parts=()
+for i in "${!groups[@]}"; do
+  CUDA_VISIBLE_DEVICES=$i python3 scripts/gpu/check_decode_e2e.py --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  pids+=($!); parts+=("$work/part$i.json")
+done
+rc=0
+for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
+for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8; done
+python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "bash scripts/gpu/check_decode_e2e.sh" || rc=1
+exit $rc
