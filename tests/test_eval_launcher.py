@@ -94,6 +94,7 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
     w = r2["workloads"][0]
     assert w["num_errors"] == 0 and w["ttft_s"]["n"] == 2 and w["decodes_finished_early"] == 0
     assert w["ttft_s"]["median"] > 0 and w["decode_itl_s"]["n"] > 10
+    assert "sglang_elastic_after" in w and w["sglang_elastic_after"] is None  # read again after the workload; a stock server has none
     # the server's log came back to the driver, and it holds the stand-in's own output
     assert "standin: serving on" in Path(r2["log"]).read_text()
 

@@ -51,9 +51,19 @@ def test_e1_table_values(tmp_path):
     doc = _doc(tmp_path)
     report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
     rows = _table_rows(doc.read_text(), "ttft_vs_chunk")
-    assert rows[0] == ["chunk-2048", "2,048", "no", "935,667", "2.100", "2.300", "11.0", "50.0", "80.0", ""]
+    assert rows[0] == ["chunk-2048", "2,048", "no", "935,667", "", "2.100", "2.300", "11.0", "50.0", "80.0", ""]
     assert rows[3][0] == "elastic-32768" and rows[3][2] == "yes" and rows[3][-1].startswith("failed: RuntimeError: server exited with status 1")
     assert "`docs/results/eval/ttft_vs_chunk.json` (2026-11-30, NVIDIA H200, 143771 MiB, 580.159.04, commit 0123456)" in doc.read_text()
+
+
+def test_e1_table_from_the_committed_h200_result():
+    """The committed H200 run: the elastic row's capacity while lent is its base
+    plus the lendable tokens /server_info reported (610,724 + 336,896)."""
+    d = json.loads((Path(__file__).parents[1] / "docs/results/eval/ttft_vs_chunk.json").read_text())
+    md, _ = report.ttft_vs_chunk(d)
+    rows = {r[0]: r for r in _table_rows("<!-- eval:x -->\n" + md + "\n<!-- /eval:x -->", "x")}
+    assert rows["elastic-32768"][3:5] == ["610,724", "947,620"]
+    assert rows["chunk-8192"][3:5] == ["906,056", ""]
 
 
 def test_e2_equal_ttft_and_capacity_against_the_baseline(tmp_path):

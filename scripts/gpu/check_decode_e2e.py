@@ -22,12 +22,19 @@ failing the run), ``auto`` (shipped calibration), ``auto-ours`` (``auto`` with a
 calibration that prices FlashInfer and the queue out, so replays must pick
 split graphs among the three captured per batch size), and each forced path.
 
-Checks, per mode against the FlashInfer-only run: the same output tokens, and
-every output token's logprob within ``1e-2 * max(1, |ref|)``; and that the
-decode steps went where they should (the backend's
-``SGLANG_ELASTIC_DECODE_TRACE`` counts: forced modes replay graphs of their
-path only). Exit 1 on a mismatch. About 1 minute per engine start (seven engines) (FlashInfer
-JIT on a fresh host adds a few).
+Checks, per mode against the FlashInfer-only run (:func:`compare`): every
+output token's logprob within ``1e-2 * max(1, |ref|)`` up to a request's first
+divergence, and every divergence a near-tie (each side's token in the other's
+top-5, the reference's two logprobs within 0.1 nats: vLLM's
+``check_logprobs_close`` with a margin bound); strict token equality is
+reported beside it (``tokens_equal``). The first H200 run (2026-11-30) showed
+why strict equality alone cannot be the criterion on random weights: SGLang's
+own Triton decode, a second correct bf16 kernel, diverged from FlashInfer at
+token 12 of one request, ours at token 5 of another. Also checked: the decode
+steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
+counts: forced modes replay graphs of their path only). Exit 1 on a failed
+check. About 30 s per engine start (seven engines; FlashInfer's JIT on a fresh
+host adds ~2 min to the first).
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ MODES = ("auto", "auto-ours", "flashinfer", "split", "compact")
 #: a second correct bf16 decode kernel against FlashInfer (reported, never failed).
 CONTROL = "control-triton"
 NEW_TOKENS = 32
+#: Top logprobs kept per output token: a divergence is a near-tie when each
+#: side's token is in the other's top-k (vLLM's check_logprobs_close).
+TOP_K = 5
+#: A divergence counts as a near-tie only when the reference's two candidates
+#: are this close (nats): rounding noise, not a wrong kernel.
+TIE_NATS = 0.1
 
 
 def prompts(seed: int = 0):
@@ -118,8 +131,10 @@ def run_engine(model: str, mode, trace_dir: str):
     out = {}
     try:
         for name, ids in prompts().items():
-            res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}, return_logprob=True)
-            out[name] = [{"ids": r["output_ids"], "logprobs": [lp[0] for lp in r["meta_info"]["output_token_logprobs"]]} for r in res]
+            res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                               return_logprob=True, top_logprobs_num=TOP_K)
+            out[name] = [{"ids": r["output_ids"], "logprobs": [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
+                          "top": [[[t[0], t[1]] for t in step] for step in r["meta_info"]["output_top_logprobs"]]} for r in res]
     finally:
         llm.shutdown()
     counts = {}
@@ -131,19 +146,42 @@ def run_engine(model: str, mode, trace_dir: str):
     return out, counts, time.time() - t0
 
 
-def compare(ref, got, tol: float = 1e-2):
-    """``(tokens_equal, max |dlogprob| / max(1, |ref|), first mismatch or None)``."""
-    worst, first = 0.0, None
-    same = True
+def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
+    """Greedy outputs of one run against the reference, request by request.
+
+    - ``tokens_equal``: every output token equal (the strict criterion).
+    - ``max_rel_logprob_diff``: ``max |dlogprob| / max(1, |ref|)`` over the
+      tokens before a request's first divergence (after it, the two runs
+      decode different sequences and their logprobs are not comparable).
+    - ``divergences``: per diverged request the position, both tokens, and
+      whether it is a near-tie: each token in the other's top-k and the
+      reference's logprobs of the two within ``tie_nats``. This is vLLM's
+      ``check_logprobs_close`` (tests/models/utils.py) plus a margin bound:
+      on random weights greedy picks are often near-ties, so any second
+      correct bf16 kernel (SGLang's own Triton decode included) flips some.
+    - ``close``: ``max_rel_logprob_diff <= tol`` and every divergence a near-tie.
+    """
+    worst, divs, same = 0.0, [], True
     for name in ref:
         for i, (a, b) in enumerate(zip(ref[name], got[name])):
-            if a["ids"] != b["ids"]:
-                same = False
-                j = next(j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y)
-                first = first or f"{name} request {i} token {j}"
-            for x, y in zip(a["logprobs"], b["logprobs"]):
+            j = next((j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
+            n = len(a["ids"]) if j is None else j
+            for x, y in zip(a["logprobs"][:n], b["logprobs"][:n]):
                 worst = max(worst, abs(x - y) / max(1.0, abs(x)))
-    return same, worst, first
+            if j is None:
+                continue
+            same = False
+            ta, tb = a.get("top"), b.get("top")
+            ref_top = {int(t[1]): t[0] for t in ta[j]} if ta else {}
+            got_top = {int(t[1]): t[0] for t in tb[j]} if tb else {}
+            x, y = a["ids"][j], b["ids"][j]
+            margin = (ref_top[x] - ref_top[y]) if x in ref_top and y in ref_top else None
+            tie = margin is not None and x in got_top and margin <= tie_nats
+            divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": margin,
+                         "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": tie})
+    close = worst <= tol and all(d["near_tie"] for d in divs)
+    return {"tokens_equal": same, "max_rel_logprob_diff": worst, "divergences": divs, "close": close,
+            "first_token_mismatch": f"{divs[0]['set']} request {divs[0]['request']} token {divs[0]['token']}" if divs else None}
 
 
 def check_trace(mode: str, counts: dict):
@@ -175,12 +213,13 @@ def merge(parts, out: str, command=None) -> int:
     ref = datas[0]["reference"]
     refs = []
     for p, d in zip(parts, datas):
-        same, worst, first = compare(ref, d["reference"])
-        refs.append({"part": os.path.basename(p), "gpu_index": d.get("cuda_visible_devices"), "tokens_equal": same, "max_rel_logprob_diff": worst, "first_token_mismatch": first})
+        c = compare(ref, d["reference"])
+        refs.append({"part": os.path.basename(p), "gpu_index": d.get("cuda_visible_devices"), "tokens_equal": c["tokens_equal"],
+                     "max_rel_logprob_diff": c["max_rel_logprob_diff"], "first_token_mismatch": c["first_token_mismatch"]})
     runs = [r for d in datas for r in d["runs"]]
     ok = all(d["passed"] for d in datas) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
     res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens", "tolerance")},
-           "runs": runs, "references_agree": refs, "passed": ok, "seconds": max(d["seconds"] for d in datas),
+           "runs": runs, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas})), "commit": datas[0]["commit"]}
     results.write(out, res)
     print(f"{out}: {len(runs)} run(s), passed {ok}")
@@ -212,17 +251,18 @@ def main():
         runs, ok = [], True
         for mode in modes:
             got, counts, secs = run_engine(model, mode, d)
-            same, worst, first = compare(ref, got)
+            c = compare(ref, got)
             problems = [] if mode == CONTROL else check_trace(mode, counts)
-            passed = same and worst <= 1e-2 and not problems
+            passed = c["close"] and not problems
             if mode != CONTROL:
                 ok &= passed
-            runs.append({"policy": mode, "tokens_equal": same, "first_token_mismatch": first, "max_rel_logprob_diff": worst,
-                         "decode_steps": counts, "problems": problems, "passed": passed, "engine_seconds": round(secs, 1)})
-            print(f"{mode:10s} tokens equal {same} max rel logprob diff {worst:.2e} steps {counts} {problems or ''} ({secs:.0f} s)", flush=True)
+            runs.append({"policy": mode, **c, "decode_steps": counts, "problems": problems, "passed": passed,
+                         "engine_seconds": round(secs, 1), "outputs": got})
+            print(f"{mode:10s} tokens equal {c['tokens_equal']} close {c['close']} max rel logprob diff {c['max_rel_logprob_diff']:.2e} "
+                  f"divergences {[(v['set'], v['request'], v['token'], v['ref_margin_nats']) for v in c['divergences']]} steps {counts} {problems or ''} ({secs:.0f} s)", flush=True)
     res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
            "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
-           "new_tokens": NEW_TOKENS, "tolerance": "same tokens; |dlogprob| <= 1e-2 * max(1, |ref|)", "runs": runs,
+           "new_tokens": NEW_TOKENS, "tolerance": f"|dlogprob| <= 1e-2 * max(1, |ref|) before a divergence; every divergence a near-tie (each token in the other's top-{TOP_K}, reference margin <= {TIE_NATS} nats); tokens_equal reports strict equality", "runs": runs,
            "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
     if a.command:
         res["command"] = a.command

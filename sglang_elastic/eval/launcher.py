@@ -292,7 +292,15 @@ class Launcher:
             res.gpu_mem_mib = ray.get(actor.gpu_mem_mib.remote())
             for i, w in enumerate(job.workloads):
                 stage(f"workload {i + 1}/{len(job.workloads)}")
-                res.workloads.append(ray.get(actor.run_workload.remote(w, job.vocab_size)))
+                out = ray.get(actor.run_workload.remote(w, job.vocab_size))
+                # the elastic pool's counters after the workload (cycles, lent
+                # tokens): rank 0 scheduler's internal state, None on a stock server
+                try:
+                    after = ray.get(actor.server_info.remote())
+                    out["sglang_elastic_after"] = (((after.get("internal_states") or [{}])[0]) or {}).get("sglang_elastic")
+                except Exception as e:  # the workload's numbers stand without it
+                    out["sglang_elastic_after"] = {"error": _describe(e)}
+                res.workloads.append(out)
             res.ok = True
         except Exception as e:
             res.error = _describe(e)

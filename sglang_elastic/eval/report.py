@@ -70,8 +70,15 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
     for r in d["rows"]:
         f, w = r.get("facts") or {}, _w(r)
         t, itl = w.get("ttft_s") or {}, w.get("decode_itl_s") or {}
-        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(f.get("max_total_num_tokens")), _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _err(r)])
-    md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "notes"], rows)
+        el = f.get("sglang_elastic") or {}
+        kv = f.get("max_total_num_tokens")
+        lent = (kv + el["lendable_tokens"]) if kv and el.get("lendable_tokens") is not None else None
+        after = w.get("sglang_elastic_after") or {}
+        note = _err(r)
+        if after.get("cycles") is not None:
+            note = (note + "; " if note else "") + f"{after['cycles']} lend/reclaim cycles"
+        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), note])
+    md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "notes"], rows)
 
     def plot(ax_fig):
         fig, ax = ax_fig
