@@ -257,3 +257,31 @@ def test_replay_without_a_graph_of_the_chosen_path_replays_the_captured_one():
     be.init_forward_metadata_out_graph(make_batch(runner, [1, 1], g, fill_pool=False), in_capture=True)  # captures paths[0]
     be.init_forward_metadata_out_graph(make_batch(runner, [300, 2], g, fill_pool=False))
     assert be.graph_path == "split" and be.forward_metadata.path == "split"
+
+
+def test_the_policy_runs_again_only_when_the_batch_changes_or_grows_by_rechoose_tokens():
+    """choose() memoises the cost model's pick: a stable batch growing one token
+    per step reuses it for RECHOOSE_TOKENS steps; a new batch size, or a
+    request swapped for a much longer one, runs the model again."""
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    calls = []
+
+    def choose(lens):
+        calls.append(list(lens))
+        return "compact" if max(lens) > 1000 else "split"
+
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), choose=choose)
+
+    def batch(lens):
+        t = torch.tensor(lens, dtype=torch.int64)
+        return types.SimpleNamespace(batch_size=len(lens), seq_lens_cpu=t, seq_lens_sum=int(t.sum()))
+
+    base = [64, 96, 128]
+    picks = [be.choose(batch([n + step for n in base])) for step in range(64)]
+    assert picks == ["split"] * 64
+    step_keys = {(3, sum(n + s for n in base) // (3 * backend_mod.RECHOOSE_TOKENS), (128 + s) // backend_mod.RECHOOSE_TOKENS) for s in range(64)}
+    assert len(calls) == len(step_keys) <= 4  # not 64
+    assert be.choose(batch([64, 96, 5000])) == "compact" and calls[-1] == [64, 96, 5000]  # swapped request: recomputed
+    n = len(calls)
+    assert be.choose(batch([64, 96, 128, 1])) == "split" and len(calls) == n + 1  # new batch size: recomputed

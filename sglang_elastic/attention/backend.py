@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
 #: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
 TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
+#: The policy's pick for a batch is reused until its size changes or its mean
+#: or longest KV length moves by this many tokens (:meth:`PersistentKVAttnBackend.choose`).
+RECHOOSE_TOKENS = 32
+_MAX_CHOICES = 4096
 
 
 def _attn_tp_size() -> int:
@@ -173,6 +177,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._captured: Dict[int, Set[str]] = {}
         self.variant_graphs = False  # set by the capture hook: one graph per (bs, path)
         self._warned_fallback = False
+        self._choices: Dict[tuple, str] = {}  # memoised policy picks (choose)
         self._trace_file = os.environ.get(TRACE_ENV)
         self._trace_counts: Dict[str, int] = {}
         self._trace_written = 0.0
@@ -216,14 +221,27 @@ class PersistentKVAttnBackend(AttentionBackend):
 
     def choose(self, forward_batch) -> str:
         """The path for this batch from host-side data only (``seq_lens_cpu``,
-        else ``seq_lens_sum`` spread evenly, else the first path)."""
+        else ``seq_lens_sum`` spread evenly, else the first path).
+
+        The cost model (20-100 us of CPython at batch 8-256) runs when the
+        batch's size changes or its mean or longest KV length has moved by
+        :data:`RECHOOSE_TOKENS`; in between, the memoised pick is reused
+        (a stable batch grows by one token per request per step, so the
+        model runs about every 32 steps; a lookup costs a few us).
+        """
         if len(self.policy.paths) == 1:
             return self.policy.paths[0]
         bs = forward_batch.batch_size
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        if lens_cpu is not None:
-            lens = lens_cpu[:bs]
-            return self.policy.choose(lens.numpy() if bs >= 64 else lens.tolist())
+        if lens_cpu is not None and bs > 0:
+            lens = lens_cpu.numpy()[:bs]  # a view: cheaper than slicing the tensor first
+            key = (bs, int(lens.sum()) // (bs * RECHOOSE_TOKENS), int(lens.max()) // RECHOOSE_TOKENS)
+            path = self._choices.get(key)
+            if path is None:
+                if len(self._choices) >= _MAX_CHOICES:
+                    self._choices.clear()
+                path = self._choices[key] = self.policy.choose(lens if bs >= 64 else lens.tolist())
+            return path
         total = getattr(forward_batch, "seq_lens_sum", None)
         if total is not None and bs > 0:
             return self.policy.choose([max(1, total // bs)] * bs)
