@@ -36,6 +36,7 @@ def _map_source_kernels() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    setattr(sys.modules[__name__], "kernels", module)  # as the import system does for a submodule
 
 
 _map_source_kernels()

@@ -43,6 +43,10 @@ def header(command: Optional[str] = None) -> Dict[str, Any]:
 
 
 def write(path: str, result: Dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    """Write ``result`` as indented JSON, atomically (a temp file beside it,
+    then ``os.replace``): a reader or a killed writer never sees half a file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
+    os.replace(tmp, path)

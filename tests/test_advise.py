@@ -31,14 +31,31 @@ def test_post_capture_sizing_drops_the_activation_reserve():
     assert sa.mem_fraction_static == round((H200_MIB - 512 - 128) / H200_MIB, 3) == 0.996
 
 
-def test_the_measured_h200_point_is_reproduced():
+def test_the_measured_h200_points_are_reproduced():
+    """E1's five stock rows (chunk 2,048-32,768) are the calibration: SGLang's
+    own sizing gives their mem_fraction_static, the fit their KV tokens and the
+    memory free after CUDA graphs."""
+    cal = advisor.load_calibration()
+    assert len(cal["points"]) == 5
+    for pt in cal["points"]:
+        p = advisor.predict("llama-3.1-8b", pt["gpu_mem_mib"] / 1024, 1, pt["chunked_prefill_size"])
+        assert p["mem_fraction_static"] == pt["mem_fraction_static"]
+        assert p["max_total_num_tokens"] == pytest.approx(pt["max_total_num_tokens"], rel=5e-4)
+        assert p["free_after_graphs_gib"] == pytest.approx(pt["free_after_graphs_gib"], rel=2e-2, abs=0.1)
     p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1)
-    assert abs(p["max_total_num_tokens"] - 906051) <= 1
-    assert p["kv_cell_bytes"] == 131072
-    assert p["free_after_graphs_gib"] == pytest.approx(9.02)
-    assert p["lendable_gib"] == pytest.approx(8.02)
-    assert p["extra_kv_tokens"] == int(8.02 * (1 << 30) // 131072)
-    assert p["recommendation"] == "elastic"
+    assert p["kv_cell_bytes"] == 131072 and p["recommendation"] == "elastic"
+    assert p["extra_kv_tokens"] == int(p["lendable_gib"] * (1 << 30) // 131072)
+    assert p["lendable_gib"] == pytest.approx(p["free_after_graphs_gib"] - 1.0)
+
+
+def test_one_calibration_point_is_reproduced_exactly():
+    cal = advisor.load_calibration()
+    one = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] == 8192]}
+    f = advisor.factors(one)
+    assert f["graph_bytes_per_token_width"] == 0.0
+    p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, calibration=one)
+    assert abs(p["max_total_num_tokens"] - 906056) <= 1
+    assert p["free_after_graphs_gib"] == pytest.approx(9.017)
 
 
 def test_the_reserve_shrinks_against_the_kv_pool_as_tp_grows():
@@ -49,9 +66,18 @@ def test_the_reserve_shrinks_against_the_kv_pool_as_tp_grows():
 def test_recommendations():
     big = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 1)
     assert big["max_total_num_tokens"] == 0 and big["recommendation"] == "neither" and "raise the TP degree" in big["reason"]
+    # E1 measured it: at a 32,768-token chunk the pool lends 336,896 tokens,
+    # more than a 2,048-token chunk would add (935,704 - 610,724 = 324,980)
     huge_chunk = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 32768)
-    assert huge_chunk["recommendation"] == "smaller chunk"
-    assert huge_chunk["small_chunk_extra_kv_tokens"] > huge_chunk["extra_kv_tokens"] > 0
+    assert huge_chunk["recommendation"] == "elastic"
+    assert huge_chunk["extra_kv_tokens"] == pytest.approx(336896, rel=0.02)
+    assert huge_chunk["extra_kv_tokens"] > huge_chunk["small_chunk_extra_kv_tokens"] > 0
+    # a chunk at SGLang's floor: nothing to gain from a smaller one, lending adds under 5 %
+    small = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 2048)
+    assert small["small_chunk_extra_kv_tokens"] == 0 and small["recommendation"] == "neither"
+    # a 16 GB safety margin leaves less to lend than a 2,048-token chunk frees for good
+    wide = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 16384, margin_mib=16000)
+    assert wide["recommendation"] == "smaller chunk" and wide["small_chunk_extra_kv_tokens"] > wide["extra_kv_tokens"]
 
 
 def test_cli(capsys):

@@ -85,9 +85,11 @@ def _e2e():
 def test_e2e_comparison_and_trace_checks():
     e2e = _e2e()
     ref = {"s": [{"ids": [5, 6, 7], "logprobs": [-0.5, -2.0, -30.0]}]}
-    assert e2e.compare(ref, {"s": [{"ids": [5, 6, 7], "logprobs": [-0.504, -2.01, -30.2]}]})[:2] == (True, pytest.approx(0.2 / 30))
-    same, worst, first = e2e.compare(ref, {"s": [{"ids": [5, 9, 7], "logprobs": [-0.5, -2.0, -30.0]}]})
-    assert not same and first == "s request 0 token 1"
+    c = e2e.compare(ref, {"s": [{"ids": [5, 6, 7], "logprobs": [-0.504, -2.01, -30.2]}]})
+    assert (c["tokens_equal"], c["max_rel_logprob_diff"], c["close"]) == (True, pytest.approx(0.2 / 30), True)
+    c = e2e.compare(ref, {"s": [{"ids": [5, 9, 7], "logprobs": [-0.5, -2.0, -30.0]}]})
+    assert not c["tokens_equal"] and c["first_token_mismatch"] == "s request 0 token 1"
+    assert not c["close"]  # no top-k logprobs recorded: a flip cannot be shown to be a near-tie
     assert e2e.check_trace("split", {"capture:split": 4, "replay:split": 64}) == []
     assert e2e.check_trace("split", {"replay:split": 60, "replay:flashinfer": 4}) == ["split: expected replays of split only, got {'flashinfer': 4}"]
     assert e2e.check_trace("auto", {"eager:split": 3, "capture:flashinfer": 1, "capture:split": 1, "capture:compact": 1}) == ["no decode step replayed a CUDA graph of persistentkv"]

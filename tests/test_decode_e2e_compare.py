@@ -19,8 +19,8 @@ def _req(ids, lps, tops):
 
 
 def _ref():
-    # three tokens; at position 1 the reference's top-2 are 11 (-0.70) and 12 (-0.74): a near-tie
-    return {"s": [_req([10, 11, 13], [-0.5, -0.70, -1.2], [[[-0.5, 10], [-2.0, 20]], [[-0.70, 11], [-0.74, 12]], [[-1.2, 13], [-3.0, 30]]])]}
+    # three tokens; at position 1 the reference's top-2 are 11 (-0.70) and 12 (-0.71): a near-tie
+    return {"s": [_req([10, 11, 13], [-0.5, -0.70, -1.2], [[[-0.5, 10], [-2.0, 20]], [[-0.70, 11], [-0.71, 12]], [[-1.2, 13], [-3.0, 30]]])]}
 
 
 def test_identical_runs_are_close_and_equal():
@@ -29,13 +29,14 @@ def test_identical_runs_are_close_and_equal():
 
 
 def test_a_near_tie_flip_is_close_but_not_equal_and_later_logprobs_are_not_compared():
-    got = {"s": [_req([10, 12, 99], [-0.5005, -0.71, -9.0], [[[-0.5005, 10]], [[-0.71, 12], [-0.72, 11]], [[-9.0, 99]]])]}
+    got = {"s": [_req([10, 12, 99], [-0.5005, -0.703, -9.0], [[[-0.5005, 10]], [[-0.703, 12], [-0.706, 11]], [[-9.0, 99]]])]}
     c = e2e.compare(_ref(), got)
     assert not c["tokens_equal"] and c["close"]
     [d] = c["divergences"]
     assert (d["request"], d["token"], d["ref_id"], d["got_id"]) == (0, 1, 11, 12)
-    assert d["ref_margin_nats"] == pytest.approx(0.04) and d["near_tie"]
-    assert c["max_rel_logprob_diff"] == pytest.approx(0.0005)  # position 0 only; -9.0 after the flip is ignored
+    assert d["ref_margin_nats"] == pytest.approx(0.01) and d["got_margin_nats"] == pytest.approx(0.003) and d["near_tie"]
+    # position 0 and both candidates at the flip (same prefix there); -9.0 after the flip is ignored
+    assert c["max_rel_logprob_diff"] == pytest.approx(0.007)
     assert c["first_token_mismatch"] == "s request 0 token 1"
 
 
@@ -58,3 +59,20 @@ def test_logprobs_off_by_more_than_the_tolerance_fail_without_any_flip():
     got["s"][0]["logprobs"] = [-0.5, -0.70, -1.25]  # 0.05 / 1.2 = 4 % > 1 %
     c = e2e.compare(_ref(), got)
     assert c["tokens_equal"] and not c["close"] and c["max_rel_logprob_diff"] == pytest.approx(0.05 / 1.2)
+
+
+def test_a_flip_that_distorts_both_candidates_fails_even_inside_both_top_k():
+    """The reference had x = -2.00 and y = -2.05 (a near-tie); a run that gives
+    y = -0.5 and x = -4.0 at the same prefix is a broken kernel, not rounding."""
+    ref = {"s": [_req([1, 2], [-0.3, -2.00], [[[-0.3, 1]], [[-2.00, 2], [-2.05, 3]]])]}
+    got = {"s": [_req([1, 3], [-0.3, -0.5], [[[-0.3, 1]], [[-0.5, 3], [-4.0, 2]]])]}
+    c = e2e.compare(ref, got)
+    assert not c["close"] and not c["divergences"][0]["near_tie"] and c["max_rel_logprob_diff"] > 0.5
+
+
+def test_missing_or_truncated_outputs_fail():
+    short = {"s": [_req([10, 11], [-0.5, -0.70], _ref()["s"][0]["top"][:2])]}
+    c = e2e.compare(_ref(), short)
+    assert not c["close"] and not c["tokens_equal"] and "2 tokens" in c["problems_outputs"][0]
+    c = e2e.compare(_ref(), {"s": []})
+    assert not c["close"] and "0 outputs" in c["problems_outputs"][0]

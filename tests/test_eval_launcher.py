@@ -115,6 +115,16 @@ def test_only_runs_the_named_rows_keeps_earlier_ones_and_reports_progress(launch
     changed = _exp(servers=[{"label": "tp2", "tp": 2, "chunked_prefill_size": 2048, "env": {"SGLANG_EVAL_PROBE": "forwarded"}}, {"label": "tp1", "tp": 1, "chunked_prefill_size": 4096}])
     third = experiments.run(changed, launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=second)
     assert not {r["label"]: r for r in third["rows"]}["tp1"]["ok"]
+    # nor one that ran other workloads
+    other = _exp(workloads=[{**_exp().workloads[0].model_dump(mode="json"), "decodes": 2}])
+    fourth = experiments.run(other, launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=second)
+    assert not {r["label"]: r for r in fourth["rows"]}["tp1"]["ok"]
+    # a full rerun reports the earlier rows for servers not finished yet
+    early = []
+    experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, previous=second,
+                    on_progress=lambda body: early.append({r["label"]: r.get("measured") for r in body["rows"]}))
+    first_write = early[0]
+    assert sum(m != rows2[k]["measured"] for k, m in first_write.items()) == 1  # one row new, the other still the earlier one
     with pytest.raises(ValueError, match="no row nope"):
         experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["nope"])
 

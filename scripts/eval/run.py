@@ -53,7 +53,7 @@ def main() -> int:
     if unknown:
         print(f"run.py: --only: no row {', '.join(unknown)} in {a.config}; rows: {', '.join(s.label for s in exp.servers)}", file=sys.stderr)
         return 2
-    previous = json.loads(out.read_text()) if only and out.is_file() else None
+    previous = json.loads(out.read_text()) if out.is_file() else None
     head = results.header()
 
     def write(body):
@@ -63,8 +63,9 @@ def main() -> int:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
                                warm_first=False if a.no_warm_first else None, on_progress=write)
     write(body)
-    failed = [r["label"] for r in body["rows"] if not r["ok"]]
-    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}")
+    failed = [r["label"] for r in body["rows"] if not r["ok"] and (not only or r["label"] in only)]
+    missing = [r["label"] for r in body["rows"] if not r["ok"] and only and r["label"] not in only]
+    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else ""))
     if not a.no_report and not a.standin:
         try:
             report.render_doc(ROOT / "docs/eval.md", a.out_dir, ROOT)

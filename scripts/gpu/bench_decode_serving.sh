@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_serving_h200.json}
 work=${WORK:-/tmp/decode_serving}
 site=${SITE:-/tmp/site}
-mkdir -p "$work"
+rm -rf "$work"; mkdir -p "$work"   # nothing of an earlier run may reach the result
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps --no-index --target "$site" --upgrade .whl/*.whl; fi
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
@@ -33,15 +33,23 @@ base=(python3 -m sglang.launch_server --model-path "$model" --load-format dummy 
       --attention-backend flashinfer --sampling-backend pytorch --grammar-backend none --host 127.0.0.1)
 declare -A extra=([flashinfer]="" [persistentkv]="--decode-attention-backend persistentkv --decode-policy auto")
 
-start() {  # name gpu port
-  local env=()
-  [ "$1" = persistentkv ] && env=(SGLANG_ELASTIC_DECODE_TRACE="$work/trace")
-  env CUDA_VISIBLE_DEVICES=$2 "${env[@]}" "${base[@]}" --port "$3" ${extra[$1]} > "$work/server_$1.log" 2>&1 &
+start() {  # name gpu port: the server leads its own process group (setsid), so stopping it stops only it
+  local extra_env=(SGLANG_ELASTIC_DECODE_TRACE_EVERY_S=1)
+  [ "$1" = persistentkv ] && extra_env+=(SGLANG_ELASTIC_DECODE_TRACE="$work/trace")
+  env CUDA_VISIBLE_DEVICES=$2 "${extra_env[@]}" setsid "${base[@]}" --port "$3" ${extra[$1]} > "$work/server_$1.log" 2>&1 &
   echo $!
+}
+stop() {  # pid...
+  for p in "$@"; do kill -- "-$p" 2>/dev/null || true; done
+  sleep 5
+  for p in "$@"; do kill -9 -- "-$p" 2>/dev/null || true; done
 }
 wait_up() {  # name pid port
   for i in $(seq 1 900); do
-    curl -sf "http://127.0.0.1:$3/health" >/dev/null 2>&1 && { echo "$1 up after ${i}s"; curl -sf "http://127.0.0.1:$3/server_info" > "$work/server_info_$1.json"; return 0; }
+    if curl -sf "http://127.0.0.1:$3/health" >/dev/null 2>&1; then
+      echo "$1 up after ${i}s"; echo "$i" > "$work/startup_$1.txt"
+      curl -sf "http://127.0.0.1:$3/server_info" > "$work/server_info_$1.json"; return 0
+    fi
     kill -0 "$2" 2>/dev/null || { tail -40 "$work/server_$1.log"; echo "$1 server died" >&2; return 1; }
     sleep 1
   done
@@ -58,7 +66,7 @@ bench() {  # name port
   done
 }
 pids=()
-trap 'kill ${pids[*]} 2>/dev/null || true; sleep 3; pkill -f sglang.launch_server || true' EXIT
+trap 'stop ${pids[@]+"${pids[@]}"}' EXIT
 ngpu=$(nvidia-smi -L | wc -l)
 rc=0
 if [ "$ngpu" -ge 2 ]; then
@@ -70,9 +78,9 @@ else
   for name in flashinfer persistentkv; do
     p=$(start $name 0 31000); pids=($p)
     wait_up $name $p 31000 && bench $name 31000 || rc=1
-    kill $p; sleep 5; pkill -f sglang.launch_server || true; sleep 5
+    stop "$p"; pids=()
   done
 fi
-python3 scripts/gpu/write_decode_serving.py --work "$work" --workloads "$WORKLOADS" --out "$result" \
+python3 scripts/gpu/write_decode_serving.py --work "$work" --workloads "$WORKLOADS" --gpus "$ngpu" --out "$result" \
   --merge-into docs/results/decode_h200.json --command "bash scripts/gpu/bench_decode_serving.sh" || rc=1
 exit $rc

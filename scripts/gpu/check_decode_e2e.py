@@ -25,7 +25,8 @@ split graphs among the three captured per batch size), and each forced path.
 Checks, per mode against the FlashInfer-only run (:func:`compare`): every
 output token's logprob within ``1e-2 * max(1, |ref|)`` up to a request's first
 divergence, and every divergence a near-tie (each side's token in the other's
-top-5, the reference's two logprobs within 0.1 nats: vLLM's
+top-5, both runs' logprobs of the two within 0.1 nats and within the
+tolerance of each other: vLLM's
 ``check_logprobs_close`` with a margin bound); strict token equality is
 reported beside it (``tokens_equal``). The first H200 run (2026-11-30) showed
 why strict equality alone cannot be the criterion on random weights: SGLang's
@@ -151,23 +152,39 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
 
     - ``tokens_equal``: every output token equal (the strict criterion).
     - ``max_rel_logprob_diff``: ``max |dlogprob| / max(1, |ref|)`` over the
-      tokens before a request's first divergence (after it, the two runs
-      decode different sequences and their logprobs are not comparable).
-    - ``divergences``: per diverged request the position, both tokens, and
-      whether it is a near-tie: each token in the other's top-k and the
-      reference's logprobs of the two within ``tie_nats``. This is vLLM's
-      ``check_logprobs_close`` (tests/models/utils.py) plus a margin bound:
-      on random weights greedy picks are often near-ties, so any second
-      correct bf16 kernel (SGLang's own Triton decode included) flips some.
-    - ``close``: ``max_rel_logprob_diff <= tol`` and every divergence a near-tie.
+      tokens up to and including a request's first divergence ``j`` (at ``j``
+      both runs saw the same prefix, so the logprobs of both candidate tokens
+      are compared through the top-k lists; after ``j`` they decode different
+      sequences and are not comparable).
+    - ``divergences``: per diverged request the position, both tokens, both
+      runs' margins between them, and whether it is a near-tie: each token in
+      the other's top-k and each run's two logprobs within ``tie_nats``. This
+      is vLLM's ``check_logprobs_close`` (tests/models/utils.py) plus the
+      margin bounds: on random weights greedy picks are often near-ties, so
+      any second correct bf16 kernel (SGLang's own Triton decode included)
+      flips some.
+    - ``problems``: missing requests or outputs of another length.
+    - ``close``: no problem, ``max_rel_logprob_diff <= tol`` and every
+      divergence a near-tie.
     """
-    worst, divs, same = 0.0, [], True
+    worst, divs, same, problems = 0.0, [], True, []
+
+    def rel(x, y):
+        return abs(x - y) / max(1.0, abs(x))
+
     for name in ref:
+        if len(got.get(name, [])) != len(ref[name]):
+            problems.append(f"{name}: {len(got.get(name, []))} outputs, reference has {len(ref[name])}")
+            continue
         for i, (a, b) in enumerate(zip(ref[name], got[name])):
+            if len(b["ids"]) != len(a["ids"]) or len(b["logprobs"]) != len(b["ids"]):
+                problems.append(f"{name} request {i}: {len(b['ids'])} tokens / {len(b['logprobs'])} logprobs, reference {len(a['ids'])}")
+                same = False
+                continue
             j = next((j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
             n = len(a["ids"]) if j is None else j
             for x, y in zip(a["logprobs"][:n], b["logprobs"][:n]):
-                worst = max(worst, abs(x - y) / max(1.0, abs(x)))
+                worst = max(worst, rel(x, y))
             if j is None:
                 continue
             same = False
@@ -175,12 +192,16 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
             ref_top = {int(t[1]): t[0] for t in ta[j]} if ta else {}
             got_top = {int(t[1]): t[0] for t in tb[j]} if tb else {}
             x, y = a["ids"][j], b["ids"][j]
-            margin = (ref_top[x] - ref_top[y]) if x in ref_top and y in ref_top else None
-            tie = margin is not None and x in got_top and margin <= tie_nats
-            divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": margin,
+            both = x in ref_top and y in ref_top and x in got_top and y in got_top
+            ref_margin = (ref_top[x] - ref_top[y]) if x in ref_top and y in ref_top else None
+            got_margin = (got_top[y] - got_top[x]) if x in got_top and y in got_top else None
+            if both:  # same prefix at j: both candidates' logprobs must agree too
+                worst = max(worst, rel(ref_top[x], got_top[x]), rel(ref_top[y], got_top[y]))
+            tie = both and ref_margin <= tie_nats and got_margin <= tie_nats
+            divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin,
                          "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": tie})
-    close = worst <= tol and all(d["near_tie"] for d in divs)
-    return {"tokens_equal": same, "max_rel_logprob_diff": worst, "divergences": divs, "close": close,
+    close = not problems and worst <= tol and all(d["near_tie"] for d in divs)
+    return {"tokens_equal": same and not problems, "max_rel_logprob_diff": worst, "divergences": divs, "problems_outputs": problems, "close": close,
             "first_token_mismatch": f"{divs[0]['set']} request {divs[0]['request']} token {divs[0]['token']}" if divs else None}
 
 

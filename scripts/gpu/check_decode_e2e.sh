@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
 work=${WORK:-/tmp/decode_e2e}
 site=${SITE:-/tmp/site}
-mkdir -p "$work" "$(dirname "$result")"
+rm -rf "$work"; mkdir -p "$work" "$(dirname "$result")"   # no part of an earlier run may be merged
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 ngpu=$(nvidia-smi -L | wc -l)
@@ -28,6 +28,6 @@ for i in "${!groups[@]}"; do
 done
 rc=0
 for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
-for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8; done
+for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8 || true; done
 python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "bash scripts/gpu/check_decode_e2e.sh" || rc=1
 exit $rc

@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     ap.add_argument("--workloads", required=True)
+    ap.add_argument("--gpus", type=int, default=2, help="GPUs the servers ran on (2: side by side, 1: one after the other)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--merge-into", default=None)
     ap.add_argument("--command", required=True)
@@ -37,10 +38,15 @@ def main() -> None:
     for s in SERVERS:
         p = os.path.join(a.work, f"server_info_{s}.json")
         info = json.load(open(p)) if os.path.exists(p) else {}
+        up = os.path.join(a.work, f"startup_{s}.txt")
         servers[s] = {"max_total_num_tokens": info.get("max_total_num_tokens"), "attention_backend": info.get("attention_backend"),
                       "decode_attention_backend": info.get("decode_attention_backend"), "chunked_prefill_size": info.get("chunked_prefill_size"),
-                      "cuda_graph_max_bs": info.get("cuda_graph_max_bs")}
+                      "cuda_graph_max_bs_decode": info.get("cuda_graph_max_bs_decode"),
+                      "memory_usage_gib": ((info.get("internal_states") or [{}])[0] or {}).get("memory_usage"),
+                      "startup_s": int(open(up).read()) if os.path.exists(up) else None}
     servers["persistentkv"]["decode_steps"] = trace_counts(a.work)
+    servers["persistentkv"]["decode_steps_note"] = ("SGLANG_ELASTIC_DECODE_TRACE counts, written at most once a second: graphs captured per "
+                                                    "path and batch size, replays per path (the last second may be missing)")
     rows = []
     for w in a.workloads.split():
         name, ilen, ratio, olen, n, conc = w.split("|")
@@ -59,7 +65,8 @@ def main() -> None:
             row["output_throughput_ratio"] = o["output_throughput"] / f["output_throughput"]
         rows.append(row)
     res = {**results.header(a.command), "model": "llama-3.1-8b shape, --load-format dummy, stand-in word-level tokenizer",
-           "servers": servers, "placement": "two GPUs: FlashInfer on GPU 0, persistentkv on GPU 1, side by side",
+           "servers": servers, "placement": ("two GPUs of one host: FlashInfer on GPU 0, persistentkv on GPU 1, side by side, the same bench_serving commands at the same time"
+                         if a.gpus >= 2 else "one GPU: the FlashInfer server, then the persistentkv server"),
            "workloads": rows}
     results.write(a.out, res)
     print(json.dumps(rows, indent=1))

@@ -49,6 +49,7 @@ import os
 import time
 from typing import Dict, Optional, Set
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
@@ -181,19 +182,22 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._trace_file = os.environ.get(TRACE_ENV)
         self._trace_counts: Dict[str, int] = {}
         self._trace_written = 0.0
+        #: seconds between rewrites of the trace file (0: every step, exact counts; a live server sets 1)
+        self._trace_every_s = float(os.environ.get(TRACE_ENV + "_EVERY_S", "0") or 0)
         install_graph_hooks()
 
     def _trace(self, kind: str, path: str, bs: int) -> None:
-        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE.<pid>`` (debug only;
-        rewritten when a key first appears, else at most once a second, so the
-        last second of counts may be missing)."""
+        """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE.<pid>`` (debug only).
+        Rewritten every step, or, with ``$SGLANG_ELASTIC_DECODE_TRACE_EVERY_S``,
+        when a key first appears and else at most that often (a live server:
+        the last interval's counts may be missing)."""
         if not self._trace_file:
             return
         key = f"{kind}:{path}"
         new_key = key not in self._trace_counts
         self._trace_counts[key] = self._trace_counts.get(key, 0) + 1
         now = time.monotonic()
-        if not new_key and now - self._trace_written < 1.0:  # a live server: at most one write a second
+        if not new_key and now - self._trace_written < self._trace_every_s:
             return
         self._trace_written = now
         with open(f"{self._trace_file}.{os.getpid()}", "w") as f:
@@ -223,11 +227,15 @@ class PersistentKVAttnBackend(AttentionBackend):
         """The path for this batch from host-side data only (``seq_lens_cpu``,
         else ``seq_lens_sum`` spread evenly, else the first path).
 
-        The cost model (20-100 us of CPython at batch 8-256) runs when the
-        batch's size changes or its mean or longest KV length has moved by
-        :data:`RECHOOSE_TOKENS`; in between, the memoised pick is reused
-        (a stable batch grows by one token per request per step, so the
-        model runs about every 32 steps; a lookup costs a few us).
+        The cost model (20-85 us of CPython at batch 1-256) runs when the
+        batch's size, or the count of its requests past twice the mean
+        length, changes, or its mean, longest or shortest KV length moves by
+        :data:`RECHOOSE_TOKENS`; in between, the memoised pick is reused (a
+        stable batch grows by one token per request per step, so the model
+        runs every 16-32 steps; a lookup costs a few us; the shortest length
+        counts in 256-token steps). A stale pick is
+        only slower, never wrong: every path computes the same attention,
+        and under ``auto`` every captured batch size has all three graphs.
         """
         if len(self.policy.paths) == 1:
             return self.policy.paths[0]
@@ -235,7 +243,11 @@ class PersistentKVAttnBackend(AttentionBackend):
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if lens_cpu is not None and bs > 0:
             lens = lens_cpu.numpy()[:bs]  # a view: cheaper than slicing the tensor first
-            key = (bs, int(lens.sum()) // (bs * RECHOOSE_TOKENS), int(lens.max()) // RECHOOSE_TOKENS)
+            mean = int(lens.sum()) // bs
+            # size, mean, longest, shortest and how many run past twice the mean:
+            # batches alike in these are alike to the cost model
+            key = (bs, mean // RECHOOSE_TOKENS, int(lens.max()) // RECHOOSE_TOKENS, int(lens.min()) // (8 * RECHOOSE_TOKENS),
+                   int(np.count_nonzero(lens > 2 * mean)))
             path = self._choices.get(key)
             if path is None:
                 if len(self._choices) >= _MAX_CHOICES:

@@ -12,13 +12,22 @@ answer without a GPU comes from measured points (``calibration.json``):
 
 - ``context_overhead_gib``: GPU memory taken before the model loads (CUDA
   context, NCCL), so ``pre_model_load_free = gpu_mem - overhead``;
-- ``lendable_fraction``: the part of SGLang's reserve
-  (``pre_model_load_free * (1 - mem_fraction_static)``,
-  kv_cache_configurator.py ``_profile_available_bytes``) still free after
-  CUDA-graph capture (``available_gpu_mem`` in SGLang's start-up log).
+- the memory CUDA-graph capture and the runtime take out of that reserve
+  (SGLang's reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
+  kv_cache_configurator.py ``_profile_available_bytes``; what is left is
+  ``available_gpu_mem`` in SGLang's start-up log): a fixed part
+  ``graph_fixed_gib`` (decode graphs, workspaces) plus the breakable prefill
+  graphs' activations, ``graph_bytes_per_token_width`` bytes per token of
+  ``--chunked-prefill-size`` per unit of activation width ``hidden_size +
+  2 * intermediate_size``. Both are a least-squares fit over the points (one
+  point: the fixed part only). The width is not divided by TP: the TP2
+  elastic run left less free per GPU than TP1 (4.97 vs 4.48 GiB taken out
+  of the reserve; NCCL and all-reduce buffers outweigh the split MLP), so
+  the TP1 fit is the closer guess until E3's TP rows are points too.
 
 Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
-``lendable = reserve * lendable_fraction - margin`` (the elastic pool's
+``free after graphs = reserve - graph_fixed - per_token * width * chunk``,
+``lendable = free after graphs - margin`` (the elastic pool's
 ``--elastic-kv-margin-mb``, default 1 GiB), ``extra tokens = lendable / cell``.
 """
 
@@ -146,6 +155,13 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
     return cal
 
 
+def activation_width(server_args, tp: int) -> int:
+    """Activation width per token of the prefill graph (see the module doc;
+    ``tp`` is accepted for a TP-aware fit once TP points exist, unused now)."""
+    hf = server_args.get_model_config().hf_text_config
+    return hf.hidden_size + 2 * hf.intermediate_size
+
+
 def derive(point: Dict[str, Any]) -> Dict[str, float]:
     """Factors of one measured point (see the module doc)."""
     sa = sglang_server_args(_model_dir(point["model"]), point["gpu_mem_mib"], point["tp"], point.get("chunked_prefill_size"))
@@ -160,14 +176,26 @@ def derive(point: Dict[str, Any]) -> Dict[str, float]:
         "pre_model_load_free_gib": pre_free,
         "context_overhead_gib": point["gpu_mem_mib"] / 1024 - pre_free,
         "reserve_gib": reserve,
-        "lendable_fraction": point["free_after_graphs_gib"] / reserve,
+        "graph_gib": reserve - point["free_after_graphs_gib"],
+        "chunk_width": sa.chunked_prefill_size * activation_width(sa, point["tp"]),
     }
 
 
 def factors(cal: Dict[str, Any]) -> Dict[str, float]:
-    """Mean factors over the calibration points."""
+    """The context overhead (mean over the points) and the graph memory's
+    fixed and per-token parts (least squares of ``graph_gib`` on
+    ``chunk * width``; one distinct chunk: the fixed part only)."""
     ds = [derive(p) for p in cal["points"]]
-    return {k: sum(d[k] for d in ds) / len(ds) for k in ("context_overhead_gib", "lendable_fraction")}
+    xs = [d["chunk_width"] for d in ds]
+    ys = [d["graph_gib"] for d in ds]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return {
+        "context_overhead_gib": sum(d["context_overhead_gib"] for d in ds) / len(ds),
+        "graph_fixed_gib": my - slope * mx,
+        "graph_bytes_per_token_width": slope * GIB,
+    }
 
 
 def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
@@ -200,7 +228,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         raise AdviseError(
             f"SGLang would keep back {gpu_mem_mib * (1 - sa.mem_fraction_static):,.0f} MiB for activations at --chunked-prefill-size "
             f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: use a smaller chunk or a larger GPU")
-    free_after = reserve * f["lendable_fraction"]
+    graph = f["graph_fixed_gib"] + f["graph_bytes_per_token_width"] * sa.chunked_prefill_size * activation_width(sa, tp) / GIB
+    free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
     extra = int(lendable * GIB // cell)
     small = sglang_server_args(mdir, gpu_mem_mib, tp, SMALL_CHUNK)
@@ -263,7 +292,8 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  reserve (kept out of the KV pool): {p['reserve_gib']:.2f} GiB = {p['reserve_fraction_of_hbm']:.1%} of HBM"
         + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
         f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)",
-        f"  free after CUDA graphs (calibrated x{p['factors']['lendable_fraction']:.3f}): {p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
+        f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token_width']:.2f} B per token x width): "
+        f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",

@@ -13,6 +13,7 @@ import copy
 import datetime
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -170,11 +171,12 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     """Run every row that cannot be reused; rows in the config's order.
 
     ``only``: run just these labels; every other row is kept from ``previous``
-    (an earlier result of this experiment) when it measured the same server,
-    else recorded as not run; so an experiment can be measured in several
-    calls. ``on_progress`` gets the result body after each finished server
-    (unfinished rows marked not run), for a caller that writes it as it goes:
-    a run killed at a time limit leaves what it measured.
+    (an earlier result of this experiment) when it measured the same server
+    and workloads, else recorded as not run; so an experiment can be measured
+    in several calls. ``on_progress`` gets the result body after each
+    finished server (rows not finished yet: ``previous``'s, else not run),
+    for a caller that writes it as it goes: a run killed at a time limit
+    leaves what it measured and what the file held before.
 
     Raises:
         ValueError: ``only`` names a label the config does not have.
@@ -183,17 +185,23 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
         unknown = sorted(set(only) - {s.label for s in exp.servers})
         if unknown:
             raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
-    kept = {r["label"]: r for r in (previous or {}).get("rows", [])}
+    want = [w.model_dump(mode="json") for w in exp.workloads]
+
+    def earlier(s: ServerConfig) -> Optional[Dict[str, Any]]:
+        """``previous``'s row for ``s`` if it measured the same server and workloads."""
+        old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
+        if old is None or not old.get("ok") or old.get("identity") != s.identity():
+            return None
+        if [w.get("workload") for w in old.get("workloads", [])] != want:
+            return None
+        return old
+
     rows: Dict[str, Dict[str, Any]] = {}
     jobs: List[ServerJob] = []
     notes: List[str] = []
     for s in exp.servers:
         if only and s.label not in only:
-            old = kept.get(s.label)
-            if old is not None and old.get("identity") == s.identity():
-                rows[s.label] = old
-            else:
-                rows[s.label] = _not_run(s, "not run (not in --only, no earlier row)")
+            rows[s.label] = earlier(s) or _not_run(s, "not run (not in --only, no earlier row of the same server and workloads)")
             continue
         if s.reuse and not standin:
             row, why = find_reusable(exp, s, results_dir)
@@ -206,18 +214,24 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     by_label = {s.label: s for s in exp.servers}
 
     def body() -> Dict[str, Any]:
-        out = [rows.get(s.label) or _not_run(s, "not run (interrupted before it finished)") for s in exp.servers]
+        # a row still running keeps its earlier measurement, if any (a run
+        # stopped half-way does not erase what the file held)
+        out = [rows.get(s.label) or earlier(s) or _not_run(s, "not run (interrupted before it finished)") for s in exp.servers]
         if exp.experiment == "reserve_vs_tp" and not standin:
-            for row in out:
-                if row["ok"] and "advisor" not in row:
-                    row["advisor"] = advisor_for(row)
+            out = [dict(row, advisor=advisor_for(row)) if row["ok"] and "advisor" not in row else row for row in out]
         return {"experiment": exp.experiment, "name": exp.result_name, "description": exp.description, "standin": standin, "notes": notes,
                 "config": exp.model_dump(mode="json"), "rows": out}
 
+    lock = threading.Lock()  # the launcher calls back from its worker threads
+
     def done(r: ServerResult) -> None:
-        rows[r.name] = _row(by_label[r.name], r)
-        if on_progress:
-            on_progress(body())
+        with lock:
+            rows[r.name] = _row(by_label[r.name], r)
+            if on_progress:
+                try:
+                    on_progress(body())
+                except Exception:  # a failed progress write must not stop the servers still running
+                    logger.exception("writing the progress of %s failed", r.name)
 
     # The first start on a fresh host JIT-compiles FlashInfer (~4 min): let one
     # server warm the cache before the others start beside it.

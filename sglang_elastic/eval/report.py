@@ -72,7 +72,8 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         t, itl = w.get("ttft_s") or {}, w.get("decode_itl_s") or {}
         el = f.get("sglang_elastic") or {}
         kv = f.get("max_total_num_tokens")
-        lent = (kv + el["lendable_tokens"]) if kv and el.get("lendable_tokens") is not None else None
+        can_lend = el.get("lendable_tokens") is not None and not el.get("lending_disabled") and el.get("mode", "dynamic") != "off"
+        lent = (kv + el["lendable_tokens"]) if kv and can_lend else None
         after = w.get("sglang_elastic_after") or {}
         note = _err(r)
         if after.get("cycles") is not None:
