@@ -78,6 +78,8 @@ def test_e2_equal_ttft_and_capacity_against_the_baseline(tmp_path):
     report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
     rows = {r[0]: r for r in _table_rows(doc.read_text(), "capacity")}
     assert rows["mfs-0.92"][7] == "yes (best of group)" and rows["mfs-0.91"][7] == "yes"
+    assert rows["small-chunk-2048"][7:9] == ["no", "no"]  # +5 % TTFT: neither equal nor within budget
+    assert cr["small-chunk-2048"]["within_budget"] is False and cr["stock"]["within_budget"] is True
     assert rows["elastic"][2:5] == ["906,051", "65,536", "7.2 %"]
 
 
@@ -99,3 +101,15 @@ def test_rendering_twice_gives_the_same_files(tmp_path):
     first = doc.read_text(), (doc.parent / "results" / "eval" / "capacity.png").read_bytes()
     report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
     assert (doc.read_text(), (doc.parent / "results" / "eval" / "capacity.png").read_bytes()) == first
+
+
+def test_a_faster_row_is_within_the_ttft_budget_but_not_equal():
+    def row(label, med, p99, kv):
+        return {"label": label, "group": label, "ok": True, "server": {}, "facts": {"max_total_num_tokens": kv},
+                "workloads": [{"ttft_s": {"median": med, "p99": p99}}]}
+
+    d = {"config": {"baseline": "stock", "ttft_tolerance": 0.01},
+         "rows": [row("stock", 1.0, 1.1, 906056), row("fast", 0.85, 1.0, 610724), row("slow", 1.02, 1.1, 935704)]}
+    cr = {x["row"]["label"]: x for x in report.capacity_rows(d)}
+    assert (cr["fast"]["equal_ttft"], cr["fast"]["within_budget"]) == (False, True)
+    assert (cr["slow"]["equal_ttft"], cr["slow"]["within_budget"]) == (False, False)

@@ -13,9 +13,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-BLOCKS = ("ttft_vs_chunk", "capacity", "reserve_vs_tp", "decode_fraction", "advisor")
+BLOCKS = ("ttft_vs_chunk", "ttft_vs_chunk_tp2", "capacity", "reserve_vs_tp", "decode_fraction", "advisor")
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
+    "ttft_vs_chunk_tp2": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk_tp2.yaml",
     "capacity": "python scripts/eval/run.py scripts/eval/configs/e2_capacity.yaml",
     "reserve_vs_tp": "python scripts/eval/run.py scripts/eval/configs/e3_reserve_vs_tp.yaml",
     "decode_fraction": "python scripts/eval/run.py scripts/eval/configs/e4_decode_fraction.yaml",
@@ -125,7 +126,8 @@ def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
         kv = f.get("max_total_num_tokens")
         dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None
         dp = (t["p99"] / bt["p99"] - 1) if t.get("p99") and bt.get("p99") else None
-        out.append({"row": r, "kv_tokens": kv, "lent_tokens": lent, "total": (kv or 0) + (lent or 0) if kv else None, "d_median": dm, "d_p99": dp, "equal_ttft": dm is not None and dp is not None and abs(dm) <= tol and abs(dp) <= tol})
+        out.append({"row": r, "kv_tokens": kv, "lent_tokens": lent, "total": (kv or 0) + (lent or 0) if kv else None, "d_median": dm, "d_p99": dp, "equal_ttft": dm is not None and dp is not None and abs(dm) <= tol and abs(dp) <= tol,
+                    "within_budget": dm is not None and dp is not None and dm <= tol and dp <= tol})
     base_total = next((x["total"] for x in out if x["row"] is base), None)
     for x in out:
         x["vs_baseline"] = (x["total"] / base_total - 1) if x["total"] and base_total else None
@@ -140,8 +142,8 @@ def capacity(d: Dict[str, Any]) -> Tuple[str, Callable]:
         g = x["row"].get("group") or x["row"]["label"]
         if x["equal_ttft"] and x["total"] and (g not in best or x["total"] > best[g]["total"]):
             best[g] = x
-    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), _err(x["row"])] for x in cr]
-    md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", "notes"], rows)
+    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), "yes" if x["within_budget"] else "no", _err(x["row"])] for x in cr]
+    md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", f"TTFT no worse (≤ +{tol:.0%})", "notes"], rows)
 
     def plot(ax_fig):
         fig, ax = ax_fig
@@ -228,7 +230,7 @@ def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     return md, None
 
 
-RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "capacity": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
+RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "ttft_vs_chunk_tp2": ttft_vs_chunk, "capacity": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
 
 
 def _save_plot(plot: Callable, path: Path) -> None:
