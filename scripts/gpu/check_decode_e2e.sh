@@ -7,6 +7,7 @@
 #
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
 #   bash scripts/gpu/check_decode_e2e.sh [RESULT_JSON]
+#   E2E_GPUS=1 bash scripts/gpu/check_decode_e2e.sh      # all seven engines on GPU 1
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
@@ -15,15 +16,16 @@ site=${SITE:-/tmp/site}
 rm -rf "$work"; mkdir -p "$work" "$(dirname "$result")"   # no part of an earlier run may be merged
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-ngpu=$(nvidia-smi -L | wc -l)
-if [ "$ngpu" -ge 2 ]; then
+# E2E_GPUS: the GPUs to use (default: all), e.g. E2E_GPUS=1 to leave GPU 0 to another job
+read -r -a gpus <<< "${E2E_GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+if [ "${#gpus[@]}" -ge 2 ]; then
   groups=("control-triton,auto,auto-ours" "flashinfer,split,compact")
 else
   groups=("control-triton,auto,auto-ours,flashinfer,split,compact")
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do
-  CUDA_VISIBLE_DEVICES=$i python3 scripts/gpu/check_decode_e2e.py --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
   pids+=($!); parts+=("$work/part$i.json")
 done
 rc=0
