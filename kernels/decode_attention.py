@@ -152,15 +152,18 @@ def _queue_kernel(
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr, SEGMENTED: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
     ``SEGMENTED``: the segment starts at ``seg_start[b]`` (work queue), else
-    at ``b * SEG_STRIDE`` (split)."""
+    at ``b * SEG_STRIDE`` (split). ``BLOCK_S`` partials are loaded per step
+    (one memory round trip for up to ``BLOCK_S`` splits, instead of one per
+    split), folded into the running max / sum / accumulator."""
     b = tl.program_id(0)
     qh = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
     mask_d = offs_d < D
     if SEGMENTED:
         first = tl.load(seg_start_ptr + b)
@@ -170,18 +173,23 @@ def _merge_kernel(
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, n):
-        slot = first + i
-        lse = tl.load(mid_lse_ptr + slot * stride_ml_s + qh + tl.zeros([1], tl.int32))
-        o = tl.load(mid_o_ptr + slot * stride_mo_s + qh * stride_mo_h + offs_d, mask=mask_d, other=0.0)
-        m_new = tl.maximum(m, lse)
+    for i0 in range(0, n, BLOCK_S):
+        mask_s = (i0 + offs_s) < n
+        slot = first + i0 + offs_s
+        lse = tl.load(mid_lse_ptr + slot * stride_ml_s + qh, mask=mask_s, other=float("-inf"))
+        o = tl.load(mid_o_ptr + slot[:, None] * stride_mo_s + qh * stride_mo_h + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
         scale_old = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * scale_old + o * w
-        l = l * scale_old + w
+        w = tl.exp(lse - m_new)  # masked rows: exp(-inf) = 0
+        acc = acc * scale_old + tl.sum(o * w[:, None], 0)
+        l = l * scale_old + tl.sum(w, 0)
         m = m_new
     out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
     tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+#: Partials the merge kernel loads per step.
+MERGE_BLOCK_S = 32
 
 
 def _dot_f32(q: torch.Tensor) -> bool:
@@ -282,7 +290,7 @@ def split_kv_run(
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, nsplit, nsplit, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits, SEGMENTED=False,
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
     )
     return out
 
@@ -377,7 +385,7 @@ def work_queue_run(
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, item_offsets, n_items, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1, SEGMENTED=True,
+        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S,
     )
     return out
 

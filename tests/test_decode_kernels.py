@@ -68,6 +68,9 @@ KERNELS = {
     "split_kv_one_split": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=1, min_chunk=64, out=out),
     # 3 persistent programs per KV head stride over more items than they are
     "work_queue": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, out=out),
+    # more partials per request than the merge loads in one step (MERGE_BLOCK_S = 32): 47 for 1,500 tokens
+    "split_kv_many_splits": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=64, min_chunk=32, out=out),
+    "work_queue_many_items": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=32, programs=5, out=out),
 }
 
 
