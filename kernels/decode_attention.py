@@ -151,13 +151,14 @@ def _queue_kernel(
 @triton.jit
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
-    stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SEG_STRIDE: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh, seg_stride,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
     ``SEGMENTED``: the segment starts at ``seg_start[b]`` (work queue), else
-    at ``b * SEG_STRIDE`` (split). ``BLOCK_S`` partials are loaded per step
+    at ``b * seg_stride`` (split; a runtime value, so batch sizes with other
+    split caps share one compiled kernel). ``BLOCK_S`` partials are loaded per step
     (one memory round trip for up to ``BLOCK_S`` splits, instead of one per
     split), folded into the running max / sum / accumulator."""
     b = tl.program_id(0)
@@ -168,7 +169,7 @@ def _merge_kernel(
     if SEGMENTED:
         first = tl.load(seg_start_ptr + b)
     else:
-        first = b * SEG_STRIDE
+        first = b * seg_stride
     n = tl.load(seg_count_ptr + b)
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
@@ -289,8 +290,8 @@ def split_kv_run(
     )
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, nsplit, nsplit, out,
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=max_splits, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
     )
     return out
 
@@ -384,8 +385,8 @@ def work_queue_run(
     )
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, item_offsets, n_items, out,
-        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, SEG_STRIDE=1, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), 1,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S,
     )
     return out
 
