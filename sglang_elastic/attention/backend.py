@@ -62,8 +62,9 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
 #: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
 TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
-#: The policy's pick for a batch is reused until its size changes or its mean
-#: or longest KV length moves by this many tokens (:meth:`PersistentKVAttnBackend.choose`).
+#: The policy's pick for a batch is reused until the batch's shape moves: its
+#: mean or longest KV length by this many tokens, its shortest by 8x this
+#: (:meth:`PersistentKVAttnBackend.choose` lists the whole key).
 RECHOOSE_TOKENS = 32
 _MAX_CHOICES = 4096
 
@@ -227,15 +228,15 @@ class PersistentKVAttnBackend(AttentionBackend):
         """The path for this batch from host-side data only (``seq_lens_cpu``,
         else ``seq_lens_sum`` spread evenly, else the first path).
 
-        The cost model (20-85 us of CPython at batch 1-256) runs when the
-        batch's size, or the count of its requests past twice the mean
-        length, changes, or its mean, longest or shortest KV length moves by
-        :data:`RECHOOSE_TOKENS`; in between, the memoised pick is reused (a
-        stable batch grows by one token per request per step, so the model
-        runs every 16-32 steps; a lookup costs a few us; the shortest length
-        counts in 256-token steps). A stale pick is
-        only slower, never wrong: every path computes the same attention,
-        and under ``auto`` every captured batch size has all three graphs.
+        The cost model (20-85 us of CPython at batch 1-256) runs again when
+        the batch's size or its count of requests past twice the mean length
+        changes, or its mean or longest KV length moves by
+        :data:`RECHOOSE_TOKENS` tokens, or its shortest by 8x that; in
+        between, the memoised pick is reused. A stable batch grows by one
+        token per request per step, so the model runs every 15-32 steps and
+        a step costs a few us. A stale pick is only slower, never wrong:
+        every path computes the same attention, and under ``auto`` every
+        captured batch size has all three graphs.
         """
         if len(self.policy.paths) == 1:
             return self.policy.paths[0]

@@ -21,9 +21,10 @@ answer without a GPU comes from measured points (``calibration.json``):
   ``--chunked-prefill-size`` per unit of activation width ``hidden_size +
   2 * intermediate_size``. Both are a least-squares fit over the points (one
   point: the fixed part only). The width is not divided by TP: the TP2
-  elastic run left less free per GPU than TP1 (4.97 vs 4.48 GiB taken out
-  of the reserve; NCCL and all-reduce buffers outweigh the split MLP), so
-  the TP1 fit is the closer guess until E3's TP rows are points too.
+  elastic run lent 7.62 GiB per GPU with a 1 GiB margin out of a ~13.6 GiB
+  reserve, so at least as much was taken out of the reserve per GPU as at
+  TP1 (4.47 GiB), not half of it (NCCL and all-reduce buffers outweigh the
+  split MLP); the TP1 fit is the closer guess until E3's TP rows are points.
 
 Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
 ``free after graphs = reserve - graph_fixed - per_token * width * chunk``,
