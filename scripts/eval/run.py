@@ -2,7 +2,7 @@
 regenerate docs/eval.md's tables and the plots.
 
     python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
-        [--only LABEL,...] [--no-warm-first]
+        [--only LABEL,...] [--resume] [--no-warm-first]
 
 The JSON is rewritten after every finished server, so a run stopped at a time
 limit keeps what it measured. --only runs some rows and keeps the others from
@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--num-gpus", type=int, default=None, help="local cluster only: GPUs to advertise (default: detected; with --standin: 8)")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated row labels to run; other rows are kept from the existing result file")
+    ap.add_argument("--resume", action="store_true", help="run only the rows the existing result file lacks or failed (e.g. after a time limit cut a run)")
     ap.add_argument("--no-warm-first", action="store_true", help="start every server at once (the host's JIT caches are already warm)")
     a = ap.parse_args()
     try:
@@ -54,6 +55,12 @@ def main() -> int:
         print(f"run.py: --only: no row {', '.join(unknown)} in {a.config}; rows: {', '.join(s.label for s in exp.servers)}", file=sys.stderr)
         return 2
     previous = json.loads(out.read_text()) if out.is_file() else None
+    if a.resume:
+        done = {r["label"] for r in (previous or {}).get("rows", []) if r.get("ok")}
+        only = [s.label for s in exp.servers if s.label not in done and (not only or s.label in only)]
+        if not only:
+            print(f"run.py --resume: every row of {out} is measured")
+            return 0
     head = results.header()
 
     def write(body):

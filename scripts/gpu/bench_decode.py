@@ -317,6 +317,12 @@ def main():
     bench.fill_policy(rows, by_name, DecodePolicy(shipped, **bench.SHAPE), key="policy_shipped")
     notes["gpu_seconds"] = round(time.time() - t0, 1)
     res = bench.assemble(results.header(), read, rows, notes, {"path": a.calibration_out, "fit_rms_rel_err": fit_errs, "split": dataclasses.asdict(fitted.split), "compact": dataclasses.asdict(fitted.compact)})
+    try:  # the live-server numbers (bench_decode_serving.sh) come from another run: keep them
+        with open(a.out) as f:
+            if "serving" in (prev := json.load(f)):
+                res["serving"] = prev["serving"]
+    except (OSError, ValueError):
+        pass
     results.write(a.out, res)
     for r in rows:
         print(f"p{r['page_size']:<2d} {r['name']:18s} policy {r['policy_pick']:10s} {r['policy_us']:7.1f} us ({r['policy_read_tbps']:.2f} TB/s) vs FI tc {r['flashinfer_us']:7.1f}")
