@@ -197,4 +197,4 @@ def test_job_runtime_env_forwards_sglang_and_nccl_but_not_cuda_visible_devices()
     from sglang_elastic.eval import ray_entry
 
     rt = ray_entry.job_runtime_env(environ=env)
-    assert rt == {"env_vars": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0"}, "worker_process_setup_hook": "sglang_elastic.eval.ray_entry.worker_setup"}
+    assert rt == {"env_vars": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, "worker_process_setup_hook": "sglang_elastic.eval.ray_entry.worker_setup"}

@@ -22,7 +22,16 @@ gaps, each closed here and nowhere else:
 3. plugins: ``SchedulerActor`` builds the ``Scheduler`` directly and skips
    ``run_scheduler_process``, the only scheduler-side caller of
    ``load_plugins()``; the job's ``worker_process_setup_hook``
-   (:func:`worker_setup`) loads them in every worker.
+   (:func:`worker_setup`) loads them in every worker;
+4. GPU ids: ``SchedulerActor`` takes Ray's physical GPU id as its device index
+   (``torch.cuda.set_device``), while Ray narrows each actor's
+   ``CUDA_VISIBLE_DEVICES`` to that one GPU. CUDA, already initialised in the
+   worker, still sees every GPU, but the custom all-reduce maps the index
+   through ``CUDA_VISIBLE_DEVICES``: at TP 2 rank 1 fails (``list index out of
+   range``) while rank 0 waits in the handle exchange, and the server hangs
+   (seen on two H200s). The job sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``,
+   as SGLang's own Ray benchmark does (``sglang/benchmark/offline_throughput.py``),
+   so every rank sees every GPU and the indices agree.
 """
 
 from __future__ import annotations
@@ -47,8 +56,12 @@ def forwarded_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(FORWARD_PREFIXES) and k != "CUDA_VISIBLE_DEVICES"}
 
 
+#: Set in every worker of the server's job (gap 4 of the module docstring).
+RAY_WORKER_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
 def job_runtime_env(setup_hook: str = WORKER_SETUP_HOOK, environ: Optional[Dict[str, str]] = None) -> dict:
-    return {"env_vars": forwarded_env(environ), "worker_process_setup_hook": setup_hook}
+    return {"env_vars": {**forwarded_env(environ), **RAY_WORKER_ENV}, "worker_process_setup_hook": setup_hook}
 
 
 def mark_worker() -> None:
