@@ -76,3 +76,81 @@ def test_missing_or_truncated_outputs_fail():
     assert not c["close"] and not c["tokens_equal"] and "2 tokens" in c["problems_outputs"][0]
     c = e2e.compare(_ref(), {"s": []})
     assert not c["close"] and "0 outputs" in c["problems_outputs"][0]
+
+
+def _steps(gaps_per_step, top1=-2.0):
+    """One request whose top-k lists have these gaps (nats) below a top-1 of ``top1``."""
+    tops = []
+    for gaps in gaps_per_step:
+        lp, top = top1, [[top1, 0]]
+        for k, g in enumerate(gaps, 1):
+            lp -= g
+            top.append([lp, k])
+        tops.append(top)
+    return {"s": [_req([0] * len(tops), [top1] * len(tops), tops)]}
+
+
+def test_logit_quantum_is_the_spacing_of_bf16_logits_and_zero_for_fp32():
+    assert e2e.logit_quantum(_steps([[0.0625, 0.5, 0.1875], [0.25, 0.0, 1.0]])) == 0.0625
+    assert e2e.logit_quantum(_steps([[0.5, 1.0], [0.25, 2.0]])) == 0.25
+    assert e2e.logit_quantum(_steps([[0.0123456, 0.5]])) == 0.0  # no power of two down to 2**-20 divides it
+    assert e2e.logit_quantum({"s": [_req([1], [-1.0], [[[-1.0, 1]]])]}) == 0.0  # no gap at all
+
+
+def test_a_flip_two_quanta_wide_is_a_near_tie_only_when_the_logits_are_that_coarse():
+    """The first H200 run's flip: the reference tied (margin 0), ours led by 0.125
+    = two bf16 ulps of a logit in [8, 16); above 0.1 nats, within two quanta."""
+    ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1]], [[-2.0, 2], [-2.0, 3]]])]}
+    got = {"s": [_req([1, 3], [-0.3, -1.95], [[[-0.3, 1]], [[-1.95, 3], [-2.075, 2]]])]}
+    assert not e2e.compare(ref, got)["divergences"][0]["near_tie"]
+    c = e2e.compare(ref, got, quantum=0.0625)
+    assert c["divergences"][0]["near_tie"] and c["tie_nats"] == 0.125
+    got["s"][0]["top"][1] = [[-1.90, 3], [-2.1, 2]]  # 0.2 nats: three quanta and more
+    assert not e2e.compare(ref, got, quantum=0.0625)["divergences"][0]["near_tie"]
+
+
+def _run(policy, diffs, near=True, problems=()):
+    n = len(diffs)
+    return {"policy": policy, "close": False, "problems": list(problems), "problems_outputs": [],
+            "divergences": [{"near_tie": near}],
+            "abs_logprob_diff": {"n": n, "mean": sum(diffs) / n, "p90": sorted(diffs)[int(0.9 * (n - 1))], "max": max(diffs)}}
+
+
+def test_noise_floor_accepts_the_controls_spread_and_rejects_more():
+    control = _run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15])
+    assert e2e.noise_floor(_run("split", [0.012, 0.02, 0.035, 0.17]), control)["ok"]
+    big = e2e.noise_floor(_run("split", [0.01, 0.02, 0.03, 0.5]), control)  # one token 3.3x the control's worst
+    assert not big["ok"] and big["max_ratio"] == pytest.approx(0.5 / 0.15)
+    assert not e2e.noise_floor(_run("split", [0.08, 0.09, 0.1, 0.1]), control)["ok"]  # mean 1.8x
+    assert not e2e.noise_floor(_run("split", [0.01, 0.02, 0.03, 0.1], near=False), control)["ok"]  # a wide flip
+
+
+def test_judge_passes_by_tolerance_or_noise_floor_and_never_judges_the_control():
+    runs = [_run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15]), _run("split", [0.012, 0.02, 0.035, 0.17]), {**_run("flashinfer", [0.0]), "close": True}]
+    assert e2e.judge(runs)
+    assert [r["criterion"] for r in runs] == ["control (reported, not judged)", "control noise floor", "tolerance"]
+    runs = [_run(e2e.CONTROL, [0.01, 0.15]), _run("compact", [0.01, 0.9])]
+    assert not e2e.judge(runs) and runs[1]["criterion"] == "failed" and not runs[1]["passed"]
+    # without a control only the tolerance can pass a run
+    runs = [_run("split", [0.012, 0.02])]
+    assert not e2e.judge(runs) and runs[0]["criterion"] == "failed"
+    # a trace problem fails a run however close its outputs
+    runs = [{**_run("split", [0.0], problems=["split: expected replays of split only"]), "close": True}]
+    assert not e2e.judge(runs)
+
+
+def test_merge_judges_the_stored_outputs_again(tmp_path):
+    ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1], [-0.3625, 7]], [[-2.0, 2], [-2.0, 3]]])]}
+    flip = {"s": [_req([1, 3], [-0.3, -1.95], [[[-0.3, 1], [-0.3625, 7]], [[-1.95, 3], [-2.075, 2]]])]}
+    head = {"date": "2026-11-30T02:48:23+00:00", "commit": "52fc7c8" + "0" * 33, "gpu": "NVIDIA H200", "cuda_visible_devices": "1", "seconds": 9.0,
+            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "old", "reference": ref}
+    runs = [{"policy": e2e.CONTROL, "outputs": flip, "passed": False},
+            {"policy": "split", "outputs": flip, "decode_steps": {"replay:split": 4}, "passed": False}]
+    part = tmp_path / "part0.json"
+    part.write_text(__import__("json").dumps({**head, "runs": runs}))
+    out = tmp_path / "merged.json"
+    assert e2e.merge([str(part)], str(out)) == 0
+    res = __import__("json").loads(out.read_text())
+    assert res["logit_quantum_nats"] == 0.0625 and res["passed"] and res["measured"] == ["2026-11-30T02:48:23+00:00 commit 52fc7c8 GPU 1"]
+    split = res["runs"][1]
+    assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]

@@ -93,3 +93,21 @@ def test_run_script_refuses_a_bad_config_with_one_line_and_status_2(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().count("\n") == 0 and "servers.0.tp: tp must be one of (1, 2, 4, 8), not 5" in r.stderr
+
+
+def test_run_script_resume_starts_nothing_when_every_row_is_measured(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    p = tmp_path / "e.yaml"
+    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}]\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "reserve_vs_tp.json").write_text(json.dumps({"rows": [{"label": "a", "ok": True}, {"label": "b", "ok": True}]}))
+    cmd = [sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--resume", "--no-report"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "every row of" in r.stdout and "is measured" in r.stdout, r.stderr
+    # with --only, --resume keeps to the named rows: here all measured too
+    r = subprocess.run(cmd + ["--only", "b"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "is measured" in r.stdout, r.stderr

@@ -198,3 +198,29 @@ def test_job_runtime_env_forwards_sglang_and_nccl_but_not_cuda_visible_devices()
 
     rt = ray_entry.job_runtime_env(environ=env)
     assert rt == {"env_vars": {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1", "SGLANG_ELASTIC_CONFIG": "{}", "NCCL_NVLS_ENABLE": "0", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, "worker_process_setup_hook": "sglang_elastic.eval.ray_entry.worker_setup"}
+
+
+def test_a_reuse_row_is_taken_even_when_only_names_other_rows(tmp_path):
+    """E3's llama-8b-tp1 reuses E1's stock row: a call that measures only the
+    TP2 rows (--only / --resume) still fills it, since it costs no server."""
+    e1 = _exp()
+    row = {"label": "tp1", "ok": True, "identity": e1.servers[1].identity(), "workloads": [], "facts": {"max_total_num_tokens": 906051}}
+    (tmp_path / "ttft_vs_chunk.json").write_text(json.dumps({"commit": "abc", "date": "2026-11-30", "rows": [row]}))
+    e3 = config.parse({"experiment": "reserve_vs_tp", "servers": [
+        {"label": "llama-8b-tp1", "tp": 1, "chunked_prefill_size": 8192, "reuse": "ttft_vs_chunk/tp1"},
+        {"label": "llama-8b-tp2", "tp": 2, "chunked_prefill_size": 8192}]})
+
+    class Recorder:  # stands in for the Ray launcher: records what it is asked to start
+        def __init__(self):
+            self.names = []
+
+        def run(self, jobs, **kw):
+            self.names += [j.name for j in jobs]
+            return []
+
+    rec = Recorder()
+    out = experiments.run(e3, rec, results_dir=tmp_path, progress=False, only=["llama-8b-tp2"])
+    rows = {r["label"]: r for r in out["rows"]}
+    assert rec.names == ["llama-8b-tp2"]
+    assert rows["llama-8b-tp1"]["ok"] and rows["llama-8b-tp1"]["facts"]["max_total_num_tokens"] == 906051
+    assert "ttft_vs_chunk.json#tp1" in rows["llama-8b-tp1"]["reused_from"]

@@ -113,3 +113,9 @@ def test_a_faster_row_is_within_the_ttft_budget_but_not_equal():
     cr = {x["row"]["label"]: x for x in report.capacity_rows(d)}
     assert (cr["fast"]["equal_ttft"], cr["fast"]["within_budget"]) == (False, True)
     assert (cr["slow"]["equal_ttft"], cr["slow"]["within_budget"]) == (False, False)
+
+
+def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reason():
+    assert report._err({"ok": False, "error": "not run (not in --only, no earlier row of the same server and workloads)"}) == "not measured yet"
+    assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1 | x\nmore"}) == "failed: RuntimeError: server exited with status 1 / x"
+    assert report._err({"ok": True, "workloads": [{"num_errors": 2}]}) == "2 request errors"

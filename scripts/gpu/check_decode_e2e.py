@@ -8,8 +8,9 @@ Llama, FlashInfer alone against FlashInfer prefill + ``persistentkv`` decode
 
 Model: ``transformers`` ``LlamaForCausalLM`` (2 layers, hidden 1024, 16 q /
 4 kv heads of 64: GQA group 4, so FlashInfer takes its tensor-core decode,
-vocab 32000, seed 0, weights N(0, 0.1) so that attention dominates the
-residual stream and greedy picks are not near-ties) saved to a temp dir.
+vocab 32000, seed 0, weights N(0, 0.1) so that attention moves the logits
+visibly; its next-token distributions are flat nonetheless, top-1 logprob
+about -2) saved to a temp dir.
 Engines run one after another in this process with ``skip_tokenizer_init``,
 ``input_ids``, 32 new tokens, ``return_logprob``; prefill CUDA graphs off
 (``cuda_graph_backend_prefill="disabled"``: their capture is the slow part of a
@@ -25,14 +26,20 @@ split graphs among the three captured per batch size), and each forced path.
 Checks, per mode against the FlashInfer-only run (:func:`compare`): every
 output token's logprob within ``1e-2 * max(1, |ref|)`` up to a request's first
 divergence, and every divergence a near-tie (each side's token in the other's
-top-5, both runs' logprobs of the two within 0.1 nats and within the
-tolerance of each other: vLLM's
-``check_logprobs_close`` with a margin bound); strict token equality is
-reported beside it (``tokens_equal``). The first H200 run (2026-11-30) showed
-why strict equality alone cannot be the criterion on random weights: SGLang's
-own Triton decode, a second correct bf16 kernel, diverged from FlashInfer at
-token 12 of one request, ours at token 5 of another. Also checked: the decode
-steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
+top-5, both runs' margins between the two within 0.1 nats or two quanta of the
+logits, whichever is wider: vLLM's ``check_logprobs_close`` with a margin
+bound); strict token equality is reported beside it (``tokens_equal``). The
+quantum is read off the reference (:func:`logit_quantum`): the model's bf16
+logits lie in [8, 16), so logprob gaps come in multiples of 1/16 nat, and 12
+of its 288 greedy steps are exact ties of the top two. A run whose logprobs
+miss the 1e-2 passes when it sits at the noise floor of SGLang's own Triton
+decode (:func:`noise_floor`: near-ties only, mean and max ``|dlogprob|`` at
+most 1.5x the control's). Why: the H200 runs of 2026-11-30 showed that
+strict equality and the 1e-2 cannot hold for any second bf16 kernel on this
+model: SGLang's Triton decode flipped 6 of 9 requests at near-ties and its
+logprobs moved by up to 0.155 nats (mean 0.025), as did ours. ``--merge``
+judges stored outputs again with the current rules (no GPU). Also checked:
+the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
 counts: forced modes replay graphs of their path only). Exit 1 on a failed
 check. About 30 s per engine start (seven engines; FlashInfer's JIT on a fresh
 host adds ~2 min to the first).
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import tempfile
@@ -56,9 +64,16 @@ NEW_TOKENS = 32
 #: Top logprobs kept per output token: a divergence is a near-tie when each
 #: side's token is in the other's top-k (vLLM's check_logprobs_close).
 TOP_K = 5
-#: A divergence counts as a near-tie only when the reference's two candidates
-#: are this close (nats): rounding noise, not a wrong kernel.
+#: A divergence counts as a near-tie only when both runs' two candidates are
+#: this close (nats), or within two quanta of the logits (:func:`logit_quantum`)
+#: where that is wider: rounding noise, not a wrong kernel.
 TIE_NATS = 0.1
+#: Logit quanta a near-tie may span (two roundings of a bf16 logit).
+TIE_QUANTA = 2
+#: A run whose logprobs miss the strict tolerance still passes when their
+#: deviations from the reference are at the control's noise floor: mean and
+#: max of |dlogprob| each at most this many times the control's.
+NOISE_FACTOR = 1.5
 
 
 def prompts(seed: int = 0):
@@ -147,7 +162,26 @@ def run_engine(model: str, mode, trace_dir: str):
     return out, counts, time.time() - t0
 
 
-def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
+def logit_quantum(ref) -> float:
+    """The spacing of the model's logits as the logprobs reveal it (nats): the
+    largest power of two, from 1 down to 2**-20, of which every gap between
+    neighbours of every top-k list of ``ref`` is a multiple (0.0 if none is:
+    fp32 logits). A logprob is a logit minus the step's log-sum-exp, so gaps
+    within one step are logit differences: bf16 logits in [8, 16) give 1/16.
+    The first H200 run's random Llama: 1/16 for all 1,152 gaps, and 12 of its
+    288 greedy steps were exact ties of the reference's top two."""
+    gaps = [a[0] - b[0] for reqs in ref.values() for r in reqs for top in (r.get("top") or []) for a, b in zip(top, top[1:])]
+    gaps = [g for g in gaps if g > 0]
+    if not gaps:
+        return 0.0
+    for e in range(0, 21):
+        q = 2.0 ** -e
+        if all(abs(g / q - round(g / q)) <= 1e-4 for g in gaps):
+            return q
+    return 0.0
+
+
+def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: float = 0.0):
     """Greedy outputs of one run against the reference, request by request.
 
     - ``tokens_equal``: every output token equal (the strict criterion).
@@ -156,9 +190,12 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
       both runs saw the same prefix, so the logprobs of both candidate tokens
       are compared through the top-k lists; after ``j`` they decode different
       sequences and are not comparable).
+    - ``abs_logprob_diff``: ``n, mean, p90, max`` of ``|dlogprob|`` (nats)
+      over the same tokens: what :func:`noise_floor` compares.
     - ``divergences``: per diverged request the position, both tokens, both
       runs' margins between them, and whether it is a near-tie: each token in
-      the other's top-k and each run's two logprobs within ``tie_nats``. This
+      the other's top-k and each run's two logprobs within
+      ``max(tie_nats, TIE_QUANTA * quantum)`` (``quantum``: :func:`logit_quantum`). This
       is vLLM's ``check_logprobs_close`` (tests/models/utils.py) plus the
       margin bounds: on random weights greedy picks are often near-ties, so
       any second correct bf16 kernel (SGLang's own Triton decode included)
@@ -167,9 +204,11 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
     - ``close``: no problem, ``max_rel_logprob_diff <= tol`` and every
       divergence a near-tie.
     """
-    worst, divs, same, problems = 0.0, [], True, []
+    worst, divs, same, problems, diffs = 0.0, [], True, [], []
+    tie = max(tie_nats, TIE_QUANTA * quantum)
 
     def rel(x, y):
+        diffs.append(abs(x - y))
         return abs(x - y) / max(1.0, abs(x))
 
     for name in ref:
@@ -197,12 +236,74 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS):
             got_margin = (got_top[y] - got_top[x]) if x in got_top and y in got_top else None
             if both:  # same prefix at j: both candidates' logprobs must agree too
                 worst = max(worst, rel(ref_top[x], got_top[x]), rel(ref_top[y], got_top[y]))
-            tie = both and ref_margin <= tie_nats and got_margin <= tie_nats
+            near = both and ref_margin <= tie + 1e-4 and got_margin <= tie + 1e-4  # 1e-4: float32 logprobs
             divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin,
-                         "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": tie})
+                         "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": near})
     close = not problems and worst <= tol and all(d["near_tie"] for d in divs)
-    return {"tokens_equal": same and not problems, "max_rel_logprob_diff": worst, "divergences": divs, "problems_outputs": problems, "close": close,
+    diffs.sort()
+    stats = {"n": len(diffs), "mean": sum(diffs) / len(diffs) if diffs else 0.0, "p90": diffs[int(0.9 * (len(diffs) - 1))] if diffs else 0.0,
+             "max": diffs[-1] if diffs else 0.0}
+    return {"tokens_equal": same and not problems, "max_rel_logprob_diff": worst, "abs_logprob_diff": stats, "tie_nats": tie,
+            "divergences": divs, "problems_outputs": problems, "close": close,
             "first_token_mismatch": f"{divs[0]['set']} request {divs[0]['request']} token {divs[0]['token']}" if divs else None}
+
+
+def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
+    """Whether ``run`` (a :func:`compare` result) is at the noise floor of
+    ``control`` (SGLang's Triton decode against the same reference): every
+    divergence a near-tie, no output problem, and the mean and the max of its
+    ``|dlogprob|`` each at most ``factor`` times the control's. A second
+    correct bf16 kernel differs from FlashInfer by rounding; a wrong one (a
+    chunk dropped, a head misread) by far more than SGLang's own kernel does.
+    Returns ``{"ok", "mean_ratio", "max_ratio"}``."""
+    a, c = run["abs_logprob_diff"], control["abs_logprob_diff"]
+
+    def ratio(k):
+        return a[k] / c[k] if c[k] > 0 else (0.0 if a[k] == 0 else math.inf)
+
+    m, x = ratio("mean"), ratio("max")
+    ok = not run["problems_outputs"] and all(d["near_tie"] for d in run["divergences"]) and m <= factor and x <= factor
+    return {"ok": ok, "mean_ratio": m, "max_ratio": x}
+
+
+def judge(runs: list) -> bool:
+    """Sets each run's ``passed`` and ``criterion`` (``tolerance`` when
+    :func:`compare` found it close, ``control noise floor`` when
+    :func:`noise_floor` accepts it instead, else ``failed``); the control is
+    reported, never judged. True when every other run passed."""
+    control = next((r for r in runs if r["policy"] == CONTROL), None)
+    ok = True
+    for r in runs:
+        if r["policy"] == CONTROL:
+            r["passed"], r["criterion"] = r["close"], "control (reported, not judged)"
+            continue
+        if r["close"]:
+            crit = "tolerance"
+        elif control is not None and (nf := noise_floor(r, control))["ok"]:
+            crit = "control noise floor"
+            r["noise_floor"] = nf
+        else:
+            crit = "failed"
+            if control is not None:
+                r["noise_floor"] = noise_floor(r, control)
+        r["passed"] = crit != "failed" and not r["problems"]
+        r["criterion"] = crit
+        ok &= r["passed"]
+    return ok
+
+
+TOLERANCE = (f"|dlogprob| <= 1e-2 * max(1, |ref|) up to a request's first divergence (both candidates compared there), every divergence a near-tie "
+             f"(each token in the other's top-{TOP_K}, both runs' margins <= max({TIE_NATS} nats, {TIE_QUANTA} logit quanta)); a run beyond the 1e-2 "
+             f"passes at the control's noise floor: near-ties only and mean and max |dlogprob| <= {NOISE_FACTOR}x SGLang Triton decode's; "
+             "tokens_equal reports strict equality")
+
+
+def evaluate(mode: str, ref, got, counts: dict, quantum: float, extra=None) -> dict:
+    """One run's record: :func:`compare` against ``ref``, the step-trace
+    problems (not for the control), its outputs; ``passed`` is set by :func:`judge`."""
+    c = compare(ref, got, quantum=quantum)
+    problems = [] if mode == CONTROL else check_trace(mode, counts)
+    return {"policy": mode, **c, "decode_steps": counts, "problems": problems, **(extra or {}), "outputs": got}
 
 
 def check_trace(mode: str, counts: dict):
@@ -232,16 +333,20 @@ def merge(parts, out: str, command=None) -> int:
 
     datas = [json.load(open(p)) for p in parts]
     ref = datas[0]["reference"]
-    refs = []
+    quantum = logit_quantum(ref)
+    refs, runs = [], []
     for p, d in zip(parts, datas):
         c = compare(ref, d["reference"])
         refs.append({"part": os.path.basename(p), "gpu_index": d.get("cuda_visible_devices"), "tokens_equal": c["tokens_equal"],
                      "max_rel_logprob_diff": c["max_rel_logprob_diff"], "first_token_mismatch": c["first_token_mismatch"]})
-    runs = [r for d in datas for r in d["runs"]]
-    ok = all(d["passed"] for d in datas) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
-    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens", "tolerance")},
+        for r in d["runs"]:  # judged again from the stored outputs, against this part's own reference
+            runs.append(evaluate(r["policy"], d["reference"], r["outputs"], r.get("decode_steps", {}), quantum,
+                                 {k: r[k] for k in ("engine_seconds",) if k in r}))
+    ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
+    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "tolerance": TOLERANCE,
+           "logit_quantum_nats": quantum, "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
            "runs": runs, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
-           "gpu": "; ".join(sorted({d["gpu"] for d in datas})), "commit": datas[0]["commit"]}
+           "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
     results.write(out, res)
     print(f"{out}: {len(runs)} run(s), passed {ok}")
     return 0 if ok else 1
@@ -268,22 +373,22 @@ def main():
         model = os.path.join(d, "llama-tiny")
         save_model(model)
         ref, _, secs = run_engine(model, None, d)
-        print(f"flashinfer alone: {secs:.0f} s", flush=True)
-        runs, ok = [], True
+        quantum = logit_quantum(ref)
+        print(f"flashinfer alone: {secs:.0f} s; logit quantum {quantum} nats", flush=True)
+        runs = []
         for mode in modes:
             got, counts, secs = run_engine(model, mode, d)
-            c = compare(ref, got)
-            problems = [] if mode == CONTROL else check_trace(mode, counts)
-            passed = c["close"] and not problems
-            if mode != CONTROL:
-                ok &= passed
-            runs.append({"policy": mode, **c, "decode_steps": counts, "problems": problems, "passed": passed,
-                         "engine_seconds": round(secs, 1), "outputs": got})
-            print(f"{mode:10s} tokens equal {c['tokens_equal']} close {c['close']} max rel logprob diff {c['max_rel_logprob_diff']:.2e} "
-                  f"divergences {[(v['set'], v['request'], v['token'], v['ref_margin_nats']) for v in c['divergences']]} steps {counts} {problems or ''} ({secs:.0f} s)", flush=True)
+            r = evaluate(mode, ref, got, counts, quantum, {"engine_seconds": round(secs, 1)})
+            runs.append(r)
+            print(f"{mode:10s} tokens equal {r['tokens_equal']} close {r['close']} max rel logprob diff {r['max_rel_logprob_diff']:.2e} "
+                  f"|dlogprob| mean {r['abs_logprob_diff']['mean']:.3f} max {r['abs_logprob_diff']['max']:.3f} "
+                  f"divergences {[(v['set'], v['request'], v['token'], v['ref_margin_nats'], v['got_margin_nats']) for v in r['divergences']]} "
+                  f"steps {counts} {r['problems'] or ''} ({secs:.0f} s)", flush=True)
+        ok = judge(runs)
+        print("judged: " + ", ".join(f"{r['policy']} {r['criterion']}" for r in runs), flush=True)
     res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
            "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
-           "new_tokens": NEW_TOKENS, "tolerance": f"|dlogprob| <= 1e-2 * max(1, |ref|) before a divergence; every divergence a near-tie (each token in the other's top-{TOP_K}, reference margin <= {TIE_NATS} nats); tokens_equal reports strict equality", "runs": runs,
+           "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "runs": runs,
            "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
     if a.command:
         res["command"] = a.command

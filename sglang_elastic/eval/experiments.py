@@ -170,7 +170,8 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
         on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run every row that cannot be reused; rows in the config's order.
 
-    ``only``: run just these labels; every other row is kept from ``previous``
+    ``only``: run just these labels; a ``reuse`` row is taken from its source
+    file whenever it can be (no server); every other row is kept from ``previous``
     (an earlier result of this experiment) when it measured the same server
     and workloads, else recorded as not run; so an experiment can be measured
     in several calls. ``on_progress`` gets the result body after each
@@ -200,14 +201,16 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     jobs: List[ServerJob] = []
     notes: List[str] = []
     for s in exp.servers:
-        if only and s.label not in only:
-            rows[s.label] = earlier(s) or _not_run(s, "not run (not in --only, no earlier row of the same server and workloads)")
-            continue
-        if s.reuse and not standin:
+        why = None
+        if s.reuse and not standin:  # costs no GPU: taken whether or not --only names it
             row, why = find_reusable(exp, s, results_dir)
             if row is not None:
                 rows[s.label] = row
                 continue
+        if only and s.label not in only:
+            rows[s.label] = earlier(s) or _not_run(s, "not run (not in --only, no earlier row of the same server and workloads)")
+            continue
+        if why is not None:
             notes.append(f"{s.label}: not reused ({why}); started")
             logger.warning("%s: not reused (%s); starting it", s.label, why)
         jobs.append(job_for(exp, s, standin))

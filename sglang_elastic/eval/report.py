@@ -58,7 +58,10 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
 
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
-        return "failed: " + (row.get("error") or "?").splitlines()[0][:80].replace("|", "/")
+        err = row.get("error") or "?"
+        if err.startswith("not run"):  # never started (run.py --only / --resume, or cut by a time limit)
+            return "not measured yet"
+        return "failed: " + err.splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
     return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
 
