@@ -284,3 +284,29 @@ def test_the_policy_runs_again_only_when_the_batch_changes_or_grows_by_rechoose_
     assert be.choose(batch([64, 96, 5000])) == "compact" and calls[-1] == [64, 96, 5000]  # swapped request: recomputed
     n = len(calls)
     assert be.choose(batch([64, 96, 128, 1])) == "split" and len(calls) == n + 1  # new batch size: recomputed
+
+
+def test_the_test_fault_scales_our_softmax_and_bad_values_are_refused(monkeypatch):
+    """SGLANG_ELASTIC_TEST_DECODE_FAULT (the e2e check's negative control)
+    really changes our kernels' result: it matches the float64 reference at
+    the faulted scale, and misses the true one by far more than rounding."""
+    assert backend_mod.fault_scale(None) == 1.0 and backend_mod.fault_scale("sm_scale:1.05") == 1.05
+    for bad in ("sm_scale", "sm_scale:0", "sm_scale:x", "scale:1.05"):
+        with pytest.raises(ValueError, match="expected sm_scale:<positive float>"):
+            backend_mod.fault_scale(bad)
+    monkeypatch.setenv(backend_mod.FAULT_ENV, "sm_scale:1.5")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    fb = make_batch(runner, [37, 300, 129], g)
+    be.init_forward_metadata(fb)
+    layer = radix_layer(1)
+    q = torch.randn(3, HQ * D, generator=g).to(torch.float16)
+    k = torch.randn(3, HKV, D, generator=g).to(torch.float16)
+    v = torch.randn(3, HKV, D, generator=g).to(torch.float16)
+    out = be.forward(q, k, v, layer, fb)
+    true = reference(runner, fb, q, layer)
+    layer.scaling *= 1.5
+    faulted = reference(runner, fb, q, layer)
+    assert rel_err(out, faulted) <= TOL[torch.float16]
+    assert rel_err(out, true) > 20 * TOL[torch.float16]

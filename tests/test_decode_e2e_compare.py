@@ -92,7 +92,9 @@ def _steps(gaps_per_step, top1=-2.0):
 
 def test_logit_quantum_is_the_spacing_of_bf16_logits_and_zero_for_fp32():
     assert e2e.logit_quantum(_steps([[0.0625, 0.5, 0.1875], [0.25, 0.0, 1.0]])) == 0.0625
-    assert e2e.logit_quantum(_steps([[0.5, 1.0], [0.25, 2.0]])) == 0.25
+    # coarser spacings are capped at 1/16 (bf16 in [8, 16)): a near-tie never spans more than 0.125 nats
+    assert e2e.logit_quantum(_steps([[0.5, 1.0], [0.25, 2.0]])) == e2e.MAX_QUANTUM == 0.0625
+    assert e2e.logit_quantum(_steps([[0.03125, 0.5]])) == 0.03125
     assert e2e.logit_quantum(_steps([[0.0123456, 0.5]])) == 0.0  # no power of two down to 2**-20 divides it
     assert e2e.logit_quantum({"s": [_req([1], [-1.0], [[[-1.0, 1]]])]}) == 0.0  # no gap at all
 
@@ -109,6 +111,24 @@ def test_a_flip_two_quanta_wide_is_a_near_tie_only_when_the_logits_are_that_coar
     assert not e2e.compare(ref, got, quantum=0.0625)["divergences"][0]["near_tie"]
 
 
+def test_a_flip_to_a_token_the_run_itself_ranks_lower_is_no_near_tie():
+    """A negative margin means the run emitted a token that is not its own
+    top-1: broken sampling or bookkeeping, whatever the gap."""
+    ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1]], [[-2.0, 2], [-2.05, 3]]])]}
+    got = {"s": [_req([1, 3], [-0.3, -2.05], [[[-0.3, 1]], [[-2.0, 2], [-2.05, 3]]])]}  # emitted 3, its own logprobs rank 2 first
+    d = e2e.compare(ref, got, quantum=0.0625)["divergences"][0]
+    assert d["got_margin_nats"] == pytest.approx(-0.05) and not d["near_tie"]
+
+
+def test_the_statistics_cover_decode_steps_not_the_prefill_token():
+    ref = _ref()
+    got = _ref()
+    got["s"][0]["logprobs"] = [-0.9, -0.70, -1.2]  # token 0 (prefill) differs by 0.4, the decode steps not at all
+    c = e2e.compare(ref, got)
+    assert c["abs_logprob_diff"] == {"n": 2, "mean": 0.0, "p90": 0.0, "max": 0.0}
+    assert c["max_rel_logprob_diff"] == pytest.approx(0.4)  # the strict tolerance still sees it
+
+
 def _run(policy, diffs, near=True, problems=()):
     n = len(diffs)
     return {"policy": policy, "close": False, "problems": list(problems), "problems_outputs": [],
@@ -118,15 +138,19 @@ def _run(policy, diffs, near=True, problems=()):
 
 def test_noise_floor_accepts_the_controls_spread_and_rejects_more():
     control = _run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15])
-    assert e2e.noise_floor(_run("split", [0.012, 0.02, 0.035, 0.17]), control)["ok"]
+    assert e2e.noise_floor(_run("split", [0.004, 0.01, 0.02, 0.16]), control)["ok"]
     big = e2e.noise_floor(_run("split", [0.01, 0.02, 0.03, 0.5]), control)  # one token 3.3x the control's worst
     assert not big["ok"] and big["max_ratio"] == pytest.approx(0.5 / 0.15)
     assert not e2e.noise_floor(_run("split", [0.08, 0.09, 0.1, 0.1]), control)["ok"]  # mean 1.8x
     assert not e2e.noise_floor(_run("split", [0.01, 0.02, 0.03, 0.1], near=False), control)["ok"]  # a wide flip
+    # a control gone wrong cannot carry a run past the absolute caps
+    loud = _run(e2e.CONTROL, [0.2, 0.3, 0.4, 0.9])
+    nf = e2e.noise_floor(_run("split", [0.2, 0.3, 0.4, 0.9]), loud)
+    assert nf["mean_ratio"] == 1.0 and not nf["within_caps"] and not nf["ok"]
 
 
 def test_judge_passes_by_tolerance_or_noise_floor_and_never_judges_the_control():
-    runs = [_run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15]), _run("split", [0.012, 0.02, 0.035, 0.17]), {**_run("flashinfer", [0.0]), "close": True}]
+    runs = [_run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15]), _run("split", [0.004, 0.01, 0.02, 0.16]), {**_run("flashinfer", [0.0]), "close": True}]
     assert e2e.judge(runs)
     assert [r["criterion"] for r in runs] == ["control (reported, not judged)", "control noise floor", "tolerance"]
     runs = [_run(e2e.CONTROL, [0.01, 0.15]), _run("compact", [0.01, 0.9])]
@@ -134,16 +158,28 @@ def test_judge_passes_by_tolerance_or_noise_floor_and_never_judges_the_control()
     # without a control only the tolerance can pass a run
     runs = [_run("split", [0.012, 0.02])]
     assert not e2e.judge(runs) and runs[0]["criterion"] == "failed"
-    # a trace problem fails a run however close its outputs
+    # a trace problem fails a run however close its outputs, and says so
     runs = [{**_run("split", [0.0], problems=["split: expected replays of split only"]), "close": True}]
-    assert not e2e.judge(runs)
+    assert not e2e.judge(runs) and runs[0]["criterion"] == "failed (decode trace: split: expected replays of split only)"
+
+
+def test_judge_counts_the_mutant_as_passed_only_when_its_outputs_fail():
+    control = _run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15])
+    caught = [control, _run(e2e.MUTANT, [0.3, 0.5, 0.8, 2.0])]
+    assert e2e.judge(caught) and caught[1]["passed"] and caught[1]["criterion"] == "mutant caught"
+    missed = [control, _run(e2e.MUTANT, [0.004, 0.01, 0.02, 0.16])]
+    assert not e2e.judge(missed) and not missed[1]["passed"] and missed[1]["criterion"] == "mutant NOT caught (control noise floor)"
+    # a mutant that did not even run our kernels is not "caught"
+    ghost = [control, _run(e2e.MUTANT, [0.3, 0.5, 0.8, 2.0], problems=["no decode step replayed a CUDA graph of persistentkv"])]
+    assert not e2e.judge(ghost) and ghost[1]["criterion"].startswith("mutant NOT caught (failed (decode trace")
 
 
 def test_merge_judges_the_stored_outputs_again(tmp_path):
-    ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1], [-0.3625, 7]], [[-2.0, 2], [-2.0, 3]]])]}
-    flip = {"s": [_req([1, 3], [-0.3, -1.95], [[[-0.3, 1], [-0.3625, 7]], [[-1.95, 3], [-2.075, 2]]])]}
+    same = _req([4, 5, 6, 7], [-0.5, -0.6, -0.7, -0.8], [[[-0.5, 4]], [[-0.6, 5]], [[-0.7, 6]], [[-0.8, 7]]])
+    ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1], [-0.3625, 7]], [[-2.0, 2], [-2.0, 3]]]), same]}
+    flip = {"s": [_req([1, 3], [-0.3, -1.95], [[[-0.3, 1], [-0.3625, 7]], [[-1.95, 3], [-2.075, 2]]]), same]}
     head = {"date": "2026-11-30T02:48:23+00:00", "commit": "52fc7c8" + "0" * 33, "gpu": "NVIDIA H200", "cuda_visible_devices": "1", "seconds": 9.0,
-            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "old", "reference": ref}
+            "model": "m", "engine": {}, "prompts": {"s": [2, 4]}, "new_tokens": 2, "tolerance": "old", "reference": ref}
     runs = [{"policy": e2e.CONTROL, "outputs": flip, "passed": False},
             {"policy": "split", "outputs": flip, "decode_steps": {"replay:split": 4}, "passed": False}]
     part = tmp_path / "part0.json"

@@ -100,14 +100,49 @@ def test_run_script_resume_starts_nothing_when_every_row_is_measured(tmp_path):
     import subprocess
     import sys
 
+    from sglang_elastic.eval import config
+
+    text = "experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}]\n"
     p = tmp_path / "e.yaml"
-    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}]\n")
+    p.write_text(text)
+    exp = config.load(p)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "reserve_vs_tp.json").write_text(json.dumps({"rows": [{"label": "a", "ok": True}, {"label": "b", "ok": True}]}))
+    rows = [{"label": s.label, "ok": True, "identity": s.identity(), "workloads": []} for s in exp.servers]
+    (out / "reserve_vs_tp.json").write_text(json.dumps({"rows": rows}))
     cmd = [sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--resume", "--no-report"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "every row of" in r.stdout and "is measured" in r.stdout, r.stderr
     # with --only, --resume keeps to the named rows: here all measured too
     r = subprocess.run(cmd + ["--only", "b"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "is measured" in r.stdout, r.stderr
+
+
+def test_resume_skips_only_rows_measured_for_the_config_as_it_is():
+    from sglang_elastic.eval import experiments
+
+    exp = config.parse({"experiment": "reserve_vs_tp", "servers": [{"label": "a", "tp": 1}, {"label": "b", "tp": 2}, {"label": "c", "tp": 1}, {"label": "d", "tp": 1}]})
+    a, b, c, d = exp.servers
+    previous = {"rows": [
+        {"label": "a", "ok": True, "identity": a.identity(), "workloads": []},
+        {"label": "b", "ok": False, "identity": b.identity(), "error": "RuntimeError: server exited with status 1"},
+        {"label": "c", "ok": True, "identity": {**c.identity(), "chunked_prefill_size": 1}, "workloads": []},  # the config changed since
+        {"label": "d", "ok": False, "identity": d.identity(), "error": "not run (not in --only, ...)"},
+    ]}
+    assert experiments.measured_labels(exp, previous) == ["a"]
+    # a failed row of the same server is kept (with its reason) when --only passes it by; a never-run one is not
+    assert experiments.previous_row(exp, b, previous, ok_only=False)["error"].startswith("RuntimeError")
+    assert experiments.previous_row(exp, d, previous, ok_only=False) is None
+    assert experiments.previous_row(exp, c, previous, ok_only=False) is None
+
+
+def test_run_script_refuses_renumbered_gpus(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    p = tmp_path / "e.yaml"
+    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}]\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "CUDA_VISIBLE_DEVICES=1 renumbers the GPUs" in r.stderr

@@ -17,6 +17,7 @@ the workloads, marked as such in the JSON.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,13 @@ def main() -> int:
     except config.EvalConfigError as e:
         print(f"run.py: {e}", file=sys.stderr)
         return 2
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not a.standin and cvd and cvd.replace(" ", "") != ",".join(str(i) for i in range(len(cvd.split(",")))):
+        # SGLang's SchedulerActor takes Ray's GPU id as its CUDA device index, and
+        # ray_entry keeps every GPU visible to the workers: ids must be indices
+        print(f"run.py: CUDA_VISIBLE_DEVICES={cvd} renumbers the GPUs, which SGLang's Ray mode cannot follow; "
+              "unset it (rows take their GPUs through Ray placement groups)", file=sys.stderr)
+        return 2
     address = a.address or exp.cluster.address
     num_gpus = a.num_gpus if a.num_gpus is not None else (8 if a.standin and not address else None)
     a.out_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +64,7 @@ def main() -> int:
         return 2
     previous = json.loads(out.read_text()) if out.is_file() else None
     if a.resume:
-        done = {r["label"] for r in (previous or {}).get("rows", []) if r.get("ok")}
+        done = set(experiments.measured_labels(exp, previous))  # a row of a changed server or workload runs again
         only = [s.label for s in exp.servers if s.label not in done and (not only or s.label in only)]
         if not only:
             print(f"run.py --resume: every row of {out} is measured")

@@ -21,7 +21,11 @@ Modes: ``control-triton`` (SGLang's own Triton decode beside FlashInfer
 prefill: the noise floor of another correct bf16 kernel, reported but never
 failing the run), ``auto`` (shipped calibration), ``auto-ours`` (``auto`` with a
 calibration that prices FlashInfer and the queue out, so replays must pick
-split graphs among the three captured per batch size), and each forced path.
+split graphs among the three captured per batch size), each forced path, and
+``mutant-split`` (forced split with our softmax scale off by 5 % through
+``SGLANG_ELASTIC_TEST_DECODE_FAULT``: a wrong kernel the check must fail).
+Logits in fp32 (``enable_fp32_lm_head``); each part records the calibration
+its engines read (kernel configs).
 
 Checks, per mode against the FlashInfer-only run (:func:`compare`): every
 output token's logprob within ``1e-2 * max(1, |ref|)`` up to a request's first
@@ -34,15 +38,16 @@ logits lie in [8, 16), so logprob gaps come in multiples of 1/16 nat, and 12
 of its 288 greedy steps are exact ties of the top two. A run whose logprobs
 miss the 1e-2 passes when it sits at the noise floor of SGLang's own Triton
 decode (:func:`noise_floor`: near-ties only, mean and max ``|dlogprob|`` at
-most 1.5x the control's). Why: the H200 runs of 2026-11-30 showed that
+most 1.5x the control's, and at most 0.05 / 0.25 nats whatever the
+control does; decode steps only). Why: the H200 runs of 2026-11-30 showed that
 strict equality and the 1e-2 cannot hold for any second bf16 kernel on this
 model: SGLang's Triton decode flipped 6 of 9 requests at near-ties and its
 logprobs moved by up to 0.155 nats (mean 0.025), as did ours. ``--merge``
 judges stored outputs again with the current rules (no GPU). Also checked:
 the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
 counts: forced modes replay graphs of their path only). Exit 1 on a failed
-check. About 30 s per engine start (seven engines; FlashInfer's JIT on a fresh
-host adds ~2 min to the first).
+check. About 30 s per engine start (eight engines on one GPU, nine over two;
+FlashInfer's JIT on a fresh host adds ~2 min to the first).
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ MODES = ("auto", "auto-ours", "flashinfer", "split", "compact")
 #: Not ours: SGLang's Triton decode beside FlashInfer prefill, the noise floor of
 #: a second correct bf16 decode kernel against FlashInfer (reported, never failed).
 CONTROL = "control-triton"
+#: Negative control: forced split with the softmax scale of our kernels off by
+#: 5 % (``SGLANG_ELASTIC_TEST_DECODE_FAULT``), a wrong kernel the check must
+#: fail; it passes its own line only by failing.
+MUTANT = "mutant-split"
+MUTANT_FAULT = "sm_scale:1.05"
+ALL_MODES = (CONTROL,) + MODES + (MUTANT,)
 NEW_TOKENS = 32
 #: Top logprobs kept per output token: a divergence is a near-tie when each
 #: side's token is in the other's top-k (vLLM's check_logprobs_close).
@@ -70,6 +81,19 @@ TOP_K = 5
 TIE_NATS = 0.1
 #: Logit quanta a near-tie may span (two roundings of a bf16 logit).
 TIE_QUANTA = 2
+#: The coarsest quantum :func:`logit_quantum` reports (bf16 logits in [8, 16)):
+#: a near-tie never spans more than ``TIE_QUANTA`` of it, 0.125 nats.
+MAX_QUANTUM = 1 / 16
+#: Absolute bounds of the noise floor (nats), fixed on 2026-11-30 before the
+#: first run with fp32 logits: whatever the control does, a run passes only
+#: with mean |dlogprob| <= 0.05 and max <= 0.25 (the bf16-logit run of that
+#: day: SGLang Triton 0.025 / 0.155, ours 0.029 / 0.172).
+NOISE_MEAN_CAP = 0.05
+NOISE_MAX_CAP = 0.25
+#: Logits in fp32 (SGLang's ``enable_fp32_lm_head``): no bf16 rounding of the
+#: logits, so exact ties and 1/16-nat steps vanish and greedy flips need a
+#: real difference in the hidden state.
+FP32_LM_HEAD = True
 #: A run whose logprobs miss the strict tolerance still passes when their
 #: deviations from the reference are at the control's noise floor: mean and
 #: max of |dlogprob| each at most this many times the control's.
@@ -100,7 +124,8 @@ def save_model(path: str) -> None:
 def engine_kwargs(model: str, decode_backend):
     kw = dict(model_path=model, skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch",
               grammar_backend="none", cuda_graph_backend_prefill="disabled", cuda_graph_backend_decode="full",
-              cuda_graph_max_bs_decode=8, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True)
+              cuda_graph_max_bs_decode=8, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True,
+              enable_fp32_lm_head=FP32_LM_HEAD)
     if decode_backend:
         kw["decode_attention_backend"] = decode_backend
     return kw
@@ -122,6 +147,14 @@ def ours_calibration(path: str) -> str:
     return path
 
 
+def calibration_used() -> dict:
+    """The calibration the engines' ``persistentkv`` read (the installed package's
+    unless ``--decode-calibration``): kernel configs differ between files."""
+    from sglang_elastic.attention.policy import load_calibration
+
+    return load_calibration().to_json()
+
+
 def run_engine(model: str, mode, trace_dir: str):
     """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
     import sglang as sgl
@@ -129,7 +162,14 @@ def run_engine(model: str, mode, trace_dir: str):
     from sglang_elastic import config
 
     trace = os.path.join(trace_dir, f"trace_{mode}")
-    if mode == CONTROL:
+    from sglang_elastic.attention.backend import FAULT_ENV
+
+    os.environ.pop(FAULT_ENV, None)
+    if mode == MUTANT:
+        config.publish(config.ElasticKVConfig(decode_policy="split"))
+        os.environ[FAULT_ENV] = MUTANT_FAULT
+        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
+    elif mode == CONTROL:
         os.environ.pop(config.ENV, None)
         os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
     elif mode == "auto-ours":
@@ -164,7 +204,7 @@ def run_engine(model: str, mode, trace_dir: str):
 
 def logit_quantum(ref) -> float:
     """The spacing of the model's logits as the logprobs reveal it (nats): the
-    largest power of two, from 1 down to 2**-20, of which every gap between
+    largest power of two, from ``MAX_QUANTUM`` down to 2**-20, of which every gap between
     neighbours of every top-k list of ``ref`` is a multiple (0.0 if none is:
     fp32 logits). A logprob is a logit minus the step's log-sum-exp, so gaps
     within one step are logit differences: bf16 logits in [8, 16) give 1/16.
@@ -174,7 +214,7 @@ def logit_quantum(ref) -> float:
     gaps = [g for g in gaps if g > 0]
     if not gaps:
         return 0.0
-    for e in range(0, 21):
+    for e in range(round(-math.log2(MAX_QUANTUM)), 21):
         q = 2.0 ** -e
         if all(abs(g / q - round(g / q)) <= 1e-4 for g in gaps):
             return q
@@ -207,8 +247,9 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
     worst, divs, same, problems, diffs = 0.0, [], True, [], []
     tie = max(tie_nats, TIE_QUANTA * quantum)
 
-    def rel(x, y):
-        diffs.append(abs(x - y))
+    def rel(x, y, decoded=True):
+        if decoded:  # the statistics cover decode steps only: token 0 comes from the (shared) prefill
+            diffs.append(abs(x - y))
         return abs(x - y) / max(1.0, abs(x))
 
     for name in ref:
@@ -222,8 +263,8 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
                 continue
             j = next((j for j, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
             n = len(a["ids"]) if j is None else j
-            for x, y in zip(a["logprobs"][:n], b["logprobs"][:n]):
-                worst = max(worst, rel(x, y))
+            for t, (x, y) in enumerate(zip(a["logprobs"][:n], b["logprobs"][:n])):
+                worst = max(worst, rel(x, y, t > 0))
             if j is None:
                 continue
             same = False
@@ -235,8 +276,9 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
             ref_margin = (ref_top[x] - ref_top[y]) if x in ref_top and y in ref_top else None
             got_margin = (got_top[y] - got_top[x]) if x in got_top and y in got_top else None
             if both:  # same prefix at j: both candidates' logprobs must agree too
-                worst = max(worst, rel(ref_top[x], got_top[x]), rel(ref_top[y], got_top[y]))
-            near = both and ref_margin <= tie + 1e-4 and got_margin <= tie + 1e-4  # 1e-4: float32 logprobs
+                worst = max(worst, rel(ref_top[x], got_top[x], j > 0), rel(ref_top[y], got_top[y], j > 0))
+            # each run's own pick leads (margin >= 0) by at most the tie width; 1e-4: float32 logprobs
+            near = both and -1e-4 <= ref_margin <= tie + 1e-4 and -1e-4 <= got_margin <= tie + 1e-4
             divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin,
                          "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": near})
     close = not problems and worst <= tol and all(d["near_tie"] for d in divs)
@@ -251,26 +293,31 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
 def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
     """Whether ``run`` (a :func:`compare` result) is at the noise floor of
     ``control`` (SGLang's Triton decode against the same reference): every
-    divergence a near-tie, no output problem, and the mean and the max of its
-    ``|dlogprob|`` each at most ``factor`` times the control's. A second
+    divergence a near-tie, no output problem, the mean and the max of its
+    ``|dlogprob|`` each at most ``factor`` times the control's and within the
+    absolute caps ``NOISE_MEAN_CAP`` / ``NOISE_MAX_CAP`` (so a control gone
+    wrong cannot carry a run). A second
     correct bf16 kernel differs from FlashInfer by rounding; a wrong one (a
     chunk dropped, a head misread) by far more than SGLang's own kernel does.
-    Returns ``{"ok", "mean_ratio", "max_ratio"}``."""
+    Returns ``{"ok", "mean_ratio", "max_ratio", "within_caps"}``."""
     a, c = run["abs_logprob_diff"], control["abs_logprob_diff"]
 
     def ratio(k):
         return a[k] / c[k] if c[k] > 0 else (0.0 if a[k] == 0 else math.inf)
 
     m, x = ratio("mean"), ratio("max")
-    ok = not run["problems_outputs"] and all(d["near_tie"] for d in run["divergences"]) and m <= factor and x <= factor
-    return {"ok": ok, "mean_ratio": m, "max_ratio": x}
+    capped = a["mean"] <= NOISE_MEAN_CAP and a["max"] <= NOISE_MAX_CAP
+    ok = not run["problems_outputs"] and all(d["near_tie"] for d in run["divergences"]) and m <= factor and x <= factor and capped
+    return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped}
 
 
 def judge(runs: list) -> bool:
     """Sets each run's ``passed`` and ``criterion`` (``tolerance`` when
     :func:`compare` found it close, ``control noise floor`` when
-    :func:`noise_floor` accepts it instead, else ``failed``); the control is
-    reported, never judged. True when every other run passed."""
+    :func:`noise_floor` accepts it instead, else ``failed``; a decode-trace
+    problem fails any run); the control is reported, never judged; the mutant
+    passes only when it is failed by the outputs alone (``mutant caught``).
+    True when every run but the control passed."""
     control = next((r for r in runs if r["policy"] == CONTROL), None)
     ok = True
     for r in runs:
@@ -286,7 +333,12 @@ def judge(runs: list) -> bool:
             crit = "failed"
             if control is not None:
                 r["noise_floor"] = noise_floor(r, control)
-        r["passed"] = crit != "failed" and not r["problems"]
+        if r["problems"]:
+            crit = "failed (decode trace: " + "; ".join(r["problems"]) + ")"
+        r["passed"] = not crit.startswith("failed")
+        if r["policy"] == MUTANT:  # the check must catch the deliberate fault (and the trace must show it ran)
+            r["passed"] = crit == "failed"
+            crit = "mutant caught" if r["passed"] else f"mutant NOT caught ({crit})"
         r["criterion"] = crit
         ok &= r["passed"]
     return ok
@@ -312,7 +364,7 @@ def check_trace(mode: str, counts: dict):
     replays = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("replay:")}
     if not replays:
         problems.append("no decode step replayed a CUDA graph of persistentkv")
-    want = {"auto-ours": "split"}.get(mode, mode)
+    want = {"auto-ours": "split", MUTANT: "split"}.get(mode, mode)
     if want != "auto":
         other = {p: n for p, n in replays.items() if p != want}
         if other:
@@ -344,7 +396,7 @@ def merge(parts, out: str, command=None) -> int:
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
     ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
     res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "tolerance": TOLERANCE,
-           "logit_quantum_nats": quantum, "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
+           "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
            "runs": runs, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
     results.write(out, res)
@@ -355,7 +407,7 @@ def merge(parts, out: str, command=None) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--modes", default=",".join((CONTROL,) + MODES), help=f"comma-separated subset of {','.join((CONTROL,) + MODES)}")
+    ap.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {','.join(ALL_MODES)}")
     ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part files (each from --modes on one GPU) into --out instead of running")
     ap.add_argument("--command", default=None, help="the command recorded in the result (default: this script's argv)")
     a = ap.parse_args()
@@ -365,9 +417,9 @@ def main():
         sys.exit(merge(a.merge, a.out, a.command))
 
     modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES and m != CONTROL]
+    bad = [m for m in modes if m not in ALL_MODES]
     if bad:
-        sys.exit(f"unknown mode(s) {bad}; choose from {', '.join((CONTROL,) + MODES)}")
+        sys.exit(f"unknown mode(s) {bad}; choose from {', '.join(ALL_MODES)}")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         model = os.path.join(d, "llama-tiny")
@@ -388,7 +440,7 @@ def main():
         print("judged: " + ", ".join(f"{r['policy']} {r['criterion']}" for r in runs), flush=True)
     res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
            "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
-           "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "runs": runs,
+           "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(), "runs": runs,
            "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
     if a.command:
         res["command"] = a.command

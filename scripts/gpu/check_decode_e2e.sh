@@ -7,7 +7,7 @@
 #
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
 #   bash scripts/gpu/check_decode_e2e.sh [RESULT_JSON]
-#   E2E_GPUS=1 bash scripts/gpu/check_decode_e2e.sh      # all seven engines on GPU 1
+#   E2E_GPUS=1 bash scripts/gpu/check_decode_e2e.sh      # all eight engines on GPU 1
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
@@ -19,9 +19,9 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 # E2E_GPUS: the GPUs to use (default: all), e.g. E2E_GPUS=1 to leave GPU 0 to another job
 read -r -a gpus <<< "${E2E_GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
 if [ "${#gpus[@]}" -ge 2 ]; then
-  groups=("control-triton,auto,auto-ours" "flashinfer,split,compact")
+  groups=("control-triton,auto,auto-ours,mutant-split" "flashinfer,split,compact")
 else
-  groups=("control-triton,auto,auto-ours,flashinfer,split,compact")
+  groups=("control-triton,auto,auto-ours,flashinfer,split,compact,mutant-split")
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do

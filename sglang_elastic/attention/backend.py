@@ -62,6 +62,29 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
 #: Debug: a file this process rewrites with per-path step counts (scripts/gpu/check_decode_e2e.py).
 TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
+#: Test only, like SGLang's ``SGLANG_TEST_*`` switches: ``sm_scale:F`` multiplies
+#: the softmax scale of our kernels (not FlashInfer's) by ``F``: a deliberately
+#: wrong kernel that the end-to-end check (``scripts/gpu/check_decode_e2e.py``,
+#: mode ``mutant-split``) must fail.
+FAULT_ENV = "SGLANG_ELASTIC_TEST_DECODE_FAULT"
+
+
+def fault_scale(value: Optional[str]) -> float:
+    """The softmax-scale factor ``FAULT_ENV`` asks for (1.0 when unset).
+
+    Raises:
+        ValueError: a value other than ``sm_scale:<positive float>``.
+    """
+    if not value:
+        return 1.0
+    kind, _, arg = value.partition(":")
+    try:
+        f = float(arg)
+    except ValueError:
+        f = -1.0
+    if kind != "sm_scale" or not f > 0:
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected sm_scale:<positive float>, e.g. sm_scale:1.05")
+    return f
 #: The policy's pick for a batch is reused until the batch's shape moves: its
 #: mean or longest KV length by this many tokens, its shortest by 8x this
 #: (:meth:`PersistentKVAttnBackend.choose` lists the whole key).
@@ -180,6 +203,9 @@ class PersistentKVAttnBackend(AttentionBackend):
         self.variant_graphs = False  # set by the capture hook: one graph per (bs, path)
         self._warned_fallback = False
         self._choices: Dict[tuple, str] = {}  # memoised policy picks (choose)
+        self._fault_scale = fault_scale(os.environ.get(FAULT_ENV))
+        if self._fault_scale != 1.0:
+            logger.warning("%s set: persistentkv's kernels scale the softmax by %s (a deliberate fault for tests)", FAULT_ENV, self._fault_scale)
         self._trace_file = os.environ.get(TRACE_ENV)
         self._trace_counts: Dict[str, int] = {}
         self._trace_written = 0.0
@@ -386,15 +412,16 @@ class PersistentKVAttnBackend(AttentionBackend):
         o = q3.new_empty(q3.shape)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        scale = layer.scaling * self._fault_scale
         if meta.path == "split":
             c = self.calib.split
             split_kv_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.split_chunk[: meta.bs], self.split_nsplit[: meta.bs],
-                         meta.max_splits, self.mid_o, self.mid_lse, o, layer.scaling, c.block_n, c.num_warps, c.num_stages)
+                         meta.max_splits, self.mid_o, self.mid_lse, o, scale, c.block_n, c.num_warps, c.num_stages)
         else:
             c = self.calib.compact
             work_queue_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.queue_chunk, self.queue_item_offsets[: meta.bs + 1],
                            self.queue_n_items[: meta.bs], self.mid_o, self.mid_lse, o, c.programs or self.sm_count,
-                           layer.scaling, c.block_n, c.num_warps, c.num_stages)
+                           scale, c.block_n, c.num_warps, c.num_stages)
         return o.view(-1, H * D)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

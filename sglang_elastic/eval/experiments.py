@@ -160,6 +160,26 @@ def advisor_for(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {k: p[k] for k in keep}
 
 
+def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, Any]], ok_only: bool = True) -> Optional[Dict[str, Any]]:
+    """``previous``'s row for ``s`` if it was measured (``ok_only``: and
+    succeeded) with the same server and the same workloads, else None."""
+    old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
+    if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
+        return None
+    if old.get("error", "").startswith("not run"):
+        return None
+    want = [w.model_dump(mode="json") for w in exp.workloads]
+    if old.get("ok") and [w.get("workload") for w in old.get("workloads", [])] != want:
+        return None
+    return old
+
+
+def measured_labels(exp: Experiment, previous: Optional[Dict[str, Any]]) -> List[str]:
+    """Labels of the rows ``previous`` holds measured for the config as it is
+    now (same server, same workloads, succeeded): what ``run.py --resume`` skips."""
+    return [s.label for s in exp.servers if previous_row(exp, s, previous) is not None]
+
+
 def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
     return {"label": s.label, "group": s.group, "server": s.model_dump(mode="json"), "identity": s.identity(), "ok": False,
             "error": why, "node_ip": None, "startup_s": None, "facts": None, "workloads": [], "log": None, "reused_from": None}
@@ -186,16 +206,9 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
         unknown = sorted(set(only) - {s.label for s in exp.servers})
         if unknown:
             raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
-    want = [w.model_dump(mode="json") for w in exp.workloads]
 
     def earlier(s: ServerConfig) -> Optional[Dict[str, Any]]:
-        """``previous``'s row for ``s`` if it measured the same server and workloads."""
-        old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
-        if old is None or not old.get("ok") or old.get("identity") != s.identity():
-            return None
-        if [w.get("workload") for w in old.get("workloads", [])] != want:
-            return None
-        return old
+        return previous_row(exp, s, previous)
 
     rows: Dict[str, Dict[str, Any]] = {}
     jobs: List[ServerJob] = []
@@ -208,7 +221,9 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
                 rows[s.label] = row
                 continue
         if only and s.label not in only:
-            rows[s.label] = earlier(s) or _not_run(s, "not run (not in --only, no earlier row of the same server and workloads)")
+            # an earlier failure of the same server stays in the file with its reason
+            rows[s.label] = earlier(s) or previous_row(exp, s, previous, ok_only=False) or _not_run(
+                s, "not run (not in --only, no earlier row of the same server and workloads)")
             continue
         if why is not None:
             notes.append(f"{s.label}: not reused ({why}); started")

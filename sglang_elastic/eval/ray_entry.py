@@ -31,7 +31,11 @@ gaps, each closed here and nowhere else:
    range``) while rank 0 waits in the handle exchange, and the server hangs
    (seen on two H200s). The job sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``,
    as SGLang's own Ray benchmark does (``sglang/benchmark/offline_throughput.py``),
-   so every rank sees every GPU and the indices agree.
+   so every rank sees every GPU and the indices agree. So Ray's GPU ids must be
+   CUDA indices: ``run.py`` refuses a ``CUDA_VISIBLE_DEVICES`` that renumbers
+   them. Left as SGLang does it: its P2P probe (``can_p2p``) takes TP ranks as
+   device indices, so on a host of more than two GPUs a TP2 server on GPUs
+   2-3 probes GPUs 0-1 once (SGLang caches the answer per host).
 """
 
 from __future__ import annotations
