@@ -13,11 +13,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-BLOCKS = ("ttft_vs_chunk", "ttft_vs_chunk_tp2", "capacity", "reserve_vs_tp", "decode_fraction", "advisor")
+BLOCKS = ("ttft_vs_chunk", "ttft_vs_chunk_tp2", "capacity", "capacity_tp2", "reserve_vs_tp", "decode_fraction", "advisor")
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
     "ttft_vs_chunk_tp2": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk_tp2.yaml",
     "capacity": "python scripts/eval/run.py scripts/eval/configs/e2_capacity.yaml",
+    "capacity_tp2": "python scripts/eval/run.py scripts/eval/configs/e2_capacity_tp2.yaml",
     "reserve_vs_tp": "python scripts/eval/run.py scripts/eval/configs/e3_reserve_vs_tp.yaml",
     "decode_fraction": "python scripts/eval/run.py scripts/eval/configs/e4_decode_fraction.yaml",
     "advisor": "python scripts/eval/advisor_points.py",
@@ -233,7 +234,7 @@ def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     return md, None
 
 
-RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "ttft_vs_chunk_tp2": ttft_vs_chunk, "capacity": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
+RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "ttft_vs_chunk_tp2": ttft_vs_chunk, "capacity": capacity, "capacity_tp2": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
 
 
 def _save_plot(plot: Callable, path: Path) -> None:
