@@ -190,3 +190,21 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     assert res["logit_quantum_nats"] == 0.0625 and res["passed"] and res["measured"] == ["2026-11-30T02:48:23+00:00 commit 52fc7c8 GPU 1"]
     split = res["runs"][1]
     assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]
+
+
+def test_engine_kwargs_carry_the_dtype_and_fp32_logits_and_merge_refuses_mixed_dtypes(tmp_path):
+    kw = e2e.engine_kwargs("/m", "persistentkv", "float16")
+    assert kw["dtype"] == "float16" and kw["enable_fp32_lm_head"] is True and kw["decode_attention_backend"] == "persistentkv"
+    from sglang.srt.server_args import ServerArgs
+
+    fields = set(ServerArgs.__dataclass_fields__)
+    assert set(kw) <= fields, sorted(set(kw) - fields)  # every key is one of SGLang 0.5.17's ServerArgs
+    import json
+
+    parts = []
+    for i, dt in enumerate(("bfloat16", "float16")):
+        p = tmp_path / f"part{i}.json"
+        p.write_text(json.dumps({"dtype": dt, "reference": {}, "runs": []}))
+        parts.append(str(p))
+    with pytest.raises(SystemExit, match="parts of different dtypes"):
+        e2e.merge(parts, str(tmp_path / "out.json"))

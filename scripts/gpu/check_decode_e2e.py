@@ -109,20 +109,26 @@ def prompts(seed: int = 0):
     return {"B8_10-3000": batch, "B1_3000": single}
 
 
-def save_model(path: str) -> None:
+#: Model dtypes the check runs: bf16 (what serving uses) and fp16, whose
+#: 3 more mantissa bits make a second correct kernel's rounding noise 8x
+#: smaller, so strict greedy equality becomes a meaningful bar.
+DTYPES = ("bfloat16", "float16")
+
+
+def save_model(path: str, dtype: str = "bfloat16") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same weights in either dtype
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
                       head_dim=64, vocab_size=32000, max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+                      bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
 
 
-def engine_kwargs(model: str, decode_backend):
-    kw = dict(model_path=model, skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch",
+def engine_kwargs(model: str, decode_backend, dtype: str = "bfloat16"):
+    kw = dict(model_path=model, dtype=dtype, skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch",
               grammar_backend="none", cuda_graph_backend_prefill="disabled", cuda_graph_backend_decode="full",
               cuda_graph_max_bs_decode=8, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True,
               enable_fp32_lm_head=FP32_LM_HEAD)
@@ -155,7 +161,7 @@ def calibration_used() -> dict:
     return load_calibration().to_json()
 
 
-def run_engine(model: str, mode, trace_dir: str):
+def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16"):
     """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
     import sglang as sgl
 
@@ -183,7 +189,7 @@ def run_engine(model: str, mode, trace_dir: str):
         os.environ.pop(config.ENV, None)
         os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
     t0 = time.time()
-    llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None))
+    llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None, dtype))
     out = {}
     try:
         for name, ids in prompts().items():
@@ -384,6 +390,9 @@ def merge(parts, out: str, command=None) -> int:
     from sglang_elastic import results
 
     datas = [json.load(open(p)) for p in parts]
+    dtypes = {d.get("dtype", "bfloat16") for d in datas}  # parts before the dtype option were bf16
+    if len(dtypes) > 1:
+        raise SystemExit(f"parts of different dtypes {sorted(dtypes)}: merge each dtype into its own result")
     ref = datas[0]["reference"]
     quantum = logit_quantum(ref)
     refs, runs = [], []
@@ -395,7 +404,7 @@ def merge(parts, out: str, command=None) -> int:
             runs.append(evaluate(r["policy"], d["reference"], r["outputs"], r.get("decode_steps", {}), quantum,
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
     ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
-    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "tolerance": TOLERANCE,
+    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "tolerance": TOLERANCE,
            "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
            "runs": runs, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
@@ -410,6 +419,7 @@ def main():
     ap.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {','.join(ALL_MODES)}")
     ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part files (each from --modes on one GPU) into --out instead of running")
     ap.add_argument("--command", default=None, help="the command recorded in the result (default: this script's argv)")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the model's (and so the KV cache's) dtype")
     a = ap.parse_args()
     from sglang_elastic import results
 
@@ -423,13 +433,13 @@ def main():
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         model = os.path.join(d, "llama-tiny")
-        save_model(model)
-        ref, _, secs = run_engine(model, None, d)
+        save_model(model, a.dtype)
+        ref, _, secs = run_engine(model, None, d, a.dtype)
         quantum = logit_quantum(ref)
         print(f"flashinfer alone: {secs:.0f} s; logit quantum {quantum} nats", flush=True)
         runs = []
         for mode in modes:
-            got, counts, secs = run_engine(model, mode, d)
+            got, counts, secs = run_engine(model, mode, d, a.dtype)
             r = evaluate(mode, ref, got, counts, quantum, {"engine_seconds": round(secs, 1)})
             runs.append(r)
             print(f"{mode:10s} tokens equal {r['tokens_equal']} close {r['close']} max rel logprob diff {r['max_rel_logprob_diff']:.2e} "
@@ -438,8 +448,9 @@ def main():
                   f"steps {counts} {r['problems'] or ''} ({secs:.0f} s)", flush=True)
         ok = judge(runs)
         print("judged: " + ", ".join(f"{r['policy']} {r['criterion']}" for r in runs), flush=True)
-    res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "model": "random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0",
-           "engine": engine_kwargs("<tmp>", "persistentkv"), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
+    res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "dtype": a.dtype,
+           "model": f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}",
+           "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
            "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(), "runs": runs,
            "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
     if a.command:

@@ -8,13 +8,23 @@
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
 #   bash scripts/gpu/check_decode_e2e.sh [RESULT_JSON]
 #   E2E_GPUS=1 bash scripts/gpu/check_decode_e2e.sh      # all eight engines on GPU 1
+#   E2E_DTYPE=float16 bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_fp16_h200.json
+# Both dtypes at once on two GPUs (install once, then neither reinstalls):
+#   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site --upgrade .
+#   E2E_INSTALL=0 E2E_GPUS=0 bash scripts/gpu/check_decode_e2e.sh &
+#   E2E_INSTALL=0 E2E_GPUS=1 E2E_DTYPE=float16 bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_fp16_h200.json; wait
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
-work=${WORK:-/tmp/decode_e2e}
+dtype=${E2E_DTYPE:-bfloat16}
+work=${WORK:-/tmp/decode_e2e_$dtype}
 site=${SITE:-/tmp/site}
 rm -rf "$work"; mkdir -p "$work" "$(dirname "$result")"   # no part of an earlier run may be merged
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
+# E2E_INSTALL=0: the package is installed already (two checks at once must not
+# reinstall under each other's engines)
+if [ "${E2E_INSTALL:-1}" != 0 ]; then
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade .
+fi
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 # E2E_GPUS: the GPUs to use (default: all), e.g. E2E_GPUS=1 to leave GPU 0 to another job
 read -r -a gpus <<< "${E2E_GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
@@ -25,11 +35,11 @@ else
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
   pids+=($!); parts+=("$work/part$i.json")
 done
 rc=0
 for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
 for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8 || true; done
-python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "bash scripts/gpu/check_decode_e2e.sh" || rc=1
+python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
 exit $rc
