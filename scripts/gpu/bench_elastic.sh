@@ -9,7 +9,7 @@
 # -id: the identity servers and workload (bench_elastic.py --identity);
 # -eager: prefill without CUDA graphs (bench_elastic.py --eager).
 # Default (2 H200s, ~20 min): "elastic@0 stock@1" "elastic-id@0 stock-id@1"
-# "always-lent@0" "elastic-tp2@0,1".
+# "always-lent@0" "always-lent-eager@0 elastic-eager@1" "elastic-tp2@0,1".
 # Each phase writes OUTDIR/<mode>_tp<N>.json (scripts/gpu/bench_elastic.py);
 # then every part in OUTDIR is assembled into $RESULT
 # (default docs/results/elastic_h200.json). Parts from an earlier run in OUTDIR

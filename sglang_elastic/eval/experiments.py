@@ -166,7 +166,7 @@ def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, 
     old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
     if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
         return None
-    if old.get("error", "").startswith("not run"):
+    if (old.get("error") or "").startswith("not run"):
         return None
     want = [w.model_dump(mode="json") for w in exp.workloads]
     if old.get("ok") and [w.get("workload") for w in old.get("workloads", [])] != want:
