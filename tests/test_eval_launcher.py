@@ -224,3 +224,24 @@ def test_a_reuse_row_is_taken_even_when_only_names_other_rows(tmp_path):
     assert rec.names == ["llama-8b-tp2"]
     assert rows["llama-8b-tp1"]["ok"] and rows["llama-8b-tp1"]["facts"]["max_total_num_tokens"] == 906051
     assert "ttft_vs_chunk.json#tp1" in rows["llama-8b-tp1"]["reused_from"]
+
+
+def test_no_server_starts_after_the_start_deadline_and_earlier_rows_stay(launcher, tmp_path):
+    """run.py --start-deadline-s: a call with a time limit stops starting
+    servers; rows not started keep the file's earlier measurement (or read as
+    not run, for --resume), and their placement groups are released."""
+    import time
+
+    from sglang_elastic.eval.launcher import NOT_STARTED
+
+    e = _exp()
+    tp2, tp1 = e.servers
+    kept = {"label": "tp1", "ok": True, "identity": tp1.identity(), "measured": {"date": "earlier"},
+            "workloads": [{"workload": e.workloads[0].model_dump(mode="json")}]}
+    out = experiments.run(e, launcher, results_dir=tmp_path, standin=True, progress=False, previous={"rows": [kept]},
+                          start_deadline=time.monotonic() - 1.0)
+    rows = {r["label"]: r for r in out["rows"]}
+    assert rows["tp1"] is kept  # never started: the earlier row stands
+    assert not rows["tp2"]["ok"] and rows["tp2"]["error"].startswith(NOT_STARTED)
+    assert experiments.measured_labels(e, out) == ["tp1"]  # --resume would start tp2 only
+    assert all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())

@@ -2,7 +2,7 @@
 regenerate docs/eval.md's tables and the plots.
 
     python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
-        [--only LABEL,...] [--resume] [--no-warm-first]
+        [--only LABEL,...] [--resume] [--start-deadline-s S] [--no-warm-first]
 
 The JSON is rewritten after every finished server, so a run stopped at a time
 limit keeps what it measured. --only runs some rows and keeps the others from
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +40,11 @@ def main() -> int:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated row labels to run; other rows are kept from the existing result file")
     ap.add_argument("--resume", action="store_true", help="run only the rows the existing result file lacks or failed (e.g. after a time limit cut a run)")
+    ap.add_argument("--start-deadline-s", type=float, default=None, metavar="S",
+                    help="start no server later than S seconds from now (a call with a time limit: rows not started stay for --resume)")
     ap.add_argument("--no-warm-first", action="store_true", help="start every server at once (the host's JIT caches are already warm)")
     a = ap.parse_args()
+    t0 = time.monotonic()
     try:
         exp = config.load(a.config)
     except config.EvalConfigError as e:
@@ -76,10 +80,14 @@ def main() -> int:
 
     with Launcher(address=address, log_dir=exp.cluster.log_dir, num_gpus=num_gpus) as launcher:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
-                               warm_first=False if a.no_warm_first else None, on_progress=write)
+                               warm_first=False if a.no_warm_first else None, on_progress=write,
+                               start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)
     write(body)
-    failed = [r["label"] for r in body["rows"] if not r["ok"] and (not only or r["label"] in only)]
-    missing = [r["label"] for r in body["rows"] if not r["ok"] and only and r["label"] not in only]
+    def never_ran(r):  # not in --only, or not started before --start-deadline-s: for --resume, not a failure
+        return (r.get("error") or "").startswith("not run") or bool(only and r["label"] not in only)
+
+    failed = [r["label"] for r in body["rows"] if not r["ok"] and not never_ran(r)]
+    missing = [r["label"] for r in body["rows"] if not r["ok"] and never_ran(r)]
     print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else ""))
     if not a.no_report and not a.standin:
         try:

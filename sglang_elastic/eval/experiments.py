@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from sglang_elastic import results
 from sglang_elastic.eval.config import Experiment, ServerConfig
-from sglang_elastic.eval.launcher import Launcher, ServerJob, ServerResult
+from sglang_elastic.eval.launcher import NOT_STARTED, Launcher, ServerJob, ServerResult
 from sglang_elastic.eval.ray_entry import MARK_HOOK
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
 
 def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, standin: bool = False, progress: bool = True,
         only: Optional[List[str]] = None, previous: Optional[Dict[str, Any]] = None, warm_first: Optional[bool] = None,
-        on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+        on_progress: Optional[Callable[[Dict[str, Any]], None]] = None, start_deadline: Optional[float] = None) -> Dict[str, Any]:
     """Run every row that cannot be reused; rows in the config's order.
 
     ``only``: run just these labels; a ``reuse`` row is taken from its source
@@ -198,6 +198,9 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     finished server (rows not finished yet: ``previous``'s, else not run),
     for a caller that writes it as it goes: a run killed at a time limit
     leaves what it measured and what the file held before.
+    ``start_deadline`` (``time.monotonic()`` seconds): no server starts after
+    it (:meth:`Launcher.run`); those rows stay as ``previous`` had them, or
+    not run.
 
     Raises:
         ValueError: ``only`` names a label the config does not have.
@@ -244,7 +247,10 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
 
     def done(r: ServerResult) -> None:
         with lock:
-            rows[r.name] = _row(by_label[r.name], r)
+            if not r.ok and (r.error or "").startswith(NOT_STARTED):  # never started: keep what the file had
+                rows[r.name] = earlier(by_label[r.name]) or _not_run(by_label[r.name], r.error)
+            else:
+                rows[r.name] = _row(by_label[r.name], r)
             if on_progress:
                 try:
                     on_progress(body())
@@ -256,5 +262,5 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     first = exp.cluster.warm_first if warm_first is None else warm_first
     waves = [jobs[:1], jobs[1:]] if first and len(jobs) > 1 else [jobs]
     for wave in waves:
-        launcher.run(wave, max_parallel=exp.cluster.max_parallel_servers, progress=progress, on_result=done)
+        launcher.run(wave, max_parallel=exp.cluster.max_parallel_servers, progress=progress, on_result=done, start_deadline=start_deadline)
     return body()

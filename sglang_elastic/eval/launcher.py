@@ -194,6 +194,11 @@ class ServerActor:
         return "\n".join(self.log_text(1 << 20).splitlines()[-lines:])
 
 
+#: Error prefix of a job the launcher never started (``start_deadline``): the
+#: experiment records the row as not run (``run.py --resume`` runs it later).
+NOT_STARTED = "not run (not started)"
+
+
 class Launcher:
     """A Ray cluster session: ``address=None`` starts a local cluster (its
     ``num_cpus`` / ``num_gpus`` / ``resources`` as given, else detected), else
@@ -233,8 +238,13 @@ class Launcher:
 
         return max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
 
-    def run(self, jobs: List[ServerJob], max_parallel: Optional[int] = None, progress: bool = True, on_result: Optional[Callable[[ServerResult], None]] = None) -> List[ServerResult]:
-        """Run every job's server life; results in the jobs' order."""
+    def run(self, jobs: List[ServerJob], max_parallel: Optional[int] = None, progress: bool = True, on_result: Optional[Callable[[ServerResult], None]] = None,
+            start_deadline: Optional[float] = None) -> List[ServerResult]:
+        """Run every job's server life; results in the jobs' order.
+
+        ``start_deadline`` (``time.monotonic()`` seconds): no server starts
+        after it; a job still waiting for its GPUs then returns a result whose
+        error begins with :data:`NOT_STARTED` (a row to run again, not a failure)."""
         from tqdm.auto import tqdm
 
         names = [j.name for j in jobs]
@@ -252,7 +262,7 @@ class Launcher:
 
         def one(job: ServerJob) -> ServerResult:
             try:
-                res = self._run_one(job, lambda t: stage(job.name, t))
+                res = self._run_one(job, lambda t: stage(job.name, t), start_deadline)
             except Exception as e:  # recorded in the result, other servers go on
                 res = ServerResult(job.name, ok=False, error=_describe(e))
             with lock:
@@ -268,7 +278,7 @@ class Launcher:
         bar.close()
         return [results[n] for n in names]
 
-    def _run_one(self, job: ServerJob, stage: Callable[[str], None]) -> ServerResult:
+    def _run_one(self, job: ServerJob, stage: Callable[[str], None], start_deadline: Optional[float] = None) -> ServerResult:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -282,7 +292,13 @@ class Launcher:
         actor = None
         try:
             stage("waiting for GPUs")
-            ray.get(pg.ready())
+            if start_deadline is None:
+                ray.get(pg.ready())
+            else:
+                ready, _ = ray.wait([pg.ready()], timeout=max(0.0, start_deadline - time.monotonic()))
+                if not ready or time.monotonic() > start_deadline:
+                    res.error = f"{NOT_STARTED}: the start deadline passed while it waited for GPUs"
+                    return res
             actor = self._actor_cls.options(num_cpus=1, num_gpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)).remote(job.name, str(self.log_dir))
             stage("starting")
             started = ray.get(actor.start.remote(job.argv, job.env, pg_name, self.namespace, job.cwd))
