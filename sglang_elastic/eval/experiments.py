@@ -166,7 +166,7 @@ def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, 
     old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
     if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
         return None
-    if (old.get("error") or "").startswith("not run"):
+    if not_measured(old):
         return None
     want = [w.model_dump(mode="json") for w in exp.workloads]
     if old.get("ok") and [w.get("workload") for w in old.get("workloads", [])] != want:
@@ -178,6 +178,17 @@ def measured_labels(exp: Experiment, previous: Optional[Dict[str, Any]]) -> List
     """Labels of the rows ``previous`` holds measured for the config as it is
     now (same server, same workloads, succeeded): what ``run.py --resume`` skips."""
     return [s.label for s in exp.servers if previous_row(exp, s, previous) is not None]
+
+
+def not_measured(row: Dict[str, Any]) -> bool:
+    """A row no server stood behind (:func:`_not_run`, or :data:`NOT_STARTED`
+    under a start deadline): not measured yet rather than failed."""
+    return not row.get("ok") and (row.get("error") or "").startswith(NOT_RUN)
+
+
+#: Error prefix of every row :func:`_not_run` writes (:data:`NOT_STARTED` shares it).
+NOT_RUN = "not run"
+assert NOT_STARTED.startswith(NOT_RUN)
 
 
 def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
@@ -224,8 +235,8 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
                 rows[s.label] = row
                 continue
         if only and s.label not in only:
-            # an earlier failure of the same server stays in the file with its reason
-            rows[s.label] = earlier(s) or previous_row(exp, s, previous, ok_only=False) or _not_run(
+            # the file's earlier row of the same server stays, a failure with its reason
+            rows[s.label] = previous_row(exp, s, previous, ok_only=False) or _not_run(
                 s, "not run (not in --only, no earlier row of the same server and workloads)")
             continue
         if why is not None:

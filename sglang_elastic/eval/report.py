@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sglang_elastic.eval.experiments import not_measured
+
 BLOCKS = ("ttft_vs_chunk", "ttft_vs_chunk_tp2", "capacity", "capacity_tp2", "reserve_vs_tp", "decode_fraction", "advisor")
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
@@ -59,10 +61,9 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
 
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
-        err = row.get("error") or "?"
-        if err.startswith("not run"):  # never started (run.py --only / --resume, or cut by a time limit)
+        if not_measured(row):  # never started (run.py --only / --resume, or a start deadline)
             return "not measured yet"
-        return "failed: " + err.splitlines()[0][:80].replace("|", "/")
+        return "failed: " + (row.get("error") or "?").splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
     return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
 
