@@ -118,3 +118,12 @@ def test_e2e_engine_kwargs_are_sglang_server_args():
 
     fields = {f.name for f in dataclasses.fields(ServerArgs)}
     assert set(_e2e().engine_kwargs("/m", "persistentkv")) <= fields
+
+
+def test_the_sweep_grid_is_centred_on_the_shipped_configs_and_clipped():
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "gpu" / "bench_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.around(1024, 64, 8192) == (512, 1024, 2048)
+    assert mod.around(256, 16, 256) == (128, 256)  # double clipped to the top
+    assert mod.around(16, 16, 256) == (16, 32)  # half clipped to the bottom

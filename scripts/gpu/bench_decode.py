@@ -27,12 +27,15 @@ for all layers (ours also timed alone: ``ours_*_plan_us``).
 - Correctness: each output against FlashInfer tensor-core's (relative
   Frobenius error ``rel_err_vs_flashinfer``, and ``max_abs_err_vs_flashinfer``);
   exits 1 if ours exceed 1e-2 relative.
-- ``--sweep``: first times a grid of kernel configs (split: ``min_chunk``
-  256/512/1024, ``max_splits`` 32/64/128, ``block_n`` 32/64/128,
-  ``num_warps`` 4/8, ``num_stages`` 2/3/4: 162; compact: ``target_items,
-  min_chunk, programs, block_n, num_warps``: 48) on four cases at page 16
-  (about 3-5 min with Triton's compiles), keeps the best
-  geometric mean, writes it into the calibration (the backend launches with it).
+- ``--sweep``: first times a grid of kernel configs around the shipped ones
+  (split: half, same and double the ``min_chunk``, ``max_splits`` and
+  ``block_n``, ``num_warps`` 4/8, ``num_stages`` 2/3/4: up to 162; compact:
+  half/same/double ``target_items``, ``min_chunk`` and ``block_n``,
+  ``programs`` 1-2 per SM, ``num_warps`` 4/8: up to 108) on four cases at
+  page 16 (about 2-5 min with Triton's compiles; configs Triton cannot
+  compile are recorded and skipped), keeps the best geometric mean, writes it
+  into the calibration (the backend launches with it). Each run starts where
+  the last ended: repeated sweeps climb to a local optimum.
 
 The calibration is fitted to this run's timings (all rows) by
 :func:`sglang_elastic.attention.calibrate.fit_calibration`; ``policy_*``
@@ -218,6 +221,11 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
     return row
 
 
+def around(x: int, lo: int, hi: int) -> tuple:
+    """``x / 2, x, 2 x`` (powers of two stay powers of two) within ``[lo, hi]``."""
+    return tuple(sorted({min(hi, max(lo, int(y))) for y in (x // 2, x, x * 2)}))
+
+
 def sweep(calib, k, v, g, notes):
     """Best split / compact kernel configs (geometric mean over four page-16 cases)."""
     cases = [c for c in bench.bench_cases() if c["name"] in ("B1_32K", "B8_2x64K_6x4K", "B32_zipf_1K-61K", "B64_8x32K_56x2K")]
@@ -237,8 +245,11 @@ def sweep(calib, k, v, g, notes):
         return math.exp(sum(map(math.log, ts)) / len(ts))
 
     tried = {"split": [], "compact": []}
-    best_split, best_s = calib.split, score(calib, "split")
-    for mc, ms, bn, nw, ns in itertools.product((256, 512, 1024), (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+    sp, cp = calib.split, calib.compact
+    best_split, best_s = sp, score(calib, "split")
+    # a grid around the shipped configs (half, same, double): each run's sweep
+    # starts where the last one ended, so repeated runs climb to a local optimum
+    for mc, ms, bn, nw, ns in itertools.product(around(sp.min_chunk, 64, 8192), around(sp.max_splits, 4, 256), around(sp.block_n, 16, 256), (4, 8), (2, 3, 4)):
         if ms > calib.split.partial_budget:
             continue
         cfg = dataclasses.replace(calib.split, min_chunk=mc, max_splits=ms, block_n=bn, num_warps=nw, num_stages=ns)
@@ -250,8 +261,8 @@ def sweep(calib, k, v, g, notes):
         tried["split"].append({**dataclasses.asdict(cfg), "geomean_us": s})
         if s < best_s:
             best_split, best_s = cfg, s
-    best_compact, best_c = calib.compact, score(calib, "compact")
-    for ti, mc, pr, bn, nw in itertools.product((512, 1024, 2048), (256, 512), (sm, 2 * sm), (32, 64), (4, 8)):
+    best_compact, best_c = cp, score(calib, "compact")
+    for ti, mc, pr, bn, nw in itertools.product(around(cp.target_items, 128, 16384), around(cp.min_chunk, 64, 8192), (sm, 2 * sm), around(cp.block_n, 16, 256), (4, 8)):
         cfg = dataclasses.replace(calib.compact, target_items=ti, min_chunk=mc, programs=pr, block_n=bn, num_warps=nw)
         try:
             s = score(dataclasses.replace(calib, compact=cfg), "compact")
