@@ -351,9 +351,9 @@ def judge(runs: list) -> bool:
 
 
 TOLERANCE = (f"|dlogprob| <= 1e-2 * max(1, |ref|) up to a request's first divergence (both candidates compared there), every divergence a near-tie "
-             f"(each token in the other's top-{TOP_K}, both runs' margins <= max({TIE_NATS} nats, {TIE_QUANTA} logit quanta)); a run beyond the 1e-2 "
-             f"passes at the control's noise floor: near-ties only and mean and max |dlogprob| <= {NOISE_FACTOR}x SGLang Triton decode's; "
-             "tokens_equal reports strict equality")
+             f"(each token in the other's top-{TOP_K}, both runs' margins in [0, max({TIE_NATS} nats, {TIE_QUANTA} logit quanta)]); a run beyond the 1e-2 "
+             f"passes at the control's noise floor: near-ties only, mean and max |dlogprob| over decode steps <= {NOISE_FACTOR}x SGLang Triton decode's "
+             f"and <= {NOISE_MEAN_CAP} / {NOISE_MAX_CAP} nats; the mutant ({MUTANT}, {MUTANT_FAULT}) must fail; tokens_equal reports strict equality")
 
 
 def evaluate(mode: str, ref, got, counts: dict, quantum: float, extra=None) -> dict:
