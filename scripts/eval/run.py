@@ -62,9 +62,10 @@ def main() -> int:
     a.out_dir.mkdir(parents=True, exist_ok=True)
     out = a.out_dir / f"{exp.result_name}{'.standin' if a.standin else ''}.json"
     only = [x for x in a.only.split(",") if x] if a.only else None
-    unknown = sorted(set(only or ()) - {s.label for s in exp.servers})
-    if unknown:
-        print(f"run.py: --only: no row {', '.join(unknown)} in {a.config}; rows: {', '.join(s.label for s in exp.servers)}", file=sys.stderr)
+    try:
+        experiments.check_only(exp, only)
+    except ValueError as e:
+        print(f"run.py: {e}", file=sys.stderr)
         return 2
     previous = json.loads(out.read_text()) if out.is_file() else None
     if a.resume:

@@ -167,27 +167,20 @@ def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16"):
 
     from sglang_elastic import config
 
-    trace = os.path.join(trace_dir, f"trace_{mode}")
-    from sglang_elastic.attention.backend import FAULT_ENV
+    from sglang_elastic.attention.backend import FAULT_ENV, TRACE_ENV
 
-    os.environ.pop(FAULT_ENV, None)
-    if mode == MUTANT:
-        config.publish(config.ElasticKVConfig(decode_policy="split"))
-        os.environ[FAULT_ENV] = MUTANT_FAULT
-        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
-    elif mode == CONTROL:
-        os.environ.pop(config.ENV, None)
-        os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
-    elif mode == "auto-ours":
-        calib = ours_calibration(os.path.join(trace_dir, "calibration_ours.json"))
-        config.publish(config.ElasticKVConfig(decode_policy="auto", decode_calibration=calib))
-        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
-    elif mode:
-        config.publish(config.ElasticKVConfig(decode_policy=mode))  # the schedulers read it (SGLANG_ELASTIC_CONFIG)
-        os.environ["SGLANG_ELASTIC_DECODE_TRACE"] = trace
-    else:
-        os.environ.pop(config.ENV, None)
-        os.environ.pop("SGLANG_ELASTIC_DECODE_TRACE", None)
+    trace = os.path.join(trace_dir, f"trace_{mode}")  # written only by persistentkv's schedulers
+    for var in (config.ENV, TRACE_ENV, FAULT_ENV):  # nothing left from the previous engine
+        os.environ.pop(var, None)
+    if mode not in (None, CONTROL):  # persistentkv decodes: its config for the schedulers, its step trace
+        if mode == "auto-ours":
+            cfg = config.ElasticKVConfig(decode_policy="auto", decode_calibration=ours_calibration(os.path.join(trace_dir, "calibration_ours.json")))
+        else:
+            cfg = config.ElasticKVConfig(decode_policy="split" if mode == MUTANT else mode)
+        config.publish(cfg)  # the schedulers read it (SGLANG_ELASTIC_CONFIG)
+        os.environ[TRACE_ENV] = trace
+        if mode == MUTANT:
+            os.environ[FAULT_ENV] = MUTANT_FAULT
     t0 = time.time()
     llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None, dtype))
     out = {}

@@ -85,6 +85,8 @@ def fault_scale(value: Optional[str]) -> float:
     if kind != "sm_scale" or not f > 0:
         raise ValueError(f"{FAULT_ENV}={value!r}: expected sm_scale:<positive float>, e.g. sm_scale:1.05")
     return f
+
+
 #: The policy's pick for a batch is reused until the batch's shape moves: its
 #: mean or longest KV length by this many tokens, its shortest by 8x this
 #: (:meth:`PersistentKVAttnBackend.choose` lists the whole key).
@@ -279,7 +281,7 @@ class PersistentKVAttnBackend(AttentionBackend):
             if path is None:
                 if len(self._choices) >= _MAX_CHOICES:
                     self._choices.clear()
-                path = self._choices[key] = self.policy.choose(lens if bs >= 64 else lens.tolist())
+                path = self._choices[key] = self.policy.choose(lens)  # the policy picks Python ints or numpy by size
             return path
         total = getattr(forward_batch, "seq_lens_sum", None)
         if total is not None and bs > 0:

@@ -410,7 +410,10 @@ class DecodePolicy:
 
     def predict(self, lens: Iterable[int]) -> Dict[str, float]:
         """Predicted us per layer of every path for these KV lengths."""
-        if not isinstance(lens, np.ndarray) or len(lens) < _NUMPY_FROM:
+        if isinstance(lens, np.ndarray):
+            if len(lens) < _NUMPY_FROM:
+                lens = lens.tolist()
+        else:
             lens = [int(x) for x in lens]
         out = {}
         for p in PATHS:

@@ -160,6 +160,13 @@ def advisor_for(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {k: p[k] for k in keep}
 
 
+def check_only(exp: Experiment, only: Optional[List[str]]) -> None:
+    """Raises ``ValueError`` naming the labels of ``only`` the config lacks."""
+    unknown = sorted(set(only or ()) - {s.label for s in exp.servers})
+    if unknown:
+        raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
+
+
 def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, Any]], ok_only: bool = True) -> Optional[Dict[str, Any]]:
     """``previous``'s row for ``s`` if it was measured (``ok_only``: and
     succeeded) with the same server and the same workloads, else None."""
@@ -216,10 +223,7 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     Raises:
         ValueError: ``only`` names a label the config does not have.
     """
-    if only:
-        unknown = sorted(set(only) - {s.label for s in exp.servers})
-        if unknown:
-            raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
+    check_only(exp, only)
 
     def earlier(s: ServerConfig) -> Optional[Dict[str, Any]]:
         return previous_row(exp, s, previous)

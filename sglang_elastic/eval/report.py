@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_elastic.eval.experiments import not_measured
 
-BLOCKS = ("ttft_vs_chunk", "ttft_vs_chunk_tp2", "capacity", "capacity_tp2", "reserve_vs_tp", "decode_fraction", "advisor")
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
     "ttft_vs_chunk_tp2": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk_tp2.yaml",
@@ -25,6 +24,8 @@ RUN = {
     "decode_fraction": "python scripts/eval/run.py scripts/eval/configs/e4_decode_fraction.yaml",
     "advisor": "python scripts/eval/advisor_points.py",
 }
+#: The generated blocks of docs/eval.md, in the page's order.
+BLOCKS = tuple(RUN)
 
 
 def _n(x: Any, fmt: str = "{:,}") -> str:
