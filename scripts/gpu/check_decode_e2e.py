@@ -396,13 +396,14 @@ def merge(parts, out: str, command=None) -> int:
         for r in d["runs"]:  # judged again from the stored outputs, against this part's own reference
             runs.append(evaluate(r["policy"], d["reference"], r["outputs"], r.get("decode_steps", {}), quantum,
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
-    ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs)
+    missing = sorted({m for d in datas for m in d.get("modes_planned", ())} - {r["policy"] for r in runs})
+    ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs) and not missing
     res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "tolerance": TOLERANCE,
            "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
-           "runs": runs, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
+           "runs": runs, "modes_missing": missing, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
     results.write(out, res)
-    print(f"{out}: {len(runs)} run(s), passed {ok}")
+    print(f"{out}: {len(runs)} run(s), passed {ok}" + (f"; modes not run (part cut short): {missing}" if missing else ""))
     return 0 if ok else 1
 
 
@@ -431,24 +432,29 @@ def main():
         quantum = logit_quantum(ref)
         print(f"flashinfer alone: {secs:.0f} s; logit quantum {quantum} nats", flush=True)
         runs = []
+
+        def write_part(ok=None):  # after every engine: a call cut short keeps the modes it finished
+            res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "dtype": a.dtype,
+                   "model": f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}",
+                   "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
+                   "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(),
+                   "modes_planned": modes, "complete": ok is not None, "runs": runs, "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
+            if a.command:
+                res["command"] = a.command
+            results.write(a.out, res)
+
         for mode in modes:
             got, counts, secs = run_engine(model, mode, d, a.dtype)
             r = evaluate(mode, ref, got, counts, quantum, {"engine_seconds": round(secs, 1)})
             runs.append(r)
+            write_part()
             print(f"{mode:10s} tokens equal {r['tokens_equal']} close {r['close']} max rel logprob diff {r['max_rel_logprob_diff']:.2e} "
                   f"|dlogprob| mean {r['abs_logprob_diff']['mean']:.3f} max {r['abs_logprob_diff']['max']:.3f} "
                   f"divergences {[(v['set'], v['request'], v['token'], v['ref_margin_nats'], v['got_margin_nats']) for v in r['divergences']]} "
                   f"steps {counts} {r['problems'] or ''} ({secs:.0f} s)", flush=True)
         ok = judge(runs)
         print("judged: " + ", ".join(f"{r['policy']} {r['criterion']}" for r in runs), flush=True)
-    res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "dtype": a.dtype,
-           "model": f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}",
-           "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
-           "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(), "runs": runs,
-           "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
-    if a.command:
-        res["command"] = a.command
-    results.write(a.out, res)
+        write_part(ok)
     if not ok:
         sys.exit(1)
 
