@@ -32,27 +32,52 @@ def test_post_capture_sizing_drops_the_activation_reserve():
 
 
 def test_the_measured_h200_points_are_reproduced():
-    """E1's five stock rows (chunk 2,048-32,768) are the calibration: SGLang's
-    own sizing gives their mem_fraction_static, the fit their KV tokens and the
-    memory free after CUDA graphs."""
+    """The calibration (E1's five stock rows, chunk 2,048-32,768, and E3's
+    TP 1 / TP 2 rows): SGLang's own sizing gives their mem_fraction_static, the
+    fit their KV tokens and the memory free after CUDA graphs."""
     cal = advisor.load_calibration()
-    assert len(cal["points"]) == 5
+    assert len(cal["points"]) >= 8 and {pt["tp"] for pt in cal["points"]} >= {1, 2} and len({pt["model"] for pt in cal["points"]}) >= 2
     for pt in cal["points"]:
-        p = advisor.predict("llama-3.1-8b", pt["gpu_mem_mib"] / 1024, 1, pt["chunked_prefill_size"])
+        p = advisor.predict(pt["model"], pt["gpu_mem_mib"] / 1024, pt["tp"], pt["chunked_prefill_size"])
         assert p["mem_fraction_static"] == pt["mem_fraction_static"]
-        assert p["max_total_num_tokens"] == pytest.approx(pt["max_total_num_tokens"], rel=5e-4)
-        assert p["free_after_graphs_gib"] == pytest.approx(pt["free_after_graphs_gib"], rel=2e-2, abs=0.1)
+        assert p["max_total_num_tokens"] == pytest.approx(pt["max_total_num_tokens"], rel=2e-3)
+        assert p["free_after_graphs_gib"] == pytest.approx(pt["free_after_graphs_gib"], rel=3e-2, abs=0.1)
+        assert p["factors"]["extrapolated_from_tp"] is None
     p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1)
     assert p["kv_cell_bytes"] == 131072 and p["recommendation"] == "elastic"
     assert p["extra_kv_tokens"] == int(p["lendable_gib"] * (1 << 30) // 131072)
     assert p["lendable_gib"] == pytest.approx(p["free_after_graphs_gib"] - 1.0)
 
 
+def test_each_point_is_predicted_by_a_fit_without_it():
+    """Leave-one-out, as advisor_points.py reports it: KV tokens within 0.5 %,
+    free memory after graphs within 5 % (the old width-scaled activation
+    model missed Qwen2.5-32B by 9 %)."""
+    cal = advisor.load_calibration()
+    for i, pt in enumerate(cal["points"]):
+        rest = {**cal, "points": cal["points"][:i] + cal["points"][i + 1:]}
+        p = advisor.predict(pt["model"], pt["gpu_mem_mib"] / 1024, pt["tp"], pt["chunked_prefill_size"], calibration=rest)
+        assert p["max_total_num_tokens"] == pytest.approx(pt["max_total_num_tokens"], rel=5e-3), pt["label"]
+        assert p["free_after_graphs_gib"] == pytest.approx(pt["free_after_graphs_gib"], rel=5e-2), pt["label"]
+
+
+def test_the_context_and_graph_memory_are_per_tp_and_extrapolated_upwards():
+    cal = advisor.load_calibration()
+    f1, f2, f8 = (advisor.factors(cal, tp) for tp in (1, 2, 8))
+    # NCCL and custom all-reduce buffers: more memory before the model loads at TP 2
+    assert f2["context_overhead_gib"] > f1["context_overhead_gib"] + 0.5
+    assert f1["graph_bytes_per_token"] == f2["graph_bytes_per_token"] > 0  # one slope (TP 1's chunk sweep)
+    assert f8["extrapolated_from_tp"] == 2 and f8["graph_fixed_gib"] == f2["graph_fixed_gib"]
+    p = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 8)
+    assert p["factors"]["extrapolated_from_tp"] == 2
+    assert "no point at TP 8: TP 2's context and graph memory" in advisor.format_text(p)
+
+
 def test_one_calibration_point_is_reproduced_exactly():
     cal = advisor.load_calibration()
-    one = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] == 8192]}
-    f = advisor.factors(one)
-    assert f["graph_bytes_per_token_width"] == 0.0
+    one = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] == 8192 and pt["tp"] == 1 and pt["model"] == "llama-3.1-8b"]}
+    f = advisor.factors(one, 1)
+    assert f["graph_bytes_per_token"] == 0.0
     p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, calibration=one)
     assert abs(p["max_total_num_tokens"] - 906056) <= 1
     assert p["free_after_graphs_gib"] == pytest.approx(9.017)

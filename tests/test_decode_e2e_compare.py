@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import os
+
 import pytest
 
 _spec = importlib.util.spec_from_file_location("check_decode_e2e", Path(__file__).parents[1] / "scripts/gpu/check_decode_e2e.py")
@@ -190,6 +192,27 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     assert res["logit_quantum_nats"] == 0.0625 and res["passed"] and res["measured"] == ["2026-11-30T02:48:23+00:00 commit 52fc7c8 GPU 1"]
     split = res["runs"][1]
     assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]
+    # the control flipped the same gap (token 3 leads token 2 by 0.125 there): its margin ref-token minus run-token is reported
+    assert split["divergences"][0]["control_margin_nats"] == pytest.approx(-2.075 - -1.95)
+    # the raw outputs live in the gzipped part beside the result, and a second merge from it judges the same
+    assert "outputs" not in split and "reference" not in res and res["parts"] == [os.path.relpath(tmp_path / "merged_parts" / "part0.json.gz")]
+    assert e2e.merge([res["parts"][0]], str(out)) == 0
+    again = __import__("json").loads(out.read_text())
+    assert [r["criterion"] for r in again["runs"]] == [r["criterion"] for r in res["runs"]] and again["parts"] == res["parts"]
+
+
+def test_merge_fails_a_part_cut_short_and_names_the_modes_it_lacks(tmp_path):
+    same = _req([4, 5], [-0.5, -0.6], [[[-0.5, 4]], [[-0.6, 5]]])
+    head = {"date": "2026-11-30T05:13:00+00:00", "commit": "d6d7abd" + "0" * 33, "gpu": "NVIDIA H200", "cuda_visible_devices": "0", "seconds": 9.0,
+            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "t", "reference": {"s": [same]},
+            "modes_planned": [e2e.CONTROL, "split", "compact"], "complete": False}
+    runs = [{"policy": e2e.CONTROL, "outputs": {"s": [same]}}, {"policy": "split", "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]
+    part = tmp_path / "part0.json"
+    part.write_text(__import__("json").dumps({**head, "runs": runs}))
+    out = tmp_path / "r.json"
+    assert e2e.merge([str(part)], str(out)) == 1
+    res = __import__("json").loads(out.read_text())
+    assert res["modes_missing"] == ["compact"] and not res["passed"] and res["runs"][1]["passed"]
 
 
 def test_engine_kwargs_carry_the_dtype_and_fp32_logits_and_merge_refuses_mixed_dtypes(tmp_path):

@@ -118,4 +118,6 @@ def test_a_faster_row_is_within_the_ttft_budget_but_not_equal():
 def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reason():
     assert report._err({"ok": False, "error": "not run (not in --only, no earlier row of the same server and workloads)"}) == "not measured yet"
     assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1 | x\nmore"}) == "failed: RuntimeError: server exited with status 1 / x"
+    too_big = "not run (cluster too small): qwen-32b-tp8 needs 8 GPU(s) on one node; the largest node in the cluster has 2"
+    assert report._err({"ok": False, "error": too_big}) == "not measured yet: needs 8 GPUs on one node"
     assert report._err({"ok": True, "workloads": [{"num_errors": 2}]}) == "2 request errors"

@@ -1,6 +1,7 @@
-"""The advisor against every measured point: the calibration points
-(sglang_elastic/eval/calibration.json) and E3's rows when
-docs/results/eval/reserve_vs_tp.json exists -> docs/results/eval/advisor.json,
+"""The advisor against every measured point: each calibration point
+(sglang_elastic/eval/calibration.json) predicted from a fit without it
+(leave-one-out), E3's rows not among them, and the elastic pool's own runs
+(their lent tokens; these with the full fit) -> docs/results/eval/advisor.json,
 the table in docs/eval.md. Needs SGLang importable (CPU is enough).
 
     python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
@@ -24,19 +25,25 @@ def main() -> int:
     a = ap.parse_args()
     cal = advisor.load_calibration()
     points = []
-    for p in cal["points"]:
-        pred = advisor.predict(p["model"], p["gpu_mem_mib"] / 1024, p["tp"], p.get("chunked_prefill_size"), calibration=cal)
-        points.append({"label": p["label"], "tp": p["tp"], "source": "calibration (the advisor is fitted to it)", "measured": {k: p.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+    calibrated = set()
+    for i, p in enumerate(cal["points"]):
+        # predicted from a fit without this point (leave-one-out): a check, not a restatement of the fit
+        held_out = {**cal, "points": cal["points"][:i] + cal["points"][i + 1:]}
+        pred = advisor.predict(p["model"], p["gpu_mem_mib"] / 1024, p["tp"], p.get("chunked_prefill_size"), calibration=held_out)
+        points.append({"label": p["label"], "tp": p["tp"], "source": f"{p['source'].split(' (')[0]}; predicted without it", "held_out": True,
+                       "measured": {k: p.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+        calibrated.add((p["model"], p["tp"], p.get("chunked_prefill_size")))
     e3 = ROOT / "docs/results/eval/reserve_vs_tp.json"
-    if e3.is_file():
+    if e3.is_file():  # E3 rows not (yet) among the calibration points
         d = json.loads(e3.read_text())
         for r in d["rows"]:
             f = r.get("facts") or {}
-            if not (r.get("ok") and f.get("gpu_mem_mib")):
-                continue
             s = r["server"]
+            if not (r.get("ok") and f.get("gpu_mem_mib")) or (s["model"], s["tp"], s.get("chunked_prefill_size")) in calibrated:
+                continue
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"), calibration=cal)
-            points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+            points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "held_out": True,
+                           "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
     # The elastic pool's own H200 runs: SGLang's token count and what was lent
     # (free after graphs, torch cache emptied, less the 1 GiB default margin).
     parts = ROOT / "docs/results/elastic_h200_parts"
@@ -46,7 +53,7 @@ def main() -> int:
             continue
         d = json.loads(f.read_text())
         pred = advisor.predict("llama-3.1-8b", 143771 / 1024, d["tp"], None, calibration=cal)
-        points.append({"label": label, "tp": d["tp"], "source": f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)",
+        points.append({"label": label, "tp": d["tp"], "source": f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)", "held_out": False,
                        "measured": {"max_total_num_tokens": d["kv_tokens_base"], "extra_kv_tokens": d["lent_tokens_max"]}, "predicted": pred})
     hdr = results.header("python scripts/eval/advisor_points.py")
     hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"

@@ -43,7 +43,8 @@ control does; decode steps only). Why: the H200 runs of 2026-11-30 showed that
 strict equality and the 1e-2 cannot hold for any second bf16 kernel on this
 model: SGLang's Triton decode flipped 6 of 9 requests at near-ties and its
 logprobs moved by up to 0.155 nats (mean 0.025), as did ours. ``--merge``
-judges stored outputs again with the current rules (no GPU). Also checked:
+judges stored outputs again with the current rules (no GPU), from the parts
+kept gzipped beside the result (``<result>_parts/partN.json.gz``). Also checked:
 the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
 counts: forced modes replay graphs of their path only). Exit 1 on a failed
 check. About 30 s per engine start (eight engines on one GPU, nine over two;
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import math
 import os
@@ -310,6 +312,23 @@ def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
     return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped}
 
 
+def control_margin(div: dict, control_outputs, run_outputs) -> float | None:
+    """Reported, never judged: the control's margin (nats) between the two
+    tokens of a divergence ``div`` of a run, at the same step, when the
+    control decoded the same prefix as the run (and so as the reference: ``j``
+    is the run's first divergence) and has both tokens in its top-k; else
+    None. ``div["ref_margin_nats"]`` minus this is how far SGLang's own second
+    kernel moved the very gap that the run flipped."""
+    c = control_outputs[div["set"]][div["request"]]
+    j, x, y = div["token"], div["ref_id"], div["got_id"]
+    if len(c["ids"]) <= j or not c.get("top") or c["ids"][:j] != run_outputs[div["set"]][div["request"]]["ids"][:j]:
+        return None
+    top = {int(t[1]): t[0] for t in c["top"][j]}
+    if x not in top or y not in top:
+        return None
+    return top[x] - top[y]
+
+
 def judge(runs: list) -> bool:
     """Sets each run's ``passed`` and ``criterion`` (``tolerance`` when
     :func:`compare` found it close, ``control noise floor`` when
@@ -323,6 +342,9 @@ def judge(runs: list) -> bool:
         if r["policy"] == CONTROL:
             r["passed"], r["criterion"] = r["close"], "control (reported, not judged)"
             continue
+        if control is not None and "outputs" in control and "outputs" in r:
+            for d in r["divergences"]:
+                d["control_margin_nats"] = control_margin(d, control["outputs"], r["outputs"])
         if r["close"]:
             crit = "tolerance"
         elif control is not None and (nf := noise_floor(r, control))["ok"]:
@@ -375,14 +397,30 @@ def check_trace(mode: str, counts: dict):
     return problems
 
 
+def load_part(path: str) -> dict:
+    """A part file, plain (``.json``, as a run writes it) or gzipped (``.json.gz``, as kept in the repo)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
+def parts_dir(out: str) -> str:
+    """Where :func:`merge` keeps the raw parts of ``out``: ``<out minus .json>_parts/``."""
+    return os.path.splitext(out)[0] + "_parts"
+
+
 def merge(parts, out: str, command=None) -> int:
     """One result from parts run on separate GPUs: their runs side by side, and a
     check that every part's FlashInfer-alone reference gave the same tokens
     (and logprobs within the tolerance) as the first part's. Exit status 1 on a
-    failed run or disagreeing references."""
+    failed run, disagreeing references or modes a part planned but did not run.
+
+    The raw parts (reference and every run's tokens, logprobs and top-k) are
+    kept gzipped in :func:`parts_dir` (``partN.json.gz``), where ``--merge``
+    reads them again; ``out`` holds the judgement without the raw outputs
+    (its ``parts`` key names them), so results stay small in the repo."""
     from sglang_elastic import results
 
-    datas = [json.load(open(p)) for p in parts]
+    datas = [load_part(p) for p in parts]
     dtypes = {d.get("dtype", "bfloat16") for d in datas}  # parts before the dtype option were bf16
     if len(dtypes) > 1:
         raise SystemExit(f"parts of different dtypes {sorted(dtypes)}: merge each dtype into its own result")
@@ -398,9 +436,23 @@ def merge(parts, out: str, command=None) -> int:
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
     missing = sorted({m for d in datas for m in d.get("modes_planned", ())} - {r["policy"] for r in runs})
     ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs) and not missing
+    kept = os.path.relpath(parts_dir(out))
+    os.makedirs(kept, exist_ok=True)
+    names = []
+    for i, d in enumerate(datas):
+        name = os.path.join(kept, f"part{i}.json.gz")
+        if not (os.path.exists(name) and os.path.samefile(name, parts[i])):
+            with gzip.open(name + ".tmp", "wt") as f:
+                json.dump(d, f, separators=(",", ":"))
+            os.replace(name + ".tmp", name)
+        names.append(name)
+    for stale in set(glob.glob(os.path.join(kept, "part*.json.gz"))) - set(names):  # an earlier run's extra parts
+        os.remove(stale)
+    for r in runs:
+        r.pop("outputs", None)
     res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "tolerance": TOLERANCE,
            "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
-           "runs": runs, "modes_missing": missing, "references_agree": refs, "reference": ref, "passed": ok, "seconds": max(d["seconds"] for d in datas),
+           "runs": runs, "modes_missing": missing, "references_agree": refs, "parts": names, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
     results.write(out, res)
     print(f"{out}: {len(runs)} run(s), passed {ok}" + (f"; modes not run (part cut short): {missing}" if missing else ""))

@@ -10,24 +10,26 @@ Sizing is SGLang's own: a real ``ServerArgs`` is built for the model with
 ``kv_heads * (head_dim + v_head_dim) * layers * 2 B``). What SGLang cannot
 answer without a GPU comes from measured points (``calibration.json``):
 
-- ``context_overhead_gib``: GPU memory taken before the model loads (CUDA
-  context, NCCL), so ``pre_model_load_free = gpu_mem - overhead``;
+- ``context_overhead_gib`` per TP degree: GPU memory taken before the model
+  loads (CUDA context; at TP > 1 NCCL and custom all-reduce buffers too:
+  1.35 GiB at TP 1, 2.2-2.3 GiB at TP 2 on the H200), so
+  ``pre_model_load_free = gpu_mem - overhead``;
 - the memory CUDA-graph capture and the runtime take out of that reserve
   (SGLang's reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
   kv_cache_configurator.py ``_profile_available_bytes``; what is left is
-  ``available_gpu_mem`` in SGLang's start-up log): a fixed part
-  ``graph_fixed_gib`` (decode graphs, workspaces) plus the breakable prefill
-  graphs' activations, ``graph_bytes_per_token_width`` bytes per token of
-  ``--chunked-prefill-size`` per unit of activation width ``hidden_size +
-  2 * intermediate_size``. Both are a least-squares fit over the points (one
-  point: the fixed part only). The width is not divided by TP: the TP2
-  elastic run lent 7.62 GiB per GPU with a 1 GiB margin out of a ~13.6 GiB
-  reserve, so at least as much was taken out of the reserve per GPU as at
-  TP1 (4.47 GiB), not half of it (NCCL and all-reduce buffers outweigh the
-  split MLP); the TP1 fit is the closer guess until E3's TP rows are points.
+  ``available_gpu_mem`` in SGLang's start-up log): a fixed part per TP degree
+  ``graph_fixed_gib`` (decode graphs, workspaces, all-reduce buffers) plus
+  ``graph_bytes_per_token`` per token of ``--chunked-prefill-size`` (the
+  breakable prefill graphs). One slope for every model and TP, fitted by least
+  squares within each TP degree's points (TP 1: five chunk sizes), the fixed
+  part the mean residual of each TP degree's points. Not a function of the
+  model's width: Qwen2.5-32B (hidden + 2 x intermediate = 60,416) took 4.43
+  GiB at chunk 8,192 and TP 1, Llama-3.1-8B (32,768) 4.47 GiB.
+  A TP degree without points takes the factors of the largest measured TP
+  below it (``extrapolated_from_tp`` in the prediction says so).
 
 Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
-``free after graphs = reserve - graph_fixed - per_token * width * chunk``,
+``free after graphs = reserve - graph_fixed - per_token * chunk``,
 ``lendable = free after graphs - margin`` (the elastic pool's
 ``--elastic-kv-margin-mb``, default 1 GiB), ``extra tokens = lendable / cell``.
 """
@@ -156,13 +158,6 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
     return cal
 
 
-def activation_width(server_args, tp: int) -> int:
-    """Activation width per token of the prefill graph (see the module doc;
-    ``tp`` is accepted for a TP-aware fit once TP points exist, unused now)."""
-    hf = server_args.get_model_config().hf_text_config
-    return hf.hidden_size + 2 * hf.intermediate_size
-
-
 def derive(point: Dict[str, Any]) -> Dict[str, float]:
     """Factors of one measured point (see the module doc)."""
     sa = sglang_server_args(_model_dir(point["model"]), point["gpu_mem_mib"], point["tp"], point.get("chunked_prefill_size"))
@@ -173,30 +168,43 @@ def derive(point: Dict[str, Any]) -> Dict[str, float]:
     pre_free = (kv_gib + weights_gib) / mfs
     reserve = pre_free * (1 - mfs)
     return {
+        "tp": point["tp"],
         "sglang_mem_fraction_static": sa.mem_fraction_static,
         "pre_model_load_free_gib": pre_free,
         "context_overhead_gib": point["gpu_mem_mib"] / 1024 - pre_free,
         "reserve_gib": reserve,
         "graph_gib": reserve - point["free_after_graphs_gib"],
-        "chunk_width": sa.chunked_prefill_size * activation_width(sa, point["tp"]),
+        "chunk": sa.chunked_prefill_size,
     }
 
 
-def factors(cal: Dict[str, Any]) -> Dict[str, float]:
-    """The context overhead (mean over the points) and the graph memory's
-    fixed and per-token parts (least squares of ``graph_gib`` on
-    ``chunk * width``; one distinct chunk: the fixed part only)."""
+def factors(cal: Dict[str, Any], tp: Optional[int] = None) -> Dict[str, Any]:
+    """The context overhead and the graph memory's fixed part (both per TP
+    degree: the mean over that degree's points) and its per-token part (one
+    slope, least squares of ``graph_gib`` on ``chunk`` within each TP degree;
+    no spread of chunks: 0). With ``tp``, the factors for that degree: a
+    degree without points takes the largest measured one below it (else the
+    smallest above), named in ``extrapolated_from_tp``."""
     ds = [derive(p) for p in cal["points"]]
-    xs = [d["chunk_width"] for d in ds]
-    ys = [d["graph_gib"] for d in ds]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    return {
-        "context_overhead_gib": sum(d["context_overhead_gib"] for d in ds) / len(ds),
-        "graph_fixed_gib": my - slope * mx,
-        "graph_bytes_per_token_width": slope * GIB,
-    }
+    by_tp: Dict[int, list] = {}
+    for d in ds:
+        by_tp.setdefault(d["tp"], []).append(d)
+    sxy = sxx = 0.0
+    for group in by_tp.values():  # pooled within-TP regression: TP shifts the intercept, not the slope
+        mx = sum(d["chunk"] for d in group) / len(group)
+        my = sum(d["graph_gib"] for d in group) / len(group)
+        sxx += sum((d["chunk"] - mx) ** 2 for d in group)
+        sxy += sum((d["chunk"] - mx) * (d["graph_gib"] - my) for d in group)
+    slope = sxy / sxx if sxx > 0 else 0.0
+    per_tp = {t: {"context_overhead_gib": sum(d["context_overhead_gib"] for d in g) / len(g),
+                  "graph_fixed_gib": sum(d["graph_gib"] - slope * d["chunk"] for d in g) / len(g), "points": len(g)} for t, g in sorted(by_tp.items())}
+    out: Dict[str, Any] = {"graph_bytes_per_token": slope * GIB, "per_tp": per_tp}
+    if tp is not None:
+        below = [t for t in per_tp if t <= tp]
+        used = max(below) if below else min(per_tp)
+        out.update(context_overhead_gib=per_tp[used]["context_overhead_gib"], graph_fixed_gib=per_tp[used]["graph_fixed_gib"],
+                   extrapolated_from_tp=None if used == tp else used)
+    return out
 
 
 def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
@@ -216,7 +224,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     if chunked_prefill_size is not None and chunked_prefill_size < 1:
         raise AdviseError(f"--chunked-prefill-size must be positive, not {chunked_prefill_size}")
     cal = calibration or load_calibration()
-    f = factors(cal)
+    f = factors(cal, tp)
     mdir = _model_dir(model)
     gpu_mem_mib = gpu_mem_gib * 1024
     sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunked_prefill_size)
@@ -229,7 +237,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         raise AdviseError(
             f"SGLang would keep back {gpu_mem_mib * (1 - sa.mem_fraction_static):,.0f} MiB for activations at --chunked-prefill-size "
             f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: use a smaller chunk or a larger GPU")
-    graph = f["graph_fixed_gib"] + f["graph_bytes_per_token_width"] * sa.chunked_prefill_size * activation_width(sa, tp) / GIB
+    graph = f["graph_fixed_gib"] + f["graph_bytes_per_token"] * sa.chunked_prefill_size / GIB
     free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
     extra = int(lendable * GIB // cell)
@@ -293,10 +301,11 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  reserve (kept out of the KV pool): {p['reserve_gib']:.2f} GiB = {p['reserve_fraction_of_hbm']:.1%} of HBM"
         + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
         f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)",
-        f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token_width']:.2f} B per token x width): "
+        f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token'] / 1024:.0f} KiB per chunk token): "
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
         f"recommendation: {p['recommendation']}: {p['reason']}",
-        f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
+        f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s)"
+        + (f"; no point at TP {p['tp']}: TP {p['factors']['extrapolated_from_tp']}'s context and graph memory" if p["factors"]["extrapolated_from_tp"] else "") + ")",
     ]
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from sglang_elastic import results
 from sglang_elastic.eval.config import Experiment, ServerConfig
-from sglang_elastic.eval.launcher import NOT_STARTED, Launcher, ServerJob, ServerResult
+from sglang_elastic.eval.launcher import NOT_STARTED, TOO_BIG, Launcher, ServerJob, ServerResult
 from sglang_elastic.eval.ray_entry import MARK_HOOK
 
 logger = logging.getLogger(__name__)
@@ -188,14 +188,15 @@ def measured_labels(exp: Experiment, previous: Optional[Dict[str, Any]]) -> List
 
 
 def not_measured(row: Dict[str, Any]) -> bool:
-    """A row no server stood behind (:func:`_not_run`, or :data:`NOT_STARTED`
-    under a start deadline): not measured yet rather than failed."""
+    """A row no server stood behind (:func:`_not_run`, :data:`NOT_STARTED`
+    under a start deadline, :data:`TOO_BIG` on a cluster without a node of
+    enough GPUs): not measured yet rather than failed."""
     return not row.get("ok") and (row.get("error") or "").startswith(NOT_RUN)
 
 
-#: Error prefix of every row :func:`_not_run` writes (:data:`NOT_STARTED` shares it).
+#: Error prefix of every row :func:`_not_run` writes (:data:`NOT_STARTED` and :data:`TOO_BIG` share it).
 NOT_RUN = "not run"
-assert NOT_STARTED.startswith(NOT_RUN)
+assert NOT_STARTED.startswith(NOT_RUN) and TOO_BIG.startswith(NOT_RUN)
 
 
 def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
@@ -262,7 +263,7 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
 
     def done(r: ServerResult) -> None:
         with lock:
-            if not r.ok and (r.error or "").startswith(NOT_STARTED):  # never started: keep what the file had
+            if not r.ok and (r.error or "").startswith(NOT_RUN):  # never started (deadline, cluster too small): keep what the file had
                 rows[r.name] = earlier(by_label[r.name]) or _not_run(by_label[r.name], r.error)
             else:
                 rows[r.name] = _row(by_label[r.name], r)

@@ -197,6 +197,9 @@ class ServerActor:
 #: Error prefix of a job the launcher never started (``start_deadline``): the
 #: experiment records the row as not run (``run.py --resume`` runs it later).
 NOT_STARTED = "not run (not started)"
+#: Error prefix of a job that needs more GPUs on one node than the cluster's
+#: largest node has: not run here (the row waits for a larger cluster), not failed.
+TOO_BIG = "not run (cluster too small)"
 
 
 class Launcher:
@@ -244,7 +247,9 @@ class Launcher:
 
         ``start_deadline`` (``time.monotonic()`` seconds): no server starts
         after it; a job still waiting for its GPUs then returns a result whose
-        error begins with :data:`NOT_STARTED` (a row to run again, not a failure)."""
+        error begins with :data:`NOT_STARTED` (a row to run again, not a failure).
+        A job needing more GPUs than the largest node has returns at once with
+        an error beginning with :data:`TOO_BIG` (likewise not a failure)."""
         from tqdm.auto import tqdm
 
         names = [j.name for j in jobs]
@@ -285,7 +290,7 @@ class Launcher:
 
         have = self.largest_node_gpus()
         if job.gpus > have:
-            raise RuntimeError(f"{job.name} needs {job.gpus} GPU(s) on one node; the largest node in the cluster has {have:g}")
+            return ServerResult(job.name, ok=False, error=f"{TOO_BIG}: {job.name} needs {job.gpus} GPU(s) on one node; the largest node in the cluster has {have:g}")
         pg_name = f"sglang-eval-{self._run_id}-{job.name}"
         pg = placement_group([{"CPU": 1, "GPU": job.gpus}], strategy="STRICT_PACK", name=pg_name)
         res = ServerResult(job.name, ok=False)

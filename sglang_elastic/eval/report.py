@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_elastic.eval.experiments import not_measured
+from sglang_elastic.eval.launcher import TOO_BIG
 
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
@@ -62,8 +63,9 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
 
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
-        if not_measured(row):  # never started (run.py --only / --resume, or a start deadline)
-            return "not measured yet"
+        if not_measured(row):  # never started (run.py --only / --resume, a start deadline, a cluster too small)
+            need = re.search(r"needs (\d+) GPU", row.get("error") or "") if (row.get("error") or "").startswith(TOO_BIG) else None
+            return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
         return "failed: " + (row.get("error") or "?").splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
     return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
@@ -170,9 +172,10 @@ def capacity(d: Dict[str, Any]) -> Tuple[str, Callable]:
 def reserve_vs_tp(d: Dict[str, Any]) -> Tuple[str, Callable]:
     rows = []
     for r in d["rows"]:
-        f, a = r.get("facts") or {}, r.get("advisor") or {}
-        rows.append([r["server"]["model"], str(r["server"]["tp"]), _n(f.get("mem_fraction_static")), _n(f.get("reserve_gib"), "{:.2f}"), _pct(f.get("reserve_fraction_of_hbm")), _pct(f.get("reserve_fraction_of_kv_pool")), _n(f.get("free_after_graphs_gib"), "{:.2f}"), _n(f.get("max_total_num_tokens")), _n(a.get("reserve_gib"), "{:.2f}"), _n(a.get("max_total_num_tokens")), _err(r)])
-    md = _table(["model", "TP", "mem_fraction_static", "reserve GiB/GPU", "reserve / HBM", "reserve / KV pool", "free after graphs GiB", "max_total_num_tokens", "advisor reserve GiB", "advisor tokens", "notes"], rows)
+        f = r.get("facts") or {}
+        rows.append([r["server"]["model"], str(r["server"]["tp"]), _n(f.get("mem_fraction_static")), _n(f.get("reserve_gib"), "{:.2f}"), _pct(f.get("reserve_fraction_of_hbm")), _pct(f.get("reserve_fraction_of_kv_pool")), _n(f.get("free_after_graphs_gib"), "{:.2f}"), _n(f.get("max_total_num_tokens")), _err(r)])
+    md = _table(["model", "TP", "mem_fraction_static", "reserve GiB/GPU", "reserve / HBM", "reserve / KV pool", "free after graphs GiB", "max_total_num_tokens", "notes"], rows)
+    md += "\n\nThe advisor's predictions for these rows, each from a fit without the row: the advisor table below.\n"
 
     def plot(ax_fig):
         fig, ax = ax_fig
@@ -184,6 +187,9 @@ def reserve_vs_tp(d: Dict[str, Any]) -> Tuple[str, Callable]:
                 ax.plot([tp for tp, _ in pts], [100 * f["reserve_fraction_of_hbm"] for _, f in pts], "o-", label=f"{m}: / HBM")
                 ax.plot([tp for tp, _ in pts], [100 * (f.get("reserve_fraction_of_kv_pool") or 0) for _, f in pts], "s--", label=f"{m}: / KV pool")
         ax.set_xscale("log", base=2)
+        tps = sorted({r["server"]["tp"] for r in d["rows"] if r.get("ok")})
+        ax.set_xticks(tps, [str(t) for t in tps])  # 1, 2, 4, 8 rather than 2^0, 2^1
+        ax.minorticks_off()
         ax.set_xlabel("TP")
         ax.set_ylabel("reserve (%)")
         ax.set_title("E3: SGLang's prefill reserve per GPU vs TP")
@@ -229,10 +235,16 @@ def decode_fraction(d: Dict[str, Any]) -> Tuple[str, Callable]:
 
 def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     rows = []
+    def err(k):  # signed relative error of the prediction, where both exist
+        return lambda m, pr: f"{(pr[k] - m[k]) / m[k]:+.1%}" if m.get(k) and pr.get(k) is not None else "–"
+
     for p in d["points"]:
         m, pr = p["measured"], p["predicted"]
-        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), pr.get("recommendation", "–"), p.get("source", "")])
-    md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "free after graphs GiB measured", "predicted", "extra KV tokens (lent) measured", "predicted", "recommendation", "source"], rows)
+        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), err("max_total_num_tokens")(m, pr),
+                     _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), err("free_after_graphs_gib")(m, pr),
+                     _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), err("extra_kv_tokens")(m, pr), pr.get("recommendation", "–"), p.get("source", "")])
+    md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "error", "free after graphs GiB measured", "predicted", "error",
+                 "extra KV tokens (lent) measured", "predicted", "error", "recommendation", "source"], rows)
     return md, None
 
 
