@@ -45,7 +45,7 @@ def test_the_measured_h200_points_are_reproduced():
         assert p["factors"]["extrapolated_from_tp"] is None
     p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1)
     assert p["kv_cell_bytes"] == 131072 and p["recommendation"] == "elastic"
-    assert p["extra_kv_tokens"] == int(p["lendable_gib"] * (1 << 30) // 131072)
+    assert p["extra_kv_tokens"] == int(p["lendable_gib"] * (1 << 30) // 131072) // 1024 * 1024
     assert p["lendable_gib"] == pytest.approx(p["free_after_graphs_gib"] - 1.0)
 
 
@@ -66,11 +66,25 @@ def test_the_context_and_graph_memory_are_per_tp_and_extrapolated_upwards():
     f1, f2, f8 = (advisor.factors(cal, tp) for tp in (1, 2, 8))
     # NCCL and custom all-reduce buffers: more memory before the model loads at TP 2
     assert f2["context_overhead_gib"] > f1["context_overhead_gib"] + 0.5
-    assert f1["graph_bytes_per_token"] == f2["graph_bytes_per_token"] > 0  # one slope (TP 1's chunk sweep)
+    assert f2["graph_fixed_gib"] > f1["graph_fixed_gib"]  # TP 2's graphs take more of the reserve (decode graphs +0.11 GiB)
+    assert f1["graph_bytes_per_token"] == pytest.approx(124745, rel=0.05)  # ~122 KiB per chunk token (E1's sweep)
     assert f8["extrapolated_from_tp"] == 2 and f8["graph_fixed_gib"] == f2["graph_fixed_gib"]
     p = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 8)
     assert p["factors"]["extrapolated_from_tp"] == 2
-    assert "no point at TP 8: TP 2's context and graph memory" in advisor.format_text(p)
+    text = advisor.format_text(p)
+    assert "no point at TP 8: TP 2's context and graph memory" in text and "decode graphs up to batch 512 at TP >= 4" in text
+    with pytest.raises(advisor.AdviseError, match="no measured points"):
+        advisor.factors({**cal, "points": []}, 1)
+
+
+def test_lent_tokens_are_whole_lend_steps():
+    """The pool maps whole 2 MiB granules of every K/V buffer: at TP 1 the
+    8B's buffers hold 2,048 B per token (1,024 tokens a step), at TP 2 1,024 B
+    (2,048 tokens); the H200 runs lent 65,536 and 124,928 tokens, whole steps."""
+    one, two = (advisor.predict("llama-3.1-8b", H200_MIB / 1024, tp) for tp in (1, 2))
+    assert (one["lend_step_tokens"], two["lend_step_tokens"]) == (1024, 2048)
+    assert one["extra_kv_tokens"] % 1024 == 0 and two["extra_kv_tokens"] % 2048 == 0 and one["extra_kv_tokens"] > 0
+    assert one["extra_kv_tokens"] > int(one["lendable_gib"] * (1 << 30) // one["kv_cell_bytes"]) - 1024
 
 
 def test_one_calibration_point_is_reproduced_exactly():

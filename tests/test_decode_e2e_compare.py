@@ -5,9 +5,8 @@ divergence accepted only as a near-tie. Pure Python, no GPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
-
-import os
 
 import pytest
 
@@ -185,20 +184,57 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     runs = [{"policy": e2e.CONTROL, "outputs": flip, "passed": False},
             {"policy": "split", "outputs": flip, "decode_steps": {"replay:split": 4}, "passed": False}]
     part = tmp_path / "part0.json"
-    part.write_text(__import__("json").dumps({**head, "runs": runs}))
+    part.write_text(json.dumps({**head, "runs": runs}))
     out = tmp_path / "merged.json"
     assert e2e.merge([str(part)], str(out)) == 0
-    res = __import__("json").loads(out.read_text())
+    res = json.loads(out.read_text())
     assert res["logit_quantum_nats"] == 0.0625 and res["passed"] and res["measured"] == ["2026-11-30T02:48:23+00:00 commit 52fc7c8 GPU 1"]
     split = res["runs"][1]
     assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]
     # the control flipped the same gap (token 3 leads token 2 by 0.125 there): its margin ref-token minus run-token is reported
     assert split["divergences"][0]["control_margin_nats"] == pytest.approx(-2.075 - -1.95)
     # the raw outputs live in the gzipped part beside the result, and a second merge from it judges the same
-    assert "outputs" not in split and "reference" not in res and res["parts"] == [os.path.relpath(tmp_path / "merged_parts" / "part0.json.gz")]
-    assert e2e.merge([res["parts"][0]], str(out)) == 0
-    again = __import__("json").loads(out.read_text())
+    kept = tmp_path / "merged_parts" / "part0.json.gz"
+    assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.gz"]
+    first = kept.read_bytes()
+    assert e2e.merge([str(kept)], str(out)) == 0
+    again = json.loads(out.read_text())
     assert [r["criterion"] for r in again["runs"]] == [r["criterion"] for r in res["runs"]] and again["parts"] == res["parts"]
+    assert kept.read_bytes() == first  # judged again in place: the kept part is untouched
+
+
+def test_merge_keeps_every_raw_part_when_judging_a_subset_again_and_replaces_them_on_a_fresh_run(tmp_path):
+    same = _req([4, 5], [-0.5, -0.6], [[[-0.5, 4]], [[-0.6, 5]]])
+    head = {"date": "2026-11-30T05:13:00+00:00", "commit": "d6d7abd" + "0" * 33, "gpu": "NVIDIA H200", "seconds": 9.0,
+            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "t", "reference": {"s": [same]}}
+    parts = []
+    for i, mode in enumerate((e2e.CONTROL, "split")):
+        p = tmp_path / f"fresh{i}.json"
+        p.write_text(json.dumps({**head, "cuda_visible_devices": str(i), "runs": [{"policy": mode, "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]}))
+        parts.append(str(p))
+    out = tmp_path / "r.json"
+    (tmp_path / "r_parts").mkdir()
+    (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part")
+    assert e2e.merge(parts, str(out)) == 0
+    kept = sorted(p.name for p in (tmp_path / "r_parts").iterdir())
+    assert kept == ["part0.json.gz", "part1.json.gz"]  # the earlier run's extra part is gone
+    both = {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}
+    assert e2e.merge(parts, str(out)) == 0 and both == {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}  # deterministic gzip
+    # judging one kept part again into the same result neither overwrites nor deletes the other
+    assert e2e.merge([str(tmp_path / "r_parts" / "part1.json.gz")], str(out)) == 0
+    assert {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept} == both
+    res = json.loads(out.read_text())
+    assert res["parts"] == ["r_parts/part1.json.gz"] and res["references_agree"][0]["part"] == "r_parts/part1.json.gz"
+
+
+def test_control_margin_is_none_where_the_control_cannot_say():
+    div = {"set": "s", "request": 0, "token": 1, "ref_id": 2, "got_id": 3}
+    run = {"s": [_req([1, 3], [-0.3, -1.9], [[[-0.3, 1]], [[-1.9, 3], [-2.0, 2]]])]}
+    ctl = {"s": [_req([1, 2], [-0.3, -1.8], [[[-0.3, 1]], [[-1.8, 2], [-1.85, 3]]])]}
+    assert e2e.control_margin(div, ctl, run) == pytest.approx(0.05)
+    assert e2e.control_margin(div, {"s": [_req([9, 2], [-0.3, -1.8], [[[-0.3, 9]], [[-1.8, 2], [-1.85, 3]]])]}, run) is None  # another prefix
+    assert e2e.control_margin(div, {"s": []}, run) is None and e2e.control_margin(div, {}, run) is None  # no such request / set
+    assert e2e.control_margin(div, {"s": [_req([1, 2], [-0.3, -1.8], [[[-0.3, 1]]])]}, run) is None  # top-k shorter than the ids
 
 
 def test_merge_fails_a_part_cut_short_and_names_the_modes_it_lacks(tmp_path):
@@ -208,10 +244,10 @@ def test_merge_fails_a_part_cut_short_and_names_the_modes_it_lacks(tmp_path):
             "modes_planned": [e2e.CONTROL, "split", "compact"], "complete": False}
     runs = [{"policy": e2e.CONTROL, "outputs": {"s": [same]}}, {"policy": "split", "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]
     part = tmp_path / "part0.json"
-    part.write_text(__import__("json").dumps({**head, "runs": runs}))
+    part.write_text(json.dumps({**head, "runs": runs}))
     out = tmp_path / "r.json"
     assert e2e.merge([str(part)], str(out)) == 1
-    res = __import__("json").loads(out.read_text())
+    res = json.loads(out.read_text())
     assert res["modes_missing"] == ["compact"] and not res["passed"] and res["runs"][1]["passed"]
 
 
@@ -222,8 +258,6 @@ def test_engine_kwargs_carry_the_dtype_and_fp32_logits_and_merge_refuses_mixed_d
 
     fields = set(ServerArgs.__dataclass_fields__)
     assert set(kw) <= fields, sorted(set(kw) - fields)  # every key is one of SGLang 0.5.17's ServerArgs
-    import json
-
     parts = []
     for i, dt in enumerate(("bfloat16", "float16")):
         p = tmp_path / f"part{i}.json"

@@ -89,7 +89,7 @@ def test_e3_and_e4_tables(tmp_path):
     text = doc.read_text()
     e3 = _table_rows(text, "reserve_vs_tp")
     # reserve = (kv + weights) / mfs * (1 - mfs): (110.6 + 14.96) / 0.903 * 0.097 = 13.49 GiB, 9.6 % of 140.4 GiB, 12.2 % of the pool
-    assert e3[0][:8] == ["llama-3.1-8b", "1", "0.903", "13.49", "9.6 %", "12.2 %", "9.02", "906,051"]
+    assert e3[0][:9] == ["llama-3.1-8b", "1", "8,192", "0.903", "13.49", "9.6 %", "12.2 %", "9.02", "906,051"]
     e4 = _table_rows(text, "decode_fraction")
     assert e4[0][:8] == ["llama-8b-stock", "chat", "400", "8", "80.0", "25.0 %", "70.0 %", "5.0 %"]
     assert e4[1][1] == "long-context" and e4[1][5] == "60.0 %"

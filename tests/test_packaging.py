@@ -16,3 +16,22 @@ def test_every_subpackage_is_listed_in_pyproject():
     found |= {"sglang_elastic." + k.split(".")[-1] for k in cfg.get("package-dir", {})}
     assert found <= listed, f"not in pyproject packages: {sorted(found - listed)}"
     assert "kernels" not in listed  # never a top-level `kernels` (SGLang depends on a PyPI package of that name)
+
+
+def test_the_tree_leaves_room_for_the_gpu_bundle_in_one_device_transfer():
+    """A device call carries the tracked tree plus the carried GPU bundle
+    (`.gpu/bundle`, 60.5 MiB: SGLang 0.5.17 and its dependencies) within 64
+    MiB; results must stay small (raw e2e outputs are kept gzipped) or the
+    bundle no longer travels. 3 MiB keeps a margin below the ~3.5 MiB left."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    sizes = {f: (ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file()}
+    total = sum(sizes.values())
+    biggest = sorted(sizes, key=sizes.get)[-3:]
+    assert 100_000 < total < 3 << 20, f"tracked files: {total:,} B; biggest: {[(f, sizes[f]) for f in biggest]}"

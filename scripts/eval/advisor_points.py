@@ -1,7 +1,8 @@
 """The advisor against every measured point: each calibration point
 (sglang_elastic/eval/calibration.json) predicted from a fit without it
 (leave-one-out), E3's rows not among them, and the elastic pool's own runs
-(their lent tokens; these with the full fit) -> docs/results/eval/advisor.json,
+(their lent tokens; predicted without the calibration point of the same
+model, TP and chunk) -> docs/results/eval/advisor.json,
 the table in docs/eval.md. Needs SGLang importable (CPU is enough).
 
     python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
@@ -26,13 +27,23 @@ def main() -> int:
     cal = advisor.load_calibration()
     points = []
     calibrated = set()
-    for i, p in enumerate(cal["points"]):
-        # predicted from a fit without this point (leave-one-out): a check, not a restatement of the fit
-        held_out = {**cal, "points": cal["points"][:i] + cal["points"][i + 1:]}
-        pred = advisor.predict(p["model"], p["gpu_mem_mib"] / 1024, p["tp"], p.get("chunked_prefill_size"), calibration=held_out)
-        points.append({"label": p["label"], "tp": p["tp"], "source": f"{p['source'].split(' (')[0]}; predicted without it", "held_out": True,
+
+    def without(model, tp, chunk):
+        """The calibration less its points of this setup (leave-one-out): a check, not a restatement of the fit."""
+        rest = [p for p in cal["points"] if (p["model"], p["tp"], p.get("chunked_prefill_size")) != (model, tp, chunk)]
+        return ({**cal, "points": rest}, True) if rest else (cal, False)
+
+    def source(text, pred, held_out, it="it"):
+        ext = pred["factors"]["extrapolated_from_tp"]
+        return text + (f"; predicted without {it}" if held_out else "; in the fit (the only point)") + (f"; TP {ext}'s factors" if ext else "")
+
+    for p in cal["points"]:
+        key = (p["model"], p["tp"], p.get("chunked_prefill_size"))
+        held, held_out = without(*key)
+        pred = advisor.predict(p["model"], p["gpu_mem_mib"] / 1024, p["tp"], p.get("chunked_prefill_size"), calibration=held)
+        points.append({"label": p["label"], "tp": p["tp"], "source": source(p["source"].split(" (")[0], pred, held_out), "held_out": held_out,
                        "measured": {k: p.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
-        calibrated.add((p["model"], p["tp"], p.get("chunked_prefill_size")))
+        calibrated.add(key)
     e3 = ROOT / "docs/results/eval/reserve_vs_tp.json"
     if e3.is_file():  # E3 rows not (yet) among the calibration points
         d = json.loads(e3.read_text())
@@ -52,8 +63,9 @@ def main() -> int:
         if not f.is_file():
             continue
         d = json.loads(f.read_text())
-        pred = advisor.predict("llama-3.1-8b", 143771 / 1024, d["tp"], None, calibration=cal)
-        points.append({"label": label, "tp": d["tp"], "source": f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)", "held_out": False,
+        held, held_out = without("llama-3.1-8b", d["tp"], 8192)  # SGLang's H200 default chunk, as the runs had
+        pred = advisor.predict("llama-3.1-8b", 143771 / 1024, d["tp"], None, calibration=held)
+        points.append({"label": label, "tp": d["tp"], "source": source(f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)", pred, held_out, "the stock point of its setup"), "held_out": held_out,
                        "measured": {"max_total_num_tokens": d["kv_tokens_base"], "extra_kv_tokens": d["lent_tokens_max"]}, "predicted": pred})
     hdr = results.header("python scripts/eval/advisor_points.py")
     hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"

@@ -33,16 +33,17 @@ divergence, and every divergence a near-tie (each side's token in the other's
 top-5, both runs' margins between the two within 0.1 nats or two quanta of the
 logits, whichever is wider: vLLM's ``check_logprobs_close`` with a margin
 bound); strict token equality is reported beside it (``tokens_equal``). The
-quantum is read off the reference (:func:`logit_quantum`): the model's bf16
-logits lie in [8, 16), so logprob gaps come in multiples of 1/16 nat, and 12
-of its 288 greedy steps are exact ties of the top two. A run whose logprobs
-miss the 1e-2 passes when it sits at the noise floor of SGLang's own Triton
-decode (:func:`noise_floor`: near-ties only, mean and max ``|dlogprob|`` at
-most 1.5x the control's, and at most 0.05 / 0.25 nats whatever the
-control does; decode steps only). Why: the H200 runs of 2026-11-30 showed that
-strict equality and the 1e-2 cannot hold for any second bf16 kernel on this
-model: SGLang's Triton decode flipped 6 of 9 requests at near-ties and its
-logprobs moved by up to 0.155 nats (mean 0.025), as did ours. ``--merge``
+quantum is read off the reference (:func:`logit_quantum`): 0 with fp32 logits;
+with bf16 logits (the first run) they lay in [8, 16), so logprob gaps came in
+multiples of 1/16 nat and 12 of 288 greedy steps were exact ties. A run whose
+logprobs miss the 1e-2 passes when it sits at the noise floor of SGLang's own
+Triton decode (:func:`noise_floor`: near-ties only, mean and max
+``|dlogprob|`` at most 1.5x the control's, and at most 0.05 / 0.25 nats
+whatever the control does; decode steps only). Why: on bf16 no second kernel
+meets the 1e-2 on this model: SGLang's Triton decode moved logprobs by up to
+0.155 nats with bf16 logits and 0.139 with fp32 logits (H200, 2026-11-30).
+Each divergence also reports, never judged, the control's margin between the
+same two tokens (:func:`control_margin`). ``--merge``
 judges stored outputs again with the current rules (no GPU), from the parts
 kept gzipped beside the result (``<result>_parts/partN.json.gz``). Also checked:
 the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
@@ -319,9 +320,12 @@ def control_margin(div: dict, control_outputs, run_outputs) -> float | None:
     is the run's first divergence) and has both tokens in its top-k; else
     None. ``div["ref_margin_nats"]`` minus this is how far SGLang's own second
     kernel moved the very gap that the run flipped."""
-    c = control_outputs[div["set"]][div["request"]]
+    cs, rs = control_outputs.get(div["set"]) or [], run_outputs.get(div["set"]) or []
+    if div["request"] >= min(len(cs), len(rs)):
+        return None
+    c, r = cs[div["request"]], rs[div["request"]]
     j, x, y = div["token"], div["ref_id"], div["got_id"]
-    if len(c["ids"]) <= j or not c.get("top") or c["ids"][:j] != run_outputs[div["set"]][div["request"]]["ids"][:j]:
+    if min(len(c["ids"]), len(c.get("top") or [])) <= j or c["ids"][:j] != r["ids"][:j]:
         return None
     top = {int(t[1]): t[0] for t in c["top"][j]}
     if x not in top or y not in top:
@@ -415,9 +419,11 @@ def merge(parts, out: str, command=None) -> int:
     failed run, disagreeing references or modes a part planned but did not run.
 
     The raw parts (reference and every run's tokens, logprobs and top-k) are
-    kept gzipped in :func:`parts_dir` (``partN.json.gz``), where ``--merge``
-    reads them again; ``out`` holds the judgement without the raw outputs
-    (its ``parts`` key names them), so results stay small in the repo."""
+    kept gzipped in :func:`parts_dir` (``partN.json.gz``, replacing an
+    earlier run's), where ``--merge`` reads them again (then they are left
+    as they are); ``out`` holds the judgement without the raw outputs (its
+    ``parts`` key names them, relative to ``out``), so results stay small in
+    the repo."""
     from sglang_elastic import results
 
     datas = [load_part(p) for p in parts]
@@ -436,18 +442,26 @@ def merge(parts, out: str, command=None) -> int:
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
     missing = sorted({m for d in datas for m in d.get("modes_planned", ())} - {r["policy"] for r in runs})
     ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs) and not missing
-    kept = os.path.relpath(parts_dir(out))
+    kept = parts_dir(out)
     os.makedirs(kept, exist_ok=True)
-    names = []
-    for i, d in enumerate(datas):
-        name = os.path.join(kept, f"part{i}.json.gz")
-        if not (os.path.exists(name) and os.path.samefile(name, parts[i])):
-            with gzip.open(name + ".tmp", "wt") as f:
-                json.dump(d, f, separators=(",", ":"))
+    if any(os.path.samefile(os.path.dirname(os.path.abspath(p)), kept) for p in parts):
+        # judged again from the kept parts: they stay as they are (a subset
+        # merged into the same result must not overwrite or delete the others)
+        paths = [os.path.abspath(p) for p in parts]
+    else:  # a fresh run: its parts replace whatever an earlier run kept
+        paths = []
+        for i, d in enumerate(datas):
+            name = os.path.join(kept, f"part{i}.json.gz")
+            with open(name + ".tmp", "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:  # same bytes for the same data
+                f.write(json.dumps(d, separators=(",", ":")).encode())
             os.replace(name + ".tmp", name)
-        names.append(name)
-    for stale in set(glob.glob(os.path.join(kept, "part*.json.gz"))) - set(names):  # an earlier run's extra parts
-        os.remove(stale)
+            paths.append(os.path.abspath(name))
+        for stale in set(map(os.path.abspath, glob.glob(os.path.join(kept, "part*.json.gz")))) - set(paths):
+            os.remove(stale)
+    here = os.path.dirname(os.path.abspath(out))
+    names = [os.path.relpath(p, here) for p in paths]  # relative to the result file
+    for r, name in zip(refs, names):
+        r["part"] = name
     for r in runs:
         r.pop("outputs", None)
     res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "tolerance": TOLERANCE,

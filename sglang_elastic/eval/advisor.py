@@ -12,7 +12,7 @@ answer without a GPU comes from measured points (``calibration.json``):
 
 - ``context_overhead_gib`` per TP degree: GPU memory taken before the model
   loads (CUDA context; at TP > 1 NCCL and custom all-reduce buffers too:
-  1.35 GiB at TP 1, 2.2-2.3 GiB at TP 2 on the H200), so
+  1.36 GiB at TP 1, 2.2-2.3 GiB at TP 2 on the H200), so
   ``pre_model_load_free = gpu_mem - overhead``;
 - the memory CUDA-graph capture and the runtime take out of that reserve
   (SGLang's reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
@@ -22,11 +22,18 @@ answer without a GPU comes from measured points (``calibration.json``):
   ``graph_bytes_per_token`` per token of ``--chunked-prefill-size`` (the
   breakable prefill graphs). One slope for every model and TP, fitted by least
   squares within each TP degree's points (TP 1: five chunk sizes), the fixed
-  part the mean residual of each TP degree's points. Not a function of the
-  model's width: Qwen2.5-32B (hidden + 2 x intermediate = 60,416) took 4.43
-  GiB at chunk 8,192 and TP 1, Llama-3.1-8B (32,768) 4.47 GiB.
-  A TP degree without points takes the factors of the largest measured TP
-  below it (``extrapolated_from_tp`` in the prediction says so).
+  part the mean residual of each TP degree's points. The total does not
+  follow the model's width at chunk 8,192: Qwen2.5-32B (hidden + 2 x
+  intermediate = 60,416) took 4.43 GiB at TP 1, Llama-3.1-8B (32,768) 4.47
+  GiB, although SGLang's own breakdown puts 2.44 vs 1.47 GiB in the prefill
+  graphs (the rest, 1.32 vs 2.31 GiB, differs the other way). The slope
+  comes from Llama-3.1-8B's chunk sweep alone; whether a wider model's total
+  grows faster with the chunk is what E3's ``qwen-32b-tp1-chunk32768`` row
+  checks. A TP degree without points takes the factors of the largest
+  measured TP below it (``extrapolated_from_tp`` says so; from TP 2 to 4 or 8
+  it misses SGLang's larger decode graphs there, batch 512 instead of 256).
+  Lendable tokens are rounded down to the pool's lend step (whole 2 MiB
+  granules of every K/V buffer).
 
 Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
 ``free after graphs = reserve - graph_fixed - per_token * chunk``,
@@ -46,12 +53,17 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 from unittest import mock
 
+from sglang_elastic.vmm.arena import token_quantum
+
 GIB = 1 << 30
 #: Below this, a gain in KV tokens (fraction of the pool) is not worth a change.
 MIN_GAIN = 0.05
 #: SGLang's activation term floors at 2048 tokens (server_args.py: max(chunked_prefill_size, 2048)).
 SMALL_CHUNK = 2048
 DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
+#: CUDA VMM's minimum allocation granularity on NVIDIA data-centre GPUs
+#: (cuMemGetAllocationGranularity on the H200): the elastic pool maps whole granules.
+VMM_GRANULARITY = 2 << 20
 #: Shapes whose weight count shape_of knows (embeddings, GQA attention, gated MLP, norms, LM head).
 DENSE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -116,6 +128,11 @@ class Shape:
     def cell_bytes(self, tp: int) -> int:
         """KV bytes per token per GPU (SGLang's MHA cell size at this TP)."""
         return max(1, self.kv_heads // tp) * (self.head_dim + self.v_head_dim) * self.num_layers * self.dtype_bytes
+
+    def row_bytes(self, tp: int) -> "list[int]":
+        """Bytes per token of one layer's K and V buffers on one GPU (SGLang's MHA pool)."""
+        kv = max(1, self.kv_heads // tp)
+        return [kv * self.head_dim * self.dtype_bytes, kv * self.v_head_dim * self.dtype_bytes]
 
     def weight_bytes(self, tp: int) -> float:
         return self.params * self.dtype_bytes / tp
@@ -185,6 +202,8 @@ def factors(cal: Dict[str, Any], tp: Optional[int] = None) -> Dict[str, Any]:
     no spread of chunks: 0). With ``tp``, the factors for that degree: a
     degree without points takes the largest measured one below it (else the
     smallest above), named in ``extrapolated_from_tp``."""
+    if not cal.get("points"):
+        raise AdviseError("the calibration has no measured points")
     ds = [derive(p) for p in cal["points"]]
     by_tp: Dict[int, list] = {}
     for d in ds:
@@ -240,7 +259,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     graph = f["graph_fixed_gib"] + f["graph_bytes_per_token"] * sa.chunked_prefill_size / GIB
     free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
-    extra = int(lendable * GIB // cell)
+    # the pool lends whole steps of pages mapped at VMM granularity (sglang_elastic/vmm/arena.py token_quantum)
+    step = token_quantum(shape.row_bytes(tp), VMM_GRANULARITY)
+    extra = int(lendable * GIB // cell) // step * step
     small = sglang_server_args(mdir, gpu_mem_mib, tp, SMALL_CHUNK)
     _, _, small_tokens = _kv_tokens(pre_free, weights, small.mem_fraction_static, cell)
     chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
@@ -261,6 +282,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "free_after_graphs_gib": free_after,
         "lendable_gib": lendable,
         "extra_kv_tokens": extra,
+        "lend_step_tokens": step,
         "extra_kv_fraction": extra / tokens if tokens else None,
         "small_chunk": SMALL_CHUNK,
         "small_chunk_mem_fraction_static": small.mem_fraction_static,
@@ -306,6 +328,7 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s)"
-        + (f"; no point at TP {p['tp']}: TP {p['factors']['extrapolated_from_tp']}'s context and graph memory" if p["factors"]["extrapolated_from_tp"] else "") + ")",
+        + (f"; no point at TP {p['tp']}: TP {p['factors']['extrapolated_from_tp']}'s context and graph memory" if p["factors"]["extrapolated_from_tp"] else "")
+        + ("; SGLang captures decode graphs up to batch 512 at TP >= 4 (256 below), which this does not count" if p["factors"]["extrapolated_from_tp"] and p["tp"] >= 4 > p["factors"]["extrapolated_from_tp"] else "") + ")",
     ]
     return "\n".join(lines)

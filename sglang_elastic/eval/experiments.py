@@ -144,22 +144,6 @@ def find_reusable(exp: Experiment, s: ServerConfig, results_dir: Path) -> "tuple
     return out, ""
 
 
-def advisor_for(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The advisor's prediction for a measured row (E3), or None without SGLang."""
-    f = row.get("facts") or {}
-    if not f.get("gpu_mem_mib"):
-        return None
-    try:
-        from sglang_elastic.eval import advisor
-
-        s = row["server"]
-        p = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"))
-    except Exception as e:  # the measurement stands without it
-        return {"error": f"{type(e).__name__}: {e}"}
-    keep = ("mem_fraction_static", "reserve_gib", "reserve_fraction_of_hbm", "reserve_fraction_of_kv_pool", "max_total_num_tokens", "free_after_graphs_gib", "lendable_gib", "extra_kv_tokens", "recommendation", "reason")
-    return {k: p[k] for k in keep}
-
-
 def check_only(exp: Experiment, only: Optional[List[str]]) -> None:
     """Raises ``ValueError`` naming the labels of ``only`` the config lacks."""
     unknown = sorted(set(only or ()) - {s.label for s in exp.servers})
@@ -254,8 +238,6 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
         # a row still running keeps its earlier measurement, if any (a run
         # stopped half-way does not erase what the file held)
         out = [rows.get(s.label) or earlier(s) or _not_run(s, "not run (interrupted before it finished)") for s in exp.servers]
-        if exp.experiment == "reserve_vs_tp" and not standin:
-            out = [dict(row, advisor=advisor_for(row)) if row["ok"] and "advisor" not in row else row for row in out]
         return {"experiment": exp.experiment, "name": exp.result_name, "description": exp.description, "standin": standin, "notes": notes,
                 "config": exp.model_dump(mode="json"), "rows": out}
 

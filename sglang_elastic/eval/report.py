@@ -173,19 +173,22 @@ def reserve_vs_tp(d: Dict[str, Any]) -> Tuple[str, Callable]:
     rows = []
     for r in d["rows"]:
         f = r.get("facts") or {}
-        rows.append([r["server"]["model"], str(r["server"]["tp"]), _n(f.get("mem_fraction_static")), _n(f.get("reserve_gib"), "{:.2f}"), _pct(f.get("reserve_fraction_of_hbm")), _pct(f.get("reserve_fraction_of_kv_pool")), _n(f.get("free_after_graphs_gib"), "{:.2f}"), _n(f.get("max_total_num_tokens")), _err(r)])
-    md = _table(["model", "TP", "mem_fraction_static", "reserve GiB/GPU", "reserve / HBM", "reserve / KV pool", "free after graphs GiB", "max_total_num_tokens", "notes"], rows)
+        rows.append([r["server"]["model"], str(r["server"]["tp"]), _n(r["server"].get("chunked_prefill_size")), _n(f.get("mem_fraction_static")), _n(f.get("reserve_gib"), "{:.2f}"), _pct(f.get("reserve_fraction_of_hbm")), _pct(f.get("reserve_fraction_of_kv_pool")), _n(f.get("free_after_graphs_gib"), "{:.2f}"), _n(f.get("max_total_num_tokens")), _err(r)])
+    md = _table(["model", "TP", "chunk", "mem_fraction_static", "reserve GiB/GPU", "reserve / HBM", "reserve / KV pool", "free after graphs GiB", "max_total_num_tokens", "notes"], rows)
     md += "\n\nThe advisor's predictions for these rows, each from a fit without the row: the advisor table below.\n"
 
     def plot(ax_fig):
         fig, ax = ax_fig
         models = sorted({r["server"]["model"] for r in d["rows"]})
-        for m in models:
-            pts = sorted((r["server"]["tp"], r["facts"]) for r in d["rows"] if r["server"]["model"] == m and r.get("ok") and r.get("facts"))
+        chunk = ((d.get("config") or {}).get("server_defaults") or {}).get("chunked_prefill_size")
+        for i, m in enumerate(models):  # one colour per model; rows at another chunk size are in the table only
+            pts = sorted((r["server"]["tp"], r["facts"]) for r in d["rows"] if r["server"]["model"] == m and r.get("ok") and r.get("facts")
+                         and (chunk is None or r["server"].get("chunked_prefill_size") == chunk))
             pts = [(tp, f) for tp, f in pts if f.get("reserve_fraction_of_hbm") is not None]
             if pts:
-                ax.plot([tp for tp, _ in pts], [100 * f["reserve_fraction_of_hbm"] for _, f in pts], "o-", label=f"{m}: / HBM")
-                ax.plot([tp for tp, _ in pts], [100 * (f.get("reserve_fraction_of_kv_pool") or 0) for _, f in pts], "s--", label=f"{m}: / KV pool")
+                c = f"C{i}"
+                ax.plot([tp for tp, _ in pts], [100 * f["reserve_fraction_of_hbm"] for _, f in pts], "o-", color=c, markersize=8 - 2 * i, label=f"{m}: / HBM")
+                ax.plot([tp for tp, _ in pts], [100 * (f.get("reserve_fraction_of_kv_pool") or 0) for _, f in pts], "s--", color=c, label=f"{m}: / KV pool")
         ax.set_xscale("log", base=2)
         tps = sorted({r["server"]["tp"] for r in d["rows"] if r.get("ok")})
         ax.set_xticks(tps, [str(t) for t in tps])  # 1, 2, 4, 8 rather than 2^0, 2^1
@@ -236,7 +239,12 @@ def decode_fraction(d: Dict[str, Any]) -> Tuple[str, Callable]:
 def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     rows = []
     def err(k):  # signed relative error of the prediction, where both exist
-        return lambda m, pr: f"{(pr[k] - m[k]) / m[k]:+.1%}" if m.get(k) and pr.get(k) is not None else "–"
+        def f(m, pr):
+            if not m.get(k) or pr.get(k) is None:
+                return "–"
+            e = round(100 * (pr[k] - m[k]) / m[k], 2)
+            return f"{e:+.2f}%" if e else "0.00%"
+        return f
 
     for p in d["points"]:
         m, pr = p["measured"], p["predicted"]
