@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -100,7 +101,11 @@ def _split_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s,
     max_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: wait for the kernel before (q, the new K/V), let the merge launch
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -123,8 +128,12 @@ def _queue_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s,
     LOG2_BATCH: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Persistent: program (p, h) takes items p, p + P, ... of the dense list."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.program_id(0)
     h = tl.program_id(1)
     P = tl.num_programs(0)
@@ -152,7 +161,7 @@ def _queue_kernel(
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh, seg_stride,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
@@ -160,7 +169,10 @@ def _merge_kernel(
     at ``b * seg_stride`` (split; a runtime value, so batch sizes with other
     split caps share one compiled kernel). ``BLOCK_S`` partials are loaded per step
     (one memory round trip for up to ``BLOCK_S`` splits, instead of one per
-    split), folded into the running max / sum / accumulator."""
+    split), folded into the running max / sum / accumulator. ``PDL``: launched
+    while the partials kernel still runs; waits for it before any load."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0)
     qh = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -206,6 +218,20 @@ def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
         raise ValueError(f"q heads {Hq} not a multiple of kv heads {Hkv}")
     G = Hq // Hkv
     return B, Hq, Hkv, D, G, max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): Hopper (sm_90) and
+    later, compiled code only (not under ``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_opts(pdl: bool, device: torch.device) -> dict:
+    """Launch options and kernel flag for PDL (CUDA's programmatic dependent
+    launch: a kernel launches while the one before it finishes and waits in
+    ``griddepcontrol.wait``; inside CUDA graphs, programmatic edges). Off
+    where :func:`pdl_supported` says no."""
+    return {"PDL": True, "launch_pdl": True} if pdl and pdl_supported(device) else {}
 
 
 def _launch_opts(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
@@ -263,8 +289,10 @@ def split_kv_run(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     chunk: torch.Tensor, nsplit: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
     sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Split-KV decode of one layer from a :func:`split_kv_plan` (two launches: partials, merge).
+    """Split-KV decode of one layer from a :func:`split_kv_plan` (two launches: partials, merge;
+    ``pdl``: both with programmatic dependent launch where supported, :func:`pdl_supported`).
 
     Args:
         q: ``[batch, q_heads, head_dim]`` bf16/fp16.
@@ -282,16 +310,17 @@ def split_kv_run(
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
     opts = _launch_opts(num_warps, num_stages)
+    pdl_opts = _pdl_opts(pdl, q.device)
     _split_kernel[(B, Hkv, max_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
-        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts,
+        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts, **pdl_opts,
     )
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, nsplit, nsplit, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
-        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S, **pdl_opts,
     )
     return out
 
@@ -357,9 +386,10 @@ def work_queue_run(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     chunk: torch.Tensor, item_offsets: torch.Tensor, n_items: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor,
     out: torch.Tensor, programs: int = 132, sm_scale: Optional[float] = None, block_n: int = 32,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, pdl: bool = False,
 ) -> torch.Tensor:
-    """Compact work-queue decode of one layer from a :func:`work_queue_plan`.
+    """Compact work-queue decode of one layer from a :func:`work_queue_plan`
+    (``pdl`` as in :func:`split_kv_run`).
 
     Args:
         chunk, item_offsets, n_items: the plan's tensors (``item_offsets[batch]`` is the item count).
@@ -375,18 +405,19 @@ def work_queue_run(
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
     opts = _launch_opts(num_warps, num_stages)
+    pdl_opts = _pdl_opts(pdl, q.device)
     num_items = item_offsets[B:]
     _queue_kernel[(programs, Hkv)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, chunk, mid_o, mid_lse, sm_scale, B, mid_o.shape[0],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
         LOG2_BATCH=max(0, math.ceil(math.log2(max(B, 1)))),
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **opts, **pdl_opts,
     )
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, item_offsets, n_items, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), 1,
-        D=D, BLOCK_D=BLOCK_D, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S, **pdl_opts,
     )
     return out
 

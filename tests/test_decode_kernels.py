@@ -103,3 +103,21 @@ def test_group_must_divide():
     k = torch.zeros(4, 4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="not a multiple"):
         split_kv_decode(q, k, k, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+
+
+def test_pdl_falls_back_to_plain_launches_where_it_cannot_run():
+    """Programmatic dependent launch needs compiled code on sm_90+: under the
+    interpreter (and on CPU tensors) pdl=True gives plain launches and the same
+    output; on the H200 bench_decode.py checks its outputs against FlashInfer."""
+    from sglang_elastic.kernels.decode_attention import _pdl_opts, pdl_supported
+
+    assert not pdl_supported(torch.device("cpu")) and _pdl_opts(True, torch.device("cpu")) == {} and _pdl_opts(False, torch.device("cpu")) == {}
+    q, k, v, indptr, idx = make_case([300, 7, 130], 8, 2, 64, torch.float16, 1, seed=int(torch.randint(0, 2**31, ())))
+    ref = reference(q, k, v, indptr, idx, 64**-0.5)
+    for pdl in (False, True):
+        from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run
+
+        chunk, nsplit = split_kv_plan(indptr, 4, 64)
+        mid_o, mid_lse = torch.empty(12, 8, 64), torch.empty(12, 8)
+        out = split_kv_run(q, k, v, indptr, idx, chunk, nsplit, 4, mid_o, mid_lse, torch.full_like(q, float("nan")), pdl=pdl)
+        assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-3

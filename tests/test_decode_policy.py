@@ -109,6 +109,7 @@ def good():
     (lambda d: d.update(margin=float("nan")), "margin"),
     (lambda d: d["split"].update(min_chunk=100), "multiple of block_n"),
     (lambda d: d["compact"].update(colour=1), "unknown field"),
+    (lambda d: d["split"].update(pdl="yes"), "split.pdl must be true or false"),
 ])
 def test_malformed_calibration_files_are_rejected_naming_the_field(tmp_path, mutate, message):
     d = good()
@@ -162,3 +163,13 @@ def test_per_step_statistics_equal_the_item_lists_they_summarise():
             items, merged = policy.path_items(path, lens, c, 8)
             st = policy.path_stats(path, np.array(lens) if B >= 64 else lens, c, 8)
             assert (st.count, st.total, st.largest, st.merged or not items) == (len(items), sum(items), max(items, default=0), merged or not items), (seed, path, lens)
+
+
+def test_pdl_is_read_from_the_calibration_and_off_by_default(tmp_path):
+    d = good()
+    assert d["split"]["pdl"] is False and d["compact"]["pdl"] is False
+    d["split"]["pdl"] = True
+    c = policy.load_calibration(write(tmp_path, d))
+    assert c.split.pdl is True and c.compact.pdl is False
+    d["compact"].pop("pdl")  # files written before the field load with it off
+    assert policy.load_calibration(write(tmp_path, d)).compact.pdl is False

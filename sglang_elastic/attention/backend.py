@@ -418,12 +418,12 @@ class PersistentKVAttnBackend(AttentionBackend):
         if meta.path == "split":
             c = self.calib.split
             split_kv_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.split_chunk[: meta.bs], self.split_nsplit[: meta.bs],
-                         meta.max_splits, self.mid_o, self.mid_lse, o, scale, c.block_n, c.num_warps, c.num_stages)
+                         meta.max_splits, self.mid_o, self.mid_lse, o, scale, c.block_n, c.num_warps, c.num_stages, c.pdl)
         else:
             c = self.calib.compact
             work_queue_run(q3, kb, vb, meta.kv_indptr, meta.kv_indices, self.queue_chunk, self.queue_item_offsets[: meta.bs + 1],
                            self.queue_n_items[: meta.bs], self.mid_o, self.mid_lse, o, c.programs or self.sm_count,
-                           scale, c.block_n, c.num_warps, c.num_stages)
+                           scale, c.block_n, c.num_warps, c.num_stages, c.pdl)
         return o.view(-1, H * D)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

@@ -91,6 +91,7 @@ class SplitConfig:
     partial_budget: int = 4096  # rows of the mid buffers: max_splits(B) = partial_budget // B
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
+    pdl: bool = False  # programmatic dependent launch of partials and merge (kernels/decode_attention.py pdl_supported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ class CompactConfig:
     block_n: int = 32
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
+    pdl: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +177,11 @@ def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
         for k in opt_ints:
             if k in s:
                 kw[k] = _num(s, k, f"{where}.{name}", kind=int, lo=1, hi=1 << 16, allow_none=True)
-        extra = set(s) - set(ints) - set(opt_ints)
+        if "pdl" in s:
+            if not isinstance(s["pdl"], bool):
+                raise CalibrationError(f"{where}.{name}.pdl must be true or false, not {s['pdl']!r}")
+            kw["pdl"] = s["pdl"]
+        extra = set(s) - set(ints) - set(opt_ints) - {"pdl"}
         if extra:
             raise CalibrationError(f"{where}.{name}: unknown field(s) {sorted(extra)}")
         cfg = cls(**kw)
