@@ -35,8 +35,8 @@ PersistentKV paper's compact work queue (arXiv 2606.26666).
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -208,7 +208,7 @@ MERGE_BLOCK_S = 32
 def _dot_f32(q: torch.Tensor) -> bool:
     """fp32 dots under ``TRITON_INTERPRET=1`` for bf16 (the interpreter's bf16
     ``tl.dot`` is wrong; on a GPU the dots stay bf16 tensor-core ones)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+    return bool(triton.knobs.runtime.interpret) and q.dtype == torch.bfloat16
 
 
 def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
@@ -222,15 +222,23 @@ def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (``griddepcontrol``): Hopper (sm_90) and
-    later, compiled code only (not under ``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") != "1" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    later, compiled code only (not under Triton's interpreter)."""
+    if triton.knobs.runtime.interpret or device.type != "cuda":
+        return False
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int) -> int:  # once per device: this runs on every per-layer call
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _pdl_opts(pdl: bool, device: torch.device) -> dict:
     """Launch options and kernel flag for PDL (CUDA's programmatic dependent
     launch: a kernel launches while the one before it finishes and waits in
     ``griddepcontrol.wait``; inside CUDA graphs, programmatic edges). Off
-    where :func:`pdl_supported` says no."""
+    where :func:`pdl_supported` says no. Always both or neither: a PDL
+    launch of a kernel compiled without its ``gdc_wait`` would race."""
     return {"PDL": True, "launch_pdl": True} if pdl and pdl_supported(device) else {}
 
 
@@ -430,7 +438,7 @@ def work_queue_run(
 def split_kv_decode(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     sm_scale: Optional[float] = None, max_splits: int = 32, min_chunk: int = 256, block_n: int = 32, out: Optional[torch.Tensor] = None,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, pdl: bool = False,
 ) -> torch.Tensor:
     """Split-KV decode attention over SGLang's paged KV layout (plan + run in one call).
 
@@ -444,6 +452,7 @@ def split_kv_decode(
         min_chunk: the smallest chunk in tokens; a request gets
             ``min(max_splits, ceil(len / min_chunk))`` chunks.
         out: optional ``[batch, q_heads, head_dim]`` output buffer.
+        pdl: programmatic dependent launch where supported (:func:`split_kv_run`).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``q``'s dtype; requests of length 0 get zeros.
@@ -457,13 +466,13 @@ def split_kv_decode(
     mid_lse = torch.empty((B * max_splits, Hq), dtype=torch.float32, device=q.device)
     o = out if out is not None else torch.empty_like(q)
     return split_kv_run(q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, nsplit, max_splits, mid_o, mid_lse, o,
-                        sm_scale, block_n, num_warps, num_stages)
+                        sm_scale, block_n, num_warps, num_stages, pdl)
 
 
 def work_queue_decode(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     sm_scale: Optional[float] = None, chunk: int = 512, max_items: Optional[int] = None, programs: int = 132, block_n: int = 32,
-    out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None, pdl: bool = False,
 ) -> torch.Tensor:
     """Compact work-queue decode attention (arguments as :func:`split_kv_decode`).
 
@@ -488,4 +497,4 @@ def work_queue_decode(
     mid_lse = torch.empty((max_items, Hq), dtype=torch.float32, device=q.device)
     o = out if out is not None else torch.empty_like(q)
     return work_queue_run(q, k_buffer, v_buffer, kv_indptr, kv_indices, c, item_offsets, n_items, mid_o, mid_lse, o,
-                          programs, sm_scale, block_n, num_warps, num_stages)
+                          programs, sm_scale, block_n, num_warps, num_stages, pdl)

@@ -8,6 +8,8 @@ leaves them), poisons the output, and requires every element written.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,19 +107,82 @@ def test_group_must_divide():
         split_kv_decode(q, k, k, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
 
 
-def test_pdl_falls_back_to_plain_launches_where_it_cannot_run():
-    """Programmatic dependent launch needs compiled code on sm_90+: under the
-    interpreter (and on CPU tensors) pdl=True gives plain launches and the same
-    output; on the H200 bench_decode.py checks its outputs against FlashInfer."""
-    from sglang_elastic.kernels.decode_attention import _pdl_opts, pdl_supported
+def test_pdl_flag_and_launch_option_come_together_and_only_where_supported(monkeypatch):
+    """The safety invariant: a PDL launch (``launch_pdl``) only of kernels
+    compiled with their ``gdc_wait`` (``PDL``), and neither under the
+    interpreter, on CPU tensors or before sm_90."""
+    import triton
 
-    assert not pdl_supported(torch.device("cpu")) and _pdl_opts(True, torch.device("cpu")) == {} and _pdl_opts(False, torch.device("cpu")) == {}
-    q, k, v, indptr, idx = make_case([300, 7, 130], 8, 2, 64, torch.float16, 1, seed=int(torch.randint(0, 2**31, ())))
+    from sglang_elastic.kernels import decode_attention as da
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert da._pdl_opts(True, cpu) == {} and not da.pdl_supported(cpu)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    assert not da.pdl_supported(cpu)  # the device branch, not the interpreter's
+    monkeypatch.setattr(da, "_sm_major", lambda index: 9)
+    assert da.pdl_supported(gpu) and da._pdl_opts(True, gpu) == {"PDL": True, "launch_pdl": True} and da._pdl_opts(False, gpu) == {}
+    monkeypatch.setattr(da, "_sm_major", lambda index: 8)
+    assert not da.pdl_supported(gpu) and da._pdl_opts(True, gpu) == {}
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    monkeypatch.setattr(da, "_sm_major", lambda index: 9)
+    assert da._pdl_opts(True, gpu) == {}
+
+
+@pytest.mark.parametrize("kernel", ["split", "queue"])
+def test_pdl_true_runs_plain_under_the_interpreter_with_the_same_output(kernel):
+    seed = int(torch.randint(0, 2**31, ()))
+    q, k, v, indptr, idx = make_case([300, 7, 130], 8, 2, 64, torch.float16, 1, seed=seed)
     ref = reference(q, k, v, indptr, idx, 64**-0.5)
+    outs = []
     for pdl in (False, True):
-        from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run
+        if kernel == "split":
+            outs.append(split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, pdl=pdl))
+        else:
+            outs.append(work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, pdl=pdl))
+        assert ((outs[-1].double() - ref).norm() / ref.norm()).item() <= 2e-3, f"seed {seed}"
+    assert torch.equal(outs[0], outs[1])
 
-        chunk, nsplit = split_kv_plan(indptr, 4, 64)
-        mid_o, mid_lse = torch.empty(12, 8, 64), torch.empty(12, 8)
-        out = split_kv_run(q, k, v, indptr, idx, chunk, nsplit, 4, mid_o, mid_lse, torch.full_like(q, float("nan")), pdl=pdl)
-        assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-3
+
+_PTX_CHECK = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sglang_elastic.kernels import decode_attention as da
+
+types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "item_offsets_ptr", "num_items_ptr", "seg_start_ptr", "seg_count_ptr")})
+types["sm_scale"] = "fp32"
+attn = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False)
+for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32))):
+    for pdl in (False, True):
+        sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx and n != "PDL"}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**cx, "PDL": pdl}), target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
+        body = k.asm["ptx"].split(".entry", 1)[1]
+        mem = min(i for i in (body.find("ld.global"), body.find("st.global")) if i >= 0)
+        wait, trigger = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+        print(fn.__name__, pdl, k.metadata.launch_pdl, wait >= 0 and wait < mem, trigger >= 0)
+"""
+
+
+def test_pdl_kernels_wait_before_their_first_global_access_in_the_sm90_ptx(tmp_path):
+    """Compiled for sm_90 (no GPU needed): with PDL every kernel's
+    ``griddepcontrol.wait`` comes before its first global load or store, the
+    partials kernels trigger the merge, the merge triggers nothing, and the
+    launch option is in the compiled metadata; without PDL neither appears."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _PTX_CHECK, str(Path(__file__).parents[1])], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert rows == [
+        ["_split_kernel", "False", "False", "False", "False"], ["_split_kernel", "True", "True", "True", "True"],
+        ["_queue_kernel", "False", "False", "False", "False"], ["_queue_kernel", "True", "True", "True", "True"],
+        ["_merge_kernel", "False", "False", "False", "False"], ["_merge_kernel", "True", "True", "True", "False"],
+    ]

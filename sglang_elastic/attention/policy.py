@@ -42,9 +42,10 @@ Calibration JSON (schema ``version`` 1)::
                   "cta_gbps": 40.0,      # most one work item reads alone, GB/s
                   "ctas_per_sm": 2}, ...},
       "split":   {"max_splits": 64, "min_chunk": 512, "block_n": 32, "partial_budget": 4096,
-                  "num_warps": null, "num_stages": null},
+                  "num_warps": null, "num_stages": null,
+                  "pdl": false},             # programmatic dependent launch (optional, default false)
       "compact": {"target_items": 1024, "min_chunk": 256, "programs": null, "block_n": 32,
-                  "num_warps": null, "num_stages": null}
+                  "num_warps": null, "num_stages": null, "pdl": false}
     }
 
 Ideas: FA2/FA3 ``num_splits_heuristic`` (wave efficiency), LeanAttention
