@@ -127,3 +127,19 @@ def test_the_sweep_grid_is_centred_on_the_shipped_configs_and_clipped():
     assert mod.around(1024, 64, 8192) == (512, 1024, 2048)
     assert mod.around(256, 16, 256) == (128, 256)  # double clipped to the top
     assert mod.around(16, 16, 256) == (16, 32)  # half clipped to the bottom
+
+
+def test_the_streaming_read_reads_every_element_once():
+    """The benchmark's bandwidth reference must read all of its input: the
+    per-program sums add up to the float64 sum of fresh random data, for a
+    length no block divides and more programs than blocks."""
+    import torch
+
+    x = torch.randn(10_007, dtype=torch.bfloat16)
+    for programs, block in ((3, 1024), (32, 1024)):  # 10 blocks: 3 programs stride, 32 leave 22 idle
+        out = torch.full((programs + 2,), float("nan"))
+        bench.stream_read(x, out, programs, block)
+        assert out[:programs].double().sum().item() == pytest.approx(x.double().sum().item(), abs=1e-2)
+    with pytest.raises(ValueError, match="2 sums, 3 programs"):
+        bench.stream_read(x, torch.empty(2), 3)
+    assert len(bench.STREAM_CONFIGS) == 18

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+import triton
+import triton.language as tl
+
 from sglang_elastic.attention.policy import PATHS, DecodePolicy
 
 SHAPE = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
@@ -117,3 +120,39 @@ def assemble(header: dict, stream_read_tbps: float, rows: List[dict], notes: dic
             raise ValueError(f"row {r.get('name')} page {r.get('page_size')} lacks {missing}")
     return {**header, "stream_read_tbps": stream_read_tbps,
             "shape": {**SHAPE, "dtype": "bfloat16"}, "notes": notes, "calibration": calibration, "cases": rows}
+
+
+# -- the streaming-read reference ---------------------------------------------
+
+#: (block, num_warps, programs per SM) tried for the streaming read: the
+#: anchors doc's "streaming read" is the best such Triton kernel over 4 GiB
+#: (4.53 TB/s on the H200, against 4.27 for ``torch.sum``).
+STREAM_CONFIGS = tuple((b, w, p) for b in (2048, 4096, 8192) for w in (4, 8) for p in (2, 4, 8))
+
+
+@triton.jit
+def _stream_read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Program ``p`` sums blocks ``p, p + P, ...`` of ``x`` in fp32 and
+    stores its partial sum (the store keeps the loads alive)."""
+    pid = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+def stream_read(x, out, programs: int, block: int = 4096, num_warps: int = 4):
+    """Read every element of the flat tensor ``x`` once (grid-stride, ``programs``
+    programs of ``block`` elements a step); ``out``: ``[>= programs]`` float32,
+    the per-program sums (``out[:programs].sum()`` is ``x.sum()``). The
+    benchmark's streaming-read reference and size-matched read floor.
+
+    Raises:
+        ValueError: ``out`` holds fewer than ``programs`` elements.
+    """
+    if out.numel() < programs:
+        raise ValueError(f"out holds {out.numel()} sums, {programs} programs need one each")
+    _stream_read_kernel[(programs,)](x, out, x.numel(), BLOCK=block, num_warps=num_warps)
+    return out
