@@ -146,3 +146,22 @@ def test_run_script_refuses_renumbered_gpus(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "CUDA_VISIBLE_DEVICES=1 renumbers the GPUs" in r.stderr
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {"SGLANG_ELASTIC_COMMIT": "abc"}, "name at least one config"),
+    (["--bogus"], {}, "unknown option --bogus"),
+    (["scripts/eval/configs/nope.yaml"], {}, "no config scripts/eval/configs/nope.yaml"),
+    (["scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": ""}, "set SGLANG_ELASTIC_COMMIT"),
+])
+def test_host_batch_refuses_bad_calls_before_touching_the_host(args, env, message):
+    """scripts/eval/host_batch.sh (one device call's evaluation) checks its
+    arguments first: status 2 and one line, nothing installed or started."""
+    import os
+    import subprocess
+
+    e = {**os.environ, **env}
+    if "SGLANG_ELASTIC_COMMIT" in env and not env["SGLANG_ELASTIC_COMMIT"]:
+        e.pop("SGLANG_ELASTIC_COMMIT")
+    r = subprocess.run(["bash", str(ROOT / "scripts/eval/host_batch.sh"), *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr

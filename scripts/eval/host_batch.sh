@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call's worth of evaluation on a GPU host: run several experiment
+# configs at once on one shared Ray cluster, each with --resume and a start
+# deadline, so a call with a time limit never starts a server it cannot
+# finish and the next call picks up where this one stopped.
+#
+#   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site   # earlier call, same host
+#   bash .gpu/install_bundle.sh .gpu/ray                                     # this call (Ray part)
+#   SGLANG_ELASTIC_COMMIT=<git rev-parse HEAD> bash scripts/eval/host_batch.sh \
+#       [--deadline S] [--limit S] [--warm-first] CONFIG.yaml...
+#
+# It installs this package into SITE (/tmp/site), applies the patch series to
+# the SGLang there unless it already is (the elastic rows need it), starts a
+# Ray head on the local GPUs unless one runs, copies docs/results/eval/*.json
+# into OUT_DIR (/tmp/eval) without overwriting what an earlier call on this
+# host wrote there, runs every CONFIG with `run.py --address --resume
+# --start-deadline-s S --no-report` (no server starts after S seconds,
+# default 360; each run.py is cut at --limit, default S + 200), and prints
+# each result's summary line. Rows of configs that need each other's results
+# (E2 reuses E1's rows) belong in separate calls. With $OUT set (the device
+# call's output folder) it leaves OUT_DIR, the run logs and the servers' logs
+# there as eval.tgz. Back here: copy OUT_DIR's JSON to docs/results/eval/,
+# then scripts/eval/report.py and scripts/eval/advisor_points.py.
+#
+# --warm-first: let each run start one server alone first (FlashInfer's JIT
+# on a host that has not compiled it yet, ~4 min); by default every server
+# starts at once (the host is warm from an earlier call).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+deadline=360 limit="" warm=--no-warm-first configs=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --deadline) deadline=$2; shift 2 ;;
+    --limit) limit=$2; shift 2 ;;
+    --warm-first) warm=""; shift ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -*) echo "host_batch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) [ -f "$1" ] || { echo "host_batch.sh: no config $1" >&2; exit 2; }; configs+=("$1"); shift ;;
+  esac
+done
+[ ${#configs[@]} -gt 0 ] || { echo "host_batch.sh: name at least one config (scripts/eval/configs/*.yaml)" >&2; exit 2; }
+[ -n "${SGLANG_ELASTIC_COMMIT:-}" ] || { echo "host_batch.sh: set SGLANG_ELASTIC_COMMIT to git rev-parse HEAD of your checkout (the copy on the host has no .git)" >&2; exit 2; }
+limit=${limit:-$((deadline + 200))}
+site=${SITE:-/tmp/site}
+out_dir=${OUT_DIR:-/tmp/eval}
+logs=${LOG_DIR:-/tmp/eval-logs}
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} SGLANG_ELASTIC_COMMIT
+# NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -c "import ray, sglang" 2>/dev/null || { echo "host_batch.sh: ray or sglang not importable from $site: install the bundle and the Ray part first" >&2; exit 2; }
+mkdir -p "$out_dir" "$logs"
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade . > "$logs/pip.log" 2>&1
+if ! python3 -m sglang_elastic.cli patch status --sglang-dir "$site" | head -1 | grep -q ': applied$'; then
+  python3 -m sglang_elastic.cli patch apply --sglang-dir "$site"
+fi
+python3 -m ray.scripts.scripts status > /dev/null 2>&1 || \
+  python3 -m ray.scripts.scripts start --head --num-gpus "$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)" --disable-usage-stats > "$logs/ray-start.log" 2>&1
+cp -n docs/results/eval/*.json "$out_dir"/ 2>/dev/null || true
+pids=()
+for c in "${configs[@]}"; do
+  name=$(basename "$c" .yaml)
+  # shellcheck disable=SC2086  # $warm is one flag or none
+  timeout "$limit" python3 scripts/eval/run.py "$c" --address 127.0.0.1:6379 --out-dir "$out_dir" --no-report --resume \
+    --start-deadline-s "$deadline" $warm > "$logs/$name.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "${configs[$i]}: run.py exited non-zero (log: $logs/$(basename "${configs[$i]}" .yaml).log)" >&2; }; done
+for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/eval.tgz" "$out_dir" "$logs" /tmp/sglang-eval/logs 2>/dev/null || true
+fi
+exit $rc
