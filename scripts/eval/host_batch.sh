@@ -25,15 +25,19 @@
 # --warm-first: let each run start one server alone first (FlashInfer's JIT
 # on a host that has not compiled it yet, ~4 min); by default every server
 # starts at once (the host is warm from an earlier call).
+# --standin: a dry run anywhere (CPU): run.py's stand-in servers, a Ray head
+# advertising NUM_GPUS (default 8) GPUs, nothing installed or patched.
+# RAY_PORT (default 6379): the head's port.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-deadline=360 limit="" warm=--no-warm-first configs=()
+deadline=360 limit="" warm=--no-warm-first standin="" configs=()
 while [ $# -gt 0 ]; do
   case $1 in
     --deadline) deadline=$2; shift 2 ;;
     --limit) limit=$2; shift 2 ;;
     --warm-first) warm=""; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --standin) standin=--standin; shift ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     -*) echo "host_batch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -f "$1" ] || { echo "host_batch.sh: no config $1" >&2; exit 2; }; configs+=("$1"); shift ;;
   esac
@@ -44,24 +48,39 @@ limit=${limit:-$((deadline + 200))}
 site=${SITE:-/tmp/site}
 out_dir=${OUT_DIR:-/tmp/eval}
 logs=${LOG_DIR:-/tmp/eval-logs}
-export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} SGLANG_ELASTIC_COMMIT
-# NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -c "import ray, sglang" 2>/dev/null || { echo "host_batch.sh: ray or sglang not importable from $site: install the bundle and the Ray part first" >&2; exit 2; }
+port=${RAY_PORT:-6379}
+export SGLANG_ELASTIC_COMMIT
 mkdir -p "$out_dir" "$logs"
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade . > "$logs/pip.log" 2>&1
-if ! python3 -m sglang_elastic.cli patch status --sglang-dir "$site" | head -1 | grep -q ': applied$'; then
-  python3 -m sglang_elastic.cli patch apply --sglang-dir "$site"
+if [ -z "$standin" ]; then
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  # NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  python3 -c "import ray, sglang" 2>/dev/null || { echo "host_batch.sh: ray or sglang not importable from $site: install the bundle and the Ray part first" >&2; exit 2; }
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" --upgrade . > "$logs/pip.log" 2>&1
+  if ! python3 -m sglang_elastic.cli patch status --sglang-dir "$site" | head -1 | grep -q ': applied$'; then
+    python3 -m sglang_elastic.cli patch apply --sglang-dir "$site"
+  fi
+  gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+else
+  python3 -c "import ray" 2>/dev/null || { echo "host_batch.sh: ray not importable" >&2; exit 2; }
+  gpus=${NUM_GPUS:-8}
 fi
-python3 -m ray.scripts.scripts status > /dev/null 2>&1 || \
-  python3 -m ray.scripts.scripts start --head --num-gpus "$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)" --disable-usage-stats > "$logs/ray-start.log" 2>&1
-cp -n docs/results/eval/*.json "$out_dir"/ 2>/dev/null || true
+# Ray's token authentication for the head and every client of it, a token
+# generated if none exists (Ray 2.60 enables it only when a token file is
+# present, and clients of an existing cluster then fail without this)
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ ! -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then
+  python3 -m ray.scripts.scripts get-auth-token --generate > /dev/null
+fi
+python3 -m ray.scripts.scripts status --address "127.0.0.1:$port" > /dev/null 2>&1 || \
+  python3 -m ray.scripts.scripts start --head --port "$port" --num-gpus "$gpus" --disable-usage-stats > "$logs/ray-start.log" 2>&1
+[ -n "$standin" ] || cp -n docs/results/eval/*.json "$out_dir"/ 2>/dev/null || true  # a dry run starts from nothing
 pids=()
 for c in "${configs[@]}"; do
   name=$(basename "$c" .yaml)
-  # shellcheck disable=SC2086  # $warm is one flag or none
-  timeout "$limit" python3 scripts/eval/run.py "$c" --address 127.0.0.1:6379 --out-dir "$out_dir" --no-report --resume \
-    --start-deadline-s "$deadline" $warm > "$logs/$name.log" 2>&1 &
+  # shellcheck disable=SC2086  # $warm and $standin are one flag or none
+  timeout "$limit" python3 scripts/eval/run.py "$c" --address "127.0.0.1:$port" --out-dir "$out_dir" --no-report --resume \
+    --start-deadline-s "$deadline" $warm $standin > "$logs/$name.log" 2>&1 &
   pids+=($!)
 done
 rc=0
