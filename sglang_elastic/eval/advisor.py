@@ -18,7 +18,7 @@ answer without a GPU comes from measured points (``calibration.json``):
   (SGLang's reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
   kv_cache_configurator.py ``_profile_available_bytes``; what is left is
   ``available_gpu_mem`` in SGLang's start-up log): a fixed part per TP degree
-  ``graph_fixed_gib`` (decode graphs, workspaces, all-reduce buffers) plus
+  ``graph_fixed_gib`` (decode graphs, workspaces; both grow at TP > 1) plus
   ``graph_bytes_per_token`` per token of ``--chunked-prefill-size`` (the
   breakable prefill graphs). One slope for every model and TP, fitted by least
   squares within each TP degree's points (TP 1: five chunk sizes), the fixed
@@ -125,14 +125,14 @@ class Shape:
     v_head_dim: int
     dtype_bytes: int = 2
 
-    def cell_bytes(self, tp: int) -> int:
-        """KV bytes per token per GPU (SGLang's MHA cell size at this TP)."""
-        return max(1, self.kv_heads // tp) * (self.head_dim + self.v_head_dim) * self.num_layers * self.dtype_bytes
-
     def row_bytes(self, tp: int) -> "list[int]":
         """Bytes per token of one layer's K and V buffers on one GPU (SGLang's MHA pool)."""
         kv = max(1, self.kv_heads // tp)
         return [kv * self.head_dim * self.dtype_bytes, kv * self.v_head_dim * self.dtype_bytes]
+
+    def cell_bytes(self, tp: int) -> int:
+        """KV bytes per token per GPU (SGLang's MHA cell size at this TP): every layer's K and V rows."""
+        return sum(self.row_bytes(tp)) * self.num_layers
 
     def weight_bytes(self, tp: int) -> float:
         return self.params * self.dtype_bytes / tp
