@@ -303,13 +303,14 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
         bed.check_ownership_and_accounting()
 
 
-def _tp_rank(rank: int, port: int, out):
-    """One TP rank over a real gloo group, through two scenarios: a rank whose
-    VMM map fails (rank 1), then a rank whose pool fell back to SGLang's
-    stock pool (rank 1). Each rank reports what it ended with."""
+def _tp_rank(rank: int, world: int, port: int, out):
+    """One TP rank over a real gloo group of ``world`` ranks, through two
+    scenarios: the last rank's VMM map fails, then the last rank's pool fell
+    back to SGLang's stock pool. Each rank reports what it ended with."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    odd = world - 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         import sglang_elastic
         from sglang.srt.runtime_context import publish
@@ -317,19 +318,20 @@ def _tp_rank(rank: int, port: int, out):
 
         publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
         Bed.tp = (rank, dist.group.WORLD)
-        bed = Bed(fail_on={"map": lambda n: True} if rank == 1 else None)
-        first = bed.ctl.lend()  # rank 1 cannot back anything
+        bed = Bed(fail_on={"map": lambda n: True} if rank == odd else None)
+        first = bed.ctl.lend()  # the last rank cannot back anything
         assert bed.admit(list(range(20)))
         for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no rank may try alone
             bed.ctl.after_prefill(None, bed.batch)
         cannot_map = (first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps)
-        fell_back = Bed(stock_pool=rank == 1).ctl  # no rank may run a controller then
+        fell_back = Bed(stock_pool=rank == odd).ctl  # no rank may run a controller then
         out.put((rank, cannot_map, fell_back))
     finally:
         dist.destroy_process_group()
 
 
-def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool():
+@pytest.mark.parametrize("world", [2, 4])  # TP 2 as measured on the H200s; TP 4 (issue 5) on the CPU only
+def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool(world):
     import multiprocessing as mp
     import socket
 
@@ -338,7 +340,7 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -347,9 +349,9 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
         for p in procs:
             p.join(30)
             p.kill()
-    # rank 0 could map, rank 1 could not: both lend nothing, roll back and stop lending;
-    # rank 1 on SGLang's stock pool: neither rank runs a controller
-    assert res == [(0, (0, True, 0, 0), None), (1, (0, True, 0, 0), None)]
+    # the other ranks could map, the last could not: all lend nothing, roll back and stop lending;
+    # the last rank on SGLang's stock pool: no rank runs a controller
+    assert res == [(r, (0, True, 0, 0), None) for r in range(world)]
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():
