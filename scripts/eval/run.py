@@ -84,9 +84,9 @@ def main() -> int:
                                warm_first=False if a.no_warm_first else None, on_progress=write,
                                start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)
     write(body)
-    def never_ran(r):  # not in --only, or not started before --start-deadline-s: for --resume, not a failure
-        return experiments.not_measured(r) or bool(only and r["label"] not in only)
 
+    def never_ran(r):  # not in --only, or not started (deadline, cluster too small): for --resume, not a failure
+        return experiments.not_measured(r) or bool(only and r["label"] not in only)
 
     failed = [r["label"] for r in body["rows"] if not r["ok"] and not never_ran(r)]
     missing = [r["label"] for r in body["rows"] if not r["ok"] and never_ran(r)]

@@ -63,10 +63,11 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
 
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
+        err = row.get("error") or "?"
         if not_measured(row):  # never started (run.py --only / --resume, a start deadline, a cluster too small)
-            need = re.search(r"needs (\d+) GPU", row.get("error") or "") if (row.get("error") or "").startswith(TOO_BIG) else None
+            need = re.search(r"needs (\d+) GPU", err) if err.startswith(TOO_BIG) else None
             return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
-        return "failed: " + (row.get("error") or "?").splitlines()[0][:80].replace("|", "/")
+        return "failed: " + err.splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
     return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
 
@@ -238,19 +239,18 @@ def decode_fraction(d: Dict[str, Any]) -> Tuple[str, Callable]:
 
 def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     rows = []
-    def err(k):  # signed relative error of the prediction, where both exist
-        def f(m, pr):
-            if not m.get(k) or pr.get(k) is None:
-                return "–"
-            e = round(100 * (pr[k] - m[k]) / m[k], 2)
-            return f"{e:+.2f}%" if e else "0.00%"
-        return f
+
+    def err(k, m, pr):  # signed relative error of the prediction, where both exist
+        if not m.get(k) or pr.get(k) is None:
+            return "–"
+        e = round(100 * (pr[k] - m[k]) / m[k], 2)
+        return f"{e:+.2f}%" if e else "0.00%"
 
     for p in d["points"]:
         m, pr = p["measured"], p["predicted"]
-        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), err("max_total_num_tokens")(m, pr),
-                     _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), err("free_after_graphs_gib")(m, pr),
-                     _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), err("extra_kv_tokens")(m, pr), pr.get("recommendation", "–"), p.get("source", "")])
+        rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), err("max_total_num_tokens", m, pr),
+                     _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), err("free_after_graphs_gib", m, pr),
+                     _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), err("extra_kv_tokens", m, pr), pr.get("recommendation", "–"), p.get("source", "")])
     md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "error", "free after graphs GiB measured", "predicted", "error",
                  "extra KV tokens (lent) measured", "predicted", "error", "recommendation", "source"], rows)
     return md, None
