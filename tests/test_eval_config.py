@@ -40,6 +40,8 @@ def test_server_defaults_merge_and_flags_follow_the_fields():
         ({"servers": [{"label": "a", "model": "gpt-5"}]}, "servers.0.model: unknown embedded model 'gpt-5'"),
         ({"servers": [{"label": "a"}, {"label": "a"}]}, "server labels must be unique: a"),
         ({"servers": [{"label": "a", "extra_args": ["--port", "1"]}]}, "launcher owns --host/--port/--use-ray"),
+        ({"servers": [{"label": "a", "extra_args": ["--incremental-streaming-output"]}]}, "launcher owns --host/--port/--use-ray/--incremental-streaming-output"),
+        ({"servers": [{"label": "a", "extra_args": ["--stream-output"]}]}, "--stream-output: set through the server's own fields"),
         ({"servers": [{"label": "a", "mem_fraction_static": 1.2}]}, "servers.0.mem_fraction_static: Input should be less than 1"),
         ({"servers": [{"label": "a", "chunked_prefill_size": 0}]}, "chunked_prefill_size must be positive"),
         ({"servers": [{"label": "a", "chunk": 2048}]}, "servers.0.chunk: Extra inputs are not permitted"),
@@ -134,6 +136,22 @@ def test_resume_skips_only_rows_measured_for_the_config_as_it_is():
     assert experiments.previous_row(exp, b, previous, ok_only=False)["error"].startswith("RuntimeError")
     assert experiments.previous_row(exp, d, previous, ok_only=False) is None
     assert experiments.previous_row(exp, c, previous, ok_only=False) is None
+
+
+def test_rows_of_the_older_client_are_kept_but_measured_again():
+    """A row whose workloads ran with cumulative streaming (no client marker)
+    stays in the file until replaced, and --resume measures it again."""
+    from sglang_elastic.eval import experiments
+
+    exp = config.parse(E1)
+    s = exp.servers[0]
+    w = exp.workloads[0].model_dump(mode="json")
+    new = {"label": s.label, "ok": True, "identity": s.identity(), "workloads": [{"workload": w, "client": {"streaming": "incremental", "cpu_share": 0.3}}]}
+    old = {**new, "workloads": [{"workload": w}]}
+    assert experiments.previous_row(exp, s, {"rows": [new]}) is new
+    assert experiments.previous_row(exp, s, {"rows": [old]}) is None
+    assert experiments.previous_row(exp, s, {"rows": [old]}, stale_ok=True) is old
+    assert s.label in experiments.measured_labels(exp, {"rows": [new]}) and s.label not in experiments.measured_labels(exp, {"rows": [old]})
 
 
 def test_run_script_refuses_renumbered_gpus(tmp_path):

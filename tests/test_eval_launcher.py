@@ -5,6 +5,7 @@ failures as rows, logs on the driver. The server is the CPU stand-in."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +34,38 @@ def test_itl_counts_every_token_of_a_chunk_inside_the_window():
     assert client.summary([1.0, 2.0, 3.0, 4.0])["median"] == 2.5
 
 
+@pytest.mark.parametrize("incremental", [True, False])
+def test_the_client_counts_tokens_of_incremental_and_cumulative_streams(incremental):
+    """Against the stand-in's /generate (SGLang's chunk format): one token per
+    chunk either way; with --incremental-streaming-output a chunk holds the
+    new ids only and the count comes from the running completion_tokens."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from sglang_elastic.eval.standin import make_app
+
+    async def go():
+        server = TestServer(make_app({"chunked_prefill_size": 8}, prefill_tok_s=1e6, itl_s=0.001, incremental=incremental))
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await client.stream_generate(session, str(server.make_url("")), [11, 12, 13], 5)
+        finally:
+            await server.close()
+
+    rec = asyncio.run(go())
+    assert rec.error is None and rec.output_tokens == 5 and rec.chunk_tokens == [1] * 5 and len(rec.chunk_times) == 5
+    # the mode is read off the chunks, not assumed
+    mode = "incremental" if incremental else "cumulative"
+    assert rec.streaming == mode and client.observed_streaming([RequestRecord(1, 1, 0.0), rec]) == mode
+    assert client.observed_streaming([RequestRecord(1, 1, 0.0)]) == "unknown"  # no second chunk: cannot tell
+    assert client.observed_streaming([rec, dataclasses.replace(rec, streaming="cumulative")]) == "cumulative"
+    # without completion_tokens, an incremental chunk adds its ids to the count so far
+    assert client._tokens_so_far({"output_ids": [4, 5]}, 3) == 5 and client._tokens_so_far({"output_ids": [4], "meta_info": {"completion_tokens": 9}}, 3) == 9
+
+
 def test_facts_read_sglang_0_5_17_server_info_fields():
     info = {"version": "0.5.17", "max_total_num_tokens": 906051, "mem_fraction_static": 0.903, "chunked_prefill_size": 8192, "tp_size": 1,
             "internal_states": [{"memory_usage": {"weight": 15.0, "kvcache": 110.6, "startup_available": 9.02, "token_capacity": 906051, "graph": {"decode": 0.5}}}]}
@@ -58,7 +91,7 @@ def test_real_server_rows_run_sglang_launch_server_with_use_ray_in_the_group():
     assert rest[rest.index("--model-path") + 1].endswith("models/qwen2.5-32b")
     for flag, value in (("--tp-size", "2"), ("--chunked-prefill-size", "4096"), ("--load-format", "dummy"), ("--attention-backend", "flashinfer"), ("--port", "{port}")):
         assert rest[rest.index(flag) + 1] == value
-    assert "--use-ray" in rest and "--skip-tokenizer-init" in rest
+    assert "--use-ray" in rest and "--skip-tokenizer-init" in rest and "--incremental-streaming-output" in rest
     assert job.gpus == 2 and job.vocab_size == 152064
     assert job.env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] == "1" and job.env["NCCL_NVLS_ENABLE"] == "0"
 
@@ -94,6 +127,8 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
     w = r2["workloads"][0]
     assert w["num_errors"] == 0 and w["ttft_s"]["n"] == 2 and w["decodes_finished_early"] == 0
     assert w["ttft_s"]["median"] > 0 and w["decode_itl_s"]["n"] > 10
+    # the client says how the server streamed, and what share of a core it used
+    assert w["client"]["streaming"] == "incremental" and 0 < w["client"]["cpu_share"] < 2
     assert "sglang_elastic_after" in w and w["sglang_elastic_after"] is None  # read again after the workload; a stock server has none
     # the server's log came back to the driver, and it holds the stand-in's own output
     assert "standin: serving on" in Path(r2["log"]).read_text()
@@ -134,6 +169,7 @@ def test_the_server_job_sees_the_reserved_group_gpus_env_and_setup_hook(launcher
     job = experiments.job_for(e, e.servers[0], standin=True)
     [res] = launcher.run([job], progress=False)
     assert res.ok, res.error
+    assert "--incremental-streaming-output" in res.server_info["standin"]["argv"]  # what the client needs of every server
     probe = res.server_info["standin"]["probe"]
     assert probe["bundle_specs"] == [{"CPU": 1.0, "GPU": 2.0}]
     assert probe["pg_is_named_group"] is True  # ray.util.get_current_placement_group() answered with ours
@@ -159,7 +195,7 @@ def test_failures_are_rows_with_the_reason(launcher, tmp_path):
 
 def test_reuse_takes_an_identical_row_and_refuses_a_different_server(tmp_path):
     e1 = _exp()
-    row = {"label": "tp1", "ok": True, "identity": e1.servers[1].identity(), "workloads": [{"workload": e1.workloads[0].model_dump(mode="json"), "ttft_s": {"median": 1.0}}], "facts": {"max_total_num_tokens": 5}}
+    row = {"label": "tp1", "ok": True, "identity": e1.servers[1].identity(), "workloads": [{"workload": e1.workloads[0].model_dump(mode="json"), "ttft_s": {"median": 1.0}, "client": {"streaming": "incremental"}}], "facts": {"max_total_num_tokens": 5}}
     (tmp_path / "ttft_vs_chunk.json").write_text(json.dumps({"commit": "abc", "date": "2026-11-30", "rows": [row]}))
     e2 = config.parse({**_exp().model_dump(mode="json"), "experiment": "capacity", "baseline": "stock", "server_defaults": {}, "servers": [
         {"label": "stock", "tp": 1, "chunked_prefill_size": 8192, "reuse": "ttft_vs_chunk/tp1"},
@@ -168,6 +204,15 @@ def test_reuse_takes_an_identical_row_and_refuses_a_different_server(tmp_path):
     assert why == "" and got["label"] == "stock" and got["facts"]["max_total_num_tokens"] == 5 and "ttft_vs_chunk.json#tp1" in got["reused_from"]
     got, why = experiments.find_reusable(e2, e2.servers[1], tmp_path)
     assert got is None and "ran another server" in why
+    # a row the older client measured (cumulative streaming, no client marker) is not reused
+    del row["workloads"][0]["client"]
+    (tmp_path / "ttft_vs_chunk.json").write_text(json.dumps({"commit": "abc", "date": "2026-11-30", "rows": [row]}))
+    got, why = experiments.find_reusable(e2, e2.servers[0], tmp_path)
+    assert got is None and "cumulative streaming" in why
+    # E3 reads server facts only: how that row streamed does not matter there
+    e3 = config.parse({"experiment": "reserve_vs_tp", "servers": [{"label": "llama-8b-tp1", "tp": 1, "chunked_prefill_size": 8192, "reuse": "ttft_vs_chunk/tp1"}]})
+    got, why = experiments.find_reusable(e3, e3.servers[0], tmp_path)
+    assert why == "" and got["facts"]["max_total_num_tokens"] == 5 and got["workloads"] == []
 
 
 def test_sglangs_ray_engine_accepts_the_group_ray_entry_hands_it(launcher, monkeypatch):
@@ -238,7 +283,7 @@ def test_no_server_starts_after_the_start_deadline_and_earlier_rows_stay(launche
     e = _exp()
     tp2, tp1 = e.servers
     kept = {"label": "tp1", "ok": True, "identity": tp1.identity(), "measured": {"date": "earlier"},
-            "workloads": [{"workload": e.workloads[0].model_dump(mode="json")}]}
+            "workloads": [{"workload": e.workloads[0].model_dump(mode="json"), "client": {"streaming": "incremental"}}]}
     out = experiments.run(e, launcher, results_dir=tmp_path, standin=True, progress=False, previous={"rows": [kept]},
                           start_deadline=time.monotonic() - 1.0)
     rows = {r["label"]: r for r in out["rows"]}
@@ -246,3 +291,22 @@ def test_no_server_starts_after_the_start_deadline_and_earlier_rows_stay(launche
     assert not rows["tp2"]["ok"] and rows["tp2"]["error"].startswith(NOT_STARTED)
     assert experiments.measured_labels(e, out) == ["tp1"]  # --resume would start tp2 only
     assert all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
+    # a row the older client measured (no client marker) stays too, through a deadline and through --only, though --resume would measure it again
+    stale = {**kept, "workloads": [{"workload": e.workloads[0].model_dump(mode="json")}]}
+    for only in (None, ["tp2"]):
+        out = experiments.run(e, launcher, results_dir=tmp_path, standin=True, progress=False, previous={"rows": [stale]}, only=only,
+                              start_deadline=time.monotonic() - 1.0)
+        assert {r["label"]: r for r in out["rows"]}["tp1"] is stale and experiments.measured_labels(e, out) == []
+
+
+def test_a_failed_new_measurement_keeps_the_earlier_row_with_the_failure(launcher, tmp_path):
+    e = _exp(servers=[{"label": "tp1", "tp": 1, "extra_args": ["--fail"]}])
+    s = e.servers[0]
+    stale = {"label": "tp1", "ok": True, "identity": s.identity(), "facts": {"max_total_num_tokens": 906056},
+             "workloads": [{"workload": e.workloads[0].model_dump(mode="json")}]}
+    out = experiments.run(e, launcher, results_dir=tmp_path, standin=True, progress=False, previous={"rows": [stale]})
+    [row] = out["rows"]
+    assert row["ok"] and row["facts"]["max_total_num_tokens"] == 906056 and "status 3" in row["remeasure_error"]
+    from sglang_elastic.eval import report
+
+    assert report._err(row).startswith("cumulative streaming (older client); measuring again failed: ")

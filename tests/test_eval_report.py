@@ -92,7 +92,8 @@ def test_e3_and_e4_tables(tmp_path):
     assert e3[0][:9] == ["llama-3.1-8b", "1", "8,192", "0.903", "13.49", "9.6 %", "12.2 %", "9.02", "906,051"]
     e4 = _table_rows(text, "decode_fraction")
     assert e4[0][:8] == ["llama-8b-stock", "chat", "400", "8", "80.0", "25.0 %", "70.0 %", "5.0 %"]
-    assert e4[1][1] == "long-context" and e4[1][5] == "60.0 %"
+    assert e4[1][1] == "long-context" and e4[1][5] == "60.0 %" and e4[0][10] == ""
+    assert report._workload_note({"num_errors": 3}) == "3 request errors; cumulative streaming (older client)"
 
 
 def test_rendering_twice_gives_the_same_files(tmp_path):
@@ -120,4 +121,9 @@ def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reas
     assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1 | x\nmore"}) == "failed: RuntimeError: server exited with status 1 / x"
     too_big = "not run (cluster too small): qwen-32b-tp8 needs 8 GPU(s) on one node; the largest node in the cluster has 2"
     assert report._err({"ok": False, "error": too_big}) == "not measured yet: needs 8 GPUs on one node"
-    assert report._err({"ok": True, "workloads": [{"num_errors": 2}]}) == "2 request errors"
+    new_client = {"streaming": "incremental", "cpu_share": 0.2}
+    assert report._err({"ok": True, "workloads": [{"num_errors": 2, "client": new_client}]}) == "2 request errors"
+    assert report._err({"ok": True, "workloads": [{"num_errors": 0, "client": new_client}], "reused_from": "x.json#a"}) == "reused"
+    # a row the older client measured (cumulative streaming) says so until it is measured again; E3's facts-only rows never do
+    assert report._err({"ok": True, "workloads": [{"num_errors": 2}]}) == "2 request errors; cumulative streaming (older client)"
+    assert report._err({"ok": True, "workloads": []}) == ""

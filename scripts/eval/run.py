@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # the source tree when the package is not install
 
 from sglang_elastic import results  # noqa: E402
 from sglang_elastic.eval import config, experiments, report  # noqa: E402
+from sglang_elastic.eval.client import client_current  # noqa: E402
 from sglang_elastic.eval.launcher import Launcher  # noqa: E402
 
 
@@ -88,9 +89,11 @@ def main() -> int:
     def never_ran(r):  # not in --only, or not started (deadline, cluster too small): for --resume, not a failure
         return experiments.not_measured(r) or bool(only and r["label"] not in only)
 
-    failed = [r["label"] for r in body["rows"] if not r["ok"] and not never_ran(r)]
+    failed = [r["label"] for r in body["rows"] if (not r["ok"] and not never_ran(r)) or r.get("remeasure_error")]
     missing = [r["label"] for r in body["rows"] if not r["ok"] and never_ran(r)]
-    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else ""))
+    stale = [r["label"] for r in body["rows"] if r["ok"] and not client_current(r)]  # kept until --resume measures them again
+    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else "")
+          + (f"; older client (cumulative streaming), to measure again: {', '.join(stale)}" if stale else ""))
     if not a.no_report and not a.standin:
         try:
             report.render_doc(ROOT / "docs/eval.md", a.out_dir, ROOT)

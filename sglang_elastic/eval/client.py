@@ -1,10 +1,21 @@
 """Client side of the experiments: streaming ``/generate`` with ``input_ids``.
 
-The servers run with ``--skip-tokenizer-init``, so a stream chunk carries
-``output_ids`` (cumulative unless ``--incremental-streaming-output``) and
+The servers run with ``--skip-tokenizer-init`` and
+``--incremental-streaming-output`` (the launcher adds both), so a stream chunk
+carries the new ``output_ids`` only and the running count in
 ``meta_info.completion_tokens``, never text; bench_serving times text chunks,
 so TTFT and ITL are timed here: TTFT = first chunk with a token - send, ITL =
 gap between chunks / tokens the later chunk added.
+
+Without ``--incremental-streaming-output`` SGLang 0.5.17 sends every token
+generated so far in each chunk (``TokenizerManager._handle_batch_output``),
+so parsing costs O(tokens) per chunk (``json.loads`` of 4,000 ids: 0.5 ms on
+a CI core): E1's 40 decodes at a 4.4 ms step (TP 2) need more than one core
+once they are a few thousand tokens long, and the streams arrive in bursts
+(2026-11-30, TP 2: median ITL 0.2 ms, p99 0.4 s, while the server logged
+9,000 tokens/s). Each workload result records the streaming mode its chunks
+showed (``client.streaming``) and the client process's CPU share
+(``client.cpu_share``), so a measurement bound by the client shows itself.
 """
 
 from __future__ import annotations
@@ -17,6 +28,11 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_elastic.eval.config import DecodeThenLong, Mix
+
+#: How the servers stream (the launcher's ``--incremental-streaming-output``),
+#: recorded as the chunks showed it (:func:`observed_streaming`); rows
+#: measured otherwise are measured again on ``run.py --resume``.
+STREAMING = "incremental"
 
 
 @dataclasses.dataclass
@@ -31,6 +47,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: Optional[str] = None
     cancelled: bool = False
+    streaming: Optional[str] = None  # what the chunks showed: "incremental", "cumulative" (None: not told apart yet)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -43,11 +60,28 @@ def random_ids(rng: random.Random, n: int, vocab_size: int) -> List[int]:
 
 
 def _tokens_so_far(obj: Dict[str, Any], seen: int) -> int:
+    """Tokens generated so far: SGLang's running ``completion_tokens``, else
+    ``seen`` plus the chunk's new ``output_ids`` (incremental streaming)."""
     meta = obj.get("meta_info") or {}
     if "completion_tokens" in meta:
         return int(meta["completion_tokens"])
-    ids = obj.get("output_ids") or []
-    return len(ids)
+    return seen + len(obj.get("output_ids") or [])
+
+
+def _chunk_streaming(obj: Dict[str, Any], seen: int, total: int) -> Optional[str]:
+    """How a chunk after the first streams: its ``output_ids`` hold the new
+    ``total - seen`` tokens (incremental) or all ``total`` (cumulative)."""
+    n = len(obj.get("output_ids") or [])
+    return "incremental" if n == total - seen else "cumulative" if n == total else None
+
+
+def observed_streaming(records: Sequence[RequestRecord]) -> str:
+    """The streaming mode the server used, as the chunks showed it:
+    ``cumulative`` if any request saw cumulative chunks, :data:`STREAMING`
+    if some saw incremental ones and none cumulative, else ``unknown`` (no
+    request got a second chunk)."""
+    seen = {r.streaming for r in records if r.streaming}
+    return "cumulative" if "cumulative" in seen else (STREAMING if seen else "unknown")
 
 
 async def stream_generate(session, url: str, input_ids: Sequence[int], max_new_tokens: int, rec: Optional[RequestRecord] = None) -> RequestRecord:
@@ -78,6 +112,8 @@ async def stream_generate(session, url: str, input_ids: Sequence[int], max_new_t
                             continue
                         now = time.perf_counter()
                         total = _tokens_so_far(obj, seen)
+                        if total > seen and seen and rec.streaming is None:
+                            rec.streaming = _chunk_streaming(obj, seen, total)
                         if total > seen:
                             if rec.t_first is None:
                                 rec.t_first = now
@@ -209,8 +245,10 @@ def run_decode_then_long(url: str, w: DecodeThenLong, vocab_size: int) -> Dict[s
     itls: List[float] = []
     errors: List[str] = []
     early = 0
+    recs: List[RequestRecord] = []
     for _ in range(w.repeats):
         out = asyncio.run(_decode_then_long_once(url, w, vocab_size, rng))
+        recs += out["long"] + out["decodes"]
         ttfts += [r.ttft for r in out["long"] if r.ttft is not None]
         errors += [r.error for r in out["long"] + out["decodes"] if r.error]
         itls += itl_in_window(out["decodes"], out["t_long0"], out["t_long1"])
@@ -224,6 +262,7 @@ def run_decode_then_long(url: str, w: DecodeThenLong, vocab_size: int) -> Dict[s
         "errors": errors[:20],
         "num_errors": len(errors),
         "workload": w.model_dump(),
+        "streaming": observed_streaming(recs),
     }
 
 
@@ -260,6 +299,7 @@ def run_mix(url: str, w: Mix, vocab_size: int) -> Dict[str, Any]:
         "num_errors": len(recs) - len(ok),
         "errors": [r.error for r in recs if r.error][:20],
         "workload": w.model_dump(),
+        "streaming": observed_streaming(recs),
     }
 
 
@@ -270,4 +310,14 @@ def run_workload(url: str, workload: Dict[str, Any], vocab_size: int) -> Dict[st
     from sglang_elastic.eval.config import Workload
 
     w = TypeAdapter(Workload).validate_python(workload)
-    return run_decode_then_long(url, w, vocab_size) if w.kind == "decode_then_long" else run_mix(url, w, vocab_size)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out = run_decode_then_long(url, w, vocab_size) if w.kind == "decode_then_long" else run_mix(url, w, vocab_size)
+    # the client's own load: near 1.0 means one core was busy parsing the streams and ITL is the client's, not the server's
+    out["client"] = {"streaming": out.pop("streaming"), "cpu_share": (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)}
+    return out
+
+
+def client_current(row: Dict[str, Any]) -> bool:
+    """True when every workload of ``row`` ran with this client's streaming
+    (:data:`STREAMING`); a row of server facts only (E3) always is."""
+    return all((w.get("client") or {}).get("streaming") == STREAMING for w in row.get("workloads") or [])

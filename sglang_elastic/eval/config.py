@@ -151,10 +151,10 @@ class ServerConfig(_Strict):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, v: List[str]) -> List[str]:
-        owned = ("--tp", "--tp-size", "--chunked-prefill-size", "--mem-fraction-static", "--enable-elastic-kv", "--port", "--host", "--use-ray", "--model-path")
+        owned = ("--tp", "--tp-size", "--chunked-prefill-size", "--mem-fraction-static", "--enable-elastic-kv", "--port", "--host", "--use-ray", "--model-path", "--incremental-streaming-output", "--stream-output")
         bad = [a for a in v if a.split("=", 1)[0] in owned]
         if bad:
-            raise ValueError(f"{', '.join(bad)}: set through the server's own fields (tp, chunked_prefill_size, ...), the launcher owns --host/--port/--use-ray")
+            raise ValueError(f"{', '.join(bad)}: set through the server's own fields (tp, chunked_prefill_size, ...), the launcher owns --host/--port/--use-ray/--incremental-streaming-output")
         return v
 
     def launch_flags(self) -> List[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from sglang_elastic import results
+from sglang_elastic.eval.client import client_current
 from sglang_elastic.eval.config import Experiment, ServerConfig
 from sglang_elastic.eval.launcher import NOT_STARTED, TOO_BIG, Launcher, ServerJob, ServerResult
 from sglang_elastic.eval.ray_entry import MARK_HOOK
@@ -27,22 +28,25 @@ logger = logging.getLogger(__name__)
 #: Multi-GPU hosts of this project need NVLink multicast off (docs/gpu.md).
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 RESULTS_DIR = Path("docs/results/eval")
+#: What the client needs of every server (:mod:`sglang_elastic.eval.client`):
+#: chunks with the new tokens only, so reading 40 streams stays O(1) per token.
+CLIENT_FLAGS = ("--incremental-streaming-output",)
 
 
 def server_argv(s: ServerConfig, standin: bool = False) -> List[str]:
     """The command the launcher actor runs for this row (placeholders filled on the node)."""
     group = ["--placement-group", "{pg_name}", "--namespace", "{namespace}"]
     if standin:
-        argv = ["{python}", "-m", "sglang_elastic.eval.standin", "--port", "{port}", *group, "--setup-hook", MARK_HOOK, "--tp-size", str(s.tp)]
+        argv = ["{python}", "-m", "sglang_elastic.eval.standin", "--port", "{port}", *group, "--setup-hook", MARK_HOOK, "--tp-size", str(s.tp), *CLIENT_FLAGS]
         if s.chunked_prefill_size is not None:
             argv += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
         if s.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
-        return argv
+        return argv + list(s.extra_args)  # the stand-in ignores SGLang's flags (and takes its own, e.g. --fail)
     from sglang_elastic.serve import build_command
 
     flags = build_command(s.model, s.launch_flags(), python="python")[3:]  # our serve defaults: embedded shape, FlashInfer
-    return ["{python}", "-m", "sglang_elastic.eval.ray_entry", *group, "--", *flags, "--host", "0.0.0.0", "--port", "{port}", "--use-ray"]
+    return ["{python}", "-m", "sglang_elastic.eval.ray_entry", *group, "--", *flags, *CLIENT_FLAGS, "--host", "0.0.0.0", "--port", "{port}", "--use-ray"]
 
 
 def vocab_size(model: str) -> int:
@@ -135,6 +139,8 @@ def find_reusable(exp: Experiment, s: ServerConfig, results_dir: Path) -> "tuple
     if row.get("identity") != s.identity():
         return None, f"row {label!r} of {path} ran another server: {row.get('identity')}"
     want = [w.model_dump(mode="json") for w in exp.workloads]
+    if want and not client_current(row):  # E3 reads server facts only: how the row streamed does not matter there
+        return None, f"row {label!r} of {path} was measured with cumulative streaming output (an older client): measure it again"
     if want and [w.get("workload") for w in row.get("workloads", [])] != want:
         return None, f"row {label!r} of {path} ran other workloads"
     out = copy.deepcopy(row)
@@ -151,13 +157,17 @@ def check_only(exp: Experiment, only: Optional[List[str]]) -> None:
         raise ValueError(f"--only: no row {', '.join(unknown)} in {exp.result_name}; rows: {', '.join(s.label for s in exp.servers)}")
 
 
-def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, Any]], ok_only: bool = True) -> Optional[Dict[str, Any]]:
+def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, Any]], ok_only: bool = True, stale_ok: bool = False) -> Optional[Dict[str, Any]]:
     """``previous``'s row for ``s`` if it was measured (``ok_only``: and
-    succeeded) with the same server and the same workloads, else None."""
+    succeeded) with the same server and the same workloads, else None.
+    ``stale_ok``: also a row an older client measured (cumulative streaming,
+    :func:`~sglang_elastic.eval.client.client_current`): kept in the file,
+    marked by the report, until a new measurement replaces it; ``--resume``
+    (:func:`measured_labels`) measures it again."""
     old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
     if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
         return None
-    if not_measured(old):
+    if not_measured(old) or (old.get("ok") and not stale_ok and not client_current(old)):
         return None
     want = [w.model_dump(mode="json") for w in exp.workloads]
     if old.get("ok") and [w.get("workload") for w in old.get("workloads", [])] != want:
@@ -167,7 +177,8 @@ def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, 
 
 def measured_labels(exp: Experiment, previous: Optional[Dict[str, Any]]) -> List[str]:
     """Labels of the rows ``previous`` holds measured for the config as it is
-    now (same server, same workloads, succeeded): what ``run.py --resume`` skips."""
+    now (same server, same workloads, succeeded, by this client's streaming):
+    what ``run.py --resume`` skips."""
     return [s.label for s in exp.servers if previous_row(exp, s, previous) is not None]
 
 
@@ -211,7 +222,7 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     check_only(exp, only)
 
     def earlier(s: ServerConfig) -> Optional[Dict[str, Any]]:
-        return previous_row(exp, s, previous)
+        return previous_row(exp, s, previous, stale_ok=True)
 
     rows: Dict[str, Dict[str, Any]] = {}
     jobs: List[ServerJob] = []
@@ -225,7 +236,7 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
                 continue
         if only and s.label not in only:
             # the file's earlier row of the same server stays, a failure with its reason
-            rows[s.label] = previous_row(exp, s, previous, ok_only=False) or _not_run(
+            rows[s.label] = previous_row(exp, s, previous, ok_only=False, stale_ok=True) or _not_run(
                 s, "not run (not in --only, no earlier row of the same server and workloads)")
             continue
         if why is not None:
@@ -245,8 +256,12 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
 
     def done(r: ServerResult) -> None:
         with lock:
+            old = earlier(by_label[r.name])
             if not r.ok and (r.error or "").startswith(NOT_RUN):  # never started (deadline, cluster too small): keep what the file had
-                rows[r.name] = earlier(by_label[r.name]) or _not_run(by_label[r.name], r.error)
+                rows[r.name] = old or _not_run(by_label[r.name], r.error)
+            elif not r.ok and old is not None and old.get("ok"):
+                # measuring a row again failed (a stale one, --resume): the earlier measurement stays, the failure beside it
+                rows[r.name] = {**old, "remeasure_error": r.error, "remeasure_log": r.log_path}
             else:
                 rows[r.name] = _row(by_label[r.name], r)
             if on_progress:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sglang_elastic.eval.client import client_current
 from sglang_elastic.eval.experiments import not_measured
 from sglang_elastic.eval.launcher import TOO_BIG
 
@@ -61,6 +62,13 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
     return ws[i] if len(ws) > i else {}
 
 
+def _workload_note(w: Dict[str, Any]) -> str:
+    """One workload's request errors, and whether the older client (cumulative streaming) measured it."""
+    n = w.get("num_errors", 0)
+    notes = [f"{n} request errors" if n else "", "" if client_current({"workloads": [w]}) else "cumulative streaming (older client)"]
+    return "; ".join(x for x in notes if x)
+
+
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
         err = row.get("error") or "?"
@@ -69,7 +77,11 @@ def _err(row: Dict[str, Any]) -> str:
             return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
         return "failed: " + err.splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
-    return f"{n} request errors" if n else ("reused" if row.get("reused_from") else "")
+    # the older client: measured before the launcher turned on --incremental-streaming-output
+    notes = [f"{n} request errors" if n else "", "reused" if row.get("reused_from") else "", "" if client_current(row) else "cumulative streaming (older client)"]
+    if row.get("remeasure_error"):
+        notes.append("measuring again failed: " + row["remeasure_error"].splitlines()[0][:80].replace("|", "/"))
+    return "; ".join(x for x in notes if x)
 
 
 # -- E1 ---------------------------------------------------------------------
@@ -212,10 +224,10 @@ def decode_fraction(d: Dict[str, Any]) -> Tuple[str, Callable]:
         for w in r.get("workloads") or []:
             cfg = w.get("workload") or {}
             mixes.append((f"{r['label']}/{w.get('name')}", w))
-            rows.append([r["label"], str(w.get("name")), _n(cfg.get("num_requests")), _n(cfg.get("request_rate"), "{:g}"), _n(w.get("wall_s"), "{:.1f}"), _pct(w.get("decode_only_fraction")), _pct(w.get("prefill_s") / w["wall_s"] if w.get("wall_s") else None), _pct(w.get("idle_s") / w["wall_s"] if w.get("wall_s") else None), _s((w.get("ttft_s") or {}).get("median")), _ms((w.get("itl_s") or {}).get("median")), _n(w.get("num_errors"))])
+            rows.append([r["label"], str(w.get("name")), _n(cfg.get("num_requests")), _n(cfg.get("request_rate"), "{:g}"), _n(w.get("wall_s"), "{:.1f}"), _pct(w.get("decode_only_fraction")), _pct(w.get("prefill_s") / w["wall_s"] if w.get("wall_s") else None), _pct(w.get("idle_s") / w["wall_s"] if w.get("wall_s") else None), _s((w.get("ttft_s") or {}).get("median")), _ms((w.get("itl_s") or {}).get("median")), _workload_note(w)])
         if not r.get("ok"):
             rows.append([r["label"], "–", "–", "–", "–", "–", "–", "–", "–", "–", _err(r)])
-    md = _table(["server", "mix", "requests", "rate req/s", "wall s", "decode-only", "prefill pending", "idle", "TTFT median s", "ITL median ms", "errors"], rows)
+    md = _table(["server", "mix", "requests", "rate req/s", "wall s", "decode-only", "prefill pending", "idle", "TTFT median s", "ITL median ms", "notes"], rows)
 
     def plot(ax_fig):
         fig, ax = ax_fig

@@ -6,6 +6,7 @@ workloads run end to end without a GPU (tests; a dry run of a config with
 
     python -m sglang_elastic.eval.standin --port P [--placement-group NAME --namespace NS]
         [--max-total-num-tokens N] [--chunked-prefill-size C] [--prefill-tok-s R] [--itl-ms T]
+        [--incremental-streaming-output]
 
 With ``--placement-group`` it joins the group the way
 :mod:`sglang_elastic.eval.ray_entry` does for SGLang, then, like SGLang's
@@ -49,7 +50,7 @@ def _probe(pg, tp: int) -> Dict[str, Any]:
     return {"bundle_specs": current.bundle_specs, "pg_is_named_group": current.id == pg.id, "ranks": infos, "driver_ip": ray.util.get_node_ip_address()}
 
 
-def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float):
+def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, incremental: bool = False):
     from aiohttp import web
 
     chunk = max(1, int(info.get("chunked_prefill_size") or 8192))
@@ -77,7 +78,7 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float):
             if i:
                 await asyncio.sleep(itl_s)
             out.append(7)
-            obj = {"output_ids": list(out), "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": None if i < n_out - 1 else {"type": "length"}}}
+            obj = {"output_ids": [7] if incremental else list(out), "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": None if i < n_out - 1 else {"type": "length"}}}
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -104,6 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prefill-tok-s", type=float, default=2_000_000.0)
     ap.add_argument("--itl-ms", type=float, default=2.0)
     ap.add_argument("--startup-delay-s", type=float, default=0.0)
+    ap.add_argument("--incremental-streaming-output", action="store_true", help="chunks carry the new output_ids only, as SGLang's flag")
     ap.add_argument("--fail", action="store_true", help="exit with status 3 before serving (tests)")
     a, _unknown = ap.parse_known_args(argv)  # SGLang flags a config passes are accepted and ignored
     time.sleep(a.startup_delay_s)
@@ -128,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from aiohttp import web
 
     print(f"standin: serving on {a.host}:{a.port}", flush=True)
-    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0), host=a.host, port=a.port, print=None)
+    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0, a.incremental_streaming_output), host=a.host, port=a.port, print=None)
     return 0
 
 
