@@ -51,7 +51,7 @@ def test_e1_table_values(tmp_path):
     doc = _doc(tmp_path)
     report.render_doc(doc, doc.parent / "results" / "eval", tmp_path)
     rows = _table_rows(doc.read_text(), "ttft_vs_chunk")
-    assert rows[0] == ["chunk-2048", "2,048", "no", "935,667", "", "2.100", "2.300", "11.0", "50.0", "80.0", ""]
+    assert rows[0] == ["chunk-2048", "2,048", "no", "935,667", "", "2.100", "2.300", "11.0", "50.0", "80.0", "25.0 %", ""]
     assert rows[3][0] == "elastic-32768" and rows[3][2] == "yes" and rows[3][-1].startswith("failed: RuntimeError: server exited with status 1")
     assert "`docs/results/eval/ttft_vs_chunk.json` (2026-11-30, NVIDIA H200, 143771 MiB, 580.159.04, commit 0123456)" in doc.read_text()
 

@@ -100,8 +100,8 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         note = _err(r)
         if after.get("cycles") is not None:
             note = (note + "; " if note else "") + f"{after['cycles']} lend/reclaim cycles"
-        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), note])
-    md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "notes"], rows)
+        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
+    md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "client CPU", "notes"], rows)
 
     def plot(ax_fig):
         fig, ax = ax_fig
