@@ -317,7 +317,12 @@ def run_workload(url: str, workload: Dict[str, Any], vocab_size: int) -> Dict[st
     return out
 
 
+def workload_current(w: Dict[str, Any]) -> bool:
+    """True when the workload result ``w`` ran with this client's streaming (:data:`STREAMING`)."""
+    return (w.get("client") or {}).get("streaming") == STREAMING
+
+
 def client_current(row: Dict[str, Any]) -> bool:
     """True when every workload of ``row`` ran with this client's streaming
-    (:data:`STREAMING`); a row of server facts only (E3) always is."""
-    return all((w.get("client") or {}).get("streaming") == STREAMING for w in row.get("workloads") or [])
+    (:func:`workload_current`); a row of server facts only (E3) always is."""
+    return all(workload_current(w) for w in row.get("workloads") or [])

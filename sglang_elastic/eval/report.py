@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sglang_elastic.eval.client import client_current
+from sglang_elastic.eval.client import client_current, workload_current
 from sglang_elastic.eval.experiments import not_measured
 from sglang_elastic.eval.launcher import TOO_BIG
 
@@ -62,10 +62,14 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
     return ws[i] if len(ws) > i else {}
 
 
+#: The note of a row measured before the launcher turned on --incremental-streaming-output.
+OLDER_CLIENT = "cumulative streaming (older client)"
+
+
 def _workload_note(w: Dict[str, Any]) -> str:
     """One workload's request errors, and whether the older client (cumulative streaming) measured it."""
     n = w.get("num_errors", 0)
-    notes = [f"{n} request errors" if n else "", "" if client_current({"workloads": [w]}) else "cumulative streaming (older client)"]
+    notes = [f"{n} request errors" if n else "", "" if workload_current(w) else OLDER_CLIENT]
     return "; ".join(x for x in notes if x)
 
 
@@ -77,8 +81,7 @@ def _err(row: Dict[str, Any]) -> str:
             return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
         return "failed: " + err.splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
-    # the older client: measured before the launcher turned on --incremental-streaming-output
-    notes = [f"{n} request errors" if n else "", "reused" if row.get("reused_from") else "", "" if client_current(row) else "cumulative streaming (older client)"]
+    notes = [f"{n} request errors" if n else "", "reused" if row.get("reused_from") else "", "" if client_current(row) else OLDER_CLIENT]
     if row.get("remeasure_error"):
         notes.append("measuring again failed: " + row["remeasure_error"].splitlines()[0][:80].replace("|", "/"))
     return "; ".join(x for x in notes if x)
