@@ -171,6 +171,7 @@ def test_run_script_refuses_renumbered_gpus(tmp_path):
     (["--bogus"], {}, "unknown option --bogus"),
     (["scripts/eval/configs/nope.yaml"], {}, "no config scripts/eval/configs/nope.yaml"),
     (["scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": ""}, "set SGLANG_ELASTIC_COMMIT"),
+    (["--budget", "9m", "scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": "abc"}, "take whole seconds, not '9m'"),
 ])
 def test_host_batch_refuses_bad_calls_before_touching_the_host(args, env, message):
     """scripts/eval/host_batch.sh (one device call's evaluation) checks its

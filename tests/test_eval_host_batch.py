@@ -27,7 +27,8 @@ def _free_port() -> int:
 def host(tmp_path):
     port = _free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SGLANG_ELASTIC_COMMIT": "0123abc",
-           "RAY_PORT": str(port), "NUM_GPUS": "2", "OUT_DIR": str(tmp_path / "eval"), "LOG_DIR": str(tmp_path / "logs"), "OUT": str(tmp_path)}
+           "RAY_PORT": str(port), "NUM_GPUS": "2", "OUT_DIR": str(tmp_path / "eval"), "LOG_DIR": str(tmp_path / "logs"), "OUT": str(tmp_path),
+           "SERVER_LOG_DIR": str(tmp_path / "sglang-eval-logs")}
     yield env
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=120)
 
@@ -41,7 +42,7 @@ def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path
         "workloads: [{kind: decode_then_long, decodes: 2, decode_input_len: 8, decode_output_len: 400, long_prompts: 1, "
         "long_input_len: 1024, long_output_len: 2, settle_s: 0.1}]\n")
     (cfg / "e3.yaml").write_text("experiment: reserve_vs_tp\nservers: [{label: tp2, tp: 2}, {label: tp4, tp: 4}]\n")
-    cmd = ["bash", str(ROOT / "scripts/eval/host_batch.sh"), "--standin", "--deadline", "120", str(cfg / "e1.yaml"), str(cfg / "e3.yaml")]
+    cmd = ["bash", str(ROOT / "scripts/eval/host_batch.sh"), "--standin", "--budget", "400", "--row-s", "120", str(cfg / "e1.yaml"), str(cfg / "e3.yaml")]
     r = subprocess.run(cmd, cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + (tmp_path / "logs" / "e1.log").read_text()[-3000:]
     e1 = json.loads((tmp_path / "eval" / "ttft_vs_chunk.standin.json").read_text())
@@ -54,3 +55,9 @@ def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path
     again = subprocess.run(cmd, cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "every row of" in again.stdout and json.loads((tmp_path / "eval" / "ttft_vs_chunk.standin.json").read_text())["rows"] == e1["rows"]
+    # the servers' logs are kept per experiment: E1's and E3's rows may share labels
+    assert sorted(p.name for p in (tmp_path / "sglang-eval-logs" / "ttft_vs_chunk.standin").glob("*.log")) == \
+        ["c2048.driver.log", "c2048.log", "c8192.driver.log", "c8192.log"]
+    # a budget that leaves less than one row after set-up starts nothing and says so
+    short = subprocess.run(cmd[:4] + ["30", "--row-s", "60"] + cmd[7:], cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
+    assert short.returncode == 2 and "less than one row (--row-s 60): nothing started" in short.stderr

@@ -193,6 +193,39 @@ def test_failures_are_rows_with_the_reason(launcher, tmp_path):
     assert ray.util.placement_group_table() and all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_server_does_not_outlive_its_actor(launcher, tmp_path):
+    """A device call's time limit kills the whole Ray session, the actor's
+    worker with it; the server, in a session of its own, must stop with its
+    actor instead of holding GPUs the next call waits for."""
+    import os
+    import signal
+    import time
+
+    actor = launcher._actor_cls.options(num_cpus=0).remote("orphan", str(tmp_path))
+    started = ray.get(actor.start.remote(["{python}", "-m", "sglang_elastic.eval.standin", "--port", "{port}"], {}, "none", "ns"))
+    ray.get(actor.wait_healthy.remote(60))  # a later call on the actor: the server outlives the call that started it
+    pid = started["pid"]
+    time.sleep(0.5)
+    assert _alive(pid)
+    # the actor's worker dies without a word (its raylet gone, as when a
+    # device call's time limit kills the whole Ray session)
+    worker = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"server {pid} outlived its actor"
+
+
 def test_reuse_takes_an_identical_row_and_refuses_a_different_server(tmp_path):
     e1 = _exp()
     row = {"label": "tp1", "ok": True, "identity": e1.servers[1].identity(), "workloads": [{"workload": e1.workloads[0].model_dump(mode="json"), "ttft_s": {"median": 1.0}, "client": {"streaming": "incremental"}}], "facts": {"max_total_num_tokens": 5}}

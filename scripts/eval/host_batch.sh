@@ -7,51 +7,81 @@
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site   # earlier call, same host
 #   bash .gpu/install_bundle.sh .gpu/ray                                     # this call (Ray part)
 #   SGLANG_ELASTIC_COMMIT=<git rev-parse HEAD> bash scripts/eval/host_batch.sh \
-#       [--deadline S] [--limit S] [--warm-first] CONFIG.yaml...
+#       [--budget S] [--row-s R] [--jit-cache FILE.tgz] [--warm-first] CONFIG.yaml...
 #
-# It installs this package into SITE (/tmp/site), applies the patch series to
-# the SGLang there unless it already is (the elastic rows need it), starts a
-# Ray head on the local GPUs unless one runs, copies docs/results/eval/*.json
-# into OUT_DIR (/tmp/eval) without overwriting what an earlier call on this
-# host wrote there, runs every CONFIG with `run.py --address --resume
-# --start-deadline-s S --no-report` (no server starts after S seconds,
-# default 360; each run.py is cut at --limit, default S + 200), and prints
-# each result's summary line. Rows of configs that need each other's results
-# (E2 reuses E1's rows) belong in separate calls. With $OUT set (the device
-# call's output folder) it leaves OUT_DIR, the run logs and the servers' logs
-# there as eval.tgz. Back here: copy OUT_DIR's JSON to docs/results/eval/,
-# then scripts/eval/report.py and scripts/eval/advisor_points.py.
+# It stops servers an earlier, cut-off call left running, restores the JIT
+# caches from --jit-cache (scripts/eval/jit_cache.sh), installs this package
+# into SITE (/tmp/site), applies the patch series to the SGLang there unless
+# it already is (the elastic rows need it), starts a Ray head on the local
+# GPUs unless one runs, copies docs/results/eval/*.json into OUT_DIR
+# (/tmp/eval) without overwriting what an earlier call on this host wrote
+# there, runs every CONFIG with `run.py --address --resume --no-report`, and
+# prints each result's summary line. Rows of configs that need each other's
+# results (E2 reuses E1's rows) belong in separate calls; configs of one TP
+# size share the GPUs best (a TP 2 row waits for both GPUs of a TP 1 pair).
+#
+# --budget S (default 560): seconds the whole script may take, setup and
+# packing included; keep it under the device call's limit. Each run.py is cut
+# 20 s before the budget ends and starts no server later than R seconds
+# (--row-s, default 240: a start, E1's workload and the stop on a warm host;
+# give ~450 for the first server on a host without JIT caches) before that,
+# so no row starts that cannot finish; --resume in the next call runs it.
+#
+# With $OUT set (the device call's output folder) it leaves there, also when
+# a step fails: eval.tgz (OUT_DIR, the run logs, the servers' logs) and
+# jit-cache.tgz (this host's JIT caches, to carry into the next host's call
+# as --jit-cache). Back here: copy OUT_DIR's JSON to docs/results/eval/, then
+# scripts/eval/report.py and scripts/eval/advisor_points.py.
 #
 # --warm-first: let each run start one server alone first (FlashInfer's JIT
 # on a host that has not compiled it yet, ~4 min); by default every server
 # starts at once (the host is warm from an earlier call).
 # --standin: a dry run anywhere (CPU): run.py's stand-in servers, a Ray head
 # advertising NUM_GPUS (default 8) GPUs, nothing installed or patched.
-# RAY_PORT (default 6379): the head's port.
+# RAY_PORT (default 6379): the head's port. OUT_DIR (/tmp/eval): result
+# files; LOG_DIR (/tmp/eval-logs): run.py's logs; SERVER_LOG_DIR
+# (/tmp/sglang-eval/logs): the servers' logs, a folder per experiment.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-deadline=360 limit="" warm=--no-warm-first standin="" configs=()
+t0=$SECONDS budget=560 row_s=240 jit_cache="" warm=--no-warm-first standin="" configs=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --deadline) deadline=$2; shift 2 ;;
-    --limit) limit=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --row-s) row_s=$2; shift 2 ;;
+    --jit-cache) jit_cache=$2; shift 2 ;;
     --warm-first) warm=""; shift ;;
     --standin) standin=--standin; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     -*) echo "host_batch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -f "$1" ] || { echo "host_batch.sh: no config $1" >&2; exit 2; }; configs+=("$1"); shift ;;
   esac
 done
 [ ${#configs[@]} -gt 0 ] || { echo "host_batch.sh: name at least one config (scripts/eval/configs/*.yaml)" >&2; exit 2; }
 [ -n "${SGLANG_ELASTIC_COMMIT:-}" ] || { echo "host_batch.sh: set SGLANG_ELASTIC_COMMIT to git rev-parse HEAD of your checkout (the copy on the host has no .git)" >&2; exit 2; }
-limit=${limit:-$((deadline + 200))}
+for n in "$budget" "$row_s"; do [[ $n =~ ^[0-9]+$ ]] || { echo "host_batch.sh: --budget and --row-s take whole seconds, not '$n'" >&2; exit 2; }; done
 site=${SITE:-/tmp/site}
 out_dir=${OUT_DIR:-/tmp/eval}
 logs=${LOG_DIR:-/tmp/eval-logs}
+server_logs=${SERVER_LOG_DIR:-/tmp/sglang-eval/logs}   # run.py --log-dir: one folder per experiment below it
 port=${RAY_PORT:-6379}
 export SGLANG_ELASTIC_COMMIT
 mkdir -p "$out_dir" "$logs"
+pack() {  # what this call measured goes back, whatever failed
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/eval.tgz" "$out_dir" "$logs" "$server_logs" 2>/dev/null || true
+  [ -n "$standin" ] || bash scripts/eval/jit_cache.sh save "$OUT/jit-cache.tgz" || true
+}
+trap pack EXIT
 if [ -z "$standin" ]; then
+  # servers of an earlier call that its time limit cut off (their launcher
+  # died with it) would hold GPUs this call's placement groups wait for
+  if pgrep -f 'sglang_elastic[.]eval[.]ray_entry' > /dev/null; then
+    echo "host_batch.sh: stopping servers an earlier call left running: $(pgrep -f 'sglang_elastic[.]eval[.]ray_entry' | tr '\n' ' ')" >&2
+    pkill -TERM -f 'sglang_elastic[.]eval[.]ray_entry' || true
+    for _ in $(seq 30); do pgrep -f 'sglang_elastic[.]eval[.]ray_entry' > /dev/null || break; sleep 1; done
+    pkill -KILL -f 'sglang_elastic[.]eval[.]ray_entry' || true
+  fi
+  [ -z "$jit_cache" ] || bash scripts/eval/jit_cache.sh restore "$jit_cache" "$site"
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   # NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -75,18 +105,26 @@ fi
 python3 -m ray.scripts.scripts status --address "127.0.0.1:$port" > /dev/null 2>&1 || \
   python3 -m ray.scripts.scripts start --head --port "$port" --num-gpus "$gpus" --disable-usage-stats > "$logs/ray-start.log" 2>&1
 [ -n "$standin" ] || cp -n docs/results/eval/*.json "$out_dir"/ 2>/dev/null || true  # a dry run starts from nothing
+limit=$((budget - (SECONDS - t0) - 20))   # each run.py's time, 20 s kept for packing
+deadline=$((limit - row_s))               # its last server start, relative to its own start
+if [ "$deadline" -lt 0 ]; then
+  echo "host_batch.sh: --budget $budget leaves ${limit} s after set-up, less than one row (--row-s $row_s): nothing started" >&2
+  exit 2
+fi
 pids=()
 for c in "${configs[@]}"; do
   name=$(basename "$c" .yaml)
   # shellcheck disable=SC2086  # $warm and $standin are one flag or none
-  timeout "$limit" python3 scripts/eval/run.py "$c" --address "127.0.0.1:$port" --out-dir "$out_dir" --no-report --resume \
+  timeout "$limit" python3 scripts/eval/run.py "$c" --address "127.0.0.1:$port" --out-dir "$out_dir" --log-dir "$server_logs" --no-report --resume \
     --start-deadline-s "$deadline" $warm $standin > "$logs/$name.log" 2>&1 &
   pids+=($!)
 done
 rc=0
-for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "${configs[$i]}: run.py exited non-zero (log: $logs/$(basename "${configs[$i]}" .yaml).log)" >&2; }; done
+for i in "${!pids[@]}"; do
+  st=0; wait "${pids[$i]}" || st=$?
+  log=$logs/$(basename "${configs[$i]}" .yaml).log
+  if [ "$st" = 124 ]; then rc=1; echo "${configs[$i]}: run.py cut at ${limit} s (--budget); rows in flight are lost, --resume runs them (log: $log)" >&2
+  elif [ "$st" != 0 ]; then rc=1; echo "${configs[$i]}: run.py exited with status $st (log: $log)" >&2; fi
+done
 for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/eval.tgz" "$out_dir" "$logs" /tmp/sglang-eval/logs 2>/dev/null || true
-fi
 exit $rc

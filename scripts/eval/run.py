@@ -2,7 +2,7 @@
 regenerate docs/eval.md's tables and the plots.
 
     python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
-        [--only LABEL,...] [--resume] [--start-deadline-s S] [--no-warm-first]
+        [--only LABEL,...] [--resume] [--start-deadline-s S] [--no-warm-first] [--log-dir DIR]
 
 The JSON is rewritten after every finished server, so a run stopped at a time
 limit keeps what it measured. --only runs some rows and keeps the others from
@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--start-deadline-s", type=float, default=None, metavar="S",
                     help="start no server later than S seconds from now (a call with a time limit: rows not started stay for --resume)")
     ap.add_argument("--no-warm-first", action="store_true", help="start every server at once (the host's JIT caches are already warm)")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="servers' logs go to LOG_DIR/<result name>/ (default: the config's cluster.log_dir)")
     a = ap.parse_args()
     t0 = time.monotonic()
     try:
@@ -80,7 +82,8 @@ def main() -> int:
     def write(body):
         results.write(str(out), {**head, **body})
 
-    with Launcher(address=address, log_dir=exp.cluster.log_dir, num_gpus=num_gpus) as launcher:
+    log_dir = (a.log_dir or Path(exp.cluster.log_dir)) / out.stem  # per experiment: E1 and E1 at TP 2 share row labels
+    with Launcher(address=address, log_dir=str(log_dir), num_gpus=num_gpus) as launcher:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
                                warm_first=False if a.no_warm_first else None, on_progress=write,
                                start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)

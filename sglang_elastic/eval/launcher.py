@@ -82,6 +82,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _libc_prctl():
+    """libc's ``prctl``, looked up before any fork (the child must not load
+    libraries), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:
+    """Runs in the server's child process before exec: SIGTERM it when its
+    parent, the :class:`ServerActor`'s worker, dies (``PR_SET_PDEATHSIG``).
+    A call whose time limit kills the whole Ray session, raylet included,
+    then leaves no server holding GPUs for the next call; SGLang's launcher
+    tears its own children down on SIGTERM (as :meth:`ServerActor.stop`
+    relies on). The server runs in its own session, so nothing else would
+    reach it: it outlived such a call on the H200 host (2026-11-30)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _get_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -122,7 +151,8 @@ class ServerActor:
         log = open(self.log_path, "wb")
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd, start_new_session=True,
+                                     preexec_fn=_term_with_parent)
         log.close()
         ip = self.node_ip()
         self.url = f"http://{ip}:{port}"
