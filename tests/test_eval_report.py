@@ -56,6 +56,16 @@ def test_e1_table_values(tmp_path):
     assert "`docs/results/eval/ttft_vs_chunk.json` (2026-11-30, NVIDIA H200, 143771 MiB, 580.159.04, commit 0123456)" in doc.read_text()
 
 
+def test_e1_elastic_column_names_a_mode_other_than_dynamic():
+    stock = {"server": {"enable_elastic_kv": False}}
+    dynamic = {"server": {"enable_elastic_kv": True}, "facts": {"sglang_elastic": {"mode": "dynamic"}}}
+    given = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode", "always-lent"]}}  # not measured yet
+    given_eq = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode=off"]}}
+    reported = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode", "off"]}, "facts": {"sglang_elastic": {"mode": "always-lent"}}}
+    assert [report._elastic_mode(r) for r in (stock, dynamic, given, given_eq, reported)] == \
+        ["no", "yes", "yes (always-lent)", "yes (off)", "yes (always-lent)"]
+
+
 def test_e1_table_from_the_committed_h200_result():
     """The committed H200 run: the elastic row's capacity while lent is its base
     plus the lendable tokens /server_info reported (610,724 + 336,896)."""

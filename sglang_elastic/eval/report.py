@@ -73,6 +73,19 @@ def _workload_note(w: Dict[str, Any]) -> str:
     return "; ".join(x for x in notes if x)
 
 
+def _elastic_mode(row: Dict[str, Any]) -> str:
+    """E1's "elastic" column: no, yes (``--elastic-kv-mode dynamic``), or
+    yes with the other mode the server reported (or was given)."""
+    if not row["server"].get("enable_elastic_kv"):
+        return "no"
+    args = list(row["server"].get("extra_args") or [])
+    given = next((a.split("=", 1)[1] for a in args if a.startswith("--elastic-kv-mode=")), None)
+    if given is None and "--elastic-kv-mode" in args[:-1]:
+        given = args[args.index("--elastic-kv-mode") + 1]
+    mode = ((row.get("facts") or {}).get("sglang_elastic") or {}).get("mode") or given or "dynamic"
+    return "yes" if mode == "dynamic" else f"yes ({mode})"
+
+
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
         err = row.get("error") or "?"
@@ -103,7 +116,7 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         note = _err(r)
         if after.get("cycles") is not None:
             note = (note + "; " if note else "") + f"{after['cycles']} lend/reclaim cycles"
-        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), "yes" if r["server"].get("enable_elastic_kv") else "no", _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
+        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), _elastic_mode(r), _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
     md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "client CPU", "notes"], rows)
 
     def plot(ax_fig):
