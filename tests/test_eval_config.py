@@ -172,6 +172,12 @@ def test_run_script_refuses_renumbered_gpus(tmp_path):
     (["scripts/eval/configs/nope.yaml"], {}, "no config scripts/eval/configs/nope.yaml"),
     (["scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": ""}, "set SGLANG_ELASTIC_COMMIT"),
     (["--budget", "9m", "scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": "abc"}, "take whole seconds, not '9m'"),
+    (["--budget", "0600", "scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": "abc"}, "take whole seconds, not '0600'"),
+    (["scripts/eval/configs/e4_decode_fraction.yaml", "--row-s"], {"SGLANG_ELASTIC_COMMIT": "abc"}, "--row-s needs a value"),
+    (["--budget", "300", "--row-s", "290", "scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": "abc"},
+     "--budget 300 leaves no time for one row (--row-s 290) and packing"),
+    (["--jit-cache", "/nonexistent/jit.tgz", "scripts/eval/configs/e4_decode_fraction.yaml"], {"SGLANG_ELASTIC_COMMIT": "abc"},
+     "no JIT cache /nonexistent/jit.tgz or /nonexistent/jit.tgz.00"),
 ])
 def test_host_batch_refuses_bad_calls_before_touching_the_host(args, env, message):
     """scripts/eval/host_batch.sh (one device call's evaluation) checks its

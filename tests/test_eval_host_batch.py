@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,10 @@ def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path
     # the servers' logs are kept per experiment: E1's and E3's rows may share labels
     assert sorted(p.name for p in (tmp_path / "sglang-eval-logs" / "ttft_vs_chunk.standin").glob("*.log")) == \
         ["c2048.driver.log", "c2048.log", "c8192.driver.log", "c8192.log"]
-    # a budget that leaves less than one row after set-up starts nothing and says so
-    short = subprocess.run(cmd[:4] + ["30", "--row-s", "60"] + cmd[7:], cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
+    # a call whose budget is spent by set-up (CALL_START 480 s ago: the Ray
+    # part's install, say) starts nothing and says so; the results still go back
+    (tmp_path / "eval.tgz").unlink()
+    short = subprocess.run(cmd[:4] + ["560", "--row-s", "60"] + cmd[7:], cwd=ROOT, env={**host, "CALL_START": str(int(time.time()) - 480)},
+                           capture_output=True, text=True, timeout=600)
     assert short.returncode == 2 and "less than one row (--row-s 60): nothing started" in short.stderr
+    assert (tmp_path / "eval.tgz").stat().st_size > 0

@@ -7,7 +7,7 @@
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site   # earlier call, same host
 #   bash .gpu/install_bundle.sh .gpu/ray                                     # this call (Ray part)
 #   SGLANG_ELASTIC_COMMIT=<git rev-parse HEAD> bash scripts/eval/host_batch.sh \
-#       [--budget S] [--row-s R] [--jit-cache FILE.tgz] [--warm-first] CONFIG.yaml...
+#       [--budget S] [--row-s R] [--jit-cache FILE.tgz] [--warm-first] [--standin] CONFIG.yaml...
 #
 # It stops servers an earlier, cut-off call left running, restores the JIT
 # caches from --jit-cache (scripts/eval/jit_cache.sh), installs this package
@@ -20,18 +20,26 @@
 # results (E2 reuses E1's rows) belong in separate calls; configs of one TP
 # size share the GPUs best (a TP 2 row waits for both GPUs of a TP 1 pair).
 #
-# --budget S (default 560): seconds the whole script may take, setup and
+# --budget S (default 560): seconds the call may take from CALL_START (epoch
+# seconds; export CALL_START=$(date +%s) first thing in the device command,
+# so the Ray part's install counts too; default: this script's start),
 # packing included; keep it under the device call's limit. Each run.py is cut
 # 20 s before the budget ends and starts no server later than R seconds
-# (--row-s, default 240: a start, E1's workload and the stop on a warm host;
-# give ~450 for the first server on a host without JIT caches) before that,
-# so no row starts that cannot finish; --resume in the next call runs it.
+# (--row-s, default 300: a start, E1's workload and the stop on a warm host;
+# give ~450 for the first server on a host without JIT caches and for E4's
+# rows) before that, so no row starts that cannot finish; --resume in the
+# next call runs it.
+#
+# --jit-cache FILE.tgz: JIT caches an earlier host saved (FILE.tgz.00, ... or
+# one FILE.tgz; scripts/eval/jit_cache.sh), unpacked before anything starts;
+# a damaged one is skipped with a warning. Name it in the device call's carry.
 #
 # With $OUT set (the device call's output folder) it leaves there, also when
 # a step fails: eval.tgz (OUT_DIR, the run logs, the servers' logs) and
-# jit-cache.tgz (this host's JIT caches, to carry into the next host's call
-# as --jit-cache). Back here: copy OUT_DIR's JSON to docs/results/eval/, then
-# scripts/eval/report.py and scripts/eval/advisor_points.py.
+# jit-cache.tgz.00, .01, ... (this host's JIT caches in parts of 15 MiB, to
+# carry into the next host's call as --jit-cache). Back here: copy OUT_DIR's
+# JSON to docs/results/eval/, then scripts/eval/report.py and
+# scripts/eval/advisor_points.py.
 #
 # --warm-first: let each run start one server alone first (FlashInfer's JIT
 # on a host that has not compiled it yet, ~4 min); by default every server
@@ -43,22 +51,27 @@
 # (/tmp/sglang-eval/logs): the servers' logs, a folder per experiment.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-t0=$SECONDS budget=560 row_s=240 jit_cache="" warm=--no-warm-first standin="" configs=()
+t0=${CALL_START:-$(date +%s)} budget=560 row_s=300 jit_cache="" warm=--no-warm-first standin="" configs=()
+value() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "host_batch.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case $1 in
-    --budget) budget=$2; shift 2 ;;
-    --row-s) row_s=$2; shift 2 ;;
-    --jit-cache) jit_cache=$2; shift 2 ;;
+    --budget) value "$@"; budget=$2; shift 2 ;;
+    --row-s) value "$@"; row_s=$2; shift 2 ;;
+    --jit-cache) value "$@"; jit_cache=$2; shift 2 ;;
     --warm-first) warm=""; shift ;;
     --standin) standin=--standin; shift ;;
-    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,52p' "$0"; exit 0 ;;
     -*) echo "host_batch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -f "$1" ] || { echo "host_batch.sh: no config $1" >&2; exit 2; }; configs+=("$1"); shift ;;
   esac
 done
 [ ${#configs[@]} -gt 0 ] || { echo "host_batch.sh: name at least one config (scripts/eval/configs/*.yaml)" >&2; exit 2; }
 [ -n "${SGLANG_ELASTIC_COMMIT:-}" ] || { echo "host_batch.sh: set SGLANG_ELASTIC_COMMIT to git rev-parse HEAD of your checkout (the copy on the host has no .git)" >&2; exit 2; }
-for n in "$budget" "$row_s"; do [[ $n =~ ^[0-9]+$ ]] || { echo "host_batch.sh: --budget and --row-s take whole seconds, not '$n'" >&2; exit 2; }; done
+for n in "$budget" "$row_s" "$t0"; do [[ $n =~ ^[1-9][0-9]*$ ]] || { echo "host_batch.sh: --budget, --row-s and CALL_START take whole seconds, not '$n'" >&2; exit 2; }; done
+[ $((row_s + 20)) -lt "$budget" ] || { echo "host_batch.sh: --budget $budget leaves no time for one row (--row-s $row_s) and packing (20 s)" >&2; exit 2; }
+if [ -n "$jit_cache" ] && [ ! -f "$jit_cache" ] && [ ! -f "$jit_cache.00" ]; then
+  echo "host_batch.sh: no JIT cache $jit_cache or $jit_cache.00 (name it in the device call's carry, or leave --jit-cache out on a cold host)" >&2; exit 2
+fi
 site=${SITE:-/tmp/site}
 out_dir=${OUT_DIR:-/tmp/eval}
 logs=${LOG_DIR:-/tmp/eval-logs}
@@ -69,19 +82,25 @@ mkdir -p "$out_dir" "$logs"
 pack() {  # what this call measured goes back, whatever failed
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/eval.tgz" "$out_dir" "$logs" "$server_logs" 2>/dev/null || true
-  [ -n "$standin" ] || bash scripts/eval/jit_cache.sh save "$OUT/jit-cache.tgz" || true
+  [ -n "$standin" ] || timeout 60 bash scripts/eval/jit_cache.sh save "$OUT/jit-cache.tgz" || true
 }
 trap pack EXIT
 if [ -z "$standin" ]; then
   # servers of an earlier call that its time limit cut off (their launcher
   # died with it) would hold GPUs this call's placement groups wait for
-  if pgrep -f 'sglang_elastic[.]eval[.]ray_entry' > /dev/null; then
-    echo "host_batch.sh: stopping servers an earlier call left running: $(pgrep -f 'sglang_elastic[.]eval[.]ray_entry' | tr '\n' ' ')" >&2
-    pkill -TERM -f 'sglang_elastic[.]eval[.]ray_entry' || true
-    for _ in $(seq 30); do pgrep -f 'sglang_elastic[.]eval[.]ray_entry' > /dev/null || break; sleep 1; done
-    pkill -KILL -f 'sglang_elastic[.]eval[.]ray_entry' || true
+  entry='-m sglang_elastic[.]eval[.]ray_entry --placement-group'
+  if pgrep -f "$entry" > /dev/null; then
+    echo "host_batch.sh: stopping servers an earlier call left running: $(pgrep -f "$entry" | tr '\n' ' ')" >&2
+    pkill -TERM -f "$entry" || true
+    for _ in $(seq 30); do pgrep -f "$entry" > /dev/null || break; sleep 1; done
+    pkill -KILL -f "$entry" || true
   fi
-  [ -z "$jit_cache" ] || bash scripts/eval/jit_cache.sh restore "$jit_cache" "$site"
+  # their scheduler actors (Ray workers) hold the GPU memory and die after them:
+  # a server sized against a half-freed GPU would measure another KV pool
+  for _ in $(seq 60); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break; sleep 1; done
+  [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] || \
+    echo "host_batch.sh: warning: GPU memory still held by $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')" >&2
+  [ -z "$jit_cache" ] || bash scripts/eval/jit_cache.sh restore "$jit_cache" || echo "host_batch.sh: warning: JIT cache not restored; the first server compiles (~4 min)" >&2
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   # NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -105,9 +124,9 @@ fi
 python3 -m ray.scripts.scripts status --address "127.0.0.1:$port" > /dev/null 2>&1 || \
   python3 -m ray.scripts.scripts start --head --port "$port" --num-gpus "$gpus" --disable-usage-stats > "$logs/ray-start.log" 2>&1
 [ -n "$standin" ] || cp -n docs/results/eval/*.json "$out_dir"/ 2>/dev/null || true  # a dry run starts from nothing
-limit=$((budget - (SECONDS - t0) - 20))   # each run.py's time, 20 s kept for packing
-deadline=$((limit - row_s))               # its last server start, relative to its own start
-if [ "$deadline" -lt 0 ]; then
+limit=$((budget - ($(date +%s) - t0) - 20))   # each run.py's time, 20 s kept for packing
+deadline=$((limit - row_s))                   # its last server start, relative to its own start
+if [ "$deadline" -le 0 ]; then
   echo "host_batch.sh: --budget $budget leaves ${limit} s after set-up, less than one row (--row-s $row_s): nothing started" >&2
   exit 2
 fi

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -99,16 +100,22 @@ _PRCTL = _libc_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _term_with_parent() -> None:
+def _term_with_parent(parent: int) -> None:
     """Runs in the server's child process before exec: SIGTERM it when its
     parent, the :class:`ServerActor`'s worker, dies (``PR_SET_PDEATHSIG``).
     A call whose time limit kills the whole Ray session, raylet included,
     then leaves no server holding GPUs for the next call; SGLang's launcher
     tears its own children down on SIGTERM (as :meth:`ServerActor.stop`
     relies on). The server runs in its own session, so nothing else would
-    reach it: it outlived such a call on the H200 host (2026-11-30)."""
+    reach it: it outlived such a call on the H200 host (2026-11-30).
+    ``parent`` is the actor's pid: had it died between the fork and the
+    ``prctl``, no signal would come, so the child exits at once instead.
+    (Python code between fork and exec in a threaded process: only a
+    pre-resolved C call and ``getppid``, no imports or locks.)"""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _get_json(url: str, timeout: float = 10.0) -> Any:
@@ -152,7 +159,7 @@ class ServerActor:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd, start_new_session=True,
-                                     preexec_fn=_term_with_parent)
+                                     preexec_fn=functools.partial(_term_with_parent, os.getpid()))
         log.close()
         ip = self.node_ip()
         self.url = f"http://{ip}:{port}"

@@ -129,7 +129,8 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         for r, c in pts:
             t = _w(r).get("ttft_s") or {}
             if r["server"].get("enable_elastic_kv") and t.get("median") is not None:
-                ax.plot([c], [t["median"]], "r*", ms=12, label=f"elastic median ({r['label']})")
+                mode = "dynamic" if _elastic_mode(r) == "yes" else _elastic_mode(r)[len("yes ("):-1]
+                ax.plot([c], [t["median"]], "r*" if mode == "dynamic" else "mX", ms=12, label=f"elastic median ({r['label']}, {mode})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("--chunked-prefill-size (tokens)")
         ax.set_ylabel("TTFT of the long prompts (s)")
