@@ -62,7 +62,7 @@ def test_e1_elastic_column_names_a_mode_other_than_dynamic():
     given = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode", "always-lent"]}}  # not measured yet
     given_eq = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode=off"]}}
     reported = {"server": {"enable_elastic_kv": True, "extra_args": ["--elastic-kv-mode", "off"]}, "facts": {"sglang_elastic": {"mode": "always-lent"}}}
-    assert [report._elastic_mode(r) for r in (stock, dynamic, given, given_eq, reported)] == \
+    assert [report._elastic_column(r) for r in (stock, dynamic, given, given_eq, reported)] == \
         ["no", "yes", "yes (always-lent)", "yes (off)", "yes (always-lent)"]
 
 

@@ -97,9 +97,9 @@ if [ -z "$standin" ]; then
   fi
   # their scheduler actors (Ray workers) hold the GPU memory and die after them:
   # a server sized against a half-freed GPU would measure another KV pool
-  for _ in $(seq 60); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break; sleep 1; done
-  [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] || \
-    echo "host_batch.sh: warning: GPU memory still held by $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')" >&2
+  gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | tr '\n' ';'; }
+  for _ in $(seq 60); do [ -z "$(gpu_apps)" ] && break; sleep 1; done
+  [ -z "$(gpu_apps)" ] || echo "host_batch.sh: warning: GPU memory still held by $(gpu_apps)" >&2
   [ -z "$jit_cache" ] || bash scripts/eval/jit_cache.sh restore "$jit_cache" || echo "host_batch.sh: warning: JIT cache not restored; the first server compiles (~4 min)" >&2
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   # NVLink multicast off (the device kit's KINDS.md): NCCL NVLS, torch symmetric memory, NVSHMEM

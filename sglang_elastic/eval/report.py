@@ -73,17 +73,22 @@ def _workload_note(w: Dict[str, Any]) -> str:
     return "; ".join(x for x in notes if x)
 
 
-def _elastic_mode(row: Dict[str, Any]) -> str:
-    """E1's "elastic" column: no, yes (``--elastic-kv-mode dynamic``), or
-    yes with the other mode the server reported (or was given)."""
+def _elastic_mode(row: Dict[str, Any]) -> Optional[str]:
+    """The row's ``--elastic-kv-mode``: what the server reported, else what it
+    was given (default ``dynamic``); None without ``--enable-elastic-kv``."""
     if not row["server"].get("enable_elastic_kv"):
-        return "no"
+        return None
     args = list(row["server"].get("extra_args") or [])
     given = next((a.split("=", 1)[1] for a in args if a.startswith("--elastic-kv-mode=")), None)
     if given is None and "--elastic-kv-mode" in args[:-1]:
         given = args[args.index("--elastic-kv-mode") + 1]
-    mode = ((row.get("facts") or {}).get("sglang_elastic") or {}).get("mode") or given or "dynamic"
-    return "yes" if mode == "dynamic" else f"yes ({mode})"
+    return ((row.get("facts") or {}).get("sglang_elastic") or {}).get("mode") or given or "dynamic"
+
+
+def _elastic_column(row: Dict[str, Any]) -> str:
+    """E1's "elastic" column: no, yes (dynamic), or yes with the other mode."""
+    mode = _elastic_mode(row)
+    return "no" if mode is None else "yes" if mode == "dynamic" else f"yes ({mode})"
 
 
 def _err(row: Dict[str, Any]) -> str:
@@ -116,7 +121,7 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         note = _err(r)
         if after.get("cycles") is not None:
             note = (note + "; " if note else "") + f"{after['cycles']} lend/reclaim cycles"
-        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), _elastic_mode(r), _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
+        rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), _elastic_column(r), _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
     md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "client CPU", "notes"], rows)
 
     def plot(ax_fig):
@@ -128,8 +133,8 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
             ax.plot([c for c, _ in stock], [t["p99"] for _, t in stock], "s--", label="TTFT p99")
         for r, c in pts:
             t = _w(r).get("ttft_s") or {}
-            if r["server"].get("enable_elastic_kv") and t.get("median") is not None:
-                mode = "dynamic" if _elastic_mode(r) == "yes" else _elastic_mode(r)[len("yes ("):-1]
+            mode = _elastic_mode(r)
+            if mode is not None and t.get("median") is not None:
                 ax.plot([c], [t["median"]], "r*" if mode == "dynamic" else "mX", ms=12, label=f"elastic median ({r['label']}, {mode})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("--chunked-prefill-size (tokens)")
