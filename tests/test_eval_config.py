@@ -154,6 +154,23 @@ def test_rows_of_the_older_client_are_kept_but_measured_again():
     assert s.label in experiments.measured_labels(exp, {"rows": [new]}) and s.label not in experiments.measured_labels(exp, {"rows": [old]})
 
 
+def test_a_row_once_copied_from_another_experiment_is_measured_again_when_the_config_measures_it():
+    """E2's stock row was E1's (another host); the config now measures it:
+    --resume runs it, and the copy stays in the file until then."""
+    from sglang_elastic.eval import experiments
+
+    exp = config.parse({**E1, "servers": [{"label": "stock", "chunked_prefill_size": 8192}, {"label": "copy", "chunked_prefill_size": 2048, "reuse": "ttft_vs_chunk/chunk-2048"}]})
+    stock, copy = exp.servers
+    w = [x.model_dump(mode="json") for x in exp.workloads]
+    cur = {"streaming": "incremental", "cpu_share": 0.2}
+    copied = {"label": "stock", "ok": True, "identity": stock.identity(), "workloads": [{"workload": x, "client": cur} for x in w], "reused_from": "docs/results/eval/ttft_vs_chunk.json#chunk-8192"}
+    still = {**copied, "label": "copy", "identity": copy.identity()}
+    prev = {"rows": [copied, still]}
+    assert experiments.measured_labels(exp, prev) == ["copy"]  # a row the config still reuses counts
+    assert experiments.previous_row(exp, stock, prev, stale_ok=True) is copied and experiments.previous_row(exp, stock, prev) is None
+    assert experiments.measured_labels(exp, {"rows": [{**copied, "reused_from": None}, still]}) == ["stock", "copy"]
+
+
 def test_run_script_refuses_renumbered_gpus(tmp_path):
     import os
     import subprocess

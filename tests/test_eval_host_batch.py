@@ -66,3 +66,58 @@ def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path
                            capture_output=True, text=True, timeout=600)
     assert short.returncode == 2 and "less than one row (--row-s 60): nothing started" in short.stderr
     assert (tmp_path / "eval.tgz").stat().st_size > 0
+    # CONFIG:LABEL measures that row again although it is measured; the other row is kept
+    redo = subprocess.run(cmd[:-2] + [f"{cfg / 'e1.yaml'}:c2048"], cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    rows = {x["label"]: x for x in json.loads((tmp_path / "eval" / "ttft_vs_chunk.standin.json").read_text())["rows"]}
+    assert rows["c2048"]["ok"] and rows["c2048"]["workloads"] != e1["rows"][0]["workloads"] and rows["c8192"] == e1["rows"][1]
+    # another checkout's results on a host lent again are moved aside, not merged
+    other = subprocess.run(cmd[:4] + ["560", "--row-s", "60"] + cmd[7:], cwd=ROOT, env={**host, "SGLANG_ELASTIC_COMMIT": "fedcba9", "CALL_START": str(int(time.time()) - 480)},
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "is from another checkout: moved to" in other.stderr
+    assert (tmp_path / "eval" / ".commit").read_text().strip() == "fedcba9" and not list((tmp_path / "eval").glob("*.json"))
+    moved = [p for p in tmp_path.glob("eval.*") if p.is_dir()]
+    assert len(moved) == 1 and (moved[0] / "ttft_vs_chunk.standin.json").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["{c}/e1_ttft_vs_chunk.yaml:"], "names no rows after the colon"),
+    (["{c}/e1_ttft_vs_chunk.yaml:,"], "names no rows after the colon"),
+    (["{c}/e1_ttft_vs_chunk.yaml", "{c}/./e1_ttft_vs_chunk.yaml:chunk-2048"], "is named twice"),  # two run.py would share one result file
+    (["{c}/nope.yaml:chunk-2048"], "/nope.yaml"),
+])
+def test_bad_config_arguments_are_refused_before_anything_starts(args, says, tmp_path):
+    argv = [a.format(c=ROOT / "scripts/eval/configs") for a in args]
+    r = subprocess.run(["bash", str(ROOT / "scripts/eval/host_batch.sh"), "--standin"] + argv, cwd=ROOT,
+                       env={**os.environ, "SGLANG_ELASTIC_COMMIT": "0123abc", "OUT_DIR": str(tmp_path / "eval"), "LOG_DIR": str(tmp_path / "logs")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not (tmp_path / "logs").exists()  # refused before set-up
+
+
+def test_a_config_path_with_a_colon_is_a_config_not_a_row_list(tmp_path):
+    d = tmp_path / "a:b"
+    d.mkdir()
+    (d / "e.yaml").write_text("experiment: reserve_vs_tp\nservers: [{label: x, tp: 1}]\n")
+    r = subprocess.run(["bash", str(ROOT / "scripts/eval/host_batch.sh"), "--standin", "--budget", "x", str(d / "e.yaml")], cwd=ROOT,
+                       env={**os.environ, "SGLANG_ELASTIC_COMMIT": "0123abc"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "take whole seconds, not 'x'" in r.stderr, r.stderr  # got past the config check
+
+
+def test_stop_servers_stops_a_server_an_earlier_call_left_running(tmp_path):
+    """The leftover server's command line starts its pattern with -m, which
+    pgrep would take for an option without --."""
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m", "sglang_elastic.eval.ray_entry", "--placement-group", "pg-left"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "sglang_elastic.eval.ray_entry"])
+    try:
+        time.sleep(0.5)
+        r = subprocess.run(["bash", str(ROOT / "scripts/eval/stop_servers.sh")], capture_output=True, text=True, timeout=60, env={**os.environ, "GRACE_S": "5"})
+        assert r.returncode == 0 and f"left running: {left.pid}" in r.stderr, r.stderr
+        assert left.wait(timeout=10) == -15  # SIGTERM
+        assert bystander.poll() is None
+        again = subprocess.run(["bash", str(ROOT / "scripts/eval/stop_servers.sh")], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and again.stderr == ""
+    finally:
+        for p in (left, bystander):
+            p.kill()
+            p.wait()

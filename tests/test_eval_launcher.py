@@ -66,6 +66,59 @@ def test_the_client_counts_tokens_of_incremental_and_cumulative_streams(incremen
     assert client._tokens_so_far({"output_ids": [4, 5]}, 3) == 5 and client._tokens_so_far({"output_ids": [4], "meta_info": {"completion_tokens": 9}}, 3) == 9
 
 
+@pytest.mark.parametrize("kind", ["decode_then_long", "mix"])
+def test_the_warm_up_sends_one_longest_prompt_first_and_leaves_the_measured_requests_unchanged(kind, monkeypatch):
+    """run_workload's warm-up: one unmeasured request of the workload's longest
+    prompt, before any measured one; the measured requests are the same ids
+    with and without it (its prompt comes from its own random stream)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_elastic.eval.standin", "--port", str(port), "--host", "127.0.0.1", "--chunked-prefill-size", "16",
+                             "--prefill-tok-s", "1e6", "--itl-ms", "1", "--incremental-streaming-output"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        sent = []
+        real = client.stream_generate
+
+        async def recording(session, u, input_ids, max_new_tokens, rec=None):
+            sent.append((list(input_ids), max_new_tokens))
+            return await real(session, u, input_ids, max_new_tokens, rec)
+
+        monkeypatch.setattr(client, "stream_generate", recording)
+        if kind == "decode_then_long":
+            w = {"kind": kind, "decodes": 2, "decode_input_len": 5, "decode_output_len": 40, "long_prompts": 2, "long_input_len": 37, "long_output_len": 2, "settle_s": 0.0, "seed": 3}
+            longest = 37
+        else:
+            w = {"kind": kind, "name": "m", "num_requests": 3, "request_rate": float("inf"), "input_len": {"dist": "uniform", "min": 4, "max": 29}, "output_len": {"dist": "fixed", "value": 3}, "seed": 3}
+            longest = 29
+        out = client.run_workload(url, w, vocab_size=32000)
+        with_warm, sent[:] = list(sent), []
+        plain = client.run_workload(url, w, vocab_size=32000, warmup=False)
+        without = list(sent)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    ids, n_out = with_warm[0]
+    assert len(ids) == longest and n_out == 1 and all(1000 <= i < 32000 for i in ids)
+    assert out["warmup"]["input_len"] == longest and out["warmup"]["error"] is None and out["warmup"]["ttft_s"] > 0
+    assert plain["warmup"] is None
+    assert sorted(map(str, with_warm[1:])) == sorted(map(str, without)) and len(without) == (4 if kind == "decode_then_long" else 3)
+    assert ids not in [x for x, _ in without]
+
+
 def test_facts_read_sglang_0_5_17_server_info_fields():
     info = {"version": "0.5.17", "max_total_num_tokens": 906051, "mem_fraction_static": 0.903, "chunked_prefill_size": 8192, "tp_size": 1,
             "internal_states": [{"memory_usage": {"weight": 15.0, "kvcache": 110.6, "startup_available": 9.02, "token_capacity": 906051, "graph": {"decode": 0.5}}}]}
@@ -130,6 +183,14 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
     # the client says how the server streamed, and what share of a core it used
     assert w["client"]["streaming"] == "incremental" and 0 < w["client"]["cpu_share"] < 2
     assert "sglang_elastic_after" in w and w["sglang_elastic_after"] is None  # read again after the workload; a stock server has none
+    assert w["warmup"]["input_len"] == 4096 and w["warmup"]["error"] is None  # one unmeasured long prompt first
+    import socket
+
+    # where each row ran: the node, and the bundle's GPUs, the ones SGLang's ranks got
+    h2, h1 = r2["host"], rows["tp1"]["host"]
+    assert h2["hostname"] == h1["hostname"] == socket.gethostname()
+    assert len(h2["gpu_ids"]) == 2 and h2["gpu_uuids"] == [] and h2["node_gpu_uuids"] == []  # no nvidia-smi here
+    assert len(h1["gpu_ids"]) == 1 and not set(h1["gpu_ids"]) & set(h2["gpu_ids"])  # side by side on the 4 fake GPUs
     # the server's log came back to the driver, and it holds the stand-in's own output
     assert "standin: serving on" in Path(r2["log"]).read_text()
 
@@ -177,6 +238,8 @@ def test_the_server_job_sees_the_reserved_group_gpus_env_and_setup_hook(launcher
     assert len(ranks) == 2 and sorted(g for r in ranks for g in r["gpu_ids"]) == sorted(set(g for r in ranks for g in r["gpu_ids"]))
     assert all(r["setup_hook_ran"] and r["env"]["SGLANG_EVAL_PROBE"] == "forwarded" for r in ranks)
     assert all(r["node_ip"] == probe["driver_ip"] for r in ranks)  # rank 0 beside the HTTP server, as RayEngine requires
+    # the GPUs recorded for the row (a task holding the bundle before the start) are the ones the ranks got
+    assert res.host["gpu_ids"] == sorted(g for r in ranks for g in r["gpu_ids"])
 
 
 def test_failures_are_rows_with_the_reason(launcher, tmp_path):

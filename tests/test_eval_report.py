@@ -124,6 +124,28 @@ def test_a_faster_row_is_within_the_ttft_budget_but_not_equal():
     cr = {x["row"]["label"]: x for x in report.capacity_rows(d)}
     assert (cr["fast"]["equal_ttft"], cr["fast"]["within_budget"]) == (False, True)
     assert (cr["slow"]["equal_ttft"], cr["slow"]["within_budget"]) == (False, False)
+    assert cr["slow"]["placement"] is None  # rows measured before the launcher recorded hosts
+
+
+def test_e2_says_whether_a_row_ran_on_the_baselines_gpu():
+    node = ["GPU-1", "GPU-2"]
+    on1 = {"host": {"hostname": "h", "node_gpu_uuids": node, "gpu_ids": ["0"], "gpu_uuids": ["GPU-1"]}}
+    on2 = {"host": {"hostname": "h", "node_gpu_uuids": node, "gpu_ids": ["1"], "gpu_uuids": ["GPU-2"]}}
+    elsewhere = {"host": {"hostname": "h", "node_gpu_uuids": ["GPU-3"], "gpu_ids": ["0"], "gpu_uuids": ["GPU-3"]}}  # a container's hostname repeats: the GPUs decide
+    assert report.placement(on1, dict(on1)) == "same GPU" and report.placement(on1, on2) == "same host" and report.placement(on1, elsewhere) == "other host"
+    cpu = {"host": {"hostname": "x", "node_gpu_uuids": [], "gpu_ids": ["0"], "gpu_uuids": []}}  # no nvidia-smi: hostname and Ray's ids
+    assert report.placement(cpu, dict(cpu)) == "same GPU" and report.placement(cpu, {"host": {**cpu["host"], "gpu_ids": ["1"]}}) == "same host"
+    assert report.placement(on1, {"host": None}) is None and report.placement({}, on1) is None
+
+    def row(label, host):
+        return {"label": label, "group": label, "ok": True, "server": {}, "host": host, "facts": {"max_total_num_tokens": 1000},
+                "workloads": [{"ttft_s": {"median": 1.0, "p99": 1.0}}]}
+
+    d = {"date": "d", "gpu": "g", "commit": "c", "command": "x", "config": {"baseline": "stock"},
+         "rows": [row("stock", on1["host"]), row("here", on1["host"]), row("beside", on2["host"]), row("there", elsewhere["host"]), row("old", None)]}
+    md, _ = report.capacity(d)
+    rows = {r[0]: r for r in _table_rows("<!-- eval:x -->\n" + md + "\n<!-- /eval:x -->", "x")}
+    assert [rows[k][9] for k in ("stock", "here", "beside", "there", "old")] == ["same GPU", "same GPU", "same host", "other host", "not recorded"]
 
 
 def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reason():
@@ -132,6 +154,10 @@ def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reas
     too_big = "not run (cluster too small): qwen-32b-tp8 needs 8 GPU(s) on one node; the largest node in the cluster has 2"
     assert report._err({"ok": False, "error": too_big}) == "not measured yet: needs 8 GPUs on one node"
     new_client = {"streaming": "incremental", "cpu_share": 0.2}
+    oom = {"input_len": 25000, "ttft_s": None, "error": "HTTP 500: CUDA out of memory | more\nlines"}
+    assert report._err({"ok": True, "workloads": [{"num_errors": 0, "client": new_client, "warmup": oom}]}) == "warm-up failed: HTTP 500: CUDA out of memory / more"
+    assert report._workload_note({"num_errors": 1, "client": new_client, "warmup": oom}) == "1 request errors; warm-up failed: HTTP 500: CUDA out of memory / more"
+    assert report._err({"ok": True, "workloads": [{"num_errors": 0, "client": new_client, "warmup": {**oom, "error": None}}]}) == ""
     assert report._err({"ok": True, "workloads": [{"num_errors": 2, "client": new_client}]}) == "2 request errors"
     assert report._err({"ok": True, "workloads": [{"num_errors": 0, "client": new_client}], "reused_from": "x.json#a"}) == "reused"
     # a row the older client measured (cumulative streaming) says so until it is measured again; E3's facts-only rows never do

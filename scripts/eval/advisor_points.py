@@ -1,8 +1,8 @@
 """The advisor against every measured point: each calibration point
 (sglang_elastic/eval/calibration.json) predicted from a fit without it
-(leave-one-out), E3's rows not among them, and the elastic pool's own runs
-(their lent tokens; predicted without the calibration point of the same
-model, TP and chunk) -> docs/results/eval/advisor.json,
+(leave-one-out), E3's rows not among them, E1's and E2's elastic rows and
+the elastic pool's own runs (their lendable tokens; predicted without the
+calibration point of the same model, TP and chunk) -> docs/results/eval/advisor.json,
 the table in docs/eval.md. Needs SGLang importable (CPU is enough).
 
     python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
@@ -55,6 +55,23 @@ def main() -> int:
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], s.get("chunked_prefill_size"), calibration=cal)
             points.append({"label": f"{s['model']} TP{s['tp']} (E3 {r['label']})", "tp": s["tp"], "source": f"{e3.relative_to(ROOT)} ({d.get('date', '?')[:10]})", "held_out": True,
                            "measured": {k: f.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")}, "predicted": pred})
+    # E1's and E2's elastic rows (not reused ones): SGLang's token count and the
+    # tokens the pool reported lendable, at the row's chunk
+    for path in sorted((ROOT / "docs/results/eval").glob("*.json")):
+        d = json.loads(path.read_text())
+        if d.get("experiment") not in ("ttft_vs_chunk", "capacity"):
+            continue
+        for r in d["rows"]:
+            f, s = r.get("facts") or {}, r["server"]
+            el = f.get("sglang_elastic") or {}
+            if not (r.get("ok") and el.get("lendable_tokens") is not None and f.get("gpu_mem_mib")) or r.get("reused_from"):
+                continue
+            chunk = s.get("chunked_prefill_size")
+            held, held_out = without(s["model"], s["tp"], chunk)
+            pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], chunk, calibration=held)
+            points.append({"label": f"{s['model']} TP{s['tp']} ({d['experiment'].replace('ttft_vs_chunk', 'E1').replace('capacity', 'E2')} {r['label']}, {el.get('mode', 'dynamic')})", "tp": s["tp"],
+                           "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
+                           "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "max_total_num_tokens": f.get("max_total_num_tokens"), "free_after_graphs_gib": f.get("free_after_graphs_gib"), "extra_kv_tokens": el["lendable_tokens"]}, "predicted": pred})
     # The elastic pool's own H200 runs: SGLang's token count and what was lent
     # (free after graphs, torch cache emptied, less the 1 GiB default margin).
     parts = ROOT / "docs/results/elastic_h200_parts"

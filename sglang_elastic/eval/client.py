@@ -27,7 +27,7 @@ import random
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang_elastic.eval.config import DecodeThenLong, Mix
+from sglang_elastic.eval.config import DecodeThenLong, Mix, Workload
 
 #: How the servers stream (the launcher's ``--incremental-streaming-output``),
 #: recorded as the chunks showed it (:func:`observed_streaming`); rows
@@ -303,15 +303,42 @@ def run_mix(url: str, w: Mix, vocab_size: int) -> Dict[str, Any]:
     }
 
 
-def run_workload(url: str, workload: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
-    """Run one workload (its config as a dict, e.g. from a Ray actor call)."""
+async def _one(url: str, input_ids: Sequence[int], max_new_tokens: int) -> RequestRecord:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600)) as session:
+        return await stream_generate(session, url, input_ids, max_new_tokens)
+
+
+def warm_up(url: str, w: Workload, vocab_size: int) -> Dict[str, Any]:
+    """One unmeasured request of the workload's longest prompt (``long_input_len``,
+    or the input distribution's ``upper``), alone, before the workload.
+
+    A server's own start-up warm-up is one short request, so a host whose
+    JIT caches are cold compiles the chunked-prefill kernels (prefill over a
+    cached prefix) during the first long prompt: on 2026-11-30 the first row
+    on a fresh H200 measured TTFTs of 8.7, 5.6 and 2.4 s for its first three
+    25K-token prompts, then 1.01 s. Its prompt comes from its own random
+    stream (seeded from the workload's ``seed``), so the measured requests
+    are the ones the workload draws without it. Returns ``{"input_len",
+    "ttft_s", "error"}`` (seconds; the error, if any, is reported and the
+    workload still runs)."""
+    n = w.long_input_len if w.kind == "decode_then_long" else w.input_len.upper
+    rec = asyncio.run(_one(url, random_ids(random.Random(f"warm-up {w.seed}"), n, vocab_size), 1))
+    return {"input_len": n, "ttft_s": rec.ttft, "error": rec.error}
+
+
+def run_workload(url: str, workload: Dict[str, Any], vocab_size: int, warmup: bool = True) -> Dict[str, Any]:
+    """Run one workload (its config as a dict, e.g. from a Ray actor call),
+    after :func:`warm_up` unless ``warmup`` is false; the warm-up's result is
+    the output's ``warmup`` (None when skipped)."""
     from pydantic import TypeAdapter
 
-    from sglang_elastic.eval.config import Workload
-
     w = TypeAdapter(Workload).validate_python(workload)
+    warm = warm_up(url, w, vocab_size) if warmup else None
     wall0, cpu0 = time.perf_counter(), time.process_time()
     out = run_decode_then_long(url, w, vocab_size) if w.kind == "decode_then_long" else run_mix(url, w, vocab_size)
+    out["warmup"] = warm
     # the client's own load: near 1.0 means one core was busy parsing the streams and ITL is the client's, not the server's
     out["client"] = {"streaming": out.pop("streaming"), "cpu_share": (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)}
     return out

@@ -114,6 +114,7 @@ def _row(s: ServerConfig, r: ServerResult) -> Dict[str, Any]:
         "ok": r.ok,
         "error": r.error,
         "node_ip": r.node_ip,
+        "host": r.host,
         "startup_s": r.startup_s,
         "facts": facts(r.server_info, r.gpu_mem_mib) if r.server_info else None,
         "workloads": r.workloads,
@@ -163,11 +164,14 @@ def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, 
     ``stale_ok``: also a row an older client measured (cumulative streaming,
     :func:`~sglang_elastic.eval.client.client_current`): kept in the file,
     marked by the report, until a new measurement replaces it; ``--resume``
-    (:func:`measured_labels`) measures it again."""
+    (:func:`measured_labels`) measures it again. The same holds for a row
+    copied from another experiment (``reused_from``) once the config
+    measures that row itself (no ``reuse``): E2's stock row, measured on the
+    host of the rows it judges since E1's ran on another."""
     old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
     if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
         return None
-    if not_measured(old) or (old.get("ok") and not stale_ok and not client_current(old)):
+    if not_measured(old) or (old.get("ok") and not stale_ok and (not client_current(old) or (old.get("reused_from") and not s.reuse))):
         return None
     want = [w.model_dump(mode="json") for w in exp.workloads]
     if old.get("ok") and [w.get("workload") for w in old.get("workloads", [])] != want:

@@ -66,8 +66,33 @@ class ServerResult:
     startup_s: Optional[float] = None
     server_info: Dict[str, Any] = dataclasses.field(default_factory=dict)
     gpu_mem_mib: Optional[int] = None
+    host: Optional[Dict[str, Any]] = None  # hostname, node_gpu_uuids (ServerActor.host), gpu_ids, gpu_uuids (bundle_gpus)
     workloads: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     log_path: Optional[str] = None
+
+
+def _nvidia_smi_uuids() -> Dict[str, str]:
+    """``{index: UUID}`` of this node's GPUs (nvidia-smi), empty without one."""
+    try:
+        out = subprocess.check_output(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(tuple(x.strip() for x in line.split(",", 1)) for line in out.splitlines() if "," in line)
+
+
+def bundle_gpus() -> Dict[str, Any]:
+    """Run as a Ray task holding all GPUs of a row's bundle, before the
+    server starts: the bundle's GPU ids (Ray's, the physical indices, as
+    ``run.py`` refuses a renumbering ``CUDA_VISIBLE_DEVICES``) and their
+    UUIDs. Ray commits a bundle's GPUs when it reserves the group, so
+    SGLang's scheduler actors get the same ones. H200s of one model differ
+    by about 1 % in TTFT, so E2's verdicts want a row and its baseline on one
+    GPU, or at least one host."""
+    import ray
+
+    ids = sorted(str(g) for g in ray.get_gpu_ids())
+    by_index = _nvidia_smi_uuids()
+    return {"gpu_ids": ids, "gpu_uuids": [by_index[i] for i in ids if i in by_index]}
 
 
 def _describe(e: BaseException) -> str:
@@ -196,6 +221,11 @@ class ServerActor:
             return min(int(x) for x in out.split())
         except (OSError, subprocess.SubprocessError, ValueError):
             return None
+
+    def host(self) -> Dict[str, Any]:
+        """The node a row ran on: its hostname and the UUIDs of all its GPUs
+        (``node_gpu_uuids``; nvidia-smi, empty without one)."""
+        return {"hostname": socket.gethostname(), "node_gpu_uuids": sorted(_nvidia_smi_uuids().values())}
 
     def run_workload(self, workload: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
         from sglang_elastic.eval.client import run_workload
@@ -341,13 +371,16 @@ class Launcher:
                 if not ready or time.monotonic() > start_deadline:
                     res.error = f"{NOT_STARTED}: the start deadline passed while it waited for GPUs"
                     return res
-            actor = self._actor_cls.options(num_cpus=1, num_gpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)).remote(job.name, str(self.log_dir))
+            in_bundle = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+            gpus = ray.get(ray.remote(bundle_gpus).options(num_cpus=0, num_gpus=job.gpus, scheduling_strategy=in_bundle).remote())
+            actor = self._actor_cls.options(num_cpus=1, num_gpus=0, scheduling_strategy=in_bundle).remote(job.name, str(self.log_dir))
             stage("starting")
             started = ray.get(actor.start.remote(job.argv, job.env, pg_name, self.namespace, job.cwd))
             res.url, res.node_ip = started["url"], started["node_ip"]
             res.startup_s = ray.get(actor.wait_healthy.remote(job.startup_timeout_s))
             res.server_info = ray.get(actor.server_info.remote())
             res.gpu_mem_mib = ray.get(actor.gpu_mem_mib.remote())
+            res.host = {**ray.get(actor.host.remote()), **gpus}
             for i, w in enumerate(job.workloads):
                 stage(f"workload {i + 1}/{len(job.workloads)}")
                 out = ray.get(actor.run_workload.remote(w, job.vocab_size))

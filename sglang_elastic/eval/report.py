@@ -66,10 +66,16 @@ def _w(row: Dict[str, Any], i: int = 0) -> Dict[str, Any]:
 OLDER_CLIENT = "cumulative streaming (older client)"
 
 
+def _warmup_note(w: Dict[str, Any]) -> str:
+    """The warm-up prompt's failure (:func:`sglang_elastic.eval.client.warm_up`), if it failed."""
+    err = (w.get("warmup") or {}).get("error")
+    return "warm-up failed: " + err.splitlines()[0][:60].replace("|", "/") if err else ""
+
+
 def _workload_note(w: Dict[str, Any]) -> str:
-    """One workload's request errors, and whether the older client (cumulative streaming) measured it."""
+    """One workload's request errors (its warm-up's too), and whether the older client (cumulative streaming) measured it."""
     n = w.get("num_errors", 0)
-    notes = [f"{n} request errors" if n else "", "" if workload_current(w) else OLDER_CLIENT]
+    notes = [f"{n} request errors" if n else "", _warmup_note(w), "" if workload_current(w) else OLDER_CLIENT]
     return "; ".join(x for x in notes if x)
 
 
@@ -99,7 +105,8 @@ def _err(row: Dict[str, Any]) -> str:
             return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
         return "failed: " + err.splitlines()[0][:80].replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
-    notes = [f"{n} request errors" if n else "", "reused" if row.get("reused_from") else "", "" if client_current(row) else OLDER_CLIENT]
+    warm = next((x for x in map(_warmup_note, row.get("workloads") or []) if x), "")
+    notes = [f"{n} request errors" if n else "", warm, "reused" if row.get("reused_from") else "", "" if client_current(row) else OLDER_CLIENT]
     if row.get("remeasure_error"):
         notes.append("measuring again failed: " + row["remeasure_error"].splitlines()[0][:80].replace("|", "/"))
     return "; ".join(x for x in notes if x)
@@ -154,6 +161,26 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
 # -- E2 ---------------------------------------------------------------------
 
 
+def placement(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[str]:
+    """Where row ``a`` ran against row ``b`` (the launcher's ``host``):
+    ``same GPU`` (same GPU UUIDs, or the same Ray GPU ids on the same host
+    where there is no nvidia-smi), ``same host`` (the node's GPU UUIDs, or its
+    hostname without them), ``other host``; None when either row predates
+    the record. H200s of one model differ by about 1 % in TTFT, as much as
+    E2's tolerance, so an equal-TTFT verdict across GPUs is weak."""
+    ha, hb = a.get("host") or {}, b.get("host") or {}
+    if not ha or not hb:
+        return None
+
+    def node(h):
+        return tuple(h.get("node_gpu_uuids") or ()) or h.get("hostname")
+
+    if node(ha) != node(hb):
+        return "other host"
+    ga, gb = tuple(ha.get("gpu_uuids") or ha.get("gpu_ids") or ()), tuple(hb.get("gpu_uuids") or hb.get("gpu_ids") or ())
+    return "same GPU" if ga and ga == gb else "same host"
+
+
 def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per row: KV tokens (plus lent tokens when the server reports them), TTFT
     deltas against the baseline and whether both are within the tolerance."""
@@ -170,7 +197,7 @@ def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
         dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None
         dp = (t["p99"] / bt["p99"] - 1) if t.get("p99") and bt.get("p99") else None
         out.append({"row": r, "kv_tokens": kv, "lent_tokens": lent, "total": (kv or 0) + (lent or 0) if kv else None, "d_median": dm, "d_p99": dp, "equal_ttft": dm is not None and dp is not None and abs(dm) <= tol and abs(dp) <= tol,
-                    "within_budget": dm is not None and dp is not None and dm <= tol and dp <= tol})
+                    "within_budget": dm is not None and dp is not None and dm <= tol and dp <= tol, "placement": placement(r, base) if base else None})
     base_total = next((x["total"] for x in out if x["row"] is base), None)
     for x in out:
         x["vs_baseline"] = (x["total"] / base_total - 1) if x["total"] and base_total else None
@@ -185,8 +212,8 @@ def capacity(d: Dict[str, Any]) -> Tuple[str, Callable]:
         g = x["row"].get("group") or x["row"]["label"]
         if x["equal_ttft"] and x["total"] and (g not in best or x["total"] > best[g]["total"]):
             best[g] = x
-    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), "yes" if x["within_budget"] else "no", _err(x["row"])] for x in cr]
-    md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", f"TTFT no worse (≤ +{tol:.0%})", "notes"], rows)
+    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), "yes" if x["within_budget"] else "no", x["placement"] or "not recorded", _err(x["row"])] for x in cr]
+    md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", f"TTFT no worse (≤ +{tol:.0%})", "ran where the baseline ran", "notes"], rows)
 
     def plot(ax_fig):
         fig, ax = ax_fig
