@@ -141,7 +141,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)
     except (patchset.PatchError, ValueError, OSError, zipfile.BadZipFile, KeyError) as e:
-        print(f"sglang-elastic: {type(e).__name__ + ': ' if not isinstance(e, patchset.PatchError) else ''}{e}", file=sys.stderr)
+        from sglang_elastic.eval.advisor import AdviseError  # light: no SGLang import
+
+        ours = isinstance(e, (patchset.PatchError, AdviseError))  # their messages stand alone; others keep their type
+        print(f"sglang-elastic: {'' if ours else type(e).__name__ + ': '}{e}", file=sys.stderr)
         return 2
 
 

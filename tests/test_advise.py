@@ -124,7 +124,7 @@ def test_cli(capsys):
     out = capsys.readouterr().out
     assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out
     assert cli.main(["advise", "--model-config", "/nowhere", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 2
-    assert "--model-config /nowhere: no config.json there and not an embedded model" in capsys.readouterr().err
+    assert capsys.readouterr().err == "sglang-elastic: --model-config /nowhere: no config.json there and not an embedded model\n"  # our message, no class name
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "3"]) == 2
     assert "--tp must be 1, 2, 4 or 8, not 3" in capsys.readouterr().err
 

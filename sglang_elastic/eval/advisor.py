@@ -242,9 +242,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         raise AdviseError(f"--tp must be 1, 2, 4 or 8, not {tp}")
     if chunked_prefill_size is not None and chunked_prefill_size < 1:
         raise AdviseError(f"--chunked-prefill-size must be positive, not {chunked_prefill_size}")
+    mdir = _model_dir(model)  # before anything imports SGLang: a wrong path fails at once
     cal = calibration or load_calibration()
     f = factors(cal, tp)
-    mdir = _model_dir(model)
     gpu_mem_mib = gpu_mem_gib * 1024
     sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunked_prefill_size)
     shape = shape_of(sa)

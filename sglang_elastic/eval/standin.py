@@ -74,13 +74,16 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
             async with lock:
                 await asyncio.sleep(min(chunk, len(ids) - start) / prefill_tok_s)
         out: List[int] = []
-        for i in range(n_out):
-            if i:
-                await asyncio.sleep(itl_s)
-            out.append(7)
-            obj = {"output_ids": [7] if incremental else list(out), "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": None if i < n_out - 1 else {"type": "length"}}}
-            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+        try:
+            for i in range(n_out):
+                if i:
+                    await asyncio.sleep(itl_s)
+                out.append(7)
+                obj = {"output_ids": [7] if incremental else list(out), "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(out), "finish_reason": None if i < n_out - 1 else {"type": "length"}}}
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client closed the stream (an aborted request, as SGLang sees it): not an error
+            pass
         return resp
 
     app = web.Application()
