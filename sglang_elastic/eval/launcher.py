@@ -71,13 +71,18 @@ class ServerResult:
     log_path: Optional[str] = None
 
 
+def _nvidia_smi_gpus(*fields: str) -> List[List[str]]:
+    """One row per GPU of this node with ``fields`` (``--query-gpu``, no units), empty without nvidia-smi."""
+    try:
+        out = subprocess.check_output(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"], text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
 def _nvidia_smi_uuids() -> Dict[str, str]:
     """``{index: UUID}`` of this node's GPUs (nvidia-smi), empty without one."""
-    try:
-        out = subprocess.check_output(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return dict(tuple(x.strip() for x in line.split(",", 1)) for line in out.splitlines() if "," in line)
+    return {i: u for i, u in _nvidia_smi_gpus("index", "uuid")}
 
 
 def bundle_gpus() -> Dict[str, Any]:
@@ -217,9 +222,8 @@ class ServerActor:
     def gpu_mem_mib(self) -> Optional[int]:
         """The smallest ``memory.total`` nvidia-smi lists on this node (what SGLang sizes by)."""
         try:
-            out = subprocess.check_output(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], text=True, timeout=30)
-            return min(int(x) for x in out.split())
-        except (OSError, subprocess.SubprocessError, ValueError):
+            return min(int(mib) for [mib] in _nvidia_smi_gpus("memory.total"))
+        except ValueError:  # no GPU listed, or not a number
             return None
 
     def host(self) -> Dict[str, Any]:
