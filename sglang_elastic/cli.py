@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--dry-run", action="store_true", help="print the launch_server command and exit")
     sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
     ad = sub.add_parser(
-        "advise", allow_abbrev=False, help="predict SGLang's prefill reserve, the lendable bytes and the extra KV tokens; recommend elastic / smaller chunk / neither",
+        "advise", allow_abbrev=False, help="predict SGLang's prefill reserve, the lendable bytes and the extra KV tokens; recommend post-capture sizing / elastic / smaller chunk / neither",
         description="Sizing from SGLang 0.5.17's own ServerArgs (mem_fraction_static, chunked_prefill_size) on a GPU of the given memory, plus measured factors (sglang_elastic/eval/calibration.json). Needs SGLang importable; no GPU.",
     )
     ad.add_argument("--model-config", required=True, help="a model directory or its config.json (HF layout), or an embedded name: llama-3.1-8b, qwen2.5-32b, llama-3.1-70b")
@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     ad.add_argument("--tp", type=int, required=True, help="tensor-parallel degree: 1, 2, 4, 8")
     ad.add_argument("--chunked-prefill-size", type=int, default=None, help="default: SGLang's choice for this GPU size")
     ad.add_argument("--margin-mb", type=float, default=1024, help="MiB kept free when lending (--elastic-kv-margin-mb, default 1024)")
+    ad.add_argument("--max-running-requests", type=int, default=None,
+                    help="the server's --max-running-requests (default: unset, as SGLang's default); at most the decode CUDA graphs' batch lets SGLang's post-capture sizing keep no eager-decode reserve")
     ad.add_argument("--calibration", type=Path, default=None, help="calibration JSON (default: the packaged one)")
     ad.add_argument("--json", action="store_true", help="print the prediction as JSON")
     return ap
@@ -74,7 +76,8 @@ def _advise(args: argparse.Namespace) -> int:
     from sglang_elastic.eval import advisor
 
     cal = advisor.load_calibration(args.calibration)
-    p = advisor.predict(args.model_config, args.gpu_mem_gb, args.tp, args.chunked_prefill_size, margin_mib=args.margin_mb, calibration=cal)
+    p = advisor.predict(args.model_config, args.gpu_mem_gb, args.tp, args.chunked_prefill_size, margin_mib=args.margin_mb, calibration=cal,
+                        max_running_requests=args.max_running_requests)
     print(json.dumps(p, indent=2) if args.json else advisor.format_text(p))
     return 0
 

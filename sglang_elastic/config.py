@@ -26,7 +26,11 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
 - ``--elastic-kv-lend-after-steps N``: decode-only steps in a row before
   lending (hysteresis, default 32).
 - ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
-  and sampling when measuring the lendable bytes (default 1024).
+  and sampling when measuring the lendable bytes (default 1024). It also
+  bounds the decode batch that may run while lent: one above the decode CUDA
+  graphs' ``max_bs`` runs eagerly, so ``dynamic`` lends only while the batch
+  fits the graphs or, by SGLang's own activation estimate, the margin
+  (:func:`sglang_elastic.sched.controller.lend_max_batch`).
 
 Decode attention (only with SGLang's ``--decode-attention-backend persistentkv``,
 the backend this package registers; :mod:`sglang_elastic.attention`):
@@ -136,7 +140,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
     g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
-    g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes.")
+    g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes; also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
     d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: the H200 file shipped in sglang_elastic/attention/calibration). Applies only with --decode-attention-backend persistentkv.")

@@ -119,12 +119,37 @@ def test_recommendations():
     assert wide["recommendation"] == "smaller chunk" and wide["small_chunk_extra_kv_tokens"] > wide["extra_kv_tokens"]
 
 
+def test_post_capture_sizing_is_predicted_as_e2_measured_it():
+    """SGLang's own post-capture KV sizing, against E2's H200 rows
+    (docs/results/eval/capacity.json, Llama-3.1-8B TP 1): 875,016 tokens
+    with --max-running-requests unset (eager decodes: SGLang keeps its whole
+    reserve), 988,662 capped at the decode graphs' 256, 960,870 capped at
+    chunk 32,768. With the cap it beats lending, and the advisor says so."""
+    h200 = H200_MIB / 1024
+    free = advisor.predict("llama-3.1-8b", h200, 1)
+    assert free["decode_graph_max_bs"] == 256 and free["max_running_requests"] is None
+    assert free["post_capture_kv_tokens"] == pytest.approx(875016, rel=0.01)
+    assert free["post_capture_kv_tokens"] < free["max_total_num_tokens"]
+    assert free["post_capture_capped_kv_tokens"] == pytest.approx(988662, rel=0.02)
+    assert free["recommendation"] == "elastic" and "--max-running-requests 256 adds" in free["reason"]  # the capped alternative is named
+    capped = advisor.predict("llama-3.1-8b", h200, 1, max_running_requests=256)
+    assert capped["post_capture_mem_fraction_static"] == 0.996 and capped["post_capture_kv_tokens"] == free["post_capture_capped_kv_tokens"]
+    assert capped["recommendation"] == "post-capture sizing" and capped["post_capture_extra_kv_tokens"] > capped["extra_kv_tokens"]
+    assert advisor.predict("llama-3.1-8b", h200, 1, 32768, max_running_requests=256)["post_capture_kv_tokens"] == pytest.approx(960870, rel=0.02)
+    # a cap above the graphs' batch means eager decodes again: the uncapped size
+    assert advisor.predict("llama-3.1-8b", h200, 1, max_running_requests=257)["post_capture_kv_tokens"] == free["post_capture_kv_tokens"]
+
+
 def test_cli(capsys):
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 0
     out = capsys.readouterr().out
     assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out
     assert cli.main(["advise", "--model-config", "/nowhere", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 2
     assert capsys.readouterr().err == "sglang-elastic: --model-config /nowhere: no config.json there and not an embedded model\n"  # our message, no class name
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1", "--max-running-requests", "256"]) == 0
+    assert "recommendation: post-capture sizing: SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests 256" in capsys.readouterr().out
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1", "--max-running-requests", "0"]) == 2
+    assert "--max-running-requests must be positive, not 0" in capsys.readouterr().err
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "3"]) == 2
     assert "--tp must be 1, 2, 4 or 8, not 3" in capsys.readouterr().err
 

@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang_elastic import config
 from sglang_elastic.config import ElasticKVConfig
 from sglang_elastic.sched import hooks
+from sglang_elastic.sched.controller import lend_max_batch
 
 from test_pool import LAYERS, layer, make_pool
 
@@ -63,7 +65,7 @@ class Bed:
 
     tp = None  # (rank, torch.distributed group) for TP tests
 
-    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False):
+    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024):
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
@@ -76,10 +78,12 @@ class Bed:
             tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
             tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
             invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
-            server_args=types.SimpleNamespace(disaggregation_mode="null"), new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
+            server_args=types.SimpleNamespace(disaggregation_mode="null", speculative_num_draft_tokens=None,
+                                              cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend=Backend.FULL, max_bs=graph_bs))),
+            new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
         )
         self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
-        cfg = ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes))
+        cfg = ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes), margin_mb=margin_mb)
         if stock_pool:  # this rank's elastic pool failed to build: SGLang's allocator instead
             self.sched.token_to_kv_pool_allocator = TokenToKVPoolAllocator(BASE - 1, torch.bfloat16, "cpu", self.pool, False)
         saved = os.environ.get(config.ENV)
@@ -267,6 +271,59 @@ def test_hysteresis_lends_after_the_configured_decode_only_steps_and_reclaims_be
     assert bed.alloc.lent_tokens == ELASTIC
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == ELASTIC
+
+
+def test_no_lend_while_the_decode_batch_would_run_eagerly_above_the_graphs():
+    """A decode batch above the decode graphs' max_bs runs eagerly and takes
+    its activations from the memory lending would use: no lend then (here
+    graphs up to 2 requests, a margin too small for any eager decode)."""
+    bed = Bed(graph_bs=2, margin_mb=0)
+    assert bed.ctl.lend_max_bs == 2
+    for tokens in (range(10), range(20, 30), range(40, 50)):
+        assert bed.admit(list(tokens))
+    for _ in range(3 * bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0, "lent under a batch of 3 that runs without a graph"
+    bed.finish(0)  # the batch fits the graphs again
+    for _ in range(bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+    # it grows only through a prefill, and a waiting request makes one: reclaimed first
+    bed.sched.waiting_queue.append(object())
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+
+
+@pytest.mark.parametrize("backend, max_bs, margin_mb, draft, want", [
+    (Backend.FULL, 256, 1024, None, 256),      # by SGLang's estimate no eager decode fits in the default 1 GiB: the graphs' bound
+    (Backend.FULL, 256, 8192, None, 5120),     # a margin that holds 5,120 eager requests
+    (Backend.DISABLED, 256, 1024, None, 0),    # no decode graphs, no room for an eager decode: never lend
+    (Backend.DISABLED, 256, 4096, None, 2389),
+    (Backend.BREAKABLE, 160, 8192, 4, 1280),   # speculative decoding: 4 tokens per request
+    (Backend.BREAKABLE, 160, 3583, 4, 160),    # just under SGLang's 2,048-token floor: the graphs' bound
+])
+def test_lend_max_batch_follows_the_decode_graphs_and_sglangs_own_activation_estimate(backend, max_bs, margin_mb, draft, want):
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cuda",
+                      cuda_graph_backend_decode=backend, cuda_graph_max_bs_decode=max_bs)  # as `launch_server` flags (resolves without a GPU)
+    assert (args.cuda_graph_config.decode.backend, args.cuda_graph_config.decode.max_bs) == (backend, max_bs)
+    if draft:  # speculative flags need a draft model to resolve: the one field read, beside the real config
+        args = types.SimpleNamespace(cuda_graph_config=args.cuda_graph_config, speculative_num_draft_tokens=draft)
+    got = lend_max_batch(args, margin_mb)
+    assert got == want
+
+    def est(tokens):  # SGLang's own activation estimate, MiB, less its TP term (buffers allocated before we measure)
+        shape = types.SimpleNamespace(disaggregation_mode="null", chunked_prefill_size=tokens, max_prefill_tokens=tokens, tp_size=1, pp_size=1)
+        return ServerArgs.pre_capture_activation_reserve_mb(shape, None) - 1024 / 8
+
+    per_req = draft or 1
+    if got > (max_bs if backend != Backend.DISABLED else 0):  # the eager bound: `got` requests fit, one more does not
+        assert est(got * per_req) <= margin_mb < est((got + 1) * per_req)
+    else:  # the graphs' bound: no eager batch above it fits
+        assert est((got + 1) * per_req) > margin_mb
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

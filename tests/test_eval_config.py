@@ -120,6 +120,30 @@ def test_run_script_resume_starts_nothing_when_every_row_is_measured(tmp_path):
     assert r.returncode == 0 and "is measured" in r.stdout, r.stderr
 
 
+def test_run_script_names_asked_rows_a_start_deadline_left_unmeasured(tmp_path):
+    """--only re-measures a row; when the call's start deadline passes first,
+    the summary line says the earlier result was kept (it once read as if
+    the row had been measured again)."""
+    import json
+    import subprocess
+    import sys
+
+    from sglang_elastic.eval import config
+
+    p = tmp_path / "e.yaml"
+    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 1}]\n")
+    exp = config.load(p)
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"label": s.label, "ok": True, "identity": s.identity(), "workloads": [], "measured": {"date": "2026-11-29"}} for s in exp.servers]
+    (out / "reserve_vs_tp.standin.json").write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
+                        "--only", "a", "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "failed: none; not started this time, earlier result kept: a\n" in r.stdout, r.stdout
+    assert json.loads((out / "reserve_vs_tp.standin.json").read_text())["rows"][0]["measured"] == {"date": "2026-11-29"}
+
+
 def test_resume_skips_only_rows_measured_for_the_config_as_it_is():
     from sglang_elastic.eval import experiments
 

@@ -1,7 +1,7 @@
 """The advisor against every measured point: each calibration point
 (sglang_elastic/eval/calibration.json) predicted from a fit without it
-(leave-one-out), E3's rows not among them, E1's and E2's elastic rows and
-the elastic pool's own runs (their lendable tokens; predicted without the
+(leave-one-out), E3's rows not among them, E1's and E2's elastic rows, E2's
+post-capture rows (SGLang's own sizing) and the elastic pool's own runs (their lendable tokens; predicted without the
 calibration point of the same model, TP and chunk) -> docs/results/eval/advisor.json,
 the table in docs/eval.md. Needs SGLang importable (CPU is enough).
 
@@ -72,6 +72,22 @@ def main() -> int:
             points.append({"label": f"{s['model']} TP{s['tp']} ({d['experiment'].replace('ttft_vs_chunk', 'E1').replace('capacity', 'E2')} {r['label']}, {el.get('mode', 'dynamic')})", "tp": s["tp"],
                            "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
                            "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "max_total_num_tokens": f.get("max_total_num_tokens"), "free_after_graphs_gib": f.get("free_after_graphs_gib"), "extra_kv_tokens": el["lendable_tokens"]}, "predicted": pred})
+    # E2's post-capture rows: SGLang's own sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1) against
+    # the advisor's prediction of it, with the row's --max-running-requests
+    for path in sorted((ROOT / "docs/results/eval").glob("capacity*.json")):
+        d = json.loads(path.read_text())
+        for r in d["rows"]:
+            f, s = r.get("facts") or {}, r["server"]
+            if not (r.get("ok") and f.get("gpu_mem_mib") and (s.get("env") or {}).get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING") == "1") or r.get("reused_from"):
+                continue
+            args = s.get("extra_args") or []
+            mrr = int(args[args.index("--max-running-requests") + 1]) if "--max-running-requests" in args else None
+            chunk = s.get("chunked_prefill_size")
+            held, held_out = without(s["model"], s["tp"], chunk)
+            pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], chunk, calibration=held, max_running_requests=mrr)
+            points.append({"label": f"{s['model']} TP{s['tp']} (E2 {r['label']}, post-capture sizing)", "tp": s["tp"],
+                           "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
+                           "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "post_capture_kv_tokens": f.get("max_total_num_tokens")}, "predicted": pred})
     # The elastic pool's own H200 runs: SGLang's token count and what was lent
     # (free after graphs, torch cache emptied, less the 1 GiB default margin).
     parts = ROOT / "docs/results/elastic_h200_parts"

@@ -39,6 +39,20 @@ Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``
 ``free after graphs = reserve - graph_fixed - per_token * chunk``,
 ``lendable = free after graphs - margin`` (the elastic pool's
 ``--elastic-kv-margin-mb``, default 1 GiB), ``extra tokens = lendable / cell``.
+
+SGLang's own alternative, post-capture KV sizing
+(``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1``), is predicted the way
+``compute_post_capture_kv_resize`` (sglang/srt/model_executor/
+model_runner_components/kv_pool_runtime.py) sizes it: SGLang's
+``mem_fraction_static`` with the env set caps the pool; after capture it
+gets ``pre_model_load_free - weights/tp - graphs - headroom`` with
+``headroom = pre_model_load_free * (1 - that fraction)``, or SGLang's whole
+activation reserve (``pre_capture_activation_reserve_mb``) when more
+requests may run than the decode CUDA graphs hold (``--max-running-requests``
+unset or above their ``max_bs``: eager decodes). The elastic pool lends only
+while the decode batch fits those graphs (``lend_max_batch``,
+sglang_elastic/sched/controller.py), so both serve the same batches from the
+extra memory; post-capture sizing needs no reclaim.
 """
 
 from __future__ import annotations
@@ -232,8 +246,26 @@ def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
     return reserve, kv, max(0, int(kv * GIB // cell))
 
 
-def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optional[int] = None, margin_mib: float = DEFAULT_MARGIN_MIB, calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Reserve, lendable bytes, extra KV tokens and a recommendation."""
+def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optional[int] = None, margin_mib: float = DEFAULT_MARGIN_MIB,
+            calibration: Optional[Dict[str, Any]] = None, max_running_requests: Optional[int] = None) -> Dict[str, Any]:
+    """Reserve, lendable bytes, extra KV tokens, SGLang's post-capture
+    sizing and a recommendation.
+
+    Args:
+        model: a model directory / ``config.json`` or an embedded name.
+        gpu_mem_gib: one GPU's memory, GiB.
+        tp: tensor-parallel degree (1, 2, 4, 8).
+        chunked_prefill_size: tokens (default: SGLang's choice for the GPU).
+        margin_mib: ``--elastic-kv-margin-mb``, MiB.
+        calibration: measured points (default: the packaged file).
+        max_running_requests: the server's ``--max-running-requests``
+            (default: unset, SGLang sizes it from the pool, far above the
+            decode graphs' batch).
+
+    Raises:
+        AdviseError: a bad argument, an unknown model layout, or a reserve
+            larger than the GPU.
+    """
     if not math.isfinite(gpu_mem_gib) or gpu_mem_gib <= 0:
         raise AdviseError(f"--gpu-mem-gb must be a positive number, not {gpu_mem_gib}")
     if not math.isfinite(margin_mib) or margin_mib < 0:
@@ -242,6 +274,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         raise AdviseError(f"--tp must be 1, 2, 4 or 8, not {tp}")
     if chunked_prefill_size is not None and chunked_prefill_size < 1:
         raise AdviseError(f"--chunked-prefill-size must be positive, not {chunked_prefill_size}")
+    if max_running_requests is not None and max_running_requests < 1:
+        raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
     mdir = _model_dir(model)  # before anything imports SGLang: a wrong path fails at once
     cal = calibration or load_calibration()
     f = factors(cal, tp)
@@ -265,6 +299,10 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     small = sglang_server_args(mdir, gpu_mem_mib, tp, SMALL_CHUNK)
     _, _, small_tokens = _kv_tokens(pre_free, weights, small.mem_fraction_static, cell)
     chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
+    graph_bs = int(sa.cuda_graph_config.decode.max_bs or 0)
+    pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, max_running_requests)
+    pc_capped = pc if max_running_requests is not None and max_running_requests <= graph_bs else \
+        post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, graph_bs)[0]
     out = {
         "model": str(model),
         "gpu_mem_gib": gpu_mem_gib,
@@ -287,6 +325,12 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "small_chunk": SMALL_CHUNK,
         "small_chunk_mem_fraction_static": small.mem_fraction_static,
         "small_chunk_extra_kv_tokens": chunk_gain,
+        "max_running_requests": max_running_requests,
+        "decode_graph_max_bs": graph_bs,
+        "post_capture_mem_fraction_static": pc_mfs,
+        "post_capture_kv_tokens": pc,
+        "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
+        "post_capture_capped_kv_tokens": pc_capped,
         "factors": f,
         "calibration": cal["source"],
         "calibration_points": len(cal["points"]),
@@ -295,25 +339,62 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     return out
 
 
+def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graph: float, cell: int,
+                        max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float]]":
+    """KV tokens and ``mem_fraction_static`` under SGLang's post-capture
+    sizing (module doc), or (None, None) where SGLang would not
+    post-capture-size this setup."""
+    extra = {} if max_running_requests is None else {"max_running_requests": max_running_requests}
+    from sglang.srt.environ import envs
+
+    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunk, post_capture=True, **extra)
+    with envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.override(True):  # the check reads the env, as at launch with it set
+        if not sa.post_capture_kv_sizing_planned():
+            return None, None
+    _, _, cap = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
+    headroom = pre_free * (1 - sa.mem_fraction_static)
+    decode = sa.cuda_graph_config.decode
+    if max_running_requests is None or max_running_requests > int(decode.max_bs or 0):  # eager decodes: SGLang keeps its reserve
+        headroom = max(headroom, sa.pre_capture_activation_reserve_mb(gpu_mem_mib) / 1024)
+    return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static
+
+
 def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
-    """``elastic`` / ``smaller chunk`` / ``neither``, with the reason in numbers."""
+    """``post-capture sizing`` / ``elastic`` / ``smaller chunk`` / ``neither``,
+    with the reason in numbers."""
     tokens = p["max_total_num_tokens"]
     if tokens <= 0:
         return "neither", (f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) and SGLang's reserve ({p['reserve_gib']:.1f} GiB) "
                            f"leave no KV pool on a {p['gpu_mem_gib']:g} GiB GPU at TP {p['tp']}: raise the TP degree or use a larger GPU")
     eg = p["extra_kv_tokens"] / tokens
     cg = p["small_chunk_extra_kv_tokens"] / tokens
+    pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
+    bs, mrr = p["decode_graph_max_bs"], p["max_running_requests"]
+    capped = p["post_capture_capped_kv_tokens"]
+    if pg >= MIN_GAIN and pg >= eg and pg >= cg:
+        return "post-capture sizing", (
+            f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr} sizes the pool after CUDA-graph capture: "
+            f"+{p['post_capture_extra_kv_tokens']:,} KV tokens ({pg:.0%} of {tokens:,}) for good, with nothing to reclaim; lending would add "
+            f"{p['extra_kv_tokens']:,} ({eg:.0%}) while only decodes of at most {bs} requests run, a {p['small_chunk']}-token chunk {p['small_chunk_extra_kv_tokens']:,} ({cg:.0%})"
+        )
+    alt = ""
+    if capped is not None and (mrr is None or mrr > bs) and (capped - tokens) / tokens >= max(eg, MIN_GAIN):
+        alt = (f"; if at most {bs} requests need to run at once, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {bs} "
+               f"adds {capped - tokens:,} ({(capped - tokens) / tokens:.0%}) for good (without that cap it keeps SGLang's whole reserve for eager decodes)")
     if eg >= MIN_GAIN and eg >= cg:
         return "elastic", (
             f"lending {p['lendable_gib']:.1f} GiB of the {p['reserve_gib']:.1f} GiB reserve adds {p['extra_kv_tokens']:,} KV tokens "
-            f"({eg:.0%} of {tokens:,}) while only decodes run; --chunked-prefill-size {p['small_chunk']} would add {p['small_chunk_extra_kv_tokens']:,} ({cg:.0%}) for good"
+            f"({eg:.0%} of {tokens:,}) while only decodes of at most {bs} requests run; --chunked-prefill-size {p['small_chunk']} would add {p['small_chunk_extra_kv_tokens']:,} ({cg:.0%}) for good"
+            + alt
         )
     if cg >= MIN_GAIN:
         return "smaller chunk", (
             f"--chunked-prefill-size {p['small_chunk']} adds {p['small_chunk_extra_kv_tokens']:,} KV tokens ({cg:.0%}) permanently "
             f"(mem_fraction_static {p['mem_fraction_static']} -> {p['small_chunk_mem_fraction_static']}), more than lending ({p['extra_kv_tokens']:,}, {eg:.0%})"
+            + alt
         )
-    return "neither", f"lending adds {eg:.1%} and a {p['small_chunk']}-token chunk {cg:.1%} to a pool of {tokens:,} tokens, both under {MIN_GAIN:.0%}"
+    return "neither", (f"lending adds {eg:.1%}, a {p['small_chunk']}-token chunk {cg:.1%} and post-capture sizing {pg:.1%} to a pool of {tokens:,} tokens, "
+                       f"all under {MIN_GAIN:.0%}" + alt)
 
 
 def format_text(p: Dict[str, Any]) -> str:
@@ -326,6 +407,11 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token'] / 1024:.0f} KiB per chunk token): "
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
+        "  SGLang's post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1): "
+        + ("not available for this setup" if p["post_capture_kv_tokens"] is None else
+           f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
+           + ("" if p["max_running_requests"] == p["decode_graph_max_bs"] or p["post_capture_capped_kv_tokens"] is None else
+              f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s)"
         + (f"; no point at TP {p['tp']}: TP {p['factors']['extrapolated_from_tp']}'s context and graph memory" if p["factors"]["extrapolated_from_tp"] else "")

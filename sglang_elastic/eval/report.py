@@ -309,11 +309,16 @@ def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
 
     for p in d["points"]:
         m, pr = p["measured"], p["predicted"]
+        if "post_capture_kv_tokens" in m:  # SGLang's post-capture sizing: its own fraction and pool, nothing lent
+            pr = {"mem_fraction_static": pr.get("post_capture_mem_fraction_static"), "post_capture_kv_tokens": pr.get("post_capture_kv_tokens"),
+                  "recommendation": pr.get("recommendation")}
         rows.append([p["label"], str(p["tp"]), _n(m.get("mem_fraction_static")), _n(pr.get("mem_fraction_static")), _n(m.get("max_total_num_tokens")), _n(pr.get("max_total_num_tokens")), err("max_total_num_tokens", m, pr),
                      _n(m.get("free_after_graphs_gib"), "{:.2f}"), _n(pr.get("free_after_graphs_gib"), "{:.2f}"), err("free_after_graphs_gib", m, pr),
-                     _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), err("extra_kv_tokens", m, pr), pr.get("recommendation", "–"), p.get("source", "")])
+                     _n(m.get("extra_kv_tokens")), _n(pr.get("extra_kv_tokens")), err("extra_kv_tokens", m, pr),
+                     _n(m.get("post_capture_kv_tokens")), _n(pr.get("post_capture_kv_tokens")), err("post_capture_kv_tokens", m, pr),
+                     pr.get("recommendation", "–"), p.get("source", "")])
     md = _table(["measured point", "TP", "mem_fraction_static measured", "predicted", "max_total_num_tokens measured", "predicted", "error", "free after graphs GiB measured", "predicted", "error",
-                 "extra KV tokens (lent) measured", "predicted", "error", "recommendation", "source"], rows)
+                 "extra KV tokens (lent) measured", "predicted", "error", "post-capture KV tokens measured", "predicted", "error", "recommendation", "source"], rows)
     return md, None
 
 

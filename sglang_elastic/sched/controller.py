@@ -70,6 +70,48 @@ def agree_min(sched, *values: int):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+#: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
+#: ``512 + 1.5 * max(T, 2048)`` (``ServerArgs.pre_capture_activation_reserve_mb``,
+#: sglang/srt/server_args.py, which sizes its reserve "for eager decode
+#: above the captured max_bs and transient prefill/logits").
+EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS = 512, 1.5, 2048
+
+
+def lend_max_batch(server_args, margin_mb: int) -> int:
+    """Largest decode batch, in requests, that may run while the reserve is lent.
+
+    A decode batch up to the decode CUDA graphs' ``max_bs`` replays a graph
+    whose activations live in the graph pool captured at start-up; a larger
+    one (or any, with decode graphs disabled) runs eagerly and allocates its
+    activations then, from the memory SGLang kept back and we lend. So the
+    bound is the graphs' ``max_bs``, or, if larger, the batch whose eager
+    activations by SGLang's own estimate (:data:`EAGER_FIXED_MB` +
+    :data:`EAGER_MB_PER_TOKEN` per token, at least :data:`EAGER_MIN_TOKENS`
+    tokens, a request counting its speculative draft tokens) fit in
+    ``margin_mb``; with the default 1024 MiB no eager batch does. SGLang's
+    post-capture KV sizing keeps its whole reserve for the same case
+    (``compute_post_capture_kv_resize``, sglang/srt/model_executor/
+    model_runner_components/kv_pool_runtime.py).
+
+    Args:
+        server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.decode``:
+            ``backend``, ``max_bs``; ``speculative_num_draft_tokens``).
+        margin_mb: ``--elastic-kv-margin-mb``, MiB left free while lent.
+
+    Returns:
+        requests (>= 0; 0: never lend); the same on every TP rank (a
+        function of the flags).
+    """
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    decode = server_args.cuda_graph_config.decode
+    graph_bs = 0 if decode.backend == Backend.DISABLED else int(decode.max_bs or 0)
+    per_req = max(int(getattr(server_args, "speculative_num_draft_tokens", None) or 1), 1)
+    eager_tokens = (margin_mb - EAGER_FIXED_MB) / EAGER_MB_PER_TOKEN
+    eager_bs = int(eager_tokens // per_req) if eager_tokens >= EAGER_MIN_TOKENS else 0
+    return max(graph_bs, eager_bs)
+
+
 class ElasticController:
     """Lend/reclaim policy and mechanics for one scheduler.
 
@@ -97,13 +139,17 @@ class ElasticController:
             from sglang_elastic.sched.metrics import ElasticMetrics
 
             self.metrics = ElasticMetrics({k: str(v) for k, v in sched.metrics_collector.labels.items()})
+        #: Largest decode batch (requests) that may run while lent: see :func:`lend_max_batch`.
+        self.lend_max_bs = lend_max_batch(sched.server_args, cfg.margin_mb)
         path = os.environ.get(EVENTS_ENV)
         self._events = open(path, "a", buffering=1) if path and sched.tp_group.rank_in_group == 0 else None
         self.lendable_tokens = self._measure()
         logger.info(
-            "sglang-elastic: base %d KV tokens (SGLang's max_total_num_tokens), lendable %d tokens = %.2f GiB in %d step(s), mode %s",
+            "sglang-elastic: base %d KV tokens (SGLang's max_total_num_tokens), lendable %d tokens = %.2f GiB in %d step(s), mode %s, "
+            "lends while the decode batch has at most %d requests",
             self.alloc.usable_base_tokens - self.page, self.lendable_tokens,
             self.lendable_tokens * self.arena.step_bytes() / max(self.arena.step_tokens, 1) / 2**30, self.arena.max_steps, cfg.mode,
+            self.lend_max_bs,
         )
         if cfg.mode == "always-lent":
             self.lend()
@@ -177,7 +223,11 @@ class ElasticController:
     def after_prefill(self, new_batch, running_batch) -> None:
         """Count decode-only steps; lend after enough in a row, unless a
         prefill could form on the next pass (requests wait while the batch is
-        not full: the next pass would reclaim right away)."""
+        not full: the next pass would reclaim right away) or the decode batch
+        is larger than :attr:`lend_max_bs` (it would run eagerly and need
+        the activation memory lent). The batch grows only through a prefill,
+        which :meth:`before_prefill` reclaims for, so a lent reserve never
+        meets a larger decode batch."""
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return
@@ -185,6 +235,7 @@ class ElasticController:
         if (
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
             and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
+            and len(running_batch.reqs) <= self.lend_max_bs
         ):
             if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
                 self.decode_only_steps = 0
