@@ -140,6 +140,21 @@ def test_post_capture_sizing_is_predicted_as_e2_measured_it():
     assert advisor.predict("llama-3.1-8b", h200, 1, max_running_requests=257)["post_capture_kv_tokens"] == free["post_capture_kv_tokens"]
 
 
+def test_post_capture_texts_name_what_applies():
+    h200 = H200_MIB / 1024
+    below = advisor.predict("llama-3.1-8b", h200, 1, max_running_requests=64)  # under the graphs' 256: no eager decodes either
+    assert below["post_capture_kv_tokens"] == below["post_capture_capped_kv_tokens"] and below["recommendation"] == "post-capture sizing"
+    line = next(x for x in advisor.format_text(below).splitlines() if "post-capture KV sizing" in x)
+    assert line.endswith("KV tokens with --max-running-requests 64"), line  # no second, capped figure
+    floor = advisor.predict("llama-3.1-8b", h200, 1, 2048)  # uncapped post-capture sizing gives fewer tokens than stock here
+    assert floor["post_capture_extra_kv_tokens"] < 0 and floor["recommendation"] == "neither" and "post-capture" not in floor["reason"]
+    # a smaller chunk wins, and post-capture sizing as asked is named beside it
+    wide = advisor.predict("llama-3.1-8b", h200, 1, 16384, margin_mib=16000, max_running_requests=128)
+    p = {**wide, "post_capture_extra_kv_tokens": wide["small_chunk_extra_kv_tokens"] // 2}
+    rec, why = advisor.recommend(p)
+    assert rec == "smaller chunk" and f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 would add {p['post_capture_extra_kv_tokens']:,}" in why
+
+
 def test_cli(capsys):
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 0
     out = capsys.readouterr().out

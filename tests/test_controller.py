@@ -297,10 +297,10 @@ def test_no_lend_while_the_decode_batch_would_run_eagerly_above_the_graphs():
 
 @pytest.mark.parametrize("backend, max_bs, margin_mb, draft, want", [
     (Backend.FULL, 256, 1024, None, 256),      # by SGLang's estimate no eager decode fits in the default 1 GiB: the graphs' bound
-    (Backend.FULL, 256, 8192, None, 5120),     # a margin that holds 5,120 eager requests
+    (Backend.FULL, 256, 8192, None, 5034),     # a margin that holds 5,034 eager requests
     (Backend.DISABLED, 256, 1024, None, 0),    # no decode graphs, no room for an eager decode: never lend
-    (Backend.DISABLED, 256, 4096, None, 2389),
-    (Backend.BREAKABLE, 160, 8192, 4, 1280),   # speculative decoding: 4 tokens per request
+    (Backend.DISABLED, 256, 4096, None, 2304),
+    (Backend.BREAKABLE, 160, 8192, 4, 1258),   # speculative decoding: 4 tokens per request
     (Backend.BREAKABLE, 160, 3583, 4, 160),    # just under SGLang's 2,048-token floor: the graphs' bound
 ])
 def test_lend_max_batch_follows_the_decode_graphs_and_sglangs_own_activation_estimate(backend, max_bs, margin_mb, draft, want):
@@ -315,15 +315,31 @@ def test_lend_max_batch_follows_the_decode_graphs_and_sglangs_own_activation_est
     got = lend_max_batch(args, margin_mb)
     assert got == want
 
-    def est(tokens):  # SGLang's own activation estimate, MiB, less its TP term (buffers allocated before we measure)
+    def est(tokens):  # SGLang's own activation estimate, MiB, for `tokens` in flight at TP 1
         shape = types.SimpleNamespace(disaggregation_mode="null", chunked_prefill_size=tokens, max_prefill_tokens=tokens, tp_size=1, pp_size=1)
-        return ServerArgs.pre_capture_activation_reserve_mb(shape, None) - 1024 / 8
+        return ServerArgs.pre_capture_activation_reserve_mb(shape, None)
 
     per_req = draft or 1
     if got > (max_bs if backend != Backend.DISABLED else 0):  # the eager bound: `got` requests fit, one more does not
         assert est(got * per_req) <= margin_mb < est((got + 1) * per_req)
     else:  # the graphs' bound: no eager batch above it fits
         assert est((got + 1) * per_req) > margin_mb
+
+
+def test_lend_max_batch_without_graph_padding_stops_at_the_first_uncaptured_size():
+    """--disable-cuda-graph-padding: a batch replays a graph only at a
+    captured size, so a gap in --cuda-graph-bs ends the safe range; the TP
+    term of SGLang's estimate counts too (TP 8: 1 GiB)."""
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    model = os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b")
+    gappy = ServerArgs(model_path=model, device="cuda", disable_cuda_graph_padding=True, cuda_graph_bs_decode=[1, 2, 3, 4, 8, 16])
+    assert gappy.cuda_graph_config.decode.max_bs == 16 and lend_max_batch(gappy, 1024) == 4
+    whole = ServerArgs(model_path=model, device="cuda", disable_cuda_graph_padding=True, cuda_graph_max_bs_decode=64)  # SGLang captures 1..64
+    assert lend_max_batch(whole, 1024) == 64
+    tp8 = types.SimpleNamespace(cuda_graph_config=whole.cuda_graph_config, tp_size=8, pp_size=1)
+    assert lend_max_batch(tp8, 4096) == 64 < lend_max_batch(types.SimpleNamespace(cuda_graph_config=whole.cuda_graph_config, tp_size=1, pp_size=1), 4096)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -142,6 +142,10 @@ def test_run_script_names_asked_rows_a_start_deadline_left_unmeasured(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "failed: none; not started this time, earlier result kept: a\n" in r.stdout, r.stdout
     assert json.loads((out / "reserve_vs_tp.standin.json").read_text())["rows"][0]["measured"] == {"date": "2026-11-29"}
+    # without --only every row was asked for
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
+                        "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "not started this time, earlier result kept: a, b\n" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
 def test_resume_skips_only_rows_measured_for_the_config_as_it_is():

@@ -97,7 +97,7 @@ def main() -> int:
     stale = [r["label"] for r in body["rows"] if r["ok"] and not client_current(r)]  # kept until --resume measures them again
     before = {r.get("label"): r for r in (previous or {}).get("rows", [])}
     # asked for, but never started (a start deadline, a cluster too small): the file keeps its earlier measurement
-    kept = [r["label"] for r in body["rows"] if only and r["label"] in only and r["ok"] and before.get(r["label"]) == r]
+    kept = [r["label"] for r in body["rows"] if (not only or r["label"] in only) and r["ok"] and not r.get("reused_from") and before.get(r["label"]) == r]
     print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else "")
           + (f"; older client (cumulative streaming), to measure again: {', '.join(stale)}" if stale else "")
           + (f"; not started this time, earlier result kept: {', '.join(kept)}" if kept else ""))

@@ -370,15 +370,19 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
     bs, mrr = p["decode_graph_max_bs"], p["max_running_requests"]
-    capped = p["post_capture_capped_kv_tokens"]
-    if pg >= MIN_GAIN and pg >= eg and pg >= cg:
+    within = mrr is not None and mrr <= bs  # no eager decodes: post-capture sizing keeps no activation reserve
+    if within and pg >= MIN_GAIN and pg >= eg and pg >= cg:
         return "post-capture sizing", (
             f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr} sizes the pool after CUDA-graph capture: "
             f"+{p['post_capture_extra_kv_tokens']:,} KV tokens ({pg:.0%} of {tokens:,}) for good, with nothing to reclaim; lending would add "
             f"{p['extra_kv_tokens']:,} ({eg:.0%}) while only decodes of at most {bs} requests run, a {p['small_chunk']}-token chunk {p['small_chunk_extra_kv_tokens']:,} ({cg:.0%})"
         )
+    # post-capture sizing as an alternative worth naming: as asked, or capped at the graphs' batch
     alt = ""
-    if capped is not None and (mrr is None or mrr > bs) and (capped - tokens) / tokens >= max(eg, MIN_GAIN):
+    capped = p["post_capture_capped_kv_tokens"]
+    if within and pg >= MIN_GAIN:
+        alt = f"; SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 would add {p['post_capture_extra_kv_tokens']:,} ({pg:.0%}) for good"
+    elif not within and capped is not None and (capped - tokens) / tokens >= MIN_GAIN:
         alt = (f"; if at most {bs} requests need to run at once, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {bs} "
                f"adds {capped - tokens:,} ({(capped - tokens) / tokens:.0%}) for good (without that cap it keeps SGLang's whole reserve for eager decodes)")
     if eg >= MIN_GAIN and eg >= cg:
@@ -393,8 +397,8 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
             f"(mem_fraction_static {p['mem_fraction_static']} -> {p['small_chunk_mem_fraction_static']}), more than lending ({p['extra_kv_tokens']:,}, {eg:.0%})"
             + alt
         )
-    return "neither", (f"lending adds {eg:.1%}, a {p['small_chunk']}-token chunk {cg:.1%} and post-capture sizing {pg:.1%} to a pool of {tokens:,} tokens, "
-                       f"all under {MIN_GAIN:.0%}" + alt)
+    pc = f", post-capture sizing {pg:.1%}" if pg > 0 else ""
+    return "neither", f"lending adds {eg:.1%} and a {p['small_chunk']}-token chunk {cg:.1%}{pc} to a pool of {tokens:,} tokens, all under {MIN_GAIN:.0%}" + alt
 
 
 def format_text(p: Dict[str, Any]) -> str:
@@ -410,7 +414,7 @@ def format_text(p: Dict[str, Any]) -> str:
         "  SGLang's post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1): "
         + ("not available for this setup" if p["post_capture_kv_tokens"] is None else
            f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
-           + ("" if p["max_running_requests"] == p["decode_graph_max_bs"] or p["post_capture_capped_kv_tokens"] is None else
+           + ("" if (p["max_running_requests"] is not None and p["max_running_requests"] <= p["decode_graph_max_bs"]) or p["post_capture_capped_kv_tokens"] is None else
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s)"

@@ -71,10 +71,11 @@ def agree_min(sched, *values: int):
 
 
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
-#: ``512 + 1.5 * max(T, 2048)`` (``ServerArgs.pre_capture_activation_reserve_mb``,
-#: sglang/srt/server_args.py, which sizes its reserve "for eager decode
-#: above the captured max_bs and transient prefill/logits").
-EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS = 512, 1.5, 2048
+#: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
+#: (``ServerArgs.pre_capture_activation_reserve_mb``, sglang/srt/server_args.py,
+#: which sizes its reserve "for eager decode above the captured max_bs and
+#: transient prefill/logits").
+EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
 
 
 def lend_max_batch(server_args, margin_mb: int) -> int:
@@ -84,18 +85,22 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
     whose activations live in the graph pool captured at start-up; a larger
     one (or any, with decode graphs disabled) runs eagerly and allocates its
     activations then, from the memory SGLang kept back and we lend. So the
-    bound is the graphs' ``max_bs``, or, if larger, the batch whose eager
+    bound is the graphs' ``max_bs`` (with ``--disable-cuda-graph-padding``,
+    only the sizes up to the first gap in the captured list: a batch between
+    captured sizes runs eagerly then), or, if larger, the batch whose eager
     activations by SGLang's own estimate (:data:`EAGER_FIXED_MB` +
     :data:`EAGER_MB_PER_TOKEN` per token, at least :data:`EAGER_MIN_TOKENS`
-    tokens, a request counting its speculative draft tokens) fit in
-    ``margin_mb``; with the default 1024 MiB no eager batch does. SGLang's
+    tokens, a request counting its speculative draft tokens, plus
+    :data:`EAGER_MB_PER_RANK` per TP x PP rank) fit in ``margin_mb``; with
+    the default 1024 MiB no eager batch does. SGLang's
     post-capture KV sizing keeps its whole reserve for the same case
     (``compute_post_capture_kv_resize``, sglang/srt/model_executor/
     model_runner_components/kv_pool_runtime.py).
 
     Args:
         server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.decode``:
-            ``backend``, ``max_bs``; ``speculative_num_draft_tokens``).
+            ``backend``, ``max_bs``, ``bs``; ``disable_cuda_graph_padding``,
+            ``speculative_num_draft_tokens``, ``tp_size``, ``pp_size``).
         margin_mb: ``--elastic-kv-margin-mb``, MiB left free while lent.
 
     Returns:
@@ -106,8 +111,15 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
 
     decode = server_args.cuda_graph_config.decode
     graph_bs = 0 if decode.backend == Backend.DISABLED else int(decode.max_bs or 0)
+    if graph_bs and getattr(server_args, "disable_cuda_graph_padding", False):  # only captured sizes replay
+        captured = set(decode.bs or [])
+        contiguous = 0
+        while contiguous + 1 in captured:
+            contiguous += 1
+        graph_bs = min(graph_bs, contiguous)
     per_req = max(int(getattr(server_args, "speculative_num_draft_tokens", None) or 1), 1)
-    eager_tokens = (margin_mb - EAGER_FIXED_MB) / EAGER_MB_PER_TOKEN
+    ranks = int(getattr(server_args, "tp_size", 1) or 1) * int(getattr(server_args, "pp_size", 1) or 1)
+    eager_tokens = (margin_mb - EAGER_FIXED_MB - EAGER_MB_PER_RANK * ranks) / EAGER_MB_PER_TOKEN
     eager_bs = int(eager_tokens // per_req) if eager_tokens >= EAGER_MIN_TOKENS else 0
     return max(graph_bs, eager_bs)
 
