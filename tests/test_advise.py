@@ -72,7 +72,7 @@ def test_the_context_and_graph_memory_are_per_tp_and_extrapolated_upwards():
     p = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 8)
     assert p["factors"]["extrapolated_from_tp"] == 2
     text = advisor.format_text(p)
-    assert "no point at TP 8: TP 2's context and graph memory" in text and "decode graphs up to batch 512 at TP >= 4" in text
+    assert "no measured point at TP 8: TP 2's context and graph memory" in text and "decode graphs up to batch 512 here (256 where measured)" in text
     with pytest.raises(advisor.AdviseError, match="no measured points"):
         advisor.factors({**cal, "points": []}, 1)
 
@@ -105,6 +105,7 @@ def test_the_reserve_shrinks_against_the_kv_pool_as_tp_grows():
 def test_recommendations():
     big = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 1)
     assert big["max_total_num_tokens"] == 0 and big["recommendation"] == "neither" and "raise the TP degree" in big["reason"]
+    assert "gives 8,5" in big["reason"] and "fewer than 32,768" in big["reason"]  # post-capture sizing's few thousand tokens, named
     # E1 measured it: at a 32,768-token chunk the pool lends 336,896 tokens,
     # more than a 2,048-token chunk would add (935,704 - 610,724 = 324,980)
     huge_chunk = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 32768)
@@ -153,6 +154,33 @@ def test_post_capture_texts_name_what_applies():
     p = {**wide, "post_capture_extra_kv_tokens": wide["small_chunk_extra_kv_tokens"] // 2}
     rec, why = advisor.recommend(p)
     assert rec == "smaller chunk" and f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 would add {p['post_capture_extra_kv_tokens']:,}" in why
+
+
+def test_no_kv_pool_points_at_what_gives_one_and_warnings_say_where_the_fit_is_thin(tmp_path):
+    h200 = H200_MIB / 1024
+    # a 65,536-token chunk leaves a TP 2 70B no pool; a 2,048 chunk gives one: say so, not "raise TP"
+    huge = advisor.predict("llama-3.1-70b", h200, 2, 65536)
+    assert huge["max_total_num_tokens"] == 0 and huge["recommendation"] == "smaller chunk"
+    assert f"--chunked-prefill-size 2048 gives {huge['small_chunk_extra_kv_tokens']:,} KV tokens" in huge["reason"]
+    # a floored reserve larger than the GPU: a smaller chunk cannot help
+    with pytest.raises(advisor.AdviseError, match="at least 2048 tokens of activations whatever the chunk; use a larger GPU"):
+        advisor.predict("llama-3.1-8b", 1, 1)
+    # outside the measured GPU size and TP degree: caveats, in the JSON and the text
+    small = advisor.predict("llama-3.1-8b", 24, 1)
+    assert small["decode_graph_max_bs"] < 256 and any("measured on 140.4 GiB GPUs only: on 24 GiB" in c for c in small["caveats"])
+    tp8 = advisor.predict("llama-3.1-70b", h200, 8)
+    assert tp8["decode_graph_max_bs"] == 512 and any("overstated" in c for c in tp8["caveats"])
+    assert "caveat: no measured point at TP 8" in advisor.format_text(tp8)
+    assert advisor.predict("llama-3.1-8b", h200, 1)["caveats"] == []
+    # post-capture sizing unavailable: the reason and a chunk that works
+    odd = advisor.predict("llama-3.1-8b", h200, 1, 10000)
+    assert odd["post_capture_kv_tokens"] is None and "(--chunked-prefill-size 8,192 fits)" in odd["post_capture_unavailable_reason"]
+    # calibration files of the wrong shape fail with the file's name, no traceback
+    for text, says in (("[1, 2]", "not a calibration file"), ('{"points": [{"label": "x"}]}', "point 0 lacks model")):
+        bad = tmp_path / "cal.json"
+        bad.write_text(text)
+        with pytest.raises(advisor.AdviseError, match=f"{bad}: .*{says}"):
+            advisor.load_calibration(bad)
 
 
 def test_cli(capsys):

@@ -74,6 +74,9 @@ GIB = 1 << 30
 MIN_GAIN = 0.05
 #: SGLang's activation term floors at 2048 tokens (server_args.py: max(chunked_prefill_size, 2048)).
 SMALL_CHUNK = 2048
+#: Without a KV pool at the asked chunk, an alternative is recommended only if
+#: it gives at least this many tokens (a few long requests); else raise the TP degree.
+MIN_POOL_TOKENS = 32768
 DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
 #: CUDA VMM's minimum allocation granularity on NVIDIA data-centre GPUs
 #: (cuMemGetAllocationGranularity on the H200): the elastic pool maps whole granules.
@@ -169,6 +172,10 @@ def shape_of(server_args) -> Shape:
     return Shape(params=params, num_layers=mc.num_hidden_layers, kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim, v_head_dim=getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim)
 
 
+#: What each calibration point must hold (scripts/eval/advisor_points.py and derive() read them).
+CALIBRATION_KEYS = ("label", "model", "tp", "gpu_mem_mib", "mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")
+
+
 def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
     if path is None:
         text = resources.files("sglang_elastic.eval").joinpath("calibration.json").read_text()
@@ -182,8 +189,11 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
     try:
         cal = json.loads(text)
         points = cal["points"]
-        assert points, "no points"
-    except (json.JSONDecodeError, KeyError, AssertionError) as e:
+        assert isinstance(points, list) and points, "no list of points"
+        for i, pt in enumerate(points):
+            missing = [k for k in CALIBRATION_KEYS if not isinstance(pt, dict) or k not in pt]
+            assert not missing, f"point {i} lacks {', '.join(missing)}"
+    except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
         raise AdviseError(f"{source}: not a calibration file ({e})") from None
     cal["source"] = source
     return cal
@@ -289,7 +299,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     if sa.mem_fraction_static <= 0:
         raise AdviseError(
             f"SGLang would keep back {gpu_mem_mib * (1 - sa.mem_fraction_static):,.0f} MiB for activations at --chunked-prefill-size "
-            f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: use a smaller chunk or a larger GPU")
+            f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: "
+            + ("use a smaller chunk or a larger GPU" if sa.chunked_prefill_size > SMALL_CHUNK else
+               f"SGLang counts at least {SMALL_CHUNK} tokens of activations whatever the chunk; use a larger GPU"))
     graph = f["graph_fixed_gib"] + f["graph_bytes_per_token"] * sa.chunked_prefill_size / GIB
     free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
@@ -331,6 +343,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_kv_tokens": pc,
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
         "post_capture_capped_kv_tokens": pc_capped,
+        "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size),
+        "caveats": caveats(cal, gpu_mem_gib, tp, graph_bs, f),
         "factors": f,
         "calibration": cal["source"],
         "calibration_points": len(cal["points"]),
@@ -359,13 +373,53 @@ def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre
     return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static
 
 
+def post_capture_unavailable_reason(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int) -> str:
+    """Why SGLang would not post-capture-size this setup (``ServerArgs.post_capture_kv_sizing_planned``)."""
+    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunk, post_capture=True)
+    prefill = sa.cuda_graph_config.prefill
+    largest = max(prefill.bs or (0,))
+    if sa.max_prefill_buffer_tokens() > largest:
+        fits = [c for c in (2048, 4096, 8192, 12288, 16384, 32768) if c <= largest]
+        return (f"SGLang post-capture-sizes only when the prefill CUDA graphs hold the largest prefill batch: "
+                f"{sa.max_prefill_buffer_tokens():,} tokens at --chunked-prefill-size {chunk:,} against graphs up to {largest:,}"
+                + (f" (--chunked-prefill-size {max(fits):,} fits)" if fits else ""))
+    return "SGLang's post_capture_kv_sizing_planned() says no for this setup"
+
+
+def caveats(cal: Dict[str, Any], gpu_mem_gib: float, tp: int, graph_bs: int, f: Dict[str, Any]) -> "list[str]":
+    """Where the prediction leaves the measured points (their GPU size, their
+    decode-graph batch), in words."""
+    out = []
+    mems = sorted({p["gpu_mem_mib"] / 1024 for p in cal["points"]})
+    if mems and not (0.9 * mems[0] <= gpu_mem_gib <= 1.1 * mems[-1]):
+        out.append(f"measured on {mems[0]:.1f}{'' if len(mems) == 1 else f'-{mems[-1]:.1f}'} GiB GPUs only: on {gpu_mem_gib:g} GiB SGLang captures other CUDA graphs "
+                   f"(decode up to {graph_bs}), and their memory is taken as measured there, so the free memory, the lendable bytes and the "
+                   f"post-capture tokens are rough")
+    measured_bs = {p.get("decode_graph_max_bs", 256) for p in cal["points"]}
+    if f.get("extrapolated_from_tp"):
+        more = graph_bs > max(measured_bs)
+        out.append(f"no measured point at TP {tp}: TP {f['extrapolated_from_tp']}'s context and graph memory"
+                   + (f"; SGLang captures decode graphs up to batch {graph_bs} here ({max(measured_bs)} where measured), which take more memory "
+                      f"than counted, so the free memory and the lendable bytes are overstated; gains within a few % of each other do not decide" if more else ""))
+    return out
+
+
 def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     """``post-capture sizing`` / ``elastic`` / ``smaller chunk`` / ``neither``,
     with the reason in numbers."""
     tokens = p["max_total_num_tokens"]
     if tokens <= 0:
-        return "neither", (f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) and SGLang's reserve ({p['reserve_gib']:.1f} GiB) "
-                           f"leave no KV pool on a {p['gpu_mem_gib']:g} GiB GPU at TP {p['tp']}: raise the TP degree or use a larger GPU")
+        none = (f"the weights ({p['weights_gib_per_gpu']:.1f} GiB per GPU) and SGLang's reserve ({p['reserve_gib']:.1f} GiB) "
+                f"leave no KV pool on a {p['gpu_mem_gib']:g} GiB GPU at TP {p['tp']} and --chunked-prefill-size {p['chunked_prefill_size']}")
+        chunk = f"--chunked-prefill-size {p['small_chunk']} gives {p['small_chunk_extra_kv_tokens']:,} KV tokens"
+        if p["small_chunk_extra_kv_tokens"] >= MIN_POOL_TOKENS:
+            return "smaller chunk", f"{none}; {chunk}"
+        pc = [(n, m) for n, m in ((p["post_capture_kv_tokens"], p["max_running_requests"]), (p["post_capture_capped_kv_tokens"], p["decode_graph_max_bs"])) if n]
+        post = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1" + (f" with --max-running-requests {pc[0][1]}" if pc[0][1] else "") + f" gives {pc[0][0]:,} KV tokens") if pc else ""
+        if pc and pc[0][0] >= MIN_POOL_TOKENS:
+            return "post-capture sizing", f"{none}; {post}"
+        small = "; ".join(x for x in (chunk if p["small_chunk_extra_kv_tokens"] > 0 else "", post) if x)
+        return "neither", f"{none}: raise the TP degree or use a larger GPU" + (f" ({small}: fewer than {MIN_POOL_TOKENS:,})" if small else "")
     eg = p["extra_kv_tokens"] / tokens
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
@@ -412,13 +466,11 @@ def format_text(p: Dict[str, Any]) -> str:
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
         "  SGLang's post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1): "
-        + ("not available for this setup" if p["post_capture_kv_tokens"] is None else
+        + (f"not available: {p['post_capture_unavailable_reason']}" if p["post_capture_kv_tokens"] is None else
            f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
            + ("" if (p["max_running_requests"] is not None and p["max_running_requests"] <= p["decode_graph_max_bs"]) or p["post_capture_capped_kv_tokens"] is None else
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
-        f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s)"
-        + (f"; no point at TP {p['tp']}: TP {p['factors']['extrapolated_from_tp']}'s context and graph memory" if p["factors"]["extrapolated_from_tp"] else "")
-        + ("; SGLang captures decode graphs up to batch 512 at TP >= 4 (256 below), which this does not count" if p["factors"]["extrapolated_from_tp"] and p["tp"] >= 4 > p["factors"]["extrapolated_from_tp"] else "") + ")",
-    ]
+        f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
+    ] + [f"caveat: {c}" for c in p["caveats"]]
     return "\n".join(lines)
