@@ -312,9 +312,10 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     _, _, small_tokens = _kv_tokens(pre_free, weights, small.mem_fraction_static, cell)
     chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
     graph_bs = int(sa.cuda_graph_config.decode.max_bs or 0)
+    within = max_running_requests is not None and max_running_requests <= graph_bs  # no eager decodes
     pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, max_running_requests)
-    pc_capped = pc if max_running_requests is not None and max_running_requests <= graph_bs else \
-        post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, graph_bs)[0]
+    # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
+    pc_capped = pc if within or pc is None else post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, graph_bs)[0]
     out = {
         "model": str(model),
         "gpu_mem_gib": gpu_mem_gib,
@@ -339,6 +340,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "small_chunk_extra_kv_tokens": chunk_gain,
         "max_running_requests": max_running_requests,
         "decode_graph_max_bs": graph_bs,
+        "within_decode_graphs": within,
         "post_capture_mem_fraction_static": pc_mfs,
         "post_capture_kv_tokens": pc,
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
@@ -423,8 +425,7 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     eg = p["extra_kv_tokens"] / tokens
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
-    bs, mrr = p["decode_graph_max_bs"], p["max_running_requests"]
-    within = mrr is not None and mrr <= bs  # no eager decodes: post-capture sizing keeps no activation reserve
+    bs, mrr, within = p["decode_graph_max_bs"], p["max_running_requests"], p["within_decode_graphs"]
     if within and pg >= MIN_GAIN and pg >= eg and pg >= cg:
         return "post-capture sizing", (
             f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr} sizes the pool after CUDA-graph capture: "
@@ -451,8 +452,8 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
             f"(mem_fraction_static {p['mem_fraction_static']} -> {p['small_chunk_mem_fraction_static']}), more than lending ({p['extra_kv_tokens']:,}, {eg:.0%})"
             + alt
         )
-    pc = f", post-capture sizing {pg:.1%}" if pg > 0 else ""
-    return "neither", f"lending adds {eg:.1%} and a {p['small_chunk']}-token chunk {cg:.1%}{pc} to a pool of {tokens:,} tokens, all under {MIN_GAIN:.0%}" + alt
+    post = f", post-capture sizing {pg:.1%}" if pg > 0 else ""
+    return "neither", f"lending adds {eg:.1%} and a {p['small_chunk']}-token chunk {cg:.1%}{post} to a pool of {tokens:,} tokens, all under {MIN_GAIN:.0%}" + alt
 
 
 def format_text(p: Dict[str, Any]) -> str:
@@ -468,7 +469,7 @@ def format_text(p: Dict[str, Any]) -> str:
         "  SGLang's post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1): "
         + (f"not available: {p['post_capture_unavailable_reason']}" if p["post_capture_kv_tokens"] is None else
            f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
-           + ("" if (p["max_running_requests"] is not None and p["max_running_requests"] <= p["decode_graph_max_bs"]) or p["post_capture_capped_kv_tokens"] is None else
+           + ("" if p["within_decode_graphs"] or p["post_capture_capped_kv_tokens"] is None else
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
