@@ -75,6 +75,7 @@ class Bed:
         self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
+            running_batch=self.batch,
             tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
             tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
             invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
@@ -221,8 +222,65 @@ def test_without_base_room_a_reclaim_retracts_the_largest_request_and_requeues_i
     bed.check_ownership_and_accounting()
 
 
-def test_a_failing_map_leaves_the_base_pool_serving_and_disables_lending():
-    bed = Bed(fail_on={"map": lambda n: True})
+def test_the_start_up_warm_up_runs_one_cycle_and_the_vacate_ops_without_changing_a_base_row(monkeypatch, caplog):
+    """The first reclaim of a server paid first-call costs (67-114 ms at TP 2
+    against 14-21 ms later): the controller runs one cycle at start-up."""
+    import sglang.srt.mem_cache.memory_pool as mp
+
+    from sglang_elastic.sched import controller
+
+    _be, _pool, _alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
+    pool_maps = _be.calls.get("map", 0)  # what building the pool maps by itself
+    with caplog.at_level("INFO", logger=controller.__name__):
+        bed = Bed()
+    warm_maps = bed.be.calls.get("map", 0) - pool_maps
+    assert warm_maps > 0 and bed.be.calls.get("unmap", 0) == warm_maps  # lent and unmapped again
+    assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 0 and not bed.ctl.disabled and not bed.pool.arena.lending_disabled
+    assert torch.equal(bed.alloc.free_pages, torch.arange(1, bed.alloc.usable_base_tokens))  # every base id free, in order
+    bed.check_ownership_and_accounting()
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    [line] = [m for m in msgs if "warm-up lend/reclaim cycle" in m]
+    assert "failed" not in line and "vacate" in line
+    assert not any(m.startswith(("sglang-elastic: lent", "sglang-elastic: reclaimed")) for m in msgs)
+
+    # again, with random K/V in every base row: the copy goes base -> lent, no base row changes
+    ids = torch.arange(1, bed.alloc.usable_base_tokens)
+    bed._write(ids)
+    before = [(bed.pool.k_buffer[l][ids].clone(), bed.pool.v_buffer[l][ids].clone()) for l in range(LAYERS)]
+    copies, real = [], mp.move_kv_cache_native
+    monkeypatch.setattr(mp, "move_kv_cache_native", lambda k, v, tgt, src, *a: (copies.append((tgt.tolist(), src.tolist())), real(k, v, tgt, src, *a)))
+    bed.ctl.warm_up()
+    assert copies == [([bed.alloc.base_tokens], [1])]
+    assert all(torch.equal(bed.pool.k_buffer[l][ids], k) and torch.equal(bed.pool.v_buffer[l][ids], v) for l, (k, v) in enumerate(before))
+    assert bed.be.calls["unmap"] == 2 * warm_maps and bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 0
+    assert bed.ctl.lend() == ELASTIC  # and lending works as before
+
+
+def test_an_exception_in_the_warm_up_restores_the_base_pool_and_turns_lending_off(monkeypatch, caplog):
+    from sglang_elastic.sched import controller
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(controller, "remap_many", broken)
+    with caplog.at_level("INFO", logger=controller.__name__):
+        bed = Bed()  # the server still starts
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0
+    assert any(r.levelname == "ERROR" and "warm-up cycle failed" in r.getMessage() for r in caplog.records)
+    bed.check_ownership_and_accounting()
+    assert bed.admit(list(range(50)))
+    for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no lend any more
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+
+
+@pytest.mark.parametrize("when", ["start-up", "run time"])  # in the warm-up cycle, or in a later lend
+def test_a_failing_map_leaves_the_base_pool_serving_and_disables_lending(when):
+    bed = Bed(fail_on={"map": lambda n: True} if when == "start-up" else None)
+    if when == "run time":
+        assert not bed.pool.arena.lending_disabled
+        bed.be.fail_on = {"map": lambda n: True}
     assert bed.ctl.lend() == 0
     assert bed.pool.arena.lending_disabled and bed.alloc.lent_tokens == 0
     bed.check_ownership_and_accounting()
@@ -376,10 +434,16 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
         bed.check_ownership_and_accounting()
 
 
+def _raise_injected(*a, **k):
+    raise RuntimeError("injected")
+
+
 def _tp_rank(rank: int, world: int, port: int, out):
-    """One TP rank over a real gloo group of ``world`` ranks, through two
-    scenarios: the last rank's VMM map fails, then the last rank's pool fell
-    back to SGLang's stock pool. Each rank reports what it ended with."""
+    """One TP rank over a real gloo group of ``world`` ranks, through four
+    scenarios: the last rank's VMM map fails in the start-up warm-up, the
+    last rank's warm-up raises, the last rank's map fails in a later lend,
+    and the last rank's pool fell back to SGLang's stock pool. Each rank
+    reports what it ended with."""
     import torch.distributed as dist
 
     odd = world - 1
@@ -391,14 +455,28 @@ def _tp_rank(rank: int, world: int, port: int, out):
 
         publish(ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cpu"), role="scheduler")
         Bed.tp = (rank, dist.group.WORLD)
-        bed = Bed(fail_on={"map": lambda n: True} if rank == odd else None)
-        first = bed.ctl.lend()  # the last rank cannot back anything
+        at_start = Bed(fail_on={"map": lambda n: True} if rank == odd else None).ctl  # the warm-up's lend fails on one rank
+        warm_up_failed = (at_start.disabled, at_start.alloc.lent_tokens)
+        from sglang_elastic.sched import controller
+
+        real_remap = controller.remap_many
+        if rank == odd:  # an exception in the warm-up's vacate ops on one rank
+            controller.remap_many = _raise_injected
+        try:
+            raised = Bed().ctl
+        finally:
+            controller.remap_many = real_remap
+        warm_up_raised = (raised.disabled, raised.alloc.lent_tokens)
+        bed = Bed()
+        if rank == odd:
+            bed.be.fail_on = {"map": lambda n: True}
+        first = bed.ctl.lend()  # at run time, the last rank cannot back anything
         assert bed.admit(list(range(20)))
         for _ in range(2 * bed.ctl.cfg.lend_after_steps):  # decode-only steps: no rank may try alone
             bed.ctl.after_prefill(None, bed.batch)
         cannot_map = (first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps)
         fell_back = Bed(stock_pool=rank == odd).ctl  # no rank may run a controller then
-        out.put((rank, cannot_map, fell_back))
+        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back))
     finally:
         dist.destroy_process_group()
 
@@ -424,7 +502,7 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
             p.kill()
     # the other ranks could map, the last could not: all lend nothing, roll back and stop lending;
     # the last rank on SGLang's stock pool: no rank runs a controller
-    assert res == [(r, (0, True, 0, 0), None) for r in range(world)]
+    assert res == [(r, (True, 0), (True, 0), (0, True, 0, 0), None) for r in range(world)]
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():

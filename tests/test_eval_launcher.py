@@ -147,6 +147,7 @@ def test_real_server_rows_run_sglang_launch_server_with_use_ray_in_the_group():
     assert "--use-ray" in rest and "--skip-tokenizer-init" in rest and "--incremental-streaming-output" in rest
     assert job.gpus == 2 and job.vocab_size == 152064
     assert job.env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] == "1" and job.env["NCCL_NVLS_ENABLE"] == "0"
+    assert job.env["RAY_DEDUP_LOGS"] == "0"  # each TP rank's lend/reclaim lines, not one per cluster
 
 
 @pytest.fixture(scope="module")

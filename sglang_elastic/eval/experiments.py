@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 #: Multi-GPU hosts of this project need NVLink multicast off (docs/gpu.md).
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: Every TP rank's lines in the server log: Ray's driver otherwise folds lines
+#: of several actors that differ only in words with digits into one
+#: ("[repeated 2x across cluster]"), which hides all but one rank's
+#: lend/reclaim times.
+LOG_ENV = {"RAY_DEDUP_LOGS": "0"}
 RESULTS_DIR = Path("docs/results/eval")
 #: What the client needs of every server (:mod:`sglang_elastic.eval.client`):
 #: chunks with the new tokens only, so reading 40 streams stays O(1) per token.
@@ -60,7 +65,7 @@ def job_for(exp: Experiment, s: ServerConfig, standin: bool = False) -> ServerJo
         name=s.label,
         argv=server_argv(s, standin),
         gpus=s.tp,
-        env={**MULTI_GPU_ENV, **s.env},
+        env={**MULTI_GPU_ENV, **LOG_ENV, **s.env},
         workloads=[w.model_dump(mode="json") for w in exp.workloads],
         vocab_size=vocab_size(s.model),
         startup_timeout_s=exp.cluster.startup_timeout_s,

@@ -50,7 +50,7 @@ import torch
 
 from sglang_elastic.config import ElasticKVConfig
 from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_many, remap_tree
-from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool
+from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool, unit_tokens
 from sglang_elastic.vmm import VmmError
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ class ElasticController:
         #: ``arena.lending_disabled`` alone must not change what it does.
         self.disabled = False
         self.metrics = None
+        self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
+        self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
         if sched.metrics_reporter.enable_metrics:
             from sglang_elastic.sched.metrics import ElasticMetrics
 
@@ -165,6 +167,95 @@ class ElasticController:
         )
         if cfg.mode == "always-lent":
             self.lend()
+        elif cfg.mode == "dynamic" and self.lendable_tokens > 0:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One lend/reclaim cycle at start-up, before any request, so that the
+        first calls of a cycle's kernels and driver paths are paid here rather
+        than by the first long prompt's reclaim.
+
+        Measured on two H200s (TP 2) without it: the first reclaim of a
+        server took 67, 94 and 114 ms (the 94 ms one: 77 ms of vacate with
+        0 pages moved), later ones 14–21 ms (7.6 GiB per rank) and 49–90 ms
+        (40 GiB), so the first long prompt waited up to 50 ms longer
+        (``docs/eval.md``, E2 at TP 2; ``docs/elastic.md``, Findings).
+
+        Besides the real lend, ``withdraw`` and unmap, it runs the vacate
+        path's other operations on one page (:meth:`_warm_vacate_ops`): the
+        radix-tree scan and id remap of :mod:`sglang_elastic.pool.vacate`,
+        ``still_in_use``'s ``isin`` and SGLang's ``move_kv_cache_native``,
+        from a base row into a lent one that is then unmapped (no base row
+        changes). The same operations on a small input; where PyTorch picks
+        another kernel for a larger one, that kernel still loads later.
+
+        Not counted in :attr:`cycles`, the lend/reclaim metrics or the events
+        file; one INFO line. Failures: a VMM failure in the lend is handled
+        as at run time (out of memory retried later, any other failure turns
+        lending off on every rank). Any other exception is logged, the
+        pool is put back to its base and lending is turned off on every rank
+        (agreed over TP, like the lend); only if the base cannot be restored
+        does it raise, and the server does not start.
+        """
+        self._quiet = True
+        try:
+            t0 = time.perf_counter()
+            if self.lend() == 0:  # agreed over TP: every rank returns here or none
+                return
+            t_lent = time.perf_counter()
+            failed = False
+            try:
+                self._warm_vacate_ops()
+                self.reclaim(self.sched.running_batch)
+            except Exception:
+                failed = True
+                logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
+                self._restore_base()
+            if not agree_min(self.sched, int(not failed)):
+                self.disabled = True
+                if not failed:
+                    logger.error("sglang-elastic: another TP rank's start-up warm-up cycle failed; lending is off")
+            self.cycles = 0
+            logger.info("sglang-elastic: warm-up lend/reclaim cycle at start-up%s: lent in %.2f ms, reclaimed in %.2f ms (%s)",
+                        " failed" if failed else "", (t_lent - t0) * 1e3, (time.perf_counter() - t_lent) * 1e3, self._last_reclaim)
+        finally:
+            self._quiet = False
+
+    def _warm_vacate_ops(self) -> None:
+        """The vacate path's tensor operations on one lent page, while lent
+        and before any request (see :meth:`warm_up`)."""
+        from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+        dev, p, top = self.alloc.device, self.page, self.arena.base_tokens
+        lent = torch.tensor([top // p], dtype=torch.int64, device=dev)  # first lent unit: free, mapped
+        base = torch.tensor([1], dtype=torch.int64, device=dev)  # first base unit after SGLang's padding slot 0
+        lent_tok, base_tok = unit_tokens(lent, p), unit_tokens(base, p)
+        move_kv_cache_native(self.pool.k_buffer, self.pool.v_buffer, lent_tok, base_tok)  # base -> lent: no base row changes
+        remapped, hit = remap_many([lent_tok, lent_tok.to(torch.int32)], top, lent, base, p)  # tree values, prefix_indices
+        block = lent_tok.to(torch.int32)[None, :]  # req_to_token rows, as _remap edits them
+        valid = torch.arange(block.shape[1], device=dev)[None, :] < torch.tensor([block.shape[1]], device=dev)[:, None]
+        block[valid] = remap_ids(block[valid], top, lent, base, p)
+        torch.isin(lent, base)  # still_in_use after frees during a vacate
+        if hit != [0, 1] or not torch.equal(remapped[0], base_tok) or not torch.equal(block[0].to(torch.int64), base_tok):
+            raise RuntimeError("sglang-elastic: warm-up remap gave wrong ids")  # the remap is what keeps requests' KV readable
+
+    def _restore_base(self) -> None:
+        """After a failed warm-up (nothing in use yet): the lent ids off the
+        free list, the arena unmapped, the vacate window closed. Raises if
+        it cannot (the pool's state is unknown: the server must not start)."""
+        if self.alloc.lent_tokens:
+            self.alloc.withdraw(0)
+        if self.arena.lent_steps:
+            try:
+                self.arena.reclaim()
+            except VmmError as e:
+                self._vmm_failed("reclaim after a failed warm-up", e)
+        self.alloc.end_vacate()
+        self._sync_sizes()
+
+    def _log(self, msg: str, *args) -> None:
+        """INFO, or DEBUG inside :meth:`warm_up`."""
+        logger.log(logging.DEBUG if self._quiet else logging.INFO, msg, *args)
 
     # -- sizing -------------------------------------------------------------
 
@@ -200,7 +291,7 @@ class ElasticController:
             self.metrics.lent_bytes.set(self.arena.lent_bytes)
 
     def _event(self, **rec) -> None:
-        if self._events is not None:
+        if self._events is not None and not self._quiet:
             rec.update(t=time.time(), lent_tokens=self.alloc.lent_tokens, tp=self.tp_size)
             self._events.write(json.dumps(rec) + "\n")
 
@@ -291,12 +382,12 @@ class ElasticController:
         self.alloc.lend(steps * self.arena.step_tokens)
         self._sync_sizes()
         ms = (time.perf_counter() - t0) * 1e3
-        if self.metrics:
+        if self.metrics and not self._quiet:
             self.metrics.lends.inc()
             self.metrics.lend_ms.observe(ms)
         self._event(op="lend", ms=ms, empty_cache_ms=(t_map - t0) * 1e3, map_ms=(time.perf_counter() - t_map) * 1e3,
                     tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
-        logger.info("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms", self.alloc.lent_tokens, self.arena.lent_bytes / 2**30, ms)
+        self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms", self.alloc.lent_tokens, self.arena.lent_bytes / 2**30, ms)
         return self.alloc.lent_tokens
 
     def _vmm_failed(self, what: str, e: VmmError) -> None:
@@ -372,14 +463,15 @@ class ElasticController:
         self.cycles += 1
         self.decode_only_steps = 0
         ms = (time.perf_counter() - t0) * 1e3
-        if self.metrics:
+        if self.metrics and not self._quiet:
             self.metrics.reclaims.inc()
             self.metrics.reclaim_ms.observe(ms)
             self.metrics.migrated_pages.inc(moved)
             self.metrics.retracted_reqs.inc(len(retracted))
-        self._event(op="reclaim", ms=ms, wait_ms=(t_vacate - t0) * 1e3, vacate_ms=(t_unmap - t_vacate) * 1e3,
-                    unmap_ms=(time.perf_counter() - t_unmap) * 1e3, moved_units=moved, retracted=len(retracted))
-        logger.info("sglang-elastic: reclaimed in %.2f ms (%d pages moved, %d requests retracted)", ms, moved, len(retracted))
+        wait_ms, vacate_ms, unmap_ms = (t_vacate - t0) * 1e3, (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3
+        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted))
+        self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
+        self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
 
     def _retract_one(self, batch, retracted: List) -> bool:
         """Retract the running request holding the most KV (fewest retractions
