@@ -51,6 +51,11 @@ import os
 import re
 from typing import Optional
 
+#: JSON-lines file that receives one record per lend/reclaim of TP rank 0's
+#: scheduler (:mod:`sglang_elastic.sched.controller`; read by the benchmarks
+#: and the eval launcher).
+EVENTS_ENV = "SGLANG_ELASTIC_EVENTS"
+
 logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_ELASTIC_CONFIG"

@@ -198,6 +198,46 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
     assert "Traceback" not in Path(r2["log"]).read_text()
 
 
+def test_an_elastic_rows_lend_and_reclaim_records_reach_its_row_and_its_table_note(launcher, tmp_path):
+    from sglang_elastic.eval import report
+
+    exp = _exp(servers=[{"label": "el", "tp": 1, "chunked_prefill_size": 2048, "enable_elastic_kv": True}, {"label": "stock", "tp": 1, "chunked_prefill_size": 2048}])
+    out = experiments.run(exp, launcher, results_dir=tmp_path, standin=True, progress=False)
+    rows = {r["label"]: r for r in out["rows"]}
+    assert all(r["ok"] for r in rows.values()), [r["error"] for r in rows.values()]
+    ev = rows["el"]["workloads"][0]["sglang_elastic_events"]
+    # the stand-in reclaims before and lends after each prompt longer than a chunk: the warm-up request's and the 2 long prompts'
+    assert ev["reclaim_ms"]["n"] == ev["lend_ms"]["n"] == 3 and ev["reclaim_ms"]["values"] == [1.5] * 3
+    assert ev["reclaim_wait_ms"] == {"first": 0.5, "median": 0.5, "max": 0.5} and ev["moved_units"] == 0 and ev["retracted"] == 0
+    assert rows["stock"]["workloads"][0]["sglang_elastic_events"] is None  # no events file without the elastic pool
+    md, _plot = report.ttft_vs_chunk(out)
+    [el_line] = [l for l in md.splitlines() if l.startswith("| el |")]
+    assert "reclaims 1.5–1.5 ms (median 1.5; the first, the warm-up request's, 1.5)" in el_line
+
+
+def test_events_are_read_from_an_offset_and_a_line_still_being_written_waits(tmp_path):
+    from sglang_elastic.eval.launcher import ServerActor, summarize_events
+
+    a = ServerActor("row", str(tmp_path))
+    assert a.events(0) == ([], 0)  # no file: a stock server
+    a.events_path.write_text('{"op": "reclaim", "ms": 20.0, "wait_ms": 1.0, "vacate_ms": 3.0, "unmap_ms": 16.0, "moved_units": 2, "retracted": 0}\n{"op": "lend", "ms": 1')
+    recs, off = a.events(0)
+    assert [r["op"] for r in recs] == ["reclaim"] and off == a.events_path.read_text().index("\n") + 1
+    with open(a.events_path, "a") as f:
+        f.write('2.5}\n{"op": "reclaim", "ms": 60.0, "vacate_ms": 50.0, "moved_units": 3, "retracted": 1}\n{"op": "reclaim", "ms": 10.0}\n')
+    more, off2 = a.events(off)
+    assert [r["op"] for r in more] == ["lend", "reclaim", "reclaim"] and off2 == a.events_path.stat().st_size
+    ev = summarize_events(recs + more)
+    assert ev["reclaim_ms"] == {"n": 3, "first": 20.0, "min": 10.0, "median": 20.0, "max": 60.0, "values": [20.0, 60.0, 10.0]}
+    assert ev["lend_ms"]["values"] == [12.5] and ev["reclaim_vacate_ms"] == {"first": 3.0, "median": 26.5, "max": 50.0}
+    assert ev["moved_units"] == 5 and ev["retracted"] == 1
+    # malformed records do not cost the row its measurement; a recreated file is read from its start
+    bad = summarize_events([{"op": "reclaim", "ms": float("nan"), "moved_units": "2.0"}, {"op": "reclaim", "ms": "x", "retracted": None}, {"op": "lend", "ms": 3}])
+    assert "reclaim_ms" not in bad and bad["lend_ms"]["values"] == [3.0] and bad["moved_units"] == 2 and bad["retracted"] == 0
+    a.events_path.write_text('[1, 2]\n{"op": "lend", "ms": 4.0}\n')  # shorter than off2 now; a line that is not a record is skipped
+    assert a.events(off2) == ([{"op": "lend", "ms": 4.0}], a.events_path.stat().st_size)
+
+
 def test_only_runs_the_named_rows_keeps_earlier_ones_and_reports_progress(launcher, tmp_path):
     first = experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp1"])
     rows = {r["label"]: r for r in first["rows"]}

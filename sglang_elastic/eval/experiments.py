@@ -47,6 +47,8 @@ def server_argv(s: ServerConfig, standin: bool = False) -> List[str]:
             argv += ["--chunked-prefill-size", str(s.chunked_prefill_size)]
         if s.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+        if s.enable_elastic_kv:
+            argv += ["--enable-elastic-kv"]  # the stand-in then writes lend/reclaim records
         return argv + list(s.extra_args)  # the stand-in ignores SGLang's flags (and takes its own, e.g. --fail)
     from sglang_elastic.serve import build_command
 

@@ -34,9 +34,11 @@ import time
 import urllib.error
 import urllib.request
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from sglang_elastic.config import EVENTS_ENV
 from sglang_elastic.eval.ray_entry import NAMESPACE
 
 
@@ -160,6 +162,9 @@ class ServerActor:
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        #: the elastic pool's lend/reclaim records (TP rank 0), unless the job sets its own file
+        self.events_path = (Path(log_dir) / f"{name}.events.jsonl").resolve()  # absolute: Ray workers run in other folders
+        self.events_path.unlink(missing_ok=True)
         self.proc: Optional[subprocess.Popen] = None
         self.url: Optional[str] = None
 
@@ -184,7 +189,10 @@ class ServerActor:
             child_env.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         except Exception:
             pass
-        child_env.update(env)
+        child_env[EVENTS_ENV] = str(self.events_path)  # not one inherited from the raylet's shell: rows would share it
+        child_env.update(env)  # a row's own env may name another file (relative to the row's cwd)
+        self.events_path = Path(cwd or ".").resolve() / child_env[EVENTS_ENV]
+        child_env[EVENTS_ENV] = str(self.events_path)
         log = open(self.log_path, "wb")
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -257,12 +265,75 @@ class ServerActor:
                 self.proc.wait(30)
         return self.proc.returncode
 
+    def events(self, offset: int = 0):
+        """The lend/reclaim records written since byte ``offset`` of the
+        events file, and the offset after them: ``(records, offset)``. No
+        file (a stock server, or rank 0 on another node): ``([], offset)``.
+        A line still being written is left for the next call; a file now
+        shorter than ``offset`` (recreated) is read from its start."""
+        try:
+            with open(self.events_path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < offset:
+                    offset = 0
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return [], offset
+        done = data[: data.rfind(b"\n") + 1]
+        recs = []
+        for line in done.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                recs.append(rec)
+        return recs, offset + len(done)
+
     def log_text(self, max_bytes: int = 8 << 20) -> str:
         data = self.log_path.read_bytes() if self.log_path.exists() else b""
         return data[-max_bytes:].decode(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text(1 << 20).splitlines()[-lines:])
+
+
+def _stats(xs: List[float]) -> Dict[str, Any]:
+    s = sorted(xs)
+    return {"n": len(s), "first": round(xs[0], 2), "min": round(s[0], 2), "median": round(s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2, 2),
+            "max": round(s[-1], 2), "values": [round(x, 2) for x in xs]}
+
+
+def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One workload's lend/reclaim records (``SGLANG_ELASTIC_EVENTS`` lines of
+    TP rank 0, :meth:`sglang_elastic.sched.controller.ElasticController.lend`
+    / ``reclaim``) as the row keeps them: per operation its count and ms
+    (first, min, median, max, every value in order), the reclaims' wait /
+    vacate / unmap split (ms) and the pages moved and requests retracted."""
+    out: Dict[str, Any] = {"source": "TP rank 0's events file"}
+    for op in ("lend", "reclaim"):
+        xs = [x for x in (_num(r.get("ms")) for r in records if r.get("op") == op) if x is not None]
+        if xs:
+            out[f"{op}_ms"] = _stats(xs)
+    rec = [r for r in records if r.get("op") == "reclaim"]
+    for part in ("wait_ms", "vacate_ms", "unmap_ms"):
+        xs = [x for x in (_num(r.get(part)) for r in rec) if x is not None]
+        if xs:
+            st = _stats(xs)
+            out[f"reclaim_{part}"] = {k: st[k] for k in ("first", "median", "max")}
+    out["moved_units"] = int(sum(_num(r.get("moved_units")) or 0 for r in rec))
+    out["retracted"] = int(sum(_num(r.get("retracted")) or 0 for r in rec))
+    return out
+
+
+def _num(x: Any) -> Optional[float]:
+    """A finite number from a record field, else None (a malformed record
+    does not cost the row its measurement)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 #: Error prefix of a job the launcher never started (``start_deadline``): the
@@ -385,6 +456,7 @@ class Launcher:
             res.server_info = ray.get(actor.server_info.remote())
             res.gpu_mem_mib = ray.get(actor.gpu_mem_mib.remote())
             res.host = {**ray.get(actor.host.remote()), **gpus}
+            events_at = ray.get(actor.events.remote(0))[1]  # skip start-up's records (always-lent's first lend)
             for i, w in enumerate(job.workloads):
                 stage(f"workload {i + 1}/{len(job.workloads)}")
                 out = ray.get(actor.run_workload.remote(w, job.vocab_size))
@@ -395,6 +467,11 @@ class Launcher:
                     out["sglang_elastic_after"] = (((after.get("internal_states") or [{}])[0]) or {}).get("sglang_elastic")
                 except Exception as e:  # the workload's numbers stand without it
                     out["sglang_elastic_after"] = {"error": _describe(e)}
+                try:  # read after the counters, so that the records cover every cycle counted
+                    recs, events_at = ray.get(actor.events.remote(events_at))
+                    out["sglang_elastic_events"] = summarize_events(recs) if recs else None
+                except Exception as e:  # likewise
+                    out["sglang_elastic_events"] = {"error": _describe(e)}
                 res.workloads.append(out)
             res.ok = True
         except Exception as e:

@@ -91,6 +91,15 @@ def _elastic_mode(row: Dict[str, Any]) -> Optional[str]:
     return ((row.get("facts") or {}).get("sglang_elastic") or {}).get("mode") or given or "dynamic"
 
 
+def _reclaims_note(w: Dict[str, Any]) -> str:
+    """The workload's reclaims on TP rank 0, from the events the launcher
+    collected (rows measured before it did: nothing)."""
+    rc = ((w.get("sglang_elastic_events") or {}).get("reclaim_ms")) or {}
+    if not rc.get("n"):
+        return ""
+    return f"reclaims {rc['min']:.1f}–{rc['max']:.1f} ms (median {rc['median']:.1f}; the first, the warm-up request's, {rc['first']:.1f})"
+
+
 def _elastic_column(row: Dict[str, Any]) -> str:
     """E1's "elastic" column: no, yes (dynamic), or yes with the other mode."""
     mode = _elastic_mode(row)
@@ -128,6 +137,7 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         note = _err(r)
         if after.get("cycles") is not None:
             note = (note + "; " if note else "") + f"{after['cycles']} lend/reclaim cycles"
+        note = "; ".join(x for x in (note, _reclaims_note(w)) if x)
         rows.append([r["label"], _n((f.get("chunked_prefill_size") or r["server"].get("chunked_prefill_size"))), _elastic_column(r), _n(kv), _n(lent) if lent else "", _s(t.get("median")), _s(t.get("p99")), _ms(itl.get("median")), _ms(itl.get("p99")), _ms(itl.get("max")), _pct((w.get("client") or {}).get("cpu_share")), note])
     md = _table(["row", "chunked_prefill_size", "elastic", "max_total_num_tokens", "KV tokens while lent", "long TTFT median s", "long TTFT p99 s", "decode ITL median ms", "ITL p99 ms", "ITL max ms", "client CPU", "notes"], rows)
 
@@ -212,7 +222,7 @@ def capacity(d: Dict[str, Any]) -> Tuple[str, Callable]:
         g = x["row"].get("group") or x["row"]["label"]
         if x["equal_ttft"] and x["total"] and (g not in best or x["total"] > best[g]["total"]):
             best[g] = x
-    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), "yes" if x["within_budget"] else "no", x["placement"] or "not recorded", _err(x["row"])] for x in cr]
+    rows = [[x["row"]["label"], x["row"].get("group") or "", _n(x["kv_tokens"]), _n(x["lent_tokens"]), _pct(x["vs_baseline"]), _pct(x["d_median"]), _pct(x["d_p99"]), ("yes" if x["equal_ttft"] else "no") + (" (best of group)" if best.get(x["row"].get("group") or x["row"]["label"]) is x and x["row"].get("group") else ""), "yes" if x["within_budget"] else "no", x["placement"] or "not recorded", "; ".join(y for y in (_err(x["row"]), _reclaims_note(_w(x["row"]))) if y)] for x in cr]
     md = _table(["row", "group", "KV tokens", "lent tokens", "capacity vs baseline", "TTFT median vs baseline", "TTFT p99 vs baseline", f"equal TTFT (±{tol:.0%})", f"TTFT no worse (≤ +{tol:.0%})", "ran where the baseline ran", "notes"], rows)
 
     def plot(ax_fig):

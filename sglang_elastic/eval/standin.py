@@ -50,7 +50,17 @@ def _probe(pg, tp: int) -> Dict[str, Any]:
     return {"bundle_specs": current.bundle_specs, "pg_is_named_group": current.id == pg.id, "ranks": infos, "driver_ip": ray.util.get_node_ip_address()}
 
 
-def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, incremental: bool = False):
+def _record(op: str, **fields) -> None:
+    """One line of the elastic pool's events file, as the controller writes it."""
+    from sglang_elastic.config import EVENTS_ENV
+
+    path = os.environ.get(EVENTS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"op": op, **fields, "t": time.time()}) + "\n")
+
+
+def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, incremental: bool = False, elastic: bool = False):
     from aiohttp import web
 
     chunk = max(1, int(info.get("chunked_prefill_size") or 8192))
@@ -70,9 +80,13 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
         n_out = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if elastic and len(ids) > chunk:  # a prompt longer than one chunk: "reclaim" before it, "lend" after its prefill
+            _record("reclaim", ms=1.5, wait_ms=0.5, vacate_ms=0.5, unmap_ms=0.5, moved_units=0, retracted=0)
         for start in range(0, len(ids), chunk):
             async with lock:
                 await asyncio.sleep(min(chunk, len(ids) - start) / prefill_tok_s)
+        if elastic and len(ids) > chunk:
+            _record("lend", ms=1.0)
         out: List[int] = []
         try:
             for i in range(n_out):
@@ -110,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--startup-delay-s", type=float, default=0.0)
     ap.add_argument("--incremental-streaming-output", action="store_true", help="chunks carry the new output_ids only, as SGLang's flag")
     ap.add_argument("--fail", action="store_true", help="exit with status 3 before serving (tests)")
+    ap.add_argument("--enable-elastic-kv", action="store_true", help="write a reclaim and a lend record to $SGLANG_ELASTIC_EVENTS around each prompt longer than a chunk")
     a, _unknown = ap.parse_known_args(argv)  # SGLang flags a config passes are accepted and ignored
     time.sleep(a.startup_delay_s)
     if a.fail:
@@ -133,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from aiohttp import web
 
     print(f"standin: serving on {a.host}:{a.port}", flush=True)
-    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0, a.incremental_streaming_output), host=a.host, port=a.port, print=None)
+    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0, a.incremental_streaming_output, a.enable_elastic_kv), host=a.host, port=a.port, print=None)
     return 0
 
 

@@ -48,15 +48,12 @@ from typing import List, Optional
 
 import torch
 
-from sglang_elastic.config import ElasticKVConfig
+from sglang_elastic.config import EVENTS_ENV, ElasticKVConfig  # EVENTS_ENV: one JSON line per lend/reclaim
 from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_many, remap_tree
 from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool, unit_tokens
 from sglang_elastic.vmm import VmmError
 
 logger = logging.getLogger(__name__)
-
-#: JSON-lines file that receives one record per lend/reclaim (benchmarks).
-EVENTS_ENV = "SGLANG_ELASTIC_EVENTS"
 
 
 def agree_min(sched, *values: int):
