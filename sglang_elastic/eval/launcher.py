@@ -27,6 +27,7 @@ import functools
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -299,9 +300,8 @@ class ServerActor:
 
 
 def _stats(xs: List[float]) -> Dict[str, Any]:
-    s = sorted(xs)
-    return {"n": len(s), "first": round(xs[0], 2), "min": round(s[0], 2), "median": round(s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2, 2),
-            "max": round(s[-1], 2), "values": [round(x, 2) for x in xs]}
+    return {"n": len(xs), "first": round(xs[0], 2), "min": round(min(xs), 2), "median": round(statistics.median(xs), 2),
+            "max": round(max(xs), 2), "values": [round(x, 2) for x in xs]}
 
 
 def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
