@@ -190,9 +190,9 @@ class ServerActor:
             child_env.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         except Exception:
             pass
-        child_env[EVENTS_ENV] = str(self.events_path)  # not one inherited from the raylet's shell: rows would share it
-        child_env.update(env)  # a row's own env may name another file (relative to the row's cwd)
-        self.events_path = Path(cwd or ".").resolve() / child_env[EVENTS_ENV]
+        child_env.update(env)
+        # ours, or the row's own (relative to its cwd); never one inherited from the raylet's shell: rows would share it
+        self.events_path = Path(cwd or ".").resolve() / env.get(EVENTS_ENV, self.events_path)
         child_env[EVENTS_ENV] = str(self.events_path)
         log = open(self.log_path, "wb")
         log.write(("$ " + " ".join(cmd) + "\n").encode())

@@ -242,11 +242,16 @@ class ElasticController:
         it cannot (the pool's state is unknown: the server must not start)."""
         if self.alloc.lent_tokens:
             self.alloc.withdraw(0)
-        if self.arena.lent_steps:
-            try:
-                self.arena.reclaim()
-            except VmmError as e:
-                self._vmm_failed("reclaim after a failed warm-up", e)
+        self._unmap_lent("reclaim after a failed warm-up")
+
+    def _unmap_lent(self, what: str) -> None:
+        """Unmap every lent step (nothing if none), close the vacate window and
+        publish the base size. A failing unmap is logged and counted, not
+        raised: the rows are vacated already, lending stops."""
+        try:
+            self.arena.reclaim()
+        except VmmError as e:
+            self._vmm_failed(what, e)
         self.alloc.end_vacate()
         self._sync_sizes()
 
@@ -449,12 +454,7 @@ class ElasticController:
             self._remap(running_batch, top, in_use, dst)
             moved = in_use.numel()
         t_unmap = time.perf_counter()
-        try:
-            self.arena.reclaim()
-        except VmmError as e:
-            self._vmm_failed("reclaim", e)
-        self.alloc.end_vacate()
-        self._sync_sizes()
+        self._unmap_lent("reclaim")
         if retracted:
             self._requeue(running_batch, retracted)
         self.cycles += 1
