@@ -25,7 +25,7 @@ import dataclasses
 import json
 import random
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang_elastic.eval.config import DecodeThenLong, Mix, Workload
 
@@ -328,14 +328,19 @@ def warm_up(url: str, w: Workload, vocab_size: int) -> Dict[str, Any]:
     return {"input_len": n, "ttft_s": rec.ttft, "error": rec.error}
 
 
-def run_workload(url: str, workload: Dict[str, Any], vocab_size: int, warmup: bool = True) -> Dict[str, Any]:
+def run_workload(url: str, workload: Dict[str, Any], vocab_size: int, warmup: bool = True,
+                 after_warmup: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run one workload (its config as a dict, e.g. from a Ray actor call),
     after :func:`warm_up` unless ``warmup`` is false; the warm-up's result is
-    the output's ``warmup`` (None when skipped)."""
+    the output's ``warmup`` (None when skipped). ``after_warmup(result)`` runs
+    between the two; what it raises ends the call (the launcher stops there
+    when the warm-up request took the server down)."""
     from pydantic import TypeAdapter
 
     w = TypeAdapter(Workload).validate_python(workload)
     warm = warm_up(url, w, vocab_size) if warmup else None
+    if warm is not None and after_warmup is not None:
+        after_warmup(warm)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     out = run_decode_then_long(url, w, vocab_size) if w.kind == "decode_then_long" else run_mix(url, w, vocab_size)
     out["warmup"] = warm

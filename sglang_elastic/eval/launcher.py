@@ -241,9 +241,34 @@ class ServerActor:
         return {"hostname": socket.gethostname(), "node_gpu_uuids": sorted(_nvidia_smi_uuids().values())}
 
     def run_workload(self, workload: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
+        """The workload's numbers (:func:`sglang_elastic.eval.client.run_workload`).
+
+        Raises ``RuntimeError`` with the log tail when the server exited
+        during the warm-up request (then the workload does not run) or the
+        workload (a crashed scheduler stops the server: gap 5 of
+        :mod:`sglang_elastic.eval.ray_entry`), so the row is a failure with
+        its reason, not numbers of the requests that happened to finish."""
         from sglang_elastic.eval.client import run_workload
 
-        return run_workload(self.url, workload, vocab_size)
+        def after_warmup(warm: Dict[str, Any]) -> None:
+            self._raise_if_exited("the warm-up request", failed=bool(warm.get("error")))
+
+        out = run_workload(self.url, workload, vocab_size, after_warmup=after_warmup)
+        self._raise_if_exited(f"the workload ({out.get('num_errors', 0)} failed requests)", failed=bool(out.get("num_errors")))
+        return out
+
+    def _raise_if_exited(self, during: str, failed: bool, wait_s: float = 10.0) -> None:
+        """Raise when the server has exited; after ``failed`` requests, first
+        give a server on its way down ``wait_s`` seconds to exit."""
+        if self.proc is None:
+            return
+        if failed:
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {self.proc.returncode} during {during}; log tail:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 60.0) -> Optional[int]:
         """SIGTERM to the server's process group (SGLang's launcher tears down

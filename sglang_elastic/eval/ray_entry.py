@@ -9,7 +9,7 @@ starts one ``SchedulerActor`` per TP rank (``num_gpus=1``) inside
 ``ray.util.get_current_placement_group()``, or creates its own group when
 there is none; the HTTP server clears any group given through ``ServerArgs``.
 A ``launch_server`` process is a Ray driver, never inside a placement group,
-so on its own it would reserve a second group beside the launcher's. Three
+so on its own it would reserve a second group beside the launcher's. Five
 gaps, each closed here and nowhere else:
 
 1. the group: this entry looks up the launcher's named group (one bundle of
@@ -35,15 +35,33 @@ gaps, each closed here and nowhere else:
    CUDA indices: ``run.py`` refuses a ``CUDA_VISIBLE_DEVICES`` that renumbers
    them. Left as SGLang does it: its P2P probe (``can_p2p``) takes TP ranks as
    device indices, so on a host of more than two GPUs a TP2 server on GPUs
-   2-3 probes GPUs 0-1 once (SGLang caches the answer per host).
+   2-3 probes GPUs 0-1 once (SGLang caches the answer per host);
+5. a scheduler that dies: the multiprocess server's scheduler sends SIGQUIT
+   to its parent when it crashes (``sglang/srt/managers/scheduler.py``), whose
+   handler stops the whole server; the Ray HTTP server never waits on its
+   actors' event loops (``block_until_scheduler_exits`` is called only on
+   nodes other than the first and on the Rust-server path), so a scheduler
+   actor that dies (a CUDA OOM, say) leaves the
+   HTTP server up and every ``/generate`` waiting forever. Seen twice on two
+   H200s on 2026-11-30 (E2's ``post-capture-mrr256-32768`` at TP 2): each
+   hang held both GPUs until the device call's time ran out.
+   :func:`watch_schedulers` waits for the first event loop to end and sends
+   the same SIGQUIT, so the server exits, the client's requests fail at once
+   and the row is reported as failed with its log tail.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
 import os
+import signal
 import sys
-from typing import Dict, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "sglang-eval"
 #: Environment variables handed to SGLang's scheduler actors (Ray workers).
@@ -109,6 +127,84 @@ def attach(placement_group: str, namespace: str = NAMESPACE, setup_hook: str = W
     return pg
 
 
+#: Seconds the watcher gives SGLang's SIGQUIT handler before it kills the
+#: process tree itself (the handler runs on the asyncio loop, which a stuck
+#: request handler could hold).
+QUIT_GRACE_S = 30.0
+
+
+def _quit_server(why: str, crashed: bool) -> None:
+    logger.log(logging.ERROR if crashed else logging.WARNING,
+               "sglang-elastic eval: %s; stopping the server (SIGQUIT, as a crashed scheduler does in SGLang's multiprocess server)", why)
+    os.kill(os.getpid(), signal.SIGQUIT)
+    threading.Event().wait(QUIT_GRACE_S)
+    from sglang.srt.utils import kill_process_tree
+
+    logger.error("sglang-elastic eval: the server outlived its SIGQUIT by %.0f s; killing its process tree", QUIT_GRACE_S)
+    kill_process_tree(os.getpid())
+
+
+def watch_schedulers(result: Any, on_exit: Callable[[str, bool], None] = _quit_server) -> threading.Thread:
+    """Gap 5: call ``on_exit(why, crashed)`` once the first scheduler event
+    loop of ``result`` (the ``RaySchedulerInitResult`` of
+    ``RayEngine._launch_scheduler_processes``) ends: ``crashed`` when it
+    raised or its actor died (the error is in ``why``), false when it returned
+    (a normal shutdown). The default logs it (an error when crashed), sends
+    this process SIGQUIT, whose handler (the launch-phase one of
+    ``sglang/srt/entrypoints/engine.py``, then the running-phase one of
+    ``sglang/srt/managers/tokenizer_manager.py``) kills the server's process
+    tree, and kills the tree itself :data:`QUIT_GRACE_S` later if it still
+    runs.
+
+    The event loops' object refs live only in the closure of
+    ``result.block_until_scheduler_exits`` (``sglang/srt/ray/engine.py``, the
+    TP and the DP path); where they cannot be found there, the watcher waits
+    on that function itself, which returns when every loop has ended or one
+    has raised (then ``crashed`` is true: it cannot tell). Returns the
+    (daemon) watcher thread."""
+    import ray
+
+    fn = getattr(result, "block_until_scheduler_exits")
+    refs = None
+    try:
+        refs = inspect.getclosurevars(fn).nonlocals.get("event_loop_refs")
+    except TypeError:  # not a plain function
+        pass
+
+    def wait_first():
+        if not refs:
+            fn()  # logs the error itself
+            return "the scheduler event loops ended", True
+        done, _ = ray.wait(list(refs), num_returns=1)
+        try:
+            ray.get(done)
+        except Exception as e:  # noqa: BLE001 - any failure of the actor is the reason
+            return f"a scheduler actor died: {type(e).__name__}: {e}", True
+        return "a scheduler event loop returned", False
+
+    t = threading.Thread(target=lambda: on_exit(*wait_first()), name="sglang-elastic-scheduler-watch", daemon=True)
+    t.start()
+    return t
+
+
+def install_scheduler_watch() -> None:
+    """Wrap ``RayEngine._launch_scheduler_processes`` so that every server
+    this process launches runs :func:`watch_schedulers` on its schedulers."""
+    from sglang.srt.ray.engine import RayEngine
+
+    launch = RayEngine.__dict__["_launch_scheduler_processes"].__func__
+    if getattr(launch, "_sglang_elastic_watch", False):
+        return
+
+    def launch_and_watch(cls, *args, **kwargs):
+        result, procs = launch(cls, *args, **kwargs)
+        watch_schedulers(result)
+        return result, procs
+
+    launch_and_watch._sglang_elastic_watch = True
+    RayEngine._launch_scheduler_processes = classmethod(launch_and_watch)
+
+
 def _parse(argv: Sequence[str]):
     ap = argparse.ArgumentParser(prog="python -m sglang_elastic.eval.ray_entry", description=__doc__.split("\n")[0])
     ap.add_argument("--placement-group", required=True)
@@ -134,6 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the job's runtime_env is fixed at ray.init.
     server_args = prepare_server_args(server_argv)
     attach(args.placement_group, args.namespace)
+    install_scheduler_watch()
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 

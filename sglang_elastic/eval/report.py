@@ -93,11 +93,14 @@ def _elastic_mode(row: Dict[str, Any]) -> Optional[str]:
 
 def _reclaims_note(w: Dict[str, Any]) -> str:
     """The workload's reclaims on TP rank 0, from the events the launcher
-    collected (rows measured before it did: nothing)."""
+    collected (rows measured before it did: nothing). The first is the first
+    after start-up, as the warm-up cycle leaves it: the client's warm-up
+    request comes alone, with nothing lent, so in E1/E2's workload it is the
+    first measured long prompt's."""
     rc = ((w.get("sglang_elastic_events") or {}).get("reclaim_ms")) or {}
     if not rc.get("n"):
         return ""
-    return f"reclaims {rc['min']:.1f}–{rc['max']:.1f} ms (median {rc['median']:.1f}; the first, the warm-up request's, {rc['first']:.1f})"
+    return f"reclaims {rc['min']:.1f}–{rc['max']:.1f} ms (median {rc['median']:.1f}; the first {rc['first']:.1f})"
 
 
 def _elastic_column(row: Dict[str, Any]) -> str:

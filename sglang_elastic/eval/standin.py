@@ -60,11 +60,15 @@ def _record(op: str, **fields) -> None:
             f.write(json.dumps({"op": op, **fields, "t": time.time()}) + "\n")
 
 
-def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, incremental: bool = False, elastic: bool = False):
+def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, incremental: bool = False, elastic: bool = False,
+             crash_above: int = 0, crash_at: int = 1):
     from aiohttp import web
 
     chunk = max(1, int(info.get("chunked_prefill_size") or 8192))
     lock = asyncio.Lock()  # one "GPU": prefill chunks run one at a time
+    # the elastic pool's dynamic mode, as the controller runs it: lend once a
+    # request decodes, reclaim before a prompt longer than a chunk if lent
+    state = {"lent": False, "long_prompts": 0}
 
     async def health(_):
         return web.Response(text="ok")
@@ -78,14 +82,21 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
         if not isinstance(ids, list) or not ids:
             return web.json_response({"error": {"message": "input_ids required (server runs with --skip-tokenizer-init)"}}, status=400)
         n_out = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
+        if crash_above and len(ids) > crash_above:
+            state["long_prompts"] += 1
+            if state["long_prompts"] == crash_at:  # as SGLang's server exits once a scheduler dies
+                print(f"standin: exiting on purpose at prompt {crash_at} of more than {crash_above} tokens (--crash-above, --crash-at)", flush=True)
+                os._exit(4)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if elastic and len(ids) > chunk:  # a prompt longer than one chunk: "reclaim" before it, "lend" after its prefill
+        if elastic and len(ids) > chunk and state["lent"]:
+            state["lent"] = False
             _record("reclaim", ms=1.5, wait_ms=0.5, vacate_ms=0.5, unmap_ms=0.5, moved_units=0, retracted=0)
         for start in range(0, len(ids), chunk):
             async with lock:
                 await asyncio.sleep(min(chunk, len(ids) - start) / prefill_tok_s)
-        if elastic and len(ids) > chunk:
+        if elastic and n_out > 1 and not state["lent"]:
+            state["lent"] = True
             _record("lend", ms=1.0)
         out: List[int] = []
         try:
@@ -124,7 +135,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--startup-delay-s", type=float, default=0.0)
     ap.add_argument("--incremental-streaming-output", action="store_true", help="chunks carry the new output_ids only, as SGLang's flag")
     ap.add_argument("--fail", action="store_true", help="exit with status 3 before serving (tests)")
-    ap.add_argument("--enable-elastic-kv", action="store_true", help="write a reclaim and a lend record to $SGLANG_ELASTIC_EVENTS around each prompt longer than a chunk")
+    ap.add_argument("--crash-above", type=int, default=0, metavar="N", help="exit with status 4 when the --crash-at-th prompt longer than N tokens arrives (tests: a server that dies)")
+    ap.add_argument("--crash-at", type=int, default=1, metavar="K", help="which prompt longer than --crash-above ends the server (default 1: the first)")
+    ap.add_argument("--enable-elastic-kv", action="store_true", help="write lend and reclaim records to $SGLANG_ELASTIC_EVENTS: a lend when a request decodes and nothing is lent, a reclaim before a prompt longer than a chunk while lent")
     a, _unknown = ap.parse_known_args(argv)  # SGLang flags a config passes are accepted and ignored
     time.sleep(a.startup_delay_s)
     if a.fail:
@@ -148,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from aiohttp import web
 
     print(f"standin: serving on {a.host}:{a.port}", flush=True)
-    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0, a.incremental_streaming_output, a.enable_elastic_kv), host=a.host, port=a.port, print=None)
+    web.run_app(make_app(info, a.prefill_tok_s, a.itl_ms / 1000.0, a.incremental_streaming_output, a.enable_elastic_kv, a.crash_above, a.crash_at), host=a.host, port=a.port, print=None)
     return 0
 
 
