@@ -261,6 +261,10 @@ def test_only_runs_the_named_rows_keeps_earlier_ones_and_reports_progress(launch
     other = _exp(workloads=[{**_exp().workloads[0].model_dump(mode="json"), "decodes": 2}])
     fourth = experiments.run(other, launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=second)
     assert not {r["label"]: r for r in fourth["rows"]}["tp1"]["ok"]
+    # a row not measured yet keeps its reason when --only names another row
+    waiting = {**second, "rows": [r if r["label"] != "tp1" else {**r, "ok": False, "error": "not run (cluster too small): tp1 needs 1 GPU(s)", "workloads": []} for r in second["rows"]]}
+    fifth = experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, only=["tp2"], previous=waiting)
+    assert {r["label"]: r for r in fifth["rows"]}["tp1"]["error"] == "not run (cluster too small): tp1 needs 1 GPU(s)"
     # a full rerun reports the earlier rows for servers not finished yet
     early = []
     experiments.run(_exp(), launcher, results_dir=tmp_path, standin=True, progress=False, previous=second,

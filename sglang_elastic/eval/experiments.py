@@ -205,6 +205,13 @@ NOT_RUN = "not run"
 assert NOT_STARTED.startswith(NOT_RUN) and TOO_BIG.startswith(NOT_RUN)
 
 
+def _earlier_not_run(s: ServerConfig, previous: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``previous``'s row for ``s`` when it is one not measured yet
+    (:func:`not_measured`) for the same server."""
+    old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
+    return old if old is not None and not_measured(old) and old.get("identity") == s.identity() else None
+
+
 def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
     return {"label": s.label, "group": s.group, "server": s.model_dump(mode="json"), "identity": s.identity(), "ok": False,
             "error": why, "node_ip": None, "startup_s": None, "facts": None, "workloads": [], "log": None, "reused_from": None}
@@ -246,8 +253,10 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
                 rows[s.label] = row
                 continue
         if only and s.label not in only:
-            # the file's earlier row of the same server stays, a failure with its reason
-            rows[s.label] = previous_row(exp, s, previous, ok_only=False, stale_ok=True) or _not_run(
+            # the file's earlier row of the same server stays, a failure with
+            # its reason, and so does a row not measured yet with its own
+            # ("cluster too small", "interrupted before it finished")
+            rows[s.label] = previous_row(exp, s, previous, ok_only=False, stale_ok=True) or _earlier_not_run(s, previous) or _not_run(
                 s, "not run (not in --only, no earlier row of the same server and workloads)")
             continue
         if why is not None:
