@@ -199,6 +199,42 @@ def test_a_row_once_copied_from_another_experiment_is_measured_again_when_the_co
     assert experiments.measured_labels(exp, {"rows": [{**copied, "reused_from": None}, still]}) == ["stock", "copy"]
 
 
+def test_run_script_without_gpus_names_the_rows_and_points_to_the_dry_run(tmp_path):
+    """A real (not --standin) run on a cluster without a GPU: each row's
+    reason on the console and status 2, not a quiet 'failed: none'."""
+    import os
+    import subprocess
+    import sys
+
+    p = tmp_path / "e.yaml"
+    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}]\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(tmp_path), "--num-gpus", "0", "--no-report"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert "run.py: not run (cluster too small): a needs 1 GPU(s) on one node; the largest node in the cluster has 0" in r.stderr
+    assert "run.py: not run (cluster too small): b needs 2 GPU(s)" in r.stderr
+    assert "the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run" in r.stderr
+
+
+def test_the_launcher_starts_its_own_local_instance_beside_a_running_cluster(monkeypatch, tmp_path):
+    """Without an address ray.init gets address='local': a plain ray.init
+    would join a cluster already running on the machine (host_batch.sh
+    --standin leaves one) and refuse num_cpus/num_gpus."""
+    import ray
+
+    from sglang_elastic.eval.launcher import Launcher
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    Launcher(num_cpus=2, num_gpus=8, log_dir=str(tmp_path))
+    assert seen["address"] == "local" and seen["num_gpus"] == 8 and seen["num_cpus"] == 2
+    seen.clear()
+    Launcher(address="127.0.0.1:6379", log_dir=str(tmp_path))
+    assert seen["address"] == "127.0.0.1:6379" and "num_gpus" not in seen
+
+
 def test_run_script_refuses_renumbered_gpus(tmp_path):
     import os
     import subprocess

@@ -201,21 +201,56 @@ def test_servers_run_in_their_placement_groups_and_results_reach_the_driver(laun
 def test_an_elastic_rows_lend_and_reclaim_records_reach_its_row_and_its_table_note(launcher, tmp_path):
     from sglang_elastic.eval import report
 
-    exp = _exp(servers=[{"label": "el", "tp": 1, "chunked_prefill_size": 2048, "enable_elastic_kv": True}, {"label": "stock", "tp": 1, "chunked_prefill_size": 2048}])
+    # the long prompts 0.5 s apart: each one's 2-ms prefill ends before the next arrives
+    spaced = {**_exp().workloads[0].model_dump(mode="json"), "long_interval_s": 0.5}
+    exp = _exp(servers=[{"label": "el", "tp": 1, "chunked_prefill_size": 2048, "enable_elastic_kv": True}, {"label": "stock", "tp": 1, "chunked_prefill_size": 2048}],
+               workloads=[spaced])
     out = experiments.run(exp, launcher, results_dir=tmp_path, standin=True, progress=False)
     rows = {r["label"]: r for r in out["rows"]}
     assert all(r["ok"] for r in rows.values()), [r["error"] for r in rows.values()]
     ev = rows["el"]["workloads"][0]["sglang_elastic_events"]
     # as the controller's dynamic mode: the warm-up request comes alone with
     # nothing lent (no reclaim) and does not decode (no lend); the decodes
-    # lend; the 2 long prompts arrive together: the first reclaims, the
-    # second finds nothing lent; decoding again after their prefill lends
-    assert ev["reclaim_ms"]["n"] == 1 and ev["lend_ms"]["n"] == 2 and ev["reclaim_ms"]["values"] == [1.5]
+    # lend; each long prompt reclaims before its prefill and lends after it
+    assert ev["reclaim_ms"]["n"] == 2 and ev["lend_ms"]["n"] == 3 and ev["reclaim_ms"]["values"] == [1.5] * 2
     assert ev["reclaim_wait_ms"] == {"first": 0.5, "median": 0.5, "max": 0.5} and ev["moved_units"] == 0 and ev["retracted"] == 0
     assert rows["stock"]["workloads"][0]["sglang_elastic_events"] is None  # no events file without the elastic pool
     md, _plot = report.ttft_vs_chunk(out)
     [el_line] = [l for l in md.splitlines() if l.startswith("| el |")]
     assert "reclaims 1.5–1.5 ms (median 1.5; the first 1.5)" in el_line
+
+
+def test_the_standin_lends_and_reclaims_as_the_dynamic_controller(tmp_path, monkeypatch):
+    """No reclaim for a prompt that finds nothing lent, no lend while a
+    prefill is pending. 100-token chunks take 0.2 s each, one at a time:
+    long prompts A and B (300 tokens) arrive together and alternate chunks,
+    A is done at 1.0 s, B at 1.2 s; C arrives at 1.1 s, when a lend after A
+    alone would have made it reclaim."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sglang_elastic.config import EVENTS_ENV
+    from sglang_elastic.eval import standin
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv(EVENTS_ENV, str(events))
+    app = standin.make_app({"chunked_prefill_size": 100}, prefill_tok_s=500.0, itl_s=0.001, incremental=True, elastic=True)
+
+    async def go():
+        async with TestClient(TestServer(app)) as c:
+            async def gen(n_in: int, n_out: int, after_s: float = 0.0) -> None:
+                await asyncio.sleep(after_s)
+                r = await c.post("/generate", json={"input_ids": [1] * n_in, "sampling_params": {"max_new_tokens": n_out}})
+                await r.read()
+
+            await gen(300, 1)  # alone: nothing lent, and no decode step to lend after
+            assert not events.exists()
+            await gen(10, 50)  # a decode lends once its prefill is done
+            await asyncio.gather(gen(300, 2), gen(300, 2), gen(300, 2, after_s=1.1))
+
+    asyncio.run(go())
+    assert [json.loads(line)["op"] for line in events.read_text().splitlines()] == ["lend", "reclaim", "lend"]
 
 
 def test_events_are_read_from_an_offset_and_a_line_still_being_written_waits(tmp_path):

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))  # the source tree when the package is not install
 from sglang_elastic import results  # noqa: E402
 from sglang_elastic.eval import config, experiments, report  # noqa: E402
 from sglang_elastic.eval.client import client_current  # noqa: E402
-from sglang_elastic.eval.launcher import Launcher  # noqa: E402
+from sglang_elastic.eval.launcher import TOO_BIG, Launcher  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("config", type=Path)
     ap.add_argument("--address", default=None, help="Ray cluster to join (default: the config's, else start a local one)")
     ap.add_argument("--standin", action="store_true", help="CPU stand-in server instead of SGLang (dry run)")
@@ -87,6 +87,7 @@ def main() -> int:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
                                warm_first=False if a.no_warm_first else None, on_progress=write,
                                start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)
+        cluster_gpus = launcher.cluster_gpus()
     write(body)
 
     def never_ran(r):  # not in --only, or not started (deadline, cluster too small): for --resume, not a failure
@@ -101,6 +102,13 @@ def main() -> int:
     print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else "")
           + (f"; older client (cumulative streaming), to measure again: {', '.join(stale)}" if stale else "")
           + (f"; not started this time, earlier result kept: {', '.join(kept)}" if kept else ""))
+    # rows asked for that no node of the cluster can hold: say why on the console, not only in the file
+    too_big = [r for r in body["rows"] if (not only or r["label"] in only) and (r.get("error") or "").startswith(TOO_BIG)]
+    for r in too_big:
+        print(f"run.py: {r['error']}", file=sys.stderr)
+    if too_big and not a.standin and not cluster_gpus:
+        print("run.py: the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run", file=sys.stderr)
+        return 2
     if not a.no_report and not a.standin:
         try:
             report.render_doc(ROOT / "docs/eval.md", a.out_dir, ROOT)

@@ -385,11 +385,17 @@ class Launcher:
             kw: Dict[str, Any] = {"namespace": namespace, "runtime_env": runtime_env or {}, "log_to_driver": True}
             if address:
                 kw["address"] = address
-            else:
-                kw.update(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, include_dashboard=False)
+            else:  # a new local instance, also beside a running cluster (ray.init would join that one, refusing num_gpus)
+                kw.update(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, include_dashboard=False)
             ray.init(**kw)
         self._run_id = f"{os.getpid()}-{int(time.time())}"
         self._actor_cls = ray.remote(ServerActor)
+
+    def cluster_gpus(self) -> float:
+        """GPUs the Ray cluster has in all (``ray.cluster_resources()``)."""
+        import ray
+
+        return float(ray.cluster_resources().get("GPU", 0))
 
     def close(self) -> None:
         import ray

@@ -42,9 +42,9 @@ gaps, each closed here and nowhere else:
    actors' event loops (``block_until_scheduler_exits`` is called only on
    nodes other than the first and on the Rust-server path), so a scheduler
    actor that dies (a CUDA OOM, say) leaves the
-   HTTP server up and every ``/generate`` waiting forever. Seen twice on two
-   H200s on 2026-11-30 (E2's ``post-capture-mrr256-32768`` at TP 2): each
-   hang held both GPUs until the device call's time ran out.
+   HTTP server up and every ``/generate`` waiting forever. Seen twice on a
+   two-H200 host on 2026-11-30 (E2's ``post-capture-mrr256-32768`` at TP 2):
+   each hang held both GPUs until the device call's time ran out.
    :func:`watch_schedulers` waits for the first event loop to end and sends
    the same SIGQUIT, so the server exits, the client's requests fail at once
    and the row is reported as failed with its log tail.

@@ -66,9 +66,10 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
 
     chunk = max(1, int(info.get("chunked_prefill_size") or 8192))
     lock = asyncio.Lock()  # one "GPU": prefill chunks run one at a time
-    # the elastic pool's dynamic mode, as the controller runs it: lend once a
-    # request decodes, reclaim before a prompt longer than a chunk if lent
-    state = {"lent": False, "long_prompts": 0}
+    # the elastic pool's dynamic mode, as the controller runs it: lend once
+    # requests decode and no prefill is pending, reclaim before a prompt
+    # longer than a chunk if lent
+    state = {"lent": False, "prefilling": 0, "long_prompts": 0}
 
     async def health(_):
         return web.Response(text="ok")
@@ -92,10 +93,14 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
         if elastic and len(ids) > chunk and state["lent"]:
             state["lent"] = False
             _record("reclaim", ms=1.5, wait_ms=0.5, vacate_ms=0.5, unmap_ms=0.5, moved_units=0, retracted=0)
-        for start in range(0, len(ids), chunk):
-            async with lock:
-                await asyncio.sleep(min(chunk, len(ids) - start) / prefill_tok_s)
-        if elastic and n_out > 1 and not state["lent"]:
+        state["prefilling"] += 1
+        try:
+            for start in range(0, len(ids), chunk):
+                async with lock:
+                    await asyncio.sleep(min(chunk, len(ids) - start) / prefill_tok_s)
+        finally:
+            state["prefilling"] -= 1
+        if elastic and n_out > 1 and not state["lent"] and not state["prefilling"]:
             state["lent"] = True
             _record("lend", ms=1.0)
         out: List[int] = []
@@ -137,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--fail", action="store_true", help="exit with status 3 before serving (tests)")
     ap.add_argument("--crash-above", type=int, default=0, metavar="N", help="exit with status 4 when the --crash-at-th prompt longer than N tokens arrives (tests: a server that dies)")
     ap.add_argument("--crash-at", type=int, default=1, metavar="K", help="which prompt longer than --crash-above ends the server (default 1: the first)")
-    ap.add_argument("--enable-elastic-kv", action="store_true", help="write lend and reclaim records to $SGLANG_ELASTIC_EVENTS: a lend when a request decodes and nothing is lent, a reclaim before a prompt longer than a chunk while lent")
+    ap.add_argument("--enable-elastic-kv", action="store_true", help="write lend and reclaim records to $SGLANG_ELASTIC_EVENTS: a lend when a request starts decoding with no prefill pending and nothing lent, a reclaim before a prompt longer than a chunk while lent")
     a, _unknown = ap.parse_known_args(argv)  # SGLang flags a config passes are accepted and ignored
     time.sleep(a.startup_delay_s)
     if a.fail:
