@@ -106,6 +106,9 @@ def test_recommendations():
     big = advisor.predict("llama-3.1-70b", H200_MIB / 1024, 1)
     assert big["max_total_num_tokens"] == 0 and big["recommendation"] == "neither" and "raise the TP degree" in big["reason"]
     assert "gives 8,5" in big["reason"] and "fewer than 32,768" in big["reason"]  # post-capture sizing's few thousand tokens, named
+    short = advisor.predict("llama-3.1-70b", 79.2, 1)  # 131 GiB of weights on an 80 GB GPU: no pool, said so (not "-66.88 GiB")
+    line = [l for l in advisor.format_text(short).splitlines() if l.startswith("  KV pool:")][0]
+    assert line.startswith("  KV pool: none: the weights and SGLang's reserve exceed the GPU by ") and f"{-short['kv_pool_gib']:.2f} GiB" in line and short["kv_pool_gib"] < -60
     # E1 measured it: at a 32,768-token chunk the pool lends 336,896 tokens,
     # more than a 2,048-token chunk would add (935,704 - 610,724 = 324,980)
     huge_chunk = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 32768)

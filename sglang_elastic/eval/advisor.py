@@ -462,7 +462,8 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  SGLang: mem_fraction_static {p['mem_fraction_static']} (reserved {p['sglang_reserved_mib']:,} MiB of the GPU)",
         f"  reserve (kept out of the KV pool): {p['reserve_gib']:.2f} GiB = {p['reserve_fraction_of_hbm']:.1%} of HBM"
         + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
-        f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)",
+        (f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)" if p["kv_pool_gib"] >= 0 else
+         f"  KV pool: none: the weights and SGLang's reserve exceed the GPU by {-p['kv_pool_gib']:.2f} GiB ({p['kv_cell_bytes']:,} B/token/GPU)"),
         f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token'] / 1024:.0f} KiB per chunk token): "
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
