@@ -132,6 +132,11 @@ def _row(s: ServerConfig, r: ServerResult) -> Dict[str, Any]:
     }
 
 
+def row_of(data: Optional[Dict[str, Any]], label: str) -> Optional[Dict[str, Any]]:
+    """The row labelled ``label`` of a result file's contents, or None."""
+    return next((r for r in (data or {}).get("rows", []) if r.get("label") == label), None)
+
+
 def find_reusable(exp: Experiment, s: ServerConfig, results_dir: Path) -> "tuple[Optional[Dict[str, Any]], str]":
     """The row ``s.reuse`` names, if it measured the same server and workloads."""
     other, label = s.reuse.split("/", 1)
@@ -139,7 +144,7 @@ def find_reusable(exp: Experiment, s: ServerConfig, results_dir: Path) -> "tuple
     if not path.is_file():
         return None, f"{path} not found"
     data = json.loads(path.read_text())
-    row = next((r for r in data.get("rows", []) if r.get("label") == label), None)
+    row = row_of(data, label)
     if row is None:
         return None, f"no row {label!r} in {path}"
     if not row.get("ok"):
@@ -175,7 +180,7 @@ def previous_row(exp: Experiment, s: ServerConfig, previous: Optional[Dict[str, 
     copied from another experiment (``reused_from``) once the config
     measures that row itself (no ``reuse``): E2's stock row, measured on the
     host of the rows it judges since E1's ran on another."""
-    old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
+    old = row_of(previous, s.label)
     if old is None or (ok_only and not old.get("ok")) or old.get("identity") != s.identity():
         return None
     if not_measured(old) or (old.get("ok") and not stale_ok and (not client_current(old) or (old.get("reused_from") and not s.reuse))):
@@ -208,7 +213,7 @@ assert NOT_STARTED.startswith(NOT_RUN) and TOO_BIG.startswith(NOT_RUN)
 def _earlier_not_run(s: ServerConfig, previous: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """``previous``'s row for ``s`` when it is one not measured yet
     (:func:`not_measured`) for the same server."""
-    old = next((r for r in (previous or {}).get("rows", []) if r.get("label") == s.label), None)
+    old = row_of(previous, s.label)
     return old if old is not None and not_measured(old) and old.get("identity") == s.identity() else None
 
 
