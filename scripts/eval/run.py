@@ -87,7 +87,7 @@ def main() -> int:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
                                warm_first=False if a.no_warm_first else None, on_progress=write,
                                start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)
-        cluster_gpus = launcher.cluster_gpus()
+        node_gpus = launcher.largest_node_gpus()
     write(body)
 
     def never_ran(r):  # not in --only, or not started (deadline, cluster too small): for --resume, not a failure
@@ -106,7 +106,7 @@ def main() -> int:
     too_big = [r for r in body["rows"] if (not only or r["label"] in only) and (r.get("error") or "").startswith(TOO_BIG)]
     for r in too_big:
         print(f"run.py: {r['error']}", file=sys.stderr)
-    if too_big and not a.standin and not cluster_gpus:
+    if too_big and not a.standin and not node_gpus:
         print("run.py: the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run", file=sys.stderr)
         return 2
     if not a.no_report and not a.standin:

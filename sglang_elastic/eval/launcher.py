@@ -391,12 +391,6 @@ class Launcher:
         self._run_id = f"{os.getpid()}-{int(time.time())}"
         self._actor_cls = ray.remote(ServerActor)
 
-    def cluster_gpus(self) -> float:
-        """GPUs the Ray cluster has in all (``ray.cluster_resources()``)."""
-        import ray
-
-        return float(ray.cluster_resources().get("GPU", 0))
-
     def close(self) -> None:
         import ray
 
