@@ -146,6 +146,14 @@ def test_run_script_names_asked_rows_a_start_deadline_left_unmeasured(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
                         "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "not started this time, earlier result kept: a, b\n" in r.stdout, r.stdout + r.stderr[-2000:]
+    # a failure the file held, not run again (not in --only), is named as an earlier one, not as
+    # "not measured yet", and does not fail this run
+    rows[1] = {**rows[1], "ok": False, "error": "RuntimeError: server exited with status -9 during the warm-up request: CUDA out of memory"}
+    (out / "reserve_vs_tp.standin.json").write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
+                        "--only", "a", "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "failed: none; failed in an earlier run, not run again: b; not started this time, earlier result kept: a\n" in r.stdout, r.stdout
 
 
 def test_resume_skips_only_rows_measured_for_the_config_as_it_is():

@@ -355,8 +355,10 @@ def test_a_server_that_dies_is_a_failed_row_with_its_log_tail(launcher, crash_at
     t0 = time.monotonic()
     [res] = launcher.run([ServerJob(name=f"dies-at-{crash_at}", argv=argv, gpus=1, workloads=[w], startup_timeout_s=60)], progress=False)
     assert not res.ok and res.workloads == []
-    assert f"RuntimeError: server exited with status 4 during {during}" in res.error
-    assert f"exiting on purpose at prompt {crash_at} of more than 1000 tokens" in res.error
+    # the first line says why: the crash line the server wrote, found in its log
+    first = res.error.splitlines()[0]
+    assert first.startswith(f"RuntimeError: server exited with status 4 during {during}")
+    assert first.endswith(f": exiting on purpose at prompt {crash_at} of more than 1000 tokens (--crash-above, --crash-at); log tail:")
     if crash_at == 1:  # not the workload's 3,000-token decodes against a dead server
         assert time.monotonic() - t0 < 30
 
@@ -639,3 +641,18 @@ def test_a_failed_new_measurement_keeps_the_earlier_row_with_the_failure(launche
     from sglang_elastic.eval import report
 
     assert report._err(row).startswith("cumulative streaming (older client); measuring again failed: ")
+
+
+def test_the_crash_cause_is_sglangs_crash_line_else_the_last_exception():
+    """E2 TP 2's out-of-memory row (docs/results/eval/logs/, as SGLang's Ray
+    mode wrote it: Ray's actor prefix, a traceback, the crash diagnostics
+    after it) names the allocation that failed; a log with only a traceback
+    names its exception; a log with neither names nothing."""
+    from sglang_elastic.eval.launcher import crash_cause
+
+    log = (Path(__file__).resolve().parents[1] / "docs/results/eval/logs/capacity_tp2.post-capture-mrr256-32768.oom.txt").read_text()
+    cause = crash_cause(log)
+    assert cause.startswith("CUDA out of memory. Tried to allocate 98.00 MiB. GPU ") and cause.endswith("…") and len(cause) <= 160
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: first\n\x1b[36m(SchedulerActor pid=7)\x1b[0m torch.OutOfMemoryError: CUDA out of memory.\nbye\n"
+    assert crash_cause(tb) == "OutOfMemoryError: CUDA out of memory."
+    assert crash_cause("starting\nstopped by SIGTERM\n") is None

@@ -163,3 +163,17 @@ def test_a_row_never_started_reads_not_measured_yet_and_a_failure_keeps_its_reas
     # a row the older client measured (cumulative streaming) says so until it is measured again; E3's facts-only rows never do
     assert report._err({"ok": True, "workloads": [{"num_errors": 2}]}) == "2 request errors; cumulative streaming (older client)"
     assert report._err({"ok": True, "workloads": []}) == ""
+
+
+def test_a_failed_row_of_an_older_launcher_reads_the_cause_from_its_log_tail():
+    """E2 TP 2's out-of-memory row was written before the launcher put the
+    cause on the error's first line: the table finds it in the kept tail.
+    A first line that already names it is left as it is."""
+    tail = ("RuntimeError: server exited with status -9 during the warm-up request; log tail:\n  File \"x\", line 3\n"
+            "\x1b[36m(SchedulerActor pid=8194)\x1b[0m [2026-11-30 21:14:39 DP0 TP1] Scheduler PP0 TP1 crashed: CUDA out of memory. Tried to allocate 98.00 MiB.\n"
+            "[2026-11-30 21:14:44] kill_process_tree called\n")
+    assert report._err({"ok": False, "error": tail}) == (
+        "failed: RuntimeError: server exited with status -9 during the warm-up request: CUDA out of memory. Tried to allocate 98.00 MiB.")
+    named = "RuntimeError: server exited with status 4 during the workload (2 failed requests): boom; log tail:\nValueError: other\n"
+    assert report._err({"ok": False, "error": named}) == "failed: RuntimeError: server exited with status 4 during the workload (2 failed requests): boom"
+    assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1; log tail:\nnothing here\n"}) == "failed: RuntimeError: server exited with status 1"

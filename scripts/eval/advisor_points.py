@@ -78,14 +78,15 @@ def main() -> int:
         d = json.loads(path.read_text())
         for r in d["rows"]:
             f, s = r.get("facts") or {}, r["server"]
-            if not (r.get("ok") and f.get("gpu_mem_mib") and (s.get("env") or {}).get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING") == "1") or r.get("reused_from"):
+            # a row that failed after start-up still measured SGLang's sizing (its /server_info facts)
+            if not ((r.get("ok") or f.get("max_total_num_tokens")) and f.get("gpu_mem_mib") and (s.get("env") or {}).get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING") == "1") or r.get("reused_from"):
                 continue
             args = s.get("extra_args") or []
             mrr = int(args[args.index("--max-running-requests") + 1]) if "--max-running-requests" in args else None
             chunk = s.get("chunked_prefill_size")
             held, held_out = without(s["model"], s["tp"], chunk)
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], chunk, calibration=held, max_running_requests=mrr)
-            points.append({"label": f"{s['model']} TP{s['tp']} (E2 {r['label']}, post-capture sizing)", "tp": s["tp"],
+            points.append({"label": f"{s['model']} TP{s['tp']} (E2 {r['label']}, post-capture sizing{'' if r.get('ok') else '; the server failed after start-up'})", "tp": s["tp"],
                            "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
                            "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "post_capture_kv_tokens": f.get("max_total_num_tokens")}, "predicted": pred})
     # The elastic pool's own H200 runs: SGLang's token count and what was lent

@@ -90,16 +90,21 @@ def main() -> int:
         node_gpus = launcher.largest_node_gpus()
     write(body)
 
-    def never_ran(r):  # not in --only, or not started (deadline, cluster too small): for --resume, not a failure
-        return experiments.not_measured(r) or bool(only and r["label"] not in only)
-
-    failed = [r["label"] for r in body["rows"] if (not r["ok"] and not never_ran(r)) or r.get("remeasure_error")]
-    missing = [r["label"] for r in body["rows"] if not r["ok"] and never_ran(r)]
-    stale = [r["label"] for r in body["rows"] if r["ok"] and not client_current(r)]  # kept until --resume measures them again
     before = {r.get("label"): r for r in (previous or {}).get("rows", [])}
+
+    def failure(r):  # a server stood behind it and it failed (a row never started is not measured yet)
+        return (not r["ok"] and not experiments.not_measured(r)) or bool(r.get("remeasure_error"))
+
+    # failed in this run; a failure the file held and this run did not touch (not in --only, not started) is an earlier one
+    failed = [r["label"] for r in body["rows"] if failure(r) and before.get(r["label"]) != r]
+    failed_before = [r["label"] for r in body["rows"] if failure(r) and before.get(r["label"]) == r]
+    missing = [r["label"] for r in body["rows"] if not r["ok"] and experiments.not_measured(r)]
+    stale = [r["label"] for r in body["rows"] if r["ok"] and not client_current(r)]  # kept until --resume measures them again
     # asked for, but never started (a start deadline, a cluster too small): the file keeps its earlier measurement
     kept = [r["label"] for r in body["rows"] if (not only or r["label"] in only) and r["ok"] and not r.get("reused_from") and before.get(r["label"]) == r]
-    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}" + (f"; not measured yet: {', '.join(missing)}" if missing else "")
+    print(f"{out}: {len(body['rows'])} row(s), failed: {', '.join(failed) or 'none'}"
+          + (f"; failed in an earlier run, not run again: {', '.join(failed_before)}" if failed_before else "")
+          + (f"; not measured yet: {', '.join(missing)}" if missing else "")
           + (f"; older client (cumulative streaming), to measure again: {', '.join(stale)}" if stale else "")
           + (f"; not started this time, earlier result kept: {', '.join(kept)}" if kept else ""))
     # rows asked for that no node of the cluster can hold: say why on the console, not only in the file

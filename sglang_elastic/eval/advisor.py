@@ -14,29 +14,37 @@ answer without a GPU comes from measured points (``calibration.json``):
   loads (CUDA context; at TP > 1 NCCL and custom all-reduce buffers too:
   1.36 GiB at TP 1, 2.2-2.3 GiB at TP 2 on the H200), so
   ``pre_model_load_free = gpu_mem - overhead``;
-- the memory CUDA-graph capture and the runtime take out of that reserve
-  (SGLang's reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
+- what start-up takes out of that reserve after the KV pool (SGLang's
+  reserve is ``pre_model_load_free * (1 - mem_fraction_static)``,
   kv_cache_configurator.py ``_profile_available_bytes``; what is left is
-  ``available_gpu_mem`` in SGLang's start-up log): a fixed part per TP degree
-  ``graph_fixed_gib`` (decode graphs, workspaces; both grow at TP > 1) plus
-  ``graph_bytes_per_token`` per token of ``--chunked-prefill-size`` (the
-  breakable prefill graphs). One slope for every model and TP, fitted by least
-  squares within each TP degree's points (TP 1: five chunk sizes), the fixed
-  part the mean residual of each TP degree's points. The total does not
-  follow the model's width at chunk 8,192: Qwen2.5-32B (hidden + 2 x
-  intermediate = 60,416) took 4.43 GiB at TP 1, Llama-3.1-8B (32,768) 4.47
-  GiB, although SGLang's own breakdown puts 2.44 vs 1.47 GiB in the prefill
-  graphs (the rest, 1.32 vs 2.31 GiB, differs the other way). The slope
-  comes from Llama-3.1-8B's chunk sweep alone; whether a wider model's total
-  grows faster with the chunk is what E3's ``qwen-32b-tp1-chunk32768`` row
-  checks. A TP degree without points takes the factors of the largest
+  ``available_gpu_mem`` in SGLang's start-up log), in three parts:
+
+  - the ``req_to_token`` table, computed, not fitted
+    (:func:`req_to_token_bytes`: SGLang's own row count and width, one int32
+    per context position and request slot; 1.73 GiB for Llama-3.1-8B at TP 1,
+    2.0 GiB at TP 2, 0.5 GiB for Qwen2.5-32B's 32K context);
+  - the breakable prefill CUDA graphs, ``graph_bytes_per_layer_token`` per
+    layer and token of ``--chunked-prefill-size`` (about 4.5 KiB on the
+    H200, fitted on E1's chunk sweep, 2,048-32,768 tokens, and the three
+    shapes at 8,192; above 8,192 a wider MLP than the sweep's takes more,
+    :func:`chunk_caveats`);
+  - a fixed part per TP degree ``graph_fixed_gib`` (decode graphs,
+    workspaces; both grow at TP > 1).
+
+  One slope for every model and TP, fitted by least squares within each TP
+  degree's points, the fixed part the mean residual of each TP degree's
+  points. Without the ``req_to_token`` term a fit on the total missed
+  Llama-3.1-70B at TP 2 by 10 % of its free memory: Llama-3.1-8B's larger
+  table (its 128K context and its pool's 3,539-4,096 request slots) had hidden
+  its smaller prefill graphs (1.47 GiB against Qwen2.5-32B's 2.44 at TP 1).
+  A TP degree without points takes the factors of the largest
   measured TP below it (``extrapolated_from_tp`` says so; from TP 2 to 4 or 8
   it misses SGLang's larger decode graphs there, batch 512 instead of 256).
   Lendable tokens are rounded down to the pool's lend step (whole 2 MiB
   granules of every K/V buffer).
 
 Then ``kv = pre_model_load_free - weights/tp - reserve``, ``tokens = kv / cell``,
-``free after graphs = reserve - graph_fixed - per_token * chunk``,
+``free after graphs = reserve - graph_fixed - req_to_token(tokens) - per_layer_token * layers * chunk``,
 ``lendable = free after graphs - margin`` (the elastic pool's
 ``--elastic-kv-margin-mb``, default 1 GiB), ``extra tokens = lendable / cell``.
 
@@ -72,6 +80,8 @@ from sglang_elastic.vmm.arena import token_quantum
 GIB = 1 << 30
 #: Below this, a gain in KV tokens (fraction of the pool) is not worth a change.
 MIN_GAIN = 0.05
+#: SGLang's --chunked-prefill-size on GPUs of the H200's size (server_args.py _handle_gpu_memory_settings).
+DEFAULT_CHUNK = 8192
 #: SGLang's activation term floors at 2048 tokens (server_args.py: max(chunked_prefill_size, 2048)).
 SMALL_CHUNK = 2048
 #: Without a KV pool at the asked chunk, an alternative is recommended only if
@@ -141,6 +151,10 @@ class Shape:
     head_dim: int
     v_head_dim: int
     dtype_bytes: int = 2
+    #: SGLang's ``ModelConfig.context_len`` (tokens): the width of the ``req_to_token`` table.
+    context_len: int = 0
+    #: The MLP's ``intermediate_size``: what a chunk's activations grow with besides the layers.
+    mlp_width: int = 0
 
     def row_bytes(self, tp: int) -> "list[int]":
         """Bytes per token of one layer's K and V buffers on one GPU (SGLang's MHA pool)."""
@@ -169,7 +183,30 @@ def shape_of(server_args) -> Shape:
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + ((heads + 2 * kv) * hd if bias else 0)
     per_layer = attn + 3 * h * inter + 2 * h
     params = vocab * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + layers * per_layer + h
-    return Shape(params=params, num_layers=mc.num_hidden_layers, kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim, v_head_dim=getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim)
+    return Shape(params=params, num_layers=mc.num_hidden_layers, kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim,
+                 v_head_dim=getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim, context_len=mc.context_len, mlp_width=inter)
+
+
+def req_to_token_bytes(server_args, tokens: int, context_len: int, max_running_requests: Optional[int] = None) -> int:
+    """Bytes of SGLang's ``req_to_token`` table (``ReqToTokenPool``,
+    sglang/srt/mem_cache/memory_pool.py: int32 ``[max_num_reqs + 1,
+    context_len + extra]``), allocated with the KV pool but paid from the
+    reserve. The row count is SGLang's own
+    ``KVCacheConfigurator.resolve_max_num_reqs`` (mem_cache/
+    kv_cache_configurator.py) for a pool of ``tokens`` and the server's
+    ``--max-running-requests`` (None: unset), the extra width
+    ``get_req_to_token_extra_context_len`` (mem_cache/allocation_sizing.py),
+    both called with this setup's values (DP attention and hybrid models are
+    outside the advisor, :func:`shape_of`)."""
+    from types import SimpleNamespace
+
+    import sglang.srt.mem_cache.kv_cache_configurator as kvc
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+
+    this = SimpleNamespace(model_config=SimpleNamespace(context_len=context_len), ps=SimpleNamespace(attn_dp_size=1), mambaish_config=None)
+    with mock.patch.object(kvc, "get_schedule", lambda: SimpleNamespace(max_running_requests=max_running_requests)):
+        reqs = kvc.KVCacheConfigurator.resolve_max_num_reqs(this, max(0, tokens))
+    return (reqs + 1) * (context_len + get_req_to_token_extra_context_len(server_args)) * 4
 
 
 #: What each calibration point must hold (scripts/eval/advisor_points.py and derive() read them).
@@ -215,17 +252,25 @@ def derive(point: Dict[str, Any]) -> Dict[str, float]:
         "context_overhead_gib": point["gpu_mem_mib"] / 1024 - pre_free,
         "reserve_gib": reserve,
         "graph_gib": reserve - point["free_after_graphs_gib"],
+        "req_to_token_gib": req_to_token_bytes(sa, point["max_total_num_tokens"], shape.context_len) / GIB,
         "chunk": sa.chunked_prefill_size,
+        "layer_tokens": shape.num_layers * sa.chunked_prefill_size,
+        "mlp_width": shape.mlp_width,
     }
 
 
 def factors(cal: Dict[str, Any], tp: Optional[int] = None) -> Dict[str, Any]:
     """The context overhead and the graph memory's fixed part (both per TP
-    degree: the mean over that degree's points) and its per-token part (one
-    slope, least squares of ``graph_gib`` on ``chunk`` within each TP degree;
-    no spread of chunks: 0). With ``tp``, the factors for that degree: a
+    degree: the mean over that degree's points) and its prefill-graph part
+    (one slope, bytes per layer and chunk token: least squares of
+    ``graph_gib - req_to_token_gib`` on ``layers * chunk`` within each TP
+    degree; no spread: 0). With ``tp``, the factors for that degree: a
     degree without points takes the largest measured one below it (else the
-    smallest above), named in ``extrapolated_from_tp``."""
+    smallest above), named in ``extrapolated_from_tp``.
+
+    Raises:
+        AdviseError: the calibration has no points.
+    """
     if not cal.get("points"):
         raise AdviseError("the calibration has no measured points")
     ds = [derive(p) for p in cal["points"]]
@@ -233,15 +278,21 @@ def factors(cal: Dict[str, Any], tp: Optional[int] = None) -> Dict[str, Any]:
     for d in ds:
         by_tp.setdefault(d["tp"], []).append(d)
     sxy = sxx = 0.0
+
+    def y(d):  # what the fit explains: the graphs and workspaces, the req_to_token table (computed) taken off
+        return d["graph_gib"] - d["req_to_token_gib"]
+
     for group in by_tp.values():  # pooled within-TP regression: TP shifts the intercept, not the slope
-        mx = sum(d["chunk"] for d in group) / len(group)
-        my = sum(d["graph_gib"] for d in group) / len(group)
-        sxx += sum((d["chunk"] - mx) ** 2 for d in group)
-        sxy += sum((d["chunk"] - mx) * (d["graph_gib"] - my) for d in group)
+        mx = sum(d["layer_tokens"] for d in group) / len(group)
+        my = sum(y(d) for d in group) / len(group)
+        sxx += sum((d["layer_tokens"] - mx) ** 2 for d in group)
+        sxy += sum((d["layer_tokens"] - mx) * (y(d) - my) for d in group)
     slope = sxy / sxx if sxx > 0 else 0.0
     per_tp = {t: {"context_overhead_gib": sum(d["context_overhead_gib"] for d in g) / len(g),
-                  "graph_fixed_gib": sum(d["graph_gib"] - slope * d["chunk"] for d in g) / len(g), "points": len(g)} for t, g in sorted(by_tp.items())}
-    out: Dict[str, Any] = {"graph_bytes_per_token": slope * GIB, "per_tp": per_tp}
+                  "graph_fixed_gib": sum(y(d) - slope * d["layer_tokens"] for d in g) / len(g), "points": len(g)} for t, g in sorted(by_tp.items())}
+    # the widest MLP among points above SGLang's default chunk: the slope's reach (module doc)
+    sweep = [d["mlp_width"] for d in ds if d["chunk"] > DEFAULT_CHUNK]
+    out: Dict[str, Any] = {"graph_bytes_per_layer_token": slope * GIB, "per_tp": per_tp, "large_chunk_max_mlp_width": max(sweep) if sweep else None}
     if tp is not None:
         below = [t for t in per_tp if t <= tp]
         used = max(below) if below else min(per_tp)
@@ -270,7 +321,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         calibration: measured points (default: the packaged file).
         max_running_requests: the server's ``--max-running-requests``
             (default: unset, SGLang sizes it from the pool, far above the
-            decode graphs' batch).
+            decode graphs' batch); it sets the ``req_to_token`` table's rows
+            (:func:`req_to_token_bytes`) and whether post-capture sizing
+            keeps SGLang's eager-decode headroom.
 
     Raises:
         AdviseError: a bad argument, an unknown model layout, or a reserve
@@ -302,7 +355,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
             f"{sa.chunked_prefill_size}, more than the {gpu_mem_gib:g} GiB GPU: "
             + ("use a smaller chunk or a larger GPU" if sa.chunked_prefill_size > SMALL_CHUNK else
                f"SGLang counts at least {SMALL_CHUNK} tokens of activations whatever the chunk; use a larger GPU"))
-    graph = f["graph_fixed_gib"] + f["graph_bytes_per_token"] * sa.chunked_prefill_size / GIB
+    prefill_graphs = f["graph_bytes_per_layer_token"] * shape.num_layers * sa.chunked_prefill_size / GIB
+    req_to_token = req_to_token_bytes(sa, tokens, shape.context_len, max_running_requests) / GIB
+    graph = f["graph_fixed_gib"] + prefill_graphs + req_to_token
     free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
     # the pool lends whole steps of pages mapped at VMM granularity (sglang_elastic/vmm/arena.py token_quantum)
@@ -313,9 +368,10 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
     graph_bs = int(sa.cuda_graph_config.decode.max_bs or 0)
     within = max_running_requests is not None and max_running_requests <= graph_bs  # no eager decodes
-    pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, max_running_requests)
+    graphs = f["graph_fixed_gib"] + prefill_graphs  # post-capture sizing's req_to_token table follows its own pool
+    pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
     # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
-    pc_capped = pc if within or pc is None else post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graph, cell, graph_bs)[0]
+    pc_capped = pc if within or pc is None else post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
     out = {
         "model": str(model),
         "gpu_mem_gib": gpu_mem_gib,
@@ -330,6 +386,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "reserve_fraction_of_kv_pool": reserve / kv if kv > 0 else None,
         "kv_cell_bytes": cell,
         "max_total_num_tokens": tokens,
+        "req_to_token_gib": req_to_token,
+        "prefill_graphs_gib": prefill_graphs,
         "free_after_graphs_gib": free_after,
         "lendable_gib": lendable,
         "extra_kv_tokens": extra,
@@ -346,7 +404,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
         "post_capture_capped_kv_tokens": pc_capped,
         "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size),
-        "caveats": caveats(cal, gpu_mem_gib, tp, graph_bs, f),
+        "post_capture_oom_risk": None if pc is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size),
+        "caveats": caveats(cal, gpu_mem_gib, tp, graph_bs, f) + chunk_caveats(cal, f, shape, sa.chunked_prefill_size),
         "factors": f,
         "calibration": cal["source"],
         "calibration_points": len(cal["points"]),
@@ -355,11 +414,14 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     return out
 
 
-def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graph: float, cell: int,
+def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graphs: float, shape: Shape,
                         max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float]]":
     """KV tokens and ``mem_fraction_static`` under SGLang's post-capture
     sizing (module doc), or (None, None) where SGLang would not
-    post-capture-size this setup."""
+    post-capture-size this setup. ``graphs`` (GiB): the CUDA graphs and
+    workspaces without the ``req_to_token`` table, which is sized here for
+    the pool SGLang allocates before capture (the capped one) and stays
+    when the pool grows after it."""
     extra = {} if max_running_requests is None else {"max_running_requests": max_running_requests}
     from sglang.srt.environ import envs
 
@@ -367,12 +429,28 @@ def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre
     with envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.override(True):  # the check reads the env, as at launch with it set
         if not sa.post_capture_kv_sizing_planned():
             return None, None
+    cell = shape.cell_bytes(tp)
     _, _, cap = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
+    graph = graphs + req_to_token_bytes(sa, cap, shape.context_len, max_running_requests) / GIB
     headroom = pre_free * (1 - sa.mem_fraction_static)
     decode = sa.cuda_graph_config.decode
     if max_running_requests is None or max_running_requests > int(decode.max_bs or 0):  # eager decodes: SGLang keeps its reserve
         headroom = max(headroom, sa.pre_capture_activation_reserve_mb(gpu_mem_mib) / 1024)
     return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static
+
+
+def post_capture_oom_risk(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[str]:
+    """Why SGLang's post-capture sizing is not safe here, or None: a measured
+    out-of-memory failure (the calibration's ``post_capture_oom``) at this
+    TP degree and chunk or smaller ones. Post-capture sizing leaves SGLang
+    only ``pre_model_load_free * (1 - mem_fraction_static)`` (about 0.5-0.7
+    GiB on the H200) for what prefill allocates outside its CUDA graphs,
+    whatever the chunk; TP > 1 adds its communication buffers to that."""
+    for o in cal.get("post_capture_oom") or []:
+        if tp >= o["tp"] and chunk >= o["chunked_prefill_size"]:
+            return (f"SGLang's post-capture sizing ran out of memory at TP {o['tp']} and --chunked-prefill-size {o['chunked_prefill_size']:,} "
+                    f"({o['free_after_sizing_gib']:.2f} GiB free per GPU after sizing; {o['what']}; {o['source']})")
+    return None
 
 
 def post_capture_unavailable_reason(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int) -> str:
@@ -406,6 +484,20 @@ def caveats(cal: Dict[str, Any], gpu_mem_gib: float, tp: int, graph_bs: int, f: 
     return out
 
 
+def chunk_caveats(cal: Dict[str, Any], f: Dict[str, Any], shape: Shape, chunk: int) -> "list[str]":
+    """Above SGLang's default chunk the prefill-graph slope rests on the
+    measured models' MLP widths; a wider MLP's largest graph holds more
+    (the calibration's ``prefill_graph_partial`` records say how much), so
+    the free memory is overstated there."""
+    widest = f.get("large_chunk_max_mlp_width")
+    if chunk <= DEFAULT_CHUNK or (widest is not None and shape.mlp_width <= widest):
+        return []
+    seen = "; ".join(f"{o['label']}: {o['what']} ({o['source']})" for o in cal.get("prefill_graph_partial") or [])
+    return [f"the prefill graphs' memory above chunk {DEFAULT_CHUNK:,} was measured on MLPs up to {widest or 0:,} wide, this one is {shape.mlp_width:,}: "
+            f"a wider MLP's graphs take more than the per-layer slope counts, so the free memory and the lendable bytes are overstated"
+            + (f" ({seen})" if seen else "")]
+
+
 def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     """``post-capture sizing`` / ``elastic`` / ``smaller chunk`` / ``neither``,
     with the reason in numbers."""
@@ -418,7 +510,7 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
             return "smaller chunk", f"{none}; {chunk}"
         pc = [(n, m) for n, m in ((p["post_capture_kv_tokens"], p["max_running_requests"]), (p["post_capture_capped_kv_tokens"], p["decode_graph_max_bs"])) if n]
         post = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1" + (f" with --max-running-requests {pc[0][1]}" if pc[0][1] else "") + f" gives {pc[0][0]:,} KV tokens") if pc else ""
-        if pc and pc[0][0] >= MIN_POOL_TOKENS:
+        if pc and pc[0][0] >= MIN_POOL_TOKENS and not p.get("post_capture_oom_risk"):
             return "post-capture sizing", f"{none}; {post}"
         small = "; ".join(x for x in (chunk if p["small_chunk_extra_kv_tokens"] > 0 else "", post) if x)
         return "neither", f"{none}: raise the TP degree or use a larger GPU" + (f" ({small}: fewer than {MIN_POOL_TOKENS:,})" if small else "")
@@ -426,7 +518,8 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
     bs, mrr, within = p["decode_graph_max_bs"], p["max_running_requests"], p["within_decode_graphs"]
-    if within and pg >= MIN_GAIN and pg >= eg and pg >= cg:
+    risk = p.get("post_capture_oom_risk")
+    if within and pg >= MIN_GAIN and pg >= eg and pg >= cg and not risk:
         return "post-capture sizing", (
             f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr} sizes the pool after CUDA-graph capture: "
             f"+{p['post_capture_extra_kv_tokens']:,} KV tokens ({pg:.0%} of {tokens:,}) for good, with nothing to reclaim; lending would add "
@@ -435,9 +528,11 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     # post-capture sizing as an alternative worth naming: as asked, or capped at the graphs' batch
     alt = ""
     capped = p["post_capture_capped_kv_tokens"]
-    if within and pg >= MIN_GAIN:
+    if risk and pg >= MIN_GAIN:
+        alt = f"; not SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1, although it would add {p['post_capture_extra_kv_tokens']:,} ({pg:.0%}): {risk}"
+    elif within and pg >= MIN_GAIN:
         alt = f"; SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 would add {p['post_capture_extra_kv_tokens']:,} ({pg:.0%}) for good"
-    elif not within and capped is not None and (capped - tokens) / tokens >= MIN_GAIN:
+    elif not within and not risk and capped is not None and (capped - tokens) / tokens >= MIN_GAIN:
         alt = (f"; if at most {bs} requests need to run at once, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {bs} "
                f"adds {capped - tokens:,} ({(capped - tokens) / tokens:.0%}) for good (without that cap it keeps SGLang's whole reserve for eager decodes)")
     if eg >= MIN_GAIN and eg >= cg:
@@ -464,14 +559,16 @@ def format_text(p: Dict[str, Any]) -> str:
         + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
         (f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)" if p["kv_pool_gib"] >= 0 else
          f"  KV pool: none: the weights and SGLang's reserve exceed the GPU by {-p['kv_pool_gib']:.2f} GiB ({p['kv_cell_bytes']:,} B/token/GPU)"),
-        f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB - prefill graphs at {p['factors']['graph_bytes_per_token'] / 1024:.0f} KiB per chunk token): "
+        f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB fixed - {p['req_to_token_gib']:.2f} GiB req_to_token - "
+        f"{p['prefill_graphs_gib']:.2f} GiB prefill graphs at {p['factors']['graph_bytes_per_layer_token'] / 1024:.1f} KiB per layer and chunk token): "
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
         f"  chunked_prefill_size {p['small_chunk']}: mem_fraction_static {p['small_chunk_mem_fraction_static']}, +{p['small_chunk_extra_kv_tokens']:,} KV tokens",
         "  SGLang's post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1): "
         + (f"not available: {p['post_capture_unavailable_reason']}" if p["post_capture_kv_tokens"] is None else
            f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
            + ("" if p["within_decode_graphs"] or p["post_capture_capped_kv_tokens"] is None else
-              f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")),
+              f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")
+           + (f"; not safe here: {p['post_capture_oom_risk']}" if p.get("post_capture_oom_risk") else "")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
     ] + [f"caveat: {c}" for c in p["caveats"]]

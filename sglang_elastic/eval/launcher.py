@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -211,7 +212,7 @@ class ServerActor:
         deadline = self.t_start + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with status {self.proc.returncode} before it was healthy; log tail:\n{self.log_tail()}")
+                raise RuntimeError(f"server exited with status {self.proc.returncode} before it was healthy{self._cause()}; log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -268,7 +269,7 @@ class ServerActor:
             except subprocess.TimeoutExpired:
                 pass
         if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {self.proc.returncode} during {during}; log tail:\n{self.log_tail()}")
+            raise RuntimeError(f"server exited with status {self.proc.returncode} during {during}{self._cause()}; log tail:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 60.0) -> Optional[int]:
         """SIGTERM to the server's process group (SGLang's launcher tears down
@@ -322,6 +323,33 @@ class ServerActor:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text(1 << 20).splitlines()[-lines:])
+
+    def _cause(self) -> str:
+        cause = crash_cause(self.log_text(1 << 20))
+        return f": {cause}" if cause else ""
+
+
+#: SGLang's line naming why a scheduler stopped (sglang/srt/ray/scheduler_actor.py
+#: ``Scheduler PP{pp} TP{tp} crashed: {e}``), and a Python exception line.
+_CRASH_LINE = re.compile(r"Scheduler PP\d+ TP\d+ crashed: (?P<msg>.+)")
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<name>\w*(?:Error|Exception)): (?P<msg>.+)$")
+#: Ray's prefix on an actor's lines, e.g. ``\x1b[36m(SchedulerActor pid=8194)\x1b[0m ``.
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=\d+(?:, ip=[\d.]+)?\)(?:\x1b\[0m)? ")
+
+
+def crash_cause(log: str, max_chars: int = 160) -> Optional[str]:
+    """Why a server stopped, from its log text: the first scheduler crash
+    line SGLang wrote (its exception's message), else the last Python
+    exception line (``Name: message``), cut to ``max_chars``; None when the
+    log has neither."""
+    lines = [_RAY_PREFIX.sub("", line).strip() for line in log.splitlines()]
+    cause = next((m.group("msg") for m in map(_CRASH_LINE.search, lines) if m), None)
+    if cause is None:
+        cause = next((f"{m.group('name')}: {m.group('msg')}" for m in map(_EXC_LINE.match, reversed(lines)) if m), None)
+    if cause is None:
+        return None
+    cause = cause.strip()
+    return cause if len(cause) <= max_chars else cause[: max_chars - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _stats(xs: List[float]) -> Dict[str, Any]:

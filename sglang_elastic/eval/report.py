@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_elastic.eval.client import client_current, workload_current
 from sglang_elastic.eval.experiments import not_measured
-from sglang_elastic.eval.launcher import TOO_BIG
+from sglang_elastic.eval.launcher import TOO_BIG, crash_cause
 
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
@@ -109,13 +109,25 @@ def _elastic_column(row: Dict[str, Any]) -> str:
     return "no" if mode is None else "yes" if mode == "dynamic" else f"yes ({mode})"
 
 
+def _failure(err: str, max_chars: int = 160) -> str:
+    """A failed row's error in one line: its first line, and when that does
+    not say why (a launcher's "server exited ...; log tail:" from before it
+    named the cause), the cause found in the log tail kept with it."""
+    first = err.splitlines()[0] if err else "?"
+    if first.endswith("; log tail:"):
+        first = first[: -len("; log tail:")]
+        cause = None if re.search(r"(?:during .*|healthy): ", first) else crash_cause("\n".join(err.splitlines()[1:]))  # the tail, not this line
+        first += f": {cause}" if cause else ""
+    return first if len(first) <= max_chars else first[: max_chars - 1].rsplit(" ", 1)[0] + "…"
+
+
 def _err(row: Dict[str, Any]) -> str:
     if not row.get("ok"):
         err = row.get("error") or "?"
         if not_measured(row):  # never started (run.py --only / --resume, a start deadline, a cluster too small)
             need = re.search(r"needs (\d+) GPU", err) if err.startswith(TOO_BIG) else None
             return f"not measured yet: needs {need.group(1)} GPUs on one node" if need else "not measured yet"
-        return "failed: " + err.splitlines()[0][:80].replace("|", "/")
+        return "failed: " + _failure(err).replace("|", "/")
     n = sum(w.get("num_errors", 0) for w in row.get("workloads") or [])
     warm = next((x for x in map(_warmup_note, row.get("workloads") or []) if x), "")
     notes = [f"{n} request errors" if n else "", warm, "reused" if row.get("reused_from") else "", "" if client_current(row) else OLDER_CLIENT]

@@ -86,7 +86,8 @@ def make_app(info: Dict[str, Any], prefill_tok_s: float, itl_s: float, increment
         if crash_above and len(ids) > crash_above:
             state["long_prompts"] += 1
             if state["long_prompts"] == crash_at:  # as SGLang's server exits once a scheduler dies
-                print(f"standin: exiting on purpose at prompt {crash_at} of more than {crash_above} tokens (--crash-above, --crash-at)", flush=True)
+                # the line SGLang's scheduler actor writes as it dies (sglang/srt/ray/scheduler_actor.py)
+                print(f"[standin] Scheduler PP0 TP0 crashed: exiting on purpose at prompt {crash_at} of more than {crash_above} tokens (--crash-above, --crash-at)", flush=True)
                 os._exit(4)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
