@@ -246,12 +246,44 @@ def test_post_capture_sizing_is_not_recommended_where_it_ran_out_of_memory():
     tp2 = advisor.predict("llama-3.1-8b", h200, 2, 32768, max_running_requests=256)
     assert tp2["post_capture_kv_tokens"] == pytest.approx(2029457, rel=3e-3)
     assert tp2["recommendation"] == "elastic" and tp2["post_capture_oom_risk"].startswith("SGLang's post-capture sizing ran out of memory at TP 2")
-    assert "not SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1, although it would add" in tp2["reason"]
-    assert "not safe here: SGLang's post-capture sizing ran out of memory" in advisor.format_text(tp2)
+    assert "not SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests 256, although it would add" in tp2["reason"]
+    text = advisor.format_text(tp2)
+    assert "2,025,743 KV tokens with --max-running-requests 256; with the cap not safe here (caveat)" in text
+    assert text.count("ran out of memory at TP 2 and --chunked-prefill-size 32,768") == 1  # the record once, in its caveat
+    # without the cap SGLang keeps its activation reserve: the failure is named for the capped figure only
+    free = advisor.predict("llama-3.1-8b", h200, 2, 32768)
+    assert "unset, 2,025,743 with 256 (the decode CUDA graphs' batch); with the cap not safe here" in advisor.format_text(free)
     assert advisor.predict("llama-3.1-70b", h200, 4, 65536, max_running_requests=256)["post_capture_oom_risk"]
-    for tp, chunk in ((1, 32768), (2, 8192)):
+    for tp, chunk in ((1, 32768), (2, 8192)):  # measured to serve (post_capture_served)
         p = advisor.predict("llama-3.1-8b", h200, tp, chunk, max_running_requests=256)
-        assert p["post_capture_oom_risk"] is None and p["recommendation"] == "post-capture sizing", (tp, chunk)
+        assert p["post_capture_oom_risk"] is None and p["post_capture_untested"] is None and p["recommendation"] == "post-capture sizing", (tp, chunk)
+    # between a chunk that served and one that failed, and at TP 4, it is untested: named, not recommended
+    for tp, chunk in ((2, 16384), (4, 8192), (1, 65536)):
+        p = advisor.predict("llama-3.1-8b", h200, tp, chunk, max_running_requests=256)
+        assert p["post_capture_oom_risk"] is None and p["post_capture_untested"].startswith("capped post-capture sizing was measured to serve at TP"), (tp, chunk)
+        assert p["recommendation"] != "post-capture sizing" and "untested here and may run out of memory" in p["reason"], (tp, chunk)
+
+
+def test_a_calibration_file_is_checked_and_keeps_the_measured_failures(tmp_path):
+    """A user's calibration without the failure records takes the packaged
+    ones (the setup that ran out of memory is still not recommended); a
+    record missing a key, or with a key of the wrong type, is a one-line
+    error naming it."""
+    import json
+
+    cal = json.loads((advisor.resources.files("sglang_elastic.eval") / "calibration.json").read_text())
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"points": cal["points"]}))
+    mine = advisor.load_calibration(bare)
+    assert mine["post_capture_oom"] == cal["post_capture_oom"] and mine["source"] == str(bare)
+    p = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 2, 32768, calibration=mine, max_running_requests=256)
+    assert p["recommendation"] == "elastic" and p["post_capture_oom_risk"]
+    for section, broken, msg in (("post_capture_oom", {k: v for k, v in cal["post_capture_oom"][0].items() if k != "what"}, r"post_capture_oom\[0\]: what missing"),
+                                 ("post_capture_served", {**cal["post_capture_served"][0], "tp": "2"}, r"post_capture_served\[0\]: tp missing or of the wrong type")):
+        bad = tmp_path / f"{section}.json"
+        bad.write_text(json.dumps({**cal, section: [broken]}))
+        with pytest.raises(advisor.AdviseError, match=msg):
+            advisor.load_calibration(bad)
 
 
 def test_a_wider_mlp_than_the_chunk_sweep_is_named_above_the_default_chunk():
@@ -268,3 +300,8 @@ def test_a_wider_mlp_than_the_chunk_sweep_is_named_above_the_default_chunk():
     assert "caveat: the prefill graphs' memory above chunk 8,192" in advisor.format_text(wide)
     for model, chunk in (("qwen2.5-32b", 8192), ("llama-3.1-8b", 32768)):
         assert not any("MLPs up to" in c for c in advisor.predict(model, h200, 1, chunk)["caveats"]), (model, chunk)
+    # a calibration with no point above the default chunk says so, for any model
+    cal = advisor.load_calibration()
+    low = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] <= 8192]}
+    p = advisor.predict("llama-3.1-8b", h200, 1, 16384, calibration=low)
+    assert any("above chunk 8,192 was not measured (no calibration point above it)" in c for c in p["caveats"])

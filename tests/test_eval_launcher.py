@@ -358,7 +358,7 @@ def test_a_server_that_dies_is_a_failed_row_with_its_log_tail(launcher, crash_at
     # the first line says why: the crash line the server wrote, found in its log
     first = res.error.splitlines()[0]
     assert first.startswith(f"RuntimeError: server exited with status 4 during {during}")
-    assert first.endswith(f": exiting on purpose at prompt {crash_at} of more than 1000 tokens (--crash-above, --crash-at); log tail:")
+    assert first.endswith(f"; cause: exiting on purpose at prompt {crash_at} of more than 1000 tokens (--crash-above, --crash-at); log tail:")
     if crash_at == 1:  # not the workload's 3,000-token decodes against a dead server
         assert time.monotonic() - t0 < 30
 
@@ -653,6 +653,10 @@ def test_the_crash_cause_is_sglangs_crash_line_else_the_last_exception():
     log = (Path(__file__).resolve().parents[1] / "docs/results/eval/logs/capacity_tp2.post-capture-mrr256-32768.oom.txt").read_text()
     cause = crash_cause(log)
     assert cause.startswith("CUDA out of memory. Tried to allocate 98.00 MiB. GPU ") and cause.endswith("…") and len(cause) <= 160
-    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: first\n\x1b[36m(SchedulerActor pid=7)\x1b[0m torch.OutOfMemoryError: CUDA out of memory.\nbye\n"
-    assert crash_cause(tb) == "OutOfMemoryError: CUDA out of memory."
+    tb = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: first\n"
+          "\x1b[36m(SchedulerActor pid=7)\x1b[0m Traceback (most recent call last):\n\x1b[36m(SchedulerActor pid=7)\x1b[0m   File \"y.py\", line 2\n"
+          "\x1b[36m(SchedulerActor pid=7)\x1b[0m torch.OutOfMemoryError: CUDA out of memory. [repeated 2x across cluster]\nbye\n")
+    assert crash_cause(tb) == "OutOfMemoryError: CUDA out of memory."  # the last traceback's, Ray's prefix and repeat mark gone
+    # an exception-like line outside a traceback (a logged import warning) is not the cause
+    assert crash_cause("ModuleNotFoundError: No module named 'vllm'\nstarting\nKilled\n") is None
     assert crash_cause("starting\nstopped by SIGTERM\n") is None

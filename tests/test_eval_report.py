@@ -173,7 +173,7 @@ def test_a_failed_row_of_an_older_launcher_reads_the_cause_from_its_log_tail():
             "\x1b[36m(SchedulerActor pid=8194)\x1b[0m [2026-11-30 21:14:39 DP0 TP1] Scheduler PP0 TP1 crashed: CUDA out of memory. Tried to allocate 98.00 MiB.\n"
             "[2026-11-30 21:14:44] kill_process_tree called\n")
     assert report._err({"ok": False, "error": tail}) == (
-        "failed: RuntimeError: server exited with status -9 during the warm-up request: CUDA out of memory. Tried to allocate 98.00 MiB.")
-    named = "RuntimeError: server exited with status 4 during the workload (2 failed requests): boom; log tail:\nValueError: other\n"
-    assert report._err({"ok": False, "error": named}) == "failed: RuntimeError: server exited with status 4 during the workload (2 failed requests): boom"
+        "failed: RuntimeError: server exited with status -9 during the warm-up request; cause: CUDA out of memory. Tried to allocate 98.00 MiB.")
+    named = "RuntimeError: server exited with status 4 during the workload (2 failed requests); cause: boom; log tail:\nScheduler PP0 TP0 crashed: other\n"
+    assert report._err({"ok": False, "error": named}) == "failed: RuntimeError: server exited with status 4 during the workload (2 failed requests); cause: boom"
     assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1; log tail:\nnothing here\n"}) == "failed: RuntimeError: server exited with status 1"

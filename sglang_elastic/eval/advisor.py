@@ -211,9 +211,24 @@ def req_to_token_bytes(server_args, tokens: int, context_len: int, max_running_r
 
 #: What each calibration point must hold (scripts/eval/advisor_points.py and derive() read them).
 CALIBRATION_KEYS = ("label", "model", "tp", "gpu_mem_mib", "mem_fraction_static", "max_total_num_tokens", "free_after_graphs_gib")
+#: The calibration's records of post-capture sizing (with the request cap: no eager-decode headroom)
+#: measured safe (``post_capture_served``) and out of memory (``post_capture_oom``) under E2's
+#: workload, and of starts cut off in prefill-graph capture (``prefill_graph_partial``): their keys
+#: and types. A calibration file without a section takes the packaged file's.
+RECORD_KEYS = {
+    "post_capture_served": {"tp": int, "chunked_prefill_size": int, "source": str},
+    "post_capture_oom": {"tp": int, "chunked_prefill_size": int, "free_after_sizing_gib": (int, float), "what": str, "source": str},
+    "prefill_graph_partial": {"label": str, "what": str, "source": str},
+}
 
 
 def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
+    """The measured points and records (``calibration.json``, or ``path``).
+
+    Raises:
+        AdviseError: the file cannot be read, or a point or record lacks a
+            key or has one of the wrong type.
+    """
     if path is None:
         text = resources.files("sglang_elastic.eval").joinpath("calibration.json").read_text()
         source = "sglang_elastic/eval/calibration.json"
@@ -230,6 +245,14 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
         for i, pt in enumerate(points):
             missing = [k for k in CALIBRATION_KEYS if not isinstance(pt, dict) or k not in pt]
             assert not missing, f"point {i} lacks {', '.join(missing)}"
+        for section, keys in RECORD_KEYS.items():
+            if section not in cal and path is not None:  # the packaged records (measured failures among them) still hold
+                cal[section] = load_calibration()[section]
+            recs = cal.get(section, [])
+            assert isinstance(recs, list), f"{section} is not a list"
+            for i, rec in enumerate(recs):
+                bad = [k for k, t in keys.items() if not isinstance(rec, dict) or not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
+                assert not bad, f"{section}[{i}]: {', '.join(bad)} missing or of the wrong type"
     except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
         raise AdviseError(f"{source}: not a calibration file ({e})") from None
     cal["source"] = source
@@ -372,6 +395,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
     # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
     pc_capped = pc if within or pc is None else post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
+    risk = None if pc_capped is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size)
     out = {
         "model": str(model),
         "gpu_mem_gib": gpu_mem_gib,
@@ -404,12 +428,17 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
         "post_capture_capped_kv_tokens": pc_capped,
         "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size),
-        "post_capture_oom_risk": None if pc is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size),
+        # with the request cap at most the graphs' batch, SGLang keeps no eager-decode headroom: what was measured to run out of memory
+        "post_capture_oom_risk": risk,
+        "post_capture_untested": None if pc_capped is None or risk else post_capture_untested(cal, tp, sa.chunked_prefill_size),
         "caveats": caveats(cal, gpu_mem_gib, tp, graph_bs, f) + chunk_caveats(cal, f, shape, sa.chunked_prefill_size),
         "factors": f,
         "calibration": cal["source"],
         "calibration_points": len(cal["points"]),
     }
+    for what in (out["post_capture_oom_risk"], out["post_capture_untested"]):
+        if what:
+            out["caveats"].append(f"post-capture sizing with --max-running-requests at most {graph_bs}: {what}")
     out["recommendation"], out["reason"] = recommend(out)
     return out
 
@@ -440,17 +469,32 @@ def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre
 
 
 def post_capture_oom_risk(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[str]:
-    """Why SGLang's post-capture sizing is not safe here, or None: a measured
-    out-of-memory failure (the calibration's ``post_capture_oom``) at this
-    TP degree and chunk or smaller ones. Post-capture sizing leaves SGLang
-    only ``pre_model_load_free * (1 - mem_fraction_static)`` (about 0.5-0.7
-    GiB on the H200) for what prefill allocates outside its CUDA graphs,
-    whatever the chunk; TP > 1 adds its communication buffers to that."""
+    """Why SGLang's post-capture sizing with the request cap (no eager-decode
+    headroom) is not safe here, or None: a measured out-of-memory failure
+    (the calibration's ``post_capture_oom``) at this TP degree and chunk or
+    smaller ones. Capped, post-capture sizing leaves SGLang only
+    ``pre_model_load_free * (1 - mem_fraction_static)`` (about 0.5-0.7 GiB
+    on the H200) for what prefill allocates outside its CUDA graphs,
+    whatever the chunk; TP > 1 adds its communication buffers to that.
+    Without the cap SGLang keeps its whole activation reserve, which this
+    does not concern."""
     for o in cal.get("post_capture_oom") or []:
         if tp >= o["tp"] and chunk >= o["chunked_prefill_size"]:
             return (f"SGLang's post-capture sizing ran out of memory at TP {o['tp']} and --chunked-prefill-size {o['chunked_prefill_size']:,} "
                     f"({o['free_after_sizing_gib']:.2f} GiB free per GPU after sizing; {o['what']}; {o['source']})")
     return None
+
+
+def post_capture_untested(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[str]:
+    """Why capped post-capture sizing is untested here, or None: no
+    ``post_capture_served`` record at this TP degree with this chunk or a
+    larger one (the advisor then names it but does not recommend it)."""
+    served = [o for o in cal.get("post_capture_served") or [] if o["tp"] == tp]
+    if any(o["chunked_prefill_size"] >= chunk for o in served):
+        return None
+    where = f"up to --chunked-prefill-size {max(o['chunked_prefill_size'] for o in served):,}" if served else "not at all"
+    return (f"capped post-capture sizing was measured to serve at TP {tp} {where}; it leaves about 0.5-0.7 GiB per GPU for prefill work "
+            f"outside the CUDA graphs, and at TP 2 with a 32,768-token chunk that ran out of memory")
 
 
 def post_capture_unavailable_reason(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int) -> str:
@@ -493,9 +537,10 @@ def chunk_caveats(cal: Dict[str, Any], f: Dict[str, Any], shape: Shape, chunk: i
     if chunk <= DEFAULT_CHUNK or (widest is not None and shape.mlp_width <= widest):
         return []
     seen = "; ".join(f"{o['label']}: {o['what']} ({o['source']})" for o in cal.get("prefill_graph_partial") or [])
-    return [f"the prefill graphs' memory above chunk {DEFAULT_CHUNK:,} was measured on MLPs up to {widest or 0:,} wide, this one is {shape.mlp_width:,}: "
-            f"a wider MLP's graphs take more than the per-layer slope counts, so the free memory and the lendable bytes are overstated"
-            + (f" ({seen})" if seen else "")]
+    measured = (f"was measured on MLPs up to {widest:,} wide, this one is {shape.mlp_width:,}: a wider MLP's graphs take more than the per-layer slope counts"
+                if widest is not None else "was not measured (no calibration point above it): the per-layer slope is extrapolated")
+    return [f"the prefill graphs' memory above chunk {DEFAULT_CHUNK:,} {measured}, so the free memory, the lendable bytes and the post-capture "
+            f"tokens are overstated" + (f" ({seen})" if seen else "")]
 
 
 def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
@@ -508,9 +553,11 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
         chunk = f"--chunked-prefill-size {p['small_chunk']} gives {p['small_chunk_extra_kv_tokens']:,} KV tokens"
         if p["small_chunk_extra_kv_tokens"] >= MIN_POOL_TOKENS:
             return "smaller chunk", f"{none}; {chunk}"
-        pc = [(n, m) for n, m in ((p["post_capture_kv_tokens"], p["max_running_requests"]), (p["post_capture_capped_kv_tokens"], p["decode_graph_max_bs"])) if n]
+        unsafe = p.get("post_capture_oom_risk") or p.get("post_capture_untested")  # of sizing without eager headroom
+        bs = p["decode_graph_max_bs"]
+        pc = [(n, m) for n, m in ((p["post_capture_kv_tokens"], p["max_running_requests"]), (p["post_capture_capped_kv_tokens"], bs)) if n]
         post = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1" + (f" with --max-running-requests {pc[0][1]}" if pc[0][1] else "") + f" gives {pc[0][0]:,} KV tokens") if pc else ""
-        if pc and pc[0][0] >= MIN_POOL_TOKENS and not p.get("post_capture_oom_risk"):
+        if pc and pc[0][0] >= MIN_POOL_TOKENS and not (unsafe and pc[0][1] is not None and pc[0][1] <= bs):
             return "post-capture sizing", f"{none}; {post}"
         small = "; ".join(x for x in (chunk if p["small_chunk_extra_kv_tokens"] > 0 else "", post) if x)
         return "neither", f"{none}: raise the TP degree or use a larger GPU" + (f" ({small}: fewer than {MIN_POOL_TOKENS:,})" if small else "")
@@ -518,8 +565,8 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     cg = p["small_chunk_extra_kv_tokens"] / tokens
     pg = (p["post_capture_extra_kv_tokens"] or 0) / tokens
     bs, mrr, within = p["decode_graph_max_bs"], p["max_running_requests"], p["within_decode_graphs"]
-    risk = p.get("post_capture_oom_risk")
-    if within and pg >= MIN_GAIN and pg >= eg and pg >= cg and not risk:
+    risk, untested = p.get("post_capture_oom_risk"), p.get("post_capture_untested")  # both of sizing without eager headroom
+    if within and pg >= MIN_GAIN and pg >= eg and pg >= cg and not risk and not untested:
         return "post-capture sizing", (
             f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr} sizes the pool after CUDA-graph capture: "
             f"+{p['post_capture_extra_kv_tokens']:,} KV tokens ({pg:.0%} of {tokens:,}) for good, with nothing to reclaim; lending would add "
@@ -528,8 +575,12 @@ def recommend(p: Dict[str, Any]) -> "tuple[str, str]":
     # post-capture sizing as an alternative worth naming: as asked, or capped at the graphs' batch
     alt = ""
     capped = p["post_capture_capped_kv_tokens"]
-    if risk and pg >= MIN_GAIN:
-        alt = f"; not SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1, although it would add {p['post_capture_extra_kv_tokens']:,} ({pg:.0%}): {risk}"
+    cap_gain = (pg if within else (capped - tokens) / tokens) if capped is not None else 0.0
+    flags = f"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests {mrr if within else bs}"
+    if risk and cap_gain >= MIN_GAIN:
+        alt = f"; not {flags}, although it would add {int(cap_gain * tokens):,} ({cap_gain:.0%}): it ran out of memory in this setup (caveat)"
+    elif untested and cap_gain >= MIN_GAIN:
+        alt = f"; {flags} would add {int(cap_gain * tokens):,} ({cap_gain:.0%}) for good, but it is untested here and may run out of memory (caveat)"
     elif within and pg >= MIN_GAIN:
         alt = f"; SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 would add {p['post_capture_extra_kv_tokens']:,} ({pg:.0%}) for good"
     elif not within and not risk and capped is not None and (capped - tokens) / tokens >= MIN_GAIN:
@@ -568,7 +619,8 @@ def format_text(p: Dict[str, Any]) -> str:
            f"{p['post_capture_kv_tokens']:,} KV tokens with --max-running-requests {p['max_running_requests'] or 'unset'}"
            + ("" if p["within_decode_graphs"] or p["post_capture_capped_kv_tokens"] is None else
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")
-           + (f"; not safe here: {p['post_capture_oom_risk']}" if p.get("post_capture_oom_risk") else "")),
+           + ("; with the cap not safe here (caveat)" if p.get("post_capture_oom_risk") else
+              "; with the cap untested here (caveat)" if p.get("post_capture_untested") else "")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
     ] + [f"caveat: {c}" for c in p["caveats"]]

@@ -326,26 +326,32 @@ class ServerActor:
 
     def _cause(self) -> str:
         cause = crash_cause(self.log_text(1 << 20))
-        return f": {cause}" if cause else ""
+        return f"{CAUSE}{cause}" if cause else ""
 
 
+#: Where a launcher error names the server's crash cause (report.py reads it back).
+CAUSE = "; cause: "
 #: SGLang's line naming why a scheduler stopped (sglang/srt/ray/scheduler_actor.py
-#: ``Scheduler PP{pp} TP{tp} crashed: {e}``), and a Python exception line.
+#: ``Scheduler PP{pp} TP{tp} crashed: {e}``), and the exception line ending a traceback.
 _CRASH_LINE = re.compile(r"Scheduler PP\d+ TP\d+ crashed: (?P<msg>.+)")
-_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<name>\w*(?:Error|Exception)): (?P<msg>.+)$")
-#: Ray's prefix on an actor's lines, e.g. ``\x1b[36m(SchedulerActor pid=8194)\x1b[0m ``.
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<name>\w*(?:Error|Exception|Interrupt)): (?P<msg>.+)$")
+#: Ray's prefix on an actor's lines, e.g. ``\x1b[36m(SchedulerActor pid=8194)\x1b[0m ``, and its suffix on deduplicated ones.
 _RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\(\w+ pid=\d+(?:, ip=[\d.]+)?\)(?:\x1b\[0m)? ")
+_RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 
 
 def crash_cause(log: str, max_chars: int = 160) -> Optional[str]:
     """Why a server stopped, from its log text: the first scheduler crash
-    line SGLang wrote (its exception's message), else the last Python
-    exception line (``Name: message``), cut to ``max_chars``; None when the
-    log has neither."""
-    lines = [_RAY_PREFIX.sub("", line).strip() for line in log.splitlines()]
+    line SGLang wrote (its exception's message), else the exception line
+    that ends the log's last Python traceback (``Name: message``), cut to
+    ``max_chars``; None when the log has neither (an exception-like line
+    outside a traceback, e.g. a logged import warning, is not a cause)."""
+    lines = [_RAY_REPEATED.sub("", _RAY_PREFIX.sub("", line)).strip() for line in log.splitlines()]
     cause = next((m.group("msg") for m in map(_CRASH_LINE.search, lines) if m), None)
     if cause is None:
-        cause = next((f"{m.group('name')}: {m.group('msg')}" for m in map(_EXC_LINE.match, reversed(lines)) if m), None)
+        last = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), default=None)
+        if last is not None:
+            cause = next((f"{m.group('name')}: {m.group('msg')}" for m in map(_EXC_LINE.match, lines[last + 1:]) if m), None)
     if cause is None:
         return None
     cause = cause.strip()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_elastic.eval.client import client_current, workload_current
 from sglang_elastic.eval.experiments import not_measured
-from sglang_elastic.eval.launcher import TOO_BIG, crash_cause
+from sglang_elastic.eval.launcher import CAUSE, TOO_BIG, crash_cause
 
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
@@ -116,8 +116,8 @@ def _failure(err: str, max_chars: int = 160) -> str:
     first = err.splitlines()[0] if err else "?"
     if first.endswith("; log tail:"):
         first = first[: -len("; log tail:")]
-        cause = None if re.search(r"(?:during .*|healthy): ", first) else crash_cause("\n".join(err.splitlines()[1:]))  # the tail, not this line
-        first += f": {cause}" if cause else ""
+        cause = None if CAUSE in first else crash_cause("\n".join(err.splitlines()[1:]))  # the tail, not this line
+        first += f"{CAUSE}{cause}" if cause else ""
     return first if len(first) <= max_chars else first[: max_chars - 1].rsplit(" ", 1)[0] + "…"
 
 
