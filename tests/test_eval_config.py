@@ -279,3 +279,28 @@ def test_host_batch_refuses_bad_calls_before_touching_the_host(args, env, messag
         e.pop("SGLANG_ELASTIC_COMMIT")
     r = subprocess.run(["bash", str(ROOT / "scripts/eval/host_batch.sh"), *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_a_reuse_target_must_name_a_row_of_a_config_beside_it(tmp_path):
+    """A typo in ``reuse: <experiment>/<label>`` fails when the config loads,
+    naming the row, the target and what exists; it once surfaced only as a
+    run-time warning and the row was measured anew. The shipped configs'
+    targets all resolve."""
+    from sglang_elastic.eval import config
+
+    (tmp_path / "e1.yaml").write_text("experiment: ttft_vs_chunk\nservers: [{label: chunk-8192, chunked_prefill_size: 8192}, {label: chunk-2048, chunked_prefill_size: 2048}]\n")
+    (tmp_path / "broken.yaml").write_text("experiment: [not, parsed\n")  # a sibling that does not parse is skipped
+    e2 = tmp_path / "e2.yaml"
+
+    def e2_with(target):
+        e2.write_text("experiment: capacity\nbaseline: stock\nservers: [{label: stock, chunked_prefill_size: 8192, reuse: " + target + "}]\n"
+                      "workloads: [{kind: decode_then_long, decodes: 4, long_prompts: 2, long_input_len: 4096}]\n")
+        return e2
+
+    assert config.load(e2_with("ttft_vs_chunk/chunk-8192")).servers[0].reuse == "ttft_vs_chunk/chunk-8192"
+    with pytest.raises(config.EvalConfigError, match=r"servers\.0\.reuse: 'ttft_vs_chunk' has no row 'chunk-8129' \(rows: chunk-8192, chunk-2048\)"):
+        config.load(e2_with("ttft_vs_chunk/chunk-8129"))
+    with pytest.raises(config.EvalConfigError, match=r"servers\.0\.reuse: no experiment 'ttft_vs_chunks' among the configs in .* \(there: capacity, ttft_vs_chunk\)"):
+        config.load(e2_with("ttft_vs_chunks/chunk-8192"))
+    for shipped in sorted((ROOT / "scripts/eval/configs").glob("*.yaml")):
+        config.load(shipped)

@@ -177,3 +177,33 @@ def test_a_failed_row_of_an_older_launcher_reads_the_cause_from_its_log_tail():
     named = "RuntimeError: server exited with status 4 during the workload (2 failed requests); cause: boom; log tail:\nScheduler PP0 TP0 crashed: other\n"
     assert report._err({"ok": False, "error": named}) == "failed: RuntimeError: server exited with status 4 during the workload (2 failed requests); cause: boom"
     assert report._err({"ok": False, "error": "RuntimeError: server exited with status 1; log tail:\nnothing here\n"}) == "failed: RuntimeError: server exited with status 1"
+
+
+def test_the_dry_runs_render_into_their_own_file_and_leave_the_measurements_alone(tmp_path):
+    """report.py --standin: the *.standin.json of a dry run become tables
+    and *.standin.png in one file marked as not measurements; the measured
+    JSON, their plots and docs/eval.md are not touched."""
+    import subprocess
+    import sys
+
+    doc = _doc(tmp_path)
+    res = doc.parent / "results" / "eval"
+    before = doc.read_text()
+    src = json.loads((FIX / "capacity.json").read_text())
+    (res / "capacity.standin.json").write_text(json.dumps({**src, "standin": True}))
+    out = tmp_path / "standin.md"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts/eval/report.py"), "--standin", "--results-dir", str(res), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == f"{out}: capacity", r.stdout + r.stderr[-2000:]
+    text = out.read_text()
+    assert text.startswith("# Evaluation dry runs (CPU stand-in, not measurements)") and "## capacity" in text and "## ttft_vs_chunk" not in text
+    assert "capacity.standin.json" in text and "capacity.standin.png" in text
+    rows = [l for l in text.splitlines() if l.startswith("| ") and not l.startswith("| row")]
+    assert len(rows) == len(src["rows"]) and _png_size(res / "capacity.standin.png")[0] > 0
+    assert doc.read_text() == before and not (res / "capacity.png").exists()
+    # no dry run yet: said so, an empty file
+    (res / "capacity.standin.json").unlink()
+    r = subprocess.run([sys.executable, str(root / "scripts/eval/report.py"), "--standin", "--results-dir", str(res), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "no *.standin.json in" in r.stdout

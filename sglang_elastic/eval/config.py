@@ -252,16 +252,63 @@ def parse(data: Any, source: str = "<config>") -> Experiment:
 
 
 def load(path: Union[str, Path]) -> Experiment:
-    """Read and validate one experiment YAML file."""
+    """Read and validate one experiment YAML file; a ``reuse`` target must
+    name a row of an experiment configured in the same folder
+    (:func:`check_reuse_targets`).
+
+    Raises:
+        EvalConfigError: the file cannot be read, is not valid YAML, fails
+            validation, or a ``reuse`` target names no such row.
+    """
+    path = Path(path)
+    exp = parse(_read_yaml(path), str(path))
+    check_reuse_targets(exp, path)
+    return exp
+
+
+def _read_yaml(path: Path) -> Any:
     import yaml
 
-    path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise EvalConfigError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise EvalConfigError(f"{path}: not valid YAML: {e}") from None
-    return parse(data, str(path))
+
+
+def check_reuse_targets(exp: Experiment, path: Path) -> None:
+    """Every ``reuse: <experiment>/<label>`` names an experiment whose config
+    sits beside ``path`` (its ``name``, else its ``experiment``) and a label
+    of that config: a typo would otherwise only show at run time, as a
+    warning, and the row would be measured anew.
+
+    Raises:
+        EvalConfigError: naming the row, the target and what exists.
+    """
+    targets = [(i, s) for i, s in enumerate(exp.servers) if s.reuse]
+    if not targets:
+        return
+    labels: Dict[str, List[str]] = {}
+    for other in sorted(path.parent.glob("*.yaml")):
+        if other.resolve() == path.resolve():
+            labels[exp.result_name] = [s.label for s in exp.servers]
+            continue
+        try:  # a sibling that does not parse is its own problem: its name and labels as far as they read
+            data = _read_yaml(other)
+        except EvalConfigError:
+            continue
+        if isinstance(data, dict):
+            name = data.get("name") or data.get("experiment")
+            rows = [s.get("label") for s in data.get("servers") or [] if isinstance(s, dict)]
+            if isinstance(name, str):
+                labels.setdefault(name, []).extend(x for x in rows if isinstance(x, str))
+    for i, s in targets:
+        other, label = s.reuse.split("/", 1)
+        if other not in labels:
+            raise EvalConfigError(f"{path}: servers.{i}.reuse: no experiment {other!r} among the configs in {path.parent} "
+                                  f"(there: {', '.join(sorted(labels))})")
+        if label not in labels[other]:
+            raise EvalConfigError(f"{path}: servers.{i}.reuse: {other!r} has no row {label!r} (rows: {', '.join(labels[other])})")

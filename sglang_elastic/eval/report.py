@@ -363,8 +363,11 @@ def _save_plot(plot: Callable, path: Path) -> None:
     plt.close(fig)
 
 
-def render_block(name: str, results_dir: Path, root: Path) -> str:
-    path = results_dir / f"{name}.json"
+def render_block(name: str, results_dir: Path, root: Path, suffix: str = "") -> str:
+    """One ``<!-- eval:NAME -->`` block (header line, table, plot) from
+    ``results_dir/NAME{suffix}.json``; the plot goes to ``NAME{suffix}.png``
+    beside it."""
+    path = results_dir / f"{name}{suffix}.json"
     if not path.is_file():
         return f"Not measured yet: `{RUN[name]}` writes `{path.relative_to(root) if path.is_relative_to(root) else path}`."
     d = json.loads(path.read_text())
@@ -372,10 +375,24 @@ def render_block(name: str, results_dir: Path, root: Path) -> str:
     md, plot = RENDER[name](d)
     png = None
     if plot is not None:
-        png_path = results_dir / f"{name}.png"
+        png_path = results_dir / f"{name}{suffix}.png"
         _save_plot(plot, png_path)
         png = png_path.relative_to(root).as_posix() if png_path.is_relative_to(root) else str(png_path)
     return _header_line(d, png) + "\n\n" + md + (f"\n\n![{name}]({Path(png).relative_to('docs').as_posix() if png.startswith('docs/') else png})" if png else "")
+
+
+def render_standin(out: Path, results_dir: Path, root: Path) -> List[str]:
+    """The tables and plots of the CPU dry runs (``run.py --standin``:
+    ``NAME.standin.json``) in one Markdown file ``out``, marked as not
+    measurements; returns the names rendered (none: no dry run yet)."""
+    done = [name for name in BLOCKS if (results_dir / f"{name}.standin.json").is_file()]
+    parts = ["# Evaluation dry runs (CPU stand-in, not measurements)", "",
+             "Written by `python scripts/eval/report.py --standin` from `run.py --standin` results: the stand-in server's timing "
+             "model, not SGLang; they check configs, launcher and workloads (docs/eval.md)."]
+    for name in done:
+        parts += ["", f"## {name}", "", render_block(name, results_dir, root, suffix=".standin")]
+    out.write_text("\n".join(parts) + "\n")
+    return done
 
 
 def render_doc(doc: Path, results_dir: Path, root: Path) -> List[str]:
