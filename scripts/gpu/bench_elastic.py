@@ -272,7 +272,7 @@ def assemble(args) -> None:
     for p in args.parts:
         d = json.loads(Path(p).read_text())
         parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else ""), d["tp"])] = d
-    st, el, al, tp2 = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1)), parts.get(("elastic", 2))
+    st, el, al = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
     ale, ele, ste = parts.get(("always-lent-eager", 1)), parts.get(("elastic-eager", 1)), parts.get(("stock-eager", 1))
 
@@ -284,6 +284,15 @@ def assemble(args) -> None:
 
     def breakdown(evs, keys):
         return {k: {"p50": pct([e[k] for e in evs if k in e], 50), "p99": pct([e[k] for e in evs if k in e], 99)} for k in keys}
+
+    def tp_summary(d):  # one elastic phase at TP > 1: None when not run
+        if not d:
+            return None
+        ls, rs = [e["ms"] for e in d["lends"]], [e["ms"] for e in d["reclaims"]]
+        fails = (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0)
+        return {"ok": bool(d["alive"] and fails == 0 and len(rs) > 0), "lend_ms_p99": pct(ls, 99), "reclaim_ms_p99": pct(rs, 99),
+                "lend_ms": stats(ls), "reclaim_ms": stats(rs), "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]),
+                "cycles": len(rs), "failed_requests": fails, "lent_tokens": d["lent_tokens_max"], "kv_tokens_base": d["kv_tokens_base"]}
     lend = [e["ms"] for e in el["lends"]] if el else []
     rec = [e["ms"] for e in el["reclaims"]] if el else []
     ident, identity = None, None
@@ -330,17 +339,16 @@ def assemble(args) -> None:
         "cycles_server_migrated_units": sum(e.get("moved_units", 0) for e in el["reclaims"]) if el else None,
         "cycles_server_retracted": sum(e.get("retracted", 0) for e in el["reclaims"]) if el else None,
         "failed_requests_total": {f"{k[0]}_tp{k[1]}": (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0) + (d.get("itl", {}).get("failed") or 0) for k, d in parts.items()},
-        "tp2": None,
+        # the elastic pool at TP > 1, every rank in lockstep (bench_elastic.sh's elastic-tpN phases)
+        **{f"tp{n}": tp_summary(parts.get(("elastic", n))) for n in MULTI_GPU_TP},
         "server_commands": {f"{k[0]}_tp{k[1]}": d.get("server_command", d["command"]) for k, d in parts.items()},
     })
-    if tp2:
-        l2, r2 = [e["ms"] for e in tp2["lends"]], [e["ms"] for e in tp2["reclaims"]]
-        fails = (tp2.get("burst", {}).get("failed_requests") or 0) + (tp2.get("cycles_run", {}).get("failed") or 0)
-        out["tp2"] = {"ok": bool(tp2["alive"] and fails == 0 and len(r2) > 0), "lend_ms_p99": pct(l2, 99), "reclaim_ms_p99": pct(r2, 99),
-                      "lend_ms": stats(l2), "reclaim_ms": stats(r2), "reclaim_breakdown_ms": breakdown(tp2["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]),
-                      "cycles": len(r2), "failed_requests": fails, "lent_tokens": tp2["lent_tokens_max"], "kv_tokens_base": tp2["kv_tokens_base"]}
     results.write(args.out, out)
     print(json.dumps({k: v for k, v in out.items() if k != "server_commands"}, indent=1))
+
+
+#: The TP degrees of the elastic pool's multi-GPU phases: keys tp2, tp4, tp8 of the result.
+MULTI_GPU_TP = (2, 4, 8)
 
 
 def main() -> None:

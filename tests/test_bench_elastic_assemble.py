@@ -1,0 +1,35 @@
+"""scripts/gpu/bench_elastic.py assemble (CPU): the committed H200 parts give
+the committed result's TP 2 summary again, and elastic phases at TP 4 and 8
+land under the same keys as TP 2 (issue: TP 4 / 8 runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ROOT / "docs/results/elastic_h200_parts"
+
+
+def _assemble(parts, out):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, parts), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_the_tp_summaries_share_one_shape_and_tp2_is_reproduced(tmp_path):
+    committed = json.loads((ROOT / "docs/results/elastic_h200.json").read_text())
+    again = _assemble(sorted(PARTS.glob("*_tp*.json")), tmp_path / "a.json")
+    assert again["tp2"] == committed["tp2"] and again["tp2"]["ok"] and again["tp2"]["cycles"] > 0
+    assert again["tp4"] is None and again["tp8"] is None  # not run: said so, not left out
+    # an elastic phase at TP 4 (here the TP 2 part relabelled, its events halved) lands under tp4 with tp2's keys
+    tp2 = json.loads((PARTS / "elastic_tp2.json").read_text())
+    four = {**tp2, "tp": 4, "reclaims": [{**e, "ms": e["ms"] / 2} for e in tp2["reclaims"]]}
+    (tmp_path / "elastic_tp4.json").write_text(json.dumps(four))
+    both = _assemble([PARTS / "elastic_tp2.json", tmp_path / "elastic_tp4.json"], tmp_path / "b.json")
+    assert set(both["tp4"]) == set(both["tp2"]) and both["tp8"] is None
+    assert both["tp4"]["reclaim_ms"]["max"] == both["tp2"]["reclaim_ms"]["max"] / 2 and both["tp4"]["cycles"] == both["tp2"]["cycles"]
+    assert both["failed_requests_total"].keys() == {"elastic_tp2", "elastic_tp4"}
