@@ -198,7 +198,7 @@ def test_the_dry_runs_render_into_their_own_file_and_leave_the_measurements_alon
     assert r.returncode == 0 and r.stdout.strip() == f"{out}: capacity", r.stdout + r.stderr[-2000:]
     text = out.read_text()
     assert text.startswith("# Evaluation dry runs (CPU stand-in, not measurements)") and "## capacity" in text and "## ttft_vs_chunk" not in text
-    assert "capacity.standin.json" in text and "capacity.standin.png" in text
+    assert "capacity.standin.json" in text and "](docs/results/eval/capacity.standin.png)" in text  # the plot linked relative to the file
     rows = [l for l in text.splitlines() if l.startswith("| ") and not l.startswith("| row")]
     assert len(rows) == len(src["rows"]) and _png_size(res / "capacity.standin.png")[0] > 0
     assert doc.read_text() == before and not (res / "capacity.png").exists()

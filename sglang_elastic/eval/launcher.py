@@ -352,10 +352,12 @@ def crash_cause(log: str, max_chars: int = 160) -> Optional[str]:
         last = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), default=None)
         if last is not None:
             cause = next((f"{m.group('name')}: {m.group('msg')}" for m in map(_EXC_LINE.match, lines[last + 1:]) if m), None)
-    if cause is None:
-        return None
-    cause = cause.strip()
-    return cause if len(cause) <= max_chars else cause[: max_chars - 1].rsplit(" ", 1)[0] + "…"
+    return None if cause is None else shorten(cause.strip(), max_chars)
+
+
+def shorten(text: str, max_chars: int) -> str:
+    """``text`` cut at a word boundary to at most ``max_chars`` characters, ``…`` marking the cut."""
+    return text if len(text) <= max_chars else text[: max_chars - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _stats(xs: List[float]) -> Dict[str, Any]:

@@ -9,13 +9,14 @@ document is left as written.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang_elastic.eval.client import client_current, workload_current
 from sglang_elastic.eval.experiments import not_measured
-from sglang_elastic.eval.launcher import CAUSE, TOO_BIG, crash_cause
+from sglang_elastic.eval.launcher import CAUSE, TOO_BIG, crash_cause, shorten
 
 RUN = {
     "ttft_vs_chunk": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml",
@@ -120,7 +121,7 @@ def _failure(err: str, max_chars: int = 160) -> str:
         first = first[: -len("; log tail:")]
         cause = None if CAUSE in first else crash_cause("\n".join(err.splitlines()[1:]))  # the tail, not this line
         first += f"{CAUSE}{cause}" if cause else ""
-    return first if len(first) <= max_chars else first[: max_chars - 1].rsplit(" ", 1)[0] + "…"
+    return shorten(first, max_chars)
 
 
 def _err(row: Dict[str, Any]) -> str:
@@ -365,10 +366,11 @@ def _save_plot(plot: Callable, path: Path) -> None:
     plt.close(fig)
 
 
-def render_block(name: str, results_dir: Path, root: Path, suffix: str = "") -> str:
+def render_block(name: str, results_dir: Path, root: Path, doc_dir: Path, suffix: str = "") -> str:
     """One ``<!-- eval:NAME -->`` block (header line, table, plot) from
     ``results_dir/NAME{suffix}.json``; the plot goes to ``NAME{suffix}.png``
-    beside it."""
+    beside it, linked relative to ``doc_dir``, the folder of the Markdown
+    file that holds the block."""
     path = results_dir / f"{name}{suffix}.json"
     if not path.is_file():
         return f"Not measured yet: `{RUN[name]}` writes `{path.relative_to(root) if path.is_relative_to(root) else path}`."
@@ -380,7 +382,7 @@ def render_block(name: str, results_dir: Path, root: Path, suffix: str = "") -> 
         png_path = results_dir / f"{name}{suffix}.png"
         _save_plot(plot, png_path)
         png = png_path.relative_to(root).as_posix() if png_path.is_relative_to(root) else str(png_path)
-    return _header_line(d, png) + "\n\n" + md + (f"\n\n![{name}]({Path(png).relative_to('docs').as_posix() if png.startswith('docs/') else png})" if png else "")
+    return _header_line(d, png) + "\n\n" + md + (f"\n\n![{name}]({Path(os.path.relpath(png_path, doc_dir)).as_posix()})" if png else "")
 
 
 def render_standin(out: Path, results_dir: Path, root: Path) -> List[str]:
@@ -392,7 +394,7 @@ def render_standin(out: Path, results_dir: Path, root: Path) -> List[str]:
              "Written by `python scripts/eval/report.py --standin` from `run.py --standin` results: the stand-in server's timing "
              "model, not SGLang; they check configs, launcher and workloads (docs/eval.md)."]
     for name in done:
-        parts += ["", f"## {name}", "", render_block(name, results_dir, root, suffix=".standin")]
+        parts += ["", f"## {name}", "", render_block(name, results_dir, root, out.parent, suffix=".standin")]
     out.write_text("\n".join(parts) + "\n")
     return done
 
@@ -404,7 +406,7 @@ def render_doc(doc: Path, results_dir: Path, root: Path) -> List[str]:
     for name in BLOCKS:
         pat = re.compile(rf"(<!-- eval:{name} -->\n)(.*?)(<!-- /eval:{name} -->)", re.S)
         if pat.search(text):
-            body = render_block(name, results_dir, root)
+            body = render_block(name, results_dir, root, doc.parent)
             text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
             done.append(name)
     doc.write_text(text)
