@@ -69,10 +69,21 @@ def _partial_attn(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    offs_b = tl.arange(0, BLOCK_N)
+    # The token ids of tile i + 1 are loaded while tile i is computed (a
+    # loop-carried register tile), so a K/V tile's address never waits on a
+    # global load issued in its own iteration. With the ids loaded in the
+    # iteration that uses them, Triton's pipeliner keeps a single K/V buffer
+    # and each tile pays two dependent round trips (ids, then K/V); with them
+    # carried, ``num_stages`` >= 3 gives K and V their own multi-buffered
+    # cp.async stages (FlashInfer's paged decode likewise computes the next
+    # tiles' KV offsets ahead of their loads, its ``kv_offset_smem``).
+    nxt = tl.load(idx_ptr + start + offs_b, mask=start + offs_b < end, other=0)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_n = n0 + offs_b
         mask_n = offs_n < end
-        tok = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        tok = nxt.to(tl.int64)
+        nxt = tl.load(idx_ptr + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
         k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)

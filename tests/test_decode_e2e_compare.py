@@ -265,3 +265,25 @@ def test_engine_kwargs_carry_the_dtype_and_fp32_logits_and_merge_refuses_mixed_d
         parts.append(str(p))
     with pytest.raises(SystemExit, match="parts of different dtypes"):
         e2e.merge(parts, str(tmp_path / "out.json"))
+
+
+def test_prompt_seed_draws_other_ids_of_the_same_lengths_and_merge_keeps_seeds_apart(tmp_path):
+    a, b = e2e.prompts(0), e2e.prompts(1)
+    assert {k: [len(p) for p in v] for k, v in a.items()} == {k: [len(p) for p in v] for k, v in b.items()}
+    assert a == e2e.prompts() and all(x != y for k in a for x, y in zip(a[k], b[k]))  # seed 0 is the first runs' prompts
+    same = _req([4, 5], [-0.5, -0.6], [[[-0.5, 4]], [[-0.6, 5]]])
+    head = {"date": "2026-12-01T00:00:00+00:00", "commit": "0" * 40, "gpu": "NVIDIA H200", "cuda_visible_devices": "0", "seconds": 9.0,
+            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "t", "reference": {"s": [same]}}
+    parts = []
+    for seed in (1, 2):
+        p = tmp_path / f"seed{seed}.json"
+        p.write_text(json.dumps({**head, "prompt_seed": seed, "runs": [{"policy": "split", "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]}))
+        parts.append(str(p))
+    with pytest.raises(SystemExit, match="parts of different prompt seeds"):
+        e2e.merge(parts, str(tmp_path / "out.json"))
+    out = tmp_path / "one.json"
+    assert e2e.merge(parts[:1], str(out)) == 0
+    assert json.loads(out.read_text())["prompt_seed"] == 1
+    old = tmp_path / "old.json"  # a part from before the option: seed 0
+    old.write_text(json.dumps({**head, "runs": [{"policy": "split", "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]}))
+    assert e2e.merge([str(old)], str(out)) == 0 and json.loads(out.read_text())["prompt_seed"] == 0

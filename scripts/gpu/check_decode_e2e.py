@@ -164,7 +164,7 @@ def calibration_used() -> dict:
     return load_calibration().to_json()
 
 
-def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16"):
+def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16", prompt_seed: int = 0):
     """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
     import sglang as sgl
 
@@ -188,7 +188,7 @@ def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16"):
     llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None, dtype))
     out = {}
     try:
-        for name, ids in prompts().items():
+        for name, ids in prompts(prompt_seed).items():
             res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
                                return_logprob=True, top_logprobs_num=TOP_K)
             out[name] = [{"ids": r["output_ids"], "logprobs": [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
@@ -430,6 +430,9 @@ def merge(parts, out: str, command=None) -> int:
     dtypes = {d.get("dtype", "bfloat16") for d in datas}  # parts before the dtype option were bf16
     if len(dtypes) > 1:
         raise SystemExit(f"parts of different dtypes {sorted(dtypes)}: merge each dtype into its own result")
+    seeds = {d.get("prompt_seed", 0) for d in datas}  # parts before the seed option used seed 0
+    if len(seeds) > 1:
+        raise SystemExit(f"parts of different prompt seeds {sorted(seeds)}: merge each seed into its own result")
     ref = datas[0]["reference"]
     quantum = logit_quantum(ref)
     refs, runs = [], []
@@ -464,7 +467,7 @@ def merge(parts, out: str, command=None) -> int:
         r["part"] = name
     for r in runs:
         r.pop("outputs", None)
-    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "tolerance": TOLERANCE,
+    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "prompt_seed": seeds.pop(), "tolerance": TOLERANCE,
            "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
            "runs": runs, "modes_missing": missing, "references_agree": refs, "parts": names, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}
@@ -480,6 +483,7 @@ def main():
     ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part files (each from --modes on one GPU) into --out instead of running")
     ap.add_argument("--command", default=None, help="the command recorded in the result (default: this script's argv)")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the model's (and so the KV cache's) dtype")
+    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompts' token ids (same lengths; 0: the first runs' prompts)")
     a = ap.parse_args()
     from sglang_elastic import results
 
@@ -494,7 +498,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         model = os.path.join(d, "llama-tiny")
         save_model(model, a.dtype)
-        ref, _, secs = run_engine(model, None, d, a.dtype)
+        ref, _, secs = run_engine(model, None, d, a.dtype, a.prompt_seed)
         quantum = logit_quantum(ref)
         print(f"flashinfer alone: {secs:.0f} s; logit quantum {quantum} nats", flush=True)
         runs = []
@@ -502,7 +506,7 @@ def main():
         def write_part(ok=None):  # after every engine: a call cut short keeps the modes it finished
             res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "dtype": a.dtype,
                    "model": f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}",
-                   "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts().items()},
+                   "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts(a.prompt_seed).items()}, "prompt_seed": a.prompt_seed,
                    "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(),
                    "modes_planned": modes, "complete": ok is not None, "runs": runs, "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
             if a.command:
@@ -510,7 +514,7 @@ def main():
             results.write(a.out, res)
 
         for mode in modes:
-            got, counts, secs = run_engine(model, mode, d, a.dtype)
+            got, counts, secs = run_engine(model, mode, d, a.dtype, a.prompt_seed)
             r = evaluate(mode, ref, got, counts, quantum, {"engine_seconds": round(secs, 1)})
             runs.append(r)
             write_part()

@@ -13,6 +13,8 @@
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site --upgrade .
 #   E2E_INSTALL=0 E2E_GPUS=0 bash scripts/gpu/check_decode_e2e.sh &
 #   E2E_INSTALL=0 E2E_GPUS=1 E2E_DTYPE=float16 bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_fp16_h200.json; wait
+# E2E_PROMPT_SEED=N: other prompt token ids of the same lengths (default 0, the
+# first runs' prompts); E2E_MODES: the modes on one GPU (default all of them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
@@ -31,15 +33,15 @@ read -r -a gpus <<< "${E2E_GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noh
 if [ "${#gpus[@]}" -ge 2 ]; then
   groups=("control-triton,auto,auto-ours,mutant-split" "flashinfer,split,compact")
 else
-  groups=("control-triton,auto,auto-ours,flashinfer,split,compact,mutant-split")
+  groups=("${E2E_MODES:-control-triton,auto,auto-ours,flashinfer,split,compact,mutant-split}")
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --prompt-seed "${E2E_PROMPT_SEED:-0}" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
   pids+=($!); parts+=("$work/part$i.json")
 done
 rc=0
 for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
 for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8 || true; done
-python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
+python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype E2E_PROMPT_SEED=${E2E_PROMPT_SEED:-0}${E2E_MODES:+ E2E_MODES=$E2E_MODES} bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
 exit $rc
