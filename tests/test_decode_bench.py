@@ -68,7 +68,7 @@ def test_a_row_needs_positive_times_for_every_policy_path():
 
 
 def test_gpu_scripts_import_on_the_cpu():
-    for name in ("bench_decode", "check_decode_e2e"):
+    for name in ("bench_decode", "bench_decode_ab", "check_decode_e2e"):
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

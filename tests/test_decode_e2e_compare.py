@@ -36,6 +36,8 @@ def test_a_near_tie_flip_is_close_but_not_equal_and_later_logprobs_are_not_compa
     [d] = c["divergences"]
     assert (d["request"], d["token"], d["ref_id"], d["got_id"]) == (0, 1, 11, 12)
     assert d["ref_margin_nats"] == pytest.approx(0.01) and d["got_margin_nats"] == pytest.approx(0.003) and d["near_tie"]
+    # the gap moved by 0.013 nats; logprobs within 1e-2 of -0.70 and -0.71 (|ref| < 1: 0.01 each) could move it by 0.02
+    assert d["swing_nats"] == pytest.approx(0.013) and d["tolerance_swing_nats"] == pytest.approx(0.02) and d["flip_within_tolerance"]
     # position 0 and both candidates at the flip (same prefix there); -9.0 after the flip is ignored
     assert c["max_rel_logprob_diff"] == pytest.approx(0.007)
     assert c["first_token_mismatch"] == "s request 0 token 1"
@@ -287,3 +289,13 @@ def test_prompt_seed_draws_other_ids_of_the_same_lengths_and_merge_keeps_seeds_a
     old = tmp_path / "old.json"  # a part from before the option: seed 0
     old.write_text(json.dumps({**head, "runs": [{"policy": "split", "outputs": {"s": [same]}, "decode_steps": {"replay:split": 2}}]}))
     assert e2e.merge([str(old)], str(out)) == 0 and json.loads(out.read_text())["prompt_seed"] == 0
+
+
+def test_a_flip_wider_than_the_tolerance_admits_is_reported_so_and_fails_the_logprob_check():
+    ref = {"s": [_req([10, 11], [-0.5, -2.0], [[[-0.5, 10]], [[-2.0, 11], [-2.04, 12]]])]}
+    got = {"s": [_req([10, 12], [-0.5, -1.99], [[[-0.5, 10]], [[-1.99, 12], [-2.03, 11]]])]}
+    c = e2e.compare(ref, got)
+    [d] = c["divergences"]
+    # moved by 0.04 + 0.04; within 1e-2 of -2.0 and -2.04 the gap can move by 0.0404 at most
+    assert d["swing_nats"] == pytest.approx(0.08) and d["tolerance_swing_nats"] == pytest.approx(0.0404) and d["flip_within_tolerance"] is False
+    assert d["near_tie"] and not c["close"] and c["max_rel_logprob_diff"] == pytest.approx(0.05 / 2.04)

@@ -70,7 +70,8 @@ from sglang_elastic import results
 from sglang_elastic.attention import bench
 from sglang_elastic.attention.calibrate import fit_calibration
 from sglang_elastic.attention.policy import DecodePolicy, load_calibration, split_max_splits, work_queue_rows
-from sglang_elastic.kernels.decode_attention import pdl_supported, split_kv_plan, split_kv_run, work_queue_plan, work_queue_run
+from sglang_elastic.kernels import decode_attention
+from sglang_elastic.kernels.decode_attention import pdl_supported
 
 HQ, HKV, D = bench.SHAPE["q_heads"], bench.SHAPE["kv_heads"], bench.SHAPE["head_dim"]
 POOL = 1 << 20
@@ -150,10 +151,12 @@ def make_indices(lens, page_size, g):
 
 
 class Ours:
-    """Our two paths with the backend's workspaces and configs."""
+    """Our two paths with the backend's workspaces and configs (``kernels``: the
+    kernel module, default the installed one; ``bench_decode_ab.py`` passes an
+    earlier version's)."""
 
-    def __init__(self, calib, max_bs=256):
-        self.calib = calib
+    def __init__(self, calib, max_bs=256, kernels=decode_attention):
+        self.calib, self.k = calib, kernels
         rows = max(calib.split.partial_budget, max_bs, work_queue_rows(calib.compact, max_bs))
         self.mid_o = torch.empty((rows, HQ, D), dtype=torch.float32, device="cuda")
         self.mid_lse = torch.empty((rows, HQ), dtype=torch.float32, device="cuda")
@@ -167,22 +170,22 @@ class Ours:
         B = indptr.shape[0] - 1
         if path == "split":
             c = self.calib.split
-            split_kv_plan(indptr, split_max_splits(c, B), c.min_chunk, c.block_n, self.sc, self.sn)
+            self.k.split_kv_plan(indptr, split_max_splits(c, B), c.min_chunk, c.block_n, self.sc, self.sn)
         else:
             c = self.calib.compact
-            work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
-                            chunk_out=self.qc, item_offsets_out=self.qo, n_items_out=self.qn)
+            self.k.work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
+                                   chunk_out=self.qc, item_offsets_out=self.qo, n_items_out=self.qn)
 
     def run(self, path, q, k, v, indptr, idx, out):
         B = q.shape[0]
         if path == "split":
             c = self.calib.split
-            return split_kv_run(q, k, v, indptr, idx, self.sc[:B], self.sn[:B], split_max_splits(c, B), self.mid_o, self.mid_lse,
-                                out, SCALE, c.block_n, c.num_warps, c.num_stages, c.pdl)
+            return self.k.split_kv_run(q, k, v, indptr, idx, self.sc[:B], self.sn[:B], split_max_splits(c, B), self.mid_o, self.mid_lse,
+                                       out, SCALE, c.block_n, c.num_warps, c.num_stages, c.pdl)
         c = self.calib.compact
-        return work_queue_run(q, k, v, indptr, idx, self.qc, self.qo[: B + 1], self.qn[:B], self.mid_o, self.mid_lse, out,
-                              c.programs or torch.cuda.get_device_properties(0).multi_processor_count, SCALE, c.block_n,
-                              c.num_warps, c.num_stages, c.pdl)
+        return self.k.work_queue_run(q, k, v, indptr, idx, self.qc, self.qo[: B + 1], self.qn[:B], self.mid_o, self.mid_lse, out,
+                                     c.programs or torch.cuda.get_device_properties(0).multi_processor_count, SCALE, c.block_n,
+                                     c.num_warps, c.num_stages, c.pdl)
 
 
 def rel_err(x, ref):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -28,11 +29,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode as bd  # noqa: E402  (graph_us, make_indices, the shape)
+import bench_decode as bd  # noqa: E402  (Ours, graph_us, make_indices, the shape)
 
 from sglang_elastic import results  # noqa: E402
 from sglang_elastic.attention import bench  # noqa: E402
-from sglang_elastic.attention.policy import load_calibration, split_max_splits, work_queue_rows  # noqa: E402
+from sglang_elastic.attention.policy import load_calibration  # noqa: E402
 from sglang_elastic.kernels import decode_attention as current  # noqa: E402
 
 ROUNDS = 3
@@ -43,34 +44,6 @@ def load_module(path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-class Runner:
-    """One kernel module with the backend's workspaces (as ``bench_decode.Ours``)."""
-
-    def __init__(self, mod, calib, max_bs=256):
-        self.mod, self.calib = mod, calib
-        rows = max(calib.split.partial_budget, max_bs, work_queue_rows(calib.compact, max_bs))
-        self.mid_o = torch.empty((rows, bd.HQ, bd.D), dtype=torch.float32, device="cuda")
-        self.mid_lse = torch.empty((rows, bd.HQ), dtype=torch.float32, device="cuda")
-        self.sc, self.sn = (torch.zeros(max_bs, dtype=torch.int32, device="cuda") for _ in range(2))
-        self.qc = torch.zeros(1, dtype=torch.int32, device="cuda")
-        self.qo = torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")
-        self.qn = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
-
-    def fn(self, path, q, k, v, indptr, idx, out):
-        m, B = self.mod, q.shape[0]
-        if path == "split":
-            c = self.calib.split
-            m.split_kv_plan(indptr, split_max_splits(c, B), c.min_chunk, c.block_n, self.sc, self.sn)
-            return lambda: m.split_kv_run(q, k, v, indptr, idx, self.sc[:B], self.sn[:B], split_max_splits(c, B), self.mid_o, self.mid_lse,
-                                          out, bd.SCALE, c.block_n, c.num_warps, c.num_stages)
-        c = self.calib.compact
-        m.work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
-                          chunk_out=self.qc, item_offsets_out=self.qo, n_items_out=self.qn)
-        programs = c.programs or torch.cuda.get_device_properties(0).multi_processor_count
-        return lambda: m.work_queue_run(q, k, v, indptr, idx, self.qc, self.qo[: B + 1], self.qn[:B], self.mid_o, self.mid_lse, out,
-                                        programs, bd.SCALE, c.block_n, c.num_warps, c.num_stages)
 
 
 def main():
@@ -103,7 +76,9 @@ def main():
                 outs, fns, times = {}, {}, {"baseline": [], "current": []}
                 for name, mod in (("baseline", base_mod), ("current", current)):
                     outs[name] = torch.full_like(q, float("nan"))
-                    fns[name] = Runner(mod, cal).fn(path, q, k, v, indptr, idx, outs[name])
+                    ours = bd.Ours(cal, kernels=mod)
+                    ours.plan(path, indptr)
+                    fns[name] = functools.partial(ours.run, path, q, k, v, indptr, idx, outs[name])
                 for _ in range(ROUNDS):  # alternate, so drift hits both alike
                     for name in ("baseline", "current"):
                         times[name].append(bd.graph_us(fns[name]))

@@ -242,6 +242,12 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
       margin bounds: on random weights greedy picks are often near-ties, so
       any second correct bf16 kernel (SGLang's own Triton decode included)
       flips some.
+      Reported with it, never judged: ``swing_nats`` (the reference's margin
+      plus the run's: how far the gap between the two tokens moved),
+      ``tolerance_swing_nats`` (``tol * (max(1, |ref x|) + max(1, |ref y|))``,
+      the most it can move while both logprobs stay within ``tol``) and
+      ``flip_within_tolerance``: a flip the ``tol`` itself admits, where no
+      kernel that meets ``tol`` can promise either token.
     - ``problems``: missing requests or outputs of another length.
     - ``close``: no problem, ``max_rel_logprob_diff <= tol`` and every
       divergence a near-tie.
@@ -281,8 +287,13 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
                 worst = max(worst, rel(ref_top[x], got_top[x], j > 0), rel(ref_top[y], got_top[y], j > 0))
             # each run's own pick leads (margin >= 0) by at most the tie width; 1e-4: float32 logprobs
             near = both and -1e-4 <= ref_margin <= tie + 1e-4 and -1e-4 <= got_margin <= tie + 1e-4
+            # reported, not judged: how far the flip moved the gap between the two tokens (ref's margin plus
+            # the run's), against the most that logprobs within ``tol`` of the reference's could move it
+            swing = ref_margin + got_margin if both else None
+            admitted = tol * (max(1.0, abs(ref_top[x])) + max(1.0, abs(ref_top[y]))) if x in ref_top and y in ref_top else None
             divs.append({"set": name, "request": i, "token": j, "ref_id": x, "got_id": y, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin,
-                         "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": near})
+                         "got_in_ref_top": y in ref_top, "ref_in_got_top": x in got_top, "near_tie": near, "swing_nats": swing,
+                         "tolerance_swing_nats": admitted, "flip_within_tolerance": None if swing is None or admitted is None else swing <= admitted})
     close = not problems and worst <= tol and all(d["near_tie"] for d in divs)
     diffs.sort()
     stats = {"n": len(diffs), "mean": sum(diffs) / len(diffs) if diffs else 0.0, "p90": diffs[int(0.9 * (len(diffs) - 1))] if diffs else 0.0,
