@@ -73,11 +73,13 @@ def _partial_attn(
     # The token ids of tile i + 1 are loaded while tile i is computed (a
     # loop-carried register tile), so a K/V tile's address never waits on a
     # global load issued in its own iteration. With the ids loaded in the
-    # iteration that uses them, Triton's pipeliner keeps a single K/V buffer
-    # and each tile pays two dependent round trips (ids, then K/V); with them
-    # carried, ``num_stages`` >= 3 gives K and V their own multi-buffered
-    # cp.async stages (FlashInfer's paged decode likewise computes the next
-    # tiles' KV offsets ahead of their loads, its ``kv_offset_smem``).
+    # iteration that uses them, Triton 3.6's pipeliner (sm_90) kept one K and
+    # one V buffer whatever ``num_stages``: at 2 stages each tile waited on
+    # the ids, then on K/V; at 3 the ids came ahead but the K/V copies still
+    # had to land before the tile's math. With the ids carried, ``num_stages``
+    # >= 3 gives K and V two or more buffers each (FlashInfer's paged decode
+    # likewise computes the next tiles' KV offsets ahead of their loads, its
+    # ``kv_offset_smem``).
     nxt = tl.load(idx_ptr + start + offs_b, mask=start + offs_b < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_b

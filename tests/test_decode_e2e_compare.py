@@ -299,3 +299,15 @@ def test_a_flip_wider_than_the_tolerance_admits_is_reported_so_and_fails_the_log
     # moved by 0.04 + 0.04; within 1e-2 of -2.0 and -2.04 the gap can move by 0.0404 at most
     assert d["swing_nats"] == pytest.approx(0.08) and d["tolerance_swing_nats"] == pytest.approx(0.0404) and d["flip_within_tolerance"] is False
     assert d["near_tie"] and not c["close"] and c["max_rel_logprob_diff"] == pytest.approx(0.05 / 2.04)
+
+
+def test_the_shell_wrapper_refuses_e2e_modes_with_two_gpus_instead_of_ignoring_them(tmp_path):
+    import os
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "E2E_INSTALL": "0", "E2E_GPUS": "0 1", "E2E_MODES": "split", "WORK": str(tmp_path / "w")}
+    r = subprocess.run(["bash", str(root / "scripts/gpu/check_decode_e2e.sh"), str(tmp_path / "r.json")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "E2E_MODES applies to one GPU only" in r.stderr
+    assert not (tmp_path / "r.json").exists()

@@ -73,6 +73,10 @@ KERNELS = {
     # more partials per request than the merge loads in one step (MERGE_BLOCK_S = 32): 47 for 1,500 tokens
     "split_kv_many_splits": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=64, min_chunk=32, out=out),
     "work_queue_many_items": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=32, programs=5, out=out),
+    # the shipped tile widths (split 128, queue 64: the H200 calibration), split with int64 offsets and ids
+    "split_kv_bn128_int64": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr.long(), idx.long(), max_splits=4, min_chunk=128,
+                                                                              block_n=128, out=out),
+    "work_queue_bn64": lambda q, k, v, indptr, idx, out: work_queue_decode(q, k, v, indptr, idx, chunk=128, programs=3, block_n=64, out=out),
 }
 
 

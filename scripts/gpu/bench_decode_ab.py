@@ -10,7 +10,9 @@ their outputs compared bit for bit.
         --baseline-label 65ef667 --out docs/results/decode_ab_h200.json
 
 Configs: the shipped calibration's split and compact configs, plus
-``--extra-split`` ones (``block_n:num_warps:num_stages``, same chunking).
+``--extra-split`` ones (``block_n:num_warps:num_stages``, the shipped
+``min_chunk`` and ``max_splits``; chunks round up to a multiple of
+``block_n``, so another ``block_n`` may cut a request differently).
 Shape and KV pool as ``scripts/gpu/bench_decode.py``.
 """
 
@@ -79,8 +81,8 @@ def main():
                     ours = bd.Ours(cal, kernels=mod)
                     ours.plan(path, indptr)
                     fns[name] = functools.partial(ours.run, path, q, k, v, indptr, idx, outs[name])
-                for _ in range(ROUNDS):  # alternate, so drift hits both alike
-                    for name in ("baseline", "current"):
+                for r in range(ROUNDS):  # alternate the order (ABBA...), so drift and warm-up hit both alike
+                    for name in (("baseline", "current") if r % 2 == 0 else ("current", "baseline")):
                         times[name].append(bd.graph_us(fns[name]))
                 b, c = statistics.median(times["baseline"]), statistics.median(times["current"])
                 row = {"case": case["name"], "page_size": page_size, "path": path, "config": dataclasses.asdict(cfg),
@@ -91,9 +93,9 @@ def main():
                       f"{b:7.1f} -> {c:7.1f} us ({b / c:.3f}x) bit-equal {row['bit_equal']}", flush=True)
     with open(a.baseline, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    res = {**results.header(), "baseline": {"label": a.baseline_label, "sha256": sha},
+    res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "baseline": {"label": a.baseline_label, "sha256": sha},
            "shape": {**bench.SHAPE, "dtype": "bfloat16"}, "rounds": ROUNDS,
-           "timing": "us per layer, CUDA-graph replay, do_bench median with L2 flush; baseline and current alternate, median of the rounds",
+           "timing": "us per layer, CUDA-graph replay, do_bench median with L2 flush; baseline and current alternate (ABBA), median of the rounds",
            "rows": rows, "gpu_seconds": round(time.time() - t0, 1)}
     results.write(a.out, res)
     bad = [r for r in rows if not r["bit_equal"]]

@@ -246,8 +246,11 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
       plus the run's: how far the gap between the two tokens moved),
       ``tolerance_swing_nats`` (``tol * (max(1, |ref x|) + max(1, |ref y|))``,
       the most it can move while both logprobs stay within ``tol``) and
-      ``flip_within_tolerance``: a flip the ``tol`` itself admits, where no
-      kernel that meets ``tol`` can promise either token.
+      ``flip_within_tolerance`` (swing <= that). Together with both
+      candidates' logprobs within ``tol`` (``max_rel_logprob_diff <= tol``)
+      it marks a flip the tolerance itself admits, where no kernel that
+      meets ``tol`` can promise either token; for a run beyond ``tol`` it
+      says only how far this gap moved.
     - ``problems``: missing requests or outputs of another length.
     - ``close``: no problem, ``max_rel_logprob_diff <= tol`` and every
       divergence a near-tie.

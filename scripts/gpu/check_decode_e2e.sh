@@ -14,12 +14,13 @@
 #   E2E_INSTALL=0 E2E_GPUS=0 bash scripts/gpu/check_decode_e2e.sh &
 #   E2E_INSTALL=0 E2E_GPUS=1 E2E_DTYPE=float16 bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_fp16_h200.json; wait
 # E2E_PROMPT_SEED=N: other prompt token ids of the same lengths (default 0, the
-# first runs' prompts); E2E_MODES: the modes on one GPU (default all of them).
+# first runs' prompts); E2E_MODES: the modes, with one GPU in E2E_GPUS (default
+# all of them; refused with two or more GPUs, which split the modes themselves).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
 dtype=${E2E_DTYPE:-bfloat16}
-work=${WORK:-/tmp/decode_e2e_$dtype}
+work=${WORK:-/tmp/decode_e2e_${dtype}_s${E2E_PROMPT_SEED:-0}}
 site=${SITE:-/tmp/site}
 rm -rf "$work"; mkdir -p "$work" "$(dirname "$result")"   # no part of an earlier run may be merged
 # E2E_INSTALL=0: the package is installed already (two checks at once must not
@@ -31,6 +32,9 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 # E2E_GPUS: the GPUs to use (default: all), e.g. E2E_GPUS=1 to leave GPU 0 to another job
 read -r -a gpus <<< "${E2E_GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
 if [ "${#gpus[@]}" -ge 2 ]; then
+  if [ -n "${E2E_MODES:-}" ]; then
+    echo "E2E_MODES applies to one GPU only (here: ${gpus[*]}); set E2E_GPUS to one index" >&2; exit 2
+  fi
   groups=("control-triton,auto,auto-ours,mutant-split" "flashinfer,split,compact")
 else
   groups=("${E2E_MODES:-control-triton,auto,auto-ours,flashinfer,split,compact,mutant-split}")
