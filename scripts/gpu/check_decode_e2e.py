@@ -441,12 +441,13 @@ def merge(parts, out: str, command=None) -> int:
     from sglang_elastic import results
 
     datas = [load_part(p) for p in parts]
-    dtypes = {d.get("dtype", "bfloat16") for d in datas}  # parts before the dtype option were bf16
-    if len(dtypes) > 1:
-        raise SystemExit(f"parts of different dtypes {sorted(dtypes)}: merge each dtype into its own result")
-    seeds = {d.get("prompt_seed", 0) for d in datas}  # parts before the seed option used seed 0
-    if len(seeds) > 1:
-        raise SystemExit(f"parts of different prompt seeds {sorted(seeds)}: merge each seed into its own result")
+    def shared(key, default, what):  # one value across the parts (parts from before an option have its default)
+        values = {d.get(key, default) for d in datas}
+        if len(values) > 1:
+            raise SystemExit(f"parts of different {what}s {sorted(values)}: merge each {what} into its own result")
+        return values.pop()
+
+    dtype, seed = shared("dtype", "bfloat16", "dtype"), shared("prompt_seed", 0, "prompt seed")
     ref = datas[0]["reference"]
     quantum = logit_quantum(ref)
     refs, runs = [], []
@@ -481,7 +482,7 @@ def merge(parts, out: str, command=None) -> int:
         r["part"] = name
     for r in runs:
         r.pop("outputs", None)
-    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtypes.pop(), "prompt_seed": seeds.pop(), "tolerance": TOLERANCE,
+    res = {**results.header(command), **{k: datas[0][k] for k in ("model", "engine", "prompts", "new_tokens")}, "dtype": dtype, "prompt_seed": seed, "tolerance": TOLERANCE,
            "logit_quantum_nats": quantum, "calibration": datas[0].get("calibration", "not recorded by the part (recorded since 2026-11-30)"), "measured": sorted({f"{d['date']} commit {d['commit'][:7]} GPU {d.get('cuda_visible_devices')}" for d in datas}),
            "runs": runs, "modes_missing": missing, "references_agree": refs, "parts": names, "passed": ok, "seconds": max(d["seconds"] for d in datas),
            "gpu": "; ".join(sorted({d["gpu"] for d in datas}))}

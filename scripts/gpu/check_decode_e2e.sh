@@ -20,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 result=${1:-docs/results/decode_e2e_h200.json}
 dtype=${E2E_DTYPE:-bfloat16}
-work=${WORK:-/tmp/decode_e2e_${dtype}_s${E2E_PROMPT_SEED:-0}}
+seed=${E2E_PROMPT_SEED:-0}
+work=${WORK:-/tmp/decode_e2e_${dtype}_s${seed}}
 site=${SITE:-/tmp/site}
 rm -rf "$work"; mkdir -p "$work" "$(dirname "$result")"   # no part of an earlier run may be merged
 # E2E_INSTALL=0: the package is installed already (two checks at once must not
@@ -41,11 +42,11 @@ else
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --prompt-seed "${E2E_PROMPT_SEED:-0}" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --prompt-seed "$seed" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
   pids+=($!); parts+=("$work/part$i.json")
 done
 rc=0
 for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
 for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8 || true; done
-python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype E2E_PROMPT_SEED=${E2E_PROMPT_SEED:-0}${E2E_MODES:+ E2E_MODES=$E2E_MODES} bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
+python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype E2E_PROMPT_SEED=$seed${E2E_MODES:+ E2E_MODES=$E2E_MODES} bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
 exit $rc
