@@ -53,11 +53,14 @@ def _partial_attn(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_mo_s, stride_mo_h, stride_ml_s,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    vidx_ptr=None, SEP_V: tl.constexpr = False,
 ):
     """Attention of the G query heads of KV head ``h`` of request ``b`` over
     KV positions ``[start, end)`` of its index list; writes the partial output
     (unnormalised by nothing: already divided by its own sum) and its LSE into
-    slot ``out_slot`` of the mid buffers."""
+    slot ``out_slot`` of the mid buffers. ``SEP_V``: V row ``i`` is
+    ``vidx[i]`` instead of ``idx[i]`` (the KV offload path: K in the pool, V
+    in a hot buffer)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G
@@ -86,6 +89,10 @@ def _partial_attn(
         mask_n = offs_n < end
         tok = nxt.to(tl.int64)
         nxt = tl.load(idx_ptr + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
+        if SEP_V:
+            vtok = tl.load(vidx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            vtok = tok
         k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
@@ -95,7 +102,7 @@ def _partial_attn(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_ptr + vtok[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if DOT_F32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
@@ -175,6 +182,7 @@ def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, seg_start_ptr, seg_count_ptr, o_ptr,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh, seg_stride,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    lse_full_ptr=None, stride_lf_b=0, FULL_LSE: tl.constexpr = False,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
@@ -183,7 +191,10 @@ def _merge_kernel(
     split caps share one compiled kernel). ``BLOCK_S`` partials are loaded per step
     (one memory round trip for up to ``BLOCK_S`` splits, instead of one per
     split), folded into the running max / sum / accumulator. ``PDL``: launched
-    while the partials kernel still runs; waits for it before any load."""
+    while the partials kernel still runs; waits for it before any load.
+    ``FULL_LSE``: divide by ``exp(lse_full[b, qh])`` (a log-sum-exp over more
+    positions than the partials cover) instead of by the partials' own sum:
+    the KV offload path's exact softmax denominator with a sparse V sum."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0)
@@ -210,7 +221,13 @@ def _merge_kernel(
         acc = acc * scale_old + tl.sum(o * w[:, None], 0)
         l = l * scale_old + tl.sum(w, 0)
         m = m_new
-    out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
+    if FULL_LSE:
+        # acc = sum_s o_s exp(lse_s - m); o_s is normalised by its own sum, so
+        # acc * exp(m - lse_full) = sum_i exp(s_i - lse_full) v_i over the partials' positions
+        lf = tl.load(lse_full_ptr + b * stride_lf_b + qh)
+        out = tl.where(l > 0, acc * tl.exp(m - lf), 0.0)
+    else:
+        out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
     tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 

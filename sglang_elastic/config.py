@@ -32,6 +32,23 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   fits the graphs or, by SGLang's own activation estimate, the margin
   (:func:`sglang_elastic.sched.controller.lend_max_batch`).
 
+KV offload to host memory (:mod:`sglang_elastic.offload`; all need
+``--enable-kv-offload``, which builds the offload pool and selects the
+``kvoffload`` attention backend):
+
+- ``--enable-kv-offload``: K of every token on the GPU, V of the sparse
+  layers in pinned host memory, per-request hot buffers of V rows.
+- ``--kv-offload-topk N`` (2048), ``--kv-offload-budget F`` (0.05),
+  ``--kv-offload-sink N`` (4), ``--kv-offload-window N`` (32),
+  ``--kv-offload-dense-layers N`` (2), ``--kv-offload-denominator
+  {full,selected}`` (full): the attended set
+  (:class:`sglang_elastic.offload.policy.OffloadPolicy`).
+- ``--kv-offload-hot-tokens N`` (4096): LRU V rows per request and sparse layer.
+- ``--kv-offload-host-gb G``: cap on the host pool (default: free host RAM
+  less a 10 GiB reserve).
+- ``--kv-offload-resident-v``: keep V on the GPU too (the same selection,
+  no host tier: the exactness reference; capacity as stock).
+
 Decode attention (only with SGLang's ``--decode-attention-backend persistentkv``,
 the backend this package registers; :mod:`sglang_elastic.attention`):
 
@@ -69,6 +86,66 @@ class ConfigError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+DENOMINATORS = ("full", "selected")
+#: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
+OFFLOAD_BACKEND = "kvoffload"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """The ``--kv-offload-*`` flags (:mod:`sglang_elastic.offload`).
+
+    Fields (flag): ``enabled`` (``--enable-kv-offload``); ``topk``, ``budget``,
+    ``sink``, ``window``, ``dense_layers``, ``denominator`` (the attended set:
+    :meth:`policy`); ``hot_tokens`` (LRU V rows per request and sparse layer);
+    ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
+    less 10 GiB); ``resident_v`` (no host tier: the exactness reference).
+
+    Raises:
+        ConfigError: a value out of range, or a ``--kv-offload-*`` flag without
+            ``--enable-kv-offload``; the message names the flag.
+    """
+
+    enabled: bool = False
+    topk: int = 2048
+    budget: float = 0.05
+    sink: int = 4
+    window: int = 32
+    dense_layers: int = 2
+    denominator: str = "full"
+    hot_tokens: int = 4096
+    host_gb: Optional[float] = None
+    resident_v: bool = False
+
+    def __post_init__(self):
+        from sglang_elastic.offload.policy import PolicyError
+
+        try:
+            self.policy()
+        except PolicyError as e:
+            raise ConfigError(str(e)) from None
+        if self.window < 1:
+            raise ConfigError(f"--kv-offload-window must be >= 1 (the newest token is in the window), not {self.window}")
+        if self.hot_tokens < self.topk:
+            raise ConfigError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.topk}")
+        if self.hot_tokens >= 32768:
+            raise ConfigError(f"--kv-offload-hot-tokens must be below 32768, not {self.hot_tokens}")
+        if self.host_gb is not None and not self.host_gb > 0:
+            raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
+        defaults = OffloadConfig.__dataclass_fields__
+        given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
+        if not self.enabled and given:
+            flag = {"resident_v": "resident-v", "host_gb": "host-gb", "hot_tokens": "hot-tokens", "dense_layers": "dense-layers"}.get(given[0], given[0])
+            raise ConfigError(f"--kv-offload-{flag} (and every --kv-offload-* flag) needs --enable-kv-offload")
+
+    def policy(self):
+        """The attended-set rule (:class:`~sglang_elastic.offload.policy.OffloadPolicy`)."""
+        from sglang_elastic.offload.policy import OffloadPolicy
+
+        return OffloadPolicy(sink=self.sink, window=self.window, budget_frac=self.budget, max_topk=self.topk,
+                             dense_layers=self.dense_layers, denominator=self.denominator)
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticKVConfig:
     """The server's sglang-elastic flags, checked on construction.
@@ -96,6 +173,7 @@ class ElasticKVConfig:
     margin_mb: int = 1024
     decode_policy: str = "auto"
     decode_calibration: Optional[str] = None  # None: the calibration file shipped in the package
+    offload: OffloadConfig = OffloadConfig()
 
     def __post_init__(self):
         if self.decode_policy not in DECODE_POLICIES:
@@ -114,6 +192,8 @@ class ElasticKVConfig:
         given = [f for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb") if getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
             raise ConfigError(f"--elastic-kv-{given[0].replace('_', '-')} (and every --elastic-kv-* flag) needs --enable-elastic-kv")
+        if self.enabled and self.offload.enabled:
+            raise ConfigError("--enable-elastic-kv and --enable-kv-offload both replace SGLang's KV pool: use one")
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -121,8 +201,10 @@ class ElasticKVConfig:
     @classmethod
     def from_env(cls, text: str) -> "ElasticKVConfig":
         try:
-            return cls(**json.loads(text))
-        except (TypeError, json.JSONDecodeError) as e:
+            d = json.loads(text)
+            d["offload"] = OffloadConfig(**d.get("offload", {}))
+            return cls(**d)
+        except (TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{ENV} is not a valid sglang-elastic config: {e}") from e
 
 
@@ -146,6 +228,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes; also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
+    o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
+    o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")
+    o.add_argument("--kv-offload-topk", type=int, default=2048, help="Most selected V rows per request and layer besides sink and window.")
+    o.add_argument("--kv-offload-budget", type=float, default=0.05, help="Attended fraction of the context (sink + window + top-k), at least sink + window rows.")
+    o.add_argument("--kv-offload-sink", type=int, default=4, help="First tokens always attended.")
+    o.add_argument("--kv-offload-window", type=int, default=32, help="Last tokens always attended (>= 1).")
+    o.add_argument("--kv-offload-dense-layers", type=int, default=2, help="Layers 0..N-1 attend to every token and keep V on the GPU.")
+    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="full", help="Softmax denominator: full (exact, over every token; only the V sum is sparse) or selected (renormalised over the attended rows).")
+    o.add_argument("--kv-offload-hot-tokens", type=int, default=4096, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk).")
+    o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
+    o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
     d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: the H200 file shipped in sglang_elastic/attention/calibration). Applies only with --decode-attention-backend persistentkv.")
@@ -183,6 +276,18 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
         decode_policy=policy or "auto",
         decode_calibration=calibration,
+        offload=OffloadConfig(
+            enabled=bool(getattr(ns, "enable_kv_offload", False)),
+            topk=getattr(ns, "kv_offload_topk", 2048),
+            budget=getattr(ns, "kv_offload_budget", 0.05),
+            sink=getattr(ns, "kv_offload_sink", 4),
+            window=getattr(ns, "kv_offload_window", 32),
+            dense_layers=getattr(ns, "kv_offload_dense_layers", 2),
+            denominator=getattr(ns, "kv_offload_denominator", "full"),
+            hot_tokens=getattr(ns, "kv_offload_hot_tokens", 4096),
+            host_gb=getattr(ns, "kv_offload_host_gb", None),
+            resident_v=bool(getattr(ns, "kv_offload_resident_v", False)),
+        ),
     )
 
 
@@ -204,12 +309,60 @@ _UNSUPPORTED = (
 )
 
 
+#: SGLang features the offload pool does not support: (flag, test on its value, why).
+_OFFLOAD_UNSUPPORTED = (
+    ("--speculative-algorithm", lambda v: v is not None, "no target-verify path over a host V tier"),
+    ("--disaggregation-mode", lambda v: v not in (None, "null"), "PD transfer reads whole KV rows from the GPU pool"),
+    ("--pp-size", lambda v: (v or 1) > 1, "the pool holds every layer of the model"),
+    ("--dcp-size", lambda v: (v or 1) > 1, "decode context parallelism splits the KV the selection scores"),
+    ("--enable-dp-attention", bool, "not built for DP attention"),
+    ("--enable-hierarchical-cache", bool, "HiCache keeps its own host copy of whole prefixes"),
+    ("--enable-hisparse", bool, "HiSparse is SGLang's DSA-only sparse attention"),
+    ("--enable-lmcache", bool, "LMCache moves whole prefixes"),
+    ("--enable-page-major-kv-layout", bool, "the pool keeps SGLang's per-layer NHD layout"),
+    ("--enable-unified-memory", bool, "the pool keeps SGLang's per-layer NHD layout"),
+    ("--enable-memory-saver", bool, "pinned host rows cannot be released and restored"),
+    ("--enable-mixed-chunk", bool, "a mixed batch would run decode rows through the prefill path, which reads V from staging"),
+    ("--enable-two-batch-overlap", bool, "not built for two-batch overlap"),
+    ("--enable-streaming-session", bool, "a session slot keeps a finished turn's rows outside the running batch"),
+    ("--kv-cache-dtype", lambda v: v not in (None, "auto", "bfloat16", "bf16", "float16", "fp16"), "the kernels read bf16/fp16 KV"),
+    ("--page-size", lambda v: (v or 1) != 1, "validated at page size 1 only"),
+)
+
+
+def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
+    """Refuse, at start-up, what ``--enable-kv-offload`` does not support (one line with the reason)."""
+    if not cfg.offload.enabled:
+        return
+    for flag, bad, why in _OFFLOAD_UNSUPPORTED:
+        v = getattr(ns, flag[2:].replace("-", "_"), None)
+        if bad(v):
+            raise ConfigError(f"--enable-kv-offload does not support {flag} {v!r}: {why}")
+    if not getattr(ns, "disable_radix_cache", False):
+        raise ConfigError("--enable-kv-offload needs --disable-radix-cache: a hot buffer belongs to one request and is keyed by "
+                          "its token ids, which a shared cached prefix would give to several requests")
+    for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        v = getattr(ns, flag, None)
+        if v not in (None, OFFLOAD_BACKEND):
+            raise ConfigError(f"--enable-kv-offload runs its own attention backend ({OFFLOAD_BACKEND}: FlashInfer prefill, offload decode): "
+                              f"drop --{flag.replace('_', '-')} {v}")
+    if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").lower() in ("1", "true", "yes"):
+        raise ConfigError("--enable-kv-offload sizes the KV pool itself: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+
+
+def apply_offload_defaults(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
+    """With ``--enable-kv-offload``, SGLang's attention backend is ``kvoffload``."""
+    if cfg.offload.enabled:
+        ns.attention_backend = OFFLOAD_BACKEND
+
+
 def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
-    """Refuse SGLang features the elastic pool does not support, at start-up.
+    """Refuse SGLang features the elastic pool or the offload pool does not support, at start-up.
 
     Raises:
         ConfigError: naming the first conflicting flag.
     """
+    _check_offload(cfg, ns)
     if not cfg.enabled:
         return
     for flag, bad in _UNSUPPORTED:

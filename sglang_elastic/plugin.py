@@ -49,12 +49,20 @@ def load() -> None:
 
     attention.register()
     _features.append("decode-attention:" + attention.NAME)
+    from sglang_elastic import offload
+
+    offload.register()
     # Scheduler processes inherit the launcher's parsed config (SGLANG_ELASTIC_CONFIG).
     if config.current().enabled:
         from sglang_elastic.sched import hooks
 
         hooks.register()
         _features.append("elastic-kv")
+    if config.current().offload.enabled:
+        from sglang_elastic.offload import hooks as offload_hooks
+
+        offload_hooks.register()
+        _features.append("kv-offload")
     logger.info("sglang-elastic %s plugin loaded (features: %s)", __version__, ", ".join(_features) or "none")
 
 
@@ -73,6 +81,7 @@ def _from_cli_args(cls, ns, *args, **kwargs):
         config.check_server_args(cfg, ns)
     except config.ConfigError as e:
         raise SystemExit(f"sglang-elastic: {e}") from None
+    config.apply_offload_defaults(cfg, ns)
     config.publish(cfg)
     return None
 

@@ -1,0 +1,632 @@
+"""Kernels of the KV offload path (Triton): exact scores, top-k selection,
+hot-buffer swap-in from pinned host memory, sparse attention.
+
+A decode step of a sparse layer (``sglang_elastic.offload``), per request:
+
+1. :func:`scores_run` — ``s = q . K * scale`` over **all** of the request's K
+   rows (the KV pool holds K of every token), written to a flat score buffer
+   ``[q_heads, total]``, plus the per-head log-sum-exp over all positions
+   (split-KV partials merged by :func:`lse_merge`). Grid ``(batch, kv_heads,
+   max_splits)``, as :func:`sglang_elastic.kernels.decode_attention.split_kv_run`.
+2. :func:`select_run` — each middle position's summed softmax
+   ``p = sum_h exp(s_h - lse_h)`` and the top ``k[b]`` of them by an exact
+   radix select on ``p``'s bits (four 8-bit passes, MSB first, then one
+   compaction pass; ties to the lower position). One program per request,
+   cost linear in its own length (no padding to the longest context).
+3. :func:`swap_in_run` — the request's hot buffer (``HN`` V rows per layer on
+   the GPU): hits are found through ``loc_slot[token id]`` verified against
+   ``slot_pos[slot]``; misses take the least recently used slots
+   (``slot_time``, the request's length when last used: a threshold found by
+   binary search, ties by slot); the miss list (host row -> device row) goes
+   to :func:`copy_rows_run`, which copies the V rows from pinned host memory
+   on the GPU (UVA loads, never a CPU gather). Writes the attended lists'
+   selected part: K ids (the pool's token ids) and V rows (hot-buffer rows).
+4. :func:`attend_run` — split-KV attention over the attended lists with
+   separate K and V rows (the decode kernel's partials with ``SEP_V``), the
+   merge dividing by the exact full-context ``lse`` (``FULL_LSE``) or by the
+   attended set's own sum.
+
+Every step is a fixed-grid launch over device tensors (no host read), so a
+batch size's step can be captured in a CUDA graph and replayed with other
+lengths. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (tests).
+
+Ideas: InfiniGen (arXiv 2406.19707: attend to the rows that matter, fetch only
+those); SGLang 0.5.17's HiSparse swap-in (``sglang/kernels/jit/csrc/hisparse.cuh``,
+``load_cache_to_device_buffer_kernel``: a per-request hot buffer with LRU and
+GPU-initiated copies of the misses from pinned host memory); radix select
+(as in PyTorch's ``topk``); Flash-Decoding for the split-KV passes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_elastic.kernels.decode_attention import (
+    MERGE_BLOCK_S, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _shape_args,
+)
+
+
+# ---------------------------------------------------------------------------
+# 1. scores over all K
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, k_ptr, indptr_ptr, idx_ptr, chunk_ptr, scores_ptr, mid_lse_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_sh, stride_ml_s,
+    max_splits,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Program ``(b, h, s)``: the scores of KV head ``h``'s G query heads over
+    chunk ``s`` of request ``b``, stored at ``scores[qh, t]`` (``t``: the flat
+    index into ``idx``), and the chunk's per-head log-sum-exp (``-inf`` for an
+    empty chunk) at ``mid_lse[b * max_splits + s, qh]``."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    lo = tl.load(indptr_ptr + b)
+    hi = tl.load(indptr_ptr + b + 1)
+    chunk = tl.load(chunk_ptr + b)
+    start = lo + sp * chunk
+    end = tl.minimum(start + chunk, hi)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    qh = h * G + offs_g
+    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    offs_b = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_b
+        mask_n = offs_n < end
+        tok = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        tl.store(scores_ptr + qh[:, None].to(tl.int64) * stride_sh + offs_n[None, :], s, mask=mask_g[:, None] & mask_n[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+    tl.store(mid_lse_ptr + (b * max_splits + sp) * stride_ml_s + qh, lse, mask=mask_g)
+
+
+def scores_run(
+    q: torch.Tensor, k_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, chunk: torch.Tensor,
+    max_splits: int, scores: torch.Tensor, mid_lse: torch.Tensor, sm_scale: Optional[float] = None, block_n: int = 64,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> None:
+    """Scores of every position and per-chunk log-sum-exps of one layer.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]`` bf16/fp16.
+        k_buffer: ``[slots, kv_heads, head_dim]`` (the pool's K of this layer).
+        kv_indptr: ``[batch + 1]`` int32 offsets into ``kv_indices``; ``kv_indices``:
+            ``[total]`` int32/int64 token ids (all positions of each request, in order).
+        chunk: ``[batch]`` int32 tokens per chunk (:func:`~sglang_elastic.kernels.decode_attention.split_kv_plan`
+            with ``max_splits``).
+        scores: ``[q_heads, >= total]`` float32 output: ``scores[h, kv_indptr[b] + i]``
+            is ``q[b, h] . K[pos i] * sm_scale``.
+        mid_lse: ``[>= batch * max_splits, q_heads]`` float32 output (merge with :func:`lse_merge`).
+        sm_scale: default ``head_dim ** -0.5``.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    if B == 0:
+        return
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    _scores_kernel[(B, Hkv, max_splits)](
+        q, k_buffer, kv_indptr, kv_indices, chunk, scores, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), scores.stride(0), mid_lse.stride(0),
+        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
+        **_launch_opts(num_warps, num_stages),
+    )
+
+
+def lse_merge(mid_lse: torch.Tensor, batch: int, max_splits: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[batch, q_heads]`` float32 log-sum-exp over a request's chunks (empty chunks hold ``-inf``)."""
+    Hq = mid_lse.shape[1]
+    res = torch.logsumexp(mid_lse[: batch * max_splits].view(batch, max_splits, Hq), dim=1)
+    if out is None:
+        return res
+    out[:batch].copy_(res)
+    return out[:batch]
+
+
+# ---------------------------------------------------------------------------
+# 2. top-k selection (radix select on the summed softmax)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _bucket(hist, k_rem):
+    """The 8-bit digit holding the ``k_rem``-th largest element of a 256-bin
+    histogram, and the count of elements in higher digits."""
+    bins = tl.arange(0, 256)
+    c_ge = tl.cumsum(hist, 0, reverse=True)  # elements with digit >= d
+    d = tl.max(tl.where(c_ge >= k_rem, bins, -1), 0)
+    above = tl.sum(tl.where(bins > d, hist, 0), 0)
+    return d, above
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr, lse_ptr, indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, sel_ptr,
+    stride_sh, stride_lb, stride_selb,
+    HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    lo = tl.load(indptr_ptr + b)
+    L = tl.load(indptr_ptr + b + 1) - lo
+    s0 = tl.load(s_eff_ptr + b)
+    e0 = L - tl.load(w_eff_ptr + b)
+    k = tl.load(k_ptr + b)
+    offs = tl.arange(0, BLOCK_N)
+    sel = sel_ptr + b * stride_selb
+    if k >= e0 - s0:
+        # the budget covers every middle position: take them all (dense)
+        for n0 in range(s0, e0, BLOCK_N):
+            pos = n0 + offs
+            tl.store(sel + (pos - s0), pos, mask=pos < e0)
+    elif k > 0:
+        offs_h = tl.arange(0, BLOCK_HQ)
+        mask_h = offs_h < HQ
+        lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0)
+        # pass 0: p = sum_h exp(s_h - lse_h), stored; histogram of the top byte
+        hist = tl.zeros([256], tl.int32)
+        for n0 in range(s0, e0, BLOCK_N):
+            pos = n0 + offs
+            m = pos < e0
+            sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
+                         mask=mask_h[:, None] & m[None, :], other=float("-inf"))
+            p = tl.sum(tl.exp(sc - lse[:, None]), 0)
+            tl.store(p_ptr + lo + pos, p, mask=m)
+            bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order like the values
+            hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
+        k_rem = k
+        d, above = _bucket(hist, k_rem)
+        k_rem -= above
+        prefix = d
+        # passes 1-3: the next byte among the elements that match the prefix so far
+        for shift in tl.static_range(16, -1, -8):
+            hist = tl.zeros([256], tl.int32)
+            for n0 in range(s0, e0, BLOCK_N):
+                pos = n0 + offs
+                m = pos < e0
+                bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
+                match = m & ((bits >> (shift + 8)) == prefix)
+                hist += tl.histogram((bits >> shift) & 0xFF, 256, mask=match)
+            d, above = _bucket(hist, k_rem)
+            k_rem -= above
+            prefix = (prefix << 8) | d
+        # prefix: the bits of the k-th largest p; k - k_rem elements are above it.
+        # Compaction in position order: those above, then the first k_rem equal ones.
+        n_gt = k - k_rem
+        cnt_gt = n_gt * 0
+        cnt_eq = n_gt * 0
+        for n0 in range(s0, e0, BLOCK_N):
+            pos = n0 + offs
+            m = pos < e0
+            bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
+            gt = m & (bits > prefix)
+            eq = m & (bits == prefix)
+            i_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+            i_eq = n_gt + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+            tl.store(sel + i_gt, pos, mask=gt)
+            tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
+            cnt_gt += tl.sum(gt.to(tl.int32), 0)
+            cnt_eq += tl.sum(eq.to(tl.int32), 0)
+
+
+def select_run(
+    scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor,
+    p_buf: torch.Tensor, sel_pos: torch.Tensor, q_heads: int, block_n: int = 512, num_warps: Optional[int] = None,
+) -> None:
+    """The top ``k[b]`` middle positions of each request by summed softmax.
+
+    Args:
+        scores: ``[q_heads, >= total]`` float32 (:func:`scores_run`).
+        lse: ``[batch, q_heads]`` float32 (:func:`lse_merge`).
+        kv_indptr: ``[batch + 1]`` int32 (the scores' flat offsets; lengths are its differences).
+        s_eff, w_eff, k: ``[batch]`` int32: sink and window sizes (positions ``[s_eff, L - w_eff)``
+            are the middle) and how many to select (:meth:`~sglang_elastic.offload.policy.OffloadPolicy.counts_tensor`).
+        p_buf: ``[>= total]`` float32 scratch (the summed softmax of the middle positions).
+        sel_pos: ``[batch, >= max k]`` int32 output: row ``b``'s first ``k[b]`` entries are
+            its selected positions (those above the k-th largest in position order, then
+            ties at it by position); the rest is left as it was.
+        q_heads: heads in ``scores`` (summed over).
+    """
+    B = kv_indptr.shape[0] - 1
+    if B == 0:
+        return
+    _select_kernel[(B,)](
+        scores, lse, kv_indptr, s_eff, w_eff, k, p_buf, sel_pos,
+        scores.stride(0), lse.stride(0), sel_pos.stride(0),
+        HQ=q_heads, BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_N=block_n, **_launch_opts(num_warps, None),
+    )
+
+
+# ---------------------------------------------------------------------------
+# 3. hot-buffer swap-in
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _swap_in_kernel(
+    sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, seq_lens_ptr, req_pool_ptr, req_to_token_ptr,
+    loc_slot_ptr, slot_pos_ptr, slot_time_ptr, scratch_ptr,
+    att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
+    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b,
+    HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, REGION: tl.constexpr, LRU_BASE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    r = tl.load(req_pool_ptr + b).to(tl.int64)
+    now = tl.load(seq_lens_ptr + b).to(tl.int32)
+    k = tl.load(k_ptr + b)
+    base = tl.load(att_indptr_ptr + b) + tl.load(s_eff_ptr + b) + tl.load(w_eff_ptr + b)
+    slot_pos = slot_pos_ptr + r * stride_slot_r
+    slot_time = slot_time_ptr + r * stride_slot_r
+    row0 = r * REGION + LRU_BASE  # device V row of LRU slot 0 of this request
+
+    offs_k = tl.arange(0, BLOCK_K)
+    valid = offs_k < k
+    pos = tl.load(sel_ptr + b * stride_selb + offs_k, mask=valid, other=0)
+    loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=valid, other=0)
+    s = tl.load(loc_slot_ptr + loc, mask=valid, other=-1).to(tl.int32)
+    s_ok = valid & (s >= 0) & (s < HN)
+    held = tl.load(slot_pos + s, mask=s_ok, other=-1)
+    hit = s_ok & (held == pos)
+    tl.store(slot_time + s, now, mask=hit)
+    tl.debug_barrier()
+
+    # victims: the m least recently used slots not hit now (time < now)
+    miss = valid & (~hit)
+    m = tl.sum(miss.to(tl.int32), 0)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < HN
+    t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
+    avail = hmask & (t < now)
+    # smallest tau with count(avail & t <= tau) >= m, by binary search on [-1, now - 1]
+    lo_t = now * 0 - 1
+    hi_t = now - 1
+    for _ in tl.static_range(32):
+        mid = (lo_t + hi_t) >> 1
+        c = tl.sum((avail & (t <= mid)).to(tl.int32), 0)
+        left = c >= m
+        hi_t = tl.where(left, mid, hi_t)
+        lo_t = tl.where(left, lo_t, mid + 1)
+    tau = hi_t
+    older = avail & (t < tau)
+    eq = avail & (t == tau)
+    need_eq = m - tl.sum(older.to(tl.int32), 0)
+    victim = older | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < need_eq))
+    v_rank = tl.cumsum(victim.to(tl.int32), 0) - 1
+    tl.store(scratch_ptr + b * stride_scratch_b + v_rank, offs_h, mask=victim)
+    tl.debug_barrier()
+
+    m_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+    vslot = tl.load(scratch_ptr + b * stride_scratch_b + m_rank, mask=miss, other=0)
+    slot = tl.where(hit, s, vslot)
+    tl.store(slot_pos + vslot, pos, mask=miss)
+    tl.store(slot_time + vslot, now, mask=miss)
+    tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
+    tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
+    tl.store(att_vidx_ptr + base + offs_k, (row0 + slot).to(att_vidx_ptr.dtype.element_ty), mask=valid)
+    tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
+    tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, (row0 + vslot).to(miss_dst_ptr.dtype.element_ty), mask=miss)
+    tl.store(miss_cnt_ptr + b, m)
+    tl.atomic_add(stats_ptr + 0, (k - m).to(tl.int64))  # hits
+    tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses
+
+
+def swap_in_run(
+    sel_pos: torch.Tensor, k: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, att_indptr: torch.Tensor,
+    seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+    loc_slot: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor, scratch: torch.Tensor,
+    att_kidx: torch.Tensor, att_vidx: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_cnt: torch.Tensor,
+    stats: torch.Tensor, max_k: int, region_rows: int, lru_base: int, num_warps: Optional[int] = None,
+) -> None:
+    """Hot-buffer bookkeeping of one layer: hits, LRU victims, the miss list.
+
+    Request ``b`` (pool row ``r = req_pool_indices[b]``) owns device V rows
+    ``[r * region_rows, (r + 1) * region_rows)``: ``lru_base`` rows of sink
+    and window, then ``HN = slot_pos.shape[1]`` LRU slots.
+
+    Args:
+        sel_pos: ``[batch, >= max_k]`` int32 selected positions (:func:`select_run`); ``k``: ``[batch]`` int32 counts.
+        s_eff, w_eff: ``[batch]`` int32 sink and window sizes (the selected part of request ``b``'s
+            attended list starts at ``att_indptr[b] + s_eff[b] + w_eff[b]``).
+        att_indptr: ``[batch + 1]`` int32 offsets of the attended lists.
+        seq_lens: ``[batch]`` lengths (the LRU clock: a slot used now gets ``seq_lens[b]``).
+        req_pool_indices: ``[batch]``; req_to_token: ``[rows, context]`` int32 token ids.
+        loc_slot: ``[slots]`` int16/int32, this layer's slot of a token id (-1 or stale: verified against ``slot_pos``).
+        slot_pos, slot_time: ``[rows, HN]`` int32, this layer's position held by and last use of each slot (-1: empty).
+        scratch: ``[batch, >= HN]`` int32 workspace.
+        att_kidx, att_vidx: ``[>= att_indptr[batch]]`` int32 outputs: K token ids and device V rows.
+        miss_src, miss_dst: ``[batch, >= max_k]`` outputs: host rows (token ids) and device rows to copy;
+            miss_cnt: ``[batch]`` int32 output counts.
+        stats: ``[>= 2]`` int64, accumulated: hits, misses.
+        max_k: the largest ``k`` (a compile-time block).
+        region_rows, lru_base: the region layout above.
+
+    Raises:
+        ValueError: ``HN < max_k`` (a step could not hold its selection).
+    """
+    B = k.shape[0]
+    hn = slot_pos.shape[1]
+    if hn < max_k:
+        raise ValueError(f"hot buffer of {hn} rows cannot hold {max_k} selected rows: raise --kv-offload-hot-tokens")
+    if B == 0:
+        return
+    _swap_in_kernel[(B,)](
+        sel_pos, k, s_eff, w_eff, att_indptr, seq_lens, req_pool_indices, req_to_token,
+        loc_slot, slot_pos, slot_time, scratch, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
+        sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0),
+        HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
+        REGION=region_rows, LRU_BASE=lru_base, **_launch_opts(num_warps, None),
+    )
+
+
+# ---------------------------------------------------------------------------
+# the attended lists' fixed part (sink, window) and the resident reference
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fixed_entries_kernel(
+    seq_lens_ptr, req_pool_ptr, req_to_token_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, att_kidx_ptr, att_vidx_ptr,
+    v_rows_ptr, stride_r2t,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, REGION: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+):
+    """Request ``b``'s sink and window entries of its attended list, and the
+    device V row of its newest token (``v_rows[b]``)."""
+    b = tl.program_id(0)
+    r = tl.load(req_pool_ptr + b).to(tl.int64)
+    L = tl.load(seq_lens_ptr + b).to(tl.int32)
+    s = tl.load(s_eff_ptr + b)
+    w = tl.load(w_eff_ptr + b)
+    base = tl.load(att_indptr_ptr + b)
+    j = tl.arange(0, BLOCK)
+    is_sink = j < s
+    m = j < s + w
+    pos = tl.where(is_sink, j, L - w + (j - s))
+    loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=m, other=0)
+    if RESIDENT:
+        vrow = loc.to(tl.int64)
+    else:
+        vrow = r * REGION + tl.where(pos < SINK, pos, SINK + pos % WINDOW)
+    tl.store(att_kidx_ptr + base + j, loc, mask=m)
+    tl.store(att_vidx_ptr + base + j, vrow.to(att_vidx_ptr.dtype.element_ty), mask=m)
+    p = L - 1
+    if RESIDENT:
+        newest = tl.load(req_to_token_ptr + r * stride_r2t + tl.maximum(p, 0)).to(tl.int64)
+    else:
+        newest = r * REGION + tl.where(p < SINK, p, SINK + p % WINDOW)
+    tl.store(v_rows_ptr + b, newest.to(v_rows_ptr.dtype.element_ty))
+
+
+def fixed_entries_run(
+    seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, s_eff: torch.Tensor,
+    w_eff: torch.Tensor, att_indptr: torch.Tensor, att_kidx: torch.Tensor, att_vidx: torch.Tensor, v_rows: torch.Tensor,
+    sink: int, window: int, region_rows: int, resident: bool = False,
+) -> None:
+    """Sink and window entries of every attended list, once per step.
+
+    Entry ``j < s_eff[b]`` is position ``j``, the next ``w_eff[b]`` the last
+    positions; K ids from ``req_to_token``; V rows: the request's sink row
+    (``r * region_rows + pos``) or ring row (``r * region_rows + sink + pos %
+    window``), or, ``resident``, the token id (V in the pool). ``v_rows[b]``
+    gets the row where this step's new token's V goes.
+    """
+    B = seq_lens.shape[0]
+    if B == 0:
+        return
+    _fixed_entries_kernel[(B,)](
+        seq_lens, req_pool_indices, req_to_token, s_eff, w_eff, att_indptr, att_kidx, att_vidx, v_rows, req_to_token.stride(0),
+        SINK=sink, WINDOW=max(window, 1), REGION=region_rows, BLOCK=triton.next_power_of_2(max(sink + window, 1)), RESIDENT=resident,
+    )
+
+
+@triton.jit
+def _gather_selected_kernel(
+    sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, req_pool_ptr, req_to_token_ptr, att_kidx_ptr, att_vidx_ptr,
+    stride_selb, stride_r2t, BLOCK_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    r = tl.load(req_pool_ptr + b).to(tl.int64)
+    k = tl.load(k_ptr + b)
+    base = tl.load(att_indptr_ptr + b) + tl.load(s_eff_ptr + b) + tl.load(w_eff_ptr + b)
+    offs = tl.arange(0, BLOCK_K)
+    m = offs < k
+    pos = tl.load(sel_ptr + b * stride_selb + offs, mask=m, other=0)
+    loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=m, other=0)
+    tl.store(att_kidx_ptr + base + offs, loc, mask=m)
+    tl.store(att_vidx_ptr + base + offs, loc.to(att_vidx_ptr.dtype.element_ty), mask=m)
+
+
+def gather_selected_run(
+    sel_pos: torch.Tensor, k: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, att_indptr: torch.Tensor,
+    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, att_kidx: torch.Tensor, att_vidx: torch.Tensor, max_k: int,
+) -> None:
+    """The resident reference's selected entries: K id = V row = the token id
+    of each selected position (no hot buffer)."""
+    B = k.shape[0]
+    if B == 0:
+        return
+    _gather_selected_kernel[(B,)](
+        sel_pos, k, s_eff, w_eff, att_indptr, req_pool_indices, req_to_token, att_kidx, att_vidx,
+        sel_pos.stride(0), req_to_token.stride(0), BLOCK_K=triton.next_power_of_2(max(max_k, 1)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# row copies (host <-> device, device <-> device)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_ptr, n_static,
+    stride_src, stride_dst, stride_idx_b, idx_batch,
+    ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_R: tl.constexpr,
+    SRC_IDX: tl.constexpr, DST_IDX: tl.constexpr, N_PER_B: tl.constexpr,
+):
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``i < n`` (an identity where an
+    index list is absent); a negative index skips the row. ``N_PER_B``: row
+    lists per batch entry (program axis 1), counts in ``n_ptr[b]``."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    P = tl.num_programs(0)
+    if N_PER_B:
+        n = tl.load(n_ptr + b)
+    else:
+        n = n_static
+    offs_c = tl.arange(0, BLOCK_ROW)
+    mask_c = offs_c < ROW
+    for i0 in range(pid * BLOCK_R, n, P * BLOCK_R):
+        rows = i0 + tl.arange(0, BLOCK_R)
+        m = rows < n
+        if SRC_IDX:
+            si = tl.load(src_idx_ptr + b * stride_idx_b + rows, mask=m, other=-1).to(tl.int64)
+        else:
+            si = rows.to(tl.int64)
+        if DST_IDX:
+            di = tl.load(dst_idx_ptr + b * stride_idx_b + rows, mask=m, other=-1).to(tl.int64)
+        else:
+            di = rows.to(tl.int64)
+        ok = m & (si >= 0) & (di >= 0)
+        x = tl.load(src_ptr + si[:, None] * stride_src + offs_c[None, :], mask=ok[:, None] & mask_c[None, :])
+        tl.store(dst_ptr + di[:, None] * stride_dst + offs_c[None, :], x, mask=ok[:, None] & mask_c[None, :])
+
+
+def copy_rows_run(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: Optional[torch.Tensor] = None, dst_idx: Optional[torch.Tensor] = None,
+    n: Optional[int] = None, counts: Optional[torch.Tensor] = None, programs: int = 0, block_r: int = 4,
+    num_warps: Optional[int] = None,
+) -> None:
+    """Copy rows between two buffers of the same row size, on the GPU.
+
+    ``src`` or ``dst`` may be a pinned host buffer seen through
+    :func:`sglang_elastic.offload.host_pool.device_view` (UVA): the copy is
+    then GPU-initiated PCIe traffic (SGLang's ``transfer_hicache_one_layer``
+    pattern), never a CPU gather.
+
+    Args:
+        src, dst: ``[rows, ...]`` buffers whose trailing dims are contiguous and equal in size
+            (a row: e.g. ``[kv_heads, head_dim]``); same dtype.
+        src_idx, dst_idx: row indices (int32/int64; a negative one skips the row); absent: ``0..n-1``.
+            With ``counts``: ``[batch, cap]`` lists, row ``b`` using its first ``counts[b]`` entries.
+        n: rows to copy (flat form); ``counts``: ``[batch]`` int32 (batched form, device counts,
+            no host read: CUDA-graph safe).
+        programs: programs per list along the rows (0: enough for ``n``, or 8 per list when batched).
+        block_r: rows per program step.
+
+    Raises:
+        ValueError: row sizes or dtypes differ, or neither / both of ``n`` and ``counts``.
+    """
+    row = int(torch.Size(src.shape[1:]).numel())
+    if int(torch.Size(dst.shape[1:]).numel()) != row or src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: rows differ: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}")
+    if (n is None) == (counts is None):
+        raise ValueError("copy_rows: give exactly one of n (rows) or counts (per-list device counts)")
+    if n is not None and n <= 0:
+        return
+    batched = counts is not None
+    lists = counts.shape[0] if batched else 1
+    if lists == 0:
+        return
+    if not programs:
+        programs = 8 if batched else triton.cdiv(n, block_r)
+    idx = src_idx if src_idx is not None else dst_idx
+    _copy_rows_kernel[(programs, lists)](
+        src, dst, src_idx, dst_idx, counts, 0 if batched else n,
+        src.stride(0), dst.stride(0), idx.stride(0) if (batched and idx is not None) else 0, lists,
+        ROW=row, BLOCK_ROW=triton.next_power_of_2(row), BLOCK_R=block_r,
+        SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None, N_PER_B=batched, **_launch_opts(num_warps, None),
+    )
+
+
+# ---------------------------------------------------------------------------
+# 4. attention over the attended lists
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, kidx_ptr, vidx_ptr, chunk_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_mo_s, stride_mo_h, stride_ml_s,
+    max_splits,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    lo = tl.load(indptr_ptr + b)
+    hi = tl.load(indptr_ptr + b + 1)
+    chunk = tl.load(chunk_ptr + b)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, hi)
+    if start < end:
+        _partial_attn(q_ptr, k_ptr, v_ptr, kidx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
+                      stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
+                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32, vidx_ptr, True)
+
+
+def attend_run(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, att_indptr: torch.Tensor, att_kidx: torch.Tensor,
+    att_vidx: torch.Tensor, chunk: torch.Tensor, nsplit: torch.Tensor, max_splits: int, mid_o: torch.Tensor,
+    mid_lse: torch.Tensor, out: torch.Tensor, lse_full: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
+    block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of one layer over each request's attended list.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``.
+        k_buffer: ``[slots, kv_heads, head_dim]`` (K of every token); v_buffer: ``[rows, kv_heads, head_dim]``
+            (the hot buffers, or the pool's full V for the resident reference).
+        att_indptr: ``[batch + 1]`` int32; att_kidx / att_vidx: K token ids and V rows of the attended entries.
+        chunk, nsplit, max_splits: a split plan of ``att_indptr``
+            (:func:`~sglang_elastic.kernels.decode_attention.split_kv_plan`).
+        mid_o, mid_lse: ``[>= batch * max_splits, q_heads, (head_dim)]`` float32 workspaces.
+        out: ``[batch, q_heads, head_dim]`` output.
+        lse_full: ``[batch, q_heads]`` float32 log-sum-exp over all positions: the output is
+            ``sum_i exp(s_i - lse_full) v_i`` over the attended entries (exact denominator);
+            ``None``: normalised over the attended entries.
+
+    Returns:
+        ``out``.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    if B == 0:
+        return out
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    _attend_kernel[(B, Hkv, max_splits)](
+        q, k_buffer, v_buffer, att_indptr, att_kidx, att_vidx, chunk, mid_o, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), max_splits,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **_launch_opts(num_warps, num_stages),
+    )
+    full = lse_full is not None
+    _merge_kernel[(B, Hq)](
+        mid_o, mid_lse, nsplit, nsplit, out,
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
+        lse_full_ptr=lse_full, stride_lf_b=lse_full.stride(0) if full else 0, FULL_LSE=full,
+    )
+    return out
+
+
+__all__ = ["attend_run", "copy_rows_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

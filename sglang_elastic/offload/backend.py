@@ -1,0 +1,221 @@
+"""The ``kvoffload`` SGLang attention backend: prefill on FlashInfer over the
+offload pool, decode on the offload path.
+
+Selected by ``--enable-kv-offload`` (the plugin sets ``--attention-backend
+kvoffload``); it needs :class:`~sglang_elastic.offload.pool.OffloadKVPool`
+as SGLang's ``token_to_kv_pool`` (built by :mod:`sglang_elastic.offload.hooks`).
+Interface: SGLang 0.5.17's ``AttentionBackend``
+(``sglang/srt/layers/attention/base_attn_backend.py``).
+
+Prefill (EXTEND): SGLang's own ``FlashInferAttnBackend`` (built through
+SGLang's registry, not re-implemented) in its ragged mode: the chunk's new
+K/V go to FlashInfer's ragged kernel directly, and, when requests have a
+prefix (the later chunks of a chunked prompt), the prefix is read by
+FlashInfer's paged kernel from staging buffers that hold, per layer, the
+prefix's K from the pool and V from the host pool (``custom_kv_indices`` =
+staging rows; :meth:`OffloadKVPool.stage_layer`). The pool writes every new
+token's K to the GPU, V to the host, and the prompt's first ``sink`` and
+each chunk's last ``window`` positions also to the request's hot buffer.
+New requests' hot buffers are reset here.
+
+Decode: :class:`~sglang_elastic.offload.decode.OffloadDecoder` — planned
+once per step (recorded in the decode CUDA graph), then per layer split-KV
+for the dense layers, or scores / top-k / swap-in / sparse attention for the
+others.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sglang_elastic.offload import NAME
+from sglang_elastic.offload.decode import OffloadDecoder
+from sglang_elastic.offload.pool import OffloadKVPool
+
+logger = logging.getLogger(__name__)
+_SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _attn_tp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_size
+
+
+class OffloadAttnBackend(AttentionBackend):
+    """Prefill through FlashInfer, decode through the offload path.
+
+    Args:
+        model_runner: SGLang's ``ModelRunner`` (``token_to_kv_pool`` must be an
+            :class:`OffloadKVPool`).
+
+    Raises:
+        ValueError: another pool, an MLA / sliding-window / encoder-decoder /
+            multimodal model, a KV dtype other than bf16/fp16 (one line each,
+            saying to drop ``--enable-kv-offload``).
+    """
+
+    needs_cpu_seq_lens: bool = True
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self._check_supported(model_runner)
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+        self.prefill = ATTENTION_BACKENDS["flashinfer"](model_runner)
+        self.device = model_runner.device
+        self.pool: OffloadKVPool = model_runner.token_to_kv_pool
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        mc = model_runner.model_config
+        self.q_heads = mc.get_max_num_attention_heads() // _attn_tp_size()
+        rows = self.req_to_token.shape[0]
+        self.decoder = OffloadDecoder(self.pool.layout, self.q_heads, self.pool.head_num, self.pool.head_dim, max_bs=rows,
+                                      token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device)
+        self._mode = None  # "decode" / "extend" / "idle" of the current forward
+        self._prefix_locs: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _check_supported(model_runner) -> None:
+        drop = "drop --enable-kv-offload"
+        if not isinstance(model_runner.token_to_kv_pool, OffloadKVPool):
+            raise ValueError(f"the {NAME} attention backend needs the KV offload pool (--enable-kv-offload), "
+                             f"not {type(model_runner.token_to_kv_pool).__name__}")
+        if getattr(model_runner, "use_mla_backend", False):
+            raise ValueError(f"KV offload does not serve MLA models; {drop}")
+        if getattr(model_runner, "sliding_window_size", None) is not None:
+            raise ValueError(f"KV offload does not serve sliding-window attention; {drop}")
+        mc = model_runner.model_config
+        if getattr(mc, "is_encoder_decoder", False) or getattr(mc, "is_multimodal", False):
+            raise ValueError(f"KV offload serves decoder-only text models; {drop}")
+        dtype = getattr(model_runner, "kv_cache_dtype", None)
+        if dtype is not None and dtype not in _SUPPORTED_KV_DTYPES:
+            raise ValueError(f"KV offload reads bf16/fp16 KV caches, not {dtype}; {drop} or --kv-cache-dtype")
+
+    # ---------------------------------------------------------------- prefill
+
+    def _init_extend(self, fb) -> None:
+        from sglang.srt.layers.attention.flashinfer_backend import PrefillMetadata
+
+        pool, fi = self.pool, self.prefill
+        bs = fb.batch_size
+        prefix_cpu = [int(x) for x in fb.extend_prefix_lens_cpu]
+        ext_cpu = [int(x) for x in fb.extend_seq_lens_cpu]
+        rows = fb.req_pool_indices[:bs]
+        new = [i for i, p in enumerate(prefix_cpu) if p == 0]
+        if new:
+            pool.reset_requests(rows[torch.tensor(new, device=rows.device)] if len(new) < bs else rows)
+        pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu))
+        total_prefix = sum(prefix_cpu)
+        custom = None
+        self._prefix_locs = None
+        if total_prefix:
+            r2t = self.req_to_token
+            self._prefix_locs = torch.cat([r2t[int(r), :p] for r, p in zip(rows.tolist(), prefix_cpu) if p]).to(torch.int64)
+            custom = torch.arange(total_prefix, dtype=torch.int32, device=self.device)
+        fi.indices_updater_prefill.update(
+            fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum, fb.extend_prefix_lens,
+            prefill_wrappers=fi.prefill_wrappers_paged, use_ragged=True, encoder_lens=None, spec_info=None,
+            extend_prefix_lens_cpu=prefix_cpu, custom_kv_indices=custom,
+        )
+        fi.forward_metadata = PrefillMetadata(fi.prefill_wrappers_paged, True, not total_prefix)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Prefill attention of one layer (FlashInfer ragged + paged over the staged prefix)."""
+        pool = self.pool
+        if self._prefix_locs is None:
+            return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+        pool.stage_layer(layer.layer_id, self._prefix_locs)
+        pool.stage_active = True
+        try:
+            return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+        finally:
+            pool.stage_active = False
+
+    # ----------------------------------------------------------------- decode
+
+    def _require(self, fb) -> str:
+        mode = fb.forward_mode
+        if mode.is_decode_or_idle():
+            return "idle" if (mode.is_idle() or fb.batch_size == 0) else "decode"
+        if mode.is_extend() and not mode.is_target_verify() and not mode.is_mixed():
+            return "extend"
+        raise NotImplementedError(f"{NAME} serves EXTEND and DECODE batches, not {mode.name}")
+
+    def init_forward_metadata(self, forward_batch):
+        """Eager step: plan the decode, or set up the prefill (staging, hot-buffer writes)."""
+        self._mode = self._require(forward_batch)
+        if self._mode == "extend":
+            self._init_extend(forward_batch)
+        elif self._mode == "decode":
+            self._plan(forward_batch)
+
+    def _plan(self, fb) -> None:
+        bs = fb.batch_size
+        self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs)
+        self.pool.set_v_rows(self.decoder.new_token_rows())
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """The decoder's buffers are address-stable already; grow them if the graphs' batch is larger."""
+        if max_bs > self.decoder.max_bs:
+            d = self.decoder
+            self.decoder = OffloadDecoder(d.layout, d.q_heads, d.kv_heads, d.head_dim, max_bs=max_bs,
+                                          token_capacity=d.token_capacity + max_bs, device=self.device, split=d.split)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        self._mode = self._require(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Recorded in the decode graph: the step's lists and plans (GPU ops only)."""
+        if self._mode == "decode":
+            self._plan(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """One layer's decode attention.
+
+        Args:
+            q: ``[bs, q_heads * head_dim]``; k, v: ``[bs, kv_heads, head_dim]`` new keys/values.
+            layer: SGLang's ``RadixAttention``.
+
+        Returns:
+            ``[bs, q_heads * head_dim]`` in ``q``'s dtype.
+
+        Raises:
+            NotImplementedError: logit soft-capping (not in these kernels).
+        """
+        if (layer.logit_cap or 0) > 0:
+            raise NotImplementedError(f"{NAME} has no logit soft-cap: drop --enable-kv-offload for this model")
+        pool, dec = self.pool, self.decoder
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        H, D = layer.tp_q_head_num, layer.head_dim
+        q3 = q.reshape(-1, H, D)
+        o = q3.new_empty(q3.shape)
+        lid = layer.layer_id
+        kb = pool.get_key_buffer(lid)
+        vb = pool.get_value_buffer(lid)
+        if pool.layout.policy.is_dense_layer(lid - pool.start_layer):
+            dec.dense(q3, kb, vb, o, layer.scaling)
+        elif pool.layout.resident_v:
+            dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens)
+        else:
+            dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                       pool.hot_state(lid), pool.host.view(lid - pool.start_layer))
+        return o.view(-1, H * D)
+
+    def stats(self) -> dict:
+        """Counters since start (a device read: call off the hot path): ``hits``,
+        ``misses`` of the selected rows, ``hit_rate``, ``miss_bytes`` (PCIe reads)."""
+        hits, misses = (int(x) for x in self.decoder.stats.tolist())
+        row = self.pool.head_num * self.pool.v_head_dim * self.pool.store_dtype.itemsize
+        total = hits + misses
+        return {"hits": hits, "misses": misses, "hit_rate": hits / total if total else None, "miss_bytes": misses * row}
+
+
+__all__ = ["OffloadAttnBackend"]

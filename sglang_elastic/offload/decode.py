@@ -1,0 +1,178 @@
+"""One decode step of the offload path, independent of SGLang's batch objects.
+
+:class:`OffloadDecoder` owns the address-stable buffers of a step (sized for
+the largest batch and the most KV tokens a batch can hold) and runs:
+
+- :meth:`OffloadDecoder.plan` once per step (GPU ops only, recordable in a
+  CUDA graph): the all-positions index list of each request (SGLang's
+  ``create_flashinfer_kv_indices_triton``), split plans, the policy's counts
+  (:meth:`~sglang_elastic.offload.policy.OffloadPolicy.counts_tensor`), the
+  attended lists' offsets and their sink/window entries, the device V row of
+  each new token;
+- per layer, :meth:`OffloadDecoder.dense` (split-KV over every position, for
+  the dense layers) or :meth:`OffloadDecoder.sparse` (scores over all K,
+  top-k, hot-buffer swap-in with the miss copy from host memory, attention
+  over the attended list), the kernels of :mod:`sglang_elastic.kernels.offload`.
+
+With ``layout.resident_v`` the sparse layers run the same selection with V
+read from the pool at the token ids (no host tier): the exactness reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from sglang_elastic.offload.pool import OffloadLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """Split-KV shapes of the two passes: ``scores_*`` for the all-positions
+    passes (scores, dense layers), ``attend_*`` for the attended lists."""
+
+    scores_max_splits: int = 32
+    scores_min_chunk: int = 512
+    scores_block_n: int = 64
+    attend_max_splits: int = 8
+    attend_min_chunk: int = 256
+    attend_block_n: int = 32
+    select_block_n: int = 512
+
+
+class OffloadDecoder:
+    """Buffers and kernels of an offload decode step.
+
+    Args:
+        layout: the pool's :class:`~sglang_elastic.offload.pool.OffloadLayout`.
+        q_heads, kv_heads, head_dim: per rank.
+        max_bs: the largest batch (requests) a step may have.
+        token_capacity: the most KV tokens of one batch (all requests' lengths summed).
+        device: where the buffers live.
+        split: :class:`SplitConfig`.
+    """
+
+    def __init__(self, layout: OffloadLayout, q_heads: int, kv_heads: int, head_dim: int, max_bs: int, token_capacity: int,
+                 device, split: SplitConfig = SplitConfig()):
+        self.layout = layout
+        self.policy = layout.policy
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.max_bs = max_bs
+        self.split = split
+        self.token_capacity = token_capacity
+        pol = self.policy
+        i32 = dict(dtype=torch.int32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.kv_indptr = torch.zeros(max_bs + 1, **i32)
+        self.kv_indices = torch.zeros(max(token_capacity, 1), **i32)
+        self.chunk = torch.zeros(max_bs, **i32)
+        self.nsplit = torch.zeros(max_bs, **i32)
+        self.s_eff = torch.zeros(max_bs, **i32)
+        self.w_eff = torch.zeros(max_bs, **i32)
+        self.k = torch.zeros(max_bs, **i32)
+        self.att_indptr = torch.zeros(max_bs + 1, **i32)
+        self.att_kidx = torch.zeros(max_bs * pol.max_attended + 1, **i32)
+        self.att_vidx = torch.zeros(max_bs * pol.max_attended + 1, **i32)
+        self.att_chunk = torch.zeros(max_bs, **i32)
+        self.att_nsplit = torch.zeros(max_bs, **i32)
+        self.v_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.scores = torch.zeros((q_heads, max(token_capacity, 1)), **f32)
+        self.p_buf = torch.zeros(max(token_capacity, 1), **f32)
+        self.score_lse = torch.zeros((max_bs * split.scores_max_splits, q_heads), **f32)
+        self.lse_full = torch.zeros((max_bs, q_heads), **f32)
+        kmax = max(pol.max_topk, 1)
+        self.sel_pos = torch.zeros((max_bs, kmax), **i32)
+        self.scratch = torch.zeros((max_bs, layout.hot_tokens), **i32)
+        self.miss_src = torch.zeros((max_bs, kmax), **i32)
+        self.miss_dst = torch.zeros((max_bs, kmax), **i32)
+        self.miss_cnt = torch.zeros(max_bs, **i32)
+        rows = max_bs * max(split.scores_max_splits, split.attend_max_splits)
+        self.mid_o = torch.zeros((rows, q_heads, head_dim), **f32)
+        self.mid_lse = torch.zeros((rows, q_heads), **f32)
+        #: accumulated since start: [hits, misses] of the LRU part (selected rows)
+        self.stats = torch.zeros(2, dtype=torch.int64, device=device)
+        self.bs = 0
+
+    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int) -> None:
+        """This step's lists and plans for ``bs`` requests (GPU ops only).
+
+        Args:
+            req_to_token: ``[rows, context]`` int32 (SGLang's ``req_to_token_pool.req_to_token``).
+            req_pool_indices: ``[>= bs]``; seq_lens: ``[>= bs]`` lengths with the new token.
+        """
+        from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
+
+        from sglang_elastic.kernels.decode_attention import split_kv_plan
+        from sglang_elastic.kernels.offload import fixed_entries_run
+
+        if bs > self.max_bs:
+            raise ValueError(f"decode batch of {bs} requests exceeds the offload workspace's {self.max_bs}")
+        self.bs = bs
+        sp, pol, lay = self.split, self.policy, self.layout
+        lens = seq_lens[:bs]
+        rp = req_pool_indices[:bs]
+        self.kv_indptr[1: bs + 1] = torch.cumsum(lens, 0)
+        create_flashinfer_kv_indices_triton[(bs,)](
+            req_to_token, rp, lens, self.kv_indptr, None, self.kv_indices, req_to_token.stride(0),
+        )
+        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
+        s, w, k = pol.counts_tensor(lens)
+        self.s_eff[:bs] = s
+        self.w_eff[:bs] = w
+        self.k[:bs] = k
+        self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k, 0)
+        split_kv_plan(self.att_indptr[: bs + 1], sp.attend_max_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
+        fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, self.att_kidx, self.att_vidx,
+                          self.v_rows, pol.sink, pol.window, lay.region_rows, resident=lay.resident_v)
+
+    def new_token_rows(self) -> torch.Tensor:
+        """``[bs]`` int64 device V rows of this step's new tokens (sparse layers; token ids when resident)."""
+        return self.v_rows[: self.bs]
+
+    def dense(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """Attention over every position (a dense layer; V in the pool)."""
+        from sglang_elastic.kernels.decode_attention import split_kv_run
+
+        bs, sp = self.bs, self.split
+        return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
+                            sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
+
+    def sparse(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               hot_state=None, host_v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of a sparse layer over sink, window and the top-k rows.
+
+        Args:
+            q: ``[bs, q_heads, head_dim]``; k_buffer: the pool's K of the layer.
+            v_buffer: the layer's hot-buffer V rows (or, resident, the pool's V).
+            hot_state: ``(loc_slot, slot_pos, slot_time)`` of the layer (not resident).
+            host_v: the layer's host V rows seen by the GPU (not resident).
+        """
+        from sglang_elastic.kernels.offload import (
+            attend_run, copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run,
+        )
+
+        bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
+        rp, lens = req_pool_indices[:bs], seq_lens[:bs]
+        scores_run(q, k_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits, self.scores,
+                   self.score_lse, sm_scale, sp.scores_block_n)
+        lse = lse_merge(self.score_lse, bs, sp.scores_max_splits, self.lse_full)
+        select_run(self.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.p_buf,
+                   self.sel_pos, self.q_heads, sp.select_block_n)
+        if lay.resident_v:
+            gather_selected_run(self.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
+                                self.att_kidx, self.att_vidx, pol.max_topk)
+        else:
+            loc_slot, slot_pos, slot_time = hot_state
+            swap_in_run(self.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
+                        loc_slot, slot_pos, slot_time, self.scratch, self.att_kidx, self.att_vidx, self.miss_src, self.miss_dst,
+                        self.miss_cnt, self.stats, pol.max_topk, lay.region_rows, lay.lru_base)
+            copy_rows_run(host_v, v_buffer, self.miss_src[:bs], self.miss_dst[:bs], counts=self.miss_cnt[:bs])
+        return attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
+                          self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
+                          lse if pol.denominator == "full" else None, sm_scale, sp.attend_block_n)
+
+
+__all__ = ["OffloadDecoder", "SplitConfig"]

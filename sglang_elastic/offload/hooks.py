@@ -1,0 +1,146 @@
+"""Where the offload pool hooks into SGLang 0.5.17 (no patch needed).
+
+Registered with SGLang's ``HookRegistry`` (sglang/srt/plugins/hook_registry.py)
+by the plugin, in each scheduler process, when ``--enable-kv-offload``:
+
+| target | kind | does |
+|---|---|---|
+| ``KVCacheConfigurator._resolve_memory_pool_config`` | AROUND | sizes the pool (:func:`sglang_elastic.offload.sizing.size_pool`): ``max_total_num_tokens`` = what K on the GPU and V on the host hold, ``max_running_requests`` = hot-buffer rows |
+| ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
+
+SGLang's allocator, admission (``PrefillAdder``), retraction and request
+limits then run unchanged on the counts the pool really holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_elastic import config
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+#: ``--max-running-requests`` when the user gives none: hot buffers are per request.
+DEFAULT_REQUESTS = 64
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_CONFIGURATOR}._resolve_memory_pool_config", resolve_memory_pool_config, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._build_mha_kv_pool", build_mha_kv_pool, HookType.AROUND)
+
+
+def _unsupported_model(kvc) -> str:
+    if kvc.use_mla_backend:
+        return "an MLA model"
+    if kvc.is_hybrid_swa:
+        return "a hybrid sliding-window model"
+    if kvc.mambaish_config is not None:
+        return "a hybrid linear-attention / Mamba model"
+    if kvc.is_draft_worker:
+        return "a draft model"
+    if getattr(kvc.model_config, "is_multimodal", False):
+        return "a multimodal model"
+    if kvc.sliding_window_size is not None:
+        return "sliding-window attention"
+    return ""
+
+
+def _tp_min(value: int) -> int:
+    """The smallest ``value`` over the world group (ranks differ in free host RAM)."""
+    from sglang.srt.distributed import get_world_group
+
+    g = get_world_group()
+    if g.world_size <= 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=g.cpu_group)
+    return int(t.item())
+
+
+def model_shape(kvc):
+    """The per-rank :class:`~sglang_elastic.offload.sizing.ModelShape` of a ``KVCacheConfigurator``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_elastic.offload.sizing import ModelShape
+
+    mc = kvc.model_config
+    tp = get_parallel().attn_tp_size
+    return ModelShape(
+        layers=kvc.layer_info.num_effective_layers, kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,
+        v_head_dim=mc.v_head_dim, q_heads=mc.get_max_num_attention_heads() // tp,
+        elem=torch.empty((), dtype=kvc.kv_cache_dtype).element_size(), context_len=mc.context_len,
+    )
+
+
+def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs):
+    """AROUND hook of ``KVCacheConfigurator._resolve_memory_pool_config``."""
+    cfg = config.current().offload
+    if not cfg.enabled:
+        return orig(kvc, pre_model_load_memory, *args, **kwargs)
+    why = _unsupported_model(kvc)
+    if why:
+        raise RuntimeError(f"sglang-elastic: --enable-kv-offload does not serve {why}: drop --enable-kv-offload")
+    import psutil
+    from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    from sglang_elastic.offload.pool import OffloadLayout
+    from sglang_elastic.offload.sizing import SizingError, size_pool
+
+    sched = get_schedule()
+    shape = model_shape(kvc)
+    policy = cfg.policy()
+    requests = sched.max_running_requests or DEFAULT_REQUESTS
+    if sched.max_running_requests is None:
+        logger.info("sglang-elastic: --enable-kv-offload without --max-running-requests: %d requests (each holds a hot buffer)", requests)
+    available = kvc._profile_available_bytes(pre_model_load_memory)
+    ranks_here = max(1, min(get_parallel().tp_size, torch.cuda.device_count() or 1))
+    host_free = psutil.virtual_memory().available // ranks_here
+    try:
+        sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free,
+                       host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
+                       max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v)
+    except SizingError as e:
+        raise RuntimeError(f"sglang-elastic: {e}") from None
+    tokens = _tp_min(sz.tokens)
+    logger.info(
+        "sglang-elastic: KV offload pool: %d tokens (%.2fx the %d SGLang would hold; bound: %s), %d requests, "
+        "GPU %.1f GiB (+%.1f GiB hot buffers and staging), host %.1f GB of V%s",
+        tokens, tokens / max(sz.stock_tokens, 1), sz.stock_tokens, sz.bound, requests,
+        tokens * sz.device_token_bytes / 2**30, sz.device_fixed_bytes / 2**30, (tokens + 1) * sz.host_token_bytes / 1e9,
+        " (resident V: the exactness reference)" if cfg.resident_v else "",
+    )
+    kvc._sglang_elastic_offload = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len,
+                                                resident_v=cfg.resident_v)
+    kvc._sglang_elastic_offload_sizing = sz
+    out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
+    out.mem_fraction_static = sched.mem_fraction_static
+    return out
+
+
+def build_mha_kv_pool(orig, kvc, *args, mha_pool_class, quant_method=None, **kwargs):
+    """AROUND hook of ``KVCacheConfigurator._build_mha_kv_pool``."""
+    layout = getattr(kvc, "_sglang_elastic_offload", None)
+    if layout is None:
+        return orig(kvc, *args, mha_pool_class=mha_pool_class, quant_method=quant_method, **kwargs)
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_elastic.offload.pool import OffloadKVPool
+
+    if mha_pool_class is not MHATokenToKVPool or quant_method is not None or kvc.kv_cache_dtype_str == "mxfp8":
+        raise RuntimeError("sglang-elastic: --enable-kv-offload builds SGLang's plain MHA pool only (no page-major layout, no KV quantization)")
+    pin = torch.cuda.is_available()
+
+    def factory(size, **kw):
+        kw.pop("post_capture_active", None)
+        return OffloadKVPool(size, layout=layout, pin_memory=pin, **kw)
+
+    return orig(kvc, *args, mha_pool_class=factory, quant_method=None, **kwargs)
+
+
+__all__ = ["DEFAULT_REQUESTS", "build_mha_kv_pool", "model_shape", "register", "resolve_memory_pool_config"]

@@ -1,0 +1,250 @@
+"""The KV pool of the offload path: K of every token on the GPU, V of the
+sparse layers in pinned host memory plus per-request hot buffers.
+
+:class:`OffloadKVPool` is SGLang's ``MHATokenToKVPool``
+(``sglang/srt/mem_cache/memory_pool.py``) with other V buffers:
+
+- ``k_buffer[l]``: ``[size + page, kv_heads, head_dim]`` for every layer, as
+  stock (token id = row; SGLang's allocators, radix-free admission and
+  ``max_total_num_tokens`` count these ids);
+- dense layers (``l < policy.dense_layers``) keep ``v_buffer[l]`` of the same
+  shape (they attend to everything every step);
+- sparse layers: V of every token in :class:`~.host_pool.HostVPool` (row =
+  token id), and ``v_buffer[l]`` is ``[rows * R + 1, kv_heads, v_head_dim]``:
+  request row ``r`` (its ``req_to_token`` row) owns device rows
+  ``[r * R, (r + 1) * R)`` with ``R = sink + window + hot_tokens``: ``sink``
+  rows for positions ``< sink``, a ring of ``window`` rows (position ``p`` at
+  ``sink + p % window``), then ``hot_tokens`` LRU slots for selected rows
+  (``slot_pos`` / ``slot_time`` / ``loc_slot``, :func:`~sglang_elastic.kernels.offload.swap_in_run`).
+
+Writes (``set_kv_buffer``): K to the pool; for sparse layers V to the host
+row of its token id and, when the step's write plan
+(:meth:`OffloadKVPool.set_v_rows`) gives one, to the request's sink or ring
+row. Reads: decode reads K from the pool and V from the hot buffers; a
+prefill whose requests have a prefix (a chunked prompt's later chunks) reads
+both through staging buffers the backend fills per layer
+(:meth:`OffloadKVPool.stage_layer`).
+
+``resident_v``: V of every layer stays on the GPU (stock shapes, no host
+pool): the same selection and kernels over resident V, the reference the
+offload path must match exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from sglang_elastic.offload.policy import OffloadPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadLayout:
+    """The shape of the offload pool beside SGLang's pool arguments.
+
+    Fields: ``policy``; ``hot_tokens`` (LRU slots per request and sparse
+    layer, ``--kv-offload-hot-tokens``; at least ``policy.max_topk``);
+    ``request_rows`` (``req_to_token`` rows, SGLang's padding row included);
+    ``stage_tokens`` (rows of each prefix staging buffer: the longest prefix
+    a prefill can have, the context length); ``resident_v`` (the all-resident
+    reference).
+
+    Raises:
+        ValueError: ``hot_tokens < policy.max_topk`` or a non-positive size.
+    """
+
+    policy: OffloadPolicy
+    hot_tokens: int
+    request_rows: int
+    stage_tokens: int
+    resident_v: bool = False
+
+    def __post_init__(self):
+        if self.hot_tokens < self.policy.max_topk:
+            raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.policy.max_topk}")
+        if self.request_rows < 1 or self.stage_tokens < 1:
+            raise ValueError(f"offload layout needs request_rows and stage_tokens >= 1, not {self.request_rows}, {self.stage_tokens}")
+        if self.hot_tokens >= 32768:
+            raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be below 32768 (slots are int16)")
+
+    @property
+    def lru_base(self) -> int:
+        return self.policy.sink + self.policy.window
+
+    @property
+    def region_rows(self) -> int:
+        return self.lru_base + self.hot_tokens
+
+    def sparse_layers(self, layer_num: int):
+        return [l for l in range(layer_num) if not self.policy.is_dense_layer(l)]
+
+
+class OffloadKVPool(MHATokenToKVPool):
+    """``MHATokenToKVPool`` whose sparse layers keep V on the host.
+
+    Args:
+        layout: :class:`OffloadLayout`.
+        pin_memory: pin the host pool (``cudaHostRegister``; False on a CPU).
+        *args, **kwargs: ``MHATokenToKVPool``'s (``size`` = token ids, as SGLang sized them).
+
+    Raises:
+        NotImplementedError: a quantized KV cache, the HND layout, or a
+            layer range (pipeline parallelism).
+        ValueError: not enough host memory for the V rows (SGLang's check).
+    """
+
+    def __init__(self, *args, layout: OffloadLayout, pin_memory: bool = True, **kwargs):
+        self.layout = layout
+        super().__init__(*args, **kwargs)
+        if self.is_quantized_kv_cache or self.use_hnd or self.kv_cache_layout != "nhd":
+            raise NotImplementedError("the KV offload pool keeps SGLang's default NHD layout without KV quantization")
+        if self.start_layer != 0:
+            raise NotImplementedError("the KV offload pool holds every layer of the model (no pipeline parallelism)")
+        self.sparse_layer_ids = [] if layout.resident_v else layout.sparse_layers(self.layer_num)
+        self._sparse = set(self.sparse_layer_ids)
+        dev = self.device
+        n_sparse = len(self.sparse_layer_ids)
+        rows = layout.request_rows
+        # hot-buffer state, per sparse layer (index: position in sparse_layer_ids)
+        self.slot_pos = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
+        self.slot_time = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
+        self.loc_slot = torch.full((n_sparse, self.size + self.page_size), -1, dtype=torch.int16, device=dev)
+        self._sparse_index = {l: i for i, l in enumerate(self.sparse_layer_ids)}
+        self.host = None
+        if n_sparse:
+            from sglang_elastic.offload.host_pool import HostVPool
+
+            self.host = HostVPool(self, self.sparse_layer_ids, pin_memory=pin_memory)
+        # prefix staging (one layer at a time)
+        self.k_stage = torch.zeros((layout.stage_tokens, self.head_num, self.head_dim), dtype=self.store_dtype, device=dev)
+        self.v_stage = torch.zeros((layout.stage_tokens, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=dev)
+        self.stage_active = False
+        #: this forward's device V row of each written token (sparse layers), or None
+        self._v_rows: Optional[torch.Tensor] = None
+
+    # --------------------------------------------------------------- buffers
+
+    def _create_buffers_normal(self):
+        rows = self.size + self.page_size
+        lay = self.layout
+        hot_rows = lay.request_rows * lay.region_rows + 1  # + a row that padded writes may hit
+        self.k_buffer = [torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
+                         for _ in range(self.layer_num)]
+        self.v_buffer = []
+        for l in range(self.layer_num):
+            full = lay.resident_v or lay.policy.is_dense_layer(l)
+            self.v_buffer.append(torch.zeros((rows if full else hot_rows, self.head_num, self.v_head_dim),
+                                             dtype=self.store_dtype, device=self.device))
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        return (layer_id - self.start_layer) in self._sparse
+
+    def hot_state(self, layer_id: int):
+        """``(loc_slot, slot_pos, slot_time)`` views of sparse layer ``layer_id``."""
+        i = self._sparse_index[layer_id - self.start_layer]
+        return self.loc_slot[i], self.slot_pos[i], self.slot_time[i]
+
+    def get_kv_size_bytes(self):
+        k = sum(b.numel() * b.element_size() for b in self.k_buffer)
+        v = sum(b.numel() * b.element_size() for b in self.v_buffer)
+        return k, v
+
+    def host_bytes(self) -> int:
+        return 0 if self.host is None else self.host.v_buffer.numel() * self.host.v_buffer.element_size()
+
+    # ---------------------------------------------------------------- writes
+
+    def set_v_rows(self, rows: Optional[torch.Tensor]) -> None:
+        """This forward's device V row per written token (int32/int64, ``-1``:
+        host only), aligned with the ``loc`` that ``set_kv_buffer`` receives;
+        ``None``: host only."""
+        self._v_rows = rows
+
+    def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
+        if layer_idx not in self._sparse:
+            return super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
+        from sglang_elastic.kernels.offload import copy_rows_run
+
+        n = cache_k.shape[0]
+        copy_rows_run(cache_k, self.k_buffer[layer_idx], None, loc, n=n)
+        copy_rows_run(cache_v, self.host.view(layer_idx), None, loc, n=n)
+        if self._v_rows is not None:
+            copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
+
+    # --------------------------------------------------------------- staging
+
+    def stage_layer(self, layer_id: int, prefix_locs: torch.Tensor) -> None:
+        """Gather K and V of ``prefix_locs`` (``[P]`` token ids) of one layer into
+        rows ``[0, P)`` of the staging buffers (V of a sparse layer from the
+        host pool, over PCIe)."""
+        from sglang_elastic.kernels.offload import copy_rows_run
+
+        P = int(prefix_locs.numel())
+        if P > self.k_stage.shape[0]:
+            raise RuntimeError(f"a prefill's prefixes hold {P} tokens, more than the staging buffers' {self.k_stage.shape[0]}")
+        l = layer_id - self.start_layer
+        copy_rows_run(self.k_buffer[l], self.k_stage, prefix_locs, None, n=P)
+        src_v = self.host.view(l) if l in self._sparse else self.v_buffer[l]
+        copy_rows_run(src_v, self.v_stage, prefix_locs, None, n=P)
+
+    def get_kv_buffer(self, layer_id: int):
+        if self.stage_active:
+            return self.k_stage, self.v_stage
+        return super().get_kv_buffer(layer_id)
+
+    def extend_v_rows(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu) -> torch.Tensor:
+        """The device V row of each token a prefill writes (``-1``: host only).
+
+        Token ``p`` of request row ``r`` (positions ``[prefix, prefix + extend)``
+        of each request, in batch order, as ``out_cache_loc`` lists them) goes
+        to its sink row if ``p < sink``, to its ring row ``sink + p % window``
+        if it is among the last ``window`` positions of this chunk (the ring
+        then holds the last ``window`` positions of the prompt after its last
+        chunk), else nowhere on the device.
+
+        Args:
+            req_pool_indices: ``[bs]`` request rows.
+            prefix_lens_cpu, extend_lens_cpu: ``bs`` ints each (SGLang's CPU lists).
+
+        Returns:
+            ``[sum(extend_lens)]`` int64 on the pool's device.
+        """
+        pol, lay = self.layout.policy, self.layout
+        ext = torch.tensor(list(extend_lens_cpu), dtype=torch.int64)
+        pre = torch.tensor(list(prefix_lens_cpu), dtype=torch.int64)
+        rows = req_pool_indices.detach().to("cpu", torch.int64)
+        n = int(ext.sum())
+        owner = torch.repeat_interleave(torch.arange(len(ext)), ext)
+        first = torch.cumsum(ext, 0) - ext
+        pos = pre[owner] + (torch.arange(n) - first[owner])
+        end = (pre + ext)[owner]
+        base = rows[owner] * lay.region_rows
+        ring = base + pol.sink + pos % max(pol.window, 1)
+        out = torch.where(pos < pol.sink, base + pos, torch.where(pos >= end - pol.window, ring, torch.full_like(pos, -1)))
+        return out.to(self.device)
+
+    # ----------------------------------------------------------- lifecycle
+
+    def reset_requests(self, rows: torch.Tensor) -> None:
+        """Forget the hot buffers of request rows ``rows`` (new requests: their
+        rows may hold a finished request's slots). ``loc_slot`` entries stay:
+        a hit is only one whose ``slot_pos`` agrees."""
+        if self.slot_pos.shape[0] and rows.numel():
+            r = rows.to(device=self.slot_pos.device, dtype=torch.int64)
+            self.slot_pos.index_fill_(1, r, -1)
+            self.slot_time.index_fill_(1, r, -1)
+
+    def _clear_buffers(self):
+        if self.host is not None:
+            self.host.destroy()
+            self.host = None
+        super()._clear_buffers()
+
+
+__all__ = ["OffloadKVPool", "OffloadLayout"]

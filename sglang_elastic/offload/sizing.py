@@ -1,0 +1,170 @@
+"""How many KV tokens the offload pool holds on one GPU, and what bounds it.
+
+One owner for the pool's size: SGLang asks this module (through the
+``KVCacheConfigurator._resolve_memory_pool_config`` hook) instead of dividing
+its KV budget by the stock cell size. Per token the GPU holds K of every
+layer and V of the dense layers; the sparse layers' V lives in host memory.
+Fixed costs come first out of SGLang's KV budget (the same bytes stock SGLang
+would give its KV pool): the per-request hot buffers, their LRU state, the
+prefix staging buffers. SGLang's ``max_total_num_tokens`` then counts what
+really fits, so its admission (``PrefillAdder``), retraction and
+``max_new_tokens`` clipping are unchanged and never overflow the host pool
+(whose rows mirror the token ids one to one).
+
+All quantities are bytes unless named otherwise. Pure arithmetic: CPU-testable
+and shared with the benchmark's prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from sglang_elastic.offload.policy import OffloadPolicy
+
+#: Host RAM SGLang's host pools leave free (``HICACHE_HOST_MEMORY_RESERVE_BYTES``,
+#: sglang/srt/mem_cache/pool_host/base.py); ours keeps the same reserve.
+HOST_RESERVE_BYTES = 10 * (1 << 30)
+
+
+class SizingError(ValueError):
+    """The pool cannot hold one request of the context length; the message says why and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """Per-rank KV shape: ``layers``, ``kv_heads``, ``head_dim``, ``v_head_dim``,
+    ``q_heads``, ``elem`` (bytes per KV element), ``context_len`` (tokens)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    q_heads: int
+    elem: int
+    context_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSizing:
+    """The result: ``tokens`` (the pool's ``max_total_num_tokens``),
+    ``requests`` (``max_running_requests``), ``bound`` (``"hbm"``, ``"host"``
+    or ``"max-total-tokens"``), ``tokens_hbm`` / ``tokens_host`` (what each
+    side alone would hold), the byte split: ``device_token_bytes`` (per
+    token on the GPU), ``device_fixed_bytes`` (hot buffers, their state,
+    staging), ``host_token_bytes`` (per token on the host), ``host_bytes``
+    (the host pool), ``stock_tokens`` (SGLang's own count for the same
+    budget)."""
+
+    tokens: int
+    requests: int
+    bound: str
+    tokens_hbm: int
+    tokens_host: int
+    device_token_bytes: int
+    device_fixed_bytes: int
+    host_token_bytes: int
+    host_bytes: int
+    stock_tokens: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def device_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False) -> int:
+    """GPU bytes per token: K of every layer, V of the dense layers (of every
+    layer when ``resident``), the token's ``loc_slot`` entry per sparse layer
+    (int16) and its share of the decode step's score buffers (a float32 score
+    per query head, a summed score and an index)."""
+    dense = shape.layers if resident else min(policy.dense_layers, shape.layers)
+    sparse = shape.layers - dense
+    k = shape.layers * shape.kv_heads * shape.head_dim * shape.elem
+    v = dense * shape.kv_heads * shape.v_head_dim * shape.elem
+    return k + v + 2 * sparse + 4 * shape.q_heads + 8
+
+
+def host_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False) -> int:
+    """Host bytes per token: V of every sparse layer (none when ``resident``)."""
+    if resident:
+        return 0
+    sparse = shape.layers - min(policy.dense_layers, shape.layers)
+    return sparse * shape.kv_heads * shape.v_head_dim * shape.elem
+
+
+def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool = False) -> int:
+    """GPU bytes that do not grow with the token count: per request row
+    (``requests`` + SGLang's padding row) and sparse layer, a region of
+    ``sink + window + hot_tokens`` V rows and the slots' position and time
+    (int32 each; none when ``resident``); the prefix staging buffers (K and
+    V of one layer for the context length)."""
+    sparse = 0 if resident else shape.layers - min(policy.dense_layers, shape.layers)
+    rows = requests + 1
+    region = policy.sink + policy.window + hot_tokens
+    v_rows = rows * region * sparse * shape.kv_heads * shape.v_head_dim * shape.elem
+    state = rows * hot_tokens * sparse * 8
+    staging = shape.context_len * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
+    return v_rows + state + staging
+
+
+def size_pool(
+    available_bytes: int, shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int,
+    host_available_bytes: int, host_limit_bytes: Optional[int] = None, max_total_tokens: Optional[int] = None,
+    page_size: int = 1, resident: bool = False,
+) -> OffloadSizing:
+    """The offload pool's size for a KV budget.
+
+    Args:
+        available_bytes: SGLang's KV budget on this GPU (``_profile_available_bytes``:
+            free memory after the weights less the activation reserve).
+        shape: the model's per-rank KV shape.
+        policy: the attended-set rule (its ``dense_layers`` keep V on the GPU).
+        hot_tokens: LRU slots per request and sparse layer.
+        requests: ``max_running_requests`` (hot buffers are per request).
+        host_available_bytes: free host RAM now (``psutil.virtual_memory().available``);
+            :data:`HOST_RESERVE_BYTES` of it stays free.
+        host_limit_bytes: ``--kv-offload-host-gb`` as bytes (a cap), or None.
+        max_total_tokens: SGLang's ``--max-total-tokens`` cap, or None.
+        page_size: the token count is a multiple of it.
+        resident: the exactness reference (V of every layer on the GPU, no host pool).
+
+    Returns:
+        :class:`OffloadSizing`.
+
+    Raises:
+        SizingError: when the pool would hold less than one request of
+            ``shape.context_len`` tokens (names the bound and the flag to change).
+    """
+    if requests < 1:
+        raise SizingError(f"--max-running-requests must be >= 1 with --enable-kv-offload, not {requests}")
+    per_dev = device_token_bytes(shape, policy, resident)
+    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident)
+    per_host = host_token_bytes(shape, policy, resident)
+    tokens_hbm = max(0, (available_bytes - fixed) // per_dev - page_size)
+    host_budget = host_available_bytes - HOST_RESERVE_BYTES
+    if host_limit_bytes is not None:
+        host_budget = min(host_budget, host_limit_bytes)
+    tokens_host = max(0, host_budget // per_host - page_size) if per_host else tokens_hbm
+    tokens, bound = (tokens_hbm, "hbm") if tokens_hbm <= tokens_host else (tokens_host, "host")
+    if max_total_tokens is not None and max_total_tokens < tokens:
+        tokens, bound = max_total_tokens, "max-total-tokens"
+    tokens = tokens // page_size * page_size
+    cell = shape.layers * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
+    stock = available_bytes // cell // page_size * page_size
+    if tokens < shape.context_len:
+        why = {
+            "hbm": f"the GPU holds K of only {tokens_hbm} tokens after {fixed / 2**30:.1f} GiB of hot buffers for {requests} requests "
+                   "(lower --max-running-requests or --kv-offload-hot-tokens, or --context-length)",
+            "host": f"host memory holds V of only {tokens_host} tokens ({max(host_budget, 0) / 2**30:.1f} GiB usable after a "
+                    f"{HOST_RESERVE_BYTES >> 30} GiB reserve; raise --kv-offload-host-gb or free host RAM, or lower --context-length)",
+            "max-total-tokens": f"--max-total-tokens {max_total_tokens} is below the context length",
+        }[bound]
+        raise SizingError(f"--enable-kv-offload: the pool would hold {tokens} tokens, less than one {shape.context_len}-token request: {why}")
+    return OffloadSizing(
+        tokens=tokens, requests=requests, bound=bound, tokens_hbm=tokens_hbm, tokens_host=tokens_host,
+        device_token_bytes=per_dev, device_fixed_bytes=fixed, host_token_bytes=per_host,
+        host_bytes=(tokens + page_size) * per_host, stock_tokens=stock,
+    )
+
+
+__all__ = ["HOST_RESERVE_BYTES", "ModelShape", "OffloadSizing", "SizingError", "device_fixed_bytes", "device_token_bytes",
+           "host_token_bytes", "size_pool"]

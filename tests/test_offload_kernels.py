@@ -1,0 +1,249 @@
+"""The offload path's kernels against float64 and PyTorch references.
+
+Under Triton's interpreter (small shapes; the H200 shapes and timings are
+``scripts/gpu/check_offload.py`` / ``bench_offload.py``). Every case draws
+fresh random inputs, scatters each request's tokens over random pool slots
+(as SGLang's allocator leaves them) and poisons outputs before the kernels run.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_elastic.kernels import offload as ko
+from sglang_elastic.kernels.decode_attention import split_kv_plan
+from sglang_elastic.offload.policy import OffloadPolicy, attend_reference, select_reference, token_scores
+
+NAN = float("nan")
+
+
+def scattered(lens, slots, g):
+    """Request token ids: disjoint random slots in [1, slots) (slot 0 is SGLang's padding slot)."""
+    perm = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return indptr, perm[: int(indptr[-1])]
+
+
+def run_scores(q, kb, indptr, idx, max_splits=4, min_chunk=64):
+    B, Hq, _ = q.shape
+    chunk, _ = split_kv_plan(indptr, max_splits, min_chunk, 32)
+    T = int(indptr[-1])
+    scores = torch.full((Hq, T + 16), NAN)
+    mid = torch.full((B * max_splits, Hq), NAN)
+    ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, mid)
+    return scores, ko.lse_merge(mid, B, max_splits)
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d", [([1, 37, 700], 8, 2, 64), ([129, 5], 6, 3, 64), ([300], 4, 4, 32)])
+def test_scores_and_lse_cover_every_position_and_match_float64(lens, hq, hkv, d):
+    g = torch.Generator().manual_seed(sum(lens) + hq)
+    slots = sum(lens) * 2 + 8
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    indptr, idx = scattered(lens, slots, g)
+    scores, lse = run_scores(q, kb, indptr, idx)
+    for b in range(len(lens)):
+        lo, hi = int(indptr[b]), int(indptr[b + 1])
+        K = kb[idx[lo:hi].long()].double().repeat_interleave(hq // hkv, 1)
+        ref = torch.einsum("hd,lhd->hl", q[b].double(), K) * d ** -0.5
+        assert not torch.isnan(scores[:, lo:hi]).any()
+        assert torch.allclose(scores[:, lo:hi].double(), ref, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(lse[b].double(), torch.logsumexp(ref, 1), atol=1e-5)
+
+
+def select(scores, lse, indptr, pol, hq):
+    lens = indptr[1:] - indptr[:-1]
+    s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens))
+    sel = torch.full((len(lens), max(pol.max_topk, 1)), -7, dtype=torch.int32)
+    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64)
+    return sel, s, w, k
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 30, 37, 500, 900]  # all-sink, window only, k = 0, k < middle, k hitting max_topk
+    hq, hkv, d = 8, 2, 32
+    slots = 4000
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    q = (3 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()  # peaked softmax: a real ranking
+    indptr, idx = scattered(lens, slots, g)
+    scores, lse = run_scores(q, kb, indptr, idx)
+    pol = OffloadPolicy(sink=3, window=8, budget_frac=0.05, max_topk=32)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    for b, L in enumerate(lens):
+        lo, hi = int(indptr[b]), int(indptr[b + 1])
+        kk = int(k[b])
+        assert (int(s[b]), int(w[b]), kk) == pol.counts(L)
+        got = sel[b, :kk]
+        # the kernel's set is the exact top-k of its fp32 summed softmax (ties to the lower position) ...
+        p32 = torch.exp(scores[:, lo:hi] - lse[b][:, None]).sum(0)
+        want = select_reference(p32, pol)[int(s[b]) + int(w[b]):]
+        assert sorted(got.tolist()) == sorted(want.tolist())
+        assert (sel[b, kk:] == -7).all()  # nothing written past k
+        # ... and a valid top-k of the float64 one: nothing left out beats what was taken (beyond rounding)
+        p64 = token_scores(scores[:, lo:hi], lse[b])
+        mid = torch.arange(int(s[b]), L - int(w[b]))
+        if kk and kk < len(mid):
+            taken = torch.zeros(L, dtype=torch.bool)
+            taken[got.long()] = True
+            assert p64[got.long()].min() >= p64[mid][~taken[mid]].max() - 1e-6
+
+
+def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_covers_the_middle():
+    # equal scores everywhere: the first k middle positions win
+    L, hq = 400, 4
+    scores = torch.zeros(hq, L + 8)
+    lse = torch.full((1, hq), float(torch.log(torch.tensor(float(L)))))
+    indptr = torch.tensor([0, L], dtype=torch.int32)
+    pol = OffloadPolicy(sink=2, window=4, budget_frac=0.1, max_topk=64)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    assert sel[0, : int(k[0])].tolist() == list(range(2, 2 + int(k[0])))
+    # a budget of the whole context selects every middle position, in order
+    pol = OffloadPolicy(sink=2, window=4, budget_frac=1.0, max_topk=512)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    assert int(k[0]) == L - 6 and sel[0, : L - 6].tolist() == list(range(2, L - 4))
+
+
+class LRUReference:
+    """The hot buffer's bookkeeping in plain Python: per request row, the
+    position each slot holds and when it was last used; hits refresh, misses
+    take the least recently used slots not used this step (ties: lower slot),
+    assigned to the misses in slot order."""
+
+    def __init__(self, rows, hn):
+        self.pos = [[-1] * hn for _ in range(rows)]
+        self.time = [[-1] * hn for _ in range(rows)]
+
+    def step(self, r, selected, now):
+        P, T = self.pos[r], self.time[r]
+        slot = {p: P.index(p) for p in selected if p in P}
+        for j in slot.values():
+            T[j] = now
+        misses = [p for p in selected if p not in slot]
+        avail = [j for j in range(len(P)) if T[j] < now]
+        victims = sorted(sorted(avail, key=lambda j: (T[j], j))[: len(misses)])
+        for p, j in zip(misses, victims):
+            P[j], T[j], slot[p] = p, now, j
+        return [slot[p] for p in selected], len(misses)
+
+
+def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
+    rnd = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    HN, MAXK, PRE, rows, ctx, B = 12, 8, 3, 4, 80, 3
+    region = PRE + HN
+    req = torch.tensor([1, 3, 2], dtype=torch.int32)
+    r2t = (torch.randperm(900, generator=g)[: rows * ctx].view(rows, ctx) + 1).to(torch.int32)
+    loc_slot = torch.full((1024,), -1, dtype=torch.int16)
+    slot_pos = torch.full((rows, HN), -1, dtype=torch.int32)
+    slot_time = torch.full((rows, HN), -1, dtype=torch.int32)
+    host = torch.randn(1024, 2, 8, generator=g).bfloat16()
+    dev = torch.full((rows * region + 1, 2, 8), NAN).bfloat16()
+    stats = torch.zeros(2, dtype=torch.int64)
+    ref = LRUReference(rows, HN)
+    hits = misses = 0
+    for step in range(40):
+        now = 20 + step
+        sels = [rnd.sample(range(3, now - 3), rnd.randint(0, MAXK)) for _ in range(B)]
+        if step % 7 == 3:  # a repeated selection: all hits
+            sels[0] = last0
+        last0 = sels[0]
+        k = torch.tensor([len(x) for x in sels], dtype=torch.int32)
+        sel = torch.zeros(B, MAXK, dtype=torch.int32)
+        for b, x in enumerate(sels):
+            sel[b, : len(x)] = torch.tensor(x, dtype=torch.int32)
+        s_eff, w_eff = torch.full((B,), 1, dtype=torch.int32), torch.full((B,), 2, dtype=torch.int32)
+        att_indptr = torch.zeros(B + 1, dtype=torch.int32)
+        att_indptr[1:] = torch.cumsum(s_eff + w_eff + k, 0)
+        att_k = torch.full((int(att_indptr[-1]) + 1,), -5, dtype=torch.int32)
+        att_v = att_k.clone()
+        ms, md = torch.full((B, MAXK), -1, dtype=torch.int32), torch.full((B, MAXK), -1, dtype=torch.int32)
+        mc = torch.full((B,), -1, dtype=torch.int32)
+        ko.swap_in_run(sel, k, s_eff, w_eff, att_indptr, torch.full((B,), now, dtype=torch.int32), req, r2t, loc_slot, slot_pos,
+                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, region, PRE)
+        ko.copy_rows_run(host, dev, ms, md, counts=mc)
+        for b in range(B):
+            r = int(req[b])
+            want_slots, m = ref.step(r, sels[b], now)
+            hits, misses = hits + len(sels[b]) - m, misses + m
+            base = int(att_indptr[b]) + 3
+            got_slots = [int(att_v[base + i]) - r * region - PRE for i in range(len(sels[b]))]
+            assert got_slots == want_slots and int(mc[b]) == m
+            assert slot_pos[r].tolist() == ref.pos[r] and slot_time[r].tolist() == ref.time[r]
+            held = [p for p in slot_pos[r].tolist() if p >= 0]
+            assert len(held) == len(set(held))  # no position held twice
+            for i, p in enumerate(sels[b]):
+                loc = int(r2t[r, p])
+                assert int(att_k[base + i]) == loc
+                assert torch.equal(dev[int(att_v[base + i])], host[loc])  # the hot row is the host's V row
+            assert (att_k[int(att_indptr[b]): base] == -5).all()  # sink/window entries are not this kernel's
+    assert stats.tolist() == [hits, misses] and hits > 0 and misses > 0
+
+
+def test_swap_in_refuses_a_hot_buffer_smaller_than_the_selection():
+    z = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv-offload-hot-tokens"):
+        ko.swap_in_run(z, z[:, 0], z[:, 0], z[:, 0], torch.zeros(2, dtype=torch.int32), z[:, 0], z[:, 0], z, torch.zeros(4, dtype=torch.int16),
+                       z, z, z, z[0], z[0], z, z, z[:, 0], torch.zeros(2, dtype=torch.int64), max_k=8, region_rows=8, lru_base=0)
+
+
+def test_copy_rows_moves_exactly_the_listed_rows_and_skips_negative_ids():
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(50, 3, 64, generator=g).bfloat16()  # a 192-element row (not a power of two)
+    dst = torch.full((40, 3, 64), NAN).bfloat16()
+    si = torch.tensor([5, 0, 49, 7, 3], dtype=torch.int64)
+    di = torch.tensor([1, 2, -1, 39, 0], dtype=torch.int32)
+    ko.copy_rows_run(src, dst, si, di, n=5)
+    for s, d in zip(si.tolist(), di.tolist()):
+        if d >= 0:
+            assert torch.equal(dst[d], src[s])
+    untouched = [i for i in range(40) if i not in (1, 2, 39, 0)]
+    assert torch.isnan(dst[untouched].float()).all()
+    with pytest.raises(ValueError, match="rows differ"):
+        ko.copy_rows_run(src, torch.zeros(4, 2, 64).bfloat16(), n=1)
+
+
+@pytest.mark.parametrize("denominator", ["full", "selected"])
+def test_attend_over_the_attended_list_matches_the_policy_reference(denominator):
+    g = torch.Generator().manual_seed(5)
+    lens, hq, hkv, d = [40, 333, 3], 8, 2, 64
+    slots = 900
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    vb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    q = (2 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()
+    indptr, idx = scattered(lens, slots, g)
+    scores, lse = run_scores(q, kb, indptr, idx)
+    pol = OffloadPolicy(sink=2, window=5, budget_frac=0.1, max_topk=16, dense_layers=0, denominator=denominator)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    # the attended lists, V read at the token ids (the resident reference's layout)
+    att_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    att_indptr[1:] = torch.cumsum(s + w + k, 0)
+    r2t = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    for b in range(len(lens)):
+        r2t[b, : lens[b]] = idx[int(indptr[b]): int(indptr[b + 1])]
+    seq = torch.tensor(lens, dtype=torch.int32)
+    rp = torch.arange(len(lens), dtype=torch.int32)
+    n = int(att_indptr[-1])
+    ak, av, vrows = torch.full((n + 1,), -1, dtype=torch.int32), torch.full((n + 1,), -1, dtype=torch.int32), torch.zeros(len(lens), dtype=torch.int64)
+    ko.fixed_entries_run(seq, rp, r2t, s, w, att_indptr, ak, av, vrows, pol.sink, pol.window, 0, resident=True)
+    ko.gather_selected_run(sel, k, s, w, att_indptr, rp, r2t, ak, av, pol.max_topk)
+    assert torch.equal(ak[:n], av[:n]) and (ak[:n] > 0).all()
+    chunk, nsplit = split_kv_plan(att_indptr, 2, 16, 32)
+    out = torch.full_like(q, NAN)
+    mid_o, mid_lse = torch.full((len(lens) * 2, hq, d), NAN), torch.full((len(lens) * 2, hq), NAN)
+    ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, out, lse if denominator == "full" else None)
+    for b in range(len(lens)):
+        ids = idx[int(indptr[b]): int(indptr[b + 1])].long()
+        ref = attend_reference(q[b], kb[ids], vb[ids], pol, layer_id=5)
+        assert float((out[b].double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    # full vs selected differ where the attended set misses mass (the long request)
+    if denominator == "full":
+        sel_out = torch.empty_like(q)
+        ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, sel_out, None)
+        assert torch.allclose(out[2].float(), sel_out[2].float(), atol=1e-2)  # 3 tokens: everything attended
+        assert not torch.allclose(out[1].float(), sel_out[1].float(), atol=1e-3)
