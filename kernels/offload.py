@@ -529,7 +529,7 @@ def copy_rows_run(
             With ``counts``: ``[batch, cap]`` lists, row ``b`` using its first ``counts[b]`` entries.
         n: rows to copy (flat form); ``counts``: ``[batch]`` int32 (batched form, device counts,
             no host read: CUDA-graph safe).
-        programs: programs per list along the rows (0: enough for ``n``, or 8 per list when batched).
+        programs: programs per list along the rows (0: one per ``block_r`` rows up to 1024, or 8 per list when batched).
         block_r: rows per program step.
 
     Raises:
@@ -547,7 +547,8 @@ def copy_rows_run(
     if lists == 0:
         return
     if not programs:
-        programs = 8 if batched else triton.cdiv(n, block_r)
+        # the kernel strides over the rows: a bounded grid (a small one under the interpreter, where each program costs)
+        programs = 8 if batched else min(triton.cdiv(n, block_r), 4 if triton.knobs.runtime.interpret else 1024)
     idx = src_idx if src_idx is not None else dst_idx
     _copy_rows_kernel[(programs, lists)](
         src, dst, src_idx, dst_idx, counts, 0 if batched else n,

@@ -1,0 +1,221 @@
+"""The offload pool and decode step on real SGLang classes (CPU).
+
+``OffloadKVPool`` is SGLang's ``MHATokenToKVPool`` with a host V tier; K/V
+are written through SGLang's own ``set_kv_buffer``. A request lifecycle is
+simulated as SGLang's scheduler drives it (chunked prefill, decode steps,
+finish, a new request in the same row) and every decode output is checked
+against the policy's float64 reference over the full history, and the host
+tier against the all-resident reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_elastic.offload.decode import OffloadDecoder, SplitConfig
+from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
+from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
+
+L, HQ, HKV, D = 3, 4, 2, 32
+SPLIT = SplitConfig(scores_max_splits=4, scores_min_chunk=128, attend_max_splits=2, attend_min_chunk=32, select_block_n=128)
+
+
+def layer(i):
+    return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
+
+
+def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200):
+    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident)
+    return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
+
+
+class Sim:
+    """A scheduler's view: request rows, their token ids (req_to_token), and
+    every K/V ever written (the reference's history)."""
+
+    def __init__(self, pool, seed, ctx=1200):
+        g = torch.Generator().manual_seed(seed)
+        self.g = g
+        self.pool = pool
+        rows = pool.layout.request_rows
+        perm = (torch.randperm(pool.size, generator=g) + 1).to(torch.int32)  # ids 1..size (0: SGLang's padding slot)
+        self.r2t = perm[: rows * ctx].view(rows, ctx).clone()
+        self.free = perm[rows * ctx:].tolist()  # ids no row holds
+        self.ctx = ctx
+        self.k = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)  # history by (layer, row, position)
+        self.v = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)
+        self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT)
+
+    def new_request(self, r):
+        """Row ``r`` gets a new request: its old ids go back to the free list, fresh ones come (as SGLang's allocator does)."""
+        self.free += self.r2t[r].tolist()
+        ids, self.free = self.free[: self.ctx], self.free[self.ctx:]
+        self.r2t[r] = torch.tensor(ids, dtype=torch.int32)
+
+    def extend(self, reqs, spans):
+        """One prefill batch: request rows ``reqs``, positions ``[a, b)`` each."""
+        pool = self.pool
+        rows = torch.tensor(reqs, dtype=torch.int32)
+        pre = [a for a, _ in spans]
+        ext = [b - a for a, b in spans]
+        new = [r for r, p in zip(reqs, pre) if p == 0]
+        if new:
+            pool.reset_requests(torch.tensor(new))
+        vrows = pool.extend_v_rows(rows, pre, ext)
+        own = torch.cat([torch.full((b - a,), r) for r, (a, b) in zip(reqs, spans)])
+        pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        for l in range(L):
+            k, v = torch.randn(len(pos), HKV, D, generator=self.g).bfloat16(), torch.randn(len(pos), HKV, D, generator=self.g).bfloat16()
+            pool.set_v_rows(vrows)
+            pool.set_kv_buffer(layer(l), self.r2t[own, pos].long(), k, v)
+            self.k[l, own, pos], self.v[l, own, pos] = k, v
+
+    def decode(self, reqs, lens, check=True):
+        """One decode step of requests ``reqs`` now ``lens`` long (the new token included)."""
+        pool, dec = self.pool, self.dec
+        rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        dec.plan(self.r2t, rp, seq, len(reqs))
+        outs, worst = [], 0.0
+        for l in range(L):
+            k, v = torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16()
+            pool.set_v_rows(dec.new_token_rows())
+            pool.set_kv_buffer(layer(l), self.r2t[rp.long(), seq.long() - 1].long(), k, v)
+            self.k[l, rp.long(), seq.long() - 1], self.v[l, rp.long(), seq.long() - 1] = k, v
+            q = (2 * torch.randn(len(reqs), HQ, D, generator=self.g)).bfloat16()
+            o = torch.full_like(q, float("nan"))
+            kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
+            if pool.layout.policy.is_dense_layer(l):
+                dec.dense(q, kb, vb, o, D ** -0.5)
+            elif pool.layout.resident_v:
+                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq)
+            else:
+                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l))
+            outs.append(o.clone())
+            if check:
+                for b, r in enumerate(reqs):
+                    ref = attend_reference(q[b], self.k[l, r, : lens[b]], self.v[l, r, : lens[b]], pool.layout.policy, l)
+                    worst = max(worst, float((o[b].double() - ref).abs().max() / ref.abs().max()))
+        return outs, worst
+
+
+def lifecycle(resident, seed=1):
+    """Three requests, one prefilled in two chunks; four decode steps; request
+    row 4 finishes and a new request takes it (its hot buffer must start empty)."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1)
+    sim = Sim(make_pool(pol, resident), seed)
+    sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
+    sim.extend([2], [(300, 500)])
+    lens = [30, 500, 5]
+    outs, worst = [], 0.0
+    for _ in range(4):
+        lens = [x + 1 for x in lens]
+        o, w = sim.decode([1, 2, 4], lens)
+        outs += o
+        worst = max(worst, w)
+    # row 4 finishes; a new 400-token request takes row 4 (new token ids in its req_to_token row)
+    sim.new_request(4)
+    sim.extend([4], [(0, 400)])
+    lens = [lens[0], lens[1], 400]
+    for _ in range(2):
+        lens = [x + 1 for x in lens]
+        o, w = sim.decode([1, 2, 4], lens)
+        outs += o
+        worst = max(worst, w)
+    return outs, worst, sim
+
+
+def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_and_the_policy():
+    outs_off, worst_off, sim = lifecycle(resident=False)
+    outs_res, worst_res, _ = lifecycle(resident=True)
+    assert worst_off < 1e-2 and worst_res < 1e-2  # bf16 kernels against the float64 policy reference
+    assert all(torch.equal(a, b) for a, b in zip(outs_off, outs_res))
+    hits, misses = sim.dec.stats.tolist()
+    assert misses > 0  # the hot buffers were filled from the host rows
+
+
+def test_pool_shapes_keep_k_and_dense_v_for_every_token_and_only_hot_rows_of_sparse_v():
+    pol = OffloadPolicy(sink=2, window=8, max_topk=24, dense_layers=1)
+    pool = make_pool(pol)
+    rows = pool.size + pool.page_size
+    region = pool.layout.region_rows
+    assert region == 2 + 8 + 32
+    assert [tuple(b.shape) for b in pool.k_buffer] == [(rows, HKV, D)] * L
+    assert tuple(pool.v_buffer[0].shape) == (rows, HKV, D)  # dense layer
+    assert [tuple(b.shape) for b in pool.v_buffer[1:]] == [(5 * region + 1, HKV, D)] * 2
+    assert tuple(pool.host.v_buffer.shape) == (2, rows, HKV, D)  # V of every token id of the sparse layers
+    k, v = pool.get_kv_size_bytes()
+    assert k == L * rows * HKV * D * 2 and v == (rows + 2 * (5 * region + 1)) * HKV * D * 2
+    resident = make_pool(pol, resident=True)
+    assert resident.host is None and all(b.shape[0] == rows for b in resident.v_buffer)
+
+
+def test_prefill_writes_sink_and_each_chunks_last_window_to_the_hot_buffer():
+    pol = OffloadPolicy(sink=2, window=4, max_topk=8, dense_layers=0)
+    pool = make_pool(pol, hot=8)
+    R = pool.layout.region_rows
+    rows = pool.extend_v_rows(torch.tensor([3, 1]), [0, 10], [9, 3]).tolist()
+    # request row 3, positions 0..8: sink 0,1; ring for the last 4 (5..8) at 2 + p % 4; nothing for 2..4
+    want3 = [3 * R + 0, 3 * R + 1, -1, -1, -1] + [3 * R + 2 + p % 4 for p in (5, 6, 7, 8)]
+    # request row 1, positions 10..12 (a later chunk): all among its last 4
+    want1 = [1 * R + 2 + p % 4 for p in (10, 11, 12)]
+    assert rows == want3 + want1
+
+
+def test_staging_gathers_a_prefix_from_the_pool_and_the_host_rows():
+    pol = OffloadPolicy(sink=2, window=4, max_topk=8, dense_layers=1)
+    sim = Sim(make_pool(pol, hot=8), seed=4)
+    sim.extend([1], [(0, 50)])
+    locs = sim.r2t[1, :50].long()
+    for l in range(L):
+        sim.pool.stage_layer(l, locs)
+        sim.pool.stage_active = True
+        kst, vst = sim.pool.get_kv_buffer(l)
+        sim.pool.stage_active = False
+        assert torch.equal(kst[:50], sim.k[l, 1, :50])
+        assert torch.equal(vst[:50], sim.v[l, 1, :50])
+    assert sim.pool.get_kv_buffer(1)[1] is sim.pool.v_buffer[1]
+    with pytest.raises(RuntimeError, match="staging"):
+        sim.pool.stage_layer(1, torch.arange(1, 1202))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["admit", "decode", "finish", "retract"]), st.integers(0, 3), st.integers(20, 160)),
+                min_size=4, max_size=14), st.integers(0, 2**16))
+def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_rows_equal_to_host(ops, seed):
+    """Under any order of admissions (prefill), decode steps, finishes and
+    retractions (SGLang frees the ids; the request is re-prefilled later from
+    position 0): no LRU slot holds two positions of its request, and every
+    held slot's device V row equals the host's V row of that position's token."""
+    pol = OffloadPolicy(sink=2, window=4, budget_frac=0.2, max_topk=10, dense_layers=1)
+    pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200)  # 5 rows x 200 ids, 2000 free for new requests
+    sim = Sim(pool, seed, ctx=200)
+    live = {}  # request row -> length
+    for op, slot, n in ops:
+        r = slot + 1
+        if op == "admit" and r not in live:
+            sim.new_request(r)
+            sim.extend([r], [(0, n)])
+            live[r] = n
+        elif op == "decode" and live:
+            reqs = sorted(live)
+            lens = [min(live[q] + 1, 199) for q in reqs]
+            sim.decode(reqs, lens, check=False)
+            live.update(zip(reqs, lens))
+        elif op in ("finish", "retract") and r in live:
+            del live[r]  # SGLang frees its ids; a retracted one re-prefills from position 0 when admitted again
+        for i, lid in enumerate(pool.sparse_layer_ids):
+            loc_slot, slot_pos, _ = pool.hot_state(lid)
+            for q in live:
+                held = [(j, p) for j, p in enumerate(slot_pos[q].tolist()) if p >= 0]
+                assert len({p for _, p in held}) == len(held)
+                for j, p in held:
+                    assert p < live[q]
+                    tok = int(sim.r2t[q, p])
+                    dev_row = q * pool.layout.region_rows + pool.layout.lru_base + j
+                    assert torch.equal(pool.v_buffer[lid][dev_row], pool.host.view(lid)[tok])
+                    assert int(loc_slot[tok]) == j
