@@ -77,6 +77,10 @@ class OffloadAttnBackend(AttentionBackend):
                                       token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device)
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
         self._prefix_locs: Optional[torch.Tensor] = None
+        #: host-side counters (no device read): tokens whose V went to the host, decode steps
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.decode_steps = 0
 
     @staticmethod
     def _check_supported(model_runner) -> None:
@@ -145,9 +149,17 @@ class OffloadAttnBackend(AttentionBackend):
             return "extend"
         raise NotImplementedError(f"{NAME} serves EXTEND and DECODE batches, not {mode.name}")
 
+    def _count(self, fb) -> None:
+        if self._mode == "extend":
+            self.prefill_tokens += int(sum(fb.extend_seq_lens_cpu))
+        elif self._mode == "decode":
+            self.decode_tokens += fb.batch_size
+            self.decode_steps += 1
+
     def init_forward_metadata(self, forward_batch):
         """Eager step: plan the decode, or set up the prefill (staging, hot-buffer writes)."""
         self._mode = self._require(forward_batch)
+        self._count(forward_batch)
         if self._mode == "extend":
             self._init_extend(forward_batch)
         elif self._mode == "decode":
@@ -167,6 +179,8 @@ class OffloadAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self._mode = self._require(forward_batch)
+        if not in_capture:
+            self._count(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Recorded in the decode graph: the step's lists and plans (GPU ops only)."""
@@ -210,12 +224,21 @@ class OffloadAttnBackend(AttentionBackend):
         return o.view(-1, H * D)
 
     def stats(self) -> dict:
-        """Counters since start (a device read: call off the hot path): ``hits``,
-        ``misses`` of the selected rows, ``hit_rate``, ``miss_bytes`` (PCIe reads)."""
+        """Counters since start (one 16-byte device read: call off the hot path):
+        ``hits`` / ``misses`` of the selected rows (per sparse layer),
+        ``hit_rate``, ``pcie_read_bytes`` (V rows copied host -> GPU),
+        ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
+        ``decode_tokens``, ``prefill_tokens``."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
-        row = self.pool.head_num * self.pool.v_head_dim * self.pool.store_dtype.itemsize
+        pool = self.pool
+        row = pool.head_num * pool.v_head_dim * pool.store_dtype.itemsize
         total = hits + misses
-        return {"hits": hits, "misses": misses, "hit_rate": hits / total if total else None, "miss_bytes": misses * row}
+        sparse = len(pool.sparse_layer_ids)
+        return {
+            "hits": hits, "misses": misses, "hit_rate": hits / total if total else None, "pcie_read_bytes": misses * row,
+            "pcie_write_bytes": (self.prefill_tokens + self.decode_tokens) * sparse * row,
+            "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+        }
 
 
 __all__ = ["OffloadAttnBackend"]

@@ -7,6 +7,8 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 |---|---|---|
 | ``KVCacheConfigurator._resolve_memory_pool_config`` | AROUND | sizes the pool (:func:`sglang_elastic.offload.sizing.size_pool`): ``max_total_num_tokens`` = what K on the GPU and V on the host hold, ``max_running_requests`` = hot-buffer rows |
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
+| ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
+| ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -23,6 +25,8 @@ from sglang_elastic import config
 logger = logging.getLogger(__name__)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
 #: ``--max-running-requests`` when the user gives none: hot buffers are per request.
 DEFAULT_REQUESTS = 64
 
@@ -32,6 +36,65 @@ def register() -> None:
 
     HookRegistry.register(f"{_CONFIGURATOR}._resolve_memory_pool_config", resolve_memory_pool_config, HookType.AROUND)
     HookRegistry.register(f"{_CONFIGURATOR}._build_mha_kv_pool", build_mha_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
+    HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
+
+
+def _backend(sched):
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    try:
+        ab = sched.tp_worker.model_runner.attn_backend
+    except AttributeError:
+        return None
+    return ab if isinstance(ab, OffloadAttnBackend) else None
+
+
+def state(sched) -> dict:
+    """The ``sglang_elastic_offload`` entry of a scheduler's internal state."""
+    be = _backend(sched)
+    if be is None:
+        return {}
+    pool = be.pool
+    lay = pool.layout
+    out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "resident_v": lay.resident_v,
+           "host_pool_bytes": pool.host_bytes(), "policy": {k: getattr(lay.policy, k) for k in ("sink", "window", "budget_frac", "max_topk",
+                                                                                                  "dense_layers", "denominator")}}
+    sz = getattr(getattr(sched.tp_worker.model_runner, "kv_cache_configurator", None), "_sglang_elastic_offload_sizing", None)
+    if sz is not None:
+        out["sizing"] = sz.to_dict()
+    out.update(be.stats())
+    return out
+
+
+def _after_internal_state(result, sched, *args, **kwargs):
+    if isinstance(getattr(result, "internal_state", None), dict):
+        st = state(sched)
+        if st:
+            result.internal_state["sglang_elastic_offload"] = st
+    return result
+
+
+def _after_decode_stats(result, reporter, *args, **kwargs):
+    """Every decode-log interval: the interval's hit rate and PCIe traffic (one small device read)."""
+    if reporter.forward_ct_decode % reporter.decode_log_interval != 0:
+        return result
+    sched = reporter.scheduler
+    be = _backend(sched)
+    if be is None:
+        return result
+    from sglang_elastic.offload.metrics import OffloadMetrics
+
+    m = getattr(be, "_metrics", None)
+    if m is None:
+        labels = {k: str(v) for k, v in sched.metrics_collector.labels.items()} if reporter.current_scheduler_metrics_enabled else None
+        m = be._metrics = OffloadMetrics(labels)
+    st = be.stats()
+    used = be.pool.size - sched.token_to_kv_pool_allocator.available_size()
+    line = m.update(st, used_tokens=used, host_token_bytes=be.pool.host.get_size_per_token() if be.pool.host is not None else 0)
+    if line and sched.tp_group.rank_in_group == 0:
+        logger.info("sglang-elastic offload: %s", line)
+    return result
 
 
 def _unsupported_model(kvc) -> str:
@@ -143,4 +206,4 @@ def build_mha_kv_pool(orig, kvc, *args, mha_pool_class, quant_method=None, **kwa
     return orig(kvc, *args, mha_pool_class=factory, quant_method=None, **kwargs)
 
 
-__all__ = ["DEFAULT_REQUESTS", "build_mha_kv_pool", "model_shape", "register", "resolve_memory_pool_config"]
+__all__ = ["DEFAULT_REQUESTS", "build_mha_kv_pool", "model_shape", "register", "resolve_memory_pool_config", "state"]

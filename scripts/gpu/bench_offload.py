@@ -1,0 +1,329 @@
+"""KV offload against stock SGLang on one H200: exactness, capacity, throughput.
+
+Parts (each writes its own JSON; ``assemble`` joins them into the issue's
+``docs/results/offload_h200.json``):
+
+    python scripts/gpu/bench_offload.py smoke --out PART.json
+        The Llama-3.1-8B shape (dummy weights): the offload server against the
+        same server with V resident on the GPU (``--kv-offload-resident-v``:
+        the same selection, no host tier) on random prompts of 100 to 30,000
+        tokens (one chunked), greedy: identical tokens and logprobs expected.
+        Small graphs, no prefill graphs (fast start); both servers' pool sizes.
+    python scripts/gpu/bench_offload.py capacity --out PART.json
+        Stock SGLang and the offload server at SGLang's defaults: each one's
+        ``max_total_num_tokens``, and the tokens it really holds at once under
+        a load of 32K-token requests (peak of ``#token`` in use).
+    python scripts/gpu/bench_offload.py throughput --workload NAME --servers stock,offload[,hicache] --out PART.json
+        ``sglang.bench_serving`` (random ids) against each server in turn:
+        output throughput, median ITL / TTFT, and for offload its hit rate and
+        PCIe traffic. Workloads: ``long32k`` (64 x 32,768 in, 512 out),
+        ``long128k`` (16 x 130,560 in, 512 out), ``fits`` (64 x 4,096 in, 512 out).
+    python scripts/gpu/bench_offload.py assemble --parts DIR --out docs/results/offload_h200.json
+
+Needs the bundle in /tmp/site (``../shared/gpu-host``), this package
+installed there, and for ``throughput`` the wheels of ``scripts/gpu/fetch_wheels.sh``
+(``datasets`` for bench_serving). A part that measured nothing writes nothing
+and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from sglang_elastic import results  # noqa: E402
+
+MODEL = os.path.join(ROOT, "sglang_elastic", "models", "llama-3.1-8b")
+COMMON = ["--model-path", MODEL, "--load-format", "dummy", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+          "--host", "127.0.0.1"]
+SERVERS = {
+    "stock": ["--attention-backend", "flashinfer"],
+    "offload": ["--enable-kv-offload", "--disable-radix-cache", "--max-running-requests", "64"],
+    "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "64"],
+    "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
+                "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
+}
+WORKLOADS = {  # name: (input_len, output_len, num_prompts)
+    "long32k": (32768, 512, 64),
+    "long128k": (130560, 512, 16),
+    "fits": (4096, 512, 64),
+}
+
+
+class Server:
+    """One ``python -m sglang.launch_server`` in its own process group."""
+
+    def __init__(self, name: str, args: List[str], port: int, work: str, env: Optional[dict] = None):
+        self.name, self.port, self.work = name, port, work
+        self.log = os.path.join(work, f"server_{name}.log")
+        cmd = [sys.executable, "-m", "sglang.launch_server", *COMMON, *args, "--port", str(port)]
+        self.cmd = cmd
+        e = dict(os.environ, **(env or {}))
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=e)
+        self.t0 = time.time()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait(self, timeout: float = 900) -> float:
+        while time.time() - self.t0 < timeout:
+            try:
+                urllib.request.urlopen(self.url("/health"), timeout=5).read()
+                return time.time() - self.t0
+            except Exception:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}): " + tail(self.log))
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} server not up after {timeout:.0f} s: " + tail(self.log))
+
+    def info(self) -> dict:
+        return json.loads(urllib.request.urlopen(self.url("/server_info"), timeout=30).read())
+
+    def generate(self, payload: dict, timeout: float = 1200) -> dict:
+        req = urllib.request.Request(self.url("/generate"), data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def offload_state(info: dict) -> Optional[dict]:
+    for st in info.get("internal_states", []) or []:
+        if isinstance(st, dict) and "sglang_elastic_offload" in st:
+            return st["sglang_elastic_offload"]
+    return None
+
+
+def log_value(log: str, key: str) -> Optional[str]:
+    """The last ``key=VALUE`` SGLang logged (e.g. ``max_total_num_tokens``)."""
+    val = None
+    with open(log) as f:
+        for line in f:
+            i = line.find(key + "=")
+            if i >= 0:
+                val = line[i + len(key) + 1:].split(",")[0].split()[0]
+    return val
+
+
+def prompts(lengths: List[int], seed: int, vocab: int = 128000) -> List[List[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(100, vocab) for _ in range(n)] for n in lengths]
+
+
+# --------------------------------------------------------------------- parts
+
+SMOKE_FLAGS = ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", "16", "--context-length", "40960", "--skip-tokenizer-init"]
+SMOKE_LENGTHS = [100, 1000, 5000, 12000, 30000, 3000]
+
+
+def part_smoke(a) -> dict:
+    out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}}
+    ps = prompts(SMOKE_LENGTHS, seed=0)
+    runs = {}
+    for i, name in enumerate(("resident", "offload")):
+        args = SERVERS[name] + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
+        s = Server(name, args, 30100 + i, a.work)
+        try:
+            up = s.wait()
+            res = []
+            for p in ps:
+                r = s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0, "ignore_eos": True},
+                                "return_logprob": True})
+                res.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+            # the same prompts again at once (a batch of 6: hot buffers of several requests in one step)
+            import concurrent.futures as cf
+
+            with cf.ThreadPoolExecutor(len(ps)) as ex:
+                batch = list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0,
+                                                                                              "ignore_eos": True}}), ps))
+            info = s.info()
+            out["servers"][name] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
+                                    "offload": offload_state(info), "batched_equals_sequential": [b["output_ids"] == r["ids"] for b, r in zip(batch, res)]}
+            runs[name] = res
+        finally:
+            s.stop()
+    a_, b_ = runs["resident"], runs["offload"]
+    same = [x["ids"] == y["ids"] for x, y in zip(a_, b_)]
+    dlp = max(abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"]))
+    out["exactness"] = {"compared": len(same), "identical": sum(same), "max_abs_logprob_diff": dlp,
+                        "tokens_compared": sum(len(x["ids"]) for x in a_)}
+    return out
+
+
+def part_capacity(a) -> dict:
+    """Pool sizes at SGLang's defaults and the peak tokens held under 32K requests."""
+    out = {"servers": {}}
+    n_req, plen = a.requests, 32768
+    ps = prompts([plen] * n_req, seed=1)
+    for i, name in enumerate(a.servers.split(",")):
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"], 30200 + i, a.work)
+        try:
+            up = s.wait()
+            info = s.info()
+            import concurrent.futures as cf
+            import threading
+
+            peak = {"tokens": 0, "running": 0}
+            stop = threading.Event()
+
+            def poll():
+                while not stop.is_set():
+                    try:
+                        text = urllib.request.urlopen(s.url("/metrics"), timeout=10).read().decode()
+                        for line in text.splitlines():
+                            if line.startswith("sglang:num_used_tokens"):
+                                peak["tokens"] = max(peak["tokens"], int(float(line.split()[-1])))
+                            if line.startswith("sglang:num_running_reqs"):
+                                peak["running"] = max(peak["running"], int(float(line.split()[-1])))
+                    except Exception:
+                        pass
+                    time.sleep(0.5)
+
+            th = threading.Thread(target=poll, daemon=True)
+            th.start()
+            t0 = time.time()
+            with cf.ThreadPoolExecutor(n_req) as ex:
+                list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0,
+                                                                                      "ignore_eos": True}}), ps))
+            stop.set()
+            th.join()
+            out["servers"][name] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
+                                    "peak_used_tokens": peak["tokens"], "peak_running_reqs": peak["running"],
+                                    "requests": n_req, "prompt_tokens": plen, "seconds": round(time.time() - t0, 1),
+                                    "offload": offload_state(s.info())}
+        finally:
+            s.stop()
+    return out
+
+
+def part_throughput(a) -> dict:
+    ilen, olen, n = WORKLOADS[a.workload]
+    tok = os.path.join(a.work, "tokenizer")
+    if not os.path.isdir(tok):
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "make_tokenizer.py"), MODEL, tok], check=True)
+    out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "servers": {}}
+    for i, name in enumerate(a.servers.split(",")):
+        s = Server(name, SERVERS[name] + ["--tokenizer-path", tok], 30300 + i, a.work)
+        try:
+            up = s.wait()
+            before = offload_state(s.info())
+            jsonl = os.path.join(a.work, f"bench_{a.workload}_{name}.jsonl")
+            cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(s.port),
+                   "--dataset-name", "random-ids", "--tokenize-prompt", "--tokenizer", tok, "--random-input-len", str(ilen),
+                   "--random-output-len", str(olen), "--random-range-ratio", "1.0", "--num-prompts", str(n), "--output-file", jsonl]
+            t0 = time.time()
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            if r.returncode != 0:
+                raise RuntimeError(f"bench_serving failed on {name}: {r.stderr[-1500:]}")
+            rec = [json.loads(l) for l in open(jsonl)][-1]
+            after = offload_state(s.info())
+            row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1),
+                   "output_tok_s": rec.get("output_throughput"), "median_itl_ms": rec.get("median_itl_ms"),
+                   "median_ttft_ms": rec.get("median_ttft_ms"), "p99_itl_ms": rec.get("p99_itl_ms"),
+                   "completed": rec.get("completed"), "duration_s": rec.get("duration"),
+                   "max_total_num_tokens": s.info().get("max_total_num_tokens")}
+            if after is not None:
+                b = before or {k: 0 for k in after}
+                hits, misses = after["hits"] - b.get("hits", 0), after["misses"] - b.get("misses", 0)
+                rd = after["pcie_read_bytes"] - b.get("pcie_read_bytes", 0)
+                wr = after["pcie_write_bytes"] - b.get("pcie_write_bytes", 0)
+                dur = rec.get("duration") or 1
+                row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
+                            "pcie_gb_per_s": (rd + wr) / dur / 1e9})
+            out["servers"][name] = row
+        finally:
+            s.stop()
+    return out
+
+
+def part_assemble(a) -> dict:
+    parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    out = results.header(a.command)
+    by = {p.get("part"): p for p in parts}
+    out["parts"] = sorted(k for k in by if k)
+    cap = next((p for p in parts if p.get("part") == "capacity"), None)
+    if cap:
+        st, off = cap["servers"].get("stock", {}), cap["servers"].get("offload", {})
+        out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
+                           "stock_peak_used_tokens": st.get("peak_used_tokens"), "offload_peak_used_tokens": off.get("peak_used_tokens"),
+                           "bound": ((off.get("offload") or {}).get("sizing") or {}).get("bound")}
+    out["throughput"] = []
+    for p in parts:
+        if p.get("part") != "throughput":
+            continue
+        st, off = p["servers"].get("stock", {}), p["servers"].get("offload", {})
+        out["throughput"].append({
+            "workload": p["workload"], "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
+            "stock_median_itl_ms": st.get("median_itl_ms"), "offload_median_itl_ms": off.get("median_itl_ms"),
+            "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),
+            "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"),
+            "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
+            "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
+        })
+    smoke = by.get("smoke")
+    if smoke:
+        out["exactness"] = {"compared": smoke["exactness"]["compared"], "identical": smoke["exactness"]["identical"],
+                            "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
+    acc = by.get("accuracy")
+    if acc:
+        out["accuracy"] = acc["accuracy"]
+        if "exactness" in acc:
+            out.setdefault("exactness_smollm2", acc["exactness"])
+    out["part_files"] = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=("smoke", "capacity", "throughput", "assemble"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/bench_offload")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long32k")
+    ap.add_argument("--servers", default="stock,offload")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
+    ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
+    a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    t0 = time.time()
+    try:
+        res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble}[a.part](a)
+    except RuntimeError as e:
+        sys.exit(f"bench_offload {a.part}: {e}")
+    if a.part != "assemble":
+        res = {**results.header(), "part": a.part, "seconds": round(time.time() - t0, 1), **res}
+    results.write(a.out, res)
+    print(json.dumps(res, indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""GPU correctness and per-kernel timings of the KV offload path (one H200).
+
+1. Pinned host memory through ``device_view``: rows copied host -> device and
+   device -> host by ``copy_rows_run`` are bit-exact; the bandwidth of a
+   gather of 2 KiB rows from pinned memory.
+2. The decode step (``OffloadDecoder``) on the Llama-3.1-8B head shape
+   (32 q / 8 kv heads, d 128, bf16) over SGLang's ``MHATokenToKVPool``
+   subclass: the host tier against the all-resident reference bit for bit,
+   and both against the policy's float64 reference.
+3. Per-kernel times of one sparse layer at a batch of 44 requests x 32K
+   tokens (the issue's long-context workload): scores over all K, the radix
+   top-k, the swap-in bookkeeping, the miss copy (cold: every row a miss;
+   warm: the same selection again, every row a hit), the sparse attention;
+   against split-KV over every position of the same layer (what a dense
+   layer costs). CUDA-event timing, median of repeats, L2 not flushed (the
+   per-layer working set is many times the L2).
+
+    python scripts/gpu/check_offload.py --out docs/results/offload_check_h200.json
+
+Writes the result only when every check ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+from sglang_elastic import results
+from sglang_elastic.kernels import offload as ko
+from sglang_elastic.kernels.decode_attention import split_kv_decode
+from sglang_elastic.offload.decode import OffloadDecoder, SplitConfig
+from sglang_elastic.offload.host_pool import device_view
+from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
+from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
+
+HQ, HKV, D = 32, 8, 128
+
+
+def time_ms(fn, reps=20, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def check_pinned(out):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_rows = 1 << 18
+    host = torch.empty((n_rows, HKV, D), dtype=torch.bfloat16, pin_memory=True)
+    host.copy_(torch.randn((n_rows, HKV, D), dtype=torch.bfloat16))
+    view = device_view(host)
+    assert view.is_cuda and view.data_ptr() != 0
+    dev = torch.full((8192, HKV, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    src = torch.randperm(n_rows, device="cuda", generator=g)[:8192]
+    ko.copy_rows_run(view, dev, src, None, n=8192)
+    torch.cuda.synchronize()
+    ok_h2d = torch.equal(dev.cpu(), host[src.cpu()])
+    back = torch.zeros((n_rows, HKV, D), dtype=torch.bfloat16, pin_memory=True)
+    ko.copy_rows_run(dev, device_view(back), None, src, n=8192)
+    torch.cuda.synchronize()
+    ok_d2h = torch.equal(back[src.cpu()], dev.cpu())
+    ms = time_ms(lambda: ko.copy_rows_run(view, dev, src, None, n=8192))
+    out["pinned"] = {"h2d_exact": ok_h2d, "d2h_exact": ok_d2h, "gather_rows": 8192, "row_bytes": HKV * D * 2,
+                     "gather_ms": ms, "gather_gb_s": 8192 * HKV * D * 2 / ms / 1e6}
+    assert ok_h2d and ok_d2h, out["pinned"]
+
+
+def make_pool(policy, resident, size, rows, hot, ctx, layers):
+    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident)
+    return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, layers, "cuda", False, enable_alt_stream=False, layout=lay, pin_memory=True)
+
+
+def check_exact(out):
+    """Two layers (one dense, one sparse), 4 requests, prompts up to 5K, 6 decode steps."""
+    pol = OffloadPolicy(sink=4, window=32, budget_frac=0.05, max_topk=256, dense_layers=1)
+    lens0 = [700, 5000, 36, 2100]
+    ctx, rows, size, layers = 6000, 5, 40000, 2
+    outs = {}
+    worst = 0.0
+    for resident in (False, True):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        pool = make_pool(pol, resident, size, rows, 512, ctx, layers)
+        r2t = (torch.randperm(size, device="cuda", generator=gen)[: rows * ctx].view(rows, ctx) + 1).to(torch.int32)
+        reqs = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+        hk = torch.zeros(layers, rows, ctx, HKV, D, dtype=torch.bfloat16, device="cuda")
+        hv = torch.zeros_like(hk)
+        pool.reset_requests(reqs)
+        own = torch.cat([torch.full((n,), int(r)) for r, n in zip(reqs.tolist(), lens0)]).cuda()
+        pos = torch.cat([torch.arange(n) for n in lens0]).cuda()
+        vrows = pool.extend_v_rows(reqs, [0] * 4, lens0)
+        for l in range(layers):
+            k = torch.randn(len(pos), HKV, D, device="cuda", generator=gen).bfloat16()
+            v = torch.randn(len(pos), HKV, D, device="cuda", generator=gen).bfloat16()
+            pool.set_v_rows(vrows)
+            pool.set_kv_buffer(types.SimpleNamespace(layer_id=l, k_scale=None, v_scale=None), r2t[own, pos].long(), k, v)
+            hk[l, own, pos], hv[l, own, pos] = k, v
+        dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=size, device="cuda")
+        lens = list(lens0)
+        res = []
+        for step in range(6):
+            lens = [x + 1 for x in lens]
+            seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            dec.plan(r2t, reqs, seq, 4)
+            for l in range(layers):
+                k = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
+                v = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
+                pool.set_v_rows(dec.new_token_rows())
+                pool.set_kv_buffer(types.SimpleNamespace(layer_id=l, k_scale=None, v_scale=None), r2t[reqs.long(), seq.long() - 1].long(), k, v)
+                hk[l, reqs.long(), seq.long() - 1], hv[l, reqs.long(), seq.long() - 1] = k, v
+                q = (2 * torch.randn(4, HQ, D, device="cuda", generator=gen)).bfloat16()
+                o = torch.full_like(q, float("nan"))
+                kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
+                if pol.is_dense_layer(l):
+                    dec.dense(q, kb, vb, o, D ** -0.5)
+                elif resident:
+                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq)
+                else:
+                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, pool.hot_state(l), pool.host.view(l))
+                res.append(o.clone())
+                for b in range(4):
+                    ref = attend_reference(q[b].cpu(), hk[l, int(reqs[b]), : lens[b]].cpu(), hv[l, int(reqs[b]), : lens[b]].cpu(), pol, l)
+                    worst = max(worst, float((o[b].double().cpu() - ref).abs().max() / ref.abs().max()))
+        outs[resident] = res
+        if not resident:
+            out["exact_stats"] = dec.stats.tolist()
+        pool._clear_buffers()
+    identical = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    out["exactness"] = {"compared": len(outs[False]), "identical": identical, "max_rel_err_vs_float64": worst}
+    assert identical and worst < 2e-2, out["exactness"]
+
+
+def time_layer(out, bs=44, ctx=32768):
+    """One sparse layer of a 44 x 32K batch: each kernel, and a dense split-KV layer for comparison."""
+    pol = OffloadPolicy()
+    hot = 4096
+    size = bs * ctx + 8
+    lay = OffloadLayout(pol, hot_tokens=hot, request_rows=bs + 1, stage_tokens=8, resident_v=False)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vfull = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    host = torch.empty((size, HKV, D), dtype=torch.bfloat16, pin_memory=True)
+    host.copy_(vfull.cpu())
+    hview = device_view(host)
+    vhot = torch.zeros(((bs + 1) * lay.region_rows + 1, HKV, D), device="cuda", dtype=torch.bfloat16)
+    loc_slot = torch.full((size,), -1, dtype=torch.int16, device="cuda")
+    slot_pos = torch.full((bs + 1, hot), -1, dtype=torch.int32, device="cuda")
+    slot_time = torch.full_like(slot_pos, -1)
+    r2t = (torch.randperm(size - 1, device="cuda", generator=gen)[: bs * ctx] + 1).view(bs, ctx).to(torch.int32)
+    r2t = torch.cat([torch.zeros(1, ctx, dtype=torch.int32, device="cuda"), r2t])
+    reqs = torch.arange(1, bs + 1, dtype=torch.int32, device="cuda")
+    seq = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    dec = OffloadDecoder(lay, HQ, HKV, D, max_bs=bs, token_capacity=size, device="cuda")
+    q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=gen)).bfloat16()
+    o = torch.empty_like(q)
+    dec.plan(r2t, reqs, seq, bs)
+    sp = dec.split
+    t = {}
+    t["plan"] = time_ms(lambda: dec.plan(r2t, reqs, seq, bs))
+    t["scores"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs], sp.scores_max_splits,
+                                                dec.scores, dec.score_lse, D ** -0.5, sp.scores_block_n))
+    lse = ko.lse_merge(dec.score_lse, bs, sp.scores_max_splits, dec.lse_full)
+    t["lse_merge"] = time_ms(lambda: ko.lse_merge(dec.score_lse, bs, sp.scores_max_splits, dec.lse_full))
+    t["select"] = time_ms(lambda: ko.select_run(dec.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
+                                                dec.p_buf, dec.sel_pos, HQ, sp.select_block_n))
+
+    def swap():
+        ko.swap_in_run(dec.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
+                       slot_time, dec.scratch, dec.att_kidx, dec.att_vidx, dec.miss_src, dec.miss_dst, dec.miss_cnt, dec.stats,
+                       pol.max_topk, lay.region_rows, lay.lru_base)
+
+    def copy():
+        ko.copy_rows_run(hview, vhot, dec.miss_src[:bs], dec.miss_dst[:bs], counts=dec.miss_cnt[:bs])
+
+    # cold: every selected row a miss (fresh hot buffers before each run)
+    cold_swap, cold_copy = [], []
+    for _ in range(8):
+        slot_pos.fill_(-1)
+        slot_time.fill_(-1)
+        torch.cuda.synchronize()
+        cold_swap.append(time_ms(swap, reps=1, warm=0))
+        cold_copy.append(time_ms(copy, reps=1, warm=0))
+        slot_pos.fill_(-1)
+        slot_time.fill_(-1)
+    misses_cold = int(dec.miss_cnt[:bs].sum())
+    t["swap_in_cold"] = statistics.median(cold_swap)
+    t["copy_cold"] = statistics.median(cold_copy)
+    swap()
+    copy()
+    t["swap_in_warm"] = time_ms(swap)  # the same selection: all hits
+    misses_warm = int(dec.miss_cnt[:bs].sum())
+    t["attend"] = time_ms(lambda: ko.attend_run(q, kb, vhot, dec.att_indptr[: bs + 1], dec.att_kidx, dec.att_vidx, dec.att_chunk[:bs],
+                                                dec.att_nsplit[:bs], sp.attend_max_splits, dec.mid_o, dec.mid_lse, o, lse, D ** -0.5,
+                                                sp.attend_block_n))
+    t["dense_split_kv"] = time_ms(lambda: split_kv_decode(q, kb, vfull, dec.kv_indptr[: bs + 1], dec.kv_indices, D ** -0.5))
+    warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
+    out["layer_timing"] = {
+        "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
+        "misses_cold": misses_cold, "misses_warm": misses_warm,
+        "cold_copy_gb_s": misses_cold * HKV * D * 2 / t["copy_cold"] / 1e6 if t["copy_cold"] else None,
+        "sparse_layer_warm_ms": warm_layer, "sparse_layer_cold_ms": warm_layer - t["swap_in_warm"] + t["swap_in_cold"] + t["copy_cold"],
+        "k_bytes_gb": bs * ctx * HKV * D * 2 / 1e9,
+        "scores_gb_s": bs * ctx * HKV * D * 2 / t["scores"] / 1e6,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("check_offload: needs a CUDA GPU")
+    out = results.header()
+    t0 = time.time()
+    check_pinned(out)
+    print("pinned", out["pinned"], flush=True)
+    check_exact(out)
+    print("exactness", out["exactness"], out.get("exact_stats"), flush=True)
+    time_layer(out)
+    print("layer", out["layer_timing"], flush=True)
+    out["seconds"] = round(time.time() - t0, 1)
+    results.write(a.out, out)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

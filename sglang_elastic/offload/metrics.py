@@ -1,0 +1,79 @@
+"""Prometheus metrics of the KV offload path, on SGLang's ``/metrics``.
+
+Created in the scheduler process like SGLang's own (``prometheus_client``
+multiprocess files, ``sglang/srt/observability/metrics_collector.py``), with
+SGLang's labels, when SGLang runs with ``--enable-metrics``; updated every
+``--decode-log-interval`` decode steps from the backend's counters
+(:meth:`sglang_elastic.offload.backend.OffloadAttnBackend.stats`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+
+class OffloadMetrics:
+    """Gauges ``sglang_elastic:offload_hit_rate`` (hot-buffer hits over the
+    last interval), ``offload_pcie_read_gb_per_s`` / ``offload_pcie_write_gb_per_s``
+    (over the interval's wall time), ``offload_pcie_bytes_per_step``,
+    ``offload_host_pool_bytes`` (V bytes of the tokens in use), counters
+    ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes``.
+
+    Args:
+        labels: SGLang's metric labels, or None (no Prometheus: only the log line).
+    """
+
+    def __init__(self, labels: Optional[Dict[str, str]]):
+        import time
+
+        self._clock = time.monotonic
+        self._last = None  # (time, stats) at the previous update
+        self.g = None
+        if labels is not None:
+            from prometheus_client import Counter, Gauge
+
+            names = list(labels)
+
+            def gauge(name, doc):
+                return Gauge(f"sglang_elastic:{name}", doc, labelnames=names, multiprocess_mode="mostrecent").labels(**labels)
+
+            def counter(name, doc):
+                return Counter(f"sglang_elastic:{name}", doc, labelnames=names).labels(**labels)
+
+            self.g = {
+                "hit_rate": gauge("offload_hit_rate", "Hot-buffer hits / selected V rows over the last interval."),
+                "read_gbps": gauge("offload_pcie_read_gb_per_s", "V rows copied host -> GPU, GB/s over the last interval."),
+                "write_gbps": gauge("offload_pcie_write_gb_per_s", "V rows written GPU -> host, GB/s over the last interval."),
+                "bytes_per_step": gauge("offload_pcie_bytes_per_step", "PCIe bytes (both directions) per decode step over the last interval."),
+                "host_bytes": gauge("offload_host_pool_bytes", "Host V bytes of the tokens in use."),
+                "read": counter("offload_pcie_read_bytes", "V bytes copied host -> GPU."),
+                "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
+            }
+
+    def update(self, st: dict, used_tokens: int, host_token_bytes: int) -> str:
+        """Update from :meth:`~sglang_elastic.offload.backend.OffloadAttnBackend.stats`; returns a one-line summary."""
+        now = self._clock()
+        prev_t, prev = self._last if self._last else (None, None)
+        self._last = (now, st)
+        if prev is None:
+            return ""
+        dt = max(now - prev_t, 1e-9)
+        d = {k: st[k] - prev[k] for k in ("hits", "misses", "pcie_read_bytes", "pcie_write_bytes", "decode_steps")}
+        sel = d["hits"] + d["misses"]
+        hit = d["hits"] / sel if sel else None
+        steps = max(d["decode_steps"], 1)
+        read_gbps, write_gbps = d["pcie_read_bytes"] / dt / 1e9, d["pcie_write_bytes"] / dt / 1e9
+        per_step = (d["pcie_read_bytes"] + d["pcie_write_bytes"]) / steps
+        host = used_tokens * host_token_bytes
+        if self.g is not None:
+            if hit is not None:
+                self.g["hit_rate"].set(hit)
+            self.g["read_gbps"].set(read_gbps)
+            self.g["write_gbps"].set(write_gbps)
+            self.g["bytes_per_step"].set(per_step)
+            self.g["host_bytes"].set(host)
+            self.g["read"].inc(d["pcie_read_bytes"])
+            self.g["write"].inc(d["pcie_write_bytes"])
+        hit_s = "n/a" if hit is None else f"{hit:.3f}"
+        return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
+                f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use")

@@ -1,0 +1,128 @@
+"""``--enable-kv-offload``: flags through SGLang's own parser, refusals at
+start-up, and the pool's sizing arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_elastic import config
+from sglang_elastic.offload.policy import OffloadPolicy
+from sglang_elastic.offload.sizing import HOST_RESERVE_BYTES, ModelShape, SizingError, size_pool
+
+MODEL = os.path.join(os.path.dirname(config.__file__), "models", "llama-3.1-8b")
+PARSE = """
+import json, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+sa = prepare_server_args(sys.argv[1:])
+print("CONFIG", os.environ.get("SGLANG_ELASTIC_CONFIG"))
+print("BACKENDS", json.dumps(sa.get_attention_backends()))
+"""
+
+
+def launch(*flags):
+    r = subprocess.run([sys.executable, "-c", PARSE, "--model-path", MODEL, "--device", "cpu", *flags], capture_output=True, text=True, timeout=300)
+    out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
+    return r, out
+
+
+def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend():
+    r, out = launch("--enable-kv-offload", "--disable-radix-cache", "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000",
+                    "--kv-offload-denominator", "selected", "--kv-offload-host-gb", "80")
+    assert r.returncode == 0, r.stderr[-2000:]
+    off = json.loads(out["CONFIG"])["offload"]
+    assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "selected",
+                   "hot_tokens": 3000, "host_gb": 80.0, "resident_v": False}
+    assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
+    assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="selected")
+
+
+def namespace(*flags, **sglang):
+    """Our flags parsed as SGLang's parser parses them (``config.add_cli_args``),
+    plus SGLang's own fields the checks read (defaults as SGLang's)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    ns = p.parse_args(list(flags))
+    base = dict(disable_radix_cache=False, attention_backend=None, prefill_attention_backend=None, decode_attention_backend=None,
+                speculative_algorithm=None, page_size=None, enable_mixed_chunk=False, kv_cache_dtype="auto", pp_size=1)
+    for k, v in {**base, **sglang}.items():
+        setattr(ns, k, v)
+    return ns
+
+
+@pytest.mark.parametrize("flags,sglang,message", [
+    ([], {}, "needs --disable-radix-cache"),
+    ([], dict(disable_radix_cache=True, speculative_algorithm="NGRAM"), "does not support --speculative-algorithm 'NGRAM'"),
+    ([], dict(disable_radix_cache=True, attention_backend="triton"), "drop --attention-backend triton"),
+    (["--enable-elastic-kv"], dict(disable_radix_cache=True), "use one"),
+    (["--kv-offload-hot-tokens", "100"], dict(disable_radix_cache=True), "at least --kv-offload-topk 2048"),
+    (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
+    (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
+    ([], dict(disable_radix_cache=True, enable_mixed_chunk=True), "does not support --enable-mixed-chunk"),
+    ([], dict(disable_radix_cache=True, page_size=16), "does not support --page-size 16"),
+    ([], dict(disable_radix_cache=True, kv_cache_dtype="fp8_e4m3"), "does not support --kv-cache-dtype 'fp8_e4m3'"),
+])
+def test_unsupported_combinations_are_refused_with_one_line(flags, sglang, message):
+    """The plugin's hook on ``ServerArgs.from_cli_args`` stops the launch with one line."""
+    from sglang_elastic import plugin
+
+    with pytest.raises(SystemExit) as e:
+        plugin._from_cli_args(None, namespace("--enable-kv-offload", *flags, **sglang))
+    text = str(e.value)
+    assert text.startswith("sglang-elastic: ") and message in text and "\n" not in text
+
+
+def test_offload_sets_its_attention_backend():
+    ns = namespace("--enable-kv-offload", disable_radix_cache=True)
+    cfg = config.from_namespace(ns)
+    config.check_server_args(cfg, ns)
+    config.apply_offload_defaults(cfg, ns)
+    assert ns.attention_backend == config.OFFLOAD_BACKEND
+
+
+def test_offload_flags_without_enable_are_refused():
+    with pytest.raises(config.ConfigError, match="needs --enable-kv-offload"):
+        config.OffloadConfig(topk=10)
+    with pytest.raises(config.ConfigError, match="needs --enable-kv-offload"):
+        config.OffloadConfig(resident_v=True)
+
+
+LLAMA8B = ModelShape(layers=32, kv_heads=8, head_dim=128, v_head_dim=128, q_heads=32, elem=2, context_len=131072)
+STOCK_H200 = 906051 * 131072  # the KV budget stock SGLang turned into 906,051 tokens on the H200
+
+
+def test_sizing_on_the_h200_budget_holds_about_1_6x_stock_with_k_on_the_gpu():
+    sz = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), hot_tokens=4096, requests=64, host_available_bytes=120 << 30)
+    assert sz.stock_tokens == 906051 and sz.bound == "hbm"
+    # per token: K of 32 layers (64 KiB) + V of 2 dense layers (4 KiB) + 30 loc_slot int16 + 32 scores + 8
+    assert sz.device_token_bytes == 65536 + 4096 + 60 + 128 + 8
+    # fixed: 65 request rows x (4 + 32 + 4096) V rows x 30 layers x 2 KiB, their slot state, staging of one layer
+    assert sz.device_fixed_bytes == 65 * 4132 * 30 * 2048 + 65 * 4096 * 30 * 8 + 131072 * 8 * 256 * 2
+    assert sz.tokens == (STOCK_H200 - sz.device_fixed_bytes) // sz.device_token_bytes - 1
+    assert 1.60 < sz.tokens / 906051 < 1.62
+    assert sz.host_bytes == (sz.tokens + 1) * 30 * 2048
+    # fewer hot rows per request leave more K
+    assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 2048, 64, 120 << 30).tokens > sz.tokens
+
+
+def test_sizing_names_the_host_as_the_bound_and_refuses_a_pool_below_one_request():
+    host = HOST_RESERVE_BYTES + 40 * 10**9
+    sz = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=host)
+    assert sz.bound == "host" and sz.tokens == 40 * 10**9 // (30 * 2048) - 1
+    capped = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=120 << 30, host_limit_bytes=30 * 10**9)
+    assert capped.bound == "host" and capped.tokens == 30 * 10**9 // (30 * 2048) - 1
+    assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 120 << 30, max_total_tokens=500000).bound == "max-total-tokens"
+    with pytest.raises(SizingError, match="host memory holds V of only"):
+        size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=HOST_RESERVE_BYTES + 10**9)
+    with pytest.raises(SizingError, match="lower --max-running-requests or --kv-offload-hot-tokens"):
+        size_pool(20 << 30, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=120 << 30)
+    resident = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 0, resident=True)
+    assert resident.bound == "hbm" and resident.host_bytes == 0 and 0.99 < resident.tokens / 906051 < 1.0
