@@ -29,6 +29,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
 #: ``--max-running-requests`` when the user gives none: hot buffers are per request.
 DEFAULT_REQUESTS = 64
+#: What the sizing hook decided, for the pool builder and the server state (this process's target worker).
+_BUILT: dict = {}
 
 
 def register() -> None:
@@ -60,7 +62,7 @@ def state(sched) -> dict:
     out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "resident_v": lay.resident_v,
            "host_pool_bytes": pool.host_bytes(), "policy": {k: getattr(lay.policy, k) for k in ("sink", "window", "budget_frac", "max_topk",
                                                                                                   "dense_layers", "denominator")}}
-    sz = getattr(getattr(sched.tp_worker.model_runner, "kv_cache_configurator", None), "_sglang_elastic_offload_sizing", None)
+    sz = _BUILT.get("sizing")
     if sz is not None:
         out["sizing"] = sz.to_dict()
     out.update(be.stats())
@@ -178,9 +180,10 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
         tokens * sz.device_token_bytes / 2**30, sz.device_fixed_bytes / 2**30, (tokens + 1) * sz.host_token_bytes / 1e9,
         " (resident V: the exactness reference)" if cfg.resident_v else "",
     )
-    kvc._sglang_elastic_offload = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len,
-                                                resident_v=cfg.resident_v)
-    kvc._sglang_elastic_offload_sizing = sz
+    # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
+    _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len,
+                                     resident_v=cfg.resident_v)
+    _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static
     return out
@@ -188,7 +191,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
 
 def build_mha_kv_pool(orig, kvc, *args, mha_pool_class, quant_method=None, **kwargs):
     """AROUND hook of ``KVCacheConfigurator._build_mha_kv_pool``."""
-    layout = getattr(kvc, "_sglang_elastic_offload", None)
+    layout = _BUILT.get("layout")
     if layout is None:
         return orig(kvc, *args, mha_pool_class=mha_pool_class, quant_method=quant_method, **kwargs)
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
