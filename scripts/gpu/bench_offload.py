@@ -50,8 +50,8 @@ COMMON = ["--model-path", MODEL, "--load-format", "dummy", "--sampling-backend",
           "--host", "127.0.0.1"]
 SERVERS = {
     "stock": ["--attention-backend", "flashinfer"],
-    "offload": ["--enable-kv-offload", "--disable-radix-cache", "--max-running-requests", "64"],
-    "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "64"],
+    "offload": ["--enable-kv-offload", "--disable-radix-cache", "--max-running-requests", "48"],
+    "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "48"],
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }
@@ -132,6 +132,37 @@ def log_value(log: str, key: str) -> Optional[str]:
     return val
 
 
+class PeakPoller:
+    """Polls ``/metrics`` every 0.5 s in a thread: the peak of SGLang's
+    ``sglang:num_used_tokens`` (KV tokens held) and ``num_running_reqs``."""
+
+    def __init__(self, server: "Server"):
+        import threading
+
+        self.server, self.peak = server, {"tokens": 0, "running": 0}
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True)
+        self._th.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                text = urllib.request.urlopen(self.server.url("/metrics"), timeout=10).read().decode()
+                for line in text.splitlines():
+                    if line.startswith("sglang:num_used_tokens"):
+                        self.peak["tokens"] = max(self.peak["tokens"], int(float(line.split()[-1])))
+                    elif line.startswith("sglang:num_running_reqs"):
+                        self.peak["running"] = max(self.peak["running"], int(float(line.split()[-1])))
+            except Exception:
+                pass
+            time.sleep(0.5)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._th.join()
+        return dict(self.peak)
+
+
 def prompts(lengths: List[int], seed: int, vocab: int = 128000) -> List[List[int]]:
     rnd = random.Random(seed)
     return [[rnd.randrange(100, vocab) for _ in range(n)] for n in lengths]
@@ -188,32 +219,13 @@ def part_capacity(a) -> dict:
             up = s.wait()
             info = s.info()
             import concurrent.futures as cf
-            import threading
 
-            peak = {"tokens": 0, "running": 0}
-            stop = threading.Event()
-
-            def poll():
-                while not stop.is_set():
-                    try:
-                        text = urllib.request.urlopen(s.url("/metrics"), timeout=10).read().decode()
-                        for line in text.splitlines():
-                            if line.startswith("sglang:num_used_tokens"):
-                                peak["tokens"] = max(peak["tokens"], int(float(line.split()[-1])))
-                            if line.startswith("sglang:num_running_reqs"):
-                                peak["running"] = max(peak["running"], int(float(line.split()[-1])))
-                    except Exception:
-                        pass
-                    time.sleep(0.5)
-
-            th = threading.Thread(target=poll, daemon=True)
-            th.start()
+            poller = PeakPoller(s)
             t0 = time.time()
             with cf.ThreadPoolExecutor(n_req) as ex:
                 list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0,
                                                                                       "ignore_eos": True}}), ps))
-            stop.set()
-            th.join()
+            peak = poller.stop()
             out["servers"][name] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
                                     "peak_used_tokens": peak["tokens"], "peak_running_reqs": peak["running"],
                                     "requests": n_req, "prompt_tokens": plen, "seconds": round(time.time() - t0, 1),
@@ -230,10 +242,11 @@ def part_throughput(a) -> dict:
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "make_tokenizer.py"), MODEL, tok], check=True)
     out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "servers": {}}
     for i, name in enumerate(a.servers.split(",")):
-        s = Server(name, SERVERS[name] + ["--tokenizer-path", tok], 30300 + i, a.work)
+        s = Server(name, SERVERS[name] + ["--tokenizer-path", tok, "--enable-metrics"] + a.extra.split(), 30300 + i, a.work)
         try:
             up = s.wait()
             before = offload_state(s.info())
+            poller = PeakPoller(s)
             jsonl = os.path.join(a.work, f"bench_{a.workload}_{name}.jsonl")
             cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(s.port),
                    "--dataset-name", "random-ids", "--tokenize-prompt", "--tokenizer", tok, "--random-input-len", str(ilen),
@@ -243,12 +256,14 @@ def part_throughput(a) -> dict:
             if r.returncode != 0:
                 raise RuntimeError(f"bench_serving failed on {name}: {r.stderr[-1500:]}")
             rec = [json.loads(l) for l in open(jsonl)][-1]
+            peak = poller.stop()
             after = offload_state(s.info())
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1),
                    "output_tok_s": rec.get("output_throughput"), "median_itl_ms": rec.get("median_itl_ms"),
                    "median_ttft_ms": rec.get("median_ttft_ms"), "p99_itl_ms": rec.get("p99_itl_ms"),
                    "completed": rec.get("completed"), "duration_s": rec.get("duration"),
-                   "max_total_num_tokens": s.info().get("max_total_num_tokens")}
+                   "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
+                   "peak_running_reqs": peak["running"], "extra_flags": a.extra}
             if after is not None:
                 b = before or {k: 0 for k in after}
                 hits, misses = after["hits"] - b.get("hits", 0), after["misses"] - b.get("misses", 0)
@@ -258,6 +273,7 @@ def part_throughput(a) -> dict:
                 row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
                             "pcie_gb_per_s": (rd + wr) / dur / 1e9})
             out["servers"][name] = row
+            results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:
             s.stop()
     return out
@@ -310,6 +326,7 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
     a = ap.parse_args()
