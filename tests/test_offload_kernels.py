@@ -247,3 +247,15 @@ def test_attend_over_the_attended_list_matches_the_policy_reference(denominator)
         ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, sel_out, None)
         assert torch.allclose(out[2].float(), sel_out[2].float(), atol=1e-2)  # 3 tokens: everything attended
         assert not torch.allclose(out[1].float(), sel_out[1].float(), atol=1e-3)
+
+
+def test_lse_merge_combines_chunks_and_keeps_empty_requests_at_minus_infinity():
+    g = torch.Generator().manual_seed(11)
+    x = 4 * torch.randn(4 * 6, 9, generator=g)
+    x[2] = float("-inf")  # an empty chunk of request 0
+    x[6:12] = float("-inf")  # request 1: no chunk at all (a padded CUDA-graph row)
+    got = ko.lse_merge(x, 4, 6)
+    ref = torch.logsumexp(x.double().view(4, 6, 9), 1)
+    keep = [0, 2, 3]
+    assert torch.allclose(got[keep].double(), ref[keep], atol=1e-5)
+    assert torch.isneginf(got[1]).all()
