@@ -10,9 +10,10 @@ A decode step of a sparse layer (``sglang_elastic.offload``), per request:
    max_splits)``, as :func:`sglang_elastic.kernels.decode_attention.split_kv_run`.
 2. :func:`select_run` — each middle position's summed softmax
    ``p = sum_h exp(s_h - lse_h)`` and the top ``k[b]`` of them by an exact
-   radix select on ``p``'s bits (four 8-bit passes, MSB first, then one
-   compaction pass; ties to the lower position). One program per request,
-   cost linear in its own length (no padding to the longest context).
+   radix select on ``p``'s bits (four 8-bit passes, MSB first, then a count
+   and an order-keeping compaction; ties to the lower position). A fixed
+   number of programs per request, each over a slice of it: cost linear in
+   the request's own length (no padding to the longest context).
 3. :func:`swap_in_run` — the request's hot buffer (``HN`` V rows per layer on
    the GPU): hits are found through ``loc_slot[token id]`` verified against
    ``slot_pos[slot]``; misses take the least recently used slots
@@ -186,79 +187,133 @@ def _bucket(hist, k_rem):
 
 
 @triton.jit
-def _select_kernel(
-    scores_ptr, lse_ptr, indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, sel_ptr,
-    stride_sh, stride_lb, stride_selb,
-    HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    b = tl.program_id(0)
+def _select_range(indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, b, part, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Request ``b``'s middle ``[s0, e0)``, its ``k``, and part ``part``'s slice ``[lo_p, hi_p)`` of it."""
     lo = tl.load(indptr_ptr + b)
     L = tl.load(indptr_ptr + b + 1) - lo
     s0 = tl.load(s_eff_ptr + b)
     e0 = L - tl.load(w_eff_ptr + b)
     k = tl.load(k_ptr + b)
-    offs = tl.arange(0, BLOCK_N)
-    sel = sel_ptr + b * stride_selb
-    if k >= e0 - s0:
-        # the budget covers every middle position: take them all (dense)
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            tl.store(sel + (pos - s0), pos, mask=pos < e0)
-    elif k > 0:
-        offs_h = tl.arange(0, BLOCK_HQ)
-        mask_h = offs_h < HQ
-        lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0)
-        # pass 0: p = sum_h exp(s_h - lse_h), stored; histogram of the top byte
-        hist = tl.zeros([256], tl.int32)
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            m = pos < e0
-            sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
-                         mask=mask_h[:, None] & m[None, :], other=float("-inf"))
-            p = tl.sum(tl.exp(sc - lse[:, None]), 0)
-            tl.store(p_ptr + lo + pos, p, mask=m)
-            bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order like the values
-            hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
-        k_rem = k
+    span = tl.cdiv(tl.cdiv(tl.maximum(e0 - s0, 0), PARTS), BLOCK_N) * BLOCK_N
+    lo_p = s0 + part * span
+    hi_p = tl.minimum(lo_p + span, e0)
+    return lo, s0, e0, k, lo_p, hi_p
+
+
+@triton.jit
+def _prefix_of(hist_ptr, b, k, PASSES: tl.constexpr):
+    """The bits chosen by the first ``PASSES`` histograms of request ``b`` and how many of the k are still to take."""
+    bins = tl.arange(0, 256)
+    k_rem = k
+    prefix = k * 0
+    for j in tl.static_range(PASSES):
+        hist = tl.load(hist_ptr + (b * 4 + j) * 256 + bins)
         d, above = _bucket(hist, k_rem)
         k_rem -= above
-        prefix = d
-        # passes 1-3: the next byte among the elements that match the prefix so far
-        for shift in tl.static_range(16, -1, -8):
-            hist = tl.zeros([256], tl.int32)
-            for n0 in range(s0, e0, BLOCK_N):
+        prefix = (prefix << 8) | d
+    return prefix, k_rem
+
+
+@triton.jit
+def _select_hist_kernel(
+    scores_ptr, lse_ptr, indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, hist_ptr,
+    stride_sh, stride_lb,
+    PASS: tl.constexpr, HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+):
+    """Radix pass ``PASS`` (8 bits, MSB first) over part ``program_id(1)`` of
+    request ``b``'s middle: pass 0 also computes and stores ``p``."""
+    b = tl.program_id(0)
+    part = tl.program_id(1)
+    lo, s0, e0, k, lo_p, hi_p = _select_range(indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, b, part, PARTS, BLOCK_N)
+    if (k > 0) & (k < e0 - s0):
+        offs = tl.arange(0, BLOCK_N)
+        hist = tl.zeros([256], tl.int32)
+        if PASS == 0:
+            offs_h = tl.arange(0, BLOCK_HQ)
+            mask_h = offs_h < HQ
+            lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0)
+            for n0 in range(lo_p, hi_p, BLOCK_N):
                 pos = n0 + offs
-                m = pos < e0
+                m = pos < hi_p
+                sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
+                             mask=mask_h[:, None] & m[None, :], other=float("-inf"))
+                p = tl.sum(tl.exp(sc - lse[:, None]), 0)
+                tl.store(p_ptr + lo + pos, p, mask=m)
+                bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order like the values
+                hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
+        else:
+            prefix, k_rem = _prefix_of(hist_ptr, b, k, PASS)
+            shift: tl.constexpr = 24 - 8 * PASS
+            for n0 in range(lo_p, hi_p, BLOCK_N):
+                pos = n0 + offs
+                m = pos < hi_p
                 bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
                 match = m & ((bits >> (shift + 8)) == prefix)
                 hist += tl.histogram((bits >> shift) & 0xFF, 256, mask=match)
-            d, above = _bucket(hist, k_rem)
-            k_rem -= above
-            prefix = (prefix << 8) | d
-        # prefix: the bits of the k-th largest p; k - k_rem elements are above it.
-        # Compaction in position order: those above, then the first k_rem equal ones.
-        n_gt = k - k_rem
-        cnt_gt = n_gt * 0
-        cnt_eq = n_gt * 0
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            m = pos < e0
-            bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
-            gt = m & (bits > prefix)
-            eq = m & (bits == prefix)
-            i_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-            i_eq = n_gt + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            tl.store(sel + i_gt, pos, mask=gt)
-            tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
-            cnt_gt += tl.sum(gt.to(tl.int32), 0)
-            cnt_eq += tl.sum(eq.to(tl.int32), 0)
+        tl.atomic_add(hist_ptr + (b * 4 + PASS) * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def _select_write_kernel(
+    indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, hist_ptr, cnt_ptr, sel_ptr, stride_selb,
+    COUNT: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+):
+    """``COUNT``: part ``program_id(1)``'s counts above and at the threshold;
+    else its selected positions, written after those of the parts before it
+    (the compaction keeps position order: the same list every run)."""
+    b = tl.program_id(0)
+    part = tl.program_id(1)
+    lo, s0, e0, k, lo_p, hi_p = _select_range(indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, b, part, PARTS, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)
+    sel = sel_ptr + b * stride_selb
+    if k >= e0 - s0:
+        if not COUNT:  # the budget covers every middle position: take them all (dense)
+            for n0 in range(lo_p, hi_p, BLOCK_N):
+                pos = n0 + offs
+                tl.store(sel + (pos - s0), pos, mask=pos < hi_p)
+    elif k > 0:
+        tau, k_rem = _prefix_of(hist_ptr, b, k, 4)  # the bits of the k-th largest p; k - k_rem lie above it
+        if COUNT:
+            n_gt = k * 0
+            n_eq = k * 0
+            for n0 in range(lo_p, hi_p, BLOCK_N):
+                pos = n0 + offs
+                m = pos < hi_p
+                bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
+                n_gt += tl.sum((m & (bits > tau)).to(tl.int32), 0)
+                n_eq += tl.sum((m & (bits == tau)).to(tl.int32), 0)
+            tl.store(cnt_ptr + (b * PARTS + part) * 2, n_gt)
+            tl.store(cnt_ptr + (b * PARTS + part) * 2 + 1, n_eq)
+        else:
+            offs_p = tl.arange(0, PARTS)
+            before = offs_p < part
+            cnt_gt = tl.sum(tl.load(cnt_ptr + (b * PARTS + offs_p) * 2, mask=before, other=0), 0)
+            cnt_eq = tl.sum(tl.load(cnt_ptr + (b * PARTS + offs_p) * 2 + 1, mask=before, other=0), 0)
+            n_gt_all = k - k_rem
+            for n0 in range(lo_p, hi_p, BLOCK_N):
+                pos = n0 + offs
+                m = pos < hi_p
+                bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
+                gt = m & (bits > tau)
+                eq = m & (bits == tau)
+                i_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+                i_eq = n_gt_all + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+                tl.store(sel + i_gt, pos, mask=gt)
+                tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
+                cnt_gt += tl.sum(gt.to(tl.int32), 0)
+                cnt_eq += tl.sum(eq.to(tl.int32), 0)
 
 
 def select_run(
     scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor,
-    p_buf: torch.Tensor, sel_pos: torch.Tensor, q_heads: int, block_n: int = 512, num_warps: Optional[int] = None,
+    p_buf: torch.Tensor, sel_pos: torch.Tensor, q_heads: int, block_n: int = 512, parts: int = 16,
+    hist: Optional[torch.Tensor] = None, counts: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
 ) -> None:
     """The top ``k[b]`` middle positions of each request by summed softmax.
+
+    An exact radix select on the bits of ``p`` (four 8-bit passes, MSB first,
+    ``parts`` programs per request adding into one histogram per pass), then a
+    count and an order-keeping compaction: seven launches, no host read.
 
     Args:
         scores: ``[q_heads, >= total]`` float32 (:func:`scores_run`).
@@ -271,15 +326,29 @@ def select_run(
             its selected positions (those above the k-th largest in position order, then
             ties at it by position); the rest is left as it was.
         q_heads: heads in ``scores`` (summed over).
+        parts: programs per request (a power of two).
+        hist, counts: optional workspaces ``[>= batch * 4 * 256]`` / ``[>= batch * parts * 2]``
+            int32 (address-stable under CUDA graphs); ``hist`` is zeroed here.
     """
     B = kv_indptr.shape[0] - 1
     if B == 0:
         return
-    _select_kernel[(B,)](
-        scores, lse, kv_indptr, s_eff, w_eff, k, p_buf, sel_pos,
-        scores.stride(0), lse.stride(0), sel_pos.stride(0),
-        HQ=q_heads, BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_N=block_n, **_launch_opts(num_warps, None),
-    )
+    if parts & (parts - 1):
+        raise ValueError(f"select_run: parts must be a power of two, not {parts}")
+    dev = scores.device
+    hist = torch.zeros(B * 4 * 256, dtype=torch.int32, device=dev) if hist is None else hist
+    hist[: B * 4 * 256].zero_()
+    counts = torch.zeros(B * parts * 2, dtype=torch.int32, device=dev) if counts is None else counts
+    opts = _launch_opts(num_warps, None)
+    common = dict(BLOCK_N=block_n, PARTS=parts)
+    for ps in range(4):
+        _select_hist_kernel[(B, parts)](
+            scores, lse, kv_indptr, s_eff, w_eff, k, p_buf, hist, scores.stride(0), lse.stride(0),
+            PASS=ps, HQ=q_heads, BLOCK_HQ=triton.next_power_of_2(q_heads), **common, **opts,
+        )
+    for count in (True, False):
+        _select_write_kernel[(B, parts)](kv_indptr, s_eff, w_eff, k, p_buf, hist, counts, sel_pos, sel_pos.stride(0), COUNT=count,
+                                         **common, **opts)
 
 
 # ---------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def select(scores, lse, indptr, pol, hq):
     lens = indptr[1:] - indptr[:-1]
     s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens))
     sel = torch.full((len(lens), max(pol.max_topk, 1)), -7, dtype=torch.int32)
-    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64)
+    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64, parts=2)
     return sel, s, w, k
 
 

@@ -22,7 +22,7 @@ from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
 from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
 
 L, HQ, HKV, D = 3, 4, 2, 32
-SPLIT = SplitConfig(scores_max_splits=4, scores_min_chunk=128, attend_max_splits=2, attend_min_chunk=32, select_block_n=128)
+SPLIT = SplitConfig(scores_max_splits=4, scores_min_chunk=128, attend_max_splits=2, attend_min_chunk=32, select_block_n=128, select_parts=2)
 
 
 def layer(i):

@@ -40,6 +40,7 @@ class SplitConfig:
     attend_min_chunk: int = 256
     attend_block_n: int = 32
     select_block_n: int = 512
+    select_parts: int = 16
 
 
 class OffloadDecoder:
@@ -84,6 +85,8 @@ class OffloadDecoder:
         self.lse_full = torch.zeros((max_bs, q_heads), **f32)
         kmax = max(pol.max_topk, 1)
         self.sel_pos = torch.zeros((max_bs, kmax), **i32)
+        self.sel_hist = torch.zeros(max_bs * 4 * 256, **i32)
+        self.sel_counts = torch.zeros(max_bs * split.select_parts * 2, **i32)
         self.scratch = torch.zeros((max_bs, layout.hot_tokens), **i32)
         self.miss_src = torch.zeros((max_bs, kmax), **i32)
         self.miss_dst = torch.zeros((max_bs, kmax), **i32)
@@ -160,7 +163,7 @@ class OffloadDecoder:
                    self.score_lse, sm_scale, sp.scores_block_n)
         lse = lse_merge(self.score_lse, bs, sp.scores_max_splits, self.lse_full)
         select_run(self.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.p_buf,
-                   self.sel_pos, self.q_heads, sp.select_block_n)
+                   self.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, self.sel_hist, self.sel_counts)
         if lay.resident_v:
             gather_selected_run(self.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
                                 self.att_kidx, self.att_vidx, pol.max_topk)
