@@ -5,8 +5,11 @@ and our pool on the host VMM backend.
 
 SGLang's ``Scheduler`` itself needs a GPU model runner, so the controller gets
 a shell holding the real components it reads (the attributes the scheduler
-has). ``ScheduleBatch``'s tensor fields belong to the forward pass, which does
-not run here: :class:`Batch` keeps only its ``reqs`` when filtering.
+has: SGLang's pool-stats observer, invariant checker, session controller and,
+with ``streaming=True``, the ``StreamingSession`` tree wrapper that
+``--enable-streaming-session`` installs). ``ScheduleBatch``'s tensor fields
+belong to the forward pass, which does not run here: :class:`Batch` keeps only
+its ``reqs`` when filtering.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.managers.io_struct import OpenSessionReqInput
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+from sglang.srt.session.session_controller import SessionController
+from sglang.srt.session.streaming_session import StreamingSession
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.common import evict_from_tree_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -65,26 +73,48 @@ class Bed:
 
     tp = None  # (rank, torch.distributed group) for TP tests
 
-    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024):
+    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024, streaming=False, lend_bytes=None,
+                 free_bytes=None, tree=None, server_args=None, mode="dynamic"):
+        """``free_bytes``: the host backend then reports this much free device
+        memory at the controller's start (a capacity beyond what the pool
+        holds); ``tree``: a tree-cache class in place of SGLang's RadixCache."""
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
+        if free_bytes is not None:
+            self.be.capacity = sum(self.be._handle_bytes.values()) + free_bytes
         self.r2t = ReqToTokenPool(16, 1024, "cpu", False)
         params = CacheInitParams(disable=chunk_cache, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1)
-        self.tree = ChunkCache(params) if chunk_cache else RadixCache(params)  # ChunkCache: --disable-radix-cache
+        if tree is not None:
+            inner = tree(params)
+        else:
+            inner = ChunkCache(params) if chunk_cache else RadixCache(params)  # ChunkCache: --disable-radix-cache
+        self.tree = StreamingSession(inner) if streaming else inner  # as SGLang's create_tree_cache wraps it
+        self.sessions = SessionController(self.tree)
         self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
+        server_args = server_args or types.SimpleNamespace(disaggregation_mode="null", speculative_num_draft_tokens=None,
+                                                           cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend=Backend.FULL, max_bs=graph_bs)))
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
-            running_batch=self.batch,
+            running_batch=self.batch, last_batch=None, session_controller=self.sessions,
             tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
             tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
-            invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
-            server_args=types.SimpleNamespace(disaggregation_mode="null", speculative_num_draft_tokens=None,
-                                              cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend=Backend.FULL, max_bs=graph_bs))),
-            new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
+            server_args=server_args, new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
         )
+        # SGLang's own observer and checker, as Scheduler.init_pool_stats_observer / init_invariant_checker build them
+        self.sched.pool_stats_observer = SchedulerPoolStatsObserver(
+            tree_cache=self.tree, token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.r2t, session_controller=self.sessions,
+            hisparse_coordinator=None, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hisparse=False, full_tokens_per_layer=None,
+            swa_tokens_per_layer=None, max_total_num_tokens=BASE - 1, get_last_batch=lambda: self.batch, get_running_batch=lambda: self.batch)
+        self.sched.invariant_checker = SchedulerInvariantChecker(
+            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=DisaggregationMode.NULL, page_size=1, full_tokens_per_layer=None,
+            swa_tokens_per_layer=None, max_total_num_tokens=BASE - 1, server_args=server_args, tree_cache=self.tree,
+            token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.r2t, pool_stats_observer=self.sched.pool_stats_observer,
+            get_last_batch=lambda: self.batch, get_running_batch=lambda: self.batch)
         self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
-        cfg = ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes), margin_mb=margin_mb)
+        if lend_bytes is None:
+            lend_bytes = ELASTIC * sum(self.pool.arena.row_bytes)
+        cfg = ElasticKVConfig(enabled=True, mode=mode, lend_bytes=lend_bytes, margin_mb=margin_mb)
         if stock_pool:  # this rank's elastic pool failed to build: SGLang's allocator instead
             self.sched.token_to_kv_pool_allocator = TokenToKVPoolAllocator(BASE - 1, torch.bfloat16, "cpu", self.pool, False)
         saved = os.environ.get(config.ENV)
@@ -106,33 +136,52 @@ class Bed:
             k = torch.randn(len(ids), self.pool.head_num, self.pool.head_dim, generator=self.gen).bfloat16()
             self.pool.set_kv_buffer(layer(l), ids, k, -k)
 
-    def admit(self, tokens) -> bool:
-        req = Req(f"r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=1 << 20))
+    def open_session(self, sid: str):
+        """A streaming session (``/open_session`` with ``streaming=True``)."""
+        assert self.sessions.open(OpenSessionReqInput(capacity_of_str_len=1 << 16, session_id=sid, streaming=True)).success
+        return self.sessions.get(sid)
+
+    def request(self, tokens, session=None):
+        req = Req(f"r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=1 << 20), session=session)
         self.n += 1
-        req.init_next_round_input(self.tree)  # SGLang's prefix match: prefix_indices, last_node, extend_range
+        return req
+
+    def admit(self, tokens, session=None, req=None):
+        """Admit a request as SGLang's prefill does (match, allocate, write
+        ``req_to_token``, K/V, ``cache_unfinished_req``); returns it, or None
+        when the pool has no room. A streaming turn (``session``) restores its
+        session's slot in the match, as SGLang does."""
+        req = req or self.request(tokens, session)
+        req.init_next_round_input(self.tree)  # SGLang's prefix match: prefix_indices, last_node, extend_range, cache_protected_len
         prefix = req.prefix_indices
+        self.tree.inc_lock_ref(req.last_node)
+        evict_from_tree_cache(self.tree, len(tokens) - len(prefix))  # as SGLang's alloc_token_slots does
         new = self.alloc.alloc(len(tokens) - len(prefix))
-        if new is None or self.r2t.available_size() == 0:
+        if new is None or (req.req_pool_idx is None and self.r2t.available_size() == 0):
             if new is not None:
                 self.alloc.free(new)
-            return False
-        self.tree.inc_lock_ref(req.last_node)
-        req.cache_protected_len = len(prefix)
+            self.tree.dec_lock_ref(req.last_node)
+            return None
         req.set_extend_range(len(prefix), len(tokens))  # as PrefillAdder does
-        self.r2t.alloc([req])
+        self.r2t.alloc([req])  # a restored streaming turn keeps its slot's row
         self.r2t.write((req.req_pool_idx, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
         self._write(new)
-        req.kv = ReqKvInfo(kv_allocated_len=len(tokens), swa_evicted_seqlen=0)
+        if req.kv is None:
+            req.kv = ReqKvInfo(kv_allocated_len=len(tokens), swa_evicted_seqlen=0)
+        req.kv.kv_allocated_len = len(tokens)
         req.kv_committed_len = len(tokens)
         self.tree.cache_unfinished_req(req)
         self.batch.reqs.append(req)
-        return True
+        return req
 
-    def decode(self) -> bool:
-        locs = self.alloc.alloc(len(self.batch.reqs))
+    def decode(self, only=None) -> bool:
+        """One decode step of the running batch (or of the requests ``only``)."""
+        reqs = [r for r in self.batch.reqs if only is None or r in only]
+        evict_from_tree_cache(self.tree, len(reqs))  # as SGLang's alloc_for_decode does
+        locs = self.alloc.alloc(len(reqs))
         if locs is None:
             return False
-        for req, loc in zip(self.batch.reqs, locs.tolist()):
+        for req, loc in zip(reqs, locs.tolist()):
             self.r2t.req_to_token[req.req_pool_idx, req.kv.kv_allocated_len] = loc
             req.kv.kv_allocated_len += 1
             req.kv_committed_len += 1
@@ -140,13 +189,20 @@ class Bed:
         self._write(locs)
         return True
 
-    def finish(self, i: int) -> None:
-        req = self.batch.reqs.pop(i)
+    def finish(self, i) -> None:
+        """SGLang's finish path (``release_kv_cache``): into the tree, or into
+        its session's slot for a streaming turn. ``i``: index or request."""
+        req = self.batch.reqs.pop(i if isinstance(i, int) else self.batch.reqs.index(i))
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))  # as the scheduler sets it before releasing
         release_kv_cache(req, self.tree)
 
     # -- what must hold ------------------------------------------------------
     def rows(self):
         return {r.rid: self.r2t.req_to_token[r.req_pool_idx, : r.kv.kv_allocated_len].to(torch.int64).clone() for r in self.batch.reqs}
+
+    def slot_row(self, sid):
+        slot = self.tree.slots[sid]
+        return self.r2t.req_to_token[slot.req_pool_idx, : slot.kv.kv_allocated_len].to(torch.int64).clone()
 
     def k_of(self, ids):
         return torch.stack([self.pool.get_key_buffer(l)[ids] for l in range(LAYERS)])
@@ -156,22 +212,28 @@ class Bed:
         free = torch.cat((a.free_pages, a.release_pages)).tolist()
         tree_ids = [t for n in _nodes(self.tree) for t in n.value.tolist()]
         req_ids = [t for r in self.batch.reqs for t in self.r2t.req_to_token[r.req_pool_idx, r.cache_protected_len : r.kv.kv_allocated_len].tolist()]
-        owned = free + tree_ids + req_ids
+        running_rows = {r.req_pool_idx for r in self.batch.reqs}
+        slot_ids = [t for slot in getattr(self.tree, "slots", {}).values() if slot.is_holding_kv and slot.req_pool_idx not in running_rows
+                    for t in self.r2t.req_to_token[slot.req_pool_idx, slot.cache_protected_len : slot.kv.kv_allocated_len].tolist()]
+        owned = free + tree_ids + req_ids + slot_ids
         assert len(owned) == len(set(owned)), "an id is owned twice"
         usable = set(range(1, a.usable_base_tokens)) | set(range(a.base_tokens, a.base_tokens + a.lent_tokens))
         assert set(owned) == usable, "owned and free ids must partition the backed ids"
-        # SGLang's own invariant: available + evictable + protected + uncached == total
-        leak, msg = SchedulerInvariantChecker._check_pool_invariant(
-            "full", a.available_size(), self.tree.evictable_size(), self.tree.protected_size(), 0,
-            self.sched.invariant_checker.max_total_num_tokens, len(req_ids))
+        # SGLang's own invariant (available + evictable + protected + session_held + uncached == total) and its
+        # KV page check (no owner, request or session slot, references a free page; no page is free twice)
+        checker = self.sched.invariant_checker
+        leak, msg = checker._check_full_pool(self.sched.pool_stats_observer.get_pool_stats(), uncached=len(req_ids))
         assert not leak, msg
-        assert self.sched.invariant_checker.max_total_num_tokens == a.size == self.sched.pool_stats_observer.max_total_num_tokens
+        warnings = checker.count_memory_leak_warnings
+        checker._check_kv_page_invariants()
+        assert checker.count_memory_leak_warnings == warnings, "SGLang's KV page check found a use-after-free or a double free"
+        assert checker.max_total_num_tokens == a.size == self.sched.pool_stats_observer.max_total_num_tokens
 
 
 def _nodes(tree):
     if tree.is_chunk_cache():
         return
-    stack = list(tree.root_node.children.values())
+    stack = list(tree.root_node.children.values())  # StreamingSession forwards root_node to its tree
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
@@ -520,3 +582,33 @@ def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch(
     assert int(before.max()) >= bed.alloc.base_tokens > int(after.max())
     assert torch.equal(bed.k_of(after), k)
     assert int(chunked.prefix_indices.max()) < bed.alloc.base_tokens
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "never lent"])
+def test_a_reclaim_keeps_the_recently_used_prefix_and_evicts_the_least_recently_used(lend):
+    """Issue 22, defect 2: a turn decoded while lent, then its follow-up
+    arrives. The reclaim moves the cached answer into the base and evicts the
+    180 older cached tokens (SGLang's LRU), so the follow-up reuses what it
+    would without lending: 100 of its 110 prompt tokens (before: the answer,
+    whose pages were lent, was evicted by address; 50 reused)."""
+    bed = Bed()
+    old = list(range(50000, 50180))
+    bed.finish(bed.admit(old))  # 180 cached tokens, used long ago
+    if lend:
+        bed.ctl.lend()
+    turn = bed.admit(list(range(100, 150)))  # 50 base tokens: 25 left
+    for _ in range(50):
+        assert bed.decode()  # lent: 25 base and 25 lent tokens; not lent: SGLang evicts the old prefix at the 26th
+    bed.finish(turn)  # prompt and answer cached
+    cached = list(range(100, 150)) + list(turn.output_ids)
+    bed.sched.waiting_queue.append(bed.request(cached + list(range(8000, 8010))))
+    bed.ctl.before_prefill(bed.batch)  # a prefill may form: reclaim
+    assert bed.alloc.lent_tokens == 0
+    follow_up = bed.sched.waiting_queue.pop()
+    follow_up.init_next_round_input(bed.tree)  # SGLang's match at admission
+    assert follow_up.prefix_indices.numel() == 100
+    assert int(follow_up.prefix_indices.max()) < bed.alloc.base_tokens
+    probe = bed.request(old)
+    probe.init_next_round_input(bed.tree)
+    assert probe.prefix_indices.numel() == 0  # the old prefix went instead
+    bed.check_ownership_and_accounting()

@@ -16,16 +16,47 @@ has a way:
 
 1. wait for the in-flight batch (the overlap scheduler launched it; its kernels
    read and write lent rows);
-2. evict radix-cache-only leaves above the base (``evict_above``);
-3. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
+2. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
    in-use ones come back;
-4. if the base lacks free room for them, SGLang's ``evict_from_tree_cache``
-   (LRU), then retract decode requests, largest first (fewest retractions),
+3. if the base lacks free room for them: SGLang's ``evict_from_tree_cache``
+   (least recently used first, wherever the pages are: a recently used
+   prefix in lent pages moves into the base, an older one in the base goes),
+   then drop the KV of idle streaming sessions (least recently active
+   first), then retract decode requests, largest first (fewest retractions),
    with SGLang's ``ScheduleBatch.release_req``; they are re-queued and finish
    normally;
-5. copy the K/V of what is left into free base ids (``relocate_kv``) and
-   rewrite ``req_to_token``, radix-tree values and ``prefix_indices``;
-6. unmap (``arena.reclaim``) and close the vacate window.
+4. copy the K/V of what is left into free base ids (``relocate_kv``) and
+   rewrite every holder of a lent id (:meth:`ElasticController._remap`);
+5. unmap (``arena.reclaim``) and close the vacate window.
+
+Who holds KV ids in SGLang 0.5.17, and what a reclaim does with each:
+
+- running requests (``req_to_token`` rows up to ``kv_allocated_len``,
+  ``prefix_indices``) and the chunked request, kept out of the running batch
+  between chunks: remapped;
+- the radix tree's node values (``RadixCache``; locked nodes too): remapped;
+- streaming-session slots (``--enable-streaming-session``:
+  ``StreamingSession.slots``, each a ``req_to_token`` row that outlives its
+  turn; the waiting request that restored a slot shares that row): the rows
+  are remapped; an idle slot (no request references its row) may be
+  dropped with SGLang's ``release_session`` when the base has no room, and
+  its session's next turn then prefills from the radix tree;
+- waiting requests: they hold no KV of their own; their ``prefix_indices``
+  are re-matched by SGLang before admission (``init_next_round_input`` in
+  ``_get_new_batch_prefill_raw``, which runs after the reclaim);
+- requests waiting for a grammar: no KV (they have not been scheduled);
+- holders we do not remap are refused at start-up
+  (:func:`sglang_elastic.config.check_server_args`): PD disaggregation's
+  queues, HiCache / HiSparse / LMCache / FlexKV, PD-multiplexing's split
+  prefill batch, diffusion LLMs' staging queue, the unified and C++ radix
+  trees and registered radix-cache backends; a tree cache of any other type
+  turns lending off at start-up (:func:`unsupported_tree`).
+
+A reclaim never raises out of the scheduler: when the base cannot take what
+is in use, or any step before the ids are rewritten fails, it stops, puts
+the lent range back as it was (still mapped), re-queues the requests it
+retracted, logs one error and turns lending off; the reclaim is tried again
+before the next prefill, without retracting (:meth:`ElasticController._stop_reclaim`).
 
 The pool's owner-visible size follows the lent capacity: the allocator's
 ``size``, the invariant checker's and the pool-stats observer's
@@ -49,7 +80,7 @@ from typing import List, Optional
 import torch
 
 from sglang_elastic.config import EVENTS_ENV, ElasticKVConfig  # EVENTS_ENV: one JSON line per lend/reclaim
-from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_many, remap_tree
+from sglang_elastic.pool import plan_tree_remap, relocate_kv, remap_ids, remap_many
 from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool, unit_tokens
 from sglang_elastic.vmm import VmmError
 
@@ -143,6 +174,11 @@ class ElasticController:
         #: Lending stopped on every rank (agreed in :meth:`lend`); a rank's own
         #: ``arena.lending_disabled`` alone must not change what it does.
         self.disabled = False
+        #: Why this rank must stop lending (a reclaim that stopped), agreed
+        #: with the other ranks at the next :meth:`lend`.
+        self._stop: Optional[str] = None
+        #: Lends in a row that lent nothing for lack of device memory.
+        self._oom_lends = 0
         self.metrics = None
         self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
         self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
@@ -203,7 +239,8 @@ class ElasticController:
             failed = False
             try:
                 self._warm_vacate_ops()
-                self.reclaim(self.sched.running_batch)
+                if not self.reclaim(self.sched.running_batch):
+                    raise RuntimeError("the warm-up reclaim stopped")
             except Exception:
                 failed = True
                 logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
@@ -362,16 +399,20 @@ class ElasticController:
             torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
         t_map = time.perf_counter()
         err: Optional[VmmError] = None
-        try:
-            self.arena.lend()
-        except VmmError as e:  # the arena rolled the failing step back
-            err = e
-            self._vmm_failed("lend", e)
+        if self._stop is None:
+            try:
+                self.arena.lend()
+            except VmmError as e:  # the arena rolled the failing step back
+                err = e
+                self._vmm_failed("lend", e)
         # Every rank takes the same decision: lend what all ranks could back,
         # and stop lending everywhere once any rank's arena disabled lending
-        # (a rank deciding alone would leave the others in this all-reduce).
-        steps, ok = agree_min(self.sched, self.arena.lent_steps, int(not self.arena.lending_disabled))
+        # or its reclaim stopped (a rank deciding alone would leave the
+        # others in this all-reduce).
+        steps, ok = agree_min(self.sched, self.arena.lent_steps, int(not self.arena.lending_disabled and self._stop is None))
         if not ok:
+            if not self.disabled and not self.arena.lending_disabled:
+                logger.error("sglang-elastic: %s; lending is off", f"lending stopped after a reclaim stopped ({self._stop})" if self._stop else "another TP rank stopped lending")
             self.disabled = True
             steps = 0
         if self.arena.lent_steps > steps:
@@ -402,61 +443,60 @@ class ElasticController:
 
     # -- reclaim ------------------------------------------------------------
 
-    def reclaim(self, running_batch) -> None:
+    def reclaim(self, running_batch) -> bool:
         """Vacate and unmap every lent row (see the module docstring).
         Requests whose KV cannot move into the base are retracted (re-queued),
-        never dropped. No collective: every rank reaches the same state from
-        the same inputs.
+        never dropped; idle streaming sessions may lose their KV (their next
+        turn prefills again). No collective: every rank reaches the same state
+        from the same inputs.
 
         Args:
             running_batch: SGLang's running ``ScheduleBatch`` (retracted
                 requests are filtered out of it).
 
-        Raises:
-            RuntimeError: if lent ids are still in use after every running
-                request was retracted (a bug; the pool is not unmapped then).
-            ValueError: from :func:`~sglang_elastic.pool.remap_ids` when an id
-                above the base was not relocated (a bug, likewise).
+        Returns:
+            True when every lent row was vacated and unmapped; False when the
+            reclaim stopped (:meth:`_stop_reclaim`): the pool is lent as
+            before, every retracted request is re-queued, one error is logged,
+            lending is off and the reclaim is tried again before the next
+            prefill. Never raises, but for a failure while the remapped ids
+            are being written (tensor assignments, after every check passed).
         A failing unmap is logged, not raised: the rows are vacated, lending
         stops.
         """
-        s = self.sched
         t0 = time.perf_counter()
         self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
         t_vacate = time.perf_counter()
         top = self.arena.base_tokens
-        tree = s.tree_cache
-        radix = not tree.is_chunk_cache()  # --disable-radix-cache: SGLang's ChunkCache holds no ids of its own
-        if radix:
-            evict_above(tree, top)
-        in_use = self.alloc.withdraw(0)
+        lent_before = self.alloc.lent_tokens
         retracted: List = []
-        while True:
-            in_use = self.alloc.still_in_use(in_use)
-            need = in_use.numel() * self.page
-            if need == 0 or self.alloc.available_size() >= need:
-                break
-            from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-            evict_from_tree_cache(tree, need)
-            if self.alloc.available_size() >= need:
-                continue
-            if not self._retract_one(running_batch, retracted):
-                break
-            if radix:
-                evict_above(tree, top)
-        in_use = self.alloc.still_in_use(in_use)
-        moved = 0
-        if in_use.numel():
-            dst = relocate_kv(self.pool, self.alloc, in_use)
-            if dst is None:  # cannot happen: every owner above was retracted or fits
-                raise RuntimeError(f"sglang-elastic: no base room for {in_use.numel()} lent units after retracting every request")
-            self._remap(running_batch, top, in_use, dst)
-            moved = in_use.numel()
+        withdrawn = in_use = self.alloc.withdraw(0)
+        try:
+            in_use, dropped = self._make_room(running_batch, in_use, retracted)
+            if in_use.numel() * self.page > self.alloc.available_size():
+                return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted,
+                                          f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
+                                          f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
+            commit = None
+            if in_use.numel():
+                dst = relocate_kv(self.pool, self.alloc, in_use)  # cannot be None: the room is there
+                try:
+                    commit = self._remap(running_batch, top, in_use, dst)
+                except BaseException:
+                    self.alloc.free(unit_tokens(dst, self.page))
+                    raise
+        except Exception as e:  # a bug: nothing was rewritten yet, so the pool can go back
+            logger.exception("sglang-elastic: reclaim failed")
+            return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted, f"{type(e).__name__}: {e}")
+        moved = in_use.numel()
+        if commit is not None:
+            commit()
         t_unmap = time.perf_counter()
         self._unmap_lent("reclaim")
         if retracted:
             self._requeue(running_batch, retracted)
+        if dropped:
+            logger.warning("sglang-elastic: reclaim dropped the KV of %d idle streaming session(s) (the base had no room); their next turn prefills again", dropped)
         self.cycles += 1
         self.decode_only_steps = 0
         ms = (time.perf_counter() - t0) * 1e3
@@ -466,9 +506,86 @@ class ElasticController:
             self.metrics.migrated_pages.inc(moved)
             self.metrics.retracted_reqs.inc(len(retracted))
         wait_ms, vacate_ms, unmap_ms = (t_vacate - t0) * 1e3, (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3
-        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted))
+        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
+                    dropped_sessions=dropped)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
+        return True
+
+    def _make_room(self, batch, in_use: torch.Tensor, retracted: List):
+        """Free base room for the lent units still in use, cheapest first:
+        SGLang's LRU eviction of the radix tree (``evict_from_tree_cache``;
+        frees of lent ids are dropped and shrink what must move), then the KV
+        of an idle streaming session (:meth:`_drop_idle_session`), then a
+        retraction (:meth:`_retract_one`; not after a stopped reclaim: it could
+        not make room then). Returns the units still in use and the sessions
+        dropped; there may still be too little room."""
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        dropped = 0
+        while True:
+            in_use = self.alloc.still_in_use(in_use)
+            need, avail = in_use.numel() * self.page, self.alloc.available_size()
+            if need <= avail:
+                return in_use, dropped
+            evict_from_tree_cache(self.sched.tree_cache, need)
+            after = self.alloc.still_in_use(in_use)
+            if after.numel() < in_use.numel() or self.alloc.available_size() > avail:
+                continue
+            if self._drop_idle_session(batch):
+                dropped += 1
+            elif self._stop is not None or not self._retract_one(batch, retracted):
+                return after, dropped
+
+    def _requests(self, batch) -> List:
+        """Every request that may hold a ``req_to_token`` row now: the running
+        batch, the chunked request, the last batch, the waiting queue (a
+        streaming request restores its session's row when SGLang matches it,
+        before admission)."""
+        s = self.sched
+        last = getattr(s, "last_batch", None)
+        reqs = list(batch.reqs) + ([s.chunked_req] if s.chunked_req is not None else [])
+        reqs += list(last.reqs) if last is not None else []
+        return reqs + list(s.waiting_queue)
+
+    def _drop_idle_session(self, batch) -> bool:
+        """Release the KV of the least recently active streaming session whose
+        slot no request references (SGLang's ``StreamingSession.release_session``,
+        as for an aborted turn: its next turn matches the radix tree and
+        prefills the rest). Returns False when there is none."""
+        s = self.sched
+        slots = getattr(s.tree_cache, "slots", None)
+        if not slots:
+            return False
+        referenced = {getattr(r, "req_pool_idx", None) for r in self._requests(batch)}
+        idle = [sid for sid, slot in slots.items() if slot.is_holding_kv and slot.req_pool_idx not in referenced]
+        if not idle:
+            return False
+        sessions = getattr(getattr(s, "session_controller", None), "sessions", {})
+        sid = min(idle, key=lambda i: getattr(sessions.get(i), "last_active_time", 0.0))
+        s.tree_cache.release_session(sid)
+        return True
+
+    def _stop_reclaim(self, batch, lent_before: int, withdrawn: torch.Tensor, retracted: List, why: str) -> bool:
+        """A reclaim that cannot finish: the withdraw is undone (the arena
+        still backs every lent row; what is no longer held goes back on the
+        free list), the retracted requests are re-queued, lending stops (on
+        every rank at the next :meth:`lend`), one error. The reclaim is tried
+        again before the next prefill, without retracting: a retraction did
+        not make room, and a re-queued request re-admitted on lent rows would
+        be retracted again at every pass. Returns False."""
+        self.alloc.restore_lent(lent_before, withdrawn)
+        self._sync_sizes()
+        if retracted:
+            self._requeue(batch, retracted)
+        self._stop = why
+        self.decode_only_steps = 0
+        if self.metrics and not self._quiet:
+            self.metrics.reclaim_stops.inc()
+        self._event(op="reclaim_stopped", why=why, retracted=len(retracted))
+        logger.error("sglang-elastic: reclaim stopped (%s): the pool stays lent (%d tokens), %d retracted request(s) re-queued, "
+                     "lending is off; the reclaim is tried again before the next prefill", why, self.alloc.lent_tokens, len(retracted))
+        return False
 
     def _retract_one(self, batch, retracted: List) -> bool:
         """Retract the running request holding the most KV (fewest retractions
@@ -495,26 +612,46 @@ class ElasticController:
             s._add_request_to_queue(req, is_retracted=True)
         logger.warning("sglang-elastic: reclaim retracted %d request(s) (the base had no room for their KV); re-queued", len(retracted))
 
-    def _remap(self, batch, top: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Rewrite every id held above ``top``: ``req_to_token`` rows of the
-        running requests (their allocated length), their ``prefix_indices``,
-        and the radix tree's node values."""
+    def _remap(self, batch, top: int, src: torch.Tensor, dst: torch.Tensor):
+        """Every id held above ``top`` moved from ``src`` to ``dst``, computed
+        first and written by the returned callable: ``req_to_token`` rows of
+        the running requests, the chunked request and the streaming-session
+        slots (each up to its allocated length), the running and chunked
+        requests' ``prefix_indices``, and the radix tree's node values.
+
+        Raises:
+            ValueError: from :func:`~sglang_elastic.pool.remap_ids` when a held
+                id above the top was not relocated; nothing is written then.
+        """
         s = self.sched
-        if not s.tree_cache.is_chunk_cache():
-            remap_tree(s.tree_cache, top, src, dst, self.page)
+        nodes, values = ([], []) if s.tree_cache.is_chunk_cache() else plan_tree_remap(s.tree_cache, top, src, dst, self.page)
         # the chunked request is kept out of the running batch between chunks
         owners = list(batch.reqs) + ([s.chunked_req] if s.chunked_req is not None and s.chunked_req not in batch.reqs else [])
-        reqs = [r for r in owners if r.kv is not None and r.kv.kv_allocated_len > 0]
-        if reqs:
-            r2t = s.req_to_token_pool.req_to_token
-            rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=r2t.device)
-            lens = torch.tensor([r.kv.kv_allocated_len for r in reqs], dtype=torch.int64, device=r2t.device)
-            width = int(max(r.kv.kv_allocated_len for r in reqs))
-            block = r2t[rows, :width]
+        rows = {}  # req_pool_idx -> allocated length; a running turn shares its session slot's row
+        for r in owners:
+            if r.kv is not None and r.kv.kv_allocated_len > 0:
+                rows[r.req_pool_idx] = max(rows.get(r.req_pool_idx, 0), r.kv.kv_allocated_len)
+        for slot in (getattr(s.tree_cache, "slots", None) or {}).values():
+            if slot.is_holding_kv and slot.kv.kv_allocated_len > 0:
+                rows[slot.req_pool_idx] = max(rows.get(slot.req_pool_idx, 0), slot.kv.kv_allocated_len)
+        r2t = s.req_to_token_pool.req_to_token
+        block = None
+        if rows:
+            idx = torch.tensor(list(rows), dtype=torch.int64, device=r2t.device)
+            lens = torch.tensor(list(rows.values()), dtype=torch.int64, device=r2t.device)
+            width = int(max(rows.values()))
+            block = r2t[idx, :width]
             valid = torch.arange(width, device=r2t.device)[None, :] < lens[:, None]
             block[valid] = remap_ids(block[valid], top, src, dst, self.page)
-            r2t[rows, :width] = block
         holders = [r for r in owners if getattr(r, "prefix_indices", None) is not None and r.prefix_indices.numel()]
         prefixes, hit = remap_many([r.prefix_indices for r in holders], top, src, dst, self.page)
-        for i in hit:
-            holders[i].prefix_indices = prefixes[i]
+
+        def commit():
+            for node, value in zip(nodes, values):
+                node.value = value
+            if block is not None:
+                r2t[idx, :width] = block
+            for i in hit:
+                holders[i].prefix_indices = prefixes[i]
+
+        return commit
