@@ -612,3 +612,48 @@ def test_a_reclaim_keeps_the_recently_used_prefix_and_evicts_the_least_recently_
     probe.init_next_round_input(bed.tree)
     assert probe.prefix_indices.numel() == 0  # the old prefix went instead
     bed.check_ownership_and_accounting()
+
+
+def test_lend_bytes_above_the_free_memory_are_capped_at_what_was_measured(caplog):
+    """Issue 22, defect 3: --elastic-kv-lend-bytes 100000GiB was accepted as
+    is. It is capped at the free memory measured after capture, less the
+    margin, with one warning; the pool's VA reservation too."""
+    from sglang_elastic.sched import controller
+    from sglang_elastic.sched.build import _ElasticPoolFactory
+    from sglang_elastic.vmm import HostBackend
+
+    row = 2 * LAYERS * 2 * 64 * 2  # K and V of every layer, bf16: test_pool's shape
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        bed = Bed(lend_bytes=100000 << 30, free_bytes=64 * row, margin_mb=0)
+    assert bed.ctl.lendable_tokens == 64  # not the 128 the pool reserved
+    [line] = [r.getMessage() for r in caplog.records if "--elastic-kv-lend-bytes" in r.getMessage()]
+    assert "lending at most" in line
+    assert bed.ctl.lend() == 64 and bed.be.free_bytes() == 0
+    # the pool's reservation, when SGLang builds it: what is free, not 100000 GiB
+    be = HostBackend(granularity=4096, capacity=(256 + 512) * row)
+    pool = _ElasticPoolFactory(be, ElasticKVConfig(enabled=True, lend_bytes=100000 << 30))(
+        256, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    assert pool.arena.max_elastic_tokens * row <= (256 + 512) * row
+
+
+def test_repeated_out_of_memory_lends_stop_lending(caplog):
+    """Issue 22, defect 3: with a device that runs out at half the step the
+    pool tried again every 32 decode-only steps (10 times in 320), each time
+    taking all free memory before rolling back, with warnings only. It stops
+    after three lends in a row found no memory, with one error."""
+    from sglang_elastic.sched import controller
+
+    row = 2 * LAYERS * 2 * 64 * 2
+    bed = Bed(free_bytes=ELASTIC * row, margin_mb=0)
+    assert bed.ctl.lendable_tokens == ELASTIC
+    bed.be.capacity = sum(bed.be._handle_bytes.values()) + ELASTIC * row // 2  # something else took half of it
+    assert bed.admit(list(range(20)))
+    creates = bed.be.calls["create"]
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        for _ in range(320):
+            bed.ctl.after_prefill(None, bed.batch)
+    assert bed.be.calls["create"] - creates == 3  # one handle per step here: one create per lend (before: 10)
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"sglang-elastic: 3 lends in a row found no device memory for {ELASTIC * row / 2**30:.2f} GiB; lending is off"]
+    bed.check_ownership_and_accounting()

@@ -98,6 +98,10 @@ def agree_min(sched, *values: int):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+#: Lends in a row that lend nothing for lack of device memory before lending
+#: stops (each one creates handles until the driver refuses, then rolls back).
+MAX_OOM_LENDS = 3
+
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
 #: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
 #: (``ServerArgs.pre_capture_activation_reserve_mb``, sglang/srt/server_args.py,
@@ -299,17 +303,23 @@ class ElasticController:
     # -- sizing -------------------------------------------------------------
 
     def _measure(self) -> int:
-        """Tokens to lend: ``--elastic-kv-lend-bytes``, or the free device
-        memory now (after CUDA-graph capture, torch's cache emptied) less
-        ``--elastic-kv-margin-mb``; agreed over TP, cut into steps."""
+        """Tokens to lend: the free device memory now (after CUDA-graph
+        capture, torch's cache emptied) less ``--elastic-kv-margin-mb``, or
+        ``--elastic-kv-lend-bytes`` capped at that (one warning when it asks
+        for more); agreed over TP, cut into steps. A backend that cannot tell
+        its free memory (the host one without a capacity) lends
+        ``--elastic-kv-lend-bytes`` as given, or nothing."""
         row_bytes = sum(self.arena.row_bytes)  # bytes per token, all layers, K and V
-        if self.cfg.lend_bytes is not None:
-            want = self.cfg.lend_bytes
-        else:
-            self.arena.backend.synchronize()
+        self.arena.backend.synchronize()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-            free, _total = torch.cuda.mem_get_info()
-            want = free - self.cfg.margin_mb * 2**20
+        free = self.arena.backend.free_bytes()
+        room = None if free is None else free - self.cfg.margin_mb * 2**20
+        want = self.cfg.lend_bytes if self.cfg.lend_bytes is not None else (room or 0)
+        if room is not None and want > room:
+            logger.warning("sglang-elastic: --elastic-kv-lend-bytes %d is more than is free after CUDA-graph capture (%.2f GiB, less "
+                           "--elastic-kv-margin-mb %d): lending at most %.2f GiB", want, free / 2**30, self.cfg.margin_mb, max(room, 0) / 2**30)
+            want = room
         tokens = agree_min(self.sched, max(want, 0) // row_bytes)
         step = self.cfg.handle_mb * 2**20 // max(self.arena.row_bytes) if self.cfg.handle_mb else None
         return self.arena.set_steps(tokens, step)
@@ -392,8 +402,12 @@ class ElasticController:
         same scheduler step (the decision inputs are replicated). A failing
         VMM call is logged and counted, never raised: the arena rolls its step
         back, out of memory is retried after the next run of decode-only
-        steps, any other failure stops lending on every rank.
+        steps (after :data:`MAX_OOM_LENDS` lends in a row that lent nothing,
+        lending stops), any other failure stops lending on every rank, as
+        does a rank's stopped reclaim.
         """
+        if self.lendable_tokens == 0:  # agreed over TP: no rank enters the collective
+            return 0
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
@@ -421,7 +435,14 @@ class ElasticController:
             except VmmError as e:  # the steps are dropped all the same; lending is off here from now on
                 self._vmm_failed("reclaim after a short lend", e)
         if steps == 0:
+            if ok:  # no device memory on some rank (every rank counts alike)
+                self._oom_lends += 1
+                if self._oom_lends >= MAX_OOM_LENDS:
+                    self.disabled = True
+                    logger.error("sglang-elastic: %d lends in a row found no device memory for %.2f GiB; lending is off", self._oom_lends,
+                                 self.arena.step_bytes() / 2**30)
             return 0
+        self._oom_lends = 0
         self.alloc.lend(steps * self.arena.step_tokens)
         self._sync_sizes()
         ms = (time.perf_counter() - t0) * 1e3
