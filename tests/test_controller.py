@@ -74,7 +74,7 @@ class Bed:
     tp = None  # (rank, torch.distributed group) for TP tests
 
     def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024, streaming=False, lend_bytes=None,
-                 free_bytes=None, tree=None, server_args=None, mode="dynamic"):
+                 free_bytes=None, tree=None, server_args=None, mode="dynamic", encoder_decoder=False):
         """``free_bytes``: the host backend then reports this much free device
         memory at the controller's start (a capacity beyond what the pool
         holds); ``tree``: a tree-cache class in place of SGLang's RadixCache."""
@@ -97,6 +97,7 @@ class Bed:
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
             running_batch=self.batch, last_batch=None, session_controller=self.sessions,
+            model_config=types.SimpleNamespace(is_encoder_decoder=encoder_decoder),
             tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
             tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
             server_args=server_args, new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
@@ -657,3 +658,152 @@ def test_repeated_out_of_memory_lends_stop_lending(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"sglang-elastic: 3 lends in a row found no device memory for {ELASTIC * row / 2**30:.2f} GiB; lending is off"]
     bed.check_ownership_and_accounting()
+
+
+def _decode_runner(**kw):
+    """The fields SGLang's DecodeCudaGraphRunner.can_run_graph reads, as a
+    runner with 256 captured sizes and no LoRA, spec or DP attention has them."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    fields = dict(ragged_verify_mode=False, captured_req_width=1, require_mlp_tp_gather=False, disable_padding=False, max_bs=256,
+                  require_mlp_sync=False, is_encoder_decoder=False, enable_two_batch_overlap=False, enable_pdmux=False,
+                  model_runner=types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.NONE),
+                  _make_graph_key=lambda *a, **k: None, _resolve_lora_variant=lambda fb: None)
+    fields.update(kw)
+    return types.SimpleNamespace(**fields)
+
+
+def test_sglangs_decode_graphs_refuse_batches_below_max_bs_with_embedding_overrides_tbo_or_an_encoder_without_input():
+    """Issue 22, defect 5, confirmed from SGLang's own can_run_graph: these
+    decode batches of 8 requests (max_bs 256) run eagerly, so their
+    activations come from memory the pool lends."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    def fb(**kw):
+        f = dict(replace_embeds=None, spec_info=None, batch_size=8, forward_mode=ForwardMode.DECODE, encoder_lens=None, can_run_tbo=True,
+                 input_ids=torch.zeros(8))
+        f.update(kw)
+        return types.SimpleNamespace(**f)
+
+    can_run = DecodeCudaGraphRunner.can_run_graph
+    assert can_run(_decode_runner(), fb())
+    assert not can_run(_decode_runner(), fb(replace_embeds=torch.zeros(1, 16)))
+    assert not can_run(_decode_runner(enable_two_batch_overlap=True), fb(can_run_tbo=False))
+    assert not can_run(_decode_runner(is_encoder_decoder=True), fb(encoder_lens=torch.tensor([5, 0, 5, 5, 5, 5, 5, 5])))
+    # SGLang keeps the prefill's replace_embeds on the batch into its decodes (0.5.17 clears input_embeds only)
+    import inspect
+
+    src = inspect.getsource(ScheduleBatch.prepare_for_decode)
+    assert "self.input_embeds = None" in src and "replace_embeds" not in src
+
+
+def test_no_lend_while_the_decode_batch_carries_token_embedding_overrides():
+    bed = Bed()
+    assert bed.admit(list(range(10)))
+    bed.batch.replace_embeds = torch.zeros(2, 16)  # left on the batch by the prefill that built it
+    for _ in range(3 * bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0, "lent under a decode batch that runs without a graph"
+    bed.batch.replace_embeds = None
+    for _ in range(bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+
+
+def test_with_two_batch_overlap_or_an_encoder_decoder_model_only_the_margin_bounds_the_lent_batch():
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    model = os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b")
+    tbo = ServerArgs(model_path=model, device="cuda", enable_two_batch_overlap=True)
+    assert tbo.cuda_graph_config.decode.max_bs == 160  # the graphs SGLang captures for it
+    assert lend_max_batch(tbo, 1024) == 0 and lend_max_batch(tbo, 8192) == 5034  # the eager estimate's bound only
+    plain = ServerArgs(model_path=model, device="cuda", cuda_graph_max_bs_decode=256)
+    assert lend_max_batch(plain, 1024) == 256 and lend_max_batch(plain, 1024, encoder_decoder=True) == 0
+    bed = Bed(encoder_decoder=True)  # the controller reads the model config
+    assert bed.ctl.lend_max_bs == 0
+    assert bed.admit(list(range(10)))
+    for _ in range(3 * bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+
+
+def test_v1_loads_and_the_kv_events_report_the_capacity_their_token_usage_divides_by():
+    """Issue 22, defect 5: /v1/loads (SchedulerLoadInquirer.get_loads) and
+    the KV-events publisher kept the base max_total_num_tokens while the pool
+    stats' token_usage divides by the lent size; kv_active_blocks
+    (token_usage x max_total_num_tokens) was wrong by that ratio."""
+    import zmq
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.managers.scheduler_components.kv_events_publisher import SchedulerKvEventsPublisher
+    from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+    from sglang.srt.observability.metrics_collector import SchedulerStats
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    bed = Bed()
+    stats = SchedulerStats()
+    none = lambda: None  # noqa: E731
+    bed.sched.load_inquirer = SchedulerLoadInquirer(
+        disaggregation_mode=DisaggregationMode.NULL, ps=types.SimpleNamespace(dp_rank=None), server_args=bed.sched.server_args,
+        max_total_num_tokens=BASE - 1, max_running_requests=16, pool_stats_observer=bed.sched.pool_stats_observer,
+        tp_worker=types.SimpleNamespace(), token_to_kv_pool_allocator=bed.alloc, spec_algorithm=SpeculativeAlgorithm.NONE,
+        get_running_batch=lambda: bed.batch, get_waiting_queue=lambda: bed.sched.waiting_queue, get_stats=lambda: stats,
+        get_chunked_req=none, get_disagg_prefill_bootstrap_queue=none, get_disagg_prefill_inflight_queue=none,
+        get_disagg_decode_prealloc_queue=none, get_disagg_decode_transfer_queue=none, get_spec_total_num_accept_tokens=lambda: 0,
+        get_spec_total_num_forward_ct=lambda: 0, get_total_prefill_uncached_tokens=lambda: 0, get_total_prefill_busy_us=lambda: 0,
+        get_decode_moment_totals=lambda: [0.0] * 6)
+    ctx = zmq.Context.instance()
+    rx, tx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    rx.bind("inproc://kv-metrics")
+    tx.connect("inproc://kv-metrics")
+    ps = types.SimpleNamespace(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=None)
+    bed.sched.kv_events_publisher = SchedulerKvEventsPublisher(
+        kv_events_config=None, ps=ps, attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0, dp_rank=None,
+        tree_cache=bed.tree, send_metrics_from_scheduler=tx, max_running_requests=16, max_total_num_tokens=BASE - 1, get_stats=lambda: stats)
+    # on, as --kv-events-config turns it on (SGLang 0.5.17's "null" publisher cannot be built from a config: it takes no arguments)
+    bed.sched.kv_events_publisher.enable_kv_cache_events = True
+    try:
+        bed.ctl.lend()
+        assert bed.admit(list(range(300)))  # 300 used tokens: more than the base holds
+        snap = bed.sched.load_inquirer.get_loads()
+        assert snap.num_used_tokens == 300 and snap.max_total_num_tokens == bed.alloc.size == BASE - 1 + ELASTIC
+        assert round(snap.token_usage * snap.max_total_num_tokens) == snap.num_used_tokens
+        bed.sched.pool_stats_observer.get_pool_stats().update_scheduler_stats(stats)  # as SGLang's metrics reporter does
+        bed.sched.kv_events_publisher.emit_kv_metrics()
+        kv = sock_recv(rx)
+        assert kv.kv_total_blocks == bed.alloc.size
+        assert abs(kv.kv_active_blocks - 300) <= 0.005 * bed.alloc.size + 1  # token_usage is rounded to 2 digits
+        bed.finish(0)
+        bed.ctl.reclaim(bed.batch)
+        assert bed.sched.load_inquirer.get_loads().max_total_num_tokens == BASE - 1  # back to the base
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "always-lent"])
+def test_a_tree_cache_the_reclaim_cannot_vacate_turns_lending_off_with_one_line(mode, caplog):
+    """Issue 22, defect 5, confirmed: SGLang's unified radix tree
+    (SGLANG_ENABLE_UNIFIED_RADIX_TREE; the C++ tree likewise) has no
+    evictable_leaves and keeps its ids in components, so the start-up warm-up
+    reclaim failed with an AttributeError (and always-lent lent without a
+    way back). The flag is refused at start-up (test_config.py); if such a
+    tree is built anyway, the controller lends nothing and says why."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from sglang_elastic.sched import controller
+
+    assert not hasattr(UnifiedRadixCache, "evictable_leaves")
+
+    def unified(params):
+        params.tree_components = (ComponentType.FULL,)  # as SGLang's _create_unified_radix_cache sets them
+        return UnifiedRadixCache(params)
+
+    with caplog.at_level("INFO", logger=controller.__name__):
+        bed = Bed(tree=unified, mode=mode)
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0 and bed.be.calls.get("unmap", 0) == 0  # nothing was lent
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "UnifiedRadixCache" in errors[0].getMessage() and "lending is off" in errors[0].getMessage()

@@ -110,7 +110,7 @@ MAX_OOM_LENDS = 3
 EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
 
 
-def lend_max_batch(server_args, margin_mb: int) -> int:
+def lend_max_batch(server_args, margin_mb: int, encoder_decoder: bool = False) -> int:
     """Largest decode batch, in requests, that may run while the reserve is lent.
 
     A decode batch up to the decode CUDA graphs' ``max_bs`` replays a graph
@@ -129,11 +129,20 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
     (``compute_post_capture_kv_resize``, sglang/srt/model_executor/
     model_runner_components/kv_pool_runtime.py).
 
+    Batches the graphs do not replay whatever their size count as eager
+    (``DecodeCudaGraphRunner.can_run_graph``): with two-batch overlap, a batch
+    whose split cannot run (``can_run_tbo``), and in an encoder-decoder model a
+    batch holding a request without encoder input; for both only the margin
+    bounds the batch. Token-embedding overrides (``replace_embeds``) are a
+    property of the batch: :meth:`ElasticController.after_prefill` checks them.
+
     Args:
         server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.decode``:
             ``backend``, ``max_bs``, ``bs``; ``disable_cuda_graph_padding``,
             ``speculative_num_draft_tokens``, ``tp_size``, ``pp_size``).
         margin_mb: ``--elastic-kv-margin-mb``, MiB left free while lent.
+        encoder_decoder: the model is an encoder-decoder one
+            (``ModelConfig.is_encoder_decoder``).
 
     Returns:
         requests (>= 0; 0: never lend); the same on every TP rank (a
@@ -143,6 +152,8 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
 
     decode = server_args.cuda_graph_config.decode
     graph_bs = 0 if decode.backend == Backend.DISABLED else int(decode.max_bs or 0)
+    if encoder_decoder or getattr(server_args, "enable_two_batch_overlap", False):
+        graph_bs = 0  # the graphs may refuse a batch of any size
     if graph_bs and getattr(server_args, "disable_cuda_graph_padding", False):  # only captured sizes replay
         captured = set(decode.bs or [])
         contiguous = 0
@@ -154,6 +165,24 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
     eager_tokens = (margin_mb - EAGER_FIXED_MB - EAGER_MB_PER_RANK * ranks) / EAGER_MB_PER_TOKEN
     eager_bs = int(eager_tokens // per_req) if eager_tokens >= EAGER_MIN_TOKENS else 0
     return max(graph_bs, eager_bs)
+
+
+def unsupported_tree(tree) -> str:
+    """Why the reclaim cannot vacate ``tree`` (SGLang's tree cache), or "".
+
+    The reclaim walks SGLang's ``RadixCache`` (``root_node``, ``TreeNode.value``)
+    and needs nothing of ``ChunkCache``; ``StreamingSession`` wraps either and
+    its slots are remapped. Subclasses and other trees keep ids where the
+    reclaim does not look (HiCache's host values, the unified tree's
+    components, the C++ tree's nodes)."""
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    inner = tree.inner if type(tree) is StreamingSession else tree
+    if type(inner) in (RadixCache, ChunkCache):
+        return ""
+    return f"SGLang's tree cache here is {type(inner).__name__}; the reclaim can vacate RadixCache and ChunkCache only"
 
 
 class ElasticController:
@@ -191,7 +220,8 @@ class ElasticController:
 
             self.metrics = ElasticMetrics({k: str(v) for k, v in sched.metrics_collector.labels.items()})
         #: Largest decode batch (requests) that may run while lent: see :func:`lend_max_batch`.
-        self.lend_max_bs = lend_max_batch(sched.server_args, cfg.margin_mb)
+        model = getattr(sched, "model_config", None)
+        self.lend_max_bs = lend_max_batch(sched.server_args, cfg.margin_mb, bool(getattr(model, "is_encoder_decoder", False)))
         path = os.environ.get(EVENTS_ENV)
         self._events = open(path, "a", buffering=1) if path and sched.tp_group.rank_in_group == 0 else None
         self.lendable_tokens = self._measure()
@@ -202,7 +232,11 @@ class ElasticController:
             self.lendable_tokens * self.arena.step_bytes() / max(self.arena.step_tokens, 1) / 2**30, self.arena.max_steps, cfg.mode,
             self.lend_max_bs,
         )
-        if cfg.mode == "always-lent":
+        why = unsupported_tree(sched.tree_cache)  # the same on every rank: the same flags
+        if why and cfg.mode != "off":
+            self.disabled = True
+            logger.error("sglang-elastic: %s; lending is off", why)
+        elif cfg.mode == "always-lent":
             self.lend()
         elif cfg.mode == "dynamic" and self.lendable_tokens > 0:
             self.warm_up()
@@ -335,6 +369,12 @@ class ElasticController:
         # A frozen dataclass in SGLang (the size never changes there): its
         # token usage must divide by the capacity that is backed now.
         object.__setattr__(s.pool_stats_observer, "max_total_num_tokens", self.alloc.size)
+        # /v1/loads (max_total_num_tokens, memory.token_capacity) and the KV
+        # events' kv_total_blocks / kv_active_blocks (token_usage times this)
+        # beside the token_usage that divides by the size above.
+        for name in ("load_inquirer", "kv_events_publisher"):
+            if getattr(s, name, None) is not None:
+                object.__setattr__(getattr(s, name), "max_total_num_tokens", self.alloc.size)
         if self.metrics:
             self.metrics.lent_tokens.set(self.alloc.lent_tokens)
             self.metrics.lent_bytes.set(self.arena.lent_bytes)
@@ -379,7 +419,10 @@ class ElasticController:
         is larger than :attr:`lend_max_bs` (it would run eagerly and need
         the activation memory lent). The batch grows only through a prefill,
         which :meth:`before_prefill` reclaims for, so a lent reserve never
-        meets a larger decode batch."""
+        meets a larger decode batch. Nor does it lend while the batch carries
+        token-embedding overrides (``replace_embeds``: SGLang keeps the
+        prefill's tensor on the batch, and the decode graphs refuse such a
+        batch at any size, ``DecodeCudaGraphRunner.can_run_graph``)."""
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return
@@ -387,7 +430,7 @@ class ElasticController:
         if (
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
             and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
-            and len(running_batch.reqs) <= self.lend_max_bs
+            and len(running_batch.reqs) <= self.lend_max_bs and getattr(running_batch, "replace_embeds", None) is None
         ):
             if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
                 self.decode_only_steps = 0
