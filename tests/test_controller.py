@@ -252,7 +252,8 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
     bed.ctl.lend()
     assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
     assert bed.ctl.state() == {"mode": "dynamic", "base_tokens": BASE - 1, "lendable_tokens": ELASTIC, "lent_tokens": ELASTIC,
-                               "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False}
+                               "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False,
+                               "reclaims_skipped": 0}
     assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens (radix), needs 90+ more: spills into the lent range
     for _ in range(5 if chunk_cache else 20):  # no shared prefix in a chunk cache: less room left
         assert bed.decode()
@@ -807,3 +808,102 @@ def test_a_tree_cache_the_reclaim_cannot_vacate_turns_lending_off_with_one_line(
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and errors[0].exc_info is None
     assert "UnifiedRadixCache" in errors[0].getMessage() and "lending is off" in errors[0].getMessage()
+
+
+def _graph_args(**kw):
+    """SGLang's resolved ServerArgs for the embedded Llama-3.1-8B shape on a
+    GPU: decode graphs up to 32 requests, 8,192-token chunks, SGLang's
+    default breakable prefill graphs on CUDA captured up to the chunk (named:
+    without a GPU SGLang would pick tc_piecewise)."""
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    kw = {"cuda_graph_max_bs_decode": 32, "chunked_prefill_size": 8192, "cuda_graph_backend_prefill": Backend.BREAKABLE, **kw}
+    return ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cuda", **kw)
+
+
+def test_prefill_graphs_hold_is_sglangs_own_rule_for_dropping_the_prefill_reserve(monkeypatch):
+    """Issue 22, build 1: a prefill reclaims nothing when SGLang's prefill
+    graphs capture the largest prefill buffer: the condition under which
+    SGLang's post-capture KV sizing keeps no prefill activation reserve."""
+    from sglang_elastic.sched.controller import prefill_graphs_hold
+
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "1")  # only to ask SGLang's own rule below
+    held = _graph_args()
+    assert held.cuda_graph_config.prefill.backend == Backend.BREAKABLE and max(held.cuda_graph_config.prefill.bs) == 8192
+    eager = _graph_args(cuda_graph_backend_prefill=Backend.DISABLED)
+    short = _graph_args(chunked_prefill_size=16384, cuda_graph_max_bs_prefill=8192)  # chunks above the largest captured size
+    assert max(short.cuda_graph_config.prefill.bs) == 8192 < short.max_prefill_buffer_tokens()
+    for args, want in ((held, True), (eager, False), (short, False)):
+        assert prefill_graphs_hold(args) is want
+        assert args.post_capture_kv_sizing_planned() is want  # SGLang agrees
+    lora = types.SimpleNamespace(cuda_graph_config=held.cuda_graph_config, chunked_prefill_size=8192, enable_lora=True,
+                                 max_prefill_buffer_tokens=held.max_prefill_buffer_tokens)
+    assert not prefill_graphs_hold(lora)  # LoRA prefills replay eagerly
+
+
+def test_with_prefill_graphs_a_prefill_reclaims_nothing_and_one_the_graphs_refuse_reclaims():
+    bed = Bed(server_args=_graph_args())
+    assert bed.ctl.prefill_in_graphs
+    assert bed.admit(list(range(10)))
+    bed.ctl.lend()
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    bed.ctl.before_prefill(bed.batch)  # the graphs hold this prefill's activations
+    assert bed.alloc.lent_tokens == ELASTIC and bed.ctl.reclaims_skipped == 1 and bed.ctl.cycles == 0
+    for _ in range(bed.ctl.cfg.lend_after_steps):  # and a lend is not held back by a waiting request then
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+    embeds = bed.request(list(range(700, 720)))
+    embeds.input_embeds = [[0.0] * 16] * 20  # SGLang's prefill graphs refuse input embeddings (can_replay_locally)
+    bed.sched.waiting_queue.append(embeds)
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 1 and bed.ctl.reclaims_skipped == 1
+    bed.check_ownership_and_accounting()
+
+
+def test_a_decode_batch_that_outgrows_the_graphs_after_a_prefill_without_reclaim_is_reclaimed_for():
+    bed = Bed(server_args=_graph_args(cuda_graph_max_bs_decode=2), margin_mb=0)
+    assert bed.ctl.lend_max_bs == 2
+    assert bed.admit(list(range(10)))
+    bed.ctl.lend()
+    bed.sched.waiting_queue.append(bed.request(list(range(100, 110))))
+    bed.ctl.before_prefill(bed.batch)  # 1 running + 1 waiting: the decode graphs hold the next batch
+    assert bed.alloc.lent_tokens == ELASTIC
+    assert bed.admit(list(range(100, 110)), req=bed.sched.waiting_queue.pop())  # SGLang's prefill, on lent memory
+    bed.sched.waiting_queue.append(bed.request(list(range(200, 210))))
+    bed.ctl.before_prefill(bed.batch)  # 2 running + 1 waiting: the batch after it would run eagerly
+    assert bed.alloc.lent_tokens == 0
+    bed.ctl.lend()
+    assert bed.admit(list(range(200, 210)), req=bed.sched.waiting_queue.pop())  # a batch of 3 (as after a skipped reclaim)
+    bed.ctl.before_prefill(bed.batch)  # nothing waits, but the next decode runs eagerly
+    assert bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+
+
+def test_an_eager_prefill_reclaims_only_the_steps_sglangs_estimate_needs():
+    """Issue 22, build 1: with eager prefill the reclaim frees what SGLang's
+    activation estimate for a chunk needs beyond the memory free now, in
+    whole steps from the top; the lower steps stay lent and untouched."""
+    from sglang_elastic.sched.controller import eager_activation_bytes
+
+    row = 2 * LAYERS * 2 * 64 * 2
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * row, margin_mb=0)
+    bed.ctl.lendable_tokens = bed.pool.arena.set_steps(ELASTIC, 64)  # two steps of 64 tokens
+    assert bed.ctl.lend() == ELASTIC and bed.pool.arena.lent_steps == 2
+    bed.finish(bed.admit(list(range(20000, 20200))))  # 200 base tokens cached, evictable
+    b = bed.admit(list(range(1000, 1150)))  # 55 base and 95 lent tokens: both steps
+    row_b = bed.rows()[b.rid]
+    top = bed.alloc.base_tokens + 64
+    assert int(row_b.max()) >= top
+    kept = row_b[(row_b >= bed.alloc.base_tokens) & (row_b < top)]
+    k = bed.k_of(row_b)
+    # the device has all but half a step of what an 8,192-token eager prefill needs
+    need = eager_activation_bytes(8192)
+    bed.be.capacity = sum(bed.be._handle_bytes.values()) + need - bed.pool.arena.step_bytes() // 2
+    bed.sched.waiting_queue.append(bed.request(list(range(5000, 5100))))
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 64 and bed.pool.arena.lent_steps == 1  # one step back, one still lent
+    after = bed.rows()[b.rid]
+    assert int(after.max()) < top and torch.equal(bed.k_of(after), k)
+    assert torch.equal(after[(after >= bed.alloc.base_tokens)], kept)  # ids in the kept step did not move
+    bed.check_ownership_and_accounting()

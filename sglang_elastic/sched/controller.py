@@ -167,6 +167,43 @@ def lend_max_batch(server_args, margin_mb: int, encoder_decoder: bool = False) -
     return max(graph_bs, eager_bs)
 
 
+def eager_activation_bytes(tokens: int, ranks: int = 1) -> int:
+    """SGLang's activation estimate for ``tokens`` in flight outside CUDA
+    graphs, bytes: ``512 + 1.5 * max(tokens, 2048)`` MiB plus 128 MiB per
+    TP x PP rank (``ServerArgs.pre_capture_activation_reserve_mb``; the
+    constants above)."""
+    mb = EAGER_FIXED_MB + EAGER_MB_PER_TOKEN * max(tokens, EAGER_MIN_TOKENS) + EAGER_MB_PER_RANK * ranks
+    return int(mb * 2**20)
+
+
+def prefill_graphs_hold(server_args) -> bool:
+    """Whether SGLang's prefill CUDA graphs hold the activations of every
+    prefill the scheduler can form, so that a prefill needs nothing of the
+    lent reserve.
+
+    SGLang's own rule for dropping the prefill activation reserve
+    (``ServerArgs.post_capture_kv_sizing_planned``: "we can only skip eager
+    activation headroom when the largest prefill forward batch size is
+    already graph-captured"): prefill graphs on, chunked prefill on, and
+    ``max_prefill_buffer_tokens()`` at most the largest captured size. LoRA
+    prefills replay eagerly (``PrefillCudaGraphRunner.can_replay_locally``):
+    False with ``--enable-lora``. Requests whose own features make a prefill
+    eager are checked at each pass (:meth:`ElasticController.reserve_needed`).
+
+    Args:
+        server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.prefill``,
+            ``chunked_prefill_size``, ``enable_lora``, ``max_prefill_buffer_tokens()``).
+    """
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    if prefill is None or prefill.backend in (None, Backend.DISABLED) or not prefill.bs:
+        return False
+    if (getattr(server_args, "chunked_prefill_size", 0) or 0) <= 0 or getattr(server_args, "enable_lora", False):
+        return False
+    return server_args.max_prefill_buffer_tokens() <= max(prefill.bs)
+
+
 def unsupported_tree(tree) -> str:
     """Why the reclaim cannot vacate ``tree`` (SGLang's tree cache), or "".
 
@@ -212,6 +249,12 @@ class ElasticController:
         self._stop: Optional[str] = None
         #: Lends in a row that lent nothing for lack of device memory.
         self._oom_lends = 0
+        #: Prefills the CUDA graphs hold, so that a prefill reclaims nothing
+        #: (:func:`prefill_graphs_hold`; the same on every rank).
+        self.prefill_in_graphs = prefill_graphs_hold(sched.server_args)
+        #: Passes where a prefill could form while lent and nothing had to be
+        #: reclaimed (the graphs, or the free memory, held what it needs).
+        self.reclaims_skipped = 0
         self.metrics = None
         self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
         self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
@@ -227,10 +270,11 @@ class ElasticController:
         self.lendable_tokens = self._measure()
         logger.info(
             "sglang-elastic: base %d KV tokens (SGLang's max_total_num_tokens), lendable %d tokens = %.2f GiB in %d step(s), mode %s, "
-            "lends while the decode batch has at most %d requests",
+            "lends while the decode batch has at most %d requests; %s",
             self.alloc.usable_base_tokens - self.page, self.lendable_tokens,
             self.lendable_tokens * self.arena.step_bytes() / max(self.arena.step_tokens, 1) / 2**30, self.arena.max_steps, cfg.mode,
             self.lend_max_bs,
+            "prefills run in CUDA graphs: a reclaim only before an eager forward" if self.prefill_in_graphs else "every prefill reclaims",
         )
         why = unsupported_tree(sched.tree_cache)  # the same on every rank: the same flags
         if why and cfg.mode != "off":
@@ -319,12 +363,13 @@ class ElasticController:
             self.alloc.withdraw(0)
         self._unmap_lent("reclaim after a failed warm-up")
 
-    def _unmap_lent(self, what: str) -> None:
-        """Unmap every lent step (nothing if none), close the vacate window and
-        publish the base size. A failing unmap is logged and counted, not
-        raised: the rows are vacated already, lending stops."""
+    def _unmap_lent(self, what: str, steps: Optional[int] = None) -> None:
+        """Unmap the top ``steps`` lent steps (default: every one; nothing if
+        none), close the vacate window and publish the size. A failing unmap
+        is logged and counted, not raised: the rows are vacated already,
+        lending stops."""
         try:
-            self.arena.reclaim()
+            self.arena.reclaim(steps)
         except VmmError as e:
             self._vmm_failed(what, e)
         self.alloc.end_vacate()
@@ -390,7 +435,7 @@ class ElasticController:
         return {
             "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
             "lendable_tokens": self.lendable_tokens, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
-            "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled,
+            "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled, "reclaims_skipped": self.reclaims_skipped,
         }
 
     # -- scheduler hooks ------------------------------------------------------
@@ -408,28 +453,101 @@ class ElasticController:
         return s.chunked_req is not None or (not full and waiting)
 
     def before_prefill(self, running_batch) -> None:
-        """Reclaim when lent and a prefill batch may form."""
-        if self.lent and self.cfg.mode == "dynamic" and self._prefill_may_form(running_batch):
-            self.reclaim(running_batch)
+        """When lent, before SGLang forms the next batch: reclaim what the next
+        forward needs outside the CUDA graphs (:meth:`reserve_needed`), in
+        steps (:meth:`steps_needed`), or nothing when the graphs (or the
+        memory still free) hold it; counted in :attr:`reclaims_skipped`."""
+        if not self.lent or self.cfg.mode != "dynamic":
+            return
+        why, tokens = self.reserve_needed(running_batch)
+        if why is None:  # decodes only, in the graphs: nothing to decide
+            return
+        steps = self.steps_needed(tokens) if why else 0
+        if steps == 0:
+            self.reclaims_skipped += 1
+            if self.metrics:
+                self.metrics.reclaims_skipped.inc()
+            self._event(op="reclaim_skipped", held_by="the free memory" if why else "the CUDA graphs", why=why, tokens=tokens)
+            return
+        self.reclaim(running_batch, steps, why)
+
+    def reserve_needed(self, running_batch):
+        """What the next forward may need outside the CUDA graphs: ``(why,
+        tokens)``, ``why`` empty when the graphs hold it, None when no
+        prefill can form and the decode batch replays a graph (nothing to
+        reclaim for); ``tokens`` for SGLang's activation estimate
+        (:func:`eager_activation_bytes`).
+
+        A decode batch above :attr:`lend_max_bs` or with embedding overrides
+        runs eagerly (it can only have grown through a prefill that needed
+        no reclaim). A prefill needs the reserve unless
+        :attr:`prefill_in_graphs` and no request it may take (waiting,
+        chunked, waiting for a grammar) has what makes SGLang's prefill graphs
+        refuse a batch (``PrefillCudaGraphRunner.can_replay_locally``: input
+        embeddings or embedding overrides, hidden states, logprobs under
+        ``tc_piecewise``, more requests than a ``full`` graph holds), and the
+        decode batch it leads to stays within :attr:`lend_max_bs`.
+        """
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+
+        s = self.sched
+        sa = s.server_args
+        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
+        budget = chunk if chunk > 0 else (getattr(sa, "max_prefill_tokens", 0) or 0)
+        per_req = max(int(getattr(sa, "speculative_num_draft_tokens", None) or 1), 1)
+        if len(running_batch.reqs) > self.lend_max_bs or getattr(running_batch, "replace_embeds", None) is not None:
+            return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, budget)
+        if not self._prefill_may_form(running_batch):
+            return None, 0
+        if not self.prefill_in_graphs:
+            return "prefills run outside CUDA graphs", budget
+        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
+        pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+        prefill = sa.cuda_graph_config.prefill
+        if len(running_batch.reqs) + len(pending) > self.lend_max_bs:
+            return "the decode batch after this prefill may outgrow the decode graphs", budget
+        if prefill.backend == Backend.FULL and len(pending) > (getattr(prefill, "full_prefill_max_req", None) or 1):
+            return "more requests than the full prefill graphs hold", budget
+        for r in pending:
+            if getattr(r, "input_embeds", None) is not None or getattr(r, "positional_embed_overrides", None) is not None:
+                return "a request with input or override embeddings", budget
+            if getattr(r, "return_hidden_states", False):
+                return "a request for hidden states", budget
+            if prefill.backend == Backend.TC_PIECEWISE and getattr(r, "return_logprob", False):
+                return "a request for logprobs under tc_piecewise prefill graphs", budget
+        return "", 0
+
+    def steps_needed(self, tokens: int) -> int:
+        """Lent steps to reclaim so that the device has SGLang's activation
+        estimate for ``tokens`` free (what is free now, with what torch's
+        cache holds unused, counts); the most any TP rank needs (a
+        collective: every rank calls it at the same pass)."""
+        need = eager_activation_bytes(tokens, int(getattr(self.sched.server_args, "tp_size", 1) or 1) * int(getattr(self.sched.server_args, "pp_size", 1) or 1))
+        free = self.arena.backend.free_bytes() or 0
+        if torch.cuda.is_available():
+            free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        step = max(self.arena.step_bytes(), 1)
+        steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
+        return -agree_min(self.sched, -steps)
 
     def after_prefill(self, new_batch, running_batch) -> None:
-        """Count decode-only steps; lend after enough in a row, unless a
-        prefill could form on the next pass (requests wait while the batch is
-        not full: the next pass would reclaim right away) or the decode batch
-        is larger than :attr:`lend_max_bs` (it would run eagerly and need
-        the activation memory lent). The batch grows only through a prefill,
-        which :meth:`before_prefill` reclaims for, so a lent reserve never
-        meets a larger decode batch. Nor does it lend while the batch carries
-        token-embedding overrides (``replace_embeds``: SGLang keeps the
-        prefill's tensor on the batch, and the decode graphs refuse such a
-        batch at any size, ``DecodeCudaGraphRunner.can_run_graph``)."""
+        """Count decode-only steps; lend after enough in a row, unless the
+        next pass would reclaim at once (:meth:`reserve_needed`: requests wait
+        whose prefill the CUDA graphs do not hold) or the decode batch would
+        run eagerly and need the memory lent: more than :attr:`lend_max_bs`
+        requests, or token-embedding overrides (``replace_embeds``: SGLang
+        keeps the prefill's tensor on the batch, and the decode graphs refuse
+        such a batch at any size, ``DecodeCudaGraphRunner.can_run_graph``).
+        The batch grows only through a prefill; one that needed no reclaim
+        may leave a decode batch above :attr:`lend_max_bs`, and the next
+        pass's :meth:`before_prefill` reclaims before that decode runs."""
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
         if (
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
-            and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
+            and self.decode_only_steps >= self.cfg.lend_after_steps and self.reserve_needed(running_batch)[0] in (None, "")
             and len(running_batch.reqs) <= self.lend_max_bs and getattr(running_batch, "replace_embeds", None) is None
         ):
             if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
@@ -507,8 +625,9 @@ class ElasticController:
 
     # -- reclaim ------------------------------------------------------------
 
-    def reclaim(self, running_batch) -> bool:
-        """Vacate and unmap every lent row (see the module docstring).
+    def reclaim(self, running_batch, steps: Optional[int] = None, why: str = "") -> bool:
+        """Vacate and unmap the top ``steps`` lent steps (default: every lent
+        row; see the module docstring); ``why``: for the event log.
         Requests whose KV cannot move into the base are retracted (re-queued),
         never dropped; idle streaming sessions may lose their KV (their next
         turn prefills again). No collective: every rank reaches the same state
@@ -531,10 +650,12 @@ class ElasticController:
         t0 = time.perf_counter()
         self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
         t_vacate = time.perf_counter()
-        top = self.arena.base_tokens
+        steps = self.arena.lent_steps if steps is None else min(steps, self.arena.lent_steps)
+        keep = (self.arena.lent_steps - steps) * self.arena.step_tokens  # the lower steps stay lent
+        top = self.arena.base_tokens + keep
         lent_before = self.alloc.lent_tokens
         retracted: List = []
-        withdrawn = in_use = self.alloc.withdraw(0)
+        withdrawn = in_use = self.alloc.withdraw(keep)
         try:
             in_use, dropped = self._make_room(running_batch, in_use, retracted)
             if in_use.numel() * self.page > self.alloc.available_size():
@@ -556,7 +677,7 @@ class ElasticController:
         if commit is not None:
             commit()
         t_unmap = time.perf_counter()
-        self._unmap_lent("reclaim")
+        self._unmap_lent("reclaim", steps)
         if retracted:
             self._requeue(running_batch, retracted)
         if dropped:
@@ -571,7 +692,7 @@ class ElasticController:
             self.metrics.retracted_reqs.inc(len(retracted))
         wait_ms, vacate_ms, unmap_ms = (t_vacate - t0) * 1e3, (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3
         self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
-                    dropped_sessions=dropped)
+                    dropped_sessions=dropped, steps=steps, why=why)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
         return True
