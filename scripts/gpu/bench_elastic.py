@@ -29,8 +29,8 @@ Lend/reclaim latencies come from the server's own event log
 Issue 22's keys: ``reclaim_needed_ms`` (p50/p99 over the reclaims that had to
 unmap; from the eager-prefill elastic phase, whose every prefill needs the
 reserve: it runs the cycles workload too), ``lend_ms_p99``, and
-``reclaims_skipped`` (passes where a prefill could form while lent and the
-CUDA graphs held its activations, so nothing was reclaimed), per phase.
+``reclaims_skipped`` (prefills that ran while lent with nothing reclaimed:
+the CUDA graphs, or the free memory, held their activations), per phase.
 """
 
 from __future__ import annotations

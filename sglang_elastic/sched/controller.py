@@ -252,9 +252,10 @@ class ElasticController:
         #: Prefills the CUDA graphs hold, so that a prefill reclaims nothing
         #: (:func:`prefill_graphs_hold`; the same on every rank).
         self.prefill_in_graphs = prefill_graphs_hold(sched.server_args)
-        #: Passes where a prefill could form while lent and nothing had to be
-        #: reclaimed (the graphs, or the free memory, held what it needs).
+        #: Prefills that ran while lent with nothing reclaimed (the graphs, or
+        #: the free memory, held what they need).
         self.reclaims_skipped = 0
+        self._skip: Optional[dict] = None  # this pass reclaimed nothing: counted if a prefill forms
         self.metrics = None
         self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
         self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
@@ -456,18 +457,16 @@ class ElasticController:
         """When lent, before SGLang forms the next batch: reclaim what the next
         forward needs outside the CUDA graphs (:meth:`reserve_needed`), in
         steps (:meth:`steps_needed`), or nothing when the graphs (or the
-        memory still free) hold it; counted in :attr:`reclaims_skipped`."""
+        memory still free) hold it; a prefill that then forms is counted in
+        :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if not self.lent or self.cfg.mode != "dynamic":
             return
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
             return
         steps = self.steps_needed(tokens) if why else 0
-        if steps == 0:
-            self.reclaims_skipped += 1
-            if self.metrics:
-                self.metrics.reclaims_skipped.inc()
-            self._event(op="reclaim_skipped", held_by="the free memory" if why else "the CUDA graphs", why=why, tokens=tokens)
+        if steps == 0:  # counted in after_prefill, if a prefill forms
+            self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens}
             return
         self.reclaim(running_batch, steps, why)
 
@@ -541,6 +540,12 @@ class ElasticController:
         The batch grows only through a prefill; one that needed no reclaim
         may leave a decode batch above :attr:`lend_max_bs`, and the next
         pass's :meth:`before_prefill` reclaims before that decode runs."""
+        skip, self._skip = self._skip, None
+        if skip is not None and new_batch is not None:
+            self.reclaims_skipped += 1
+            if self.metrics and not self._quiet:
+                self.metrics.reclaims_skipped.inc()
+            self._event(op="reclaim_skipped", **skip)
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return

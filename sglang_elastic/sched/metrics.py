@@ -42,7 +42,7 @@ class ElasticMetrics:
         self.migrated_pages = counter("migrated_pages", "Pages (tokens at page size 1) whose K/V moved into the base on a reclaim.")
         self.retracted_reqs = counter("retracted_reqs", "Decode requests retracted (re-queued) because the base had no room on a reclaim.")
         self.vmm_failures = counter("vmm_failures", "Failed VMM calls (lending is disabled after a non-OOM one).")
-        self.reclaims_skipped = counter("reclaims_skipped", "Passes where a prefill could form while lent and nothing was reclaimed (the CUDA graphs, or the free memory, held its activations).")
+        self.reclaims_skipped = counter("reclaims_skipped", "Prefills that ran while lent with nothing reclaimed (the CUDA graphs, or the free memory, held their activations).")
         self.reclaim_stops = counter("reclaim_stops", "Reclaims that stopped with the pool still lent (no base room, or a failure); lending is off after one.")
         self.lend_ms = hist("lend_ms", "Lend latency on the scheduler thread, ms.")
         self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (vacate + unmap), ms.")
