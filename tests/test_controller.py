@@ -862,6 +862,13 @@ def test_with_prefill_graphs_a_prefill_reclaims_nothing_and_one_the_graphs_refus
     bed.sched.waiting_queue.append(embeds)
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 1 and bed.ctl.reclaims_skipped == 1
+    bed.sched.waiting_queue.clear()
+    bed.ctl.lend()
+    logprobs = bed.request(list(range(800, 820)))
+    logprobs.return_logprob = True  # its logits tail runs eagerly: up to the chunk's tokens x the vocabulary
+    bed.sched.waiting_queue.append(logprobs)
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 2
     bed.check_ownership_and_accounting()
 
 

@@ -483,8 +483,10 @@ class ElasticController:
         :attr:`prefill_in_graphs` and no request it may take (waiting,
         chunked, waiting for a grammar) has what makes SGLang's prefill graphs
         refuse a batch (``PrefillCudaGraphRunner.can_replay_locally``: input
-        embeddings or embedding overrides, hidden states, logprobs under
-        ``tc_piecewise``, more requests than a ``full`` graph holds), and the
+        embeddings or embedding overrides, hidden states, more requests than a
+        ``full`` graph holds) or has logprobs (``tc_piecewise`` refuses them,
+        ``breakable`` and ``full`` compute their logits in an eager tail, up
+        to the chunk's tokens times the vocabulary), and the
         decode batch it leads to stays within :attr:`lend_max_bs`.
         """
         from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -512,8 +514,8 @@ class ElasticController:
                 return "a request with input or override embeddings", budget
             if getattr(r, "return_hidden_states", False):
                 return "a request for hidden states", budget
-            if prefill.backend == Backend.TC_PIECEWISE and getattr(r, "return_logprob", False):
-                return "a request for logprobs under tc_piecewise prefill graphs", budget
+            if getattr(r, "return_logprob", False):  # tc_piecewise refuses it; breakable and full run its logits tail eagerly
+                return "a request for logprobs (their logits run outside the prefill graphs)", budget
         return "", 0
 
     def steps_needed(self, tokens: int) -> int:
