@@ -291,7 +291,8 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
     )
 
 
-#: SGLang features the elastic pool does not support: (flag, test on its value).
+#: SGLang features the elastic pool does not support: (flag, test on its
+#: value[, why]); without a why, the message gives the general reason.
 _UNSUPPORTED = (
     ("--speculative-algorithm", lambda v: v is not None),
     ("--enable-hierarchical-cache", bool),
@@ -306,6 +307,17 @@ _UNSUPPORTED = (
     ("--enable-unified-memory", bool),
     ("--enable-memory-saver", bool),
     ("--kv-cache-dtype", lambda v: v in ("fp4_e2m1", "mxfp8")),
+    # KV holders a reclaim cannot vacate (sglang_elastic/sched/controller.py lists every holder)
+    ("--enable-pdmux", bool, "PD-multiplexing keeps its split prefill batch's KV outside the running batch across scheduler steps"),
+    ("--dllm-algorithm", lambda v: v is not None, "diffusion LLMs keep requests' KV in a staging queue outside the running batch"),
+    ("--radix-cache-backend", bool, "a registered radix-cache backend keeps KV ids where a reclaim does not look"),
+    ("--enable-session-radix-cache", bool, "it needs SGLang's unified radix tree, whose nodes a reclaim cannot remap"),
+    ("--kv-canary", lambda v: v not in (None, "none"), "the KV canary attaches only to SGLang's own pool classes"),
+)
+#: Environment switches of SGLang's tree cache that a reclaim cannot vacate.
+_UNSUPPORTED_ENV = (
+    ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "the unified radix tree keeps KV ids in components a reclaim cannot remap"),
+    ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "the C++ radix tree keeps KV ids where a reclaim cannot remap them"),
 )
 
 
@@ -365,10 +377,14 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     _check_offload(cfg, ns)
     if not cfg.enabled:
         return
-    for flag, bad in _UNSUPPORTED:
+    for flag, bad, *why in _UNSUPPORTED:
         v = getattr(ns, flag[2:].replace("-", "_"), None)
         if bad(v):
-            raise ConfigError(f"--enable-elastic-kv does not support {flag} {v!r} (the elastic pool is SGLang's plain MHA pool on one device, no spec decoding, no host-cache tiers)")
+            reason = why[0] if why else "the elastic pool is SGLang's plain MHA pool on one device, no spec decoding, no host-cache tiers"
+            raise ConfigError(f"--enable-elastic-kv does not support {flag} {v!r} ({reason})")
+    for env, reason in _UNSUPPORTED_ENV:
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            raise ConfigError(f"--enable-elastic-kv does not support {env}=1 ({reason})")
     if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").lower() in ("1", "true", "yes"):
         raise ConfigError("--enable-elastic-kv and SGLANG_ENABLE_POST_CAPTURE_KV_SIZING both size the KV pool after CUDA-graph capture: use one")
 

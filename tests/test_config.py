@@ -148,3 +148,44 @@ def test_bad_decode_flags_stop_with_one_clear_line(flags, message, capsys):
 def test_decode_policy_value_checked_in_the_config_object():
     with pytest.raises(config.ConfigError, match="--decode-policy must be one of"):
         config.ElasticKVConfig(decode_policy="fastest")
+
+
+@pytest.mark.parametrize(
+    "flags,env,message",
+    [
+        ({"enable_pdmux": True}, None, "does not support --enable-pdmux True (PD-multiplexing keeps its split prefill batch's KV outside"),
+        ({"dllm_algorithm": "LowConfidence"}, None, "does not support --dllm-algorithm 'LowConfidence' (diffusion LLMs keep requests' KV in a staging queue"),
+        ({"radix_cache_backend": "mine"}, None, "does not support --radix-cache-backend 'mine' (a registered radix-cache backend"),
+        ({"enable_session_radix_cache": True}, None, "does not support --enable-session-radix-cache True (it needs SGLang's unified radix tree"),
+        ({"kv_canary": "log"}, None, "does not support --kv-canary 'log' (the KV canary attaches only to SGLang's own pool classes)"),
+        ({}, "SGLANG_ENABLE_UNIFIED_RADIX_TREE", "does not support SGLANG_ENABLE_UNIFIED_RADIX_TREE=1 (the unified radix tree keeps KV ids in components"),
+        ({}, "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "does not support SGLANG_EXPERIMENTAL_CPP_RADIX_TREE=1 (the C++ radix tree"),
+    ],
+)
+def test_kv_holders_a_reclaim_cannot_vacate_are_refused_with_the_reason(flags, env, message, monkeypatch):
+    """Issue 22, defect 1 and 5: every SGLang feature that keeps KV ids where
+    a reclaim does not look is refused at start-up, one line naming it and why."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    ns = argparse.Namespace(**{f: getattr(ServerArgs, f) for f in ("enable_pdmux", "dllm_algorithm", "radix_cache_backend",
+                                                                     "enable_session_radix_cache", "kv_canary")})
+    for name in ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"):
+        monkeypatch.delenv(name, raising=False)
+    config.check_server_args(config.ElasticKVConfig(enabled=True), ns)  # SGLang's defaults pass
+    if env:
+        monkeypatch.setenv(env, "1")
+    for k, v in flags.items():
+        setattr(ns, k, v)
+    with pytest.raises(config.ConfigError) as e:
+        config.check_server_args(config.ElasticKVConfig(enabled=True), ns)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    config.check_server_args(config.ElasticKVConfig(enabled=False), ns)  # nothing is refused without the pool
+
+
+def test_streaming_sessions_are_accepted_with_the_elastic_pool():
+    """Their slots are remapped by a reclaim (tests/test_sessions.py)."""
+    r, cfg = launch_args("--enable-elastic-kv", "--enable-streaming-session")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cfg["enabled"] is True

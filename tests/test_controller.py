@@ -5,8 +5,11 @@ and our pool on the host VMM backend.
 
 SGLang's ``Scheduler`` itself needs a GPU model runner, so the controller gets
 a shell holding the real components it reads (the attributes the scheduler
-has). ``ScheduleBatch``'s tensor fields belong to the forward pass, which does
-not run here: :class:`Batch` keeps only its ``reqs`` when filtering.
+has: SGLang's pool-stats observer, invariant checker, session controller and,
+with ``streaming=True``, the ``StreamingSession`` tree wrapper that
+``--enable-streaming-session`` installs). ``ScheduleBatch``'s tensor fields
+belong to the forward pass, which does not run here: :class:`Batch` keeps only
+its ``reqs`` when filtering.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.managers.io_struct import OpenSessionReqInput
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+from sglang.srt.session.session_controller import SessionController
+from sglang.srt.session.streaming_session import StreamingSession
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.common import evict_from_tree_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -65,26 +73,49 @@ class Bed:
 
     tp = None  # (rank, torch.distributed group) for TP tests
 
-    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024):
+    def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024, streaming=False, lend_bytes=None,
+                 free_bytes=None, tree=None, server_args=None, mode="dynamic", encoder_decoder=False):
+        """``free_bytes``: the host backend then reports this much free device
+        memory at the controller's start (a capacity beyond what the pool
+        holds); ``tree``: a tree-cache class in place of SGLang's RadixCache."""
         self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
+        if free_bytes is not None:
+            self.be.capacity = sum(self.be._handle_bytes.values()) + free_bytes
         self.r2t = ReqToTokenPool(16, 1024, "cpu", False)
         params = CacheInitParams(disable=chunk_cache, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1)
-        self.tree = ChunkCache(params) if chunk_cache else RadixCache(params)  # ChunkCache: --disable-radix-cache
+        if tree is not None:
+            inner = tree(params)
+        else:
+            inner = ChunkCache(params) if chunk_cache else RadixCache(params)  # ChunkCache: --disable-radix-cache
+        self.tree = StreamingSession(inner) if streaming else inner  # as SGLang's create_tree_cache wraps it
+        self.sessions = SessionController(self.tree)
         self.batch = Batch(reqs=[], req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree)
+        server_args = server_args or types.SimpleNamespace(disaggregation_mode="null", speculative_num_draft_tokens=None,
+                                                           cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend=Backend.FULL, max_bs=graph_bs)))
         self.sched = types.SimpleNamespace(
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree, req_to_token_pool=self.r2t, waiting_queue=[], chunked_req=None,
-            running_batch=self.batch,
+            running_batch=self.batch, last_batch=None, session_controller=self.sessions,
+            model_config=types.SimpleNamespace(is_encoder_decoder=encoder_decoder),
             tp_group=types.SimpleNamespace(world_size=2 if self.tp else 1, rank_in_group=self.tp[0] if self.tp else 0),
             tp_cpu_group=self.tp[1] if self.tp else None, metrics_reporter=types.SimpleNamespace(enable_metrics=False),
-            invariant_checker=types.SimpleNamespace(max_total_num_tokens=BASE - 1), pool_stats_observer=types.SimpleNamespace(max_total_num_tokens=BASE - 1),
-            server_args=types.SimpleNamespace(disaggregation_mode="null", speculative_num_draft_tokens=None,
-                                              cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend=Backend.FULL, max_bs=graph_bs))),
-            new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
+            server_args=server_args, new_token_ratio_tracker=types.SimpleNamespace(current=0.7),
         )
+        # SGLang's own observer and checker, as Scheduler.init_pool_stats_observer / init_invariant_checker build them
+        self.sched.pool_stats_observer = SchedulerPoolStatsObserver(
+            tree_cache=self.tree, token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.r2t, session_controller=self.sessions,
+            hisparse_coordinator=None, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hisparse=False, full_tokens_per_layer=None,
+            swa_tokens_per_layer=None, max_total_num_tokens=BASE - 1, get_last_batch=lambda: self.batch, get_running_batch=lambda: self.batch)
+        self.sched.invariant_checker = SchedulerInvariantChecker(
+            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=DisaggregationMode.NULL, page_size=1, full_tokens_per_layer=None,
+            swa_tokens_per_layer=None, max_total_num_tokens=BASE - 1, server_args=server_args, tree_cache=self.tree,
+            token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.r2t, pool_stats_observer=self.sched.pool_stats_observer,
+            get_last_batch=lambda: self.batch, get_running_batch=lambda: self.batch)
         self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
-        cfg = ElasticKVConfig(enabled=True, lend_bytes=ELASTIC * sum(self.pool.arena.row_bytes), margin_mb=margin_mb)
+        if lend_bytes is None:
+            lend_bytes = ELASTIC * sum(self.pool.arena.row_bytes)
+        cfg = ElasticKVConfig(enabled=True, mode=mode, lend_bytes=lend_bytes, margin_mb=margin_mb)
         if stock_pool:  # this rank's elastic pool failed to build: SGLang's allocator instead
             self.sched.token_to_kv_pool_allocator = TokenToKVPoolAllocator(BASE - 1, torch.bfloat16, "cpu", self.pool, False)
         saved = os.environ.get(config.ENV)
@@ -106,33 +137,52 @@ class Bed:
             k = torch.randn(len(ids), self.pool.head_num, self.pool.head_dim, generator=self.gen).bfloat16()
             self.pool.set_kv_buffer(layer(l), ids, k, -k)
 
-    def admit(self, tokens) -> bool:
-        req = Req(f"r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=1 << 20))
+    def open_session(self, sid: str):
+        """A streaming session (``/open_session`` with ``streaming=True``)."""
+        assert self.sessions.open(OpenSessionReqInput(capacity_of_str_len=1 << 16, session_id=sid, streaming=True)).success
+        return self.sessions.get(sid)
+
+    def request(self, tokens, session=None):
+        req = Req(f"r{self.n}", "", array("q", tokens), SamplingParams(max_new_tokens=1 << 20), session=session)
         self.n += 1
-        req.init_next_round_input(self.tree)  # SGLang's prefix match: prefix_indices, last_node, extend_range
+        return req
+
+    def admit(self, tokens, session=None, req=None):
+        """Admit a request as SGLang's prefill does (match, allocate, write
+        ``req_to_token``, K/V, ``cache_unfinished_req``); returns it, or None
+        when the pool has no room. A streaming turn (``session``) restores its
+        session's slot in the match, as SGLang does."""
+        req = req or self.request(tokens, session)
+        req.init_next_round_input(self.tree)  # SGLang's prefix match: prefix_indices, last_node, extend_range, cache_protected_len
         prefix = req.prefix_indices
+        self.tree.inc_lock_ref(req.last_node)
+        evict_from_tree_cache(self.tree, len(tokens) - len(prefix))  # as SGLang's alloc_token_slots does
         new = self.alloc.alloc(len(tokens) - len(prefix))
-        if new is None or self.r2t.available_size() == 0:
+        if new is None or (req.req_pool_idx is None and self.r2t.available_size() == 0):
             if new is not None:
                 self.alloc.free(new)
-            return False
-        self.tree.inc_lock_ref(req.last_node)
-        req.cache_protected_len = len(prefix)
+            self.tree.dec_lock_ref(req.last_node)
+            return None
         req.set_extend_range(len(prefix), len(tokens))  # as PrefillAdder does
-        self.r2t.alloc([req])
+        self.r2t.alloc([req])  # a restored streaming turn keeps its slot's row
         self.r2t.write((req.req_pool_idx, slice(0, len(tokens))), torch.cat((prefix, new)).to(torch.int32))
         self._write(new)
-        req.kv = ReqKvInfo(kv_allocated_len=len(tokens), swa_evicted_seqlen=0)
+        if req.kv is None:
+            req.kv = ReqKvInfo(kv_allocated_len=len(tokens), swa_evicted_seqlen=0)
+        req.kv.kv_allocated_len = len(tokens)
         req.kv_committed_len = len(tokens)
         self.tree.cache_unfinished_req(req)
         self.batch.reqs.append(req)
-        return True
+        return req
 
-    def decode(self) -> bool:
-        locs = self.alloc.alloc(len(self.batch.reqs))
+    def decode(self, only=None) -> bool:
+        """One decode step of the running batch (or of the requests ``only``)."""
+        reqs = [r for r in self.batch.reqs if only is None or r in only]
+        evict_from_tree_cache(self.tree, len(reqs))  # as SGLang's alloc_for_decode does
+        locs = self.alloc.alloc(len(reqs))
         if locs is None:
             return False
-        for req, loc in zip(self.batch.reqs, locs.tolist()):
+        for req, loc in zip(reqs, locs.tolist()):
             self.r2t.req_to_token[req.req_pool_idx, req.kv.kv_allocated_len] = loc
             req.kv.kv_allocated_len += 1
             req.kv_committed_len += 1
@@ -140,13 +190,20 @@ class Bed:
         self._write(locs)
         return True
 
-    def finish(self, i: int) -> None:
-        req = self.batch.reqs.pop(i)
+    def finish(self, i) -> None:
+        """SGLang's finish path (``release_kv_cache``): into the tree, or into
+        its session's slot for a streaming turn. ``i``: index or request."""
+        req = self.batch.reqs.pop(i if isinstance(i, int) else self.batch.reqs.index(i))
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))  # as the scheduler sets it before releasing
         release_kv_cache(req, self.tree)
 
     # -- what must hold ------------------------------------------------------
     def rows(self):
         return {r.rid: self.r2t.req_to_token[r.req_pool_idx, : r.kv.kv_allocated_len].to(torch.int64).clone() for r in self.batch.reqs}
+
+    def slot_row(self, sid):
+        slot = self.tree.slots[sid]
+        return self.r2t.req_to_token[slot.req_pool_idx, : slot.kv.kv_allocated_len].to(torch.int64).clone()
 
     def k_of(self, ids):
         return torch.stack([self.pool.get_key_buffer(l)[ids] for l in range(LAYERS)])
@@ -156,22 +213,28 @@ class Bed:
         free = torch.cat((a.free_pages, a.release_pages)).tolist()
         tree_ids = [t for n in _nodes(self.tree) for t in n.value.tolist()]
         req_ids = [t for r in self.batch.reqs for t in self.r2t.req_to_token[r.req_pool_idx, r.cache_protected_len : r.kv.kv_allocated_len].tolist()]
-        owned = free + tree_ids + req_ids
+        running_rows = {r.req_pool_idx for r in self.batch.reqs}
+        slot_ids = [t for slot in getattr(self.tree, "slots", {}).values() if slot.is_holding_kv and slot.req_pool_idx not in running_rows
+                    for t in self.r2t.req_to_token[slot.req_pool_idx, slot.cache_protected_len : slot.kv.kv_allocated_len].tolist()]
+        owned = free + tree_ids + req_ids + slot_ids
         assert len(owned) == len(set(owned)), "an id is owned twice"
         usable = set(range(1, a.usable_base_tokens)) | set(range(a.base_tokens, a.base_tokens + a.lent_tokens))
         assert set(owned) == usable, "owned and free ids must partition the backed ids"
-        # SGLang's own invariant: available + evictable + protected + uncached == total
-        leak, msg = SchedulerInvariantChecker._check_pool_invariant(
-            "full", a.available_size(), self.tree.evictable_size(), self.tree.protected_size(), 0,
-            self.sched.invariant_checker.max_total_num_tokens, len(req_ids))
+        # SGLang's own invariant (available + evictable + protected + session_held + uncached == total) and its
+        # KV page check (no owner, request or session slot, references a free page; no page is free twice)
+        checker = self.sched.invariant_checker
+        leak, msg = checker._check_full_pool(self.sched.pool_stats_observer.get_pool_stats(), uncached=len(req_ids))
         assert not leak, msg
-        assert self.sched.invariant_checker.max_total_num_tokens == a.size == self.sched.pool_stats_observer.max_total_num_tokens
+        warnings = checker.count_memory_leak_warnings
+        checker._check_kv_page_invariants()
+        assert checker.count_memory_leak_warnings == warnings, "SGLang's KV page check found a use-after-free or a double free"
+        assert checker.max_total_num_tokens == a.size == self.sched.pool_stats_observer.max_total_num_tokens
 
 
 def _nodes(tree):
     if tree.is_chunk_cache():
         return
-    stack = list(tree.root_node.children.values())
+    stack = list(tree.root_node.children.values())  # StreamingSession forwards root_node to its tree
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
@@ -189,7 +252,8 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
     bed.ctl.lend()
     assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
     assert bed.ctl.state() == {"mode": "dynamic", "base_tokens": BASE - 1, "lendable_tokens": ELASTIC, "lent_tokens": ELASTIC,
-                               "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False}
+                               "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False,
+                               "reclaims_skipped": 0}
     assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens (radix), needs 90+ more: spills into the lent range
     for _ in range(5 if chunk_cache else 20):  # no shared prefix in a chunk cache: less room left
         assert bed.decode()
@@ -520,3 +584,337 @@ def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch(
     assert int(before.max()) >= bed.alloc.base_tokens > int(after.max())
     assert torch.equal(bed.k_of(after), k)
     assert int(chunked.prefix_indices.max()) < bed.alloc.base_tokens
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "never lent"])
+def test_a_reclaim_keeps_the_recently_used_prefix_and_evicts_the_least_recently_used(lend):
+    """Issue 22, defect 2: a turn decoded while lent, then its follow-up
+    arrives. The reclaim moves the cached answer into the base and evicts the
+    180 older cached tokens (SGLang's LRU), so the follow-up reuses what it
+    would without lending: 100 of its 110 prompt tokens (before: the answer,
+    whose pages were lent, was evicted by address; 50 reused)."""
+    bed = Bed()
+    old = list(range(50000, 50180))
+    bed.finish(bed.admit(old))  # 180 cached tokens, used long ago
+    if lend:
+        bed.ctl.lend()
+    turn = bed.admit(list(range(100, 150)))  # 50 base tokens: 25 left
+    for _ in range(50):
+        assert bed.decode()  # lent: 25 base and 25 lent tokens; not lent: SGLang evicts the old prefix at the 26th
+    bed.finish(turn)  # prompt and answer cached
+    cached = list(range(100, 150)) + list(turn.output_ids)
+    bed.sched.waiting_queue.append(bed.request(cached + list(range(8000, 8010))))
+    bed.ctl.before_prefill(bed.batch)  # a prefill may form: reclaim
+    assert bed.alloc.lent_tokens == 0
+    follow_up = bed.sched.waiting_queue.pop()
+    follow_up.init_next_round_input(bed.tree)  # SGLang's match at admission
+    assert follow_up.prefix_indices.numel() == 100
+    assert int(follow_up.prefix_indices.max()) < bed.alloc.base_tokens
+    probe = bed.request(old)
+    probe.init_next_round_input(bed.tree)
+    assert probe.prefix_indices.numel() == 0  # the old prefix went instead
+    bed.check_ownership_and_accounting()
+
+
+def test_lend_bytes_above_the_free_memory_are_capped_at_what_was_measured(caplog):
+    """Issue 22, defect 3: --elastic-kv-lend-bytes 100000GiB was accepted as
+    is. It is capped at the free memory measured after capture, less the
+    margin, with one warning; the pool's VA reservation too."""
+    from sglang_elastic.sched import controller
+    from sglang_elastic.sched.build import _ElasticPoolFactory
+    from sglang_elastic.vmm import HostBackend
+
+    row = 2 * LAYERS * 2 * 64 * 2  # K and V of every layer, bf16: test_pool's shape
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        bed = Bed(lend_bytes=100000 << 30, free_bytes=64 * row, margin_mb=0)
+    assert bed.ctl.lendable_tokens == 64  # not the 128 the pool reserved
+    [line] = [r.getMessage() for r in caplog.records if "--elastic-kv-lend-bytes" in r.getMessage()]
+    assert "lending at most" in line
+    assert bed.ctl.lend() == 64 and bed.be.free_bytes() == 0
+    # the pool's reservation, when SGLang builds it: what is free, not 100000 GiB
+    be = HostBackend(granularity=4096, capacity=(256 + 512) * row)
+    pool = _ElasticPoolFactory(be, ElasticKVConfig(enabled=True, lend_bytes=100000 << 30))(
+        256, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    assert pool.arena.max_elastic_tokens * row <= (256 + 512) * row
+
+
+def test_repeated_out_of_memory_lends_stop_lending(caplog):
+    """Issue 22, defect 3: with a device that runs out at half the step the
+    pool tried again every 32 decode-only steps (10 times in 320), each time
+    taking all free memory before rolling back, with warnings only. It stops
+    after three lends in a row found no memory, with one error."""
+    from sglang_elastic.sched import controller
+
+    row = 2 * LAYERS * 2 * 64 * 2
+    bed = Bed(free_bytes=ELASTIC * row, margin_mb=0)
+    assert bed.ctl.lendable_tokens == ELASTIC
+    bed.be.capacity = sum(bed.be._handle_bytes.values()) + ELASTIC * row // 2  # something else took half of it
+    assert bed.admit(list(range(20)))
+    creates = bed.be.calls["create"]
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        for _ in range(320):
+            bed.ctl.after_prefill(None, bed.batch)
+    assert bed.be.calls["create"] - creates == 3  # one handle per step here: one create per lend (before: 10)
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"sglang-elastic: 3 lends in a row found no device memory for {ELASTIC * row / 2**30:.2f} GiB; lending is off"]
+    bed.check_ownership_and_accounting()
+
+
+def _decode_runner(**kw):
+    """The fields SGLang's DecodeCudaGraphRunner.can_run_graph reads, as a
+    runner with 256 captured sizes and no LoRA, spec or DP attention has them."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    fields = dict(ragged_verify_mode=False, captured_req_width=1, require_mlp_tp_gather=False, disable_padding=False, max_bs=256,
+                  require_mlp_sync=False, is_encoder_decoder=False, enable_two_batch_overlap=False, enable_pdmux=False,
+                  model_runner=types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.NONE),
+                  _make_graph_key=lambda *a, **k: None, _resolve_lora_variant=lambda fb: None)
+    fields.update(kw)
+    return types.SimpleNamespace(**fields)
+
+
+def test_sglangs_decode_graphs_refuse_batches_below_max_bs_with_embedding_overrides_tbo_or_an_encoder_without_input():
+    """Issue 22, defect 5, confirmed from SGLang's own can_run_graph: these
+    decode batches of 8 requests (max_bs 256) run eagerly, so their
+    activations come from memory the pool lends."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    def fb(**kw):
+        f = dict(replace_embeds=None, spec_info=None, batch_size=8, forward_mode=ForwardMode.DECODE, encoder_lens=None, can_run_tbo=True,
+                 input_ids=torch.zeros(8))
+        f.update(kw)
+        return types.SimpleNamespace(**f)
+
+    can_run = DecodeCudaGraphRunner.can_run_graph
+    assert can_run(_decode_runner(), fb())
+    assert not can_run(_decode_runner(), fb(replace_embeds=torch.zeros(1, 16)))
+    assert not can_run(_decode_runner(enable_two_batch_overlap=True), fb(can_run_tbo=False))
+    assert not can_run(_decode_runner(is_encoder_decoder=True), fb(encoder_lens=torch.tensor([5, 0, 5, 5, 5, 5, 5, 5])))
+    # SGLang keeps the prefill's replace_embeds on the batch into its decodes (0.5.17 clears input_embeds only)
+    import inspect
+
+    src = inspect.getsource(ScheduleBatch.prepare_for_decode)
+    assert "self.input_embeds = None" in src and "replace_embeds" not in src
+
+
+def test_no_lend_while_the_decode_batch_carries_token_embedding_overrides():
+    bed = Bed()
+    assert bed.admit(list(range(10)))
+    bed.batch.replace_embeds = torch.zeros(2, 16)  # left on the batch by the prefill that built it
+    for _ in range(3 * bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0, "lent under a decode batch that runs without a graph"
+    bed.batch.replace_embeds = None
+    for _ in range(bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+
+
+def test_with_two_batch_overlap_or_an_encoder_decoder_model_only_the_margin_bounds_the_lent_batch():
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    model = os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b")
+    tbo = ServerArgs(model_path=model, device="cuda", enable_two_batch_overlap=True)
+    assert tbo.cuda_graph_config.decode.max_bs == 160  # the graphs SGLang captures for it
+    assert lend_max_batch(tbo, 1024) == 0 and lend_max_batch(tbo, 8192) == 5034  # the eager estimate's bound only
+    plain = ServerArgs(model_path=model, device="cuda", cuda_graph_max_bs_decode=256)
+    assert lend_max_batch(plain, 1024) == 256 and lend_max_batch(plain, 1024, encoder_decoder=True) == 0
+    bed = Bed(encoder_decoder=True)  # the controller reads the model config
+    assert bed.ctl.lend_max_bs == 0
+    assert bed.admit(list(range(10)))
+    for _ in range(3 * bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0
+
+
+def test_v1_loads_and_the_kv_events_report_the_capacity_their_token_usage_divides_by():
+    """Issue 22, defect 5: /v1/loads (SchedulerLoadInquirer.get_loads) and
+    the KV-events publisher kept the base max_total_num_tokens while the pool
+    stats' token_usage divides by the lent size; kv_active_blocks
+    (token_usage x max_total_num_tokens) was wrong by that ratio."""
+    import zmq
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.managers.scheduler_components.kv_events_publisher import SchedulerKvEventsPublisher
+    from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+    from sglang.srt.observability.metrics_collector import SchedulerStats
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    bed = Bed()
+    stats = SchedulerStats()
+    none = lambda: None  # noqa: E731
+    bed.sched.load_inquirer = SchedulerLoadInquirer(
+        disaggregation_mode=DisaggregationMode.NULL, ps=types.SimpleNamespace(dp_rank=None), server_args=bed.sched.server_args,
+        max_total_num_tokens=BASE - 1, max_running_requests=16, pool_stats_observer=bed.sched.pool_stats_observer,
+        tp_worker=types.SimpleNamespace(), token_to_kv_pool_allocator=bed.alloc, spec_algorithm=SpeculativeAlgorithm.NONE,
+        get_running_batch=lambda: bed.batch, get_waiting_queue=lambda: bed.sched.waiting_queue, get_stats=lambda: stats,
+        get_chunked_req=none, get_disagg_prefill_bootstrap_queue=none, get_disagg_prefill_inflight_queue=none,
+        get_disagg_decode_prealloc_queue=none, get_disagg_decode_transfer_queue=none, get_spec_total_num_accept_tokens=lambda: 0,
+        get_spec_total_num_forward_ct=lambda: 0, get_total_prefill_uncached_tokens=lambda: 0, get_total_prefill_busy_us=lambda: 0,
+        get_decode_moment_totals=lambda: [0.0] * 6)
+    ctx = zmq.Context.instance()
+    rx, tx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    rx.bind("inproc://kv-metrics")
+    tx.connect("inproc://kv-metrics")
+    ps = types.SimpleNamespace(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=None)
+    bed.sched.kv_events_publisher = SchedulerKvEventsPublisher(
+        kv_events_config=None, ps=ps, attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0, dp_rank=None,
+        tree_cache=bed.tree, send_metrics_from_scheduler=tx, max_running_requests=16, max_total_num_tokens=BASE - 1, get_stats=lambda: stats)
+    # on, as --kv-events-config turns it on (SGLang 0.5.17's "null" publisher cannot be built from a config: it takes no arguments)
+    bed.sched.kv_events_publisher.enable_kv_cache_events = True
+    try:
+        bed.ctl.lend()
+        assert bed.admit(list(range(300)))  # 300 used tokens: more than the base holds
+        snap = bed.sched.load_inquirer.get_loads()
+        assert snap.num_used_tokens == 300 and snap.max_total_num_tokens == bed.alloc.size == BASE - 1 + ELASTIC
+        assert round(snap.token_usage * snap.max_total_num_tokens) == snap.num_used_tokens
+        bed.sched.pool_stats_observer.get_pool_stats().update_scheduler_stats(stats)  # as SGLang's metrics reporter does
+        bed.sched.kv_events_publisher.emit_kv_metrics()
+        kv = sock_recv(rx)
+        assert kv.kv_total_blocks == bed.alloc.size
+        assert abs(kv.kv_active_blocks - 300) <= 0.005 * bed.alloc.size + 1  # token_usage is rounded to 2 digits
+        bed.finish(0)
+        bed.ctl.reclaim(bed.batch)
+        assert bed.sched.load_inquirer.get_loads().max_total_num_tokens == BASE - 1  # back to the base
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "always-lent"])
+def test_a_tree_cache_the_reclaim_cannot_vacate_turns_lending_off_with_one_line(mode, caplog):
+    """Issue 22, defect 5, confirmed: SGLang's unified radix tree
+    (SGLANG_ENABLE_UNIFIED_RADIX_TREE; the C++ tree likewise) has no
+    evictable_leaves and keeps its ids in components, so the start-up warm-up
+    reclaim failed with an AttributeError (and always-lent lent without a
+    way back). The flag is refused at start-up (test_config.py); if such a
+    tree is built anyway, the controller lends nothing and says why."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from sglang_elastic.sched import controller
+
+    assert not hasattr(UnifiedRadixCache, "evictable_leaves")
+
+    def unified(params):
+        params.tree_components = (ComponentType.FULL,)  # as SGLang's _create_unified_radix_cache sets them
+        return UnifiedRadixCache(params)
+
+    with caplog.at_level("INFO", logger=controller.__name__):
+        bed = Bed(tree=unified, mode=mode)
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0 and bed.be.calls.get("unmap", 0) == 0  # nothing was lent
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "UnifiedRadixCache" in errors[0].getMessage() and "lending is off" in errors[0].getMessage()
+
+
+def _graph_args(**kw):
+    """SGLang's resolved ServerArgs for the embedded Llama-3.1-8B shape on a
+    GPU: decode graphs up to 32 requests, 8,192-token chunks, SGLang's
+    default breakable prefill graphs on CUDA captured up to the chunk (named:
+    without a GPU SGLang would pick tc_piecewise)."""
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    kw = {"cuda_graph_max_bs_decode": 32, "chunked_prefill_size": 8192, "cuda_graph_backend_prefill": Backend.BREAKABLE, **kw}
+    return ServerArgs(model_path=os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b"), device="cuda", **kw)
+
+
+def test_prefill_graphs_hold_is_sglangs_own_rule_for_dropping_the_prefill_reserve(monkeypatch):
+    """Issue 22, build 1: a prefill reclaims nothing when SGLang's prefill
+    graphs capture the largest prefill buffer: the condition under which
+    SGLang's post-capture KV sizing keeps no prefill activation reserve."""
+    from sglang_elastic.sched.controller import prefill_graphs_hold
+
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "1")  # only to ask SGLang's own rule below
+    held = _graph_args()
+    assert held.cuda_graph_config.prefill.backend == Backend.BREAKABLE and max(held.cuda_graph_config.prefill.bs) == 8192
+    eager = _graph_args(cuda_graph_backend_prefill=Backend.DISABLED)
+    short = _graph_args(chunked_prefill_size=16384, cuda_graph_max_bs_prefill=8192)  # chunks above the largest captured size
+    assert max(short.cuda_graph_config.prefill.bs) == 8192 < short.max_prefill_buffer_tokens()
+    for args, want in ((held, True), (eager, False), (short, False)):
+        assert prefill_graphs_hold(args) is want
+        assert args.post_capture_kv_sizing_planned() is want  # SGLang agrees
+    lora = types.SimpleNamespace(cuda_graph_config=held.cuda_graph_config, chunked_prefill_size=8192, enable_lora=True,
+                                 max_prefill_buffer_tokens=held.max_prefill_buffer_tokens)
+    assert not prefill_graphs_hold(lora)  # LoRA prefills replay eagerly
+
+
+def test_with_prefill_graphs_a_prefill_reclaims_nothing_and_one_the_graphs_refuse_reclaims():
+    bed = Bed(server_args=_graph_args())
+    assert bed.ctl.prefill_in_graphs
+    assert bed.admit(list(range(10)))
+    bed.ctl.lend()
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    bed.ctl.before_prefill(bed.batch)  # the graphs hold this prefill's activations
+    assert bed.alloc.lent_tokens == ELASTIC and bed.ctl.cycles == 0
+    bed.ctl.after_prefill(None, bed.batch)  # no prefill formed this pass: not counted
+    bed.ctl.before_prefill(bed.batch)
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # SGLang formed the prefill batch: one reclaim skipped
+    assert bed.alloc.lent_tokens == ELASTIC and bed.ctl.reclaims_skipped == 1 and bed.ctl.state()["reclaims_skipped"] == 1
+    for _ in range(bed.ctl.cfg.lend_after_steps):  # and a lend is not held back by a waiting request then
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC
+    embeds = bed.request(list(range(700, 720)))
+    embeds.input_embeds = [[0.0] * 16] * 20  # SGLang's prefill graphs refuse input embeddings (can_replay_locally)
+    bed.sched.waiting_queue.append(embeds)
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 1 and bed.ctl.reclaims_skipped == 1
+    bed.sched.waiting_queue.clear()
+    bed.ctl.lend()
+    logprobs = bed.request(list(range(800, 820)))
+    logprobs.return_logprob = True  # its logits tail runs eagerly: up to the chunk's tokens x the vocabulary
+    bed.sched.waiting_queue.append(logprobs)
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 0 and bed.ctl.cycles == 2
+    bed.check_ownership_and_accounting()
+
+
+def test_a_decode_batch_that_outgrows_the_graphs_after_a_prefill_without_reclaim_is_reclaimed_for():
+    bed = Bed(server_args=_graph_args(cuda_graph_max_bs_decode=2), margin_mb=0)
+    assert bed.ctl.lend_max_bs == 2
+    assert bed.admit(list(range(10)))
+    bed.ctl.lend()
+    bed.sched.waiting_queue.append(bed.request(list(range(100, 110))))
+    bed.ctl.before_prefill(bed.batch)  # 1 running + 1 waiting: the decode graphs hold the next batch
+    assert bed.alloc.lent_tokens == ELASTIC
+    assert bed.admit(list(range(100, 110)), req=bed.sched.waiting_queue.pop())  # SGLang's prefill, on lent memory
+    bed.sched.waiting_queue.append(bed.request(list(range(200, 210))))
+    bed.ctl.before_prefill(bed.batch)  # 2 running + 1 waiting: the batch after it would run eagerly
+    assert bed.alloc.lent_tokens == 0
+    bed.ctl.lend()
+    assert bed.admit(list(range(200, 210)), req=bed.sched.waiting_queue.pop())  # a batch of 3 (as after a skipped reclaim)
+    bed.ctl.before_prefill(bed.batch)  # nothing waits, but the next decode runs eagerly
+    assert bed.alloc.lent_tokens == 0
+    bed.check_ownership_and_accounting()
+
+
+def test_an_eager_prefill_reclaims_only_the_steps_sglangs_estimate_needs():
+    """Issue 22, build 1: with eager prefill the reclaim frees what SGLang's
+    activation estimate for a chunk needs beyond the memory free now, in
+    whole steps from the top; the lower steps stay lent and untouched."""
+    from sglang_elastic.sched.controller import eager_activation_bytes
+
+    row = 2 * LAYERS * 2 * 64 * 2
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * row, margin_mb=0)
+    bed.ctl.lendable_tokens = bed.pool.arena.set_steps(ELASTIC, 64)  # two steps of 64 tokens
+    assert bed.ctl.lend() == ELASTIC and bed.pool.arena.lent_steps == 2
+    bed.finish(bed.admit(list(range(20000, 20200))))  # 200 base tokens cached, evictable
+    b = bed.admit(list(range(1000, 1150)))  # 55 base and 95 lent tokens: both steps
+    row_b = bed.rows()[b.rid]
+    top = bed.alloc.base_tokens + 64
+    assert int(row_b.max()) >= top
+    kept = row_b[(row_b >= bed.alloc.base_tokens) & (row_b < top)]
+    k = bed.k_of(row_b)
+    # the device has all but half a step of what an 8,192-token eager prefill needs
+    need = eager_activation_bytes(8192)
+    bed.be.capacity = sum(bed.be._handle_bytes.values()) + need - bed.pool.arena.step_bytes() // 2
+    bed.sched.waiting_queue.append(bed.request(list(range(5000, 5100))))
+    bed.ctl.before_prefill(bed.batch)
+    assert bed.alloc.lent_tokens == 64 and bed.pool.arena.lent_steps == 1  # one step back, one still lent
+    after = bed.rows()[b.rid]
+    assert int(after.max()) < top and torch.equal(bed.k_of(after), k)
+    assert torch.equal(after[(after >= bed.alloc.base_tokens)], kept)  # ids in the kept step did not move
+    bed.check_ownership_and_accounting()

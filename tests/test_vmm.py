@@ -218,3 +218,39 @@ def test_host_backend_rejects_misaligned_requests():
         be.create(GRAN + 4096)
     with pytest.raises(ValueError):
         HostBackend(granularity=os.sysconf("SC_PAGE_SIZE") + 1)
+
+
+def test_a_handle_whose_release_failed_in_a_reclaim_is_released_by_close():
+    """Issue 22, defect 4: a failed cuMemRelease in a reclaim left the handle
+    alive after close() (failed releases were not retried)."""
+    be = HostBackend(granularity=GRAN)
+    a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=64, step_tokens=64)
+    a.lend()
+    be.fail_on["release"] = lambda n: n == 1
+    with pytest.raises(VmmError, match="release failed"):
+        a.reclaim()
+    assert a.lent_steps == 0 and a.lending_disabled
+    assert be.live_handles == 2  # the base's handle and the one whose release failed
+    be.fail_on.clear()
+    a.close()
+    assert be.live_handles == 0
+
+
+def test_an_out_of_memory_whose_rollback_unmap_fails_is_recorded_and_cleaned_up_by_close():
+    """Issue 22, defect 4: out of memory in handle creation whose rollback
+    unmap also failed left the mapping unrecorded: the next lend failed with
+    'range already mapped', close() with 'range still has mappings'. Here
+    one handle per buffer (the H200's case): the second create runs out of
+    memory, the rollback's unmap of the first buffer fails."""
+    be = HostBackend(granularity=GRAN, offset_mapping=False)
+    a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=64, step_tokens=64)
+    creates, unmaps = be.calls["create"], be.calls.get("unmap", 0)
+    be.fail_on = {"create": lambda n: "oom" if n == creates + 2 else False, "unmap": lambda n: n == unmaps + 1}
+    with pytest.raises(VmmError) as err:
+        a.lend()
+    assert err.value.out_of_memory
+    be.fail_on = {}
+    assert a.lent_steps == 0 and a.lending_disabled  # the range may still be mapped: no lend over it
+    assert a.lend() == 0  # refused quietly, not 'range already mapped'
+    a.close()  # not 'range still has mappings'
+    assert be.live_handles == 0 and be._maps == {} and be.calls["free_va"] == 1

@@ -7,7 +7,8 @@
 # A GROUP is a space-separated list of phases run at the same time, each on its
 # own GPUs: MODE[-id][-tpN]@GPU[,GPU...] with MODE stock | elastic | always-lent;
 # -id: the identity servers and workload (bench_elastic.py --identity);
-# -eager: prefill without CUDA graphs (bench_elastic.py --eager).
+# -eager: prefill without CUDA graphs (bench_elastic.py --eager; elastic-eager
+#   runs burst and cycles, the others burst only).
 # Default (2 H200s, ~20 min): "elastic@0 stock@1" "elastic-id@0 stock-id@1"
 # "always-lent@0" "always-lent-eager@0 elastic-eager@1" "elastic-tp2@0,1".
 # Each phase writes OUTDIR/<mode>_tp<N>.json (scripts/gpu/bench_elastic.py);
@@ -31,7 +32,8 @@ for group in "${groups[@]}"; do
     mode=${name%-tp*}; tp=1; [[ $name == *-tp* ]] && tp=${name##*-tp}
     wl=${WORKLOADS:-burst,cycles,itl}; [ "$mode" = always-lent ] && wl=burst
     id=(); if [[ $mode == *-id ]]; then mode=${mode%-id}; id=(--identity); wl=none; fi
-    if [[ $mode == *-eager ]]; then mode=${mode%-eager}; id+=(--eager); wl=burst; fi
+    # the eager elastic phase also runs the cycles (issue 22: reclaim_needed_ms over 100+ reclaims that unmap)
+    if [[ $mode == *-eager ]]; then mode=${mode%-eager}; id+=(--eager); wl=burst; [ "$mode" = elastic ] && wl=burst,cycles; fi
     port=$((port + 10))
     CUDA_VISIBLE_DEVICES=$gpus python3 scripts/gpu/bench_elastic.py phase --mode "$mode" --tp "$tp" --port $port \
       --workloads $wl --short-requests ${SHORT_REQUESTS:-110} "${id[@]}" --workdir "$out/work_${name}" --out "$out/${name%-tp*}_tp${tp}.json" &

@@ -15,6 +15,6 @@ from sglang_elastic.pool.kv_pool import (
 from sglang_elastic.pool.tensor import tensor_at
 
 __all__ = ["ElasticMHATokenToKVPool", "ElasticPagedTokenToKVPoolAllocator", "ElasticTokenToKVPoolAllocator", "relocate_kv", "tensor_at", "unit_tokens"]
-from sglang_elastic.pool.vacate import evict_above, iter_nodes, remap_ids, remap_many, remap_tree  # noqa: E402
+from sglang_elastic.pool.vacate import evict_above, iter_nodes, plan_tree_remap, remap_ids, remap_many, remap_tree  # noqa: E402
 
-__all__ += ["evict_above", "iter_nodes", "remap_ids", "remap_many", "remap_tree"]
+__all__ += ["evict_above", "iter_nodes", "plan_tree_remap", "remap_ids", "remap_many", "remap_tree"]

@@ -234,6 +234,35 @@ class _ElasticAllocatorMixin:
         self._vacate_top = top if self._vacate_top is None else min(self._vacate_top, top)
         return torch.nonzero(in_use).flatten().to(torch.int64) + top
 
+    def restore_lent(self, lent_tokens: int, withdrawn: torch.Tensor) -> None:
+        """Undo a :meth:`withdraw` whose vacate could not finish, while the
+        arena still backs the range: the lent range grows back to
+        ``lent_tokens``, its ids that are not held any more (free at the
+        withdraw, or freed during the vacate window) go back on the free list,
+        and the vacate window closes.
+
+        Args:
+            lent_tokens: the lent tokens before the withdraw.
+            withdrawn: what :meth:`withdraw` returned (int64 ids: tokens for
+                page size 1, pages otherwise).
+
+        Raises:
+            ValueError: for a ``lent_tokens`` below the lent tokens now, above
+                what the arena backs, or not a page multiple.
+        """
+        self._check_tokens("restore_lent", lent_tokens)
+        if lent_tokens < self._lent_tokens or self.base_tokens + lent_tokens > self.arena.capacity_tokens:
+            raise ValueError(f"restore_lent({lent_tokens}): must lie in [{self._lent_tokens}, {self.arena.lent_tokens}] (what the arena backs)")
+        lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
+        held = self.still_in_use(withdrawn)
+        held = held[(held >= lo) & (held < hi)]
+        free = torch.ones(hi - lo, dtype=torch.bool, device=self.device)
+        free[held - lo] = False
+        self.free_pages = torch.cat((self.free_pages, torch.nonzero(free).flatten().to(torch.int64) + lo))
+        self._lent_tokens = lent_tokens
+        self._set_size(lent_tokens)
+        self.end_vacate()
+
     def end_vacate(self) -> None:
         """Close the vacate window opened by :meth:`withdraw`: call it once the
         arena has reclaimed (no id at or above the top is held any more)."""
@@ -297,7 +326,9 @@ def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin
         the destination ids, ``dst[i]`` taking ``src[i]``'s K/V (the caller
         rewrites ``req_to_token``, radix-tree values and prefix indices from
         ``src`` to ``dst``), or None, changing nothing, when the allocator has
-        too few free ids (the caller then evicts or retracts first).
+        too few free ids (the caller then evicts or retracts first). If the
+        copy raises, the destination ids are freed again before the error
+        propagates.
 
     The copy is SGLang's ``move_kv_cache_native`` (memory_pool.py).
     """
@@ -311,5 +342,9 @@ def relocate_kv(pool: ElasticMHATokenToKVPool, allocator: _ElasticAllocatorMixin
     if dst is None:
         return None
     # alloc returns token ids; for pages they come page by page
-    move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, unit_tokens(src, p))
+    try:
+        move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, unit_tokens(src, p))
+    except BaseException:
+        allocator.free(dst)  # nothing moved: the destination goes back
+        raise
     return dst if p == 1 else dst[::p] // p

@@ -100,14 +100,25 @@ def remap_many(values, top_tok: int, src_units: torch.Tensor, dst_units: torch.T
     return out, hit
 
 
+def plan_tree_remap(tree, top_tok: int, src_units: torch.Tensor, dst_units: torch.Tensor, page_size: int):
+    """The new ``TreeNode.value`` of every node holding ids ``>= top_tok``,
+    computed without writing anything: ``(nodes, values)``.
+
+    Raises:
+        ValueError: from :func:`remap_ids` (nothing is changed then).
+    """
+    nodes = [n for n in iter_nodes(tree) if n.value is not None and n.value.numel()]
+    values, hit = remap_many([n.value for n in nodes], top_tok, src_units, dst_units, page_size)
+    return [nodes[i] for i in hit], [values[i] for i in hit]
+
+
 def remap_tree(tree, top_tok: int, src_units: torch.Tensor, dst_units: torch.Tensor, page_size: int) -> int:
     """Rewrite ``TreeNode.value`` of every node holding ids ``>= top_tok``.
     Returns the number of nodes rewritten."""
-    nodes = [n for n in iter_nodes(tree) if n.value is not None and n.value.numel()]
-    values, hit = remap_many([n.value for n in nodes], top_tok, src_units, dst_units, page_size)
-    for i in hit:
-        nodes[i].value = values[i]
-    return len(hit)
+    nodes, values = plan_tree_remap(tree, top_tok, src_units, dst_units, page_size)
+    for node, value in zip(nodes, values):
+        node.value = value
+    return len(nodes)
 
 
 def evict_above(tree, top_tok: int) -> int:

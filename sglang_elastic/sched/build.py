@@ -47,9 +47,11 @@ class _ElasticPoolFactory:
         elem = torch.empty((), dtype=kwargs["dtype"]).element_size() if kwargs["dtype"] not in (torch.float8_e4m3fn, torch.float8_e5m2) else 1
         v_dim = kwargs.get("v_head_dim") or kwargs["head_dim"]
         token_bytes = layers * kwargs["head_num"] * (kwargs["head_dim"] + v_dim) * elem
-        free, _ = torch.cuda.mem_get_info(torch.device(kwargs["device"]))
-        # VA only: every byte free now could in principle be lent later.
-        reserve = self.cfg.lend_bytes if self.cfg.lend_bytes is not None else free
+        # VA only: every byte free now could in principle be lent later, and
+        # no more (--elastic-kv-lend-bytes above it is capped after capture too).
+        free = self.backend.free_bytes()
+        lend = self.cfg.lend_bytes
+        reserve = (lend or 0) if free is None else (free if lend is None else min(lend, free))
         max_elastic = max(reserve // token_bytes, 0)
         return ElasticMHATokenToKVPool(
             backend=self.backend, base_tokens=size + page, max_elastic_tokens=max_elastic,

@@ -16,16 +16,47 @@ has a way:
 
 1. wait for the in-flight batch (the overlap scheduler launched it; its kernels
    read and write lent rows);
-2. evict radix-cache-only leaves above the base (``evict_above``);
-3. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
+2. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
    in-use ones come back;
-4. if the base lacks free room for them, SGLang's ``evict_from_tree_cache``
-   (LRU), then retract decode requests, largest first (fewest retractions),
+3. if the base lacks free room for them: SGLang's ``evict_from_tree_cache``
+   (least recently used first, wherever the pages are: a recently used
+   prefix in lent pages moves into the base, an older one in the base goes),
+   then drop the KV of idle streaming sessions (least recently active
+   first), then retract decode requests, largest first (fewest retractions),
    with SGLang's ``ScheduleBatch.release_req``; they are re-queued and finish
    normally;
-5. copy the K/V of what is left into free base ids (``relocate_kv``) and
-   rewrite ``req_to_token``, radix-tree values and ``prefix_indices``;
-6. unmap (``arena.reclaim``) and close the vacate window.
+4. copy the K/V of what is left into free base ids (``relocate_kv``) and
+   rewrite every holder of a lent id (:meth:`ElasticController._remap`);
+5. unmap (``arena.reclaim``) and close the vacate window.
+
+Who holds KV ids in SGLang 0.5.17, and what a reclaim does with each:
+
+- running requests (``req_to_token`` rows up to ``kv_allocated_len``,
+  ``prefix_indices``) and the chunked request, kept out of the running batch
+  between chunks: remapped;
+- the radix tree's node values (``RadixCache``; locked nodes too): remapped;
+- streaming-session slots (``--enable-streaming-session``:
+  ``StreamingSession.slots``, each a ``req_to_token`` row that outlives its
+  turn; the waiting request that restored a slot shares that row): the rows
+  are remapped; an idle slot (no request references its row) may be
+  dropped with SGLang's ``release_session`` when the base has no room, and
+  its session's next turn then prefills from the radix tree;
+- waiting requests: they hold no KV of their own; their ``prefix_indices``
+  are re-matched by SGLang before admission (``init_next_round_input`` in
+  ``_get_new_batch_prefill_raw``, which runs after the reclaim);
+- requests waiting for a grammar: no KV (they have not been scheduled);
+- holders we do not remap are refused at start-up
+  (:func:`sglang_elastic.config.check_server_args`): PD disaggregation's
+  queues, HiCache / HiSparse / LMCache / FlexKV, PD-multiplexing's split
+  prefill batch, diffusion LLMs' staging queue, the unified and C++ radix
+  trees and registered radix-cache backends; a tree cache of any other type
+  turns lending off at start-up (:func:`unsupported_tree`).
+
+A reclaim never raises out of the scheduler: when the base cannot take what
+is in use, or any step before the ids are rewritten fails, it stops, puts
+the lent range back as it was (still mapped), re-queues the requests it
+retracted, logs one error and turns lending off; the reclaim is tried again
+before the next prefill, without retracting (:meth:`ElasticController._stop_reclaim`).
 
 The pool's owner-visible size follows the lent capacity: the allocator's
 ``size``, the invariant checker's and the pool-stats observer's
@@ -49,7 +80,7 @@ from typing import List, Optional
 import torch
 
 from sglang_elastic.config import EVENTS_ENV, ElasticKVConfig  # EVENTS_ENV: one JSON line per lend/reclaim
-from sglang_elastic.pool import evict_above, relocate_kv, remap_ids, remap_many, remap_tree
+from sglang_elastic.pool import plan_tree_remap, relocate_kv, remap_ids, remap_many
 from sglang_elastic.pool.kv_pool import ElasticMHATokenToKVPool, unit_tokens
 from sglang_elastic.vmm import VmmError
 
@@ -67,6 +98,10 @@ def agree_min(sched, *values: int):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+#: Lends in a row that lend nothing for lack of device memory before lending
+#: stops (each one creates handles until the driver refuses, then rolls back).
+MAX_OOM_LENDS = 3
+
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
 #: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
 #: (``ServerArgs.pre_capture_activation_reserve_mb``, sglang/srt/server_args.py,
@@ -75,7 +110,7 @@ def agree_min(sched, *values: int):
 EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
 
 
-def lend_max_batch(server_args, margin_mb: int) -> int:
+def lend_max_batch(server_args, margin_mb: int, encoder_decoder: bool = False) -> int:
     """Largest decode batch, in requests, that may run while the reserve is lent.
 
     A decode batch up to the decode CUDA graphs' ``max_bs`` replays a graph
@@ -94,11 +129,20 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
     (``compute_post_capture_kv_resize``, sglang/srt/model_executor/
     model_runner_components/kv_pool_runtime.py).
 
+    Batches the graphs do not replay whatever their size count as eager
+    (``DecodeCudaGraphRunner.can_run_graph``): with two-batch overlap, a batch
+    whose split cannot run (``can_run_tbo``), and in an encoder-decoder model a
+    batch holding a request without encoder input; for both only the margin
+    bounds the batch. Token-embedding overrides (``replace_embeds``) are a
+    property of the batch: :meth:`ElasticController.after_prefill` checks them.
+
     Args:
         server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.decode``:
             ``backend``, ``max_bs``, ``bs``; ``disable_cuda_graph_padding``,
             ``speculative_num_draft_tokens``, ``tp_size``, ``pp_size``).
         margin_mb: ``--elastic-kv-margin-mb``, MiB left free while lent.
+        encoder_decoder: the model is an encoder-decoder one
+            (``ModelConfig.is_encoder_decoder``).
 
     Returns:
         requests (>= 0; 0: never lend); the same on every TP rank (a
@@ -108,6 +152,8 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
 
     decode = server_args.cuda_graph_config.decode
     graph_bs = 0 if decode.backend == Backend.DISABLED else int(decode.max_bs or 0)
+    if encoder_decoder or getattr(server_args, "enable_two_batch_overlap", False):
+        graph_bs = 0  # the graphs may refuse a batch of any size
     if graph_bs and getattr(server_args, "disable_cuda_graph_padding", False):  # only captured sizes replay
         captured = set(decode.bs or [])
         contiguous = 0
@@ -119,6 +165,61 @@ def lend_max_batch(server_args, margin_mb: int) -> int:
     eager_tokens = (margin_mb - EAGER_FIXED_MB - EAGER_MB_PER_RANK * ranks) / EAGER_MB_PER_TOKEN
     eager_bs = int(eager_tokens // per_req) if eager_tokens >= EAGER_MIN_TOKENS else 0
     return max(graph_bs, eager_bs)
+
+
+def eager_activation_bytes(tokens: int, ranks: int = 1) -> int:
+    """SGLang's activation estimate for ``tokens`` in flight outside CUDA
+    graphs, bytes: ``512 + 1.5 * max(tokens, 2048)`` MiB plus 128 MiB per
+    TP x PP rank (``ServerArgs.pre_capture_activation_reserve_mb``; the
+    constants above)."""
+    mb = EAGER_FIXED_MB + EAGER_MB_PER_TOKEN * max(tokens, EAGER_MIN_TOKENS) + EAGER_MB_PER_RANK * ranks
+    return int(mb * 2**20)
+
+
+def prefill_graphs_hold(server_args) -> bool:
+    """Whether SGLang's prefill CUDA graphs hold the activations of every
+    prefill the scheduler can form, so that a prefill needs nothing of the
+    lent reserve.
+
+    SGLang's own rule for dropping the prefill activation reserve
+    (``ServerArgs.post_capture_kv_sizing_planned``: "we can only skip eager
+    activation headroom when the largest prefill forward batch size is
+    already graph-captured"): prefill graphs on, chunked prefill on, and
+    ``max_prefill_buffer_tokens()`` at most the largest captured size. LoRA
+    prefills replay eagerly (``PrefillCudaGraphRunner.can_replay_locally``):
+    False with ``--enable-lora``. Requests whose own features make a prefill
+    eager are checked at each pass (:meth:`ElasticController.reserve_needed`).
+
+    Args:
+        server_args: SGLang's resolved ``ServerArgs`` (``cuda_graph_config.prefill``,
+            ``chunked_prefill_size``, ``enable_lora``, ``max_prefill_buffer_tokens()``).
+    """
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    if prefill is None or prefill.backend in (None, Backend.DISABLED) or not prefill.bs:
+        return False
+    if (getattr(server_args, "chunked_prefill_size", 0) or 0) <= 0 or getattr(server_args, "enable_lora", False):
+        return False
+    return server_args.max_prefill_buffer_tokens() <= max(prefill.bs)
+
+
+def unsupported_tree(tree) -> str:
+    """Why the reclaim cannot vacate ``tree`` (SGLang's tree cache), or "".
+
+    The reclaim walks SGLang's ``RadixCache`` (``root_node``, ``TreeNode.value``)
+    and needs nothing of ``ChunkCache``; ``StreamingSession`` wraps either and
+    its slots are remapped. Subclasses and other trees keep ids where the
+    reclaim does not look (HiCache's host values, the unified tree's
+    components, the C++ tree's nodes)."""
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    inner = tree.inner if type(tree) is StreamingSession else tree
+    if type(inner) in (RadixCache, ChunkCache):
+        return ""
+    return f"SGLang's tree cache here is {type(inner).__name__}; the reclaim can vacate RadixCache and ChunkCache only"
 
 
 class ElasticController:
@@ -143,6 +244,18 @@ class ElasticController:
         #: Lending stopped on every rank (agreed in :meth:`lend`); a rank's own
         #: ``arena.lending_disabled`` alone must not change what it does.
         self.disabled = False
+        #: Why this rank must stop lending (a reclaim that stopped), agreed
+        #: with the other ranks at the next :meth:`lend`.
+        self._stop: Optional[str] = None
+        #: Lends in a row that lent nothing for lack of device memory.
+        self._oom_lends = 0
+        #: Prefills the CUDA graphs hold, so that a prefill reclaims nothing
+        #: (:func:`prefill_graphs_hold`; the same on every rank).
+        self.prefill_in_graphs = prefill_graphs_hold(sched.server_args)
+        #: Prefills that ran while lent with nothing reclaimed (the graphs, or
+        #: the free memory, held what they need).
+        self.reclaims_skipped = 0
+        self._skip: Optional[dict] = None  # this pass reclaimed nothing: counted if a prefill forms
         self.metrics = None
         self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
         self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
@@ -151,18 +264,24 @@ class ElasticController:
 
             self.metrics = ElasticMetrics({k: str(v) for k, v in sched.metrics_collector.labels.items()})
         #: Largest decode batch (requests) that may run while lent: see :func:`lend_max_batch`.
-        self.lend_max_bs = lend_max_batch(sched.server_args, cfg.margin_mb)
+        model = getattr(sched, "model_config", None)
+        self.lend_max_bs = lend_max_batch(sched.server_args, cfg.margin_mb, bool(getattr(model, "is_encoder_decoder", False)))
         path = os.environ.get(EVENTS_ENV)
         self._events = open(path, "a", buffering=1) if path and sched.tp_group.rank_in_group == 0 else None
         self.lendable_tokens = self._measure()
         logger.info(
             "sglang-elastic: base %d KV tokens (SGLang's max_total_num_tokens), lendable %d tokens = %.2f GiB in %d step(s), mode %s, "
-            "lends while the decode batch has at most %d requests",
+            "lends while the decode batch has at most %d requests; %s",
             self.alloc.usable_base_tokens - self.page, self.lendable_tokens,
             self.lendable_tokens * self.arena.step_bytes() / max(self.arena.step_tokens, 1) / 2**30, self.arena.max_steps, cfg.mode,
             self.lend_max_bs,
+            "prefills run in CUDA graphs: a reclaim only before an eager forward" if self.prefill_in_graphs else "every prefill reclaims",
         )
-        if cfg.mode == "always-lent":
+        why = unsupported_tree(sched.tree_cache)  # the same on every rank: the same flags
+        if why and cfg.mode != "off":
+            self.disabled = True
+            logger.error("sglang-elastic: %s; lending is off", why)
+        elif cfg.mode == "always-lent":
             self.lend()
         elif cfg.mode == "dynamic" and self.lendable_tokens > 0:
             self.warm_up()
@@ -203,7 +322,8 @@ class ElasticController:
             failed = False
             try:
                 self._warm_vacate_ops()
-                self.reclaim(self.sched.running_batch)
+                if not self.reclaim(self.sched.running_batch):
+                    raise RuntimeError("the warm-up reclaim stopped")
             except Exception:
                 failed = True
                 logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
@@ -244,12 +364,13 @@ class ElasticController:
             self.alloc.withdraw(0)
         self._unmap_lent("reclaim after a failed warm-up")
 
-    def _unmap_lent(self, what: str) -> None:
-        """Unmap every lent step (nothing if none), close the vacate window and
-        publish the base size. A failing unmap is logged and counted, not
-        raised: the rows are vacated already, lending stops."""
+    def _unmap_lent(self, what: str, steps: Optional[int] = None) -> None:
+        """Unmap the top ``steps`` lent steps (default: every one; nothing if
+        none), close the vacate window and publish the size. A failing unmap
+        is logged and counted, not raised: the rows are vacated already,
+        lending stops."""
         try:
-            self.arena.reclaim()
+            self.arena.reclaim(steps)
         except VmmError as e:
             self._vmm_failed(what, e)
         self.alloc.end_vacate()
@@ -262,17 +383,23 @@ class ElasticController:
     # -- sizing -------------------------------------------------------------
 
     def _measure(self) -> int:
-        """Tokens to lend: ``--elastic-kv-lend-bytes``, or the free device
-        memory now (after CUDA-graph capture, torch's cache emptied) less
-        ``--elastic-kv-margin-mb``; agreed over TP, cut into steps."""
+        """Tokens to lend: the free device memory now (after CUDA-graph
+        capture, torch's cache emptied) less ``--elastic-kv-margin-mb``, or
+        ``--elastic-kv-lend-bytes`` capped at that (one warning when it asks
+        for more); agreed over TP, cut into steps. A backend that cannot tell
+        its free memory (the host one without a capacity) lends
+        ``--elastic-kv-lend-bytes`` as given, or nothing."""
         row_bytes = sum(self.arena.row_bytes)  # bytes per token, all layers, K and V
-        if self.cfg.lend_bytes is not None:
-            want = self.cfg.lend_bytes
-        else:
-            self.arena.backend.synchronize()
+        self.arena.backend.synchronize()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-            free, _total = torch.cuda.mem_get_info()
-            want = free - self.cfg.margin_mb * 2**20
+        free = self.arena.backend.free_bytes()
+        room = None if free is None else free - self.cfg.margin_mb * 2**20
+        want = self.cfg.lend_bytes if self.cfg.lend_bytes is not None else (room or 0)
+        if room is not None and want > room:
+            logger.warning("sglang-elastic: --elastic-kv-lend-bytes %d is more than is free after CUDA-graph capture (%.2f GiB, less "
+                           "--elastic-kv-margin-mb %d): lending at most %.2f GiB", want, free / 2**30, self.cfg.margin_mb, max(room, 0) / 2**30)
+            want = room
         tokens = agree_min(self.sched, max(want, 0) // row_bytes)
         step = self.cfg.handle_mb * 2**20 // max(self.arena.row_bytes) if self.cfg.handle_mb else None
         return self.arena.set_steps(tokens, step)
@@ -288,6 +415,12 @@ class ElasticController:
         # A frozen dataclass in SGLang (the size never changes there): its
         # token usage must divide by the capacity that is backed now.
         object.__setattr__(s.pool_stats_observer, "max_total_num_tokens", self.alloc.size)
+        # /v1/loads (max_total_num_tokens, memory.token_capacity) and the KV
+        # events' kv_total_blocks / kv_active_blocks (token_usage times this)
+        # beside the token_usage that divides by the size above.
+        for name in ("load_inquirer", "kv_events_publisher"):
+            if getattr(s, name, None) is not None:
+                object.__setattr__(getattr(s, name), "max_total_num_tokens", self.alloc.size)
         if self.metrics:
             self.metrics.lent_tokens.set(self.alloc.lent_tokens)
             self.metrics.lent_bytes.set(self.arena.lent_bytes)
@@ -303,7 +436,7 @@ class ElasticController:
         return {
             "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
             "lendable_tokens": self.lendable_tokens, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
-            "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled,
+            "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled, "reclaims_skipped": self.reclaims_skipped,
         }
 
     # -- scheduler hooks ------------------------------------------------------
@@ -321,26 +454,108 @@ class ElasticController:
         return s.chunked_req is not None or (not full and waiting)
 
     def before_prefill(self, running_batch) -> None:
-        """Reclaim when lent and a prefill batch may form."""
-        if self.lent and self.cfg.mode == "dynamic" and self._prefill_may_form(running_batch):
-            self.reclaim(running_batch)
+        """When lent, before SGLang forms the next batch: reclaim what the next
+        forward needs outside the CUDA graphs (:meth:`reserve_needed`), in
+        steps (:meth:`steps_needed`), or nothing when the graphs (or the
+        memory still free) hold it; a prefill that then forms is counted in
+        :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
+        if not self.lent or self.cfg.mode != "dynamic":
+            return
+        why, tokens = self.reserve_needed(running_batch)
+        if why is None:  # decodes only, in the graphs: nothing to decide
+            return
+        steps = self.steps_needed(tokens) if why else 0
+        if steps == 0:  # counted in after_prefill, if a prefill forms
+            self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens}
+            return
+        self.reclaim(running_batch, steps, why)
+
+    def reserve_needed(self, running_batch):
+        """What the next forward may need outside the CUDA graphs: ``(why,
+        tokens)``, ``why`` empty when the graphs hold it, None when no
+        prefill can form and the decode batch replays a graph (nothing to
+        reclaim for); ``tokens`` for SGLang's activation estimate
+        (:func:`eager_activation_bytes`).
+
+        A decode batch above :attr:`lend_max_bs` or with embedding overrides
+        runs eagerly (it can only have grown through a prefill that needed
+        no reclaim). A prefill needs the reserve unless
+        :attr:`prefill_in_graphs` and no request it may take (waiting,
+        chunked, waiting for a grammar) has what makes SGLang's prefill graphs
+        refuse a batch (``PrefillCudaGraphRunner.can_replay_locally``: input
+        embeddings or embedding overrides, hidden states, more requests than a
+        ``full`` graph holds) or has logprobs (``tc_piecewise`` refuses them,
+        ``breakable`` and ``full`` compute their logits in an eager tail, up
+        to the chunk's tokens times the vocabulary), and the
+        decode batch it leads to stays within :attr:`lend_max_bs`.
+        """
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+
+        s = self.sched
+        sa = s.server_args
+        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
+        budget = chunk if chunk > 0 else (getattr(sa, "max_prefill_tokens", 0) or 0)
+        per_req = max(int(getattr(sa, "speculative_num_draft_tokens", None) or 1), 1)
+        if len(running_batch.reqs) > self.lend_max_bs or getattr(running_batch, "replace_embeds", None) is not None:
+            return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, budget)
+        if not self._prefill_may_form(running_batch):
+            return None, 0
+        if not self.prefill_in_graphs:
+            return "prefills run outside CUDA graphs", budget
+        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
+        pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+        prefill = sa.cuda_graph_config.prefill
+        if len(running_batch.reqs) + len(pending) > self.lend_max_bs:
+            return "the decode batch after this prefill may outgrow the decode graphs", budget
+        if prefill.backend == Backend.FULL and len(pending) > (getattr(prefill, "full_prefill_max_req", None) or 1):
+            return "more requests than the full prefill graphs hold", budget
+        for r in pending:
+            if getattr(r, "input_embeds", None) is not None or getattr(r, "positional_embed_overrides", None) is not None:
+                return "a request with input or override embeddings", budget
+            if getattr(r, "return_hidden_states", False):
+                return "a request for hidden states", budget
+            if getattr(r, "return_logprob", False):  # tc_piecewise refuses it; breakable and full run its logits tail eagerly
+                return "a request for logprobs (their logits run outside the prefill graphs)", budget
+        return "", 0
+
+    def steps_needed(self, tokens: int) -> int:
+        """Lent steps to reclaim so that the device has SGLang's activation
+        estimate for ``tokens`` free (what is free now, with what torch's
+        cache holds unused, counts); the most any TP rank needs (a
+        collective: every rank calls it at the same pass)."""
+        need = eager_activation_bytes(tokens, int(getattr(self.sched.server_args, "tp_size", 1) or 1) * int(getattr(self.sched.server_args, "pp_size", 1) or 1))
+        free = self.arena.backend.free_bytes() or 0
+        if torch.cuda.is_available():
+            free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        step = max(self.arena.step_bytes(), 1)
+        steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
+        return -agree_min(self.sched, -steps)
 
     def after_prefill(self, new_batch, running_batch) -> None:
-        """Count decode-only steps; lend after enough in a row, unless a
-        prefill could form on the next pass (requests wait while the batch is
-        not full: the next pass would reclaim right away) or the decode batch
-        is larger than :attr:`lend_max_bs` (it would run eagerly and need
-        the activation memory lent). The batch grows only through a prefill,
-        which :meth:`before_prefill` reclaims for, so a lent reserve never
-        meets a larger decode batch."""
+        """Count decode-only steps; lend after enough in a row, unless the
+        next pass would reclaim at once (:meth:`reserve_needed`: requests wait
+        whose prefill the CUDA graphs do not hold) or the decode batch would
+        run eagerly and need the memory lent: more than :attr:`lend_max_bs`
+        requests, or token-embedding overrides (``replace_embeds``: SGLang
+        keeps the prefill's tensor on the batch, and the decode graphs refuse
+        such a batch at any size, ``DecodeCudaGraphRunner.can_run_graph``).
+        The batch grows only through a prefill; one that needed no reclaim
+        may leave a decode batch above :attr:`lend_max_bs`, and the next
+        pass's :meth:`before_prefill` reclaims before that decode runs."""
+        skip, self._skip = self._skip, None
+        if skip is not None and new_batch is not None:
+            self.reclaims_skipped += 1
+            if self.metrics and not self._quiet:
+                self.metrics.reclaims_skipped.inc()
+            self._event(op="reclaim_skipped", **skip)
         if new_batch is not None or running_batch.is_empty():
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
         if (
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
-            and self.decode_only_steps >= self.cfg.lend_after_steps and not self._prefill_may_form(running_batch)
-            and len(running_batch.reqs) <= self.lend_max_bs
+            and self.decode_only_steps >= self.cfg.lend_after_steps and self.reserve_needed(running_batch)[0] in (None, "")
+            and len(running_batch.reqs) <= self.lend_max_bs and getattr(running_batch, "replace_embeds", None) is None
         ):
             if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
                 self.decode_only_steps = 0
@@ -355,23 +570,31 @@ class ElasticController:
         same scheduler step (the decision inputs are replicated). A failing
         VMM call is logged and counted, never raised: the arena rolls its step
         back, out of memory is retried after the next run of decode-only
-        steps, any other failure stops lending on every rank.
+        steps (after :data:`MAX_OOM_LENDS` lends in a row that lent nothing,
+        lending stops), any other failure stops lending on every rank, as
+        does a rank's stopped reclaim.
         """
+        if self.lendable_tokens == 0:  # agreed over TP: no rank enters the collective
+            return 0
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
         t_map = time.perf_counter()
         err: Optional[VmmError] = None
-        try:
-            self.arena.lend()
-        except VmmError as e:  # the arena rolled the failing step back
-            err = e
-            self._vmm_failed("lend", e)
+        if self._stop is None:
+            try:
+                self.arena.lend()
+            except VmmError as e:  # the arena rolled the failing step back
+                err = e
+                self._vmm_failed("lend", e)
         # Every rank takes the same decision: lend what all ranks could back,
         # and stop lending everywhere once any rank's arena disabled lending
-        # (a rank deciding alone would leave the others in this all-reduce).
-        steps, ok = agree_min(self.sched, self.arena.lent_steps, int(not self.arena.lending_disabled))
+        # or its reclaim stopped (a rank deciding alone would leave the
+        # others in this all-reduce).
+        steps, ok = agree_min(self.sched, self.arena.lent_steps, int(not self.arena.lending_disabled and self._stop is None))
         if not ok:
+            if not self.disabled and not self.arena.lending_disabled:
+                logger.error("sglang-elastic: %s; lending is off", f"lending stopped after a reclaim stopped ({self._stop})" if self._stop else "another TP rank stopped lending")
             self.disabled = True
             steps = 0
         if self.arena.lent_steps > steps:
@@ -380,7 +603,14 @@ class ElasticController:
             except VmmError as e:  # the steps are dropped all the same; lending is off here from now on
                 self._vmm_failed("reclaim after a short lend", e)
         if steps == 0:
+            if ok:  # no device memory on some rank (every rank counts alike)
+                self._oom_lends += 1
+                if self._oom_lends >= MAX_OOM_LENDS:
+                    self.disabled = True
+                    logger.error("sglang-elastic: %d lends in a row found no device memory for %.2f GiB; lending is off", self._oom_lends,
+                                 self.arena.step_bytes() / 2**30)
             return 0
+        self._oom_lends = 0
         self.alloc.lend(steps * self.arena.step_tokens)
         self._sync_sizes()
         ms = (time.perf_counter() - t0) * 1e3
@@ -402,61 +632,63 @@ class ElasticController:
 
     # -- reclaim ------------------------------------------------------------
 
-    def reclaim(self, running_batch) -> None:
-        """Vacate and unmap every lent row (see the module docstring).
+    def reclaim(self, running_batch, steps: Optional[int] = None, why: str = "") -> bool:
+        """Vacate and unmap the top ``steps`` lent steps (default: every lent
+        row; see the module docstring); ``why``: for the event log.
         Requests whose KV cannot move into the base are retracted (re-queued),
-        never dropped. No collective: every rank reaches the same state from
-        the same inputs.
+        never dropped; idle streaming sessions may lose their KV (their next
+        turn prefills again). No collective: every rank reaches the same state
+        from the same inputs.
 
         Args:
             running_batch: SGLang's running ``ScheduleBatch`` (retracted
                 requests are filtered out of it).
 
-        Raises:
-            RuntimeError: if lent ids are still in use after every running
-                request was retracted (a bug; the pool is not unmapped then).
-            ValueError: from :func:`~sglang_elastic.pool.remap_ids` when an id
-                above the base was not relocated (a bug, likewise).
+        Returns:
+            True when every lent row was vacated and unmapped; False when the
+            reclaim stopped (:meth:`_stop_reclaim`): the pool is lent as
+            before, every retracted request is re-queued, one error is logged,
+            lending is off and the reclaim is tried again before the next
+            prefill. Never raises, but for a failure while the remapped ids
+            are being written (tensor assignments, after every check passed).
         A failing unmap is logged, not raised: the rows are vacated, lending
         stops.
         """
-        s = self.sched
         t0 = time.perf_counter()
         self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
         t_vacate = time.perf_counter()
-        top = self.arena.base_tokens
-        tree = s.tree_cache
-        radix = not tree.is_chunk_cache()  # --disable-radix-cache: SGLang's ChunkCache holds no ids of its own
-        if radix:
-            evict_above(tree, top)
-        in_use = self.alloc.withdraw(0)
+        steps = self.arena.lent_steps if steps is None else min(steps, self.arena.lent_steps)
+        keep = (self.arena.lent_steps - steps) * self.arena.step_tokens  # the lower steps stay lent
+        top = self.arena.base_tokens + keep
+        lent_before = self.alloc.lent_tokens
         retracted: List = []
-        while True:
-            in_use = self.alloc.still_in_use(in_use)
-            need = in_use.numel() * self.page
-            if need == 0 or self.alloc.available_size() >= need:
-                break
-            from sglang.srt.mem_cache.common import evict_from_tree_cache
-
-            evict_from_tree_cache(tree, need)
-            if self.alloc.available_size() >= need:
-                continue
-            if not self._retract_one(running_batch, retracted):
-                break
-            if radix:
-                evict_above(tree, top)
-        in_use = self.alloc.still_in_use(in_use)
-        moved = 0
-        if in_use.numel():
-            dst = relocate_kv(self.pool, self.alloc, in_use)
-            if dst is None:  # cannot happen: every owner above was retracted or fits
-                raise RuntimeError(f"sglang-elastic: no base room for {in_use.numel()} lent units after retracting every request")
-            self._remap(running_batch, top, in_use, dst)
-            moved = in_use.numel()
+        withdrawn = in_use = self.alloc.withdraw(keep)
+        try:
+            in_use, dropped = self._make_room(running_batch, in_use, retracted)
+            if in_use.numel() * self.page > self.alloc.available_size():
+                return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted,
+                                          f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
+                                          f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
+            commit = None
+            if in_use.numel():
+                dst = relocate_kv(self.pool, self.alloc, in_use)  # cannot be None: the room is there
+                try:
+                    commit = self._remap(running_batch, top, in_use, dst)
+                except BaseException:
+                    self.alloc.free(unit_tokens(dst, self.page))
+                    raise
+        except Exception as e:  # a bug: nothing was rewritten yet, so the pool can go back
+            logger.exception("sglang-elastic: reclaim failed")
+            return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted, f"{type(e).__name__}: {e}")
+        moved = in_use.numel()
+        if commit is not None:
+            commit()
         t_unmap = time.perf_counter()
-        self._unmap_lent("reclaim")
+        self._unmap_lent("reclaim", steps)
         if retracted:
             self._requeue(running_batch, retracted)
+        if dropped:
+            logger.warning("sglang-elastic: reclaim dropped the KV of %d idle streaming session(s) (the base had no room); their next turn prefills again", dropped)
         self.cycles += 1
         self.decode_only_steps = 0
         ms = (time.perf_counter() - t0) * 1e3
@@ -466,9 +698,86 @@ class ElasticController:
             self.metrics.migrated_pages.inc(moved)
             self.metrics.retracted_reqs.inc(len(retracted))
         wait_ms, vacate_ms, unmap_ms = (t_vacate - t0) * 1e3, (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3
-        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted))
+        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
+                    dropped_sessions=dropped, steps=steps, why=why)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
+        return True
+
+    def _make_room(self, batch, in_use: torch.Tensor, retracted: List):
+        """Free base room for the lent units still in use, cheapest first:
+        SGLang's LRU eviction of the radix tree (``evict_from_tree_cache``;
+        frees of lent ids are dropped and shrink what must move), then the KV
+        of an idle streaming session (:meth:`_drop_idle_session`), then a
+        retraction (:meth:`_retract_one`; not after a stopped reclaim: it could
+        not make room then). Returns the units still in use and the sessions
+        dropped; there may still be too little room."""
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        dropped = 0
+        while True:
+            in_use = self.alloc.still_in_use(in_use)
+            need, avail = in_use.numel() * self.page, self.alloc.available_size()
+            if need <= avail:
+                return in_use, dropped
+            evict_from_tree_cache(self.sched.tree_cache, need)
+            after = self.alloc.still_in_use(in_use)
+            if after.numel() < in_use.numel() or self.alloc.available_size() > avail:
+                continue
+            if self._drop_idle_session(batch):
+                dropped += 1
+            elif self._stop is not None or not self._retract_one(batch, retracted):
+                return after, dropped
+
+    def _requests(self, batch) -> List:
+        """Every request that may hold a ``req_to_token`` row now: the running
+        batch, the chunked request, the last batch, the waiting queue (a
+        streaming request restores its session's row when SGLang matches it,
+        before admission)."""
+        s = self.sched
+        last = getattr(s, "last_batch", None)
+        reqs = list(batch.reqs) + ([s.chunked_req] if s.chunked_req is not None else [])
+        reqs += list(last.reqs) if last is not None else []
+        return reqs + list(s.waiting_queue)
+
+    def _drop_idle_session(self, batch) -> bool:
+        """Release the KV of the least recently active streaming session whose
+        slot no request references (SGLang's ``StreamingSession.release_session``,
+        as for an aborted turn: its next turn matches the radix tree and
+        prefills the rest). Returns False when there is none."""
+        s = self.sched
+        slots = getattr(s.tree_cache, "slots", None)
+        if not slots:
+            return False
+        referenced = {getattr(r, "req_pool_idx", None) for r in self._requests(batch)}
+        idle = [sid for sid, slot in slots.items() if slot.is_holding_kv and slot.req_pool_idx not in referenced]
+        if not idle:
+            return False
+        sessions = getattr(getattr(s, "session_controller", None), "sessions", {})
+        sid = min(idle, key=lambda i: getattr(sessions.get(i), "last_active_time", 0.0))
+        s.tree_cache.release_session(sid)
+        return True
+
+    def _stop_reclaim(self, batch, lent_before: int, withdrawn: torch.Tensor, retracted: List, why: str) -> bool:
+        """A reclaim that cannot finish: the withdraw is undone (the arena
+        still backs every lent row; what is no longer held goes back on the
+        free list), the retracted requests are re-queued, lending stops (on
+        every rank at the next :meth:`lend`), one error. The reclaim is tried
+        again before the next prefill, without retracting: a retraction did
+        not make room, and a re-queued request re-admitted on lent rows would
+        be retracted again at every pass. Returns False."""
+        self.alloc.restore_lent(lent_before, withdrawn)
+        self._sync_sizes()
+        if retracted:
+            self._requeue(batch, retracted)
+        self._stop = why
+        self.decode_only_steps = 0
+        if self.metrics and not self._quiet:
+            self.metrics.reclaim_stops.inc()
+        self._event(op="reclaim_stopped", why=why, retracted=len(retracted))
+        logger.error("sglang-elastic: reclaim stopped (%s): the pool stays lent (%d tokens), %d retracted request(s) re-queued, "
+                     "lending is off; the reclaim is tried again before the next prefill", why, self.alloc.lent_tokens, len(retracted))
+        return False
 
     def _retract_one(self, batch, retracted: List) -> bool:
         """Retract the running request holding the most KV (fewest retractions
@@ -495,26 +804,46 @@ class ElasticController:
             s._add_request_to_queue(req, is_retracted=True)
         logger.warning("sglang-elastic: reclaim retracted %d request(s) (the base had no room for their KV); re-queued", len(retracted))
 
-    def _remap(self, batch, top: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Rewrite every id held above ``top``: ``req_to_token`` rows of the
-        running requests (their allocated length), their ``prefix_indices``,
-        and the radix tree's node values."""
+    def _remap(self, batch, top: int, src: torch.Tensor, dst: torch.Tensor):
+        """Every id held above ``top`` moved from ``src`` to ``dst``, computed
+        first and written by the returned callable: ``req_to_token`` rows of
+        the running requests, the chunked request and the streaming-session
+        slots (each up to its allocated length), the running and chunked
+        requests' ``prefix_indices``, and the radix tree's node values.
+
+        Raises:
+            ValueError: from :func:`~sglang_elastic.pool.remap_ids` when a held
+                id above the top was not relocated; nothing is written then.
+        """
         s = self.sched
-        if not s.tree_cache.is_chunk_cache():
-            remap_tree(s.tree_cache, top, src, dst, self.page)
+        nodes, values = ([], []) if s.tree_cache.is_chunk_cache() else plan_tree_remap(s.tree_cache, top, src, dst, self.page)
         # the chunked request is kept out of the running batch between chunks
         owners = list(batch.reqs) + ([s.chunked_req] if s.chunked_req is not None and s.chunked_req not in batch.reqs else [])
-        reqs = [r for r in owners if r.kv is not None and r.kv.kv_allocated_len > 0]
-        if reqs:
-            r2t = s.req_to_token_pool.req_to_token
-            rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=r2t.device)
-            lens = torch.tensor([r.kv.kv_allocated_len for r in reqs], dtype=torch.int64, device=r2t.device)
-            width = int(max(r.kv.kv_allocated_len for r in reqs))
-            block = r2t[rows, :width]
+        rows = {}  # req_pool_idx -> allocated length; a running turn shares its session slot's row
+        for r in owners:
+            if r.kv is not None and r.kv.kv_allocated_len > 0:
+                rows[r.req_pool_idx] = max(rows.get(r.req_pool_idx, 0), r.kv.kv_allocated_len)
+        for slot in (getattr(s.tree_cache, "slots", None) or {}).values():
+            if slot.is_holding_kv and slot.kv.kv_allocated_len > 0:
+                rows[slot.req_pool_idx] = max(rows.get(slot.req_pool_idx, 0), slot.kv.kv_allocated_len)
+        r2t = s.req_to_token_pool.req_to_token
+        block = None
+        if rows:
+            idx = torch.tensor(list(rows), dtype=torch.int64, device=r2t.device)
+            lens = torch.tensor(list(rows.values()), dtype=torch.int64, device=r2t.device)
+            width = int(max(rows.values()))
+            block = r2t[idx, :width]
             valid = torch.arange(width, device=r2t.device)[None, :] < lens[:, None]
             block[valid] = remap_ids(block[valid], top, src, dst, self.page)
-            r2t[rows, :width] = block
         holders = [r for r in owners if getattr(r, "prefix_indices", None) is not None and r.prefix_indices.numel()]
         prefixes, hit = remap_many([r.prefix_indices for r in holders], top, src, dst, self.page)
-        for i in hit:
-            holders[i].prefix_indices = prefixes[i]
+
+        def commit():
+            for node, value in zip(nodes, values):
+                node.value = value
+            if block is not None:
+                r2t[idx, :width] = block
+            for i in hit:
+                holders[i].prefix_indices = prefixes[i]
+
+        return commit

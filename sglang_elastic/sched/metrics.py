@@ -18,7 +18,7 @@ _MS_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 50, 100, 250, 1000)
 class ElasticMetrics:
     """Gauges ``sglang_elastic:lent_bytes`` / ``lent_tokens``; counters
     ``lends`` / ``reclaims`` / ``migrated_pages`` / ``retracted_reqs`` /
-    ``vmm_failures``; histograms ``lend_ms`` / ``reclaim_ms`` (milliseconds)."""
+    ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped``; histograms ``lend_ms`` / ``reclaim_ms`` (milliseconds)."""
 
     def __init__(self, labels: Dict[str, str]):
         from prometheus_client import Counter, Gauge, Histogram
@@ -42,5 +42,7 @@ class ElasticMetrics:
         self.migrated_pages = counter("migrated_pages", "Pages (tokens at page size 1) whose K/V moved into the base on a reclaim.")
         self.retracted_reqs = counter("retracted_reqs", "Decode requests retracted (re-queued) because the base had no room on a reclaim.")
         self.vmm_failures = counter("vmm_failures", "Failed VMM calls (lending is disabled after a non-OOM one).")
+        self.reclaims_skipped = counter("reclaims_skipped", "Prefills that ran while lent with nothing reclaimed (the CUDA graphs, or the free memory, held their activations).")
+        self.reclaim_stops = counter("reclaim_stops", "Reclaims that stopped with the pool still lent (no base room, or a failure); lending is off after one.")
         self.lend_ms = hist("lend_ms", "Lend latency on the scheduler thread, ms.")
         self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (vacate + unmap), ms.")

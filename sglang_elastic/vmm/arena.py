@@ -86,13 +86,18 @@ class ElasticArena:
         # Each lent step is the list of handles backing it: one mapped at
         # offsets into every buffer, or one per buffer without offset mapping.
         self._steps: List[List[Any]] = []
-        self._stale: List[tuple] = []  # (va, size) whose unmap failed: retried by close()
+        # Left over by failed driver calls, retried by close(): ranges whose
+        # unmap failed (still mapped: nothing may be mapped over them, the
+        # reservation cannot be freed with them) and handles whose release failed.
+        self._stale: List[tuple] = []  # (va, size)
+        self._stale_handles: List[Any] = []
+        self.lending_disabled = False
         try:
             self._base = self._map_range(self.base_tokens, 0)
         except BaseException:
+            self._retry_stale()
             self.backend.free_va(self.va, self.total_va)
             raise
-        self.lending_disabled = False
 
     def set_steps(self, lendable_tokens: int, step_tokens: Optional[int] = None) -> int:
         """Re-cut what can be lent: at most ``lendable_tokens`` (capped by the
@@ -170,12 +175,17 @@ class ElasticArena:
                 try:
                     be.unmap(self.token_va(i, tok0), sizes[i])
                 except VmmError:
+                    # Still mapped: a later lend would map over it. Kept for
+                    # close(), and lending stops (whatever the first error was).
                     logger.exception("unmap during rollback failed")
+                    self._stale.append((self.token_va(i, tok0), sizes[i]))
+                    self.lending_disabled = True
             for h in created:
                 try:
                     be.release(h)
                 except VmmError:
                     logger.exception("release during rollback failed")
+                    self._stale_handles.append(h)
             raise
         return created
 
@@ -193,9 +203,28 @@ class ElasticArena:
             try:
                 self.backend.release(h)
             except VmmError as e:
+                self._stale_handles.append(h)
                 first = first or e
         if first is not None:
             raise first
+
+    def _retry_stale(self) -> None:
+        """Unmap the ranges and release the handles whose first attempt failed;
+        what fails again is logged and kept."""
+        stale, self._stale = self._stale, []
+        for rng in stale:
+            try:
+                self.backend.unmap(*rng)
+            except VmmError:
+                logger.exception("unmap of a range that failed to unmap before failed again")
+                self._stale.append(rng)
+        handles, self._stale_handles = self._stale_handles, []
+        for h in handles:
+            try:
+                self.backend.release(h)
+            except VmmError:
+                logger.exception("release of a handle that failed to release before failed again")
+                self._stale_handles.append(h)
 
     def lend(self, steps: Optional[int] = None) -> int:
         """Back ``steps`` more elastic steps (default: all that remain).
@@ -251,7 +280,8 @@ class ElasticArena:
         return n
 
     def close(self) -> None:
-        """Reclaim everything, unmap the base and free the reservation; idempotent."""
+        """Reclaim everything, unmap the base, retry the unmaps and releases
+        that failed before, and free the reservation; idempotent."""
         if self.va is None:
             return
         try:
@@ -262,11 +292,6 @@ class ElasticArena:
                 self._unmap_range(self.base_tokens, 0, self._base)
             finally:
                 self._base = []
-                stale, self._stale = self._stale, []
-                for rng in stale:
-                    try:
-                        self.backend.unmap(*rng)
-                    except VmmError:
-                        logger.exception("unmap of a range that failed to unmap before failed again")
+                self._retry_stale()
                 va, self.va = self.va, None
                 self.backend.free_va(va, self.total_va)

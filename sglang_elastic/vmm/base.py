@@ -17,7 +17,7 @@ every driver error turned into an exception naming the call) and kvcached
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Optional
 
 
 class VmmError(RuntimeError):
@@ -78,6 +78,11 @@ class VmmBackend(abc.ABC):
 
     def synchronize(self) -> None:
         """Wait for all queued device work (before unmapping memory it may use)."""
+
+    def free_bytes(self) -> Optional[int]:
+        """Device memory free now, bytes (``cuMemGetInfo``'s free); None when
+        the backend cannot tell."""
+        return None
 
     def memset(self, va: int, value: int, size: int) -> None:  # pragma: no cover - backends override
         raise NotImplementedError

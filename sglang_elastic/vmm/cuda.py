@@ -126,3 +126,8 @@ class CudaBackend(VmmBackend):
 
     def synchronize(self) -> None:
         self._check(self._d.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def free_bytes(self) -> int:
+        err, free, _total = self._d.cuMemGetInfo()
+        self._check(err, "cuMemGetInfo")
+        return int(free)

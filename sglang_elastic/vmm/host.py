@@ -12,7 +12,9 @@ enforces CUDA's rules that ``mmap`` alone would let pass: no mapping over a
 mapped range, unmap only whole mappings, no freeing a reservation that still
 has mappings; and with ``offset_mapping=False`` it refuses nonzero handle
 offsets as the H200's driver does (``CUDA_ERROR_NOT_SUPPORTED``). ``fail_on``
-injects failures into named calls for fault tests.
+injects failures into named calls for fault tests; ``capacity`` gives it a
+device size (``create`` runs out of memory beyond it, ``free_bytes`` reports
+what is left).
 """
 
 from __future__ import annotations
@@ -46,9 +48,12 @@ class HostBackend(VmmBackend):
             before doing anything (fault injection); when it returns "oom" the
             error is an out-of-memory one.
         offset_mapping: whether ``map`` accepts a nonzero handle offset.
+        capacity: bytes of "device memory" the live handles may hold in all
+            (default: no limit; ``free_bytes`` is None then).
     """
 
-    def __init__(self, granularity: Optional[int] = None, fail_on: Optional[Dict[str, Callable[[int], bool]]] = None, offset_mapping: bool = True):
+    def __init__(self, granularity: Optional[int] = None, fail_on: Optional[Dict[str, Callable[[int], bool]]] = None, offset_mapping: bool = True,
+                 capacity: Optional[int] = None):
         page = mmap.PAGESIZE
         self._gran = granularity or page
         if self._gran % page:
@@ -58,6 +63,8 @@ class HostBackend(VmmBackend):
         self.live_handles = 0
         self.supports_offset_mapping = offset_mapping
         self._maps: Dict[int, int] = {}  # va -> size of each live mapping
+        self.capacity = capacity
+        self._handle_bytes: Dict[int, int] = {}  # handle -> its size
 
     def _enter(self, name: str) -> None:
         n = self.calls.get(name, 0) + 1
@@ -103,6 +110,8 @@ class HostBackend(VmmBackend):
     def create(self, size: int) -> int:
         self._enter("create")
         self._check_aligned("create", size)
+        if self.capacity is not None and sum(self._handle_bytes.values()) + size > self.capacity:
+            raise VmmError(f"create failed: out of memory ({size} bytes asked, {self.free_bytes()} free)", out_of_memory=True)
         fd = os.memfd_create("sglang-elastic-kv", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -110,6 +119,7 @@ class HostBackend(VmmBackend):
             os.close(fd)
             raise VmmError(f"create failed: {e}") from e
         self.live_handles += 1
+        self._handle_bytes[fd] = size
         return fd
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
@@ -139,6 +149,10 @@ class HostBackend(VmmBackend):
         self._enter("release")
         os.close(handle)
         self.live_handles -= 1
+        self._handle_bytes.pop(handle, None)
+
+    def free_bytes(self) -> Optional[int]:
+        return None if self.capacity is None else self.capacity - sum(self._handle_bytes.values())
 
     def memset(self, va: int, value: int, size: int) -> None:
         ctypes.memset(va, value, size)
