@@ -21,7 +21,7 @@ for step in "$@"; do
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --out "$out/smoke.json" > "$out/smoke.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --servers "${arg1:-stock,offload}" --out "$out/capacity.json" > "$out/capacity.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra "${EXTRA:-}" --out "$out/throughput_${arg1}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --out "$out/throughput_${arg1}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "step $step: status $? in $(( $(date +%s) - t0 )) s"
