@@ -34,7 +34,9 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes():
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
-                   "decode_policy": "auto", "decode_calibration": None}
+                   "decode_policy": "auto", "decode_calibration": None,
+                   "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
+                               "denominator": "full", "hot_tokens": 4096, "host_gb": None, "resident_v": False}}
     assert f"MODEL {MODEL}" in r.stdout
 
 
