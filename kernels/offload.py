@@ -363,10 +363,14 @@ def _swap_in_kernel(
     att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
     stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b,
     HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, REGION: tl.constexpr, LRU_BASE: tl.constexpr,
+    SPEC: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     r = tl.load(req_pool_ptr + b).to(tl.int64)
-    now = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # the LRU clock: the request's length; a speculative pass (a prefetch for the next layer, run
+    # before its exact pass in the same step) stamps one less, so the exact pass may still evict
+    # what it loaded in vain, and it never evicts what the previous step used
+    now = tl.load(seq_lens_ptr + b).to(tl.int32) - SPEC
     k = tl.load(k_ptr + b)
     base = tl.load(att_indptr_ptr + b) + tl.load(s_eff_ptr + b) + tl.load(w_eff_ptr + b)
     slot_pos = slot_pos_ptr + r * stride_slot_r
@@ -385,12 +389,14 @@ def _swap_in_kernel(
     tl.debug_barrier()
 
     # victims: the m least recently used slots not hit now (time < now)
-    miss = valid & (~hit)
-    m = tl.sum(miss.to(tl.int32), 0)
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < HN
     t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
     avail = hmask & (t < now)
+    # the exact pass always has a victim per miss (HN >= k); a speculative one loads only what fits
+    miss = valid & (~hit)
+    miss = miss & (tl.cumsum(miss.to(tl.int32), 0) <= tl.sum(avail.to(tl.int32), 0))
+    m = tl.sum(miss.to(tl.int32), 0)
     # smallest tau with count(avail & t <= tau) >= m, by binary search on [-1, now - 1]
     lo_t = now * 0 - 1
     hi_t = now - 1
@@ -420,8 +426,8 @@ def _swap_in_kernel(
     tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
     tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, (row0 + vslot).to(miss_dst_ptr.dtype.element_ty), mask=miss)
     tl.store(miss_cnt_ptr + b, m)
-    tl.atomic_add(stats_ptr + 0, (k - m).to(tl.int64))  # hits
-    tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses
+    tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int32), 0).to(tl.int64))  # hits
+    tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses (rows copied)
 
 
 def swap_in_run(
@@ -429,7 +435,7 @@ def swap_in_run(
     seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
     loc_slot: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor, scratch: torch.Tensor,
     att_kidx: torch.Tensor, att_vidx: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_cnt: torch.Tensor,
-    stats: torch.Tensor, max_k: int, region_rows: int, lru_base: int, num_warps: Optional[int] = None,
+    stats: torch.Tensor, max_k: int, region_rows: int, lru_base: int, spec: bool = False, num_warps: Optional[int] = None,
 ) -> None:
     """Hot-buffer bookkeeping of one layer: hits, LRU victims, the miss list.
 
@@ -453,6 +459,10 @@ def swap_in_run(
         stats: ``[>= 2]`` int64, accumulated: hits, misses.
         max_k: the largest ``k`` (a compile-time block).
         region_rows, lru_base: the region layout above.
+        spec: a speculative pass (the prefetch of the next layer's rows): it stamps
+            ``seq_lens - 1``, evicts only slots older than the previous step, and
+            loads only the misses that have a victim; its ``att_kidx`` / ``att_vidx``
+            are its own scratch.
 
     Raises:
         ValueError: ``HN < max_k`` (a step could not hold its selection).
@@ -468,7 +478,7 @@ def swap_in_run(
         loc_slot, slot_pos, slot_time, scratch, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
         sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0),
         HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
-        REGION=region_rows, LRU_BASE=lru_base, **_launch_opts(num_warps, None),
+        REGION=region_rows, LRU_BASE=lru_base, SPEC=spec, **_launch_opts(num_warps, None),
     )
 
 

@@ -48,6 +48,8 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
   less a 10 GiB reserve).
 - ``--kv-offload-resident-v``: keep V on the GPU too (the same selection,
   no host tier: the exactness reference; capacity as stock).
+- ``--kv-offload-prefetch {off,speculative}`` (off): InfiniGen's prefetch of
+  layer l+1's selected V rows while layer l runs.
 
 Decode attention (only with SGLang's ``--decode-attention-backend persistentkv``,
 the backend this package registers; :mod:`sglang_elastic.attention`):
@@ -87,6 +89,7 @@ class ConfigError(ValueError):
 
 
 DENOMINATORS = ("full", "selected")
+PREFETCH = ("off", "speculative")
 #: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
 OFFLOAD_BACKEND = "kvoffload"
 
@@ -116,6 +119,7 @@ class OffloadConfig:
     hot_tokens: int = 4096
     host_gb: Optional[float] = None
     resident_v: bool = False
+    prefetch: str = "off"
 
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
@@ -132,10 +136,14 @@ class OffloadConfig:
             raise ConfigError(f"--kv-offload-hot-tokens must be below 32768, not {self.hot_tokens}")
         if self.host_gb is not None and not self.host_gb > 0:
             raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
+        if self.prefetch not in PREFETCH:
+            raise ConfigError(f"--kv-offload-prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
+        if self.prefetch != "off" and self.resident_v:
+            raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         defaults = OffloadConfig.__dataclass_fields__
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
-            flag = {"resident_v": "resident-v", "host_gb": "host-gb", "hot_tokens": "hot-tokens", "dense_layers": "dense-layers"}.get(given[0], given[0])
+            flag = given[0].replace("_", "-")
             raise ConfigError(f"--kv-offload-{flag} (and every --kv-offload-* flag) needs --enable-kv-offload")
 
     def policy(self):
@@ -239,6 +247,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-hot-tokens", type=int, default=4096, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
+    o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default="off", help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer.")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
     d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: the H200 file shipped in sglang_elastic/attention/calibration). Applies only with --decode-attention-backend persistentkv.")
@@ -287,6 +296,7 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
             hot_tokens=getattr(ns, "kv_offload_hot_tokens", 4096),
             host_gb=getattr(ns, "kv_offload_host_gb", None),
             resident_v=bool(getattr(ns, "kv_offload_resident_v", False)),
+            prefetch=getattr(ns, "kv_offload_prefetch", "off"),
         ),
     )
 

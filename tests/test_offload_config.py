@@ -38,7 +38,7 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend():
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
     assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "selected",
-                   "hot_tokens": 3000, "host_gb": 80.0, "resident_v": False}
+                   "hot_tokens": 3000, "host_gb": 80.0, "resident_v": False, "prefetch": "off"}
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
     assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="selected")
 

@@ -147,6 +147,7 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
     stats = torch.zeros(2, dtype=torch.int64)
     ref = LRUReference(rows, HN)
     hits = misses = 0
+    last0 = []
     for step in range(40):
         now = 20 + step
         sels = [rnd.sample(range(3, now - 3), rnd.randint(0, MAXK)) for _ in range(B)]

@@ -49,7 +49,8 @@ class Sim:
         self.ctx = ctx
         self.k = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)  # history by (layer, row, position)
         self.v = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)
-        self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT)
+        self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT, prefetch=True)
+        self.guess = None  # prefetch: f(q of the next layer) -> the guessed query, or None: no prefetch
 
     def new_request(self, r):
         """Row ``r`` gets a new request: its old ids go back to the free list, fresh ones come (as SGLang's allocator does)."""
@@ -81,12 +82,17 @@ class Sim:
         rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         dec.plan(self.r2t, rp, seq, len(reqs))
         outs, worst = [], 0.0
+        step = [(torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(),
+                 (2 * torch.randn(len(reqs), HQ, D, generator=self.g)).bfloat16()) for _ in range(L)]
         for l in range(L):
-            k, v = torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16()
+            k, v, q = step[l]
+            nxt = l + 1
+            if self.guess is not None and nxt < L and nxt in pool.sparse_layer_ids:  # before layer l runs: layer l+1's guessed rows
+                dec.prefetch(self.guess(step[nxt][2]), pool.get_key_buffer(nxt), pool.get_value_buffer(nxt), D ** -0.5, self.r2t, rp, seq,
+                             pool.hot_state(nxt), pool.host.view(nxt))
             pool.set_v_rows(dec.new_token_rows())
             pool.set_kv_buffer(layer(l), self.r2t[rp.long(), seq.long() - 1].long(), k, v)
             self.k[l, rp.long(), seq.long() - 1], self.v[l, rp.long(), seq.long() - 1] = k, v
-            q = (2 * torch.randn(len(reqs), HQ, D, generator=self.g)).bfloat16()
             o = torch.full_like(q, float("nan"))
             kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
             if pool.layout.policy.is_dense_layer(l):
@@ -103,20 +109,25 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False):
     """Three requests, one prefilled in two chunks; four decode steps; request
-    row 4 finishes and a new request takes it (its hot buffer must start empty)."""
+    row 4 finishes and a new request takes it (its hot buffer must start empty).
+    ``guess``: prefetch each sparse layer before the layer ahead of it runs.
+    ``short``: three decode steps, no second request in row 4."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1)
-    sim = Sim(make_pool(pol, resident), seed)
+    sim = Sim(make_pool(pol, resident, hot=hot), seed)
+    sim.guess = guess
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
     lens = [30, 500, 5]
     outs, worst = [], 0.0
-    for _ in range(4):
+    for _ in range(3 if short else 4):
         lens = [x + 1 for x in lens]
         o, w = sim.decode([1, 2, 4], lens)
         outs += o
         worst = max(worst, w)
+    if short:
+        return outs, worst, sim
     # row 4 finishes; a new 400-token request takes row 4 (new token ids in its req_to_token row)
     sim.new_request(4)
     sim.extend([4], [(0, 400)])
@@ -136,6 +147,26 @@ def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_
     assert all(torch.equal(a, b) for a, b in zip(outs_off, outs_res))
     hits, misses = sim.dec.stats.tolist()
     assert misses > 0  # the hot buffers were filled from the host rows
+
+
+@pytest.mark.parametrize("guess,hot", [("next-q", 32), ("random", 24)])
+def test_prefetch_changes_copies_never_outputs(guess, hot):
+    """InfiniGen's prefetch (a guessed query of the next layer, scored and
+    copied ahead) leaves every output bit-identical to no prefetch, whether
+    the guess is right (the next layer's own query: the exact pass then
+    misses less) or wrong (random), also with a hot buffer no larger than
+    the top-k (the prefetch loads only what has a victim)."""
+    g = torch.Generator().manual_seed(9)
+    fn = (lambda q: q) if guess == "next-q" else (lambda q: (2 * torch.randn(q.shape, generator=g)).bfloat16())
+    base, _, sim0 = lifecycle(resident=False, hot=hot, short=True)
+    outs, worst, sim = lifecycle(resident=False, guess=fn, hot=hot, short=True)
+    assert all(torch.equal(a, b) for a, b in zip(base, outs)) and worst < 1e-2
+    (h0, m0), (h1, m1) = sim0.dec.stats.tolist(), sim.dec.stats.tolist()
+    assert h0 + m0 == h1 + m1  # the same selections
+    spec_hits, spec_rows = sim.dec.spec.stats.tolist()
+    assert spec_rows > 0
+    if guess == "next-q" and hot == 32:
+        assert m1 < m0 / 2  # the right guess leaves the exact pass few misses
 
 
 def test_pool_shapes_keep_k_and_dense_v_for_every_token_and_only_hot_rows_of_sparse_v():

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)

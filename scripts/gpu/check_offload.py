@@ -33,7 +33,7 @@ import torch
 from sglang_elastic import results
 from sglang_elastic.kernels import offload as ko
 from sglang_elastic.kernels.decode_attention import split_kv_decode
-from sglang_elastic.offload.decode import OffloadDecoder, SplitConfig
+from sglang_elastic.offload.decode import OffloadDecoder
 from sglang_elastic.offload.host_pool import device_view
 from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
 from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
@@ -166,23 +166,23 @@ def time_layer(out, bs=44, ctx=32768):
     q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=gen)).bfloat16()
     o = torch.empty_like(q)
     dec.plan(r2t, reqs, seq, bs)
-    sp = dec.split
+    sp, ws = dec.split, dec.sel
     t = {}
     t["plan"] = time_ms(lambda: dec.plan(r2t, reqs, seq, bs))
     t["scores"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs], sp.scores_max_splits,
-                                                dec.scores, dec.score_lse, D ** -0.5, sp.scores_block_n))
-    lse = ko.lse_merge(dec.score_lse, bs, sp.scores_max_splits, dec.lse_full)
-    t["lse_merge"] = time_ms(lambda: ko.lse_merge(dec.score_lse, bs, sp.scores_max_splits, dec.lse_full))
-    t["select"] = time_ms(lambda: ko.select_run(dec.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
-                                                dec.p_buf, dec.sel_pos, HQ, sp.select_block_n))
+                                                ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n))
+    lse = ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full)
+    t["lse_merge"] = time_ms(lambda: ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full))
+    t["select"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
+                                                ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts))
 
     def swap():
-        ko.swap_in_run(dec.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
-                       slot_time, dec.scratch, dec.att_kidx, dec.att_vidx, dec.miss_src, dec.miss_dst, dec.miss_cnt, dec.stats,
+        ko.swap_in_run(ws.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
+                       slot_time, ws.scratch, dec.att_kidx, dec.att_vidx, ws.miss_src, ws.miss_dst, ws.miss_cnt, ws.stats,
                        pol.max_topk, lay.region_rows, lay.lru_base)
 
     def copy():
-        ko.copy_rows_run(hview, vhot, dec.miss_src[:bs], dec.miss_dst[:bs], counts=dec.miss_cnt[:bs])
+        ko.copy_rows_run(hview, vhot, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
 
     # cold: every selected row a miss (fresh hot buffers before each run)
     cold_swap, cold_copy = [], []
@@ -194,13 +194,13 @@ def time_layer(out, bs=44, ctx=32768):
         cold_copy.append(time_ms(copy, reps=1, warm=0))
         slot_pos.fill_(-1)
         slot_time.fill_(-1)
-    misses_cold = int(dec.miss_cnt[:bs].sum())
+    misses_cold = int(ws.miss_cnt[:bs].sum())
     t["swap_in_cold"] = statistics.median(cold_swap)
     t["copy_cold"] = statistics.median(cold_copy)
     swap()
     copy()
     t["swap_in_warm"] = time_ms(swap)  # the same selection: all hits
-    misses_warm = int(dec.miss_cnt[:bs].sum())
+    misses_warm = int(ws.miss_cnt[:bs].sum())
     t["attend"] = time_ms(lambda: ko.attend_run(q, kb, vhot, dec.att_indptr[: bs + 1], dec.att_kidx, dec.att_vidx, dec.att_chunk[:bs],
                                                 dec.att_nsplit[:bs], sp.attend_max_splits, dec.mid_o, dec.mid_lse, o, lse, D ** -0.5,
                                                 sp.attend_block_n))

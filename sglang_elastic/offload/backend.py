@@ -27,6 +27,7 @@ others.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext as _nullcontext
 from typing import Optional
 
 import torch
@@ -73,8 +74,19 @@ class OffloadAttnBackend(AttentionBackend):
         mc = model_runner.model_config
         self.q_heads = mc.get_max_num_attention_heads() // _attn_tp_size()
         rows = self.req_to_token.shape[0]
+        from sglang_elastic import config
+
+        self.prefetch_on = config.current().offload.prefetch == "speculative" and not self.pool.layout.resident_v
+        self.spec_modules = {}
+        if self.prefetch_on:
+            from sglang_elastic.offload import prefetch as _prefetch
+
+            self.prefetch_on = _prefetch.install(self, model_runner.model)
         self.decoder = OffloadDecoder(self.pool.layout, self.q_heads, self.pool.head_num, self.pool.head_dim, max_bs=rows,
-                                      token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device)
+                                      token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device,
+                                      prefetch=self.prefetch_on)
+        self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
+        self._spec_pending = {}  # layer id -> event of its prefetch in this step
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
         self._prefix_locs: Optional[torch.Tensor] = None
         #: host-side counters (no device read): tokens whose V went to the host, decode steps
@@ -175,7 +187,8 @@ class OffloadAttnBackend(AttentionBackend):
         if max_bs > self.decoder.max_bs:
             d = self.decoder
             self.decoder = OffloadDecoder(d.layout, d.q_heads, d.kv_heads, d.head_dim, max_bs=max_bs,
-                                          token_capacity=d.token_capacity + max_bs, device=self.device, split=d.split)
+                                          token_capacity=d.token_capacity + max_bs, device=self.device, split=d.split,
+                                          prefetch=d.spec is not None)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self._mode = self._require(forward_batch)
@@ -206,6 +219,9 @@ class OffloadAttnBackend(AttentionBackend):
         if (layer.logit_cap or 0) > 0:
             raise NotImplementedError(f"{NAME} has no logit soft-cap: drop --enable-kv-offload for this model")
         pool, dec = self.pool, self.decoder
+        ev = self._spec_pending.pop(layer.layer_id, None)
+        if ev is not None:  # this layer's prefetch ran on the side stream: its hot buffer is ready after it
+            torch.cuda.current_stream().wait_event(ev)
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         H, D = layer.tp_q_head_num, layer.head_dim
@@ -223,19 +239,53 @@ class OffloadAttnBackend(AttentionBackend):
                        pool.hot_state(lid), pool.host.view(lid - pool.start_layer))
         return o.view(-1, H * D)
 
+    # ---------------------------------------------------------------- prefetch
+
+    def wants_prefetch(self, layer_id: int) -> bool:
+        """Prefetch for ``layer_id`` in this forward (a decode step, a sparse layer, prefetch on)."""
+        return self.prefetch_on and self._mode == "decode" and self.pool.is_sparse_layer(layer_id)
+
+    def prefetch(self, layer_id: int, q_spec: torch.Tensor, forward_batch, sm_scale: float) -> None:
+        """Select and copy ``layer_id``'s guessed rows on the side stream
+        (:meth:`OffloadDecoder.prefetch`); ``forward_decode`` of that layer waits for it.
+
+        Args:
+            q_spec: ``[bs, q_heads * head_dim]`` the guessed query (:func:`~sglang_elastic.offload.prefetch.guessed_query`).
+        """
+        pool, dec = self.pool, self.decoder
+        lid = layer_id - pool.start_layer
+        cur = torch.cuda.current_stream() if self._spec_stream is not None else None
+        ctx = torch.cuda.stream(self._spec_stream) if cur is not None else _nullcontext()
+        if cur is not None:
+            self._spec_stream.wait_stream(cur)  # the guessed query, the step's plan, this layer's state
+            q_spec.record_stream(self._spec_stream)
+        with ctx:
+            dec.prefetch(q_spec.reshape(-1, self.q_heads, pool.head_dim), pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
+                         sm_scale, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                         pool.hot_state(layer_id), pool.host.view(lid))
+            if cur is not None:
+                ev = torch.cuda.Event()
+                ev.record(self._spec_stream)
+                self._spec_pending[layer_id] = ev
+
     def stats(self) -> dict:
         """Counters since start (one 16-byte device read: call off the hot path):
-        ``hits`` / ``misses`` of the selected rows (per sparse layer),
-        ``hit_rate``, ``pcie_read_bytes`` (V rows copied host -> GPU),
+        ``hits`` / ``misses`` of the selected rows (per sparse layer; a
+        prefetched row is a hit), ``hit_rate``, ``prefetched_rows`` / ``prefetch_hits``
+        (the prefetch's copies and the rows it found resident already),
+        ``pcie_read_bytes`` (V rows copied host -> GPU, prefetch included),
         ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
         ``decode_tokens``, ``prefill_tokens``."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
+        spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
         row = pool.head_num * pool.v_head_dim * pool.store_dtype.itemsize
         total = hits + misses
         sparse = len(pool.sparse_layer_ids)
         return {
-            "hits": hits, "misses": misses, "hit_rate": hits / total if total else None, "pcie_read_bytes": misses * row,
+            "hits": hits, "misses": misses, "hit_rate": hits / total if total else None,
+            "prefetched_rows": spec_rows, "prefetch_hits": spec_hits,
+            "pcie_read_bytes": (misses + spec_rows) * row,
             "pcie_write_bytes": (self.prefill_tokens + self.decode_tokens) * sparse * row,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
         }

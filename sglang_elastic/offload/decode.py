@@ -43,6 +43,33 @@ class SplitConfig:
     select_parts: int = 16
 
 
+class _Selection:
+    """Buffers of one layer's selection: scores, log-sum-exps, top-k, swap-in
+    lists (``own_lists``: its own attended-list scratch, for the prefetch)."""
+
+    def __init__(self, layout: OffloadLayout, q_heads: int, max_bs: int, token_capacity: int, split: SplitConfig, device,
+                 own_lists: bool = False):
+        i32 = dict(dtype=torch.int32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        kmax = max(layout.policy.max_topk, 1)
+        self.scores = torch.zeros((q_heads, max(token_capacity, 1)), **f32)
+        self.p_buf = torch.zeros(max(token_capacity, 1), **f32)
+        self.score_lse = torch.zeros((max_bs * split.scores_max_splits, q_heads), **f32)
+        self.lse_full = torch.zeros((max_bs, q_heads), **f32)
+        self.sel_pos = torch.zeros((max_bs, kmax), **i32)
+        self.sel_hist = torch.zeros(max_bs * 4 * 256, **i32)
+        self.sel_counts = torch.zeros(max_bs * split.select_parts * 2, **i32)
+        self.scratch = torch.zeros((max_bs, layout.hot_tokens), **i32)
+        self.miss_src = torch.zeros((max_bs, kmax), **i32)
+        self.miss_dst = torch.zeros((max_bs, kmax), **i32)
+        self.miss_cnt = torch.zeros(max_bs, **i32)
+        #: accumulated since start: [hits, rows copied] of this pass's selected rows
+        self.stats = torch.zeros(2, dtype=torch.int64, device=device)
+        if own_lists:
+            self.att_kidx = torch.zeros(max_bs * layout.policy.max_attended + 1, **i32)
+            self.att_vidx = torch.zeros(max_bs * layout.policy.max_attended + 1, **i32)
+
+
 class OffloadDecoder:
     """Buffers and kernels of an offload decode step.
 
@@ -53,10 +80,11 @@ class OffloadDecoder:
         token_capacity: the most KV tokens of one batch (all requests' lengths summed).
         device: where the buffers live.
         split: :class:`SplitConfig`.
+        prefetch: also keep the buffers of :meth:`prefetch` (a second selection).
     """
 
     def __init__(self, layout: OffloadLayout, q_heads: int, kv_heads: int, head_dim: int, max_bs: int, token_capacity: int,
-                 device, split: SplitConfig = SplitConfig()):
+                 device, split: SplitConfig = SplitConfig(), prefetch: bool = False):
         self.layout = layout
         self.policy = layout.policy
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
@@ -79,23 +107,13 @@ class OffloadDecoder:
         self.att_chunk = torch.zeros(max_bs, **i32)
         self.att_nsplit = torch.zeros(max_bs, **i32)
         self.v_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.scores = torch.zeros((q_heads, max(token_capacity, 1)), **f32)
-        self.p_buf = torch.zeros(max(token_capacity, 1), **f32)
-        self.score_lse = torch.zeros((max_bs * split.scores_max_splits, q_heads), **f32)
-        self.lse_full = torch.zeros((max_bs, q_heads), **f32)
-        kmax = max(pol.max_topk, 1)
-        self.sel_pos = torch.zeros((max_bs, kmax), **i32)
-        self.sel_hist = torch.zeros(max_bs * 4 * 256, **i32)
-        self.sel_counts = torch.zeros(max_bs * split.select_parts * 2, **i32)
-        self.scratch = torch.zeros((max_bs, layout.hot_tokens), **i32)
-        self.miss_src = torch.zeros((max_bs, kmax), **i32)
-        self.miss_dst = torch.zeros((max_bs, kmax), **i32)
-        self.miss_cnt = torch.zeros(max_bs, **i32)
         rows = max_bs * max(split.scores_max_splits, split.attend_max_splits)
         self.mid_o = torch.zeros((rows, q_heads, head_dim), **f32)
         self.mid_lse = torch.zeros((rows, q_heads), **f32)
-        #: accumulated since start: [hits, misses] of the LRU part (selected rows)
-        self.stats = torch.zeros(2, dtype=torch.int64, device=device)
+        self.sel = _Selection(layout, q_heads, max_bs, token_capacity, split, device)
+        self.spec = _Selection(layout, q_heads, max_bs, token_capacity, split, device, own_lists=True) if prefetch else None
+        #: [hits, misses] of the exact passes' selected rows (a prefetched row counts as a hit)
+        self.stats = self.sel.stats
         self.bs = 0
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int) -> None:
@@ -142,6 +160,27 @@ class OffloadDecoder:
         return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
                             sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
 
+    def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
+                spec: bool):
+        from sglang_elastic.kernels.offload import copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run
+
+        bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
+        scores_run(q, k_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits, ws.scores,
+                   ws.score_lse, sm_scale, sp.scores_block_n)
+        lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full)
+        select_run(ws.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
+                   ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts)
+        if lay.resident_v:
+            gather_selected_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
+                                att_kidx, att_vidx, pol.max_topk)
+        else:
+            loc_slot, slot_pos, slot_time = hot_state
+            swap_in_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
+                        loc_slot, slot_pos, slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
+                        ws.miss_cnt, ws.stats, pol.max_topk, lay.region_rows, lay.lru_base, spec=spec)
+            copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
+        return lse
+
     def sparse(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                hot_state=None, host_v: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -153,29 +192,39 @@ class OffloadDecoder:
             hot_state: ``(loc_slot, slot_pos, slot_time)`` of the layer (not resident).
             host_v: the layer's host V rows seen by the GPU (not resident).
         """
-        from sglang_elastic.kernels.offload import (
-            attend_run, copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run,
-        )
+        from sglang_elastic.kernels.offload import attend_run
 
-        bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
+        bs, sp, pol = self.bs, self.split, self.policy
         rp, lens = req_pool_indices[:bs], seq_lens[:bs]
-        scores_run(q, k_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits, self.scores,
-                   self.score_lse, sm_scale, sp.scores_block_n)
-        lse = lse_merge(self.score_lse, bs, sp.scores_max_splits, self.lse_full)
-        select_run(self.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.p_buf,
-                   self.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, self.sel_hist, self.sel_counts)
-        if lay.resident_v:
-            gather_selected_run(self.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
-                                self.att_kidx, self.att_vidx, pol.max_topk)
-        else:
-            loc_slot, slot_pos, slot_time = hot_state
-            swap_in_run(self.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
-                        loc_slot, slot_pos, slot_time, self.scratch, self.att_kidx, self.att_vidx, self.miss_src, self.miss_dst,
-                        self.miss_cnt, self.stats, pol.max_topk, lay.region_rows, lay.lru_base)
-            copy_rows_run(host_v, v_buffer, self.miss_src[:bs], self.miss_dst[:bs], counts=self.miss_cnt[:bs])
+        lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
+                           self.att_kidx, self.att_vidx, spec=False)
         return attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
                           self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
                           lse if pol.denominator == "full" else None, sm_scale, sp.attend_block_n)
+
+    def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
+                 req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v) -> None:
+        """Load the V rows a sparse layer will probably select, before its own pass runs.
+
+        The InfiniGen idea (arXiv 2406.19707): consecutive layers' attention
+        inputs are nearly parallel, so layer ``l``'s input through layer
+        ``l + 1``'s query weights and RoPE (``q_spec``) ranks layer ``l + 1``'s
+        tokens almost as its own query will. The same exact scoring and top-k
+        as :meth:`sparse` run on ``q_spec`` against the layer's full K (no
+        partial weights: K is resident), and the misses are copied into the
+        hot buffer (:func:`~sglang_elastic.kernels.offload.swap_in_run` with
+        ``spec``). The layer's own pass then finds them as hits; a wrong
+        guess costs copies, never accuracy. Run it on a side stream while
+        the layer before computes.
+
+        Raises:
+            RuntimeError: the decoder was built without ``prefetch`` buffers.
+        """
+        if self.spec is None:
+            raise RuntimeError("OffloadDecoder(prefetch=True) keeps the prefetch's buffers")
+        bs = self.bs
+        self._select(self.spec, q_spec, k_buffer, v_buffer, sm_scale, req_to_token, req_pool_indices[:bs], seq_lens[:bs],
+                     hot_state, host_v, self.spec.att_kidx, self.spec.att_vidx, spec=True)
 
 
 __all__ = ["OffloadDecoder", "SplitConfig"]
