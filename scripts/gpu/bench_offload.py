@@ -14,16 +14,16 @@ Parts (each writes its own JSON; ``assemble`` joins them into the issue's
         ``max_total_num_tokens``, and the tokens it really holds at once under
         a load of 32K-token requests (peak of ``#token`` in use).
     python scripts/gpu/bench_offload.py throughput --workload NAME --servers stock,offload[,hicache] --out PART.json
-        ``sglang.bench_serving`` (random ids) against each server in turn:
-        output throughput, median ITL / TTFT, and for offload its hit rate and
-        PCIe traffic. Workloads: ``long32k`` (64 x 32,768 in, 512 out),
+        Every prompt (random ids) sent at once to each server in turn, streamed
+        (``load``: TTFT, ITL and output throughput as ``sglang.bench_serving``
+        computes them, without its tokenizer round trip, which took 150 s to
+        draw 64 x 32K ids): output throughput, median ITL / TTFT, peak tokens
+        held, and for offload its hit rate and PCIe traffic. Workloads: ``long32k`` (64 x 32,768 in, 512 out),
         ``long128k`` (16 x 130,560 in, 512 out), ``fits`` (64 x 4,096 in, 512 out).
     python scripts/gpu/bench_offload.py assemble --parts DIR --out docs/results/offload_h200.json
 
-Needs the bundle in /tmp/site (``../shared/gpu-host``), this package
-installed there, and for ``throughput`` the wheels of ``scripts/gpu/fetch_wheels.sh``
-(``datasets`` for bench_serving). A part that measured nothing writes nothing
-and exits 1.
+Needs the bundle in /tmp/site (``../shared/gpu-host``) and this package
+installed there. A part that measured nothing writes nothing and exits 1.
 """
 
 from __future__ import annotations
@@ -235,33 +235,81 @@ def part_capacity(a) -> dict:
     return out
 
 
+def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
+    """Send every prompt at once to ``/generate`` (streaming, greedy, ``ignore_eos``)
+    and time it as ``sglang.bench_serving`` does: TTFT = first streamed chunk,
+    ITL = the gaps between chunks divided by the tokens each brings, output
+    throughput = output tokens / wall time of the whole load.
+
+    Returns:
+        ``{completed, output_tokens, duration_s, output_tok_s, median_ttft_ms,
+        median_itl_ms, p99_itl_ms}``; requests that fail are counted out of ``completed``.
+    """
+    import asyncio
+    import statistics
+
+    import aiohttp
+
+    async def one(session, p):
+        t0 = time.perf_counter()
+        ttft, last, n, itl = None, None, 0, []
+        payload = {"input_ids": p, "stream": True,
+                   "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}}
+        async with session.post(url + "/generate", json=payload) as r:
+            if r.status != 200:
+                return None
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                got = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                if got <= n:
+                    continue
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    itl += [(now - last) / (got - n)] * (got - n)
+                last, n = now, got
+        return ttft, itl, n
+
+    async def main():
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one(session, p) for p in ps), return_exceptions=True)
+            return res, time.perf_counter() - t0
+
+    res, dur = asyncio.run(main())
+    ok = [r for r in res if isinstance(r, tuple)]
+    itl = sorted(x for r in ok for x in r[1])
+    toks = sum(r[2] for r in ok)
+    return {"completed": len(ok), "output_tokens": toks, "duration_s": dur, "output_tok_s": toks / dur if dur else None,
+            "median_ttft_ms": 1e3 * statistics.median(r[0] for r in ok) if ok else None,
+            "median_itl_ms": 1e3 * statistics.median(itl) if itl else None,
+            "p99_itl_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None}
+
+
 def part_throughput(a) -> dict:
     ilen, olen, n = WORKLOADS[a.workload]
-    tok = os.path.join(a.work, "tokenizer")
-    if not os.path.isdir(tok):
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "make_tokenizer.py"), MODEL, tok], check=True)
-    out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "servers": {}}
+    olen = a.output_len or olen
+    out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "client": "bench_offload.load (streaming /generate)",
+           "servers": {}}
+    ps = prompts([ilen] * n, seed=2)
     for i, name in enumerate(a.servers.split(",")):
-        s = Server(name, SERVERS[name] + ["--tokenizer-path", tok, "--enable-metrics"] + a.extra.split(), 30300 + i, a.work)
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + a.extra.split(), 30300 + i, a.work)
         try:
             up = s.wait()
+            s.generate({"input_ids": ps[0][:256], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})  # warm-up
             before = offload_state(s.info())
             poller = PeakPoller(s)
-            jsonl = os.path.join(a.work, f"bench_{a.workload}_{name}.jsonl")
-            cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(s.port),
-                   "--dataset-name", "random-ids", "--tokenize-prompt", "--tokenizer", tok, "--random-input-len", str(ilen),
-                   "--random-output-len", str(olen), "--random-range-ratio", "1.0", "--num-prompts", str(n), "--output-file", jsonl]
             t0 = time.time()
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            if r.returncode != 0:
-                raise RuntimeError(f"bench_serving failed on {name}: {r.stderr[-1500:]}")
-            rec = [json.loads(l) for l in open(jsonl)][-1]
+            rec = load(s.url(""), ps, olen, a.timeout)
             peak = poller.stop()
+            if rec["completed"] == 0:
+                raise RuntimeError(f"no request completed on {name}: " + tail(s.log))
             after = offload_state(s.info())
-            row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1),
-                   "output_tok_s": rec.get("output_throughput"), "median_itl_ms": rec.get("median_itl_ms"),
-                   "median_ttft_ms": rec.get("median_ttft_ms"), "p99_itl_ms": rec.get("p99_itl_ms"),
-                   "completed": rec.get("completed"), "duration_s": rec.get("duration"),
+            row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
                    "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
                    "peak_running_reqs": peak["running"], "extra_flags": a.extra}
             if after is not None:
@@ -269,9 +317,9 @@ def part_throughput(a) -> dict:
                 hits, misses = after["hits"] - b.get("hits", 0), after["misses"] - b.get("misses", 0)
                 rd = after["pcie_read_bytes"] - b.get("pcie_read_bytes", 0)
                 wr = after["pcie_write_bytes"] - b.get("pcie_write_bytes", 0)
-                dur = rec.get("duration") or 1
+                dur = rec["duration_s"] or 1
                 row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
-                            "pcie_gb_per_s": (rd + wr) / dur / 1e9})
+                            "pcie_gb_per_s": (rd + wr) / dur / 1e9, "prefetched_rows": after.get("prefetched_rows", 0) - b.get("prefetched_rows", 0)})
             out["servers"][name] = row
             results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:
@@ -325,6 +373,7 @@ def main():
     ap.add_argument("--servers", default="stock,offload")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=None, help="throughput: output tokens per request (default: the workload's)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")

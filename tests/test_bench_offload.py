@@ -1,0 +1,80 @@
+"""The offload benchmark's CPU half: its streaming load client against a stub
+of SGLang's ``/generate`` stream, and the assembly of the result file."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_offload", ROOT / "scripts" / "gpu" / "bench_offload.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Stub(http.server.BaseHTTPRequestHandler):
+    """SGLang's streamed ``/generate``: one ``data:`` line per decode step with
+    the cumulative ``completion_tokens``, every 20 ms, two tokens in the third
+    chunk (as a stream interval can), then ``[DONE]``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["sampling_params"]["max_new_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent, step = 0, 0
+        time.sleep(0.05)  # "prefill"
+        while sent < n:
+            sent = min(n, sent + (2 if step == 2 else 1))
+            step += 1
+            self._chunk(f"data: {json.dumps({'output_ids': [1] * sent, 'meta_info': {'completion_tokens': sent}})}\n\n")
+            time.sleep(0.02)
+        self._chunk("data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, text):
+        data = text.encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_load_times_ttft_itl_and_throughput_from_the_stream():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        rec = bench().load(f"http://127.0.0.1:{srv.server_address[1]}", [[5] * 10] * 4, out_len=12, timeout=60)
+    finally:
+        srv.shutdown()
+    assert rec["completed"] == 4 and rec["output_tokens"] == 48
+    assert 40 <= rec["median_ttft_ms"] <= 400
+    # 11 chunks a request, 20 ms apart; the two-token chunk counts as two gaps of 10 ms
+    assert 15 <= rec["median_itl_ms"] <= 60
+    assert rec["output_tok_s"] == pytest.approx(48 / rec["duration_s"])
+
+
+def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
+    parts = ROOT / "docs" / "results" / "offload_h200_parts"
+    mod = bench()
+    args = type("A", (), {"parts": str(parts), "command": "python scripts/gpu/bench_offload.py assemble --parts ..."})()
+    out = mod.part_assemble(args)
+    assert {"date", "gpu", "commit", "command", "throughput", "exactness"} <= set(out)
+    assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
+    assert out["throughput"] == [] and "capacity" not in out  # not measured yet: nothing claimed
