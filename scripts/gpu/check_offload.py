@@ -10,9 +10,10 @@
 3. Per-kernel times of one sparse layer at a batch of 44 requests x 32K
    tokens (the issue's long-context workload): scores over all K, the radix
    top-k, the swap-in bookkeeping, the miss copy (cold: every row a miss;
-   warm: the same selection again, every row a hit), the sparse attention;
-   against split-KV over every position of the same layer (what a dense
-   layer costs). CUDA-event timing, median of repeats, L2 not flushed (the
+   warm: the same selection again, every row a hit), the sparse attention,
+   the prefetch of one layer (``OffloadDecoder.prefetch``, warm); against
+   split-KV over every position of the same layer (what a dense layer
+   costs). CUDA-event timing, median of repeats, L2 not flushed (the
    per-layer working set is many times the L2).
 
     python scripts/gpu/check_offload.py --out docs/results/offload_check_h200.json
@@ -162,7 +163,7 @@ def time_layer(out, bs=44, ctx=32768):
     r2t = torch.cat([torch.zeros(1, ctx, dtype=torch.int32, device="cuda"), r2t])
     reqs = torch.arange(1, bs + 1, dtype=torch.int32, device="cuda")
     seq = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    dec = OffloadDecoder(lay, HQ, HKV, D, max_bs=bs, token_capacity=size, device="cuda")
+    dec = OffloadDecoder(lay, HQ, HKV, D, max_bs=bs, token_capacity=size, device="cuda", prefetch=True)
     q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=gen)).bfloat16()
     o = torch.empty_like(q)
     dec.plan(r2t, reqs, seq, bs)
@@ -205,6 +206,8 @@ def time_layer(out, bs=44, ctx=32768):
                                                 dec.att_nsplit[:bs], sp.attend_max_splits, dec.mid_o, dec.mid_lse, o, lse, D ** -0.5,
                                                 sp.attend_block_n))
     t["dense_split_kv"] = time_ms(lambda: split_kv_decode(q, kb, vfull, dec.kv_indptr[: bs + 1], dec.kv_indices, D ** -0.5))
+    # the prefetch of a layer (a second scoring and top-k with a guessed query, speculative swap-in): same query, so all hits
+    t["prefetch_warm"] = time_ms(lambda: dec.prefetch(q, kb, vhot, D ** -0.5, r2t, reqs, seq, (loc_slot, slot_pos, slot_time), hview))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
     out["layer_timing"] = {
         "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
