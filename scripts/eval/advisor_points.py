@@ -3,7 +3,7 @@
 (leave-one-out), E3's rows not among them, E1's and E2's elastic rows, E2's
 post-capture rows (SGLang's own sizing) and the elastic pool's own runs (their lendable tokens; predicted without the
 calibration point of the same model, TP and chunk) -> docs/results/eval/advisor.json,
-the table in docs/eval.md. Needs SGLang importable (CPU is enough).
+the table in docs/eval.md. CPU only (the advisor no longer imports SGLang).
 
     python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
 """
