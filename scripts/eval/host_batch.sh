@@ -164,5 +164,5 @@ for i in "${!pids[@]}"; do
   if [ "$st" = 124 ]; then rc=1; echo "${configs[$i]}: run.py cut at ${limit} s (--budget); rows in flight are lost (their earlier results stay), the next call runs them (log: $log)" >&2
   elif [ "$st" != 0 ]; then rc=1; echo "${configs[$i]}: run.py exited with status $st (log: $log)" >&2; fi
 done
-for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
+for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured|nothing measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
 exit $rc
