@@ -311,3 +311,37 @@ def test_a_wider_mlp_than_the_chunk_sweep_is_named_above_the_default_chunk():
     low = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] <= 8192]}
     p = advisor.predict("llama-3.1-8b", h200, 1, 16384, calibration=low)
     assert any("above chunk 8,192 was not measured (no calibration point above it)" in c for c in p["caveats"])
+
+
+def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, capsys):
+    """Issue 21: a valid config given as a file of another name was 'no config.json
+    there', and a malformed config.json ended in 'sglang-elastic: OSError: ...'."""
+    import json
+
+    cfg = (model_path("llama-3.1-8b") / "config.json").read_text()
+    (tmp_path / "llama.json").write_text(cfg)
+    args = ["--gpu-mem-gb", "140.4", "--tp", "1"]
+    assert cli.main(["advise", "--model-config", str(tmp_path / "llama.json"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out  # the same answer as the embedded shape's
+    (tmp_path / "bad.json").write_text('{"model_type": "llama",\n')
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text("{oops")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (tmp_path / "str.json").write_text(json.dumps({**json.loads(cfg), "hidden_size": "4096"}))
+    for arg, says in (
+        ("bad.json", "--model-config {d}/bad.json: not valid JSON (Expecting property name enclosed in double quotes at line 2 column 1); fix it or pass the model's own config.json"),
+        ("dir", "--model-config {d}/dir: {d}/dir/config.json is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2); fix it or pass the model's own config.json"),
+        ("empty", "--model-config {d}/empty: a directory without config.json; pass the model's directory, its config.json, or an embedded name"),
+        ("list.json", "--model-config {d}/list.json: a JSON list, not a model config (an object with model_type, hidden_size, ...)"),
+        ("bert.json", "--model-config {d}/bert.json: model_type 'bert' (BertModel) is not a dense MHA decoder of llama, qwen2, mistral; the advisor's weight count covers those only"),
+        ("str.json", "--model-config {d}/str.json: hidden_size must be a positive integer, not '4096'"),
+        ("none.json", "--model-config {d}/none.json: no such file or directory; pass the model's directory, its config.json, or an embedded name"),
+    ):
+        assert cli.main(["advise", "--model-config", str(tmp_path / arg), *args]) == 2, arg
+        assert capsys.readouterr().err == "sglang-elastic: " + says.format(d=tmp_path) + "\n"
+    assert cli.main(["advise", "--model-config", "llama-3.1-9b", *args]) == 2
+    assert capsys.readouterr().err == ("sglang-elastic: --model-config llama-3.1-9b: no such file or directory, nor an embedded model; "
+                                       "pass the model's directory or its config.json, or one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b\n")

@@ -235,6 +235,8 @@ def test_cli_check_writes_a_report(tmp_path):
     assert r.returncode == 0, r.stderr
     text = report.read_text()
     assert "| 0001-server-info.patch | `sglang/srt/entrypoints/http_server.py` | #1 | offset (+1 lines) |" in text
+    r = cli("patch", "check", "--sglang-src", str(src.root), "--report", str(tmp_path / "no" / "rebase.md"))
+    assert r.returncode == 2 and r.stderr == f"sglang-elastic: {tmp_path / 'no' / 'rebase.md'}: No such file or directory\n"  # not 'FileNotFoundError: [Errno 2] ...'
 
 
 def test_cli_check_exits_1_when_a_hunk_conflicts(tmp_path):
