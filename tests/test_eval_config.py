@@ -326,3 +326,20 @@ def test_a_reuse_target_must_name_a_row_of_a_config_beside_it(tmp_path):
         config.load(e2_with("ttft_vs_chunks/chunk-8192"))
     for shipped in sorted((ROOT / "scripts/eval/configs").glob("*.yaml")):
         config.load(shipped)
+
+
+def test_run_script_without_ray_says_which_interpreter_to_use(tmp_path):
+    """Issue 21: the README's dry run, with a python that lacks Ray, ended in
+    ModuleNotFoundError; now one line naming the missing package and .venv/bin/python."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, runpy, sys\n"
+            "real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda name, package=None: None if name == 'ray' else real(name, package)  # an interpreter without Ray\n"
+            f"sys.argv = ['run.py', {str(ROOT / 'scripts/eval/configs/e1_ttft_vs_chunk.yaml')!r}, '--standin']\n"
+            f"runpy.run_path({str(ROOT / 'scripts/eval/run.py')!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr == (f"run.py: ray not importable by {sys.executable}: run it with the test environment's interpreter, .venv/bin/python "
+                        "(bash ci/test.sh builds it), or install ci/requirements-cpu.txt with ci/constraints-cpu.txt\n")

@@ -27,6 +27,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the source tree when the package is not installed
 
+
+def _missing_packages() -> list:
+    """What this script imports beyond the standard library, where this interpreter lacks it."""
+    import importlib.util
+
+    return [m for m in ("ray", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+
+
+if __name__ == "__main__" and _missing_packages():
+    print(f"run.py: {', '.join(_missing_packages())} not importable by {sys.executable}: run it with the test environment's "
+          f"interpreter, {os.path.relpath(ROOT / '.venv/bin/python')} (bash ci/test.sh builds it), or install ci/requirements-cpu.txt "
+          "with ci/constraints-cpu.txt", file=sys.stderr)
+    sys.exit(2)
+
 from sglang_elastic import results  # noqa: E402
 from sglang_elastic.eval import config, experiments, report  # noqa: E402
 from sglang_elastic.eval.client import client_current  # noqa: E402
