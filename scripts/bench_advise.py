@@ -15,6 +15,7 @@ measured nothing); the exit status is 1 when the target is missed.
 import argparse
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def main() -> int:
         print(f"{k:24s} median {med[k]:6.3f} s  (runs: {', '.join(f'{x:.3f}' for x in v)})")
     print(f"advise / import torch: {ratio:.3f} (target <= {TARGET}); the refusal: {med['advise_malformed_config'] / med['import_torch']:.3f}")
     if a.out:
-        shown = {k: " ".join(os.path.relpath(c, ROOT) if os.path.isabs(c) and c != str(bad) else c for c in cmd) for k, (cmd, _) in cmds.items()}
+        shown = {k: shlex.join("<a malformed config.json>" if c == str(bad) else os.path.relpath(c, ROOT) if os.path.isabs(c) else c for c in cmd)
+                 for k, (cmd, _) in cmds.items()}
         results.write(str(a.out), {
             **results.header(), "gpu": "none (CPU only)",
             "machine": {"cpu": results.cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
