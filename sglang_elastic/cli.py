@@ -168,6 +168,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from sglang_elastic import serve
 
         return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)
+    except BrokenPipeError:  # the reader took what it wanted (`patch status | head -1`): the work is done, not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        return 0
     except (patchset.PatchError, ValueError, OSError, zipfile.BadZipFile, KeyError) as e:
         from sglang_elastic.eval.advisor import AdviseError  # light: no SGLang import
 

@@ -380,3 +380,17 @@ def test_build_wheel_bad_inputs_are_one_line_errors(tmp_path, kind):
     r = cli("patch", "build-wheel", "--wheel", str(whl), "--out", str(tmp_path / "dist"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert {"missing": "no such file", "not-zip": "not a zip archive", "no-record": "RECORD"}[kind] in r.stderr
+
+
+def test_a_reader_that_stops_early_is_not_an_error(sglang_site):
+    """host_batch.sh reads `patch status | head -1` under pipefail: a closed
+    pipe (here closed before anything is written) must not turn into
+    'sglang-elastic: BrokenPipeError' and status 2."""
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)
+    try:
+        r = subprocess.run([sys.executable, "-m", "sglang_elastic.cli", "patch", "status", "--sglang-dir", str(sglang_site)],
+                           stdout=w_fd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(w_fd)
+    assert (r.returncode, r.stderr) == (0, "")
