@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from sglang_elastic.eval import sizing
-from sglang_elastic.eval.sizing import DENSE_MODEL_TYPES, AdviseError, ModelFacts
+from sglang_elastic.eval.sizing import DENSE_MODEL_TYPES, AdviseError, ModelFacts  # noqa: F401  (DENSE_MODEL_TYPES, AdviseError: the advisor's names, as before)
 from sglang_elastic.vmm.arena import token_quantum
 
 GIB = 1 << 30
@@ -93,6 +93,8 @@ DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
 #: CUDA VMM's minimum allocation granularity on NVIDIA data-centre GPUs
 #: (cuMemGetAllocationGranularity on the H200): the elastic pool maps whole granules.
 VMM_GRANULARITY = 2 << 20
+
+
 def model_facts(model: str) -> ModelFacts:
     """SGLang's ``ModelConfig`` values for ``--model-config`` (a model
     directory, a config JSON file, or an embedded name), read without SGLang
