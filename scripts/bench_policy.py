@@ -26,14 +26,6 @@ from sglang_elastic.attention import backend as B  # noqa: E402
 from sglang_elastic.attention.policy import DecodePolicy, load_calibration  # noqa: E402
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -52,7 +44,7 @@ def main() -> None:
         rows.append({"batch": bs, "cost_model_us": round(model_us, 2), "choose_per_step_us": round(step_us, 2), "model_runs": len(be._choices)})
         print(f"B{bs:<4d} cost model {model_us:6.1f} us   choose per step {step_us:5.1f} us   ({len(be._choices)} model runs in 2000 steps)")
     if a.out:
-        results.write(a.out, {**results.header(), "gpu": "none (CPU only)", "cpu": cpu_name(),
+        results.write(a.out, {**results.header(), "gpu": "none (CPU only)", "cpu": results.cpu_name(),
                               "python": platform.python_version(), "rows": rows})
 
 

@@ -3,8 +3,9 @@
     sglang-elastic patch status      [--sglang-dir DIR]
     sglang-elastic patch apply       [--sglang-dir DIR]
     sglang-elastic patch revert      [--sglang-dir DIR]
+    sglang-elastic patch restore     --from-wheel [WHEEL] [--sglang-dir DIR]
     sglang-elastic patch build-wheel --out DIR [--wheel PATH | --python-version X.Y]
-    sglang-elastic patch check       --sglang-src DIR [--report FILE]
+    sglang-elastic patch check       --sglang-src DIR [--report FILE]   (exit 1: a hunk conflicts)
     sglang-elastic patch manifest    --wheel PATH        (maintainers: rewrite patches/manifest.json)
     sglang-elastic serve             [--embedded-model NAME] [--dry-run] [--allow-unpatched] [SGLANG FLAGS...]
     sglang-elastic advise            --model-config PATH --gpu-mem-gb G --tp N [--chunked-prefill-size C] [--json]
@@ -38,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     psub = patch.add_subparsers(dest="op", required=True)
     for op, hlp in (("status", "per patch: pristine / applied / partially applied / foreign changes"), ("apply", "apply the whole series, or nothing"), ("revert", "restore the wheel's files byte for byte")):
         _add_dir(psub.add_parser(op, help=hlp))
+    rs = psub.add_parser("restore", help="overwrite the series' files with the 0.5.17 wheel's, whatever they hold (where revert refuses: a file edited by hand)",
+                         description="Overwrite every file the patch series touches with the SGLang 0.5.17 wheel's bytes (checked against the wheel's RECORD "
+                                     "and patches/manifest.json), whatever they hold now, and print each file overwritten and what it held.")
+    _add_dir(rs)
+    rs.add_argument("--from-wheel", nargs="?", const="", required=True, metavar="WHEEL",
+                    help="the sglang-0.5.17 wheel; given alone, downloaded from PyPI with pip")
     bw = psub.add_parser("build-wheel", help="write a patched sglang-0.5.17+elastic<N> wheel")
     bw.add_argument("--out", type=Path, required=True)
     bw.add_argument("--wheel", type=Path, default=None, help="the sglang-0.5.17 wheel (default: download it from PyPI with pip)")
@@ -58,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
     ad = sub.add_parser(
         "advise", allow_abbrev=False, help="predict SGLang's prefill reserve, the lendable bytes and the extra KV tokens; recommend post-capture sizing / elastic / smaller chunk / neither",
-        description="Sizing from SGLang 0.5.17's own ServerArgs (mem_fraction_static, chunked_prefill_size) on a GPU of the given memory, plus measured factors (sglang_elastic/eval/calibration.json). Needs SGLang importable; no GPU.",
+        description="Sizing as SGLang 0.5.17's own ServerArgs computes it (mem_fraction_static, chunked_prefill_size) on a GPU of the given memory, restated without importing SGLang or torch (a CPU test checks it against SGLang), plus measured factors (sglang_elastic/eval/calibration.json). No GPU needed; answers in well under a second.",
     )
-    ad.add_argument("--model-config", required=True, help="a model directory or its config.json (HF layout), or an embedded name: llama-3.1-8b, qwen2.5-32b, llama-3.1-70b")
+    ad.add_argument("--model-config", required=True, help="a model directory, its config.json (HF layout, any file name), or an embedded name: llama-3.1-8b, qwen2.5-32b, llama-3.1-70b")
     ad.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB as nvidia-smi reports it / 1024 (H200: 140.4 = 143,771 MiB)")
     ad.add_argument("--tp", type=int, required=True, help="tensor-parallel degree: 1, 2, 4, 8")
     ad.add_argument("--chunked-prefill-size", type=int, default=None, help="default: SGLang's choice for this GPU size")
@@ -100,6 +107,19 @@ def _patch(args: argparse.Namespace) -> int:
         files = patchset.revert(inst)
         print(f"reverted {len(files)} file(s) of SGLang {inst.version} at {inst.package_dir} to the wheel" if files else "already pristine: nothing to revert")
         return 0
+    if args.op == "restore":
+        inst = patchset.locate(args.sglang_dir)
+        patchset.status(inst)  # the version first: 0.5.17's files must not land in another release
+        with tempfile.TemporaryDirectory() as tmp:
+            whl = Path(args.from_wheel) if args.from_wheel else patchset.download_wheel(Path(tmp))
+            written = patchset.restore_from_wheel(inst, whl)
+        if not written:
+            print(f"every file the series touches in SGLang {inst.version} at {inst.package_dir} is already as in {whl.name}: nothing overwritten")
+        else:
+            print(f"restored {len(written)} file(s) of SGLang {inst.version} at {inst.package_dir} from {whl.name}:")
+            for path, was in written:
+                print(f"  overwrote {path} (it was: {was})")
+        return 0
     if args.op == "build-wheel":
         src = args.wheel
         with tempfile.TemporaryDirectory() as tmp:
@@ -115,6 +135,11 @@ def _patch(args: argparse.Namespace) -> int:
         if args.report:
             args.report.write_text(report)
         print(report, end="")
+        bad = [r for r in rows if r.state is patchset.HunkState.CONFLICT]
+        if bad:
+            print(f"sglang-elastic: {len(bad)} of {len(rows)} hunk(s) conflict with SGLang {inst.version} "
+                  f"({', '.join(sorted({r.patch for r in bad}))}): the series does not apply there; rebase those patches", file=sys.stderr)
+            return 1
         return 0
     if args.op == "manifest":
         series = patchset.load_series()
@@ -143,11 +168,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         from sglang_elastic import serve
 
         return serve.serve(args.embedded_model, extra, dry_run=args.dry_run, require_patched=not args.allow_unpatched)
+    except BrokenPipeError:  # the reader took what it wanted (`patch status | head -1`): the work is done, not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        return 0
     except (patchset.PatchError, ValueError, OSError, zipfile.BadZipFile, KeyError) as e:
         from sglang_elastic.eval.advisor import AdviseError  # light: no SGLang import
 
-        ours = isinstance(e, (patchset.PatchError, AdviseError))  # their messages stand alone; others keep their type
-        print(f"sglang-elastic: {'' if ours else type(e).__name__ + ': '}{e}", file=sys.stderr)
+        if isinstance(e, OSError) and e.filename and e.strerror:  # a file we were asked to read or write
+            msg = f"{e.filename}: {e.strerror}"
+        elif isinstance(e, (patchset.PatchError, AdviseError)):  # their messages stand alone; others keep their type
+            msg = str(e)
+        else:
+            msg = f"{type(e).__name__}: {e}"
+        print(f"sglang-elastic: {msg}", file=sys.stderr)
         return 2
 
 

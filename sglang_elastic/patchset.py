@@ -317,6 +317,7 @@ class Install:
     root: Path  # the directory holding the ``sglang`` package (site-packages or ``python/``)
     version: str
     record: Dict[str, str]  # path -> RECORD hash ("" when there is no RECORD)
+    source_version: Optional[str] = None  # what sglang/_version.py (or version.py) says, if anything
 
     @property
     def package_dir(self) -> Path:
@@ -369,12 +370,15 @@ def locate(sglang_dir: Optional[os.PathLike] = None, need_version: bool = True) 
         if not str(sglang_dir).strip():
             raise PatchError("--sglang-dir is empty")
         d = Path(sglang_dir).resolve()
+        if not d.exists():
+            raise PatchError(f"{d} does not exist; pass the sglang package directory or the site-packages holding it")
         for cand in (d, d / PACKAGE, d / "python" / PACKAGE):
             if (cand / "srt").is_dir() and cand.name == PACKAGE:
                 pkg = cand
                 break
         else:
-            raise PatchError(f"{d} holds no sglang package (looked for sglang/srt)")
+            raise PatchError(f"{d} holds no sglang package (looked for sglang/srt there, in sglang/ and in python/sglang/); "
+                             "pass the sglang package directory or the site-packages holding it")
     root = pkg.parent
     dist = sorted(root.glob(f"{PACKAGE}-*.dist-info"))
     if len(dist) > 1:
@@ -390,12 +394,13 @@ def locate(sglang_dir: Optional[os.PathLike] = None, need_version: bool = True) 
         rec = dist[0] / "RECORD"
         if rec.is_file():
             record = {path: h[len("sha256=") :] for path, h in _read_record(rec.read_text()).items() if h.startswith("sha256=")}
-    version = version or _version_from_source(pkg)
+    source_version = _version_from_source(pkg)
+    version = version or source_version
     if version is None:
         if need_version:
             raise PatchError(f"cannot tell the SGLang version of {pkg}: no dist-info beside it and no version string in sglang/_version.py or sglang/version.py")
         version = "unknown"
-    return Install(root, version, record)
+    return Install(root, version, record, source_version)
 
 
 # ----------------------------------------------------------------------------
@@ -429,7 +434,14 @@ def _file_step(manifest: dict, path: str, digest: str, series: Sequence[Patch]) 
 
 
 def status(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Optional[dict] = None) -> List[PatchStatus]:
-    """Per-patch state of ``inst``: pristine, applied, or foreign changes."""
+    """Per-patch state of ``inst``: pristine, applied, or foreign changes.
+
+    Raises:
+        PatchError: ``inst`` is not SGLang 0.5.17 (checked first: another
+            release's files would read as foreign changes, or as pristine
+            where they happen to match), or the manifest lacks a file.
+    """
+    _check_version(inst)
     series = list(series if series is not None else load_series())
     manifest = manifest or load_manifest()
     unknown = [p for p in touched_files(series) if p not in manifest.get("files", {})]
@@ -474,25 +486,38 @@ def _is(state: State) -> str:
     return "has foreign changes" if state is State.FOREIGN else f"is {state.value}"
 
 
+def version_mismatch(inst: Install) -> Optional[str]:
+    """Why the series cannot be judged on ``inst`` (another SGLang release), or None."""
+    src = inst.source_version
+    if inst.base_version == SGLANG_VERSION and (src is None or src.split("+", 1)[0] == SGLANG_VERSION):
+        return None
+    shown = inst.version if inst.base_version != SGLANG_VERSION else f"{src} (its version file; its dist-info says {inst.version})"
+    return (f"SGLang {shown} at {inst.package_dir}: this series is for {SGLANG_VERSION} only; "
+            f"install sglang=={SGLANG_VERSION}, or dry-run the series on this tree: sglang-elastic patch check --sglang-src {inst.root}")
+
+
 def _check_version(inst: Install) -> None:
-    if inst.base_version != SGLANG_VERSION:
-        raise PatchError(f"SGLang {inst.version} at {inst.package_dir}: this patch set targets {SGLANG_VERSION} only")
+    why = version_mismatch(inst)
+    if why:
+        raise PatchError(why)
 
 
 def _write_atomically(root: Path, contents: Dict[str, bytes]) -> None:
     """Replace every file or none: each goes through a temp file and os.replace;
-    on any failure the files already replaced get their old bytes back."""
-    old = {rel: (root / rel).read_bytes() for rel in contents}
+    on any failure the files already replaced get their old bytes back (a
+    file that was missing, restored from a wheel, is removed again)."""
+    old = {rel: (root / rel).read_bytes() if (root / rel).is_file() else None for rel in contents}
     done: List[str] = []
     try:
         for rel, data in contents.items():
             target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".sglang-elastic-")
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
-                st = target.stat()
-                os.chmod(tmp, st.st_mode & 0o7777)
+                st = target.stat() if old[rel] is not None else target.parent.stat()
+                os.chmod(tmp, (st.st_mode & 0o7777) if old[rel] is not None else 0o644)
                 if hasattr(os, "chown") and os.geteuid() == 0:
                     os.chown(tmp, st.st_uid, st.st_gid)  # keep the owner when root patches a user's tree
                 os.replace(tmp, target)
@@ -503,7 +528,10 @@ def _write_atomically(root: Path, contents: Dict[str, bytes]) -> None:
             done.append(rel)
     except BaseException as e:
         for rel in done:
-            (root / rel).write_bytes(old[rel])
+            if old[rel] is None:
+                (root / rel).unlink()
+            else:
+                (root / rel).write_bytes(old[rel])
         raise PatchError(f"write failed, nothing changed: {e}") from e
 
 
@@ -550,7 +578,12 @@ def revert(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Op
         return []
     if overall(st) is not State.APPLIED:
         s = next(s for s in st if s.state is not State.APPLIED)
-        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else ""))
+        edited = [p for p in touched_files(series)
+                  if _file_state(manifest, p, (inst.root / p).read_bytes() if (inst.root / p).is_file() else None, series) in ("foreign changes", "missing")]
+        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else "")
+                         + "; revert takes out only the series' own changes. To overwrite "
+                         + (", ".join(edited) if edited else "the series' files")
+                         + f" with the SGLang {SGLANG_VERSION} wheel's: sglang-elastic patch restore --from-wheel [WHEEL] --sglang-dir {inst.root}")
     contents = {p: inst.read(p) for p in touched_files(series)}
     old = apply_series_to_contents(series, contents, reverse=True)
     for path, data in old.items():
@@ -558,6 +591,62 @@ def revert(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Op
             raise PatchError(f"refusing: reversing the series does not give the wheel's {path} back")
     _write_atomically(inst.root, old)
     return list(old)
+
+
+def _file_state(manifest: dict, path: str, data: Optional[bytes], series: Sequence[Patch]) -> str:
+    """A touched file's state in words: as in the wheel, after which patch, edited, missing."""
+    if data is None:
+        return "missing"
+    k = _file_step(manifest, path, sha256_b64(data), series)
+    return "foreign changes" if k is None else ("as in the wheel" if k == 0 else f"patched by {series[k - 1].name}")
+
+
+def restore_from_wheel(inst: Install, wheel: Path, series: Optional[Sequence[Patch]] = None, manifest: Optional[dict] = None) -> List[Tuple[str, str]]:
+    """Overwrite every file the series touches with the SGLang 0.5.17 wheel's
+    bytes, whatever the tree holds (the way out where :func:`revert` refuses:
+    a file edited by hand, a partly applied series). Each file is checked
+    against the wheel's ``RECORD`` and the manifest's pristine hash first;
+    only files that differ are written, all or none.
+
+    Returns:
+        ``(path, what it held before)`` for every file written
+        ("patched by NNNN-...", "foreign changes", "missing").
+
+    Raises:
+        PatchError: ``inst`` is not SGLang 0.5.17, or ``wheel`` is not its
+            wheel or does not match its RECORD or the manifest.
+    """
+    import zipfile
+
+    series = list(series if series is not None else load_series())
+    manifest = manifest or load_manifest()
+    _check_version(inst)
+    wheel = Path(wheel)
+    m = re.match(rf"^{PACKAGE}-([^-]+)-.+\.whl$", wheel.name)
+    if not wheel.is_file():
+        raise PatchError(f"{wheel}: no such file; pass the sglang-{SGLANG_VERSION} wheel, or --from-wheel alone to download it")
+    if not m or m.group(1) != SGLANG_VERSION:
+        raise PatchError(f"{wheel.name} is not the sglang {SGLANG_VERSION} wheel (sglang-{SGLANG_VERSION}-<tags>.whl)")
+    if not zipfile.is_zipfile(wheel):
+        raise PatchError(f"{wheel}: not a wheel (not a zip archive)")
+    di = f"{PACKAGE}-{SGLANG_VERSION}.dist-info/RECORD"
+    with zipfile.ZipFile(wheel) as z:
+        if di not in z.namelist():
+            raise PatchError(f"{wheel.name}: no {di} inside")
+        rec = _read_record(z.read(di).decode())
+        pristine = {}
+        for path in touched_files(series):
+            if path not in z.namelist():
+                raise PatchError(f"{wheel.name}: {path} is missing")
+            data = z.read(path)
+            if rec.get(path) != "sha256=" + sha256_b64(data) or manifest["files"][path]["pristine"] != sha256_b64(data):
+                raise PatchError(f"{wheel.name}: {path} does not match its RECORD hash and the manifest's")
+            pristine[path] = data
+    before = {p: ((inst.root / p).read_bytes() if (inst.root / p).is_file() else None) for p in pristine}
+    changed = {p: data for p, data in pristine.items() if before[p] != data}
+    out = [(p, _file_state(manifest, p, before[p], series)) for p in changed]
+    _write_atomically(inst.root, changed)
+    return out
 
 
 # ----------------------------------------------------------------------------

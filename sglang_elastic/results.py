@@ -21,6 +21,17 @@ def gpu_name() -> str:
         return "unknown"
 
 
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s first "model name"), for CPU benchmarks' headers."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def commit() -> str:
     """``SGLANG_ELASTIC_COMMIT`` (the device host has no .git), else ``git rev-parse HEAD``."""
     env = os.environ.get("SGLANG_ELASTIC_COMMIT")

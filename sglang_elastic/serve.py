@@ -88,9 +88,14 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
 def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patched: bool = True) -> int:
     """Replace this process with the patched server (``os.execv``).
 
-    Exits with 2 and a one-line message, starting nothing, when there is no
-    NVIDIA GPU or the series is not applied to the installed SGLang.
+    Exits with 2 and a one-line message, starting nothing, for an unknown
+    embedded model, when there is no NVIDIA GPU, or when the series is not
+    applied to the installed SGLang.
     """
+    if not (_given(extra, "--model-path") or _given(extra, "--model")) and model not in model_names():
+        print(f"sglang-elastic serve: --embedded-model {model}: no such embedded model; use one of {', '.join(model_names())}, "
+              "or --model-path DIR for a real model", file=sys.stderr)
+        return 2
     cmd = build_command(model, extra)
     if dry_run:
         print(" ".join(cmd))

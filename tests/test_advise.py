@@ -1,4 +1,6 @@
-"""The advisor sizes with SGLang's own ServerArgs and reproduces the measured H200 point."""
+"""The advisor sizes as SGLang's own ServerArgs does (tests/test_sizing.py
+checks the light restatement against SGLang itself) and reproduces the
+measured H200 points."""
 
 from __future__ import annotations
 
@@ -6,8 +8,10 @@ import re
 
 import pytest
 
+import sglang_sizing as ref
 from sglang_elastic import cli
-from sglang_elastic.eval import advisor
+from sglang_elastic.eval import advisor, sizing
+from sglang_elastic.serve import model_path
 
 H200_MIB = 143771
 
@@ -21,7 +25,7 @@ def _sglang_reserved_mib(sa, gpu_mib):
 @pytest.mark.parametrize("model, tp, chunk, mfs", [("llama-3.1-8b", 1, None, 0.903), ("llama-3.1-8b", 1, 2048, 0.929), ("llama-3.1-70b", 8, None, 0.893), ("qwen2.5-32b", 2, 32768, None)])
 def test_mem_fraction_static_is_sglangs(model, tp, chunk, mfs):
     p = advisor.predict(model, H200_MIB / 1024, tp, chunk)
-    sa = advisor.sglang_server_args(advisor._model_dir(model), H200_MIB, tp, chunk)
+    sa = ref.server_args(model_path(model), H200_MIB, tp, chunk)
     assert p["mem_fraction_static"] == sa.mem_fraction_static == round((H200_MIB - _sglang_reserved_mib(sa, H200_MIB)) / H200_MIB, 3)
     if mfs is not None:
         assert p["mem_fraction_static"] == mfs
@@ -29,7 +33,7 @@ def test_mem_fraction_static_is_sglangs(model, tp, chunk, mfs):
 
 
 def test_post_capture_sizing_drops_the_activation_reserve():
-    sa = advisor.sglang_server_args(advisor._model_dir("llama-3.1-8b"), H200_MIB, 1, post_capture=True)
+    sa = ref.server_args(model_path("llama-3.1-8b"), H200_MIB, 1, post_capture=True)
     assert sa.mem_fraction_static == round((H200_MIB - 512 - 128) / H200_MIB, 3) == 0.996
 
 
@@ -78,9 +82,8 @@ def test_the_req_to_token_table_is_sized_as_sglang_sizes_it(model, tokens, mrr, 
     """kv_cache_configurator.py resolve_max_num_reqs: int(tokens / context_len
     x 512) within [2048, 4096] (or --max-running-requests), at most half the
     pool; memory_pool.py ReqToTokenPool: rows + 1 of context_len + 4 int32."""
-    sa = advisor.sglang_server_args(advisor._model_dir(model), H200_MIB, 1)
-    assert advisor.shape_of(sa).context_len == width
-    assert advisor.req_to_token_bytes(sa, tokens, width, mrr) == (rows + 1) * (width + 4) * 4
+    assert advisor.shape_of(advisor.model_facts(model)).context_len == width
+    assert sizing.req_to_token_bytes(tokens, width, mrr) == (rows + 1) * (width + 4) * 4
 
 
 def test_the_context_and_graph_memory_are_per_tp_and_extrapolated_upwards():
@@ -216,7 +219,8 @@ def test_cli(capsys):
     out = capsys.readouterr().out
     assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out
     assert cli.main(["advise", "--model-config", "/nowhere", "--gpu-mem-gb", "140.4", "--tp", "1"]) == 2
-    assert capsys.readouterr().err == "sglang-elastic: --model-config /nowhere: no config.json there and not an embedded model\n"  # our message, no class name
+    assert capsys.readouterr().err == ("sglang-elastic: --model-config /nowhere: no such file or directory; "
+                                       "pass the model's directory, its config.json, or an embedded name\n")  # our message, no class name
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1", "--max-running-requests", "256"]) == 0
     assert "recommendation: post-capture sizing: SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 with --max-running-requests 256" in capsys.readouterr().out
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1", "--max-running-requests", "0"]) == 2
@@ -228,7 +232,7 @@ def test_cli(capsys):
 def test_a_shape_outside_the_weight_count_is_refused(tmp_path):
     import json
 
-    cfg = json.loads((advisor._model_dir("llama-3.1-8b") / "config.json").read_text())
+    cfg = json.loads((model_path("llama-3.1-8b") / "config.json").read_text())
     cfg["num_local_experts"] = 8  # an MoE layout the dense weight count would get wrong
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(advisor.AdviseError, match="not a dense MHA decoder of llama, qwen2, mistral"):
@@ -258,9 +262,11 @@ def test_post_capture_sizing_is_not_recommended_where_it_ran_out_of_memory():
         p = advisor.predict("llama-3.1-8b", h200, tp, chunk, max_running_requests=256)
         assert p["post_capture_oom_risk"] is None and p["post_capture_untested"] is None and p["recommendation"] == "post-capture sizing", (tp, chunk)
     # between a chunk that served and one that failed, and at TP 4, it is untested: named, not recommended
-    for tp, chunk in ((2, 16384), (4, 8192), (1, 65536)):
+    for tp, chunk, why in ((2, 16384, "was measured to serve at TP 2 up to --chunked-prefill-size 8,192 only; "),
+                           (4, 8192, "was never measured at TP 4 (only at TP 1 and 2); "),
+                           (1, 65536, "was measured to serve at TP 1 up to --chunked-prefill-size 32,768 only; ")):
         p = advisor.predict("llama-3.1-8b", h200, tp, chunk, max_running_requests=256)
-        assert p["post_capture_oom_risk"] is None and p["post_capture_untested"].startswith("capped post-capture sizing was measured to serve at TP"), (tp, chunk)
+        assert p["post_capture_oom_risk"] is None and p["post_capture_untested"].startswith("capped post-capture sizing " + why), (tp, chunk, p["post_capture_untested"])
         assert p["recommendation"] != "post-capture sizing" and "untested here and may run out of memory" in p["reason"], (tp, chunk)
 
 
@@ -305,3 +311,37 @@ def test_a_wider_mlp_than_the_chunk_sweep_is_named_above_the_default_chunk():
     low = {**cal, "points": [pt for pt in cal["points"] if pt["chunked_prefill_size"] <= 8192]}
     p = advisor.predict("llama-3.1-8b", h200, 1, 16384, calibration=low)
     assert any("above chunk 8,192 was not measured (no calibration point above it)" in c for c in p["caveats"])
+
+
+def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, capsys):
+    """Issue 21: a valid config given as a file of another name was 'no config.json
+    there', and a malformed config.json ended in 'sglang-elastic: OSError: ...'."""
+    import json
+
+    cfg = (model_path("llama-3.1-8b") / "config.json").read_text()
+    (tmp_path / "llama.json").write_text(cfg)
+    args = ["--gpu-mem-gb", "140.4", "--tp", "1"]
+    assert cli.main(["advise", "--model-config", str(tmp_path / "llama.json"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out  # the same answer as the embedded shape's
+    (tmp_path / "bad.json").write_text('{"model_type": "llama",\n')
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text("{oops")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (tmp_path / "str.json").write_text(json.dumps({**json.loads(cfg), "hidden_size": "4096"}))
+    for arg, says in (
+        ("bad.json", "--model-config {d}/bad.json: not valid JSON (Expecting property name enclosed in double quotes at line 2 column 1); fix it or pass the model's own config.json"),
+        ("dir", "--model-config {d}/dir: {d}/dir/config.json is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2); fix it or pass the model's own config.json"),
+        ("empty", "--model-config {d}/empty: a directory without config.json; pass the model's directory, its config.json, or an embedded name"),
+        ("list.json", "--model-config {d}/list.json: a JSON list, not a model config (an object with model_type, hidden_size, ...)"),
+        ("bert.json", "--model-config {d}/bert.json: model_type 'bert' (BertModel) is not a dense MHA decoder of llama, qwen2, mistral; the advisor's weight count covers those only"),
+        ("str.json", "--model-config {d}/str.json: hidden_size must be a positive integer, not '4096'"),
+        ("none.json", "--model-config {d}/none.json: no such file or directory; pass the model's directory, its config.json, or an embedded name"),
+    ):
+        assert cli.main(["advise", "--model-config", str(tmp_path / arg), *args]) == 2, arg
+        assert capsys.readouterr().err == "sglang-elastic: " + says.format(d=tmp_path) + "\n"
+    assert cli.main(["advise", "--model-config", "llama-3.1-9b", *args]) == 2
+    assert capsys.readouterr().err == ("sglang-elastic: --model-config llama-3.1-9b: no such file or directory, nor an embedded model; "
+                                       "pass the model's directory or its config.json, or one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b\n")

@@ -24,13 +24,21 @@ print("MODEL", sa.model_path)
 """
 
 
-def launch_args(*flags):
-    r = subprocess.run([sys.executable, "-c", PARSE, "--model-path", MODEL, "--device", "cpu", *flags], capture_output=True, text=True, timeout=300)
-    cfg = next((json.loads(l.split(" ", 1)[1]) for l in r.stdout.splitlines() if l.startswith("CONFIG ") and l != "CONFIG None"), None)
-    return r, cfg
+@pytest.fixture
+def launch_args(sglang_python, monkeypatch):
+    """SGLang's own parse of ``--model-path MODEL --device cpu FLAGS`` with the
+    plugins loaded, in a process of its own (forked after SGLang's import)."""
+    monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
+
+    def parse(*flags):
+        r = sglang_python.run(PARSE, ["--model-path", MODEL, "--device", "cpu", *flags])
+        cfg = next((json.loads(l.split(" ", 1)[1]) for l in r.stdout.splitlines() if l.startswith("CONFIG ") and l != "CONFIG None"), None)
+        return r, cfg
+
+    return parse
 
 
-def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes():
+def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args):
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
@@ -48,7 +56,7 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes():
         (["--pp-size", "2"], "does not support --pp-size 2"),
     ],
 )
-def test_unsupported_sglang_features_are_refused_at_start_up(flags, message):
+def test_unsupported_sglang_features_are_refused_at_start_up(flags, message, launch_args):
     r, cfg = launch_args("--enable-elastic-kv", *flags)
     assert r.returncode != 0 and cfg is None
     assert message in r.stderr and "Traceback" not in r.stderr
@@ -67,7 +75,7 @@ def test_published_config_reaches_child_processes(monkeypatch):
     assert "ElasticKVConfig(enabled=True, mode='always-lent', lend_bytes=8589934592, handle_mb=128" in out.stdout
 
 
-def test_without_the_flag_nothing_is_enabled():
+def test_without_the_flag_nothing_is_enabled(launch_args):
     r, cfg = launch_args()
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg["enabled"] is False
@@ -84,7 +92,7 @@ def test_without_the_flag_nothing_is_enabled():
         (["--enable-elastic-kv", "--elastic-kv-lend-bytes", "0"], "--elastic-kv-lend-bytes must be positive"),
     ],
 )
-def test_bad_values_stop_the_launch_with_one_clear_line(flags, message):
+def test_bad_values_stop_the_launch_with_one_clear_line(flags, message, launch_args):
     r, cfg = launch_args(*flags)
     assert r.returncode != 0 and cfg is None
     assert message in r.stderr
@@ -113,7 +121,7 @@ def test_every_elastic_flag_needs_the_enable_flag(flag, value):
         config.from_namespace(p.parse_args([flag, value]))
 
 
-def test_decode_policy_reaches_the_schedulers_through_sglangs_parser():
+def test_decode_policy_reaches_the_schedulers_through_sglangs_parser(launch_args):
     r, cfg = launch_args("--attention-backend", "flashinfer", "--decode-attention-backend", "persistentkv", "--decode-policy", "compact")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg["decode_policy"] == "compact" and cfg["decode_calibration"] is None

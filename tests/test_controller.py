@@ -553,7 +553,12 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fresh processes, as spawn gives, forked by a server that imported torch
+    # and SGLang's scheduler modules once for every rank of both tests, instead
+    # of once per rank (this module itself is not on the server's sys.path: each rank imports it, cheaply then)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "sglang.srt.managers.schedule_batch", "sglang.srt.mem_cache.radix_cache",
+                                "sglang.srt.mem_cache.memory_pool", "sglang.srt.server_args", "hypothesis"])
     out = ctx.Queue()
     procs = [ctx.Process(target=_tp_rank, args=(r, world, port, out)) for r in range(world)]
     for p in procs:

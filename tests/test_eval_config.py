@@ -122,8 +122,10 @@ def test_run_script_resume_starts_nothing_when_every_row_is_measured(tmp_path):
 
 def test_run_script_names_asked_rows_a_start_deadline_left_unmeasured(tmp_path):
     """--only re-measures a row; when the call's start deadline passes first,
-    the summary line says the earlier result was kept (it once read as if
-    the row had been measured again)."""
+    no server starts: the file is left byte for byte as it was and the run
+    exits 2 naming the rows (it once rewrote the header and exited 0); when
+    another row does start, the summary line says the earlier result of the
+    waiting one was kept (it once read as if the row had been measured again)."""
     import json
     import subprocess
     import sys
@@ -136,24 +138,31 @@ def test_run_script_names_asked_rows_a_start_deadline_left_unmeasured(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     rows = [{"label": s.label, "ok": True, "identity": s.identity(), "workloads": [], "measured": {"date": "2026-11-29"}} for s in exp.servers]
-    (out / "reserve_vs_tp.standin.json").write_text(json.dumps({"rows": rows}))
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
-                        "--only", "a", "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "failed: none; not started this time, earlier result kept: a\n" in r.stdout, r.stdout
-    assert json.loads((out / "reserve_vs_tp.standin.json").read_text())["rows"][0]["measured"] == {"date": "2026-11-29"}
-    # without --only every row was asked for
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
-                        "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "not started this time, earlier result kept: a, b\n" in r.stdout, r.stdout + r.stderr[-2000:]
-    # a failure the file held, not run again (not in --only), is named as an earlier one, not as
-    # "not measured yet", and does not fail this run
     rows[1] = {**rows[1], "ok": False, "error": "RuntimeError: server exited with status -9 during the warm-up request: CUDA out of memory"}
-    (out / "reserve_vs_tp.standin.json").write_text(json.dumps({"rows": rows}))
+    f = out / "reserve_vs_tp.standin.json"
+    f.write_text(json.dumps({"date": "earlier", "rows": rows}))
+    before = f.read_bytes()
     r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
                         "--only", "a", "--start-deadline-s", "0", "--no-report"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    assert "failed: none; failed in an earlier run, not run again: b; not started this time, earlier result kept: a\n" in r.stdout, r.stdout
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert "run.py: the start deadline passed before a could start\n" in r.stderr
+    assert f"run.py: no server started, nothing measured: {f} left as they were\n" in r.stderr and r.stdout == ""
+    assert f.read_bytes() == before and sorted(x.name for x in out.iterdir()) == [f.name]
+    # a row that starts beside one no node can hold (TP 2 on one GPU): the
+    # waiting row keeps its earlier result, named so; a failure the file held,
+    # not run again (not in --only), is an earlier one and does not fail this run
+    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}, {label: c, tp: 1}]\n")
+    exp = config.load(p)
+    rows = [{"label": s.label, "ok": True, "identity": s.identity(), "workloads": [], "measured": {"date": "2026-11-29"}} for s in exp.servers]
+    rows[2] = {**rows[2], "ok": False, "error": "RuntimeError: server exited with status -9 during the warm-up request: CUDA out of memory"}
+    f.write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1",
+                        "--only", "a,b", "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "failed: none; failed in an earlier run, not run again: c; not started this time, earlier result kept: b\n" in r.stdout, r.stdout
+    assert "run.py: not run (cluster too small): b needs 2 GPU(s) on one node; the largest node in the cluster has 1" in r.stderr
+    got = {x["label"]: x for x in json.loads(f.read_text())["rows"]}
+    assert got["b"] == rows[1] and got["c"] == rows[2] and got["a"]["ok"] and got["a"]["measured"]["date"] != "2026-11-29"
 
 
 def test_resume_skips_only_rows_measured_for_the_config_as_it_is():
@@ -207,22 +216,35 @@ def test_a_row_once_copied_from_another_experiment_is_measured_again_when_the_co
     assert experiments.measured_labels(exp, {"rows": [{**copied, "reused_from": None}, still]}) == ["stock", "copy"]
 
 
-def test_run_script_without_gpus_names_the_rows_and_points_to_the_dry_run(tmp_path):
-    """A real (not --standin) run on a cluster without a GPU: each row's
-    reason on the console and status 2, not a quiet 'failed: none'."""
+def test_run_script_without_gpus_leaves_every_file_as_it_was_and_exits_2(tmp_path):
+    """Issue 21: a real (not --standin) run of E1 on a machine without a GPU,
+    with the default output folder and the report on, rewrote the committed
+    result's header (date, "gpu": "unknown", commit, command) and
+    docs/eval.md's caption, and exited 0. In a copy of the repository's docs/
+    and scripts/: every file stays byte for byte, status 2, each row's
+    reason and the way out on stderr."""
     import os
+    import shutil
     import subprocess
     import sys
 
-    p = tmp_path / "e.yaml"
-    p.write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 1}, {label: b, tp: 2}]\n")
+    from conftest import snapshot
+
+    repo = tmp_path / "repo"
+    for d in ("docs", "scripts"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("*.standin.json", "standin.md", "__pycache__"))
+    before = snapshot(repo)
+    assert "docs/results/eval/ttft_vs_chunk.json" in before  # a committed result is there to be overwritten
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(tmp_path), "--num-gpus", "0", "--no-report"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, str(repo / "scripts/eval/run.py"), str(repo / "scripts/eval/configs/e1_ttft_vs_chunk.yaml"), "--num-gpus", "0"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=repo)
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
-    assert "run.py: not run (cluster too small): a needs 1 GPU(s) on one node; the largest node in the cluster has 0" in r.stderr
-    assert "run.py: not run (cluster too small): b needs 2 GPU(s)" in r.stderr
+    assert snapshot(repo) == before
+    assert r.stdout == ""
+    assert "run.py: not run (cluster too small): chunk-2048 needs 1 GPU(s) on one node; the largest node in the cluster has 0" in r.stderr
     assert "the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run" in r.stderr
+    assert r.stderr.endswith(f"run.py: no server started, nothing measured: {repo / 'docs/results/eval/ttft_vs_chunk.json'} and docs/eval.md left as they were\n")
+    assert "Traceback" not in r.stderr
 
 
 def test_the_launcher_starts_its_own_local_instance_beside_a_running_cluster(monkeypatch, tmp_path):
@@ -304,3 +326,20 @@ def test_a_reuse_target_must_name_a_row_of_a_config_beside_it(tmp_path):
         config.load(e2_with("ttft_vs_chunks/chunk-8192"))
     for shipped in sorted((ROOT / "scripts/eval/configs").glob("*.yaml")):
         config.load(shipped)
+
+
+def test_run_script_without_ray_says_which_interpreter_to_use(tmp_path):
+    """Issue 21: the README's dry run, with a python that lacks Ray, ended in
+    ModuleNotFoundError; now one line naming the missing package and .venv/bin/python."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, runpy, sys\n"
+            "real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda name, package=None: None if name == 'ray' else real(name, package)  # an interpreter without Ray\n"
+            f"sys.argv = ['run.py', {str(ROOT / 'scripts/eval/configs/e1_ttft_vs_chunk.yaml')!r}, '--standin']\n"
+            f"runpy.run_path({str(ROOT / 'scripts/eval/run.py')!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr == (f"run.py: ray not importable by {sys.executable}: run it with the test environment's interpreter, .venv/bin/python "
+                        "(bash ci/test.sh builds it), or install ci/requirements-cpu.txt with ci/constraints-cpu.txt\n")

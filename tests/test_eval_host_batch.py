@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,14 +26,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_processes_naming(mark: str, grace_s: float = 10.0) -> None:
+    """SIGKILL (then wait up to ``grace_s`` for them to go) every process whose command line
+    names ``mark`` and their descendants (Ray's workers, the servers they
+    started): the Ray head this test started, not every Ray on the machine as
+    ``ray stop`` would (other test runs share it)."""
+    import signal
+
+    def table():
+        out = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            out[int(pid)] = (ppid, cmd)
+        return out
+
+    procs = table()
+    ours = {pid for pid, (_, cmd) in procs.items() if mark in cmd and pid != os.getpid()}
+    while True:
+        children = {pid for pid, (ppid, _) in procs.items() if ppid in ours} - ours
+        if not children:
+            break
+        ours |= children
+
+    def alive(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    for pid in ours:  # SIGKILL, as ray stop --force did
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t = time.monotonic()
+    while time.monotonic() - t < grace_s and any(alive(pid) for pid in ours):
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def host(tmp_path):
     port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="ray-hb-", dir="/tmp")  # the head's session files, named in its processes' command lines (short: socket paths)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SGLANG_ELASTIC_COMMIT": "0123abc",
            "RAY_PORT": str(port), "NUM_GPUS": "2", "OUT_DIR": str(tmp_path / "eval"), "LOG_DIR": str(tmp_path / "logs"), "OUT": str(tmp_path),
-           "SERVER_LOG_DIR": str(tmp_path / "sglang-eval-logs")}
+           "SERVER_LOG_DIR": str(tmp_path / "sglang-eval-logs"), "RAY_TMPDIR": ray_tmp}
     yield env
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=120)
+    _stop_processes_naming(ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path):
@@ -52,10 +98,15 @@ def test_two_experiments_share_one_head_and_a_second_call_resumes(host, tmp_path
     assert e3["rows"][0]["ok"] and e3["rows"][1]["error"].startswith("not run (cluster too small): tp4 needs 4 GPU(s)")
     assert "ttft_vs_chunk.standin.json: 2 row(s), failed: none" in r.stdout and "not measured yet: tp4" in r.stdout
     assert (tmp_path / "eval.tgz").stat().st_size > 0
-    # a second call on the same host: E1 is measured, E3's tp4 still waits for a larger cluster
+    # a second call on the same host: E1 is measured; E3's tp4 still waits for a
+    # larger cluster, so E3's run.py starts nothing, writes nothing and fails the call, saying so
+    e3_before = (tmp_path / "eval" / "reserve_vs_tp.standin.json").read_bytes()
     again = subprocess.run(cmd, cwd=ROOT, env=host, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 1, again.stderr[-3000:]
     assert "every row of" in again.stdout and json.loads((tmp_path / "eval" / "ttft_vs_chunk.standin.json").read_text())["rows"] == e1["rows"]
+    assert f"e3.yaml: run.py exited with status 2" in again.stderr
+    assert f"run.py: no server started, nothing measured: {tmp_path / 'eval' / 'reserve_vs_tp.standin.json'} left as they were" in again.stdout
+    assert (tmp_path / "eval" / "reserve_vs_tp.standin.json").read_bytes() == e3_before
     # the servers' logs are kept per experiment: E1's and E3's rows may share labels
     assert sorted(p.name for p in (tmp_path / "sglang-eval-logs" / "ttft_vs_chunk.standin").glob("*.log")) == \
         ["c2048.driver.log", "c2048.log", "c8192.driver.log", "c8192.log"]

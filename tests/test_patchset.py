@@ -77,8 +77,9 @@ def test_refuses_a_fake_0_5_16_tree_and_changes_nothing(sglang_site):
     (meta,) = sglang_site.glob("sglang-*.dist-info/METADATA")
     meta.write_text(meta.read_text().replace("Version: 0.5.17", "Version: 0.5.16", 1))
     before = snapshot(sglang_site)
-    with pytest.raises(PatchError, match=r"SGLang 0\.5\.16 .*targets 0\.5\.17 only"):
-        patchset.apply(patchset.locate(sglang_site))
+    for op in (patchset.apply, patchset.revert, patchset.status):
+        with pytest.raises(PatchError, match=r"SGLang 0\.5\.16 at .*: this series is for 0\.5\.17 only"):
+            op(patchset.locate(sglang_site))
     assert snapshot(sglang_site) == before
 
 
@@ -222,7 +223,9 @@ def test_cli_status_apply_revert_and_one_line_refusal(sglang_site):
     assert ": applied" in r.stdout.splitlines()[0]
     assert cli("patch", "revert", "--sglang-dir", str(sglang_site)).returncode == 0
     r = cli("patch", "status", "--sglang-dir", str(sglang_site / "nowhere"))
-    assert r.returncode == 2 and "holds no sglang package" in r.stderr
+    assert r.returncode == 2 and r.stderr == f"sglang-elastic: {sglang_site / 'nowhere'} does not exist; pass the sglang package directory or the site-packages holding it\n"
+    r = cli("patch", "status", "--sglang-dir", str(sglang_site / "sglang" / "srt"))
+    assert r.returncode == 2 and "holds no sglang package (looked for sglang/srt there" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_cli_check_writes_a_report(tmp_path):
@@ -232,6 +235,104 @@ def test_cli_check_writes_a_report(tmp_path):
     assert r.returncode == 0, r.stderr
     text = report.read_text()
     assert "| 0001-server-info.patch | `sglang/srt/entrypoints/http_server.py` | #1 | offset (+1 lines) |" in text
+    r = cli("patch", "check", "--sglang-src", str(src.root), "--report", str(tmp_path / "no" / "rebase.md"))
+    assert r.returncode == 2 and r.stderr == f"sglang-elastic: {tmp_path / 'no' / 'rebase.md'}: No such file or directory\n"  # not 'FileNotFoundError: [Errno 2] ...'
+
+
+def test_cli_check_exits_1_when_a_hunk_conflicts(tmp_path):
+    """A script can tell: conflicts exit 1 with the report on stdout and one line on stderr; offsets and fuzz exit 0."""
+    src = _src_tree(tmp_path / "a", lambda t: t.replace('"kv_events": server_args.describe_kv_events_publisher(),', ""))
+    r = cli("patch", "check", "--sglang-src", str(src.root))
+    assert r.returncode == 1 and "| #1 | conflicts |" in r.stdout
+    assert r.stderr == "sglang-elastic: 1 of 1 hunk(s) conflict with SGLang 0.5.17 (0001-server-info.patch): the series does not apply there; rebase those patches\n"
+    fuzzy = _src_tree(tmp_path / "b", lambda t: t.replace("            # `None` when publishing is disabled", "            # None when publishing is disabled", 1))
+    r = cli("patch", "check", "--sglang-src", str(fuzzy.root))
+    assert r.returncode == 0 and "| #1 | fuzz 1" in r.stdout and r.stderr == ""
+
+
+def _set_version(site: Path, version: str) -> None:
+    """A cheap other release: the dist-info and the version file say ``version``."""
+    (meta,) = site.glob("sglang-*.dist-info/METADATA")
+    meta.write_text(meta.read_text().replace("Version: 0.5.17", f"Version: {version}", 1))
+    v = site / "sglang/_version.py"
+    v.write_text(v.read_text().replace("'0.5.17'", f"'{version}'"))
+
+
+@pytest.mark.parametrize("version, edit", [("0.5.16", False), ("0.5.23", True)])
+def test_status_of_another_release_names_the_version_before_any_hash(sglang_site, version, edit):
+    """A 0.5.16 tree whose files match read 'pristine', a 0.5.23 tree whose
+    files differ 'foreign changes': both are another release, said first."""
+    _set_version(sglang_site, version)
+    if edit:  # a newer release's own change to the file the series touches
+        f = sglang_site / HTTP
+        f.write_text(f.read_text() + "\n# 0.5.23\n")
+    before = snapshot(sglang_site)
+    for op in ("status", "apply", "revert"):
+        r = cli("patch", op, "--sglang-dir", str(sglang_site))
+        assert r.returncode == 2 and r.stdout == "", (op, r.stdout)
+        assert r.stderr.startswith(f"sglang-elastic: SGLang {version} at {sglang_site / 'sglang'}: this series is for 0.5.17 only; ") and len(r.stderr.splitlines()) == 1, r.stderr
+        assert "pristine" not in r.stderr and "foreign" not in r.stderr
+    assert "patch check --sglang-src" in r.stderr
+    assert snapshot(sglang_site) == before
+
+
+def test_a_version_file_of_another_release_is_refused_though_the_dist_info_says_0_5_17(sglang_site):
+    v = sglang_site / "sglang/_version.py"
+    v.write_text(v.read_text().replace("'0.5.17'", "'0.5.16'"))
+    r = cli("patch", "status", "--sglang-dir", str(sglang_site))
+    assert r.returncode == 2 and "SGLang 0.5.16 (its version file; its dist-info says 0.5.17) at " in r.stderr and "this series is for 0.5.17 only" in r.stderr
+
+
+def test_revert_of_an_edited_tree_names_the_file_and_restore_overwrites_it_from_the_wheel(sglang_site, test_wheel):
+    """revert refuses a hand-edited file (its result would not be the wheel's)
+    and names the explicit way out; restore --from-wheel writes the wheel's
+    bytes, says which file it overwrote and what it held, and a second
+    restore writes nothing."""
+    import zipfile
+
+    inst = patchset.locate(sglang_site)
+    patchset.apply(inst)
+    f = sglang_site / HTTP
+    f.write_text(f.read_text().replace("async def server_info():", "async def server_info():  # local tweak", 1))
+    edited = snapshot(sglang_site)
+    r = cli("patch", "revert", "--sglang-dir", str(sglang_site))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and snapshot(sglang_site) == edited
+    assert f"has foreign changes (changed by something else: {HTTP}); revert takes out only the series' own changes. " in r.stderr
+    assert f"To overwrite {HTTP} with the SGLang 0.5.17 wheel's: sglang-elastic patch restore --from-wheel [WHEEL] --sglang-dir {sglang_site}\n" in r.stderr
+    r = cli("patch", "restore", "--sglang-dir", str(sglang_site))  # explicit: never without --from-wheel
+    assert r.returncode == 2 and "--from-wheel" in r.stderr and snapshot(sglang_site) == edited
+    r = cli("patch", "restore", "--from-wheel", str(test_wheel), "--sglang-dir", str(sglang_site))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"restored 1 file(s) of SGLang 0.5.17 at {sglang_site / 'sglang'} from {test_wheel.name}:\n"
+                        f"  overwrote {HTTP} (it was: foreign changes)\n")
+    with zipfile.ZipFile(test_wheel) as z:
+        assert f.read_bytes() == z.read(HTTP)
+    assert patchset.overall(patchset.status(inst)) is State.PRISTINE
+    restored = snapshot(sglang_site)
+    r = cli("patch", "restore", "--from-wheel", str(test_wheel), "--sglang-dir", str(sglang_site))
+    assert r.returncode == 0 and "already as in" in r.stdout and "nothing overwritten" in r.stdout and snapshot(sglang_site) == restored
+    # a missing file comes back too, and a patched one says so
+    patchset.apply(inst)
+    assert [w for _, w in patchset.restore_from_wheel(inst, test_wheel)] == ["patched by 0001-server-info.patch"]
+    f.unlink()
+    assert patchset.restore_from_wheel(inst, test_wheel) == [(HTTP, "missing")] and snapshot(sglang_site) == restored
+
+
+def test_restore_refuses_another_release_and_a_wrong_wheel_changing_nothing(sglang_site, test_wheel, tmp_path):
+    f = sglang_site / HTTP
+    f.write_text(f.read_text() + "# edit\n")
+    before = snapshot(sglang_site)
+    fake = tmp_path / "sglang-0.5.16-py3-none-any.whl"
+    fake.write_bytes(test_wheel.read_bytes())
+    for args, says in ((["--from-wheel", str(fake)], "sglang-0.5.16-py3-none-any.whl is not the sglang 0.5.17 wheel"),
+                       (["--from-wheel", str(tmp_path / "none.whl")], "no such file")):
+        r = cli("patch", "restore", *args, "--sglang-dir", str(sglang_site))
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    _set_version(sglang_site, "0.5.23")
+    before = snapshot(sglang_site)
+    r = cli("patch", "restore", "--from-wheel", str(test_wheel), "--sglang-dir", str(sglang_site))
+    assert r.returncode == 2 and "SGLang 0.5.23" in r.stderr and "this series is for 0.5.17 only" in r.stderr
+    assert snapshot(sglang_site) == before
 
 
 # --- odd installs -----------------------------------------------------------
@@ -279,3 +380,17 @@ def test_build_wheel_bad_inputs_are_one_line_errors(tmp_path, kind):
     r = cli("patch", "build-wheel", "--wheel", str(whl), "--out", str(tmp_path / "dist"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert {"missing": "no such file", "not-zip": "not a zip archive", "no-record": "RECORD"}[kind] in r.stderr
+
+
+def test_a_reader_that_stops_early_is_not_an_error(sglang_site):
+    """host_batch.sh reads `patch status | head -1` under pipefail: a closed
+    pipe (here closed before anything is written) must not turn into
+    'sglang-elastic: BrokenPipeError' and status 2."""
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)
+    try:
+        r = subprocess.run([sys.executable, "-m", "sglang_elastic.cli", "patch", "status", "--sglang-dir", str(sglang_site)],
+                           stdout=w_fd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(w_fd)
+    assert (r.returncode, r.stderr) == (0, "")

@@ -14,13 +14,17 @@ from sglang_elastic import __version__, patchset
 from conftest import installed_sglang_root
 
 
-def run_py(code: str, **env) -> str:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+def run_py(code: str, runner=None, **env) -> str:
+    """``python -c code`` (in ``runner``, a fork of a process that imported SGLang already, if given); its last line."""
+    if runner is not None:
+        r = runner.run(code, env={**os.environ, **env})
+    else:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout.strip().splitlines()[-1]
 
 
-def test_sglang_plugin_loader_discovers_and_runs_the_plugin():
+def test_sglang_plugin_loader_discovers_and_runs_the_plugin(sglang_python):
     out = run_py(
         "import json\n"
         "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group, load_plugins\n"
@@ -28,7 +32,8 @@ def test_sglang_plugin_loader_discovers_and_runs_the_plugin():
         "found = load_plugins_by_group(GENERAL_PLUGINS_GROUP)\n"
         "before = p.is_loaded()\n"
         "load_plugins()\n"
-        "print(json.dumps({'names': sorted(found), 'dist': found['sglang_elastic'][1], 'before': before, 'after': p.is_loaded()}))\n"
+        "print(json.dumps({'names': sorted(found), 'dist': found['sglang_elastic'][1], 'before': before, 'after': p.is_loaded()}))\n",
+        sglang_python,
     )
     got = json.loads(out)
     assert "sglang_elastic" in got["names"]
@@ -36,13 +41,10 @@ def test_sglang_plugin_loader_discovers_and_runs_the_plugin():
     assert (got["before"], got["after"]) == (False, True)
 
 
-def test_sglang_plugins_whitelist_can_exclude_the_plugin():
-    out = run_py(
-        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\n"
-        "print(sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP)))\n",
-        SGLANG_PLUGINS="someone_else",
-    )
-    assert "sglang_elastic" not in out
+def test_sglang_plugins_whitelist_can_exclude_the_plugin(sglang_python):
+    code = "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\nprint(sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP)))\n"
+    assert "sglang_elastic" not in run_py(code, sglang_python, SGLANG_PLUGINS="someone_else")
+    assert "sglang_elastic" in run_py(code, sglang_python, SGLANG_PLUGINS="sglang_elastic")  # the same process kind, the whitelist naming it
 
 
 def test_kernels_live_under_sglang_elastic_not_top_level(tmp_path):
@@ -64,7 +66,8 @@ def test_patched_http_server_reports_sglang_elastic(tmp_path):
     # A full copy of the installed SGLang, patched, imported in a subprocess.
     site = tmp_path / "site"
     root = installed_sglang_root()
-    shutil.copytree(root / "sglang", site / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    # with its bytecode: only the patched file compiles again (its source changed), not all of SGLang
+    shutil.copytree(root / "sglang", site / "sglang")
     (di,) = root.glob("sglang-*.dist-info")
     shutil.copytree(di, site / di.name)
     patchset.apply(patchset.locate(site))

@@ -3,7 +3,7 @@
 (leave-one-out), E3's rows not among them, E1's and E2's elastic rows, E2's
 post-capture rows (SGLang's own sizing) and the elastic pool's own runs (their lendable tokens; predicted without the
 calibration point of the same model, TP and chunk) -> docs/results/eval/advisor.json,
-the table in docs/eval.md. Needs SGLang importable (CPU is enough).
+the table in docs/eval.md. CPU only (the advisor no longer imports SGLang).
 
     python scripts/eval/advisor_points.py [--out docs/results/eval/advisor.json]
 """
@@ -104,7 +104,10 @@ def main() -> int:
     hdr = results.header("python scripts/eval/advisor_points.py")
     hdr["gpu"] = "none: predicted on CPU, the measured points cite their source"
     results.write(str(a.out), {**hdr, "points": points})
-    report.render_doc(ROOT / "docs/eval.md", a.out.parent, ROOT)
+    if a.out.resolve().parent == (ROOT / "docs/results/eval").resolve():  # the doc's tables read that folder only
+        report.render_doc(ROOT / "docs/eval.md", a.out.parent, ROOT)
+    else:
+        print(f"docs/eval.md left as it is: {a.out} is outside docs/results/eval")
     print(a.out)
     return 0
 

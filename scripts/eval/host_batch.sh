@@ -130,8 +130,11 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ ! -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then
   python3 -m ray.scripts.scripts get-auth-token --generate > /dev/null
 fi
-python3 -m ray.scripts.scripts status --address "127.0.0.1:$port" > /dev/null 2>&1 || \
+# a head already up answers `ray status` at once; with nothing on the port, ray
+# status retries for ~40 s before it fails, so look at the port first
+if ! { (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && python3 -m ray.scripts.scripts status --address "127.0.0.1:$port" > /dev/null 2>&1; }; then
   python3 -m ray.scripts.scripts start --head --port "$port" --num-gpus "$gpus" --disable-usage-stats > "$logs/ray-start.log" 2>&1
+fi
 # OUT_DIR holds what earlier calls of this checkout measured on this host; a
 # host lent again in a later session can still have an older checkout's files
 # there, which would shadow the committed results: moved aside
@@ -164,5 +167,5 @@ for i in "${!pids[@]}"; do
   if [ "$st" = 124 ]; then rc=1; echo "${configs[$i]}: run.py cut at ${limit} s (--budget); rows in flight are lost (their earlier results stay), the next call runs them (log: $log)" >&2
   elif [ "$st" != 0 ]; then rc=1; echo "${configs[$i]}: run.py exited with status $st (log: $log)" >&2; fi
 done
-for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
+for c in "${configs[@]}"; do grep -hE "row\(s\)|is measured|nothing measured" "$logs/$(basename "$c" .yaml).log" | tail -1 || echo "$c: no summary (see its log)"; done
 exit $rc

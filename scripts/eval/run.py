@@ -7,7 +7,9 @@ regenerate docs/eval.md's tables and the plots.
 The JSON is rewritten after every finished server, so a run stopped at a time
 limit keeps what it measured. --only runs some rows and keeps the others from
 the existing result file (when they measured the same server): a long
-experiment can be measured in several calls.
+experiment can be measured in several calls. A run that starts no server (no
+GPU, a cluster too small for every row, a start deadline already passed)
+writes nothing, neither the JSON nor docs/eval.md, and exits with status 2.
 
 --address joins a running Ray cluster (default: the config's cluster.address,
 else a local cluster on this machine). --standin runs the CPU stand-in server
@@ -25,10 +27,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the source tree when the package is not installed
 
+
+def _missing_packages() -> list:
+    """What this script imports beyond the standard library, where this interpreter lacks it."""
+    import importlib.util
+
+    return [m for m in ("ray", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+
+
+if __name__ == "__main__" and _missing_packages():
+    print(f"run.py: {', '.join(_missing_packages())} not importable by {sys.executable}: run it with the test environment's "
+          f"interpreter, {os.path.relpath(ROOT / '.venv/bin/python')} (bash ci/test.sh builds it), or install ci/requirements-cpu.txt "
+          "with ci/constraints-cpu.txt", file=sys.stderr)
+    sys.exit(2)
+
 from sglang_elastic import results  # noqa: E402
 from sglang_elastic.eval import config, experiments, report  # noqa: E402
 from sglang_elastic.eval.client import client_current  # noqa: E402
-from sglang_elastic.eval.launcher import TOO_BIG, Launcher  # noqa: E402
+from sglang_elastic.eval.launcher import NOT_STARTED, TOO_BIG, Launcher  # noqa: E402
+
+
+def nothing_measured(seen, out: Path, standin: bool, node_gpus: float) -> int:
+    """No server started: say why, one line per reason, write nothing, status 2."""
+    too_big = [r for r in seen if (r.error or "").startswith(TOO_BIG)]
+    for r in too_big:
+        print(f"run.py: {r.error}", file=sys.stderr)
+    if too_big and not standin and not node_gpus:
+        print("run.py: the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run", file=sys.stderr)
+    waited = [r.name for r in seen if (r.error or "").startswith(NOT_STARTED)]
+    if waited:
+        print(f"run.py: the start deadline passed before {', '.join(waited)} could start", file=sys.stderr)
+    if not seen:
+        print("run.py: no row to start (every row asked for is copied from another experiment or kept from the file)", file=sys.stderr)
+    kept = [f"{out}"] + ([] if standin else ["docs/eval.md"])
+    print(f"run.py: no server started, nothing measured: {' and '.join(kept)} left as they were", file=sys.stderr)
+    return 2
 
 
 def main() -> int:
@@ -62,7 +95,6 @@ def main() -> int:
         return 2
     address = a.address or exp.cluster.address
     num_gpus = a.num_gpus if a.num_gpus is not None else (8 if a.standin and not address else None)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
     out = a.out_dir / f"{exp.result_name}{'.standin' if a.standin else ''}.json"
     only = [x for x in a.only.split(",") if x] if a.only else None
     try:
@@ -80,14 +112,18 @@ def main() -> int:
     head = results.header()
 
     def write(body):
+        a.out_dir.mkdir(parents=True, exist_ok=True)
         results.write(str(out), {**head, **body})
 
     log_dir = (a.log_dir or Path(exp.cluster.log_dir)) / out.stem  # per experiment: E1 and E1 at TP 2 share row labels
+    seen = []  # every launcher result: whether any server started decides whether anything is written
     with Launcher(address=address, log_dir=str(log_dir), num_gpus=num_gpus) as launcher:
         body = experiments.run(exp, launcher, results_dir=a.out_dir, standin=a.standin, only=only, previous=previous,
-                               warm_first=False if a.no_warm_first else None, on_progress=write,
+                               warm_first=False if a.no_warm_first else None, on_progress=write, on_result=seen.append,
                                start_deadline=None if a.start_deadline_s is None else t0 + a.start_deadline_s)
         node_gpus = launcher.largest_node_gpus()
+    if not any(experiments.started(r) for r in seen):
+        return nothing_measured(seen, out, a.standin, node_gpus)
     write(body)
 
     before = {r.get("label"): r for r in (previous or {}).get("rows", [])}
@@ -108,12 +144,9 @@ def main() -> int:
           + (f"; older client (cumulative streaming), to measure again: {', '.join(stale)}" if stale else "")
           + (f"; not started this time, earlier result kept: {', '.join(kept)}" if kept else ""))
     # rows asked for that no node of the cluster can hold: say why on the console, not only in the file
-    too_big = [r for r in body["rows"] if (not only or r["label"] in only) and (r.get("error") or "").startswith(TOO_BIG)]
-    for r in too_big:
-        print(f"run.py: {r['error']}", file=sys.stderr)
-    if too_big and not a.standin and not node_gpus:
-        print("run.py: the Ray cluster has no GPU: run on a GPU host, or add --standin for a CPU dry run", file=sys.stderr)
-        return 2
+    for r in seen:
+        if (r.error or "").startswith(TOO_BIG):
+            print(f"run.py: {r.error}", file=sys.stderr)
     if not a.no_report and not a.standin:
         try:
             report.render_doc(ROOT / "docs/eval.md", a.out_dir, ROOT)

@@ -1,14 +1,17 @@
 """``sglang-elastic advise``: how much of SGLang's prefill reserve could be lent
 to the KV cache, for a model shape, a GPU size and a TP degree.
 
-Sizing is SGLang's own: a real ``ServerArgs`` is built for the model with
-``get_device_memory_capacity`` answering the given GPU memory, so
-``_handle_gpu_memory_settings`` (sglang/srt/server_args.py) picks
-``chunked_prefill_size``, the CUDA-graph batch sizes and
-``mem_fraction_static``. The KV cell size comes from SGLang's ``ModelConfig``
+Sizing is SGLang's own: what ``ServerArgs`` would pick on a GPU of the
+given memory (``_handle_gpu_memory_settings``, sglang/srt/server_args.py:
+``chunked_prefill_size``, the CUDA-graph batch sizes,
+``mem_fraction_static``) and the KV cell size from SGLang's ``ModelConfig``
 (``get_num_kv_heads(tp)``, ``head_dim``, layers; MHA:
-``kv_heads * (head_dim + v_head_dim) * layers * 2 B``). What SGLang cannot
-answer without a GPU comes from measured points (``calibration.json``):
+``kv_heads * (head_dim + v_head_dim) * layers * 2 B``), computed by
+:mod:`sglang_elastic.eval.sizing`, which restates that code without
+importing SGLang or torch (an answer in well under a second); a CPU test
+computes the same numbers through the real SGLang 0.5.17 and asserts
+equality. What SGLang cannot answer without a GPU comes from measured
+points (``calibration.json``):
 
 - ``context_overhead_gib`` per TP degree: GPU memory taken before the model
   loads (CUDA context; at TP > 1 NCCL and custom all-reduce buffers too:
@@ -65,16 +68,15 @@ extra memory; post-capture sizing needs no reclaim.
 
 from __future__ import annotations
 
-import math
-
-import contextlib
 import dataclasses
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, Optional
-from unittest import mock
 
+from sglang_elastic.eval import sizing
+from sglang_elastic.eval.sizing import DENSE_MODEL_TYPES, AdviseError, ModelFacts  # noqa: F401  (DENSE_MODEL_TYPES, AdviseError: the advisor's names, as before)
 from sglang_elastic.vmm.arena import token_quantum
 
 GIB = 1 << 30
@@ -91,56 +93,20 @@ DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
 #: CUDA VMM's minimum allocation granularity on NVIDIA data-centre GPUs
 #: (cuMemGetAllocationGranularity on the H200): the elastic pool maps whole granules.
 VMM_GRANULARITY = 2 << 20
-#: Shapes whose weight count shape_of knows (embeddings, GQA attention, gated MLP, norms, LM head).
-DENSE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
-class AdviseError(ValueError):
-    pass
+def model_facts(model: str) -> ModelFacts:
+    """SGLang's ``ModelConfig`` values for ``--model-config`` (a model
+    directory, a config JSON file, or an embedded name), read without SGLang
+    (:func:`sglang_elastic.eval.sizing.model_facts`).
 
+    Raises:
+        AdviseError: nothing usable there; the message says what to pass.
+    """
+    from sglang_elastic.serve import model_names, model_path  # embedded shapes (light: no SGLang import)
 
-def _model_dir(model: str) -> Path:
-    p = Path(model)
-    if p.name == "config.json":
-        p = p.parent
-    if (p / "config.json").is_file():
-        return p
-    from sglang_elastic.serve import model_path  # embedded name
-
-    try:
-        return model_path(model)
-    except ValueError:
-        raise AdviseError(f"--model-config {model}: no config.json there and not an embedded model") from None
-
-
-@contextlib.contextmanager
-def _quiet():
-    import logging
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        old = logging.root.manager.disable
-        logging.disable(logging.WARNING)
-        try:
-            yield
-        finally:
-            logging.disable(old)
-
-
-def sglang_server_args(model_dir: Path, gpu_mem_mib: float, tp: int, chunked_prefill_size: Optional[int] = None, post_capture: bool = False, **extra):
-    """SGLang's ``ServerArgs`` for this setup, as ``launch_server`` would build it
-    on a GPU reporting ``gpu_mem_mib`` (with our serve defaults: FlashInfer,
-    dummy weights, no tokenizer)."""
-    import sglang.srt.server_args as sa_mod
-    from sglang.srt.environ import envs
-
-    kw = dict(model_path=str(model_dir), device="cuda", tp_size=tp, load_format="dummy", skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch", grammar_backend="none")
-    if chunked_prefill_size is not None:
-        kw["chunked_prefill_size"] = chunked_prefill_size
-    kw.update(extra)
-    with _quiet(), mock.patch.object(sa_mod, "get_device_memory_capacity", lambda *a, **k: gpu_mem_mib), envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.override(post_capture):
-        return sa_mod.ServerArgs(**kw)
+    path, cfg = sizing.read_config(model, {n: model_path(n) for n in model_names()})
+    return sizing.model_facts(path, cfg, f"--model-config {model}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,44 +135,16 @@ class Shape:
         return self.params * self.dtype_bytes / tp
 
 
-def shape_of(server_args) -> Shape:
+def shape_of(m: ModelFacts) -> Shape:
     """Parameter count (dense decoder: embeddings, attention, gated MLP, norms,
-    LM head) and KV layout from SGLang's ``ModelConfig``."""
-    mc = server_args.get_model_config()
-    hf = mc.hf_text_config
-    if hf.model_type not in DENSE_MODEL_TYPES or mc.attention_arch.name != "MHA" or getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None):
-        raise AdviseError(f"{server_args.model_path}: model_type {hf.model_type!r} is not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
-    h, inter, layers, vocab = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size
-    heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
-    hd = getattr(hf, "head_dim", None) or h // heads
-    bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"  # Qwen2 has q/k/v biases
+    LM head) and KV layout from SGLang's ``ModelConfig`` values."""
+    h, inter, layers, vocab = m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.vocab_size
+    heads, kv, hd = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+    bias = m.attention_bias or m.model_type == "qwen2"  # Qwen2 has q/k/v biases
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + ((heads + 2 * kv) * hd if bias else 0)
     per_layer = attn + 3 * h * inter + 2 * h
-    params = vocab * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + layers * per_layer + h
-    return Shape(params=params, num_layers=mc.num_hidden_layers, kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim,
-                 v_head_dim=getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim, context_len=mc.context_len, mlp_width=inter)
-
-
-def req_to_token_bytes(server_args, tokens: int, context_len: int, max_running_requests: Optional[int] = None) -> int:
-    """Bytes of SGLang's ``req_to_token`` table (``ReqToTokenPool``,
-    sglang/srt/mem_cache/memory_pool.py: int32 ``[max_num_reqs + 1,
-    context_len + extra]``), allocated with the KV pool but paid from the
-    reserve. The row count is SGLang's own
-    ``KVCacheConfigurator.resolve_max_num_reqs`` (mem_cache/
-    kv_cache_configurator.py) for a pool of ``tokens`` and the server's
-    ``--max-running-requests`` (None: unset), the extra width
-    ``get_req_to_token_extra_context_len`` (mem_cache/allocation_sizing.py),
-    both called with this setup's values (DP attention and hybrid models are
-    outside the advisor, :func:`shape_of`)."""
-    from types import SimpleNamespace
-
-    import sglang.srt.mem_cache.kv_cache_configurator as kvc
-    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
-
-    this = SimpleNamespace(model_config=SimpleNamespace(context_len=context_len), ps=SimpleNamespace(attn_dp_size=1), mambaish_config=None)
-    with mock.patch.object(kvc, "get_schedule", lambda: SimpleNamespace(max_running_requests=max_running_requests)):
-        reqs = kvc.KVCacheConfigurator.resolve_max_num_reqs(this, max(0, tokens))
-    return (reqs + 1) * (context_len + get_req_to_token_extra_context_len(server_args)) * 4
+    params = vocab * h * (1 if m.tie_word_embeddings else 2) + layers * per_layer + h
+    return Shape(params=params, num_layers=layers, kv_heads=kv, head_dim=hd, v_head_dim=m.v_head_dim, context_len=m.context_len, mlp_width=inter)
 
 
 #: What each calibration point must hold (scripts/eval/advisor_points.py and derive() read them).
@@ -261,8 +199,9 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
 
 def derive(point: Dict[str, Any]) -> Dict[str, float]:
     """Factors of one measured point (see the module doc)."""
-    sa = sglang_server_args(_model_dir(point["model"]), point["gpu_mem_mib"], point["tp"], point.get("chunked_prefill_size"))
-    shape = shape_of(sa)
+    m = model_facts(point["model"])
+    sa = sizing.server_sizing(m.path, point["gpu_mem_mib"], point["tp"], point.get("chunked_prefill_size"))
+    shape = shape_of(m)
     mfs = point["mem_fraction_static"]
     kv_gib = point["max_total_num_tokens"] * shape.cell_bytes(point["tp"]) / GIB
     weights_gib = shape.weight_bytes(point["tp"]) / GIB
@@ -275,7 +214,7 @@ def derive(point: Dict[str, Any]) -> Dict[str, float]:
         "context_overhead_gib": point["gpu_mem_mib"] / 1024 - pre_free,
         "reserve_gib": reserve,
         "graph_gib": reserve - point["free_after_graphs_gib"],
-        "req_to_token_gib": req_to_token_bytes(sa, point["max_total_num_tokens"], shape.context_len) / GIB,
+        "req_to_token_gib": sizing.req_to_token_bytes(point["max_total_num_tokens"], shape.context_len) / GIB,
         "chunk": sa.chunked_prefill_size,
         "layer_tokens": shape.num_layers * sa.chunked_prefill_size,
         "mlp_width": shape.mlp_width,
@@ -362,12 +301,12 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         raise AdviseError(f"--chunked-prefill-size must be positive, not {chunked_prefill_size}")
     if max_running_requests is not None and max_running_requests < 1:
         raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
-    mdir = _model_dir(model)  # before anything imports SGLang: a wrong path fails at once
+    m = model_facts(model)
     cal = calibration or load_calibration()
     f = factors(cal, tp)
     gpu_mem_mib = gpu_mem_gib * 1024
-    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunked_prefill_size)
-    shape = shape_of(sa)
+    sa = sizing.server_sizing(m.path, gpu_mem_mib, tp, chunked_prefill_size)
+    shape = shape_of(m)
     cell = shape.cell_bytes(tp)
     pre_free = gpu_mem_gib - f["context_overhead_gib"]
     weights = shape.weight_bytes(tp) / GIB
@@ -379,22 +318,22 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
             + ("use a smaller chunk or a larger GPU" if sa.chunked_prefill_size > SMALL_CHUNK else
                f"SGLang counts at least {SMALL_CHUNK} tokens of activations whatever the chunk; use a larger GPU"))
     prefill_graphs = f["graph_bytes_per_layer_token"] * shape.num_layers * sa.chunked_prefill_size / GIB
-    req_to_token = req_to_token_bytes(sa, tokens, shape.context_len, max_running_requests) / GIB
+    req_to_token = sizing.req_to_token_bytes(tokens, shape.context_len, max_running_requests) / GIB
     graph = f["graph_fixed_gib"] + prefill_graphs + req_to_token
     free_after = max(0.0, reserve - graph)
     lendable = max(0.0, free_after - margin_mib / 1024) if tokens > 0 else 0.0
     # the pool lends whole steps of pages mapped at VMM granularity (sglang_elastic/vmm/arena.py token_quantum)
     step = token_quantum(shape.row_bytes(tp), VMM_GRANULARITY)
     extra = int(lendable * GIB // cell) // step * step
-    small = sglang_server_args(mdir, gpu_mem_mib, tp, SMALL_CHUNK)
+    small = sizing.server_sizing(m.path, gpu_mem_mib, tp, SMALL_CHUNK)
     _, _, small_tokens = _kv_tokens(pre_free, weights, small.mem_fraction_static, cell)
     chunk_gain = small_tokens - tokens if sa.chunked_prefill_size > SMALL_CHUNK else 0
-    graph_bs = int(sa.cuda_graph_config.decode.max_bs or 0)
+    graph_bs = sa.decode_max_bs
     within = max_running_requests is not None and max_running_requests <= graph_bs  # no eager decodes
     graphs = f["graph_fixed_gib"] + prefill_graphs  # post-capture sizing's req_to_token table follows its own pool
-    pc, pc_mfs = post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
+    pc, pc_mfs = post_capture_tokens(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
     # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
-    pc_capped = pc if within or pc is None else post_capture_tokens(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
+    pc_capped = pc if within or pc is None else post_capture_tokens(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
     risk = None if pc_capped is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size)
     out = {
         "model": str(model),
@@ -427,7 +366,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_kv_tokens": pc,
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
         "post_capture_capped_kv_tokens": pc_capped,
-        "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(mdir, gpu_mem_mib, tp, sa.chunked_prefill_size),
+        "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(m, gpu_mem_mib, tp, sa.chunked_prefill_size),
         # with the request cap at most the graphs' batch, SGLang keeps no eager-decode headroom: what was measured to run out of memory
         "post_capture_oom_risk": risk,
         "post_capture_untested": None if pc_capped is None or risk else post_capture_untested(cal, tp, sa.chunked_prefill_size),
@@ -443,7 +382,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     return out
 
 
-def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graphs: float, shape: Shape,
+def post_capture_tokens(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graphs: float, shape: Shape,
                         max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float]]":
     """KV tokens and ``mem_fraction_static`` under SGLang's post-capture
     sizing (module doc), or (None, None) where SGLang would not
@@ -451,19 +390,14 @@ def post_capture_tokens(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int, pre
     workspaces without the ``req_to_token`` table, which is sized here for
     the pool SGLang allocates before capture (the capped one) and stays
     when the pool grows after it."""
-    extra = {} if max_running_requests is None else {"max_running_requests": max_running_requests}
-    from sglang.srt.environ import envs
-
-    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunk, post_capture=True, **extra)
-    with envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.override(True):  # the check reads the env, as at launch with it set
-        if not sa.post_capture_kv_sizing_planned():
-            return None, None
+    sa = sizing.server_sizing(m.path, gpu_mem_mib, tp, chunk, post_capture=True, max_running_requests=max_running_requests)
+    if not sa.post_capture_planned:
+        return None, None
     cell = shape.cell_bytes(tp)
     _, _, cap = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
-    graph = graphs + req_to_token_bytes(sa, cap, shape.context_len, max_running_requests) / GIB
+    graph = graphs + sizing.req_to_token_bytes(cap, shape.context_len, max_running_requests) / GIB
     headroom = pre_free * (1 - sa.mem_fraction_static)
-    decode = sa.cuda_graph_config.decode
-    if max_running_requests is None or max_running_requests > int(decode.max_bs or 0):  # eager decodes: SGLang keeps its reserve
+    if max_running_requests is None or max_running_requests > sa.decode_max_bs:  # eager decodes: SGLang keeps its reserve
         headroom = max(headroom, sa.pre_capture_activation_reserve_mb(gpu_mem_mib) / 1024)
     return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static
 
@@ -492,16 +426,20 @@ def post_capture_untested(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[
     served = [o for o in cal.get("post_capture_served") or [] if o["tp"] == tp]
     if any(o["chunked_prefill_size"] >= chunk for o in served):
         return None
-    where = f"up to --chunked-prefill-size {max(o['chunked_prefill_size'] for o in served):,}" if served else "not at all"
-    return (f"capped post-capture sizing was measured to serve at TP {tp} {where}; it leaves about 0.5-0.7 GiB per GPU for prefill work "
+    if served:
+        what = f"capped post-capture sizing was measured to serve at TP {tp} up to --chunked-prefill-size {max(o['chunked_prefill_size'] for o in served):,} only"
+    else:
+        tps = sorted({o["tp"] for o in cal.get("post_capture_served") or []})
+        what = (f"capped post-capture sizing was never measured at TP {tp}"
+                + (f" (only at TP {' and '.join(str(t) for t in tps)})" if tps else ""))
+    return (f"{what}; it leaves about 0.5-0.7 GiB per GPU for prefill work "
             f"outside the CUDA graphs, and at TP 2 with a 32,768-token chunk that ran out of memory")
 
 
-def post_capture_unavailable_reason(mdir: Path, gpu_mem_mib: float, tp: int, chunk: int) -> str:
+def post_capture_unavailable_reason(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int) -> str:
     """Why SGLang would not post-capture-size this setup (``ServerArgs.post_capture_kv_sizing_planned``)."""
-    sa = sglang_server_args(mdir, gpu_mem_mib, tp, chunk, post_capture=True)
-    prefill = sa.cuda_graph_config.prefill
-    largest = max(prefill.bs or (0,))
+    sa = sizing.server_sizing(m.path, gpu_mem_mib, tp, chunk, post_capture=True)
+    largest = max(sa.prefill_bs or (0,))
     if sa.max_prefill_buffer_tokens() > largest:
         fits = [c for c in (2048, 4096, 8192, 12288, 16384, 32768) if c <= largest]
         return (f"SGLang post-capture-sizes only when the prefill CUDA graphs hold the largest prefill batch: "

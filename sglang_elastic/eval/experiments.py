@@ -210,6 +210,12 @@ NOT_RUN = "not run"
 assert NOT_STARTED.startswith(NOT_RUN) and TOO_BIG.startswith(NOT_RUN)
 
 
+def started(r: ServerResult) -> bool:
+    """Whether a server stood behind this launcher result (it may have failed):
+    not one left waiting by a start deadline or too big for every node."""
+    return r.ok or not (r.error or "").startswith(NOT_RUN)
+
+
 def _earlier_not_run(s: ServerConfig, previous: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """``previous``'s row for ``s`` when it is one not measured yet
     (:func:`not_measured`) for the same server."""
@@ -224,7 +230,8 @@ def _not_run(s: ServerConfig, why: str) -> Dict[str, Any]:
 
 def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, standin: bool = False, progress: bool = True,
         only: Optional[List[str]] = None, previous: Optional[Dict[str, Any]] = None, warm_first: Optional[bool] = None,
-        on_progress: Optional[Callable[[Dict[str, Any]], None]] = None, start_deadline: Optional[float] = None) -> Dict[str, Any]:
+        on_progress: Optional[Callable[[Dict[str, Any]], None]] = None, start_deadline: Optional[float] = None,
+        on_result: Optional[Callable[[ServerResult], None]] = None) -> Dict[str, Any]:
     """Run every row that cannot be reused; rows in the config's order.
 
     ``only``: run just these labels; a ``reuse`` row is taken from its source
@@ -234,7 +241,10 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
     in several calls. ``on_progress`` gets the result body after each
     finished server (rows not finished yet: ``previous``'s, else not run),
     for a caller that writes it as it goes: a run killed at a time limit
-    leaves what it measured and what the file held before.
+    leaves what it measured and what the file held before; a row that never
+    started (a start deadline, a cluster too small) calls it not, so a run
+    that starts no server has nothing to write. ``on_result`` gets every
+    launcher result, started or not (:func:`started`).
     ``start_deadline`` (``time.monotonic()`` seconds): no server starts after
     it (:meth:`Launcher.run`); those rows stay as ``previous`` had them, or
     not run.
@@ -281,10 +291,13 @@ def run(exp: Experiment, launcher: Launcher, results_dir: Path = RESULTS_DIR, st
 
     def done(r: ServerResult) -> None:
         with lock:
+            if on_result:
+                on_result(r)
             old = earlier(by_label[r.name])
-            if not r.ok and (r.error or "").startswith(NOT_RUN):  # never started (deadline, cluster too small): keep what the file had
+            if not started(r):  # never started (deadline, cluster too small): keep what the file had
                 rows[r.name] = old or _not_run(by_label[r.name], r.error)
-            elif not r.ok and old is not None and old.get("ok"):
+                return
+            if not r.ok and old is not None and old.get("ok"):
                 # measuring a row again failed (a stale one, --resume): the earlier measurement stays, the failure beside it
                 rows[r.name] = {**old, "remeasure_error": r.error, "remeasure_log": r.log_path}
             else:

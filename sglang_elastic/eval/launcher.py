@@ -206,7 +206,7 @@ class ServerActor:
         self.t_start = time.monotonic()
         return {"url": self.url, "port": port, "node_ip": ip, "pid": self.proc.pid, "command": cmd}
 
-    def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> float:
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.25) -> float:
         """Seconds from start until ``GET /health`` answers 200; raises with the
         log's tail when the process exits or the time runs out."""
         deadline = self.t_start + timeout_s
