@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -26,15 +24,13 @@ print("BACKENDS", json.dumps(sa.get_attention_backends()))
 """
 
 
-def launch(*flags):
-    r = subprocess.run([sys.executable, "-c", PARSE, "--model-path", MODEL, "--device", "cpu", *flags], capture_output=True, text=True, timeout=300)
+def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sglang_python, monkeypatch):
+    """SGLang's own parse with the plugin loaded, in a process of its own (forked after SGLang's import)."""
+    monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
+    r = sglang_python.run(PARSE, ["--model-path", MODEL, "--device", "cpu", "--enable-kv-offload", "--disable-radix-cache",
+                                  "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "selected",
+                                  "--kv-offload-host-gb", "80"])
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
-    return r, out
-
-
-def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend():
-    r, out = launch("--enable-kv-offload", "--disable-radix-cache", "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000",
-                    "--kv-offload-denominator", "selected", "--kv-offload-host-gb", "80")
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
     assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "selected",
