@@ -194,7 +194,7 @@ def test_kv_holders_a_reclaim_cannot_vacate_are_refused_with_the_reason(flags, e
     config.check_server_args(config.ElasticKVConfig(enabled=False), ns)  # nothing is refused without the pool
 
 
-def test_streaming_sessions_are_accepted_with_the_elastic_pool():
+def test_streaming_sessions_are_accepted_with_the_elastic_pool(launch_args):
     """Their slots are remapped by a reclaim (tests/test_sessions.py)."""
     r, cfg = launch_args("--enable-elastic-kv", "--enable-streaming-session")
     assert r.returncode == 0, r.stderr[-2000:]

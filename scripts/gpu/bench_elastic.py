@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -276,8 +277,8 @@ def assemble(args) -> None:
     from sglang_elastic import results
 
     parts = {}
-    for p in args.parts:
-        d = json.loads(Path(p).read_text())
+    for p in args.parts:  # as a run writes them (.json) or kept gzipped in the repo (.json.gz: the identity runs' outputs)
+        d = json.loads(gzip.decompress(Path(p).read_bytes()) if p.endswith(".gz") else Path(p).read_text())
         parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else ""), d["tp"])] = d
     st, el, al = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
