@@ -78,6 +78,7 @@ class Sample:
             natural text.
         max_new_tokens: decode steps the answer needs (greedy stops earlier at EOS).
         forced: natural text only: the continuation's token ids, teacher-forced.
+        needles: the inserted needle sentences (tasks only).
     """
 
     task: str
@@ -87,6 +88,7 @@ class Sample:
     answers: Tuple[str, ...]
     max_new_tokens: int
     forced: Tuple[int, ...] = ()
+    needles: Tuple[str, ...] = ()
 
     def solved(self, output: str) -> bool:
         """Whether ``output`` (decoded greedy text) holds every gold answer."""
@@ -202,13 +204,20 @@ TEMPLATES = {
     "vt": ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
            "Question: What is the value of VAR {key}? Follow the chain of assignments in the text above.",
            "Answer: Following the chain of assignments in the text above, the value of VAR {key} is"),
-    # Mohtashami & Jaggi's passkey prompt
-    "passkey": ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                "I will quiz you about the important information there.\n{context}\nWhat is the pass key?",
+    # Mohtashami & Jaggi's passkey prompt, plus "Answer with the number only." (without it SmolLM2-135M
+    # explains what a pass key is: 0 of 4 solved at 2K; with it 4 of 4)
+    "passkey": ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                "I will quiz you about the important information there.\n\n{context}\n\n"
+                "What is the pass key? Answer with the number only.",
                 "The pass key is"),
 }
 MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 56, "vt": 48}
 VT_HOPS = 4
+
+
+def template_of(task: str) -> str:
+    """The :data:`TEMPLATES` key of a task."""
+    return {"niah_single": "niah", "niah_multikey": "niah", "niah_multivalue": "niah_all"}.get(task, task)
 
 
 def needles_of(task: str, rng: random.Random, haystack_text: str) -> Tuple[List[str], Tuple[str, ...], str]:
@@ -267,13 +276,13 @@ def make_sample(task: str, context: int, index: int, tokenizer, seed: int = 0, h
     depths = [rng.random() for _ in needles]
     if task == "vt":
         depths.sort()  # the chain in order, as RULER places it
-    user, prefix = TEMPLATES["niah_all" if task == "niah_multivalue" else task if task in ("vt", "passkey") else "niah"]
+    user, prefix = TEMPLATES[template_of(task)]
     user, prefix = user.replace("{key}", key), prefix.replace("{key}", key)
     render = lambda u: _chat(tokenizer, user.replace("{context}", sep.join(_insert(u, needles, depths))), prefix)  # noqa: E731
     ids = _Builder(tokenizer, render, units, budget).fit()
     if len(ids) < LENGTH_TOLERANCE * budget:
         raise TaskError(f"{task} at {context}: the haystack filled only {len(ids)} of {budget} tokens")
-    return Sample(task, context, index, tuple(ids), answers, max_new)
+    return Sample(task, context, index, tuple(ids), answers, max_new, needles=tuple(needles))
 
 
 def make_samples(task: str, context: int, n: int, tokenizer, seed: int = 0, haystack: Optional[str] = None) -> List[Sample]:
@@ -303,6 +312,6 @@ def natural_windows(context: int, n: int, tokenizer, seed: int = 0, n_next: int 
 
 
 __all__ = [
-    "LENGTH_TOLERANCE", "MAX_NEW_TOKENS", "TASKS", "TEMPLATES", "VT_HOPS", "needles_of", "Sample", "TaskError", "haystack_lines", "make_sample",
+    "LENGTH_TOLERANCE", "MAX_NEW_TOKENS", "TASKS", "TEMPLATES", "VT_HOPS", "needles_of", "template_of", "Sample", "TaskError", "haystack_lines", "make_sample",
     "make_samples", "natural_windows", "score", "shakespeare_path",
 ]
