@@ -153,8 +153,9 @@ def test_default_policy_keeps_what_dense_solves_and_sink_plus_window_loses_it(re
 
 
 def test_natural_text_is_teacher_forced_into_every_run(ref):
-    (w,) = tasks.natural_windows(1024, 1, ref.tokenizer, n_next=4)
-    o = run_sample(ref, w, {"default": OffloadPolicy(), "bad": SINK_AND_WINDOW_ONLY})
+    """(512 positions: the default budget is its sink and window; a 4-token window alone is worse.)"""
+    (w,) = tasks.natural_windows(512, 1, ref.tokenizer, n_next=4)
+    o = run_sample(ref, w, {"default": OffloadPolicy(), "bad": OffloadPolicy(sink=0, window=4, budget_frac=1e-6)})
     assert o.dense_tokens == list(w.forced) and o.dense_solved is None
     good, bad = o.policies["default"], o.policies["bad"]
     assert good.tokens == list(w.forced) and len(good.kl) == 3 and good.solved is None

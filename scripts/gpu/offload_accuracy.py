@@ -180,7 +180,8 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
     url = "http://standin"
     if start:
         server = ServerActor(name, args.log_dir)
-        url = server.start(argv, {}, "", "")["url"]
+        # the server binds 127.0.0.1 (BASE_ARGS); the actor's url names the node's IP when Ray is installed
+        url = server.url = f"http://127.0.0.1:{server.start(argv, {}, '', '')['port']}"
         try:
             secs = server.wait_healthy(args.start_timeout)
         except (RuntimeError, TimeoutError) as e:

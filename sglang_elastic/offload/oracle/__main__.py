@@ -75,6 +75,9 @@ def main(argv=None) -> int:
             raise tasks.TaskError("--denominators must name one at least; --samples and --natural must be >= 0")
         tasks.shakespeare_path(a.haystack)
         ref = Reference(a.model, a.threads)
+        too_long = [L for L in lengths if L > ref.max_positions]
+        if too_long:
+            raise tasks.TaskError(f"--lengths {too_long} exceed the model's {ref.max_positions} positions")
     except (ValueError, PolicyError, ReferenceError) as e:  # TaskError, PolicyError, ReferenceError, int() are ValueErrors
         print(f"oracle: {e}", file=sys.stderr)
         return 2

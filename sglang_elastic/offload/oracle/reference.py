@@ -291,4 +291,4 @@ def run_sample(ref: Reference, sample: Sample, policies: Dict[str, OffloadPolicy
     return SampleOutcome(sample, dense_tokens, dense_solved, outcomes)
 
 
-__all__ = ["DENSE", "PolicyOutcome", "Reference", "ReferenceError", "SampleOutcome", "Stream", "kl_divergence", "run_sample"]
+__all__ = ["DENSE", "PolicyOutcome", "Reference", "ReferenceError", "SampleOutcome", "Stream", "dense_attention", "kl_divergence", "run_sample"]

@@ -163,7 +163,7 @@ class _Builder:
         self.tok, self.render, self.units, self.budget = tokenizer, render, units, budget
 
     def ids(self, n: int) -> List[int]:
-        return self.tok(self.render(list(self.units[:n])), add_special_tokens=False)["input_ids"]
+        return self.tok(self.render(list(self.units[:n])), add_special_tokens=False, verbose=False)["input_ids"]
 
     def fit(self) -> List[int]:
         lo, hi = 0, len(self.units)  # largest n with len(ids(n)) <= budget
@@ -294,7 +294,7 @@ def natural_windows(context: int, n: int, tokenizer, seed: int = 0, n_next: int 
     """``n`` windows of running Shakespeare text for next-token KL.
 
     Each is ``context - n_next`` prompt tokens (plain text, no template) from a
-    random paragraph on, with the text's own next ``n_next`` tokens as
+    random line on, with the text's own next ``n_next`` tokens as
     :attr:`Sample.forced`; ``task="natural"``, no answers.
     """
     lines = haystack_lines(haystack)
@@ -303,7 +303,7 @@ def natural_windows(context: int, n: int, tokenizer, seed: int = 0, n_next: int 
         start = _rng("natural", context, seed, i).randrange(len(lines))
         span = context
         while True:
-            ids = tokenizer("\n".join(lines[(start + j) % len(lines)] for j in range(span)), add_special_tokens=False)["input_ids"]
+            ids = tokenizer("\n".join(lines[(start + j) % len(lines)] for j in range(span)), add_special_tokens=False, verbose=False)["input_ids"]
             if len(ids) >= context:
                 break
             span *= 2
