@@ -252,3 +252,23 @@ def test_gpu_script_writes_nothing_when_no_server_answers(model_dir, tmp_path, c
                      "--out", str(out)], post=refuse) == 1
     assert not out.exists() and "nothing measured on both servers" in capsys.readouterr().err
     assert gpu.main(["--model", str(tmp_path), "--out", str(out)]) == 2
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, capsys):
+    from sglang_elastic.offload.oracle.__main__ import main
+
+    out = tmp_path / "oracle.json"
+    assert main(["--model", model_dir, "--tasks", "passkey", "--lengths", "512", "--samples", "1", "--natural", "1", "--natural-tokens", "3",
+                 "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert {"date", "gpu", "machine", "commit", "command", "policy", "accuracy", "acceptance", "variants", "per_sample"} <= set(d) and d["complete"]
+    assert d["policy"]["denominator"] == "full" and [v["policy"]["denominator"] for v in d["variants"]] == ["selected"]
+    assert [(r["task"], r["context"], r["samples"]) for r in d["accuracy"]] == [("passkey", 512, 1), ("natural", 512, 1)]
+    assert set(d["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
+    assert d["per_sample"][0]["dense"]["solved"] is not None and "selected" in d["per_sample"][0]
+    assert "denominator=selected" in capsys.readouterr().out
+    assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
+    assert "unknown qa_1" in capsys.readouterr().err
