@@ -132,9 +132,9 @@ class Model:
             out.append(t)
         return self.tokenizer.decode(out)
 
-    def logits(self, hidden: List[List[float]]) -> torch.Tensor:
-        """``[steps, vocab]`` float32 from ``[steps, hidden]`` final hidden states."""
-        return torch.tensor(hidden, dtype=torch.float32) @ self.embed.T
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[steps, vocab]`` float32 from ``[steps, hidden]`` float32 final hidden states."""
+        return hidden @ self.embed.T
 
 
 def post_json(url: str, payload: Dict, timeout_s: float) -> Dict:
@@ -172,8 +172,9 @@ class StandIn:
 def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: Model, args, post: Callable = post_json,
                start: bool = True) -> Dict[int, Dict]:
     """Start ``argv`` (unless ``start`` is False: ``post`` is then a stand-in),
-    send every sample, stop it. Returns sample position -> response or
-    ``{"error": line}``; raises :class:`Failure` when the server does not come up."""
+    send every sample, stop it. Returns sample position -> ``{output_ids,
+    hidden}`` (``hidden``: ``[tokens, hidden_size]`` float32, the final hidden
+    state that produced each output token) or ``{"error": line}``; raises :class:`Failure` when the server does not come up."""
     from sglang_elastic.eval.launcher import ServerActor
 
     server = None
@@ -188,10 +189,18 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
             server.stop()
             raise Failure(f"{name} server: {str(e).splitlines()[0]} (log: {server.log_path})") from None
         print(f"{name} server up in {secs:.0f} s", file=sys.stderr, flush=True)
+    def one(s: tasks.Sample) -> Dict:
+        # keep the tokens and one float32 row per step: a full-mode prefill of 8K positions is ~150 MB as Python floats
+        r = post(url + "/generate", request(s, model.eos_ids), args.request_timeout)
+        try:
+            return {"output_ids": list(r["output_ids"]), "hidden": torch.tensor(step_hidden(r["meta_info"]), dtype=torch.float32)}
+        except (KeyError, TypeError, ValueError) as e:
+            raise Failure(f"unexpected /generate response ({type(e).__name__}: {e}); keys {sorted(r)}") from None
+
     out: Dict[int, Dict] = {}
     try:
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-            futs = {pool.submit(post, url + "/generate", request(s, model.eos_ids), args.request_timeout): i for i, s in enumerate(samples)}
+            futs = {pool.submit(one, s): i for i, s in enumerate(samples)}
             for fut in concurrent.futures.as_completed(futs):
                 try:
                     out[futs[fut]] = fut.result()
@@ -211,8 +220,8 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
     d_ids, o_ids = dense["output_ids"], offload["output_ids"]
     agree = next((j for j, (a, b) in enumerate(zip(d_ids, o_ids)) if a != b), min(len(d_ids), len(o_ids)) - 1)
     steps = min(agree + 1, len(d_ids), len(o_ids))  # outputs 0..agree share their prefix
-    dl = model.logits(step_hidden(dense["meta_info"])[:steps])
-    ol = model.logits(step_hidden(offload["meta_info"])[:steps])
+    dl = model.logits(dense["hidden"][:steps])
+    ol = model.logits(offload["hidden"][:steps])
     kl = kl_divergence(dl, ol).tolist()
     n = len(sample.input_ids)
     frac = [sum(policy.counts(n + j)) / (n + j) for j in range(1, steps)]
@@ -286,7 +295,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
             continue
         try:
             per_sample.append(compare(s, d, o, model, policy))
-        except (Failure, KeyError, IndexError, TypeError) as e:
+        except (IndexError, RuntimeError) as e:  # a hidden-state row count that does not match the tokens
             errors.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
     if not per_sample:
         first = errors[0] if errors else {}
