@@ -37,11 +37,13 @@ PARTS = 2
 
 
 def fail(msg: str) -> None:
+    """One line on stderr, exit status 2."""
     print(f"convert_smollm2: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
 def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -132,6 +134,7 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
 
 
 def main(argv=None) -> None:
+    """Convert, split or join (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--gguf", type=Path, help="the GGUF file (read by convert, written by --join)")
     ap.add_argument("--out", type=Path, help="the checkpoint directory to write")

@@ -25,9 +25,9 @@ import sys
 import time
 
 from ... import results
-from ..policy import OffloadPolicy, PolicyError
+from ..policy import OffloadPolicy
 from . import score, tasks
-from .reference import Reference, ReferenceError, run_sample
+from .reference import Reference, run_sample
 
 
 def cpu_name() -> str:
@@ -40,6 +40,7 @@ def cpu_name() -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The CLI's flags (see the module docstring); policy fields default to ``OffloadPolicy()``'s."""
     d = OffloadPolicy()
     ap = argparse.ArgumentParser(prog="python -m sglang_elastic.offload.oracle", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="converted checkpoint (scripts/offload/convert_smollm2.py --dtype float32)")
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Run the sweep; 0 when it ran (whatever the verdict), 2 on bad input."""
     a = parse_args(argv)
     try:
         task_list = [t for t in a.tasks.split(",") if t]
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         too_long = [L for L in lengths if L > ref.max_positions]
         if too_long:
             raise tasks.TaskError(f"--lengths {too_long} exceed the model's {ref.max_positions} positions")
-    except (ValueError, PolicyError, ReferenceError) as e:  # TaskError, PolicyError, ReferenceError, int() are ValueErrors
+    except ValueError as e:  # TaskError, PolicyError, ReferenceError and int()'s are ValueErrors
         print(f"oracle: {e}", file=sys.stderr)
         return 2
     head = results.header("python -m sglang_elastic.offload.oracle " + " ".join(sys.argv[1:] if argv is None else argv))

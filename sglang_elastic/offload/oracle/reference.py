@@ -60,6 +60,7 @@ class Stream:
     attended: List[float] = dataclasses.field(default_factory=list)
 
     def fork(self) -> "Stream":
+        """A copy with its own caches (a run that goes on from this step on its own tokens)."""
         return Stream(self.policy, self.k.clone(), self.v.clone(), self.length, list(self.attended))
 
 
