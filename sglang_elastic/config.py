@@ -41,7 +41,7 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
 - ``--kv-offload-topk N`` (2048), ``--kv-offload-budget F`` (0.05),
   ``--kv-offload-sink N`` (4), ``--kv-offload-window N`` (32),
   ``--kv-offload-dense-layers N`` (2), ``--kv-offload-denominator
-  {full,selected}`` (full): the attended set
+  {selected,full}`` (selected): the attended set
   (:class:`sglang_elastic.offload.policy.OffloadPolicy`).
 - ``--kv-offload-hot-tokens N`` (4096): LRU V rows per request and sparse layer.
 - ``--kv-offload-host-gb G``: cap on the host pool (default: free host RAM
@@ -88,7 +88,7 @@ class ConfigError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
-DENOMINATORS = ("full", "selected")
+DENOMINATORS = ("selected", "full")
 PREFETCH = ("off", "speculative")
 #: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
 OFFLOAD_BACKEND = "kvoffload"
@@ -115,7 +115,7 @@ class OffloadConfig:
     sink: int = 4
     window: int = 32
     dense_layers: int = 2
-    denominator: str = "full"
+    denominator: str = "selected"
     hot_tokens: int = 4096
     host_gb: Optional[float] = None
     resident_v: bool = False
@@ -243,7 +243,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-sink", type=int, default=4, help="First tokens always attended.")
     o.add_argument("--kv-offload-window", type=int, default=32, help="Last tokens always attended (>= 1).")
     o.add_argument("--kv-offload-dense-layers", type=int, default=2, help="Layers 0..N-1 attend to every token and keep V on the GPU.")
-    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="full", help="Softmax denominator: full (exact, over every token; only the V sum is sparse) or selected (renormalised over the attended rows).")
+    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="selected", help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL, docs/offload-oracle.md) or full (exact over every token; only the V sum is sparse).")
     o.add_argument("--kv-offload-hot-tokens", type=int, default=4096, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
@@ -292,7 +292,7 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
             sink=getattr(ns, "kv_offload_sink", 4),
             window=getattr(ns, "kv_offload_window", 32),
             dense_layers=getattr(ns, "kv_offload_dense_layers", 2),
-            denominator=getattr(ns, "kv_offload_denominator", "full"),
+            denominator=getattr(ns, "kv_offload_denominator", "selected"),
             hot_tokens=getattr(ns, "kv_offload_hot_tokens", 4096),
             host_gb=getattr(ns, "kv_offload_host_gb", None),
             resident_v=bool(getattr(ns, "kv_offload_resident_v", False)),

@@ -265,10 +265,10 @@ def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, c
                  "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert {"date", "gpu", "machine", "commit", "command", "policy", "accuracy", "acceptance", "variants", "per_sample"} <= set(d) and d["complete"]
-    assert d["policy"]["denominator"] == "full" and [v["policy"]["denominator"] for v in d["variants"]] == ["selected"]
+    assert d["policy"]["denominator"] == "selected" and [v["policy"]["denominator"] for v in d["variants"]] == ["full"]
     assert [(r["task"], r["context"], r["samples"]) for r in d["accuracy"]] == [("passkey", 512, 1), ("natural", 512, 1)]
     assert set(d["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
-    assert d["per_sample"][0]["dense"]["solved"] is not None and "selected" in d["per_sample"][0]
-    assert "denominator=selected" in capsys.readouterr().out
+    assert d["per_sample"][0]["dense"]["solved"] is not None and "full" in d["per_sample"][0]
+    assert "denominator=full" in capsys.readouterr().out
     assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
     assert "unknown qa_1" in capsys.readouterr().err

