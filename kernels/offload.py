@@ -26,6 +26,9 @@ A decode step of a sparse layer (``sglang_elastic.offload``), per request:
    separate K and V rows (the decode kernel's partials with ``SEP_V``), the
    merge dividing by the exact full-context ``lse`` (``FULL_LSE``) or by the
    attended set's own sum.
+5. :func:`estimate_run` (``--kv-offload-denominator estimate``) — the
+   unattended positions' softmax mass per chunk of ``C`` positions times the
+   chunk's mean V (kept on the GPU), added to the exact-denominator output.
 
 Every step is a fixed-grid launch over device tensors (no host read), so a
 batch size's step can be captured in a CUDA graph and replayed with other
@@ -734,4 +737,180 @@ def attend_run(
     return out
 
 
-__all__ = ["attend_run", "copy_rows_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]
+# ---------------------------------------------------------------------------
+# 5. the unattended rows' share (``--kv-offload-denominator estimate``)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _estimate_kernel(
+    scores_ptr, lse_ptr, indptr_ptr, chunk_ptr, s_eff_ptr, w_eff_ptr, k_ptr, att_ptr, vsum_ptr, rows_ptr, table_ptr, out_ptr,
+    stride_sh, stride_lb, stride_vt, stride_vh, stride_os, stride_oh, stride_t,
+    max_splits,
+    C: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program ``(b, h, s)``: ``sum_c m_c * vsum[table[row_b, c], h]`` over
+    the complete chunks of split ``s`` of request ``b`` (the scores' split
+    plan: a split starts at a multiple of ``C``), for KV head ``h``'s ``G``
+    query heads, with ``m_c`` the softmax mass (over all positions) of the
+    chunk's unattended middle positions; written (zeros when nothing) at
+    ``out[b * max_splits + s, h * G + g]``."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    lo = tl.load(indptr_ptr + b)
+    L = tl.load(indptr_ptr + b + 1) - lo
+    chunk = tl.load(chunk_ptr + b)
+    s0 = tl.load(s_eff_ptr + b)
+    e0 = L - tl.load(w_eff_ptr + b)
+    k = tl.load(k_ptr + b)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, C)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    qh = h * G + offs_g
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if k < e0 - s0:  # else the budget covers the whole middle: nothing is unattended
+        lse = tl.load(lse_ptr + b * stride_lb + qh, mask=mask_g, other=0.0)
+        c_lo = sp * chunk // C
+        c_hi = tl.minimum((sp * chunk + chunk) // C, L // C)
+        for c in range(c_lo, c_hi):
+            pos = c * C + offs_c
+            att = tl.load(att_ptr + lo + pos)
+            keep = (pos >= s0) & (pos < e0) & (att == 0)
+            sc = tl.load(scores_ptr + qh[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
+                         mask=mask_g[:, None] & keep[None, :], other=float("-inf"))
+            m = tl.sum(tl.exp(sc - lse[:, None]), 1)
+            slot = tl.load(table_ptr + row * stride_t + c).to(tl.int64)
+            v = tl.load(vsum_ptr + slot * stride_vt + h * stride_vh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            acc += m[:, None] * v[None, :]
+    tl.store(out_ptr + (b * max_splits + sp) * stride_os + qh[:, None] * stride_oh + offs_d[None, :], acc,
+             mask=mask_g[:, None] & mask_d[None, :])
+
+
+def estimate_run(
+    scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, chunk: torch.Tensor, max_splits: int,
+    s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor, attended: torch.Tensor, v_summary: torch.Tensor,
+    rows: torch.Tensor, table: torch.Tensor, summary_chunk: int, out_partial: torch.Tensor, kv_heads: int,
+) -> torch.Tensor:
+    """The unattended positions' share of the V sum, through chunk-mean V.
+
+    For request ``b`` and query head ``qh``: ``sum_c m_c * vbar_c`` over its
+    complete chunks ``c`` (positions ``[c * C, (c + 1) * C)``, ``c < L // C``),
+    ``m_c = sum exp(s_i - lse)`` over the chunk's middle positions (``[s_eff,
+    L - w_eff)``) not selected, ``vbar_c`` the chunk's mean V
+    (``v_summary[table[rows[b], c]]``): the float64 rule is
+    :func:`sglang_elastic.offload.policy.estimate_reference`. One program per
+    request, KV head and split of the scores' plan; the splits' partials are
+    summed in order (deterministic).
+
+    Args:
+        scores: ``[q_heads, >= total]`` float32 (:func:`scores_run`); lse: ``[batch, q_heads]`` over all positions.
+        kv_indptr, chunk, max_splits: the scores' offsets and split plan (chunks multiples of ``summary_chunk``).
+        s_eff, w_eff, k: ``[batch]`` int32 (the policy's counts).
+        attended: ``[>= total]`` uint8, 1 at the selected positions (flat, as ``scores``).
+        v_summary: ``[slots, kv_heads, head_dim]`` chunk means; rows: ``[batch]`` request rows;
+            table: ``[request_rows, max_chunks]`` int32, the slot of each row's chunk (:func:`slot_assign_run`).
+        summary_chunk: ``C``, positions per chunk (a power of two).
+        out_partial: ``[>= batch * max_splits, q_heads, head_dim]`` float32 workspace.
+        kv_heads: KV heads of ``v_summary`` (and of the scores' GQA groups).
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` float32.
+
+    Raises:
+        ValueError: ``summary_chunk`` not a power of two, or q heads not a multiple of ``kv_heads``.
+    """
+    B = kv_indptr.shape[0] - 1
+    Hq, D = out_partial.shape[1], out_partial.shape[2]
+    if summary_chunk < 1 or summary_chunk & (summary_chunk - 1):
+        raise ValueError(f"estimate_run: summary_chunk must be a power of two, not {summary_chunk}")
+    if Hq % kv_heads:
+        raise ValueError(f"estimate_run: q heads {Hq} not a multiple of kv heads {kv_heads}")
+    if B == 0:
+        return out_partial[:0, :, :].view(0, Hq, D)
+    G = Hq // kv_heads
+    _estimate_kernel[(B, kv_heads, max_splits)](
+        scores, lse, kv_indptr, chunk, s_eff, w_eff, k, attended, v_summary, rows, table, out_partial,
+        scores.stride(0), lse.stride(0), v_summary.stride(0), v_summary.stride(1), out_partial.stride(0), out_partial.stride(1),
+        table.stride(0), max_splits, C=summary_chunk, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=triton.next_power_of_2(D),
+    )
+    return out_partial[: B * max_splits].view(B, max_splits, Hq, D).sum(1)
+
+
+@triton.jit
+def _slot_assign_kernel(rows_ptr, chunks_ptr, valid_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, dst_ptr,
+                        stride_t, SPARE: tl.constexpr, ZERO: tl.constexpr):
+    """Item ``i``: when valid, pop a free slot for chunk ``chunks[i]`` of row
+    ``rows[i]`` (``ZERO`` and one overflow count when none is left), record
+    it in ``table[row, chunk]``, raise ``count[row]`` to ``chunk + 1``; write
+    ``dst[i]``: the slot to fill (``SPARE`` for an invalid item or an overflow)."""
+    i = tl.program_id(0)
+    ok = tl.load(valid_ptr + i) != 0
+    dst = tl.full([], SPARE, tl.int64)
+    if ok:
+        r = tl.load(rows_ptr + i).to(tl.int64)
+        c = tl.load(chunks_ptr + i).to(tl.int64)
+        t = tl.atomic_add(top_ptr, -1)
+        if t > 0:
+            slot = tl.load(stack_ptr + t - 1)
+            dst = slot.to(tl.int64)
+        else:
+            tl.atomic_add(top_ptr, 1)
+            tl.atomic_add(overflow_ptr, 1)
+            slot = tl.full([], ZERO, tl.int32)
+        tl.store(table_ptr + r * stride_t + c, slot)
+        tl.atomic_max(count_ptr + r, (c + 1).to(tl.int32))
+    tl.store(dst_ptr + i, dst)
+
+
+@triton.jit
+def _slot_release_kernel(rows_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, stride_t, ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``rows[program]``: push its ``count`` recorded slots (not ``ZERO``) back on the free stack; ``count = 0``."""
+    r = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    n = tl.load(count_ptr + r)
+    offs = tl.arange(0, BLOCK)
+    for j in range(0, n, BLOCK):
+        m = (j + offs) < n
+        slot = tl.load(table_ptr + r * stride_t + j + offs, mask=m, other=ZERO)
+        keep = m & (slot != ZERO)
+        k = tl.sum(keep.to(tl.int32), 0)
+        base = tl.atomic_add(top_ptr, k)
+        at = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(stack_ptr + at, slot, mask=keep)
+        tl.store(table_ptr + r * stride_t + j + offs, tl.full([BLOCK], ZERO, tl.int32), mask=m)
+    tl.store(count_ptr + r, 0)
+
+
+def slot_assign_run(rows: torch.Tensor, chunks: torch.Tensor, valid: torch.Tensor, table: torch.Tensor, count: torch.Tensor,
+                    stack: torch.Tensor, top: torch.Tensor, overflow: torch.Tensor, dst: torch.Tensor, spare: int, zero: int) -> torch.Tensor:
+    """Give chunks their summary slots from a free stack on the GPU (no host read; CUDA-graph safe).
+
+    Args:
+        rows, chunks: ``[n]`` int32/int64 request rows and chunk indices; valid: ``[n]`` bool/int (0: no chunk).
+        table: ``[request_rows, max_chunks]`` int32, the slot of each row's chunk (``zero`` when none).
+        count: ``[request_rows]`` int32, chunks recorded per row (raised to ``chunk + 1``).
+        stack, top: ``[slots]`` int32 free slots and ``[1]`` int32 their count.
+        overflow: ``[1]`` int32, counts chunks that found no free slot (they read as ``zero``).
+        dst: ``[n]`` int64 output, the slot each item fills (``spare``: nothing to keep).
+
+    Returns:
+        ``dst``.
+    """
+    n = rows.shape[0]
+    if n:
+        _slot_assign_kernel[(n,)](rows, chunks, valid, table, count, stack, top, overflow, dst, table.stride(0), SPARE=spare, ZERO=zero)
+    return dst
+
+
+def slot_release_run(rows: torch.Tensor, table: torch.Tensor, count: torch.Tensor, stack: torch.Tensor, top: torch.Tensor,
+                     zero: int, block: int = 256) -> None:
+    """Return the summary slots of request rows ``rows`` (``[n]`` int32/int64) to the free stack (see :func:`slot_assign_run`)."""
+    n = rows.shape[0]
+    if n:
+        _slot_release_kernel[(n,)](rows, table, count, stack, top, table.stride(0), ZERO=zero, BLOCK=block)
+
+
+__all__ = ["attend_run", "copy_rows_run", "estimate_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

@@ -41,7 +41,8 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
 - ``--kv-offload-topk N`` (2048), ``--kv-offload-budget F`` (0.05),
   ``--kv-offload-sink N`` (4), ``--kv-offload-window N`` (32),
   ``--kv-offload-dense-layers N`` (2), ``--kv-offload-denominator
-  {selected,full}`` (selected): the attended set
+  {selected,full,estimate}`` (selected), ``--kv-offload-chunk N`` (16,
+  positions per V summary of ``estimate``): the attended set
   (:class:`sglang_elastic.offload.policy.OffloadPolicy`).
 - ``--kv-offload-hot-tokens N`` (4096): LRU V rows per request and sparse layer.
 - ``--kv-offload-host-gb G``: cap on the host pool (default: free host RAM
@@ -88,7 +89,8 @@ class ConfigError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
-DENOMINATORS = ("selected", "full")
+DENOMINATORS = ("selected", "full", "estimate")
+CHUNKS = (8, 16, 32, 64)
 PREFETCH = ("off", "speculative")
 #: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
 OFFLOAD_BACKEND = "kvoffload"
@@ -116,6 +118,7 @@ class OffloadConfig:
     window: int = 32
     dense_layers: int = 2
     denominator: str = "selected"
+    chunk: int = 16
     hot_tokens: int = 4096
     host_gb: Optional[float] = None
     resident_v: bool = False
@@ -151,7 +154,7 @@ class OffloadConfig:
         from sglang_elastic.offload.policy import OffloadPolicy
 
         return OffloadPolicy(sink=self.sink, window=self.window, budget_frac=self.budget, max_topk=self.topk,
-                             dense_layers=self.dense_layers, denominator=self.denominator)
+                             dense_layers=self.dense_layers, denominator=self.denominator, chunk=self.chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +246,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-sink", type=int, default=4, help="First tokens always attended.")
     o.add_argument("--kv-offload-window", type=int, default=32, help="Last tokens always attended (>= 1).")
     o.add_argument("--kv-offload-dense-layers", type=int, default=2, help="Layers 0..N-1 attend to every token and keep V on the GPU.")
-    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="selected", help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL, docs/offload-oracle.md) or full (exact over every token; only the V sum is sparse).")
+    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="selected", help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL than full, docs/offload-oracle.md), full (exact over every token; only the V sum is sparse) or estimate (exact, the unattended rows' V estimated by chunk means kept on the GPU; lowest KL on the CPU oracle, costs 1/chunk of V per token on the GPU).")
+    o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=16, help="Positions per V summary with --kv-offload-denominator estimate (at most --kv-offload-window).")
     o.add_argument("--kv-offload-hot-tokens", type=int, default=4096, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
@@ -293,6 +297,7 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
             window=getattr(ns, "kv_offload_window", 32),
             dense_layers=getattr(ns, "kv_offload_dense_layers", 2),
             denominator=getattr(ns, "kv_offload_denominator", "selected"),
+            chunk=getattr(ns, "kv_offload_chunk", 16),
             hot_tokens=getattr(ns, "kv_offload_hot_tokens", 4096),
             host_gb=getattr(ns, "kv_offload_host_gb", None),
             resident_v=bool(getattr(ns, "kv_offload_resident_v", False)),

@@ -44,7 +44,7 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
                    "decode_policy": "auto", "decode_calibration": None,
                    "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
-                               "denominator": "selected", "hot_tokens": 4096, "host_gb": None, "resident_v": False, "prefetch": "off"}}
+                               "denominator": "selected", "chunk": 16, "hot_tokens": 4096, "host_gb": None, "resident_v": False, "prefetch": "off"}}
     assert f"MODEL {MODEL}" in r.stdout
 
 

@@ -196,8 +196,8 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     # the control flipped the same gap (token 3 leads token 2 by 0.125 there): its margin ref-token minus run-token is reported
     assert split["divergences"][0]["control_margin_nats"] == pytest.approx(-2.075 - -1.95)
     # the raw outputs live in the gzipped part beside the result, and a second merge from it judges the same
-    kept = tmp_path / "merged_parts" / "part0.json.gz"
-    assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.gz"]
+    kept = tmp_path / "merged_parts" / "part0.json.xz"
+    assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.xz"]
     first = kept.read_bytes()
     assert e2e.merge([str(kept)], str(out)) == 0
     again = json.loads(out.read_text())
@@ -219,14 +219,14 @@ def test_merge_keeps_every_raw_part_when_judging_a_subset_again_and_replaces_the
     (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part")
     assert e2e.merge(parts, str(out)) == 0
     kept = sorted(p.name for p in (tmp_path / "r_parts").iterdir())
-    assert kept == ["part0.json.gz", "part1.json.gz"]  # the earlier run's extra part is gone
+    assert kept == ["part0.json.xz", "part1.json.xz"]  # the earlier run's extra part is gone
     both = {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}
-    assert e2e.merge(parts, str(out)) == 0 and both == {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}  # deterministic gzip
+    assert e2e.merge(parts, str(out)) == 0 and both == {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}  # deterministic xz
     # judging one kept part again into the same result neither overwrites nor deletes the other
-    assert e2e.merge([str(tmp_path / "r_parts" / "part1.json.gz")], str(out)) == 0
+    assert e2e.merge([str(tmp_path / "r_parts" / "part1.json.xz")], str(out)) == 0
     assert {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept} == both
     res = json.loads(out.read_text())
-    assert res["parts"] == ["r_parts/part1.json.gz"] and res["references_agree"][0]["part"] == "r_parts/part1.json.gz"
+    assert res["parts"] == ["r_parts/part1.json.xz"] and res["references_agree"][0]["part"] == "r_parts/part1.json.xz"
 
 
 def test_control_margin_is_none_where_the_control_cannot_say():

@@ -28,15 +28,15 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sgl
     """SGLang's own parse with the plugin loaded, in a process of its own (forked after SGLang's import)."""
     monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
     r = sglang_python.run(PARSE, ["--model-path", MODEL, "--device", "cpu", "--enable-kv-offload", "--disable-radix-cache",
-                                  "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "selected",
-                                  "--kv-offload-host-gb", "80"])
+                                  "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "estimate",
+                                  "--kv-offload-chunk", "32", "--kv-offload-host-gb", "80"])
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
-    assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "selected",
-                   "hot_tokens": 3000, "host_gb": 80.0, "resident_v": False, "prefetch": "off"}
+    assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "estimate",
+                   "chunk": 32, "hot_tokens": 3000, "host_gb": 80.0, "resident_v": False, "prefetch": "off"}
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
-    assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="selected")
+    assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
 
 
 def namespace(*flags, **sglang):
@@ -62,6 +62,8 @@ def namespace(*flags, **sglang):
     (["--kv-offload-hot-tokens", "100"], dict(disable_radix_cache=True), "at least --kv-offload-topk 2048"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
+    (["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "64"], dict(disable_radix_cache=True),
+     "--kv-offload-chunk 64 must be at most --kv-offload-window 32"),
     ([], dict(disable_radix_cache=True, enable_mixed_chunk=True), "does not support --enable-mixed-chunk"),
     ([], dict(disable_radix_cache=True, page_size=16), "does not support --page-size 16"),
     ([], dict(disable_radix_cache=True, kv_cache_dtype="fp8_e4m3"), "does not support --kv-cache-dtype 'fp8_e4m3'"),
@@ -122,3 +124,37 @@ def test_sizing_names_the_host_as_the_bound_and_refuses_a_pool_below_one_request
         size_pool(20 << 30, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=120 << 30)
     resident = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 0, resident=True)
     assert resident.bound == "hbm" and resident.host_bytes == 0 and 0.99 < resident.tokens / 906051 < 1.0
+
+
+def test_every_offload_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
+    """The hooks' targets resolve in the installed SGLang (a renamed method would silently never be called)."""
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_elastic.offload import hooks
+
+    seen = []
+    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append(target)))
+    hooks.register()
+    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 5
+    for target in seen:
+        mod, cls, meth = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(mod), cls), meth)), target
+
+
+def test_estimate_costs_a_summary_row_per_chunk_of_tokens_not_per_context():
+    """``--kv-offload-denominator estimate``: the V summaries grow with the tokens held
+    (one V row of the 30 sparse layers per 16 tokens), so a 128K context at 64 requests
+    keeps ~1.5x stock (a per-row provisioning would have held 1.09x)."""
+    from sglang_elastic.offload.sizing import summary_bytes, summary_token_bytes
+
+    est = OffloadPolicy(denominator="estimate", chunk=16)
+    base = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=120 << 30)
+    sz = size_pool(STOCK_H200, LLAMA8B, est, 4096, 64, host_available_bytes=120 << 30)
+    assert summary_token_bytes(LLAMA8B, est) == -(-(30 * 2048 + 4) // 16) + 1 == 3842
+    assert sz.device_token_bytes == base.device_token_bytes + 3842
+    assert sz.device_fixed_bytes == base.device_fixed_bytes + summary_bytes(LLAMA8B, est, 64)
+    assert summary_bytes(LLAMA8B, est, 64) == 65 * 8192 * 4 + 67 * 30 * 2048 + 65 * 32 * 32 * 128 * 4
+    assert 1.50 < sz.tokens / 906051 < 1.53 < 1.60 < base.tokens / 906051
+    assert summary_bytes(LLAMA8B, OffloadPolicy(), 64) == summary_token_bytes(LLAMA8B, OffloadPolicy()) == 0

@@ -260,3 +260,111 @@ def test_lse_merge_combines_chunks_and_keeps_empty_requests_at_minus_infinity():
     keep = [0, 2, 3]
     assert torch.allclose(got[keep].double(), ref[keep], atol=1e-5)
     assert torch.isneginf(got[1]).all()
+
+
+# ---- estimate: the unattended rows through chunk-mean V ---------------------------------------
+
+
+def test_estimate_reference_is_the_loop_over_chunks_and_unattended_positions():
+    """``estimate_reference`` against plain loops; ``attend_reference(estimate)`` is ``full`` plus it."""
+    from sglang_elastic.offload.policy import estimate_reference
+
+    g = torch.Generator().manual_seed(21)
+    Lq, hq, hkv, d, C = 203, 6, 3, 16, 8
+    q = torch.randn(hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(Lq, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(Lq, hkv, d, generator=g, dtype=torch.float64)
+    G = hq // hkv
+    s = torch.einsum("hd,lhd->hl", q, k.repeat_interleave(G, 1)) * d ** -0.5
+    lse = torch.logsumexp(s, 1)
+    att = torch.tensor(sorted(random.Random(3).sample(range(Lq), 40)), dtype=torch.int64)
+    got = estimate_reference(s, lse, v, att, C, G)
+    want = torch.zeros(hq, d, dtype=torch.float64)
+    for h in range(hq):
+        for c in range(Lq // C):
+            vbar = v[c * C:(c + 1) * C, h // G].mean(0)
+            for i in range(c * C, (c + 1) * C):
+                if i not in att.tolist():
+                    want[h] += torch.exp(s[h, i] - lse[h]) * vbar
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12) and want.abs().max() > 1e-3
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.1, max_topk=16, dense_layers=0, denominator="estimate", chunk=C)
+    full = OffloadPolicy(sink=2, window=8, budget_frac=0.1, max_topk=16, dense_layers=0, denominator="full")
+    o_est, sel = attend_reference(q, k, v, pol, 0, return_selected=True)
+    o_full = attend_reference(q, k, v, full, 0)
+    assert torch.allclose(o_est, o_full + estimate_reference(s, lse, v, sel, C, G), rtol=1e-12, atol=1e-12)
+    # with every position attended there is nothing to estimate
+    assert estimate_reference(s, lse, v, torch.arange(Lq), C, G).abs().max() == 0
+
+
+@pytest.mark.parametrize("C", [8, 16])
+def test_estimate_kernel_matches_the_float64_reference(C):
+    """``estimate_run`` over a real selection (scores, lse and top-k from the
+    kernels), chunk means from the V rows, against ``estimate_reference``."""
+    from sglang_elastic.offload.policy import estimate_reference
+
+    g = torch.Generator().manual_seed(22 + C)
+    lens, hq, hkv, d = [150, 700, 20, 5], 6, 2, 32
+    slots = 1200
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    vb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    q = (2 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()
+    indptr, idx = scattered(lens, slots, g)
+    max_splits = 4
+    chunk, _ = split_kv_plan(indptr, max_splits, 64, 32)
+    T = int(indptr[-1])
+    scores = torch.full((hq, T + 16), NAN)
+    mid = torch.full((len(lens) * max_splits, hq), NAN)
+    ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, mid)
+    lse = ko.lse_merge(mid, len(lens), max_splits)
+    pol = OffloadPolicy(sink=2, window=C, budget_frac=0.05, max_topk=16, dense_layers=0, denominator="estimate", chunk=C)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    rows = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
+    n_chunks = max(lens) // C + 1
+    vsum = torch.full((4 * n_chunks + 1, hkv, d), NAN).bfloat16()
+    for b, L in enumerate(lens):
+        ids = idx[int(indptr[b]): int(indptr[b + 1])].long()
+        for c in range(L // C):
+            vsum[int(rows[b]) * n_chunks + c] = vb[ids[c * C:(c + 1) * C]].float().mean(0).bfloat16()
+    attended = torch.zeros(T + 1, dtype=torch.uint8)
+    for b in range(len(lens)):
+        attended[int(indptr[b]) + sel[b, : int(k[b])].long()] = 1
+    out = torch.full((len(lens) * max_splits, hq, d), NAN)
+    table = (torch.arange(4)[:, None] * n_chunks + torch.arange(n_chunks)[None, :]).to(torch.int32)  # row r's chunk c: slot r * n + c
+    est = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, attended, vsum, rows, table, C, out, hkv)
+    for b, L in enumerate(lens):
+        ids = idx[int(indptr[b]): int(indptr[b + 1])].long()
+        G = hq // hkv
+        sc = torch.einsum("hd,lhd->hl", q[b].double(), kb[ids].double().repeat_interleave(G, 1)) * d ** -0.5
+        att = torch.cat([torch.arange(int(s[b])), torch.arange(L - int(w[b]), L), sel[b, : int(k[b])].long()])
+        ref = estimate_reference(sc, torch.logsumexp(sc, 1), vb[ids].double(), att, C, G)
+        if L - int(s[b]) - int(w[b]) <= int(k[b]):  # everything attended: nothing estimated
+            assert est[b].abs().max() == 0 and ref.abs().max() == 0
+        else:
+            assert ref.abs().max() > 1e-3
+            assert float((est[b].double() - ref).abs().max() / ref.abs().max()) < 1e-2, (b, L)
+    assert (est[1].abs().max() > 0) and not torch.isnan(est).any()
+
+
+def test_summary_slots_come_from_one_free_stack_and_go_back_per_row():
+    """``slot_assign_run`` pops one slot per valid item (none for invalid ones,
+    ``zero`` once the stack is empty), ``slot_release_run`` pushes a row's back."""
+    R, MC, S = 4, 6, 5
+    table = torch.full((R, MC), S + 1, dtype=torch.int32)
+    count = torch.zeros(R, dtype=torch.int32)
+    stack = torch.arange(S, dtype=torch.int32)
+    top = torch.tensor([S], dtype=torch.int32)
+    over = torch.zeros(1, dtype=torch.int32)
+
+    def assign(rows, chunks, valid):
+        dst = torch.full((len(rows),), -7, dtype=torch.int64)
+        return ko.slot_assign_run(torch.tensor(rows), torch.tensor(chunks), torch.tensor(valid, dtype=torch.int32), table, count,
+                                  stack, top, over, dst, S, S + 1).tolist()
+
+    d = assign([1, 1, 2, 3], [0, 1, 0, 0], [1, 1, 0, 1])
+    assert d[2] == S and len({d[0], d[1], d[3]}) == 3 and max(d[0], d[1], d[3]) < S and int(top) == 2
+    assert count.tolist() == [0, 2, 0, 1] and table[1, :2].tolist() == d[:2] and table[2, 0] == S + 1
+    d2 = assign([2, 2, 2], [0, 1, 2], [1, 1, 1])  # two slots left: the third chunk overflows to zero
+    assert sorted(d2).count(S) == 1 and int(over) == 1 and int(top) == 0 and (table[2, :3] == S + 1).sum() == 1
+    ko.slot_release_run(torch.tensor([1, 2]), table, count, stack, top, S + 1)
+    assert int(top) == 4 and count.tolist() == [0, 0, 0, 1]
+    assert sorted(stack[:4].tolist() + [int(table[3, 0])]) == list(range(S))  # every slot owned once: free or row 3's

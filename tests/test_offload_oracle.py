@@ -238,6 +238,12 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
         assert rows[t]["kl"] > 0 and 0.045 < rows[t]["budget_frac"] < 0.055
     assert rows["natural"]["dense"] is None and rows["natural"]["kl"] > 0
     assert d["acceptance"]["passed"] is False  # 2 samples < 50
+    # by default a second offload server runs the estimate rule beside the shipped one
+    (v,) = d["variants"]
+    assert v["offload_policy"]["denominator"] == "estimate" and d["offload_policy"]["denominator"] == "selected"
+    assert {r["task"] for r in v["accuracy"]} == {"niah_single", "vt", "natural"} and len(v["per_sample"]) == len(d["per_sample"])
+    assert "--kv-offload-denominator estimate" in d["servers"]["offload_2"] and "estimate" not in d["servers"]["offload"]
+    assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
     assert "offload vs dense through SGLang" in capsys.readouterr().out
 
 

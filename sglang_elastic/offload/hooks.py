@@ -9,6 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
+| ``ReqToTokenPool.free`` | AFTER | a finished or retracted request's row gives its V-summary slots back (``--kv-offload-denominator estimate``; at the next forward, on its stream) |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
+_REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 #: ``--max-running-requests`` when the user gives none: hot buffers are per request.
 DEFAULT_REQUESTS = 64
 #: What the sizing hook decided, for the pool builder and the server state (this process's target worker).
@@ -40,6 +42,16 @@ def register() -> None:
     HookRegistry.register(f"{_CONFIGURATOR}._build_mha_kv_pool", build_mha_kv_pool, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
+    HookRegistry.register(f"{_REQ_POOL}.free", _after_req_free, HookType.AFTER)
+
+
+def _after_req_free(result, req_pool, req, *args, **kwargs):
+    """A request's ``req_to_token`` row is free again: its summary slots go back (queued for the next forward)."""
+    pool = _BUILT.get("pool")
+    row = getattr(req, "req_pool_idx", None)
+    if pool is not None and row is not None and pool.summary_layer_ids:
+        pool.release_summary_rows([row])
+    return result
 
 
 def _backend(sched):
@@ -204,7 +216,9 @@ def build_mha_kv_pool(orig, kvc, *args, mha_pool_class, quant_method=None, **kwa
 
     def factory(size, **kw):
         kw.pop("post_capture_active", None)
-        return OffloadKVPool(size, layout=layout, pin_memory=pin, **kw)
+        pool = OffloadKVPool(size, layout=layout, pin_memory=pin, **kw)
+        _BUILT["pool"] = pool
+        return pool
 
     return orig(kvc, *args, mha_pool_class=factory, quant_method=None, **kwargs)
 

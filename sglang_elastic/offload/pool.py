@@ -28,6 +28,15 @@ both through staging buffers the backend fills per layer
 ``resident_v``: V of every layer stays on the GPU (stock shapes, no host
 pool): the same selection and kernels over resident V, the reference the
 offload path must match exactly.
+
+``estimate`` (``--kv-offload-denominator``): ``vsum[l]`` ``[size // chunk +
+rows + 2, kv_heads, v_head_dim]`` holds, per sparse layer, the mean V of each
+complete ``chunk``-position chunk of every live request, written when the
+chunk completes (by a prefill or a decode step, from the V rows just stored:
+:meth:`OffloadKVPool.set_summary_plan`). Slots come from a free stack on the
+GPU (``chunk_slot[row, chunk]`` records them) and go back when SGLang frees
+the request's row (``ReqToTokenPool.free``, hooked) or a new request takes
+it: the means cost ``1 / chunk`` of a V row per token, not per context.
 """
 
 from __future__ import annotations
@@ -81,6 +90,13 @@ class OffloadLayout:
     def region_rows(self) -> int:
         return self.lru_base + self.hot_tokens
 
+    @property
+    def summary_chunks(self) -> int:
+        """Chunks of the longest context (``estimate``; else 0): the columns of the pool's slot table."""
+        if self.policy.denominator != "estimate":
+            return 0
+        return -(-self.stage_tokens // self.policy.chunk)
+
     def sparse_layers(self, layer_num: int):
         return [l for l in range(layer_num) if not self.policy.is_dense_layer(l)]
 
@@ -127,6 +143,24 @@ class OffloadKVPool(MHATokenToKVPool):
         self.stage_active = False
         #: this forward's device V row of each written token (sparse layers), or None
         self._v_rows: Optional[torch.Tensor] = None
+        # V summaries (``estimate``), per sparse layer of the policy (also when resident): slots from a free
+        # stack on the GPU, one per complete chunk of a live request (at most size // chunk of them);
+        # slot SPARE takes writes that keep nothing, ZERO (never written) reads as zeros
+        self.summary_layer_ids = layout.sparse_layers(self.layer_num) if layout.summary_chunks else []
+        n_slots = self.size // layout.policy.chunk + layout.request_rows if self.summary_layer_ids else 0
+        self.summary_slots, self.SPARE, self.ZERO = n_slots, n_slots, n_slots + 1
+        self.vsum = {l: torch.zeros((n_slots + 2, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=dev)
+                     for l in self.summary_layer_ids}
+        i32 = dict(dtype=torch.int32, device=dev)
+        cols = layout.summary_chunks if self.summary_layer_ids else 0
+        self.chunk_slot = torch.full((layout.request_rows, max(cols, 1)), self.ZERO, **i32)
+        self.slot_count = torch.zeros(layout.request_rows, **i32)
+        self.slot_stack = torch.arange(n_slots, **i32)
+        self.slot_top = torch.full((1,), n_slots, **i32)
+        #: chunks that found no free slot (their estimate reads zeros); should stay 0
+        self.slot_overflow = torch.zeros(1, **i32)
+        self._summary_plan = None
+        self._release_pending = []  # request rows SGLang freed, returned at the next forward (on its stream)
 
     # --------------------------------------------------------------- buffers
 
@@ -168,14 +202,104 @@ class OffloadKVPool(MHATokenToKVPool):
 
     def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
         if layer_idx not in self._sparse:
-            return super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
-        from sglang_elastic.kernels.offload import copy_rows_run
+            super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
+        else:
+            from sglang_elastic.kernels.offload import copy_rows_run
 
-        n = cache_k.shape[0]
-        copy_rows_run(cache_k, self.k_buffer[layer_idx], None, loc, n=n)
-        copy_rows_run(cache_v, self.host.view(layer_idx), None, loc, n=n)
-        if self._v_rows is not None:
-            copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
+            n = cache_k.shape[0]
+            copy_rows_run(cache_k, self.k_buffer[layer_idx], None, loc, n=n)
+            copy_rows_run(cache_v, self.host.view(layer_idx), None, loc, n=n)
+            if self._v_rows is not None:
+                copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
+        if self._summary_plan is not None and layer_idx in self.vsum:
+            self._write_summaries(layer_idx)
+
+    # ------------------------------------------------------------- summaries
+
+    def set_summary_plan(self, plan) -> None:
+        """The chunks whose V summary this forward completes: ``(src, dst)``
+        with ``src`` ``[n, chunk]`` int64 token ids (a chunk's positions, in
+        order) and ``dst`` ``[n]`` int64 summary rows (the spare last row for
+        an entry that completes nothing), or ``None``. Written by every
+        ``set_kv_buffer`` of a sparse layer after its V is stored
+        (:meth:`plan_extend_summaries`, :meth:`OffloadDecoder.summary_plan`)."""
+        self._summary_plan = plan
+
+    def _write_summaries(self, layer_idx: int) -> None:
+        src, dst = self._summary_plan
+        if src.shape[0] == 0:
+            return
+        v = self.host.view(layer_idx) if layer_idx in self._sparse else self.v_buffer[layer_idx]
+        rows = v[src.reshape(-1)].view(src.shape[0], src.shape[1], self.head_num, self.v_head_dim)
+        self.vsum[layer_idx][dst] = rows.float().mean(1).to(self.store_dtype)
+
+    def summaries(self, layer_id: int):
+        """``(vsum, chunk_slot)`` of a sparse layer (``estimate``), else None: what
+        :meth:`OffloadDecoder.sparse` reads as ``v_summary``."""
+        v = self.vsum.get(layer_id - self.start_layer)
+        return None if v is None else (v, self.chunk_slot)
+
+    def assign_summary_slots(self, rows: torch.Tensor, chunks: torch.Tensor, valid: torch.Tensor, dst: Optional[torch.Tensor] = None):
+        """Slots for chunks completed this forward (GPU ops only: the decode
+        step's plan runs it inside the CUDA graph): ``[n]`` int64, the slot
+        each item fills (``SPARE`` where ``valid`` is 0), recorded in
+        ``chunk_slot[row, chunk]`` (:func:`~sglang_elastic.kernels.offload.slot_assign_run`)."""
+        from sglang_elastic.kernels.offload import slot_assign_run
+
+        dst = torch.empty(rows.shape[0], dtype=torch.int64, device=self.device) if dst is None else dst
+        return slot_assign_run(rows, chunks, valid, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top,
+                               self.slot_overflow, dst, self.SPARE, self.ZERO)
+
+    def release_summary_rows(self, rows) -> None:
+        """Return request rows' summary slots to the free stack: now (on the
+        current stream) for a tensor; for a list (SGLang freed the rows, from
+        ``ReqToTokenPool.free``), at the next forward (:meth:`flush_releases`)."""
+        if not self.summary_layer_ids:
+            return
+        if isinstance(rows, torch.Tensor):
+            from sglang_elastic.kernels.offload import slot_release_run
+
+            slot_release_run(rows.to(device=self.device), self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
+        else:
+            self._release_pending.extend(int(r) for r in rows)
+
+    def flush_releases(self) -> None:
+        """Release the rows SGLang freed since the last forward (the backend calls it first in every forward)."""
+        if self._release_pending:
+            rows = torch.tensor(sorted(set(self._release_pending)), dtype=torch.int64)
+            self._release_pending.clear()
+            self.release_summary_rows(rows)
+
+    def plan_extend_summaries(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu, req_to_token: torch.Tensor):
+        """The summary plan of a prefill (``None`` without ``estimate`` or when
+        no chunk completes): request row ``r`` extended over positions
+        ``[prefix, prefix + extend)`` completes chunks ``prefix // C`` to
+        ``(prefix + extend) // C - 1``, each given a slot here; their V rows
+        are read from the host pool once this layer's rows are written (the
+        earlier positions of a straddling chunk were written by an earlier
+        chunk of the prompt).
+
+        Args:
+            req_pool_indices: ``[bs]`` request rows; prefix_lens_cpu, extend_lens_cpu: ``bs`` ints.
+            req_to_token: SGLang's ``[rows, context]`` token ids.
+        """
+        if not self.summary_layer_ids:
+            return None
+        C = self.layout.policy.chunk
+        rows, chunks = [], []
+        for r, p, e in zip(req_pool_indices.tolist(), prefix_lens_cpu, extend_lens_cpu):
+            lo, hi = int(p) // C, (int(p) + int(e)) // C
+            rows += [int(r)] * (hi - lo)
+            chunks += range(lo, hi)
+        if not rows:
+            return None
+        dev = req_to_token.device
+        r_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        c_t = torch.tensor(chunks, dtype=torch.int64, device=dev)
+        pos = c_t[:, None] * C + torch.arange(C, device=dev)[None, :]
+        src = req_to_token[r_t[:, None], pos].to(torch.int64).to(self.device)
+        dst = self.assign_summary_slots(r_t.to(self.device), c_t.to(self.device), torch.ones(len(rows), dtype=torch.int32, device=self.device))
+        return src, dst
 
     # --------------------------------------------------------------- staging
 
@@ -239,6 +363,8 @@ class OffloadKVPool(MHATokenToKVPool):
             r = rows.to(device=self.slot_pos.device, dtype=torch.int64)
             self.slot_pos.index_fill_(1, r, -1)
             self.slot_time.index_fill_(1, r, -1)
+        if rows.numel():
+            self.release_summary_rows(rows.to(torch.int64))  # a row SGLang freed already released them: nothing left
 
     def _clear_buffers(self):
         if self.host is not None:

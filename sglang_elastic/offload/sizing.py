@@ -80,7 +80,18 @@ def device_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool 
     sparse = shape.layers - dense
     k = shape.layers * shape.kv_heads * shape.head_dim * shape.elem
     v = dense * shape.kv_heads * shape.v_head_dim * shape.elem
-    return k + v + 2 * sparse + 4 * shape.q_heads + 8
+    return k + v + 2 * sparse + 4 * shape.q_heads + 8 + summary_token_bytes(shape, policy)
+
+
+def summary_token_bytes(shape: ModelShape, policy: OffloadPolicy) -> int:
+    """``estimate``'s GPU bytes per token (0 otherwise): a V summary row per
+    sparse layer of the policy and its free-stack entry (int32), per
+    ``chunk`` tokens, and the token's attended mark (uint8)."""
+    if policy.denominator != "estimate":
+        return 0
+    sparse = shape.layers - min(policy.dense_layers, shape.layers)
+    row = sparse * shape.kv_heads * shape.v_head_dim * shape.elem + 4
+    return -(-row // policy.chunk) + 1
 
 
 def host_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False) -> int:
@@ -96,14 +107,31 @@ def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int
     (``requests`` + SGLang's padding row) and sparse layer, a region of
     ``sink + window + hot_tokens`` V rows and the slots' position and time
     (int32 each; none when ``resident``); the prefix staging buffers (K and
-    V of one layer for the context length)."""
+    V of one layer for the context length); ``estimate``'s V summaries
+    (:func:`summary_bytes`)."""
     sparse = 0 if resident else shape.layers - min(policy.dense_layers, shape.layers)
     rows = requests + 1
     region = policy.sink + policy.window + hot_tokens
     v_rows = rows * region * sparse * shape.kv_heads * shape.v_head_dim * shape.elem
     state = rows * hot_tokens * sparse * 8
     staging = shape.context_len * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
-    return v_rows + state + staging
+    return v_rows + state + staging + summary_bytes(shape, policy, requests)
+
+
+def summary_bytes(shape: ModelShape, policy: OffloadPolicy, requests: int, max_splits: int = 32) -> int:
+    """``estimate``'s fixed GPU bytes (0 otherwise): the slot table (int32 per
+    request row and chunk of the context), one slot more per request row and
+    two spare slots (V rows of every sparse layer), and the estimate's float32
+    partials (``max_splits`` per request row). The slots themselves grow with
+    the token count (:func:`summary_token_bytes`)."""
+    if policy.denominator != "estimate":
+        return 0
+    sparse = shape.layers - min(policy.dense_layers, shape.layers)
+    rows = requests + 1
+    table = rows * -(-shape.context_len // policy.chunk) * 4
+    spare = (rows + 2) * sparse * shape.kv_heads * shape.v_head_dim * shape.elem
+    partials = rows * max_splits * shape.q_heads * shape.head_dim * 4
+    return table + spare + partials
 
 
 def size_pool(
@@ -167,4 +195,4 @@ def size_pool(
 
 
 __all__ = ["HOST_RESERVE_BYTES", "ModelShape", "OffloadSizing", "SizingError", "device_fixed_bytes", "device_token_bytes",
-           "host_token_bytes", "size_pool"]
+           "host_token_bytes", "size_pool", "summary_bytes", "summary_token_bytes"]
