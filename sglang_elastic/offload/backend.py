@@ -280,7 +280,9 @@ class OffloadAttnBackend(AttentionBackend):
         (the prefetch's copies and the rows it found resident already),
         ``pcie_read_bytes`` (V rows copied host -> GPU, prefetch included),
         ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
-        ``decode_tokens``, ``prefill_tokens``."""
+        ``decode_tokens``, ``prefill_tokens``; with ``estimate``,
+        ``summary_slots_free`` / ``summary_slots`` (V-summary slots) and
+        ``summary_overflow`` (chunks that found no slot: should stay 0)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
@@ -293,6 +295,8 @@ class OffloadAttnBackend(AttentionBackend):
             "pcie_read_bytes": (misses + spec_rows) * row,
             "pcie_write_bytes": (self.prefill_tokens + self.decode_tokens) * sparse * row,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+            **({"summary_slots": pool.summary_slots, "summary_slots_free": int(pool.slot_top), "summary_overflow": int(pool.slot_overflow)}
+               if pool.summary_layer_ids else {}),
         }
 
 

@@ -266,9 +266,9 @@ class OffloadKVPool(MHATokenToKVPool):
     def flush_releases(self) -> None:
         """Release the rows SGLang freed since the last forward (the backend calls it first in every forward)."""
         if self._release_pending:
-            rows = torch.tensor(sorted(set(self._release_pending)), dtype=torch.int64)
-            self._release_pending.clear()
-            self.release_summary_rows(rows)
+            # swap, not copy-then-clear: SGLang's scheduler thread may append while the forward thread flushes
+            pending, self._release_pending = self._release_pending, []
+            self.release_summary_rows(torch.tensor(sorted(set(pending)), dtype=torch.int64))
 
     def plan_extend_summaries(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu, req_to_token: torch.Tensor):
         """The summary plan of a prefill (``None`` without ``estimate`` or when
