@@ -111,12 +111,44 @@ class ElasticArena:
         self._helper: Optional[ThreadPoolExecutor] = None
         self._pending: List[Future] = []
         self._helper_errors: List[BaseException] = []
+        # The base's mapped segments (tok0, ntok, handles): one at start, one
+        # more if grow_base() backs SGLang's post-capture size.
+        self._base_segments: List[tuple] = []
         try:
             self._base = self._map_range(self.base_tokens, 0)
+            self._base_segments.append((0, self.base_tokens, self._base))
         except BaseException:
             self._retry_stale()
             self.backend.free_va(self.va, self.total_va)
             raise
+
+    def grow_base(self, base_tokens: int) -> int:
+        """Back the base up to ``base_tokens`` (rounded up to the token
+        quantum), once the final size is known: SGLang's post-capture KV
+        sizing starts the pool as a VA reservation with one page backed and
+        sizes it after CUDA-graph capture (``finalize_backing``). The rows
+        added come off the lendable tail (the VA of every buffer is fixed).
+        Returns the base tokens now.
+
+        Raises:
+            RuntimeError: while anything is lent or made ahead.
+            ValueError: above the reservation.
+            VmmError: when backing fails (nothing new is mapped then).
+        """
+        if self._steps or self.prepared_steps:
+            raise RuntimeError("grow_base while lent: reclaim first")
+        new = align_up(base_tokens, self.quantum)
+        total = self.base_tokens + self.max_elastic_tokens
+        if new > total:
+            raise ValueError(f"grow_base({base_tokens}): the reservation holds {total} tokens")
+        if new > self.base_tokens:
+            handles = self._map_range(new - self.base_tokens, self.base_tokens)
+            self._base_segments.append((self.base_tokens, new - self.base_tokens, handles))
+            self._base = self._base + handles
+            self.base_tokens = new
+            self.max_elastic_tokens = total - new
+            self.set_steps(self.max_elastic_tokens)
+        return self.base_tokens
 
     def set_steps(self, lendable_tokens: int, step_tokens: Optional[int] = None) -> int:
         """Re-cut what can be lent: at most ``lendable_tokens`` (capped by the
@@ -473,9 +505,16 @@ class ElasticArena:
                 ready, self._ready = self._ready, []
             self._release_handles([h for step in ready for h in step], "release of a handle made ahead")
             try:
-                self._unmap_range(self.base_tokens, 0, self._base)
+                first: Optional[BaseException] = None
+                for tok0, ntok, handles in reversed(self._base_segments):
+                    try:
+                        self._unmap_range(ntok, tok0, handles)
+                    except VmmError as e:
+                        first = first or e
+                if first is not None:
+                    raise first
             finally:
-                self._base = []
+                self._base, self._base_segments = [], []
                 self._retry_stale()
                 va, self.va = self.va, None
                 self.backend.free_va(va, self.total_va)
