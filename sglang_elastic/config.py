@@ -400,8 +400,6 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     for env, reason in _UNSUPPORTED_ENV:
         if os.environ.get(env, "").lower() in ("1", "true", "yes"):
             raise ConfigError(f"--enable-elastic-kv does not support {env}=1 ({reason})")
-    if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").lower() in ("1", "true", "yes"):
-        raise ConfigError("--enable-elastic-kv and SGLANG_ENABLE_POST_CAPTURE_KV_SIZING both size the KV pool after CUDA-graph capture: use one")
 
 
 def publish(cfg: ElasticKVConfig) -> None:

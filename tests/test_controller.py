@@ -74,11 +74,12 @@ class Bed:
     tp = None  # (rank, torch.distributed group) for TP tests
 
     def __init__(self, fail_on=None, chunk_cache=False, stock_pool=False, graph_bs=32, margin_mb=1024, streaming=False, lend_bytes=None,
-                 free_bytes=None, tree=None, server_args=None, mode="dynamic", encoder_decoder=False):
+                 free_bytes=None, tree=None, server_args=None, mode="dynamic", encoder_decoder=False, built=None):
         """``free_bytes``: the host backend then reports this much free device
         memory at the controller's start (a capacity beyond what the pool
         holds); ``tree``: a tree-cache class in place of SGLang's RadixCache."""
-        self.be, self.pool, self.alloc = make_pool(1, base=BASE, elastic=ELASTIC, step=64)
+        # ``built``: (backend, pool, allocator) made elsewhere (SGLang's post-capture sizing); it lends what is free then
+        self.be, self.pool, self.alloc = built or make_pool(1, base=BASE, elastic=ELASTIC, step=64)
         if fail_on:
             self.be.fail_on = fail_on
         if free_bytes is not None:
@@ -113,7 +114,7 @@ class Bed:
             token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.r2t, pool_stats_observer=self.sched.pool_stats_observer,
             get_last_batch=lambda: self.batch, get_running_batch=lambda: self.batch)
         self.sched._add_request_to_queue = lambda req, is_retracted=False: self.sched.waiting_queue.append(req)
-        if lend_bytes is None:
+        if lend_bytes is None and built is None:
             lend_bytes = ELASTIC * sum(self.pool.arena.row_bytes)
         cfg = ElasticKVConfig(enabled=True, mode=mode, lend_bytes=lend_bytes, margin_mb=margin_mb)
         if stock_pool:  # this rank's elastic pool failed to build: SGLang's allocator instead
@@ -659,7 +660,9 @@ def test_repeated_out_of_memory_lends_stop_lending(caplog):
     with caplog.at_level("WARNING", logger=controller.__name__):
         for _ in range(320):
             bed.ctl.after_prefill(None, bed.batch)
-    assert bed.be.calls["create"] - creates == 3  # one handle per step here: one create per lend (before: 10)
+    # since issue 22's build 2 a lend measures the free memory and tries no handle it cannot back
+    # (before: one create per lend until the driver refused; before defect 3's fix, 10 of them)
+    assert bed.be.calls["create"] - creates == 0
     assert bed.ctl.disabled and bed.alloc.lent_tokens == 0
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"sglang-elastic: 3 lends in a row found no device memory for {ELASTIC * row / 2**30:.2f} GiB; lending is off"]

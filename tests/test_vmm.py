@@ -240,15 +240,22 @@ def test_an_out_of_memory_whose_rollback_unmap_fails_is_recorded_and_cleaned_up_
     """Issue 22, defect 4: out of memory in handle creation whose rollback
     unmap also failed left the mapping unrecorded: the next lend failed with
     'range already mapped', close() with 'range still has mappings'. Here
-    one handle per buffer (the H200's case): the second create runs out of
-    memory, the rollback's unmap of the first buffer fails."""
+    one handle per buffer (the H200's case). Since build 2 a step creates
+    all its handles before it maps any, so an out of memory in creation
+    leaves nothing to unmap; a failing map whose rollback unmap fails is
+    the remaining case, and it is recorded."""
     be = HostBackend(granularity=GRAN, offset_mapping=False)
     a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=64, step_tokens=64)
-    creates, unmaps = be.calls["create"], be.calls.get("unmap", 0)
+    creates, unmaps, maps = be.calls["create"], be.calls.get("unmap", 0), be.calls["map"]
     be.fail_on = {"create": lambda n: "oom" if n == creates + 2 else False, "unmap": lambda n: n == unmaps + 1}
     with pytest.raises(VmmError) as err:
         a.lend()
     assert err.value.out_of_memory
+    assert be.calls["map"] == maps and be.calls.get("unmap", 0) == unmaps  # nothing was mapped, nothing to roll back
+    assert not a.lending_disabled and be.live_handles == len(ROWS)  # the base's handles only
+    be.fail_on = {"map": lambda n: n == maps + 2, "unmap": lambda n: n == unmaps + 1}
+    with pytest.raises(VmmError, match="map failed"):
+        a.lend()
     be.fail_on = {}
     assert a.lent_steps == 0 and a.lending_disabled  # the range may still be mapped: no lend over it
     assert a.lend() == 0  # refused quietly, not 'range already mapped'

@@ -9,6 +9,7 @@ the table in docs/eval.md. CPU only (the advisor no longer imports SGLang).
 """
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -92,11 +93,11 @@ def main() -> int:
     # The elastic pool's own H200 runs: SGLang's token count and what was lent
     # (free after graphs, torch cache emptied, less the 1 GiB default margin).
     parts = ROOT / "docs/results/elastic_h200_parts"
-    for name, label in (("elastic_tp1.json", "llama-3.1-8b TP1 (elastic run)"), ("elastic_tp2.json", "llama-3.1-8b TP2 (elastic run)")):
-        f = parts / name
+    for name, label in (("elastic_tp1.json.gz", "llama-3.1-8b TP1 (elastic run)"), ("elastic_tp2.json.gz", "llama-3.1-8b TP2 (elastic run)")):
+        f = parts / name  # kept gzipped (the tracked tree's size)
         if not f.is_file():
             continue
-        d = json.loads(f.read_text())
+        d = json.loads(gzip.decompress(f.read_bytes()))
         held, held_out = without("llama-3.1-8b", d["tp"], 8192)  # SGLang's H200 default chunk, as the runs had
         pred = advisor.predict("llama-3.1-8b", 143771 / 1024, d["tp"], None, calibration=held)
         points.append({"label": label, "tp": d["tp"], "source": source(f"{f.relative_to(ROOT)} (scripts/gpu/bench_elastic.sh)", pred, held_out, "the stock point of its setup"), "held_out": held_out,

@@ -31,6 +31,13 @@ unmap; from the eager-prefill elastic phase, whose every prefill needs the
 reserve: it runs the cycles workload too), ``lend_ms_p99``, and
 ``reclaims_skipped`` (prefills that ran while lent with nothing reclaimed:
 the CUDA graphs, or the free memory, held their activations), per phase.
+Since build 2 ``reclaim_needed_ms`` adds ``release_wait_ms`` (the handles are
+released on a helper thread; the scheduler waits for them before the
+forward), and ``lends_prepared`` counts the lends whose handles were all made
+ahead. Build 3: ``--post-capture`` runs a phase with
+``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (``stock-pc``: SGLang's sizing
+alone; ``elastic-pc``: the pool lending what it left free), summarised under
+``post_capture``.
 """
 
 from __future__ import annotations
@@ -85,14 +92,17 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = Fals
 
 
 class Server:
-    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False):
+    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False, post_capture: bool = False):
         self.mode, self.tp, self.port, self.workdir, self.identity, self.eager = mode, tp, port, workdir, identity, eager
+        self.post_capture = post_capture
         self.log = workdir / f"server_{mode}_tp{tp}.log"
         self.events = workdir / f"events_{mode}_tp{tp}.jsonl"
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self):
         env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        if self.post_capture:  # SGLang's post-capture KV sizing (issue 22, build 3: the pool lends on top of it)
+            env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "1"
         self.events.unlink(missing_ok=True)
         self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -239,11 +249,14 @@ def phase(args) -> None:
     sys.path.insert(0, str(ROOT))
     from sglang_elastic import results
 
-    res: Dict[str, Any] = {**results.header(), "mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager}
-    with Server(args.mode, args.tp, args.port, work, args.identity, args.eager) as srv:
-        res["server_command"] = " ".join(srv.cmd)
+    res: Dict[str, Any] = {**results.header(), "mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager,
+                           "post_capture": args.post_capture}
+    with Server(args.mode, args.tp, args.port, work, args.identity, args.eager, args.post_capture) as srv:
+        res["server_command"] = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 " if args.post_capture else "") + " ".join(srv.cmd)
         res["start_s"] = srv.start_s
         res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
+        if args.post_capture:  # the pool after SGLang's post-capture sizing (its own log line)
+            res["kv_tokens_base"] = srv.log_int(r"Post-capture KV sizing: KV cache allocated\. dtype: \S+, #tokens: (\d+)") or res["kv_tokens_base"]
         if args.identity:
             res["identity_run"] = asyncio.run(workload_identity(srv.url))
             print(f"[{args.mode}-id] failed={res['identity_run']['failed']}", flush=True)
@@ -279,10 +292,11 @@ def assemble(args) -> None:
     parts = {}
     for p in args.parts:  # as a run writes them (.json) or kept gzipped in the repo (.json.gz: the identity runs' outputs)
         d = json.loads(gzip.decompress(Path(p).read_bytes()) if p.endswith(".gz") else Path(p).read_text())
-        parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else ""), d["tp"])] = d
+        parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else "") + ("-pc" if d.get("post_capture") else ""), d["tp"])] = d
     st, el, al = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
     ale, ele, ste = parts.get(("always-lent-eager", 1)), parts.get(("elastic-eager", 1)), parts.get(("stock-eager", 1))
+    epc, spc = parts.get(("elastic-pc", 1)), parts.get(("stock-pc", 1))
 
     def burst_of(d):
         if not d or "burst" not in d:
@@ -291,13 +305,20 @@ def assemble(args) -> None:
                 "alive_after_burst": d["alive_after_burst"], "lent_tokens": d["lent_tokens_max"], "errors": d["burst"]["errors"]}
 
     def needed(d):  # reclaims that unmapped (events written before issue 22 have no "steps": each unmapped all)
-        return [e["ms"] for e in d["reclaims"] if e.get("steps", 1) > 0] if d else []
+        # since build 2 the handles are released on a helper thread; the scheduler waits for them before the
+        # forward (release_wait_ms): counted, so the time is what the prompt waited
+        return [e["ms"] + e.get("release_wait_ms", 0.0) for e in d["reclaims"] if e.get("steps", 1) > 0] if d else []
+
+    def lends_prepared(d):  # lends whose every step's handles were made ahead on the helper thread (build 2)
+        return sum(1 for e in d["lends"] if e.get("steps") and e.get("prepared_steps") == e["steps"]) if d else None
 
     def lend_p99(d):
         return pct([e["ms"] for e in d["lends"]], 99) if d else None
 
     def breakdown(evs, keys):
-        return {k: {"p50": pct([e[k] for e in evs if k in e], 50), "p99": pct([e[k] for e in evs if k in e], 99)} for k in keys}
+        # keys no event has (written before they existed: issue 22's release_*) are left out
+        return {k: {"p50": pct([e[k] for e in evs if k in e], 50), "p99": pct([e[k] for e in evs if k in e], 99)} for k in keys
+                if any(k in e for e in evs) or k in ("wait_ms", "vacate_ms", "unmap_ms", "empty_cache_ms", "map_ms")}
 
     def tp_summary(d):  # one elastic phase at TP > 1: None when not run
         if not d:
@@ -305,7 +326,7 @@ def assemble(args) -> None:
         ls, rs = [e["ms"] for e in d["lends"]], [e["ms"] for e in d["reclaims"]]
         fails = (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0)
         return {"ok": bool(d["alive"] and fails == 0 and len(rs) > 0), "lend_ms_p99": pct(ls, 99), "reclaim_ms_p99": pct(rs, 99),
-                "lend_ms": stats(ls), "reclaim_ms": stats(rs), "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]),
+                "lend_ms": stats(ls), "reclaim_ms": stats(rs), "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]),
                 "cycles": len(rs), "failed_requests": fails, "lent_tokens": d["lent_tokens_max"], "kv_tokens_base": d["kv_tokens_base"],
                 "reclaim_needed_ms": stats(needed(d)), "reclaims_skipped": d.get("reclaims_skipped", 0), "reclaim_stops": d.get("reclaim_stops", 0)}
     lend = [e["ms"] for e in el["lends"]] if el else []
@@ -337,7 +358,15 @@ def assemble(args) -> None:
         "reclaims_skipped": el.get("reclaims_skipped", 0) if el else None,
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
                              "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"])}
-                      for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid)) if d},
+                      for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
+        # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)
+        "post_capture": None if not (epc or spc) else {
+            "kv_tokens_post_capture": spc.get("kv_tokens_base") if spc else None,
+            "kv_tokens_base_elastic": epc.get("kv_tokens_base") if epc else None,
+            "lent_tokens": epc.get("lent_tokens_max") if epc else None,
+            "kv_tokens_while_lent": (epc["kv_tokens_base"] or 0) + epc["lent_tokens_max"] if epc and epc.get("kv_tokens_base") is not None else None,
+            "lend_ms_p99": lend_p99(epc), "reclaim_needed_ms": stats(needed(epc)), "reclaims_skipped": epc.get("reclaims_skipped", 0) if epc else None,
+            "burst": burst_of(epc), "burst_post_capture_alone": burst_of(spc)},
         "cycles": len(rec),
         "outputs_identical": ident,
         "identity": identity,
@@ -355,7 +384,8 @@ def assemble(args) -> None:
         },
         "burst_eager_prefill": {"stock": burst_of(ste), "elastic": burst_of(ele), "always_lent": burst_of(ale)},
         "lend_breakdown_ms": breakdown(el["lends"], ["empty_cache_ms", "map_ms"]) if el else None,
-        "reclaim_breakdown_ms": breakdown(el["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms"]) if el else None,
+        "lends_prepared": lends_prepared(el),
+        "reclaim_breakdown_ms": breakdown(el["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]) if el else None,
         "itl_overhead_pct": itl_overhead,
         "itl_ms_median": {"stock": st["itl"]["itl_ms_median"] if st and "itl" in st else None, "elastic": el["itl"]["itl_ms_median"] if el and "itl" in el else None},
         # the TP1 cycles server (little memory pressure); the identity run's are under "identity"
@@ -381,6 +411,7 @@ def main() -> None:
     p.add_argument("--mode", choices=["stock", "elastic", "always-lent"], required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="prefill without CUDA graphs (--cuda-graph-backend-prefill disabled)")
+    p.add_argument("--post-capture", action="store_true", help="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 (issue 22, build 3)")
     p.add_argument("--identity", action="store_true", help="the identity servers (deterministic Triton attention, small base) and workload")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--workloads", default="burst,cycles,itl")

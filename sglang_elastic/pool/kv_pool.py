@@ -59,7 +59,8 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         VmmError: when the arena cannot be reserved or its base backed.
     """
 
-    def __init__(self, *args, backend: VmmBackend, base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, round_base_up: bool = False, **kwargs):
+    def __init__(self, *args, backend: VmmBackend, base_tokens: int, max_elastic_tokens: int, step_tokens: Optional[int] = None, round_base_up: bool = False,
+                 post_capture: bool = False, **kwargs):
         if "size" in kwargs:
             raise TypeError("ElasticMHATokenToKVPool derives size from base_tokens and max_elastic_tokens")
         self._elastic_spec = (backend, base_tokens, max_elastic_tokens, step_tokens)
@@ -85,6 +86,11 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         except BaseException:
             self.arena.close()
             raise
+        # SGLang's post-capture KV sizing: the scheduler sizes the pool after
+        # CUDA-graph capture (Scheduler.__init__ checks this attribute, then
+        # compute_post_capture_kv_resize calls finalize_backing and the
+        # allocator's resize); what it leaves free is lent on top.
+        self.post_capture_active = post_capture
 
     def _create_buffers_normal(self):
         if self.use_hnd or self.kv_cache_layout == "vectorized_5d":
@@ -97,6 +103,28 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         # Stock pools start zeroed (torch.zeros); the base rows do here too.
         for buf in self.k_buffer + self.v_buffer:
             buf[: a.base_tokens].zero_()
+
+    @property
+    def post_capture_backed_bytes(self) -> int:
+        """Bytes backed now (the base): SGLang's post-capture sizing adds
+        them to the free memory it measured (``compute_post_capture_kv_resize``)."""
+        return self.arena.base_tokens * sum(self.arena.row_bytes)
+
+    def finalize_backing(self, config) -> None:
+        """SGLang's post-capture hook: back the base up to
+        ``config.max_total_num_tokens`` plus the padding page (rounded up to
+        the arena's quantum), zeroed as SGLang's buffers start. ``size`` stays
+        the span of the tensors (every lendable row); the allocator's
+        ``resize`` takes SGLang's count.
+
+        Raises:
+            VmmError: when backing fails; ValueError: above the reservation.
+        """
+        a = self.arena
+        old = a.base_tokens
+        a.grow_base(int(config.max_total_num_tokens) + self.page_size)
+        for buf in self.k_buffer + self.v_buffer:
+            buf[old : a.base_tokens].zero_()
 
     def get_kv_size_bytes(self):
         """(K bytes, V bytes) of the always-backed base rows: what SGLang logs
@@ -174,6 +202,22 @@ class _ElasticAllocatorMixin:
         self.size = self.usable_base_tokens - self.page_size + lent_tokens
         if hasattr(self, "num_pages"):
             self.num_pages = self.size // self.page_size
+
+    def resize(self, config) -> None:
+        """SGLang's post-capture resize (``BaseTokenToKVPoolAllocator.resize``):
+        the base becomes ``config.max_total_num_tokens`` usable ids (the pool's
+        ``finalize_backing`` backed them), every id free; nothing is lent yet.
+
+        Raises:
+            ValueError: above what the pool backs, or while lent.
+        """
+        usable = int(config.max_total_num_tokens) + self.page_size
+        if self._lent_tokens or usable % self.page_size or usable > self.arena.base_tokens:
+            raise ValueError(f"resize to {config.max_total_num_tokens} tokens: the pool backs {self.arena.base_tokens - self.page_size} base "
+                             f"tokens, {self._lent_tokens} lent")
+        self.usable_base_tokens = usable
+        self._set_size(0)
+        self.clear()
 
     def clear(self):
         """SGLang's ``clear`` (every id free: ``flush_cache``), keeping the lent ids."""

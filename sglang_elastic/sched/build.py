@@ -41,7 +41,7 @@ class _ElasticPoolFactory:
         self.cfg = cfg
 
     def __call__(self, size: int, **kwargs):
-        kwargs.pop("post_capture_active", None)
+        post_capture = bool(kwargs.pop("post_capture_active", False))
         page = kwargs["page_size"]
         layers = kwargs["layer_num"]
         elem = torch.empty((), dtype=kwargs["dtype"]).element_size() if kwargs["dtype"] not in (torch.float8_e4m3fn, torch.float8_e5m2) else 1
@@ -49,6 +49,13 @@ class _ElasticPoolFactory:
         token_bytes = layers * kwargs["head_num"] * (kwargs["head_dim"] + v_dim) * elem
         # VA only: every byte free now could in principle be lent later, and
         # no more (--elastic-kv-lend-bytes above it is capped after capture too).
+        if post_capture:
+            # SGLang's post-capture sizing: ``size`` is its reservation bound
+            # (the whole pre-capture budget), of which one page is backed now;
+            # finalize_backing backs its final size after capture, what stays
+            # free is lent on top, within the same VA.
+            return ElasticMHATokenToKVPool(backend=self.backend, base_tokens=page, max_elastic_tokens=size, round_base_up=True,
+                                           post_capture=True, **kwargs)
         free = self.backend.free_bytes()
         lend = self.cfg.lend_bytes
         reserve = (lend or 0) if free is None else (free if lend is None else min(lend, free))
@@ -66,8 +73,6 @@ def _unsupported(configurator, mha_pool_class, quant_method) -> str:
         return f"SGLang chose {mha_pool_class.__name__} for this model"
     if quant_method is not None or configurator.kv_cache_dtype_str == "mxfp8":
         return "a quantized KV cache"
-    if getattr(configurator, "post_capture_kv_active", False):
-        return "post-capture KV sizing is active"
     return ""
 
 
@@ -99,5 +104,7 @@ def build_allocator(orig, configurator, *args, sizes, token_to_kv_pool, token_to
     if token_to_kv_pool_allocator is None and isinstance(token_to_kv_pool, ElasticMHATokenToKVPool):
         page = token_to_kv_pool.page_size
         cls = ElasticTokenToKVPoolAllocator if page == 1 else ElasticPagedTokenToKVPoolAllocator
-        return cls(token_to_kv_pool, dtype=configurator.kv_cache_dtype, device=configurator.device, base_tokens=sizes.max_total_num_tokens + page)
+        # with post-capture sizing the pool backs one page until SGLang's resize after capture
+        base = token_to_kv_pool.arena.base_tokens if token_to_kv_pool.post_capture_active else sizes.max_total_num_tokens + page
+        return cls(token_to_kv_pool, dtype=configurator.kv_cache_dtype, device=configurator.device, base_tokens=base)
     return orig(configurator, *args, sizes=sizes, token_to_kv_pool=token_to_kv_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator, **kwargs)

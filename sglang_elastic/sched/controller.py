@@ -14,8 +14,10 @@ the decisions; :mod:`sglang_elastic.sched.hooks` calls it from two places of
 A reclaim (:meth:`reclaim`) vacates the lent rows, SGLang's way where SGLang
 has a way:
 
-1. wait for the in-flight batch (the overlap scheduler launched it; its kernels
-   read and write lent rows);
+1. queue the vacate's device work after the fence of the last forward
+   launched while lent (the overlap scheduler's in-flight batch reads and
+   writes lent rows; :meth:`ElasticController.after_forward`); the host does
+   not wait yet;
 2. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
    in-use ones come back;
 3. if the base lacks free room for them: SGLang's ``evict_from_tree_cache``
@@ -27,7 +29,16 @@ has a way:
    normally;
 4. copy the K/V of what is left into free base ids (``relocate_kv``) and
    rewrite every holder of a lent id (:meth:`ElasticController._remap`);
-5. unmap (``arena.reclaim``) and close the vacate window.
+5. wait for that fence and the vacate's own device work (nothing else),
+   unmap (``arena.reclaim``) and close the vacate window; the handles are
+   released on the arena's helper thread while SGLang forms the batch, and
+   :meth:`ElasticController.after_prefill` waits for them before the forward
+   that needs their memory is launched.
+
+A lend (:meth:`ElasticController.lend`) maps handles made ahead on the
+helper thread during the run of decode-only steps before it, measures what
+else fits instead of trying, and empties torch's cache only when the
+driver's free memory falls short (:meth:`ElasticController.steps_that_fit`).
 
 Who holds KV ids in SGLang 0.5.17, and what a reclaim does with each:
 
@@ -108,6 +119,59 @@ MAX_OOM_LENDS = 3
 #: which sizes its reserve "for eager decode above the captured max_bs and
 #: transient prefill/logits").
 EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
+
+
+class TorchCache:
+    """PyTorch's CUDA caching allocator as the lend sees it: the bytes it
+    reserves but does not use (``memory_reserved - memory_allocated``:
+    blocks freed by tensors, kept for reuse) and a way to hand them back to
+    the driver (``torch.cuda.empty_cache``). Without CUDA both are nothing.
+    Tests put a stand-in holding real host-backend memory in its place."""
+
+    def unused(self) -> int:
+        if not torch.cuda.is_available():
+            return 0
+        return max(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), 0)
+
+    def empty(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class DeviceFences:
+    """Completion fences for the device work that may touch lent rows: CUDA
+    events recorded on SGLang's ``forward_stream`` (the overlap scheduler's)
+    and the current stream; without CUDA (host backend) every fence is
+    complete at once (host work is synchronous), so ``None``. Tests put a
+    stand-in in its place to order a reclaim against an in-flight forward.
+
+    Idea: SGLang's unified pool gates its lazy compaction on a
+    ``forward_done`` event recorded after each forward (``Scheduler.run_batch``)."""
+
+    def __init__(self, sched):
+        self.sched = sched
+
+    def record(self):
+        """A fence after the work queued so far on the forward and current streams."""
+        if not torch.cuda.is_available():
+            return None
+        evs = []
+        for stream in (getattr(self.sched, "forward_stream", None), torch.cuda.current_stream()):
+            if stream is not None:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                evs.append(ev)
+        return evs
+
+    def order_after(self, fence) -> None:
+        """Make work queued from now on the current stream start after ``fence`` (device side, the host does not wait)."""
+        for ev in fence or ():
+            torch.cuda.current_stream().wait_event(ev)
+
+    def wait(self, fence) -> None:
+        """Block the host until ``fence`` completed."""
+        for ev in fence or ():
+            ev.synchronize()
 
 
 def lend_max_batch(server_args, margin_mb: int, encoder_decoder: bool = False) -> int:
@@ -257,6 +321,17 @@ class ElasticController:
         self.reclaims_skipped = 0
         self._skip: Optional[dict] = None  # this pass reclaimed nothing: counted if a prefill forms
         self.metrics = None
+        #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
+        self.torch_cache = TorchCache()
+        self.fences = DeviceFences(sched)
+        #: Fence after the last forward launched while lent (:meth:`after_forward`).
+        self._forward_fence = None
+        #: A reclaim whose handles are being released on the arena's helper
+        #: thread: its event, written once :meth:`_settle` waited for them.
+        self._releasing: Optional[dict] = None
+        self._dropped_prepared = False  # handles made ahead released on the helper since the last settle
+        #: Lends whose handles were all made ahead on the helper thread (not counted in warm_up).
+        self.lends_prepared = 0
         self._quiet = False  # inside warm_up: lend/reclaim lines at DEBUG, not counted
         self._last_reclaim = "no reclaim"  # the last reclaim's time split, for warm_up's line
         if sched.metrics_reporter.enable_metrics:
@@ -364,17 +439,47 @@ class ElasticController:
             self.alloc.withdraw(0)
         self._unmap_lent("reclaim after a failed warm-up")
 
-    def _unmap_lent(self, what: str, steps: Optional[int] = None) -> None:
+    def _unmap_lent(self, what: str, steps: Optional[int] = None, wait=None, release_async: bool = False) -> None:
         """Unmap the top ``steps`` lent steps (default: every one; nothing if
-        none), close the vacate window and publish the size. A failing unmap
-        is logged and counted, not raised: the rows are vacated already,
-        lending stops."""
+        none), close the vacate window and publish the size. ``wait``: what
+        must complete before the unmap (default: the device synchronized);
+        ``release_async``: the handles are released on the arena's helper
+        thread (:meth:`_settle` waits for it before the next forward). A
+        failing unmap is logged and counted, not raised: the rows are vacated
+        already, lending stops."""
         try:
-            self.arena.reclaim(steps)
+            self.arena.reclaim(steps, wait=wait, release_async=release_async)
         except VmmError as e:
             self._vmm_failed(what, e)
         self.alloc.end_vacate()
         self._sync_sizes()
+
+    def _settle(self) -> float:
+        """Wait for the arena's helper thread (handles released after a
+        reclaim's unmap, made ahead of a lend); count what failed there as
+        :meth:`_vmm_failed` does (a failed release: its handle is kept for
+        the arena's ``close``, which retries it, and lending is off). Writes
+        the pending reclaim's event with ``release_wait_ms``, the time this
+        call waited (the release overlapped the scheduler's work since the
+        unmap). Returns that time, ms."""
+        t = time.perf_counter()
+        errors = self.arena.settle()
+        waited = (time.perf_counter() - t) * 1e3
+        for e in errors:
+            self._vmm_failed("release of a reclaimed step's handles on the helper thread", e)
+        rec, self._releasing = self._releasing, None
+        self._dropped_prepared = False
+        if rec is not None:
+            overlap = (t - rec.pop("t_end")) * 1e3
+            self._event(**rec, release_wait_ms=waited, release_overlap_ms=overlap, release_failed=len(errors))
+        return waited
+
+    def after_forward(self) -> None:
+        """After ``Scheduler.run_batch`` launched a forward: while lent, a
+        fence after it (a reclaim waits on this fence only, not on the
+        whole device)."""
+        if self.lent:
+            self._forward_fence = self.fences.record()
 
     def _log(self, msg: str, *args) -> None:
         """INFO, or DEBUG inside :meth:`warm_up`."""
@@ -459,7 +564,15 @@ class ElasticController:
         steps (:meth:`steps_needed`), or nothing when the graphs (or the
         memory still free) hold it; a prefill that then forms is counted in
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
-        if not self.lent or self.cfg.mode != "dynamic":
+        if self.cfg.mode != "dynamic":
+            return
+        if not self.lent:
+            # Handles made ahead of a lend hold device memory: an eager
+            # forward needs it back (released on the helper thread while
+            # SGLang forms the batch; after_prefill waits for it).
+            if self.arena.prepared_steps and self.reserve_needed(running_batch)[0]:
+                self.arena.drop_prepared(release_async=True)
+                self._dropped_prepared = True
             return
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
@@ -542,6 +655,8 @@ class ElasticController:
         The batch grows only through a prefill; one that needed no reclaim
         may leave a decode batch above :attr:`lend_max_bs`, and the next
         pass's :meth:`before_prefill` reclaims before that decode runs."""
+        if self.arena.unsettled and not self._preparing_only():  # a reclaim's (or dropped prepare's) handles released there: their memory is the forward's
+            self._settle()
         skip, self._skip = self._skip, None
         if skip is not None and new_batch is not None:
             self.reclaims_skipped += 1
@@ -553,18 +668,51 @@ class ElasticController:
             return
         self.decode_only_steps += 1
         if (
-            self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0
-            and self.decode_only_steps >= self.cfg.lend_after_steps and self.reserve_needed(running_batch)[0] in (None, "")
+            self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0 and self._stop is None
+            and self.decode_only_steps >= self.prepare_after_steps and self.reserve_needed(running_batch)[0] in (None, "")
             and len(running_batch.reqs) <= self.lend_max_bs and getattr(running_batch, "replace_embeds", None) is None
         ):
-            if self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
+            if self.decode_only_steps < self.cfg.lend_after_steps:
+                self._prepare_ahead()
+            elif self.lend() == 0:  # out of memory somewhere: try again after another run of decode-only steps
                 self.decode_only_steps = 0
+
+    def _preparing_only(self) -> bool:
+        """The helper's only work is a prepare ahead of the lend (nothing
+        released since the last settle): no forward waits for it."""
+        return self._releasing is None and self._dropped_prepared is False
+
+    @property
+    def prepare_after_steps(self) -> int:
+        """Decode-only steps after which the next lend's handles are made on
+        the arena's helper thread: half of ``--elastic-kv-lend-after-steps``
+        (none ahead with 1)."""
+        return max(self.cfg.lend_after_steps // 2, 1)
+
+    def _prepare_ahead(self) -> None:
+        """Make the next lend's handles on the helper thread, once per run of
+        decode-only steps, if the memory is free now without emptying torch's
+        cache (:meth:`steps_that_fit`): the lend then only maps them. Not a
+        collective: each rank prepares what fits, the lend agrees."""
+        a = self.arena
+        if a.prepared_steps or a.busy or a.lending_disabled:
+            return
+        fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here
+        if fit:
+            a.prepare_async(fit)
 
     # -- lend -------------------------------------------------------------
 
     def lend(self) -> int:
-        """Back every lendable step and append its ids to the free list.
-        Returns the tokens lent now (0 when nothing could be lent).
+        """Back every lendable step that fits and append its ids to the free
+        list. Returns the tokens lent now (0 when nothing could be lent).
+
+        What fits (:meth:`steps_that_fit`) is measured, not found by
+        creating handles until the driver refuses; handles made ahead on the
+        arena's helper thread (:meth:`after_prefill`) are mapped first, with
+        no creation on this path. ``torch.cuda.empty_cache()`` runs only when
+        the driver's free memory falls short of the step and the caching
+        allocator's unused blocks would make up for it.
 
         TP > 1: a collective over the TP CPU group; every rank calls it at the
         same scheduler step (the decision inputs are replicated). A failing
@@ -577,13 +725,17 @@ class ElasticController:
         if self.lendable_tokens == 0:  # agreed over TP: no rank enters the collective
             return 0
         t0 = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # torch's cached prefill blocks back to the driver
-        t_map = time.perf_counter()
+        self._settle()  # the helper thread's prepares and releases, done before this lend measures anything
+        prepared = self.arena.prepared_steps
         err: Optional[VmmError] = None
+        empty_ms = 0.0
+        t_map = time.perf_counter()
         if self._stop is None:
+            want, empty_ms = self.steps_that_fit()
+            t_map = time.perf_counter()
             try:
-                self.arena.lend()
+                if want:
+                    self.arena.lend(want)
             except VmmError as e:  # the arena rolled the failing step back
                 err = e
                 self._vmm_failed("lend", e)
@@ -614,13 +766,65 @@ class ElasticController:
         self.alloc.lend(steps * self.arena.step_tokens)
         self._sync_sizes()
         ms = (time.perf_counter() - t0) * 1e3
+        used_prepared = min(prepared, steps)
         if self.metrics and not self._quiet:
             self.metrics.lends.inc()
             self.metrics.lend_ms.observe(ms)
-        self._event(op="lend", ms=ms, empty_cache_ms=(t_map - t0) * 1e3, map_ms=(time.perf_counter() - t_map) * 1e3,
-                    tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
-        self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms", self.alloc.lent_tokens, self.arena.lent_bytes / 2**30, ms)
+        if not self._quiet and used_prepared == steps:
+            self.lends_prepared += 1
+        self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
+                    steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
+        self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms (%d of %d step(s) made ahead)", self.alloc.lent_tokens,
+                  self.arena.lent_bytes / 2**30, ms, used_prepared, steps)
         return self.alloc.lent_tokens
+
+    def steps_that_fit(self, may_empty: bool = True):
+        """Steps the next lend may back, and the milliseconds spent emptying
+        torch's cache for it (0 when it was not emptied).
+
+        Why not ``torch.cuda.empty_cache()`` before every lend, as before
+        issue 22: it synchronizes the device and returns every cached segment
+        to the driver (19-33 ms of a 25-37 ms lend on the H200), and the next
+        eager forward must ``cudaMalloc`` them again. What it protected: the
+        caching allocator keeps freed blocks reserved, and ``cuMemCreate``
+        takes only memory the driver has free (``cuMemGetInfo``'s free), so a
+        lend measured at start-up could run out of memory once prefill
+        activations sat in the cache. What replaces it: the handles made
+        ahead need nothing; for the rest, a step fits when the driver's free
+        memory covers it and the margin (``(free - margin) // step_bytes``):
+        only truly free bytes are lent, and the margin stays free at the
+        driver, where any allocation can use it (NCCL and other non-torch
+        users included, which torch's cached blocks cannot serve). Only when
+        that falls short and the cache holds unused blocks (so that emptying
+        it can help) is the cache emptied, once, and the steps measured
+        again; a lend is never tried on memory the allocator still holds. So
+        in the common case (a lend after a run of graph-replayed decodes,
+        the cache's blocks not needed) the lend costs one ``cuMemGetInfo``
+        and keeps the cache for the next eager forward. A backend that
+        cannot tell its free memory lends every step (the host backend
+        without a capacity).
+
+        Args:
+            may_empty: False: never empty the cache (a prepare ahead of time).
+        """
+        a = self.arena
+        remaining = a.max_steps - a.lent_steps
+        new = remaining - min(a.prepared_steps, remaining)
+        free = a.backend.free_bytes()
+        if new <= 0 or free is None:
+            return remaining, 0.0
+        step, margin = max(a.step_bytes(), 1), self.cfg.margin_mb * 2**20
+
+        def fit(free: int) -> int:
+            return max(free - margin, 0) // step
+
+        ms = 0.0
+        if may_empty and fit(free) < new and self.torch_cache.unused() > 0:
+            t = time.perf_counter()
+            self.torch_cache.empty()
+            ms = (time.perf_counter() - t) * 1e3
+            free = a.backend.free_bytes() or 0
+        return remaining - new + min(new, fit(free)), ms
 
     def _vmm_failed(self, what: str, e: VmmError) -> None:
         if self.metrics:
@@ -655,7 +859,12 @@ class ElasticController:
         stops.
         """
         t0 = time.perf_counter()
-        self.arena.backend.synchronize()  # the overlap scheduler's in-flight batch reads/writes lent rows
+        self._settle()
+        # The overlap scheduler's in-flight batch reads and writes lent rows:
+        # the vacate's device work (copies, row rewrites) is queued after the
+        # last forward that used them, the host waits only before the unmap.
+        fwd_fence = self._forward_fence  # kept: a reclaim that stops is tried again, maybe before another forward
+        self.fences.order_after(fwd_fence)
         t_vacate = time.perf_counter()
         steps = self.arena.lent_steps if steps is None else min(steps, self.arena.lent_steps)
         keep = (self.arena.lent_steps - steps) * self.arena.step_tokens  # the lower steps stay lent
@@ -684,7 +893,16 @@ class ElasticController:
         if commit is not None:
             commit()
         t_unmap = time.perf_counter()
-        self._unmap_lent("reclaim", steps)
+        vacate_fence = self.fences.record()  # after the copies and row rewrites
+        waited = []
+
+        def wait():  # what the unmap requires: the last forward that used the rows, and the vacate's own device work
+            t = time.perf_counter()
+            self.fences.wait(fwd_fence)
+            self.fences.wait(vacate_fence)
+            waited.append(time.perf_counter() - t)
+
+        self._unmap_lent("reclaim", steps, wait=wait, release_async=not self._quiet)
         if retracted:
             self._requeue(running_batch, retracted)
         if dropped:
@@ -697,9 +915,14 @@ class ElasticController:
             self.metrics.reclaim_ms.observe(ms)
             self.metrics.migrated_pages.inc(moved)
             self.metrics.retracted_reqs.inc(len(retracted))
-        wait_ms, vacate_ms, unmap_ms = (t_vacate - t0) * 1e3, (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3
-        self._event(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
-                    dropped_sessions=dropped, steps=steps, why=why)
+        wait_ms = sum(waited) * 1e3
+        vacate_ms, unmap_ms = (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3 - wait_ms
+        rec = dict(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
+                   dropped_sessions=dropped, steps=steps, why=why)
+        if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
+            self._releasing = dict(rec, t_end=time.perf_counter())
+        else:
+            self._event(**rec, release_wait_ms=0.0)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
         return True

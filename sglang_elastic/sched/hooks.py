@@ -9,6 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
 | ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form; lend after decode-only steps |
+| ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device) |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
 
@@ -33,6 +34,7 @@ def register() -> None:
     HookRegistry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build.build_allocator, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.__init__", _after_scheduler_init, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._get_new_batch_prefill_raw", _around_prefill_raw, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.run_batch", _after_run_batch, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
 
 
@@ -60,6 +62,13 @@ def _around_prefill_raw(orig, sched, *args, **kwargs):
     new_batch, running_batch = orig(sched, *args, **kwargs)
     ctl.after_prefill(new_batch, running_batch)
     return new_batch, running_batch
+
+
+def _after_run_batch(result, sched, *args, **kwargs):
+    ctl = getattr(sched, "_sglang_elastic", None)
+    if ctl is not None:
+        ctl.after_forward()
+    return result
 
 
 def _after_internal_state(result, sched, *args, **kwargs):

@@ -79,6 +79,10 @@ class VmmBackend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all queued device work (before unmapping memory it may use)."""
 
+    def bind_thread(self) -> None:
+        """Prepare the calling thread for this backend's calls (CUDA: make the
+        context current); run first in the arena's helper thread."""
+
     def free_bytes(self) -> Optional[int]:
         """Device memory free now, bytes (``cuMemGetInfo``'s free); None when
         the backend cannot tell."""

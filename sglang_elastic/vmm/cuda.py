@@ -54,6 +54,7 @@ class CudaBackend(VmmBackend):
             dev = self._check(d.cuDeviceGet(self.device), "cuDeviceGet")
             ctx = self._check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
             self._check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._ctx = ctx
         self._prop = d.CUmemAllocationProp()
         self._prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -85,6 +86,12 @@ class CudaBackend(VmmBackend):
         finally:
             self.release(h)
             self.free_va(va, g)
+
+    def bind_thread(self) -> None:
+        """Make this backend's context current in the calling thread (the
+        arena's helper thread creates and releases handles; driver calls
+        need a current context in every thread)."""
+        self._check(self._d.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
     def granularity(self) -> int:
         return self._gran

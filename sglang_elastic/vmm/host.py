@@ -14,7 +14,9 @@ has mappings; and with ``offset_mapping=False`` it refuses nonzero handle
 offsets as the H200's driver does (``CUDA_ERROR_NOT_SUPPORTED``). ``fail_on``
 injects failures into named calls for fault tests; ``capacity`` gives it a
 device size (``create`` runs out of memory beyond it, ``free_bytes`` reports
-what is left).
+what is left). Calls may come from several threads (the arena's helper
+thread creates and releases handles): the bookkeeping is under one lock, as
+the CUDA driver's calls are thread-safe.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from typing import Callable, Dict, Optional
 
 from sglang_elastic.vmm.base import VmmBackend, VmmError
@@ -65,10 +68,17 @@ class HostBackend(VmmBackend):
         self._maps: Dict[int, int] = {}  # va -> size of each live mapping
         self.capacity = capacity
         self._handle_bytes: Dict[int, int] = {}  # handle -> its size
+        self._lock = threading.RLock()
+        #: Called with the call's name on entry, before anything else (tests
+        #: block a call here on a threading.Event to order it against another thread).
+        self.on_call: Optional[Callable[[str], None]] = None
 
     def _enter(self, name: str) -> None:
-        n = self.calls.get(name, 0) + 1
-        self.calls[name] = n
+        if self.on_call is not None:
+            self.on_call(name)
+        with self._lock:
+            n = self.calls.get(name, 0) + 1
+            self.calls[name] = n
         pred = self.fail_on.get(name)
         verdict = pred(n) if pred is not None else False
         if verdict:
@@ -110,16 +120,17 @@ class HostBackend(VmmBackend):
     def create(self, size: int) -> int:
         self._enter("create")
         self._check_aligned("create", size)
-        if self.capacity is not None and sum(self._handle_bytes.values()) + size > self.capacity:
-            raise VmmError(f"create failed: out of memory ({size} bytes asked, {self.free_bytes()} free)", out_of_memory=True)
-        fd = os.memfd_create("sglang-elastic-kv", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-        except OSError as e:
-            os.close(fd)
-            raise VmmError(f"create failed: {e}") from e
-        self.live_handles += 1
-        self._handle_bytes[fd] = size
+        with self._lock:
+            if self.capacity is not None and sum(self._handle_bytes.values()) + size > self.capacity:
+                raise VmmError(f"create failed: out of memory ({size} bytes asked, {self.free_bytes()} free)", out_of_memory=True)
+            fd = os.memfd_create("sglang-elastic-kv", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+            except OSError as e:
+                os.close(fd)
+                raise VmmError(f"create failed: {e}") from e
+            self.live_handles += 1
+            self._handle_bytes[fd] = size
         return fd
 
     def map(self, va: int, size: int, handle: int, offset: int = 0) -> None:
@@ -127,32 +138,36 @@ class HostBackend(VmmBackend):
         self._check_aligned("map", va, size, offset)
         if offset and not self.supports_offset_mapping:
             raise VmmError("map failed: nonzero handle offset not supported (as CUDA_ERROR_NOT_SUPPORTED)")
-        if self._overlaps(va, size):
-            raise VmmError("map failed: the range is already mapped")
-        got = _libc.mmap(ctypes.c_void_p(va), size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, handle, offset)
-        if got != va:
-            raise VmmError(f"map failed: mmap errno {ctypes.get_errno()}")
-        self._maps[va] = size
+        with self._lock:
+            if self._overlaps(va, size):
+                raise VmmError("map failed: the range is already mapped")
+            got = _libc.mmap(ctypes.c_void_p(va), size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, handle, offset)
+            if got != va:
+                raise VmmError(f"map failed: mmap errno {ctypes.get_errno()}")
+            self._maps[va] = size
 
     def unmap(self, va: int, size: int) -> None:
         self._enter("unmap")
-        inside = self._overlaps(va, size)
-        if not inside or sum(self._maps[m] for m in inside) != size or min(inside) != va:
-            raise VmmError("unmap failed: the range is not a set of whole mappings")
-        got = _libc.mmap(ctypes.c_void_p(va), size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
-        if got != va:
-            raise VmmError(f"unmap failed: mmap errno {ctypes.get_errno()}")
-        for m in inside:
-            del self._maps[m]
+        with self._lock:
+            inside = self._overlaps(va, size)
+            if not inside or sum(self._maps[m] for m in inside) != size or min(inside) != va:
+                raise VmmError("unmap failed: the range is not a set of whole mappings")
+            got = _libc.mmap(ctypes.c_void_p(va), size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            if got != va:
+                raise VmmError(f"unmap failed: mmap errno {ctypes.get_errno()}")
+            for m in inside:
+                del self._maps[m]
 
     def release(self, handle: int) -> None:
         self._enter("release")
-        os.close(handle)
-        self.live_handles -= 1
-        self._handle_bytes.pop(handle, None)
+        with self._lock:
+            os.close(handle)
+            self.live_handles -= 1
+            self._handle_bytes.pop(handle, None)
 
     def free_bytes(self) -> Optional[int]:
-        return None if self.capacity is None else self.capacity - sum(self._handle_bytes.values())
+        with self._lock:
+            return None if self.capacity is None else self.capacity - sum(self._handle_bytes.values())
 
     def memset(self, va: int, value: int, size: int) -> None:
         ctypes.memset(va, value, size)

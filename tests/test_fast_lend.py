@@ -1,0 +1,373 @@
+"""Issue 22, build 2 (fast lend and reclaim), on the host VMM backend with
+real threads: handles made ahead on the arena's helper thread and mapped by
+the next lend, releases after a reclaim's unmap on that thread (a failure
+there recorded, retried by ``close``: defect 4's guarantees), no
+``torch.cuda.empty_cache`` unless the driver's free memory falls short, a
+reclaim that waits for the last forward's fence only, before its unmap.
+
+Ordering is forced with ``threading.Event`` s (a backend call or a wait
+blocks until the test lets it go), never with sleeps; the joins' timeouts
+only keep a broken build from hanging the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from sglang_elastic.vmm import ElasticArena, HostBackend, VmmError
+
+from test_controller import ELASTIC, LAYERS, Bed, sglang_runtime_context  # noqa: F401 (the autouse fixture: SGLang's runtime config)
+
+GRAN = 64 * 1024
+ROWS = [2048] * 4 + [1024] * 2
+JOIN = 60  # s: a guard against a hang, not a timing
+
+
+def _arena(**kw):
+    be = HostBackend(granularity=GRAN, **kw)
+    return be, ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=128, step_tokens=64)
+
+
+class Gate:
+    """Blocks the backend call ``name`` made on a thread named ``thread``
+    (prefix) until :meth:`open`; ``reached`` is set when one is blocked."""
+
+    def __init__(self, be: HostBackend, name: str, thread: str = "sglang-elastic-vmm"):
+        self.reached, self.go, self.name, self.thread = threading.Event(), threading.Event(), name, thread
+        self.log = []  # (thread name, call) in call order
+        be.on_call = self
+
+    def __call__(self, call: str) -> None:
+        me = threading.current_thread().name
+        self.log.append((me, call))
+        if call == self.name and me.startswith(self.thread) and not self.go.is_set():
+            self.reached.set()
+            assert self.go.wait(JOIN)
+
+    def open(self) -> None:
+        self.go.set()
+
+
+def _run(fn):
+    """``fn`` on a plain thread; returns (thread, box of its result or error)."""
+    box = {}
+
+    def body():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised by the test
+            box["error"] = e
+
+    t = threading.Thread(target=body, name="scheduler")
+    t.start()
+    return t, box
+
+
+def _fill(be, a, tok0, ntok, seed):
+    """Random bytes into tokens [tok0, tok0+ntok) of every buffer; returns them."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for i, r in enumerate(a.row_bytes):
+        d = torch.randint(0, 256, (ntok * r,), generator=g, dtype=torch.uint8).numpy().tobytes()
+        be.write(a.token_va(i, tok0), d)
+        data.append(d)
+    return data
+
+
+# -- the arena's helper thread -------------------------------------------------
+
+
+@pytest.mark.parametrize("offset_mapping", [True, False], ids=["one-handle-per-step", "handle-per-buffer (H200)"])
+def test_handles_made_ahead_on_the_helper_thread_are_the_ones_the_next_lend_maps(offset_mapping):
+    be, a = _arena(offset_mapping=offset_mapping)
+    gate = Gate(be, name="none")
+    assert a.prepare_async().result(JOIN) == 2 and a.prepared_steps == 2
+    made = [c for c in gate.log if c[1] == "create"]
+    assert made and {t for t, _ in made} == {"sglang-elastic-vmm_0"}  # created on the helper, not here
+    assert a.prepared_bytes() == 2 * a.step_bytes() and be.live_handles == (1 if offset_mapping else len(ROWS)) * 3
+    creates = be.calls["create"]
+    assert a.lend() == 2 and a.prepared_steps == 0
+    assert be.calls["create"] == creates  # the lend only mapped
+    data = _fill(be, a, a.base_tokens, 128, seed=1)
+    assert [be.read(a.token_va(i, a.base_tokens), 128 * r) for i, r in enumerate(a.row_bytes)] == data
+    assert a.reclaim() == 2 and a.settle() == []
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}
+
+
+def test_a_lend_waits_for_a_prepare_still_running_and_creates_no_second_set_of_handles():
+    be, a = _arena(offset_mapping=False)
+    gate = Gate(be, name="create")
+    a.prepare_async()
+    assert gate.reached.wait(JOIN)  # the helper is inside its first create
+    waiting = threading.Event()
+    orig = a._wait_helper
+
+    def wait_helper():
+        waiting.set()
+        orig()
+
+    a._wait_helper = wait_helper
+    t, box = _run(a.lend)
+    assert waiting.wait(JOIN)  # the lend reached its wait for the helper
+    maps = be.calls.get("map", 0)
+    assert be.calls.get("map", 0) == maps and t.is_alive()  # nothing mapped while the prepare runs
+    gate.open()
+    t.join(JOIN)
+    assert box == {"result": 2}
+    lend_calls = [c for th, c in gate.log if th == "scheduler"]
+    assert "create" not in lend_calls and lend_calls.count("map") == 2 * len(ROWS)  # the prepared handles, mapped once each
+    assert be.live_handles == 3 * len(ROWS)
+    a.close()
+    assert be.live_handles == 0
+
+
+def test_a_reclaim_unmaps_at_once_and_releases_on_the_helper_thread_which_settle_and_close_wait_for():
+    be, a = _arena()
+    a.lend()
+    lent_va = a.token_va(0, a.base_tokens)
+    gate = Gate(be, name="release")
+    assert a.reclaim(release_async=True) == 2
+    assert lent_va not in be._maps and a.lent_steps == 0  # unmapped before reclaim returned
+    assert gate.reached.wait(JOIN) and a.busy  # the release is on the helper thread, held there
+    assert be.live_handles == 3  # the base's handle and two not yet released
+    t, box = _run(a.close)  # close must wait for the helper, not free the reservation under it
+    gate.open()
+    t.join(JOIN)
+    assert box == {"result": None} and be.live_handles == 0 and be.calls["free_va"] == 1
+    assert [th for th, c in gate.log if c == "release"][:2] == ["sglang-elastic-vmm_0"] * 2
+
+
+def test_a_release_that_fails_on_the_helper_thread_is_reported_by_settle_and_retried_by_close():
+    """Defect 4's guarantee with releases off the critical path: the handle
+    is kept, lending stops, close() releases it."""
+    be, a = _arena()
+    a.lend()
+    releases = be.calls.get("release", 0)
+    be.fail_on["release"] = lambda n: n == releases + 1
+    a.reclaim(release_async=True)
+    [err] = a.settle()
+    assert isinstance(err, VmmError) and "release failed" in str(err)
+    assert a.lending_disabled and a.lend() == 0 and be.live_handles == 2  # the base's handle and the failed one
+    assert a.settle() == []  # reported once
+    be.fail_on.clear()
+    a.close()
+    assert be.live_handles == 0
+
+
+def test_handles_made_ahead_and_dropped_go_back_and_a_failed_prepare_leaves_the_lend_to_create():
+    be, a = _arena(offset_mapping=False)
+    creates = be.calls["create"]
+    be.fail_on["create"] = lambda n: "oom" if n == creates + len(ROWS) + 2 else False  # in the second step's handles
+    assert a.prepare_async().result(JOIN) == 1 and a.prepared_steps == 1
+    assert be.live_handles == 2 * len(ROWS)  # the base's and one step's: the second's partial handles released
+    assert a.settle() == [] and not a.lending_disabled
+    be.fail_on.clear()
+    assert a.drop_prepared(release_async=True) == 1 and a.settle() == [] and be.live_handles == len(ROWS)
+    assert a.prepare(1) == 1
+    creates = be.calls["create"]
+    assert a.lend() == 2 and be.calls["create"] - creates == len(ROWS)  # one step made ahead, one created by the lend
+    a.close()
+    assert be.live_handles == 0
+
+
+# -- the controller ------------------------------------------------------------
+
+ROW = 2 * LAYERS * 2 * 64 * 2  # bytes per token, every layer's K and V: test_pool's shape
+MIB = 2**20
+
+
+class HeldCache:
+    """PyTorch's caching allocator holding ``unused`` bytes of the host
+    backend's device memory (a real handle), as freed prefill blocks do."""
+
+    def __init__(self, be: HostBackend, unused: int):
+        self.be, self.handle, self.held = be, be.create(unused) if unused else None, unused
+        self.emptied = 0
+
+    def unused(self) -> int:
+        return self.held
+
+    def empty(self) -> None:
+        self.emptied += 1
+        if self.handle is not None:
+            self.be.release(self.handle)
+            self.handle, self.held = None, 0
+
+
+@pytest.mark.parametrize(
+    "free_steps, cached_steps, emptied, lent_steps",
+    [
+        (2.5, 1, False, 2),  # the driver has both steps and the margin: the cache keeps its blocks
+        (1.5, 1, True, 2),  # the driver falls short; the cache's unused blocks make up for it: emptied once
+        (1.2, 0.5, True, 1),  # emptied, and still one step only: the other is not tried
+        (0.5, 0, False, 0),  # nothing cached, no room: no handle is tried
+    ],
+)
+def test_the_lend_empties_torchs_cache_only_when_the_driver_falls_short_and_never_takes_what_the_cache_holds(
+        free_steps, cached_steps, emptied, lent_steps, caplog):
+    step = 64 * ROW
+    margin = 16 * step // MIB + 1  # MiB: whole, and a few steps' worth
+    bed = Bed(free_bytes=margin * MIB + 2 * step, margin_mb=margin)
+    bed.ctl.lendable_tokens = bed.pool.arena.set_steps(ELASTIC, 64)  # two steps
+    cache_bytes = int(cached_steps * step) // 4096 * 4096
+    # the device now: the margin, ``free_steps`` steps free at the driver, ``cached_steps`` held by torch's cache
+    bed.be.capacity = sum(bed.be._handle_bytes.values()) + margin * MIB + int(free_steps * step) // 4096 * 4096 + cache_bytes
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, cache_bytes)
+    creates = bed.be.calls["create"]
+    with caplog.at_level("WARNING"):
+        got = bed.ctl.lend()
+    assert got == lent_steps * 64 and bed.pool.arena.lent_steps == lent_steps
+    assert cache.emptied == int(emptied)
+    assert bed.be.calls["create"] - creates == lent_steps  # one handle per step here: none tried and refused
+    assert not [r for r in caplog.records if "out of device memory" in r.getMessage()]
+    assert bed.be.free_bytes() >= margin * MIB  # the margin is left free at the driver
+    if cache.handle is not None:
+        assert cache.handle in bed.be._handle_bytes  # what the cache holds was never released under it
+    bed.check_ownership_and_accounting()
+
+
+def test_the_next_lends_handles_are_made_during_the_decode_run_and_the_lend_only_maps_them():
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    assert bed.admit(list(range(30)))
+    gate = Gate(bed.be, name="none")
+    ahead = bed.ctl.prepare_after_steps
+    for _ in range(ahead - 1):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.pool.arena.prepared_steps == 0 and not bed.pool.arena.busy
+    bed.ctl.after_prefill(None, bed.batch)  # the prepare starts here
+    bed.pool.arena.settle()
+    assert bed.pool.arena.prepared_steps == 1
+    assert {t for t, c in gate.log if c == "create"} == {"sglang-elastic-vmm_0"}
+    creates = bed.be.calls["create"]
+    for _ in range(bed.ctl.cfg.lend_after_steps - ahead):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC and bed.ctl.lends_prepared == 1
+    assert bed.be.calls["create"] == creates  # the lend created nothing
+    bed.check_ownership_and_accounting()
+
+
+def test_handles_made_ahead_are_released_when_an_eager_forward_comes_instead_of_the_lend():
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from test_controller import _graph_args
+
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW, margin_mb=0)
+    assert bed.admit(list(range(30)))
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    bed.pool.arena.settle()
+    assert bed.pool.arena.prepared_steps == 1
+    held = bed.be.free_bytes()
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))  # an eager prefill: it needs that memory
+    bed.ctl.before_prefill(bed.batch)
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # the forward's turn: the release is done by then
+    assert bed.pool.arena.prepared_steps == 0 and not bed.pool.arena.busy and bed.be.free_bytes() == held + ELASTIC * ROW
+
+
+class Fences:
+    """The device's fences as a test drives them: the first ``record`` (the
+    forward's) is a fence the test completes (``set``), later ones (the
+    vacate's device work, synchronous on the host) are complete; ``wait``
+    blocks on a fence (``waiting`` set)."""
+
+    def __init__(self):
+        self.made, self.waiting, self.order = [], threading.Event(), []
+
+    def record(self):
+        f = threading.Event()
+        if self.made:
+            f.set()
+        self.made.append(f)
+        return f
+
+    def order_after(self, fence) -> None:
+        self.order.append(fence)
+
+    def wait(self, fence) -> None:
+        if fence is not None and not fence.is_set():
+            self.waiting.set()
+            assert fence.wait(JOIN)
+
+
+def test_a_reclaim_vacates_while_the_last_forward_runs_and_waits_for_its_fence_only_before_the_unmap(monkeypatch):
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    bed.ctl.fences = fences = Fences()
+    syncs = []
+    monkeypatch.setattr(bed.be, "synchronize", lambda: syncs.append(1))
+    assert bed.ctl.lend() == ELASTIC
+    bed.finish(bed.admit(list(range(20000, 20200))))  # base tokens cached: the lent KV must move
+    req = bed.admit(list(range(1000, 1100)))
+    row = bed.rows()[req.rid]
+    assert int(row.max()) >= bed.alloc.base_tokens  # in lent rows
+    k = bed.k_of(row)
+    bed.ctl.after_forward()  # SGLang launched a forward reading these rows
+    [fwd] = fences.made
+    assert not fwd.is_set()
+    lent_va = bed.pool.arena.token_va(0, bed.alloc.base_tokens)
+    t, box = _run(lambda: bed.ctl.reclaim(bed.batch, why="test"))
+    assert fences.waiting.wait(JOIN)  # the reclaim waits on the forward's fence ...
+    moved = bed.rows()[req.rid]
+    assert int(moved.max()) < bed.alloc.base_tokens and torch.equal(bed.k_of(moved), k)  # ... having vacated already
+    assert lent_va in bed.be._maps and syncs == []  # not unmapped yet, and no device-wide synchronize
+    assert fences.order[0] is fwd  # the vacate's device work was queued after the forward
+    fwd.set()
+    t.join(JOIN)
+    assert box == {"result": True}
+    assert lent_va not in bed.be._maps and syncs == []
+    bed.ctl.after_prefill(None, bed.batch)
+    bed.check_ownership_and_accounting()
+
+
+def test_a_reclaims_handles_are_released_on_the_helper_and_the_forward_after_it_waits_for_them(tmp_path, monkeypatch):
+    from sglang_elastic import config
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv(config.EVENTS_ENV, str(events))
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    assert bed.ctl.lend() == ELASTIC
+    assert bed.admit(list(range(30)))
+    gate = Gate(bed.be, name="release")
+    assert bed.ctl.reclaim(bed.batch, why="test")
+    assert gate.reached.wait(JOIN) and bed.pool.arena.busy  # released there, after reclaim() returned
+    free_then = bed.be.free_bytes()
+    settled = threading.Event()
+    orig = bed.pool.arena.settle
+
+    def settle():
+        settled.set()
+        return orig()
+
+    bed.pool.arena.settle = settle
+    t, box = _run(lambda: bed.ctl.after_prefill(bed.batch, bed.batch))  # a batch formed: its forward needs the memory
+    assert settled.wait(JOIN) and t.is_alive()  # held until the release is done
+    gate.open()
+    t.join(JOIN)
+    assert "error" not in box and bed.be.free_bytes() == free_then + ELASTIC * ROW
+    import json
+
+    [rec] = [json.loads(line) for line in events.read_text().splitlines() if '"reclaim"' in line]
+    assert rec["release_wait_ms"] >= 0 and rec["release_failed"] == 0 and rec["steps"] == 1
+    bed.check_ownership_and_accounting()
+
+
+def test_a_failed_release_on_the_helper_is_counted_turns_lending_off_and_close_releases_it(caplog):
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    assert bed.ctl.lend() == ELASTIC
+    releases = bed.be.calls.get("release", 0)
+    bed.be.fail_on["release"] = lambda n: n == releases + 1
+    assert bed.ctl.reclaim(bed.batch, why="test")
+    with caplog.at_level("ERROR"):
+        bed.ctl.after_prefill(bed.batch, bed.batch)
+    assert [r for r in caplog.records if "helper thread" in r.getMessage() and "lending disabled" in r.getMessage()]
+    for _ in range(bed.ctl.cfg.lend_after_steps + 1):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 0  # no lend after it
+    bed.be.fail_on.clear()
+    live = bed.be.live_handles
+    bed.pool.arena.close()
+    assert live == 2 and bed.be.live_handles == 0  # the base's handle and the failed one, both gone
