@@ -175,6 +175,39 @@ def test_graph_call_order_replays_other_lengths_on_the_same_buffers(path, page_s
         assert rel_err(out, ref) <= TOL[dtype], f"seed {seed}"
 
 
+@pytest.mark.parametrize("path", ["split", "compact"])
+def test_a_q_with_a_strided_last_dim_is_attended_correctly(path):
+    """q as a slice of a wider projection (last-dim stride 2): the backend
+    hands the kernels a unit-stride copy, the output matches float64."""
+    dtype = torch.float16
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    runner = make_runner(1, dtype)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy=path, calibration=small_calibration())
+    fb = make_batch(runner, [40, 300, 7], g)
+    be.init_forward_metadata(fb)
+    layer = radix_layer(1)
+    q = torch.randn(3, 2 * HQ * D, generator=g).to(dtype)[:, ::2]
+    assert q.stride(-1) == 2
+    k, v = (torch.randn(3, HKV, D, generator=g).to(dtype) for _ in range(2))
+    out = be.forward(q, k, v, layer, fb)
+    assert rel_err(out, reference(runner, fb, q, layer)) <= TOL[dtype], f"seed {seed}"
+
+
+def test_tensor_cores_off_keeps_flashinfer_out_of_the_policy_for_a_gqa_group_it_has_no_kernel_for(monkeypatch):
+    """SGLANG_FLASHINFER_USE_TENSOR_CORE=false and GQA 7 (Qwen2.5-7B's 28/4):
+    auto picks between ours only (no FlashInfer delegate is built), and a
+    forced flashinfer is refused at construction with the reason."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_USE_TENSOR_CORE", "false")
+    runner = make_runner(1, torch.float16)
+    runner.model_config = types.SimpleNamespace(context_len=CTX, get_max_num_attention_heads=lambda: 7 * HKV)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="auto", calibration=small_calibration())
+    assert be.policy.paths == ("split", "compact") and be.flashinfer is None
+    assert be.policy.choose([1, 300, 5000]) in ("split", "compact")
+    with pytest.raises(ValueError, match="--decode-policy flashinfer cannot run here: FlashInfer's CUDA-core decode .* GQA group 7"):
+        backend_mod.PersistentKVAttnBackend(runner, policy="flashinfer", calibration=small_calibration())
+
+
 def test_idle_and_extend():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 

@@ -106,6 +106,32 @@ def _attn_dcp_size() -> int:
     return get_parallel().attn_dcp_size
 
 
+#: GQA group sizes FlashInfer's CUDA-core decode is compiled for
+#: (``DISPATCH_GQA_GROUP_SIZE`` in ``flashinfer/utils.cuh``); others it refuses.
+CUDA_CORE_GQA_GROUPS = (1, 2, 3, 4, 8)
+
+
+def flashinfer_decode_unavailable(q_heads: int, kv_heads: int, kv_dtype, deterministic: bool = False) -> Optional[str]:
+    """Why SGLang's FlashInfer decode cannot serve this shape, or ``None``.
+
+    SGLang's ``FlashInferAttnBackend`` picks tensor-core or CUDA-core decode by
+    ``should_use_tensor_core`` (``SGLANG_FLASHINFER_USE_TENSOR_CORE`` first,
+    else GQA >= 4; tensor cores always under deterministic inference); that
+    function is called here, so the answer is the delegate's. CUDA-core decode
+    has kernels only for GQA groups :data:`CUDA_CORE_GQA_GROUPS`.
+    """
+    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
+
+    if deterministic or should_use_tensor_core(kv_cache_dtype=kv_dtype, num_attention_heads=q_heads, num_kv_heads=kv_heads):
+        return None
+    group = q_heads // kv_heads
+    if group in CUDA_CORE_GQA_GROUPS:
+        return None
+    return (f"FlashInfer's CUDA-core decode (tensor cores off: SGLANG_FLASHINFER_USE_TENSOR_CORE="
+            f"{os.environ.get('SGLANG_FLASHINFER_USE_TENSOR_CORE')}) has no kernel for GQA group {group} "
+            f"(only {', '.join(map(str, CUDA_CORE_GQA_GROUPS))})")
+
+
 def _device_sm_count(model_runner) -> int:
     from sglang.srt.utils import get_device_core_count
 
@@ -170,7 +196,12 @@ class PersistentKVAttnBackend(AttentionBackend):
             logger.warning("persistentkv: using the PROVISIONAL calibration (%s)", calib.source[:120])
         self.sm_count = sm or calib.sm_count
         self.calib = calib
-        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, mode)
+        why = flashinfer_decode_unavailable(self.q_heads, self.kv_heads, self.kv_dtype,
+                                            bool(getattr(model_runner.server_args, "enable_deterministic_inference", False)))
+        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, mode,
+                                   unavailable={"flashinfer": why} if why else None)
+        if why and mode == "auto":
+            logger.warning("persistentkv: %s; the policy picks between split and compact only", why)
 
         self.flashinfer = None
         if "flashinfer" in self.policy.paths:
@@ -382,7 +413,8 @@ class PersistentKVAttnBackend(AttentionBackend):
         else:
             c = self.calib.compact
             work_queue_plan(meta.kv_indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
-                            chunk_out=self.queue_chunk, item_offsets_out=self.queue_item_offsets, n_items_out=self.queue_n_items)
+                            chunk_out=self.queue_chunk, item_offsets_out=self.queue_item_offsets, n_items_out=self.queue_n_items,
+                            capacity=min(self.mid_o.shape[0], self.mid_lse.shape[0]))
 
     # ----------------------------------------------------------------- forward
 
@@ -411,6 +443,8 @@ class PersistentKVAttnBackend(AttentionBackend):
 
         H, D = layer.tp_q_head_num, layer.head_dim
         q3 = q.reshape(-1, H, D)
+        if q3.stride(-1) != 1:  # e.g. a slice of a fused QKV projection with a strided last dim: the kernels need unit stride
+            q3 = q3.contiguous()
         o = q3.new_empty(q3.shape)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)

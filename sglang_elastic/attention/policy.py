@@ -399,21 +399,36 @@ class DecodePolicy:
         q_heads, kv_heads, head_dim: the layer shape (per tensor-parallel rank).
         dtype_bytes: bytes per KV element (2 for bf16/fp16).
         mode: ``auto`` (cost model) or a forced path (``flashinfer``, ``split``, ``compact``).
+        unavailable: ``{path: why}`` of paths this server cannot run (e.g.
+            FlashInfer's CUDA-core decode for a GQA group it has no kernel for):
+            ``auto`` never returns them.
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, a forced mode that is unavailable (the
+            message says why), or every path unavailable.
     """
 
-    def __init__(self, calib: Calibration, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mode: str = "auto"):
+    def __init__(self, calib: Calibration, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mode: str = "auto",
+                 unavailable: Optional[Dict[str, str]] = None):
         if mode not in MODES:
             raise ValueError(f"decode policy must be one of {', '.join(MODES)}, not {mode!r}")
+        self.unavailable = dict(unavailable or {})
+        unknown = set(self.unavailable) - set(PATHS)
+        if unknown:
+            raise ValueError(f"unknown decode path(s) {sorted(unknown)}; known: {', '.join(PATHS)}")
+        if mode in self.unavailable:
+            others = [m for m in MODES if m not in self.unavailable and m != mode]
+            raise ValueError(f"--decode-policy {mode} cannot run here: {self.unavailable[mode]}; use --decode-policy {' or '.join(others)}")
+        if mode == "auto" and set(self.unavailable) >= set(PATHS):
+            raise ValueError("no decode path available: " + "; ".join(self.unavailable.values()))
         self.calib, self.mode = calib, mode
         self.q_heads, self.kv_heads, self.head_dim, self.dtype_bytes = q_heads, kv_heads, head_dim, dtype_bytes
+        self._paths = tuple(p for p in PATHS if p not in self.unavailable) if mode == "auto" else (mode,)
 
     @property
     def paths(self) -> Tuple[str, ...]:
         """Paths this policy can return (each gets its own CUDA graph per batch size)."""
-        return PATHS if self.mode == "auto" else (self.mode,)
+        return self._paths
 
     def predict(self, lens: Iterable[int]) -> Dict[str, float]:
         """Predicted us per layer of every path for these KV lengths."""
@@ -433,6 +448,11 @@ class DecodePolicy:
         """The path for a batch with these KV lengths (forced modes return themselves)."""
         if self.mode != "auto":
             return self.mode
+        if len(self._paths) == 1:
+            return self._paths[0]
         t = self.predict(lens)
-        best = min(("split", "compact"), key=t.get)
+        ours = [p for p in ("split", "compact") if p in self._paths]
+        best = min(ours, key=t.get)
+        if "flashinfer" not in self._paths:
+            return best
         return best if t[best] <= (1.0 - self.calib.margin) * t["flashinfer"] else "flashinfer"
