@@ -393,7 +393,7 @@ def main():
     fitted, fit_errs = fit_calibration(
         bench.calibration_timings(rows, by_name), gpu=torch.cuda.get_device_name(0), sm_count=sm, start=calib,
         source=f"scripts/gpu/bench_decode.py at commit {results.commit()}: every case, page 16 and 1, CUDA-graph replay",
-        provisional=False, stream_read_tbps=read, **bench.SHAPE)
+        provisional=False, stream_read_tbps=read, shape=bench.calibration_shape(), **bench.SHAPE)
     cd = fitted.to_json()
     cd["fit_rms_rel_err"] = fit_errs
     results.write(a.calibration_out, cd)

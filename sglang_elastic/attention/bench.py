@@ -57,6 +57,12 @@ def bench_cases() -> List[dict]:
     ]
 
 
+def calibration_shape() -> dict:
+    """The ``shape`` the fitted calibration records (it is used only for this shape:
+    :mod:`sglang_elastic.attention.calibration_cache`)."""
+    return {**SHAPE, "dtype": "bfloat16", "page_sizes": list(PAGE_SIZES)}
+
+
 def kv_bytes(lens: Sequence[int], kv_heads: int = SHAPE["kv_heads"], head_dim: int = SHAPE["head_dim"], dtype_bytes: int = DTYPE_BYTES) -> int:
     """Bytes of K and V one decode step of one layer must read."""
     return int(sum(lens)) * kv_heads * head_dim * 2 * dtype_bytes

@@ -45,8 +45,13 @@ Calibration JSON (schema ``version`` 1)::
                   "num_warps": null, "num_stages": null,
                   "pdl": false},             # programmatic dependent launch (optional, default false)
       "compact": {"target_items": 1024, "min_chunk": 256, "programs": null, "block_n": 32,
-                  "num_warps": null, "num_stages": null, "pdl": false}
+                  "num_warps": null, "num_stages": null, "pdl": false},
+      "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128,   # optional: the shape measured
+                "dtype": "bfloat16", "page_sizes": [16, 1]}      # (per rank); absent: unknown
     }
+
+A calibration is used only for the shape it was measured on
+(:mod:`sglang_elastic.attention.calibration_cache`).
 
 Ideas: FA2/FA3 ``num_splits_heuristic`` (wave efficiency), LeanAttention
 (arXiv 2405.10480: equal work per CTA), FlashInfer's planners, the
@@ -118,6 +123,9 @@ class Calibration:
     source: str = ""
     split: SplitConfig = SplitConfig()
     compact: CompactConfig = CompactConfig()
+    #: the layer shape the constants were measured on (``None``: unknown, e.g. a prior):
+    #: ``{q_heads, kv_heads, head_dim, dtype, page_sizes}`` (:func:`check_shape`)
+    shape: Optional[dict] = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -135,6 +143,30 @@ def _num(d: dict, key: str, where: str, kind=float, lo: float = 0.0, hi: float =
     if not (lo <= v <= hi) or (kind is float and not math.isfinite(v)):
         raise CalibrationError(f"{where}.{key} = {v!r} is out of range [{lo}, {hi}]")
     return kind(v)
+
+
+SHAPE_FIELDS = ("q_heads", "kv_heads", "head_dim")
+DTYPES = ("bfloat16", "float16")
+
+
+def check_shape(s, where: str) -> dict:
+    """Validate a calibration's ``shape`` object (module docstring).
+
+    Raises:
+        CalibrationError: naming the bad field.
+    """
+    if not isinstance(s, dict):
+        raise CalibrationError(f"{where}.shape must be an object")
+    out = {k: _num(s, k, f"{where}.shape", kind=int, lo=1, hi=1 << 16) for k in SHAPE_FIELDS}
+    if s.get("dtype") not in DTYPES:
+        raise CalibrationError(f"{where}.shape.dtype must be one of {', '.join(DTYPES)}, not {s.get('dtype')!r}")
+    ps = s.get("page_sizes")
+    if not isinstance(ps, list) or not ps or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in ps):
+        raise CalibrationError(f"{where}.shape.page_sizes must be a non-empty list of positive integers, not {ps!r}")
+    extra = set(s) - set(SHAPE_FIELDS) - {"dtype", "page_sizes"}
+    if extra:
+        raise CalibrationError(f"{where}.shape: unknown field(s) {sorted(extra)}")
+    return {**out, "dtype": s["dtype"], "page_sizes": [int(p) for p in ps]}
 
 
 def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
@@ -203,6 +235,7 @@ def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
         source=str(d.get("source", "")),
         split=split,
         compact=compact,
+        shape=check_shape(d["shape"], where) if d.get("shape") is not None else None,
     )
 
 
