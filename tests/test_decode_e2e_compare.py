@@ -195,9 +195,9 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]
     # the control flipped the same gap (token 3 leads token 2 by 0.125 there): its margin ref-token minus run-token is reported
     assert split["divergences"][0]["control_margin_nats"] == pytest.approx(-2.075 - -1.95)
-    # the raw outputs live in the gzipped part beside the result, and a second merge from it judges the same
-    kept = tmp_path / "merged_parts" / "part0.json.gz"
-    assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.gz"]
+    # the raw outputs live in the xz part beside the result, and a second merge from it judges the same
+    kept = tmp_path / "merged_parts" / "part0.json.xz"
+    assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.xz"]
     first = kept.read_bytes()
     assert e2e.merge([str(kept)], str(out)) == 0
     again = json.loads(out.read_text())
@@ -216,17 +216,17 @@ def test_merge_keeps_every_raw_part_when_judging_a_subset_again_and_replaces_the
         parts.append(str(p))
     out = tmp_path / "r.json"
     (tmp_path / "r_parts").mkdir()
-    (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part")
+    (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part (gzip, as kept before)")
     assert e2e.merge(parts, str(out)) == 0
     kept = sorted(p.name for p in (tmp_path / "r_parts").iterdir())
-    assert kept == ["part0.json.gz", "part1.json.gz"]  # the earlier run's extra part is gone
+    assert kept == ["part0.json.xz", "part1.json.xz"]  # the earlier run's extra part is gone
     both = {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}
-    assert e2e.merge(parts, str(out)) == 0 and both == {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}  # deterministic gzip
+    assert e2e.merge(parts, str(out)) == 0 and both == {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept}  # deterministic xz
     # judging one kept part again into the same result neither overwrites nor deletes the other
-    assert e2e.merge([str(tmp_path / "r_parts" / "part1.json.gz")], str(out)) == 0
+    assert e2e.merge([str(tmp_path / "r_parts" / "part1.json.xz")], str(out)) == 0
     assert {n: (tmp_path / "r_parts" / n).read_bytes() for n in kept} == both
     res = json.loads(out.read_text())
-    assert res["parts"] == ["r_parts/part1.json.gz"] and res["references_agree"][0]["part"] == "r_parts/part1.json.gz"
+    assert res["parts"] == ["r_parts/part1.json.xz"] and res["references_agree"][0]["part"] == "r_parts/part1.json.xz"
 
 
 def test_control_margin_is_none_where_the_control_cannot_say():
@@ -311,3 +311,12 @@ def test_the_shell_wrapper_refuses_e2e_modes_with_two_gpus_instead_of_ignoring_t
                        timeout=60)
     assert r.returncode == 2 and "E2E_MODES applies to one GPU only" in r.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_parts_kept_gzipped_before_still_load(tmp_path):
+    import gzip
+
+    d = {"reference": {"s": [_req([4], [-0.5], [[[-0.5, 4]]])]}, "runs": []}
+    p = tmp_path / "part0.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(d).encode()))
+    assert e2e.load_part(str(p)) == d

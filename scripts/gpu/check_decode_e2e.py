@@ -45,7 +45,8 @@ meets the 1e-2 on this model: SGLang's Triton decode moved logprobs by up to
 Each divergence also reports, never judged, the control's margin between the
 same two tokens (:func:`control_margin`). ``--merge``
 judges stored outputs again with the current rules (no GPU), from the parts
-kept gzipped beside the result (``<result>_parts/partN.json.gz``). Also checked:
+kept xz-compressed beside the result (``<result>_parts/partN.json.xz``; half
+of gzip's size: the tracked tree has a 3 MiB budget). Also checked:
 the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
 counts: forced modes replay graphs of their path only). Exit 1 on a failed
 check. About 30 s per engine start (eight engines on one GPU, nine over two;
@@ -58,6 +59,7 @@ import argparse
 import glob
 import gzip
 import json
+import lzma
 import math
 import os
 import sys
@@ -416,8 +418,10 @@ def check_trace(mode: str, counts: dict):
 
 
 def load_part(path: str) -> dict:
-    """A part file, plain (``.json``, as a run writes it) or gzipped (``.json.gz``, as kept in the repo)."""
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+    """A part file, plain (``.json``, as a run writes it), xz (``.json.xz``, as kept in the repo)
+    or gzipped (``.json.gz``, as kept before)."""
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else None
+    with (opener(path, "rt") if opener else open(path)) as f:
         return json.load(f)
 
 
@@ -433,7 +437,7 @@ def merge(parts, out: str, command=None) -> int:
     failed run, disagreeing references or modes a part planned but did not run.
 
     The raw parts (reference and every run's tokens, logprobs and top-k) are
-    kept gzipped in :func:`parts_dir` (``partN.json.gz``, replacing an
+    kept xz-compressed in :func:`parts_dir` (``partN.json.xz``, replacing an
     earlier run's), where ``--merge`` reads them again (then they are left
     as they are); ``out`` holds the judgement without the raw outputs (its
     ``parts`` key names them, relative to ``out``), so results stay small in
@@ -469,12 +473,12 @@ def merge(parts, out: str, command=None) -> int:
     else:  # a fresh run: its parts replace whatever an earlier run kept
         paths = []
         for i, d in enumerate(datas):
-            name = os.path.join(kept, f"part{i}.json.gz")
-            with open(name + ".tmp", "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:  # same bytes for the same data
-                f.write(json.dumps(d, separators=(",", ":")).encode())
+            name = os.path.join(kept, f"part{i}.json.xz")
+            with open(name + ".tmp", "wb") as f:  # xz has no timestamp: the same bytes for the same data
+                f.write(lzma.compress(json.dumps(d, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME))
             os.replace(name + ".tmp", name)
             paths.append(os.path.abspath(name))
-        for stale in set(map(os.path.abspath, glob.glob(os.path.join(kept, "part*.json.gz")))) - set(paths):
+        for stale in set(map(os.path.abspath, glob.glob(os.path.join(kept, "part*.json.[gx]z")))) - set(paths):
             os.remove(stale)
     here = os.path.dirname(os.path.abspath(out))
     names = [os.path.relpath(p, here) for p in paths]  # relative to the result file
