@@ -132,9 +132,7 @@ def flashinfer_decode_unavailable(q_heads: int, kv_heads: int, kv_dtype, determi
     function is called here, so the answer is the delegate's. CUDA-core decode
     has kernels only for GQA groups :data:`CUDA_CORE_GQA_GROUPS`.
     """
-    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
-
-    if deterministic or should_use_tensor_core(kv_cache_dtype=kv_dtype, num_attention_heads=q_heads, num_kv_heads=kv_heads):
+    if deterministic or _should_use_tensor_core(kv_dtype, q_heads, kv_heads):
         return None
     group = q_heads // kv_heads
     if group in CUDA_CORE_GQA_GROUPS:
@@ -217,7 +215,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         self.kv_dtype = self.token_to_kv_pool.dtype
         sm = _device_sm_count(model_runner)
         # the calibration of this shape on this GPU (calibration_cache: explicit, cache, shipped, else the prior)
-        self.shape_key = ShapeKey(gpu=_device_name(model_runner) or "unknown", sm_count=sm or (explicit.sm_count if explicit else 132),
+        self.shape_key = ShapeKey(gpu=_device_name(model_runner), sm_count=sm or (explicit.sm_count if explicit else 132),
                                   q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                   dtype=str(self.kv_dtype).removeprefix("torch."), page_size=self.page_size)
         self.calibration_cache = None if cfg.decode_calibration_cache == "off" else CalibrationCache(cfg.decode_calibration_cache)
@@ -350,10 +348,10 @@ class PersistentKVAttnBackend(AttentionBackend):
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if lens_cpu is not None and bs > 0:
             lens = lens_cpu.numpy()[:bs]  # a view: cheaper than slicing the tensor first
-            mean = int(lens.sum()) // bs
+            mean, longest = int(lens.sum()) // bs, int(lens.max())
             # size, mean, longest, shortest and how many run past twice the mean:
             # batches alike in these are alike to the cost model
-            key = (bs, mean // RECHOOSE_TOKENS, int(lens.max()) // RECHOOSE_TOKENS, int(lens.min()) // (8 * RECHOOSE_TOKENS),
+            key = (bs, mean // RECHOOSE_TOKENS, longest // RECHOOSE_TOKENS, int(lens.min()) // (8 * RECHOOSE_TOKENS),
                    int(np.count_nonzero(lens > 2 * mean)))
             path = self._choices.get(key)
             if path is None:
@@ -361,7 +359,7 @@ class PersistentKVAttnBackend(AttentionBackend):
                     self._choices.clear()
                 path = self._choices[key] = self.policy.choose(lens)  # the policy picks Python ints or numpy by size
             if self.online is not None:  # measured replays override the prior per bucket
-                path = self.online.choose(bucket_key(bs, mean, int(lens.max())), path)
+                path = self.online.choose(bucket_key(bs, mean, longest), path)
             return path
         total = getattr(forward_batch, "seq_lens_sum", None)
         if total is not None and bs > 0:
