@@ -183,6 +183,7 @@ def _merge_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh, seg_stride,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
     lse_full_ptr=None, stride_lf_b=0, FULL_LSE: tl.constexpr = False,
+    max_rows=0, GUARD_ROWS: tl.constexpr = False,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
@@ -194,7 +195,10 @@ def _merge_kernel(
     while the partials kernel still runs; waits for it before any load.
     ``FULL_LSE``: divide by ``exp(lse_full[b, qh])`` (a log-sum-exp over more
     positions than the partials cover) instead of by the partials' own sum:
-    the KV offload path's exact softmax denominator with a sparse V sum."""
+    the KV offload path's exact softmax denominator with a sparse V sum.
+    ``GUARD_ROWS``: a segment running past ``max_rows`` (a work-queue list
+    longer than its workspace, whose tail was never computed) reads no row
+    past it and writes NaN: visibly wrong, never silently partial."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0)
@@ -207,6 +211,9 @@ def _merge_kernel(
     else:
         first = b * seg_stride
     n = tl.load(seg_count_ptr + b)
+    if GUARD_ROWS:
+        overflow = first + n > max_rows
+        n = tl.minimum(n, tl.maximum(max_rows - first, 0))
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -228,6 +235,8 @@ def _merge_kernel(
         out = tl.where(l > 0, acc * tl.exp(m - lf), 0.0)
     else:
         out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
+    if GUARD_ROWS:
+        out = tl.where(overflow, float("nan"), out)
     tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
@@ -241,13 +250,74 @@ def _dot_f32(q: torch.Tensor) -> bool:
     return bool(triton.knobs.runtime.interpret) and q.dtype == torch.bfloat16
 
 
+def _unit_last_dim(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit-stride last dimension (stride {t.stride(-1)}, shape {tuple(t.shape)}): pass {name}.contiguous()")
+
+
 def _shape_args(q: torch.Tensor, k_buffer: torch.Tensor):
+    """Launch shape from ``q`` and ``k_buffer``; refuses what the kernels would
+    read wrongly (they index the last dimension with stride 1 and take
+    ``head_dim`` from ``q``).
+
+    Raises:
+        ValueError: naming the tensor: not 3-D, ``k_buffer``'s head_dim other
+        than ``q``'s, q heads not a multiple of KV heads, a last dimension
+        that is not unit-stride.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], not shape {tuple(q.shape)}")
+    if k_buffer.dim() != 3:
+        raise ValueError(f"k_buffer must be [slots, kv_heads, head_dim], not shape {tuple(k_buffer.shape)}")
     B, Hq, D = q.shape
     Hkv = k_buffer.shape[1]
+    if k_buffer.shape[2] != D:
+        raise ValueError(f"k_buffer head_dim {k_buffer.shape[2]} differs from q's {D}")
     if Hq % Hkv:
         raise ValueError(f"q heads {Hq} not a multiple of kv heads {Hkv}")
+    _unit_last_dim("q", q)
+    _unit_last_dim("k_buffer", k_buffer)
     G = Hq // Hkv
     return B, Hq, Hkv, D, G, max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
+
+
+def _check_run_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+                    mid_o: torch.Tensor, mid_lse: torch.Tensor, rows: int) -> int:
+    """The checks of :func:`_shape_args` plus V, the output and the workspaces
+    (host-side shapes and strides only: no device read, CUDA-graph safe).
+
+    Returns:
+        The workspace rows usable by both ``mid_o`` and ``mid_lse``.
+
+    Raises:
+        ValueError: naming the tensor: ``v_buffer`` with another head count,
+        head_dim or dtype than ``k_buffer``, K/V of another dtype than ``q``,
+        ``out`` not shaped like ``q``, ``mid_o`` / ``mid_lse`` not
+        ``[rows, q_heads(, head_dim)]`` float32 with at least ``rows`` rows,
+        any last dimension that is not unit-stride.
+    """
+    B, Hq, D = q.shape
+    if v_buffer.dim() != 3 or v_buffer.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"v_buffer must be [slots, kv_heads, head_dim] like k_buffer {tuple(k_buffer.shape)}, not {tuple(v_buffer.shape)}")
+    if v_buffer.shape[0] < k_buffer.shape[0]:
+        raise ValueError(f"v_buffer holds {v_buffer.shape[0]} slots, fewer than k_buffer's {k_buffer.shape[0]}")
+    if k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+        raise ValueError(f"k_buffer / v_buffer dtype ({k_buffer.dtype} / {v_buffer.dtype}) must be q's {q.dtype}")
+    _unit_last_dim("v_buffer", v_buffer)
+    if tuple(out.shape) != (B, Hq, D):
+        raise ValueError(f"out must be shaped like q {tuple(q.shape)}, not {tuple(out.shape)}")
+    _unit_last_dim("out", out)
+    if mid_o.dim() != 3 or tuple(mid_o.shape[1:]) != (Hq, D) or mid_o.dtype != torch.float32:
+        raise ValueError(f"mid_o must be [rows, {Hq}, {D}] float32, not {tuple(mid_o.shape)} {mid_o.dtype}")
+    if mid_lse.dim() != 2 or mid_lse.shape[1] != Hq or mid_lse.dtype != torch.float32:
+        raise ValueError(f"mid_lse must be [rows, {Hq}] float32, not {tuple(mid_lse.shape)} {mid_lse.dtype}")
+    _unit_last_dim("mid_o", mid_o)
+    _unit_last_dim("mid_lse", mid_lse)
+    have = min(mid_o.shape[0], mid_lse.shape[0])
+    if have < rows:
+        name = "mid_o" if mid_o.shape[0] < rows else "mid_lse"
+        raise ValueError(f"{name} holds {have} rows, this launch needs {rows}")
+    return have
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -342,8 +412,14 @@ def split_kv_run(
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: naming the tensor (:func:`_shape_args`, :func:`_check_run_args`): K/V or ``q``
+        of mismatched head_dim, head count or dtype, a last dimension that is not unit-stride,
+        workspaces with fewer than ``batch * max_splits`` rows.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B * max_splits)
     if B == 0:
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
@@ -366,7 +442,7 @@ def split_kv_run(
 def work_queue_plan(
     kv_indptr: torch.Tensor, chunk: Optional[int] = None, target_items: Optional[int] = None, min_chunk: int = 256,
     block_n: int = 32, chunk_out: Optional[torch.Tensor] = None, item_offsets_out: Optional[torch.Tensor] = None,
-    n_items_out: Optional[torch.Tensor] = None,
+    n_items_out: Optional[torch.Tensor] = None, capacity: Optional[int] = None,
 ):
     """The dense ``(request, chunk)`` item list of :func:`work_queue_run` (GPU ops only, no host read).
 
@@ -377,6 +453,13 @@ def work_queue_plan(
     the list never holds more than ``target_items + batch`` items: size the
     workspaces with :func:`work_queue_capacity`.
 
+    ``capacity`` (rows of the workspaces :func:`work_queue_run` will get): the
+    chunk is raised on the GPU, where needed, to at least
+    ``round_up(ceil(sum(lens) / (capacity - batch)), block_n)``, so the list
+    fits (``sum(ceil(len / c)) <= sum(lens) / c + batch <= capacity``) whatever
+    the lengths; no op is added when ``target_items + batch <= capacity``
+    already guarantees it.
+
     Returns:
         ``(chunk, item_offsets, n_items)``: ``[1]`` int32 tokens per item,
         ``[batch + 1]`` int32 exclusive prefix sum of the per-request item
@@ -384,13 +467,16 @@ def work_queue_plan(
 
     Raises:
         ValueError: when neither or both of ``chunk`` / ``target_items`` are given,
-        or ``chunk`` is not a multiple of ``block_n``.
+        ``chunk`` is not a multiple of ``block_n``, or ``capacity`` is not above
+        the batch size (no chunk fits such a workspace).
     """
     if (chunk is None) == (target_items is None):
         raise ValueError("give exactly one of chunk (fixed tokens per item) or target_items (chunk chosen on the GPU)")
     B = kv_indptr.shape[0] - 1
     dev = kv_indptr.device
     lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    if capacity is not None and capacity <= B:
+        raise ValueError(f"capacity {capacity} rows cannot hold a work-queue list for {B} requests (need more than {B})")
     if chunk is not None:
         if chunk % block_n:
             raise ValueError(f"chunk {chunk} must be a multiple of block_n {block_n}")
@@ -399,6 +485,10 @@ def work_queue_plan(
         total = lens.sum().reshape(1).to(torch.int32)
         c = (total + target_items - 1) // target_items
         c = torch.clamp((c + block_n - 1) // block_n * block_n, min=max(min_chunk, block_n)).to(torch.int32)
+    if capacity is not None and (target_items is None or target_items + B > capacity):
+        free = capacity - B
+        fit = (lens.sum().reshape(1).to(torch.int32) + free - 1) // free
+        c = torch.maximum(c, (fit + block_n - 1) // block_n * block_n).to(torch.int32)
     if chunk_out is not None:
         chunk_out[:1].copy_(c)
         c = chunk_out[:1]
@@ -432,13 +522,22 @@ def work_queue_run(
     Args:
         chunk, item_offsets, n_items: the plan's tensors (``item_offsets[batch]`` is the item count).
         mid_o: ``[capacity, q_heads, head_dim]`` float32 workspace; ``mid_lse``: ``[capacity, q_heads]``.
-            Items past ``capacity`` are not computed (memory guard; plan within it).
+            Plan within it (:func:`work_queue_plan` with ``capacity``): the item
+            count lives on the GPU, so a list longer than the workspace cannot be
+            refused here; its items past ``capacity`` are not computed and the
+            requests they belong to get NaN rows (never a read past the
+            workspace, never a silently partial sum).
         programs: persistent programs per KV head (e.g. the SM count).
 
     Returns:
         ``out`` (``[batch, q_heads, head_dim]``).
+
+    Raises:
+        ValueError: as :func:`split_kv_run`; workspaces with fewer rows than
+        ``batch`` (one item per request does not fit).
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    capacity = _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B)
     if B == 0:
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
@@ -446,7 +545,7 @@ def work_queue_run(
     pdl_opts = _pdl_opts(pdl, q.device)
     num_items = item_offsets[B:]
     _queue_kernel[(programs, Hkv)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, chunk, mid_o, mid_lse, sm_scale, B, mid_o.shape[0],
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, item_offsets, num_items, chunk, mid_o, mid_lse, sm_scale, B, capacity,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0),
         LOG2_BATCH=max(0, math.ceil(math.log2(max(B, 1)))),
@@ -455,7 +554,7 @@ def work_queue_run(
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, item_offsets, n_items, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), 1,
-        D=D, BLOCK_D=BLOCK_D, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S, **pdl_opts,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=True, BLOCK_S=MERGE_BLOCK_S, **pdl_opts, max_rows=capacity, GUARD_ROWS=True,
     )
     return out
 
@@ -510,19 +609,24 @@ def work_queue_decode(
         chunk: tokens per work item (a multiple of ``block_n``).
         max_items: capacity of the item list; default ``sum(ceil(len / chunk))``
             computed from the lengths (a host read: pass it to keep the call
-            sync-free and CUDA-graph safe).
+            sync-free and CUDA-graph safe). When the lengths need more items,
+            the chunk grows on the GPU until they fit (:func:`work_queue_plan`'s
+            ``capacity``); it must exceed the batch size.
         programs: persistent programs per KV head (e.g. the SM count).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: when ``chunk`` is not a multiple of ``block_n``.
+        ValueError: when ``chunk`` is not a multiple of ``block_n``, ``max_items``
+        is not above the batch size, or an input check of :func:`work_queue_run` fails.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
-    c, item_offsets, n_items = work_queue_plan(kv_indptr, chunk=chunk, block_n=block_n)
     if max_items is None:
-        max_items = int(n_items.sum()) or 1
+        c, item_offsets, n_items = work_queue_plan(kv_indptr, chunk=chunk, block_n=block_n)
+        max_items = max(1, B, int(n_items.sum()))
+    else:
+        c, item_offsets, n_items = work_queue_plan(kv_indptr, chunk=chunk, block_n=block_n, capacity=max_items)
     mid_o = torch.empty((max_items, Hq, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((max_items, Hq), dtype=torch.float32, device=q.device)
     o = out if out is not None else torch.empty_like(q)

@@ -58,7 +58,18 @@ the backend this package registers; :mod:`sglang_elastic.attention`):
 - ``--decode-policy {auto,flashinfer,split,compact}``: ``auto`` picks per decode
   batch with the calibrated cost model; the others force one path (default auto).
 - ``--decode-calibration PATH``: the policy's calibration JSON (default: the
-  file shipped for the H200, ``sglang_elastic/attention/calibration/``).
+  one for this GPU and layer shape: the calibration cache, else a shipped file
+  measured on this shape, else the cost-model prior;
+  :mod:`sglang_elastic.attention.calibration_cache`).
+- ``--decode-calibration-cache DIR|off``: where per-shape calibrations are
+  cached (default ``$SGLANG_ELASTIC_CACHE_DIR/decode``, else
+  ``$XDG_CACHE_HOME/sglang_elastic/decode``); ``off``: neither read nor written.
+- ``--decode-startup-calibration {auto,force,off}`` (auto): time every path at
+  CUDA-graph capture when no measurement covers this shape (``force``: always;
+  ``off``: never, the prior until online correction moves it).
+- ``--decode-online-correction {on,off}`` (on): time a sample of the decode
+  graph replays and correct the choice per batch bucket
+  (:mod:`sglang_elastic.attention.online`).
 """
 
 from __future__ import annotations
@@ -81,6 +92,8 @@ logger = logging.getLogger(__name__)
 ENV = "SGLANG_ELASTIC_CONFIG"
 MODES = ("dynamic", "always-lent", "off")
 DECODE_POLICIES = ("auto", "flashinfer", "split", "compact")
+STARTUP_CALIBRATION = ("auto", "force", "off")
+ONLINE = ("on", "off")
 #: The SGLang attention backend name the decode flags belong to.
 DECODE_BACKEND = "persistentkv"
 
@@ -183,12 +196,19 @@ class ElasticKVConfig:
     lend_after_steps: int = 32
     margin_mb: int = 1024
     decode_policy: str = "auto"
-    decode_calibration: Optional[str] = None  # None: the calibration file shipped in the package
+    decode_calibration: Optional[str] = None  # None: this shape's (cache, shipped or the prior)
+    decode_calibration_cache: Optional[str] = None  # None: the default cache directory; "off": none
+    decode_startup_calibration: str = "auto"
+    decode_online: str = "on"
     offload: OffloadConfig = OffloadConfig()
 
     def __post_init__(self):
         if self.decode_policy not in DECODE_POLICIES:
             raise ConfigError(f"--decode-policy must be one of {', '.join(DECODE_POLICIES)}, not {self.decode_policy!r}")
+        if self.decode_startup_calibration not in STARTUP_CALIBRATION:
+            raise ConfigError(f"--decode-startup-calibration must be one of {', '.join(STARTUP_CALIBRATION)}, not {self.decode_startup_calibration!r}")
+        if self.decode_online not in ONLINE:
+            raise ConfigError(f"--decode-online-correction must be one of {', '.join(ONLINE)}, not {self.decode_online!r}")
         if self.mode not in MODES:
             raise ConfigError(f"--elastic-kv-mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.lend_bytes is not None and self.lend_bytes <= 0:
@@ -254,7 +274,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default="off", help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer.")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
-    d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: the H200 file shipped in sglang_elastic/attention/calibration). Applies only with --decode-attention-backend persistentkv.")
+    d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: this GPU and layer shape's: the calibration cache, else a shipped file measured on this shape, else the cost-model prior). Applies only with --decode-attention-backend persistentkv.")
+    d.add_argument("--decode-calibration-cache", default=None, metavar="DIR", help="Directory of per-shape decode calibrations (default: $SGLANG_ELASTIC_CACHE_DIR/decode or $XDG_CACHE_HOME/sglang_elastic/decode); 'off': no cache.")
+    d.add_argument("--decode-startup-calibration", choices=STARTUP_CALIBRATION, default=None, help="auto (default): time every decode path at CUDA-graph capture when no calibration covers this GPU and shape, and cache the fit; force: always; off: never.")
+    d.add_argument("--decode-online-correction", choices=ONLINE, default=None, help="on (default): time a sample of decode graph replays (CUDA events, no sync) and correct the path per batch bucket; off: the calibrated cost model alone.")
 
 
 def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
@@ -267,10 +290,16 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
     """
     policy = getattr(ns, "decode_policy", None)
     calibration = getattr(ns, "decode_calibration", None)
-    if policy is not None or calibration is not None:
+    decode_flags = {"--decode-policy": policy, "--decode-calibration": calibration,
+                    "--decode-calibration-cache": getattr(ns, "decode_calibration_cache", None),
+                    "--decode-startup-calibration": getattr(ns, "decode_startup_calibration", None),
+                    "--decode-online-correction": getattr(ns, "decode_online_correction", None)}
+    given = [f for f, v in decode_flags.items() if v is not None]
+    cache = decode_flags["--decode-calibration-cache"]
+    if given:
         decode_backend = getattr(ns, "decode_attention_backend", None) or getattr(ns, "attention_backend", None)
         if decode_backend != DECODE_BACKEND:
-            flag = "--decode-policy" if policy is not None else "--decode-calibration"
+            flag = given[0]
             raise ConfigError(f"{flag} applies only with --decode-attention-backend {DECODE_BACKEND} (decode backend here: {decode_backend or 'SGLang default'})")
     if calibration is not None:
         from sglang_elastic.attention.policy import CalibrationError, load_calibration
@@ -289,6 +318,9 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
         decode_policy=policy or "auto",
         decode_calibration=calibration,
+        decode_calibration_cache=cache if cache in (None, "off") else os.path.abspath(cache),
+        decode_startup_calibration=getattr(ns, "decode_startup_calibration", None) or "auto",
+        decode_online=getattr(ns, "decode_online_correction", None) or "on",
         offload=OffloadConfig(
             enabled=bool(getattr(ns, "enable_kv_offload", False)),
             topk=getattr(ns, "kv_offload_topk", 2048),

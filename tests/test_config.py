@@ -42,7 +42,8 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
-                   "decode_policy": "auto", "decode_calibration": None,
+                   "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
+                   "decode_startup_calibration": "auto", "decode_online": "on",
                    "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
                                "denominator": "selected", "chunk": 16, "hot_tokens": 4096, "host_gb": None, "resident_v": False, "prefetch": "off"}}
     assert f"MODEL {MODEL}" in r.stdout
@@ -135,6 +136,9 @@ def test_decode_policy_reaches_the_schedulers_through_sglangs_parser(launch_args
         (["--attention-backend", "flashinfer", "--decode-policy", "split"], "--decode-policy applies only with --decode-attention-backend persistentkv (decode backend here: flashinfer)"),
         (["--decode-attention-backend", "triton", "--decode-calibration", "x.json"], "--decode-calibration applies only with --decode-attention-backend persistentkv"),
         (["--decode-attention-backend", "persistentkv", "--decode-calibration", "/nonexistent.json"], "--decode-calibration: cannot read calibration file /nonexistent.json"),
+        (["--decode-calibration-cache", "/tmp/x"], "--decode-calibration-cache applies only with --decode-attention-backend persistentkv"),
+        (["--decode-attention-backend", "triton", "--decode-online-correction", "off"], "--decode-online-correction applies only with"),
+        (["--decode-attention-backend", "persistentkv", "--decode-startup-calibration", "always"], "invalid choice: 'always'"),
     ],
 )
 def test_bad_decode_flags_stop_with_one_clear_line(flags, message, capsys):
@@ -153,6 +157,22 @@ def test_bad_decode_flags_stop_with_one_clear_line(flags, message, capsys):
         assert message in capsys.readouterr().err
     else:
         pytest.fail(f"{flags} accepted")
+
+
+def test_decode_calibration_flags_reach_the_config(tmp_path):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--decode-attention-backend")
+    config.add_cli_args(p)
+    cfg = config.from_namespace(p.parse_args(["--decode-attention-backend", "persistentkv", "--decode-calibration-cache", str(tmp_path / "c"),
+                                              "--decode-startup-calibration", "force", "--decode-online-correction", "off"]))
+    assert (cfg.decode_calibration_cache, cfg.decode_startup_calibration, cfg.decode_online) == (str(tmp_path / "c"), "force", "off")
+    cfg = config.from_namespace(p.parse_args(["--decode-attention-backend", "persistentkv", "--decode-calibration-cache", "off"]))
+    assert (cfg.decode_calibration_cache, cfg.decode_startup_calibration, cfg.decode_online) == ("off", "auto", "on")
+    assert config.ElasticKVConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(config.ConfigError, match="--decode-online-correction must be one of on, off"):
+        config.ElasticKVConfig(decode_online="maybe")
 
 
 def test_decode_policy_value_checked_in_the_config_object():

@@ -123,8 +123,9 @@ def decode_step(be, runner, fb, g, dtype, layer_id=1):
     q = torch.randn(bs, HQ * D, generator=g).to(dtype)
     k = torch.randn(bs, HKV, D, generator=g).to(dtype)
     v = torch.randn(bs, HKV, D, generator=g).to(dtype)
-    be.mid_o.fill_(float("nan"))  # poisoned workspaces: every partial read must have been written
-    be.mid_lse.fill_(float("nan"))
+    ours = getattr(be, "decode_backend", be)  # behind SGLang's HybridAttnBackend, or ours alone
+    ours.mid_o.fill_(float("nan"))  # poisoned workspaces: every partial read must have been written
+    ours.mid_lse.fill_(float("nan"))
     out = be.forward(q, k, v, layer, fb)
     pool = runner.token_to_kv_pool
     assert torch.equal(pool.get_key_buffer(layer_id)[fb.out_cache_loc], k), "new K not written at out_cache_loc"
@@ -173,6 +174,39 @@ def test_graph_call_order_replays_other_lengths_on_the_same_buffers(path, page_s
         assert be.graph_path == path
         out, ref = decode_step(be, runner, fb, g, dtype, layer_id=0)
         assert rel_err(out, ref) <= TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("path", ["split", "compact"])
+def test_a_q_with_a_strided_last_dim_is_attended_correctly(path):
+    """q as a slice of a wider projection (last-dim stride 2): the backend
+    hands the kernels a unit-stride copy, the output matches float64."""
+    dtype = torch.float16
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    runner = make_runner(1, dtype)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy=path, calibration=small_calibration())
+    fb = make_batch(runner, [40, 300, 7], g)
+    be.init_forward_metadata(fb)
+    layer = radix_layer(1)
+    q = torch.randn(3, 2 * HQ * D, generator=g).to(dtype)[:, ::2]
+    assert q.stride(-1) == 2
+    k, v = (torch.randn(3, HKV, D, generator=g).to(dtype) for _ in range(2))
+    out = be.forward(q, k, v, layer, fb)
+    assert rel_err(out, reference(runner, fb, q, layer)) <= TOL[dtype], f"seed {seed}"
+
+
+def test_tensor_cores_off_keeps_flashinfer_out_of_the_policy_for_a_gqa_group_it_has_no_kernel_for(monkeypatch):
+    """SGLANG_FLASHINFER_USE_TENSOR_CORE=false and GQA 7 (Qwen2.5-7B's 28/4):
+    auto picks between ours only (no FlashInfer delegate is built), and a
+    forced flashinfer is refused at construction with the reason."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_USE_TENSOR_CORE", "false")
+    runner = make_runner(1, torch.float16)
+    runner.model_config = types.SimpleNamespace(context_len=CTX, get_max_num_attention_heads=lambda: 7 * HKV)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="auto", calibration=small_calibration())
+    assert be.policy.paths == ("split", "compact") and be.flashinfer is None
+    assert be.policy.choose([1, 300, 5000]) in ("split", "compact")
+    with pytest.raises(ValueError, match="--decode-policy flashinfer cannot run here: FlashInfer's CUDA-core decode .* GQA group 7"):
+        backend_mod.PersistentKVAttnBackend(runner, policy="flashinfer", calibration=small_calibration())
 
 
 def test_idle_and_extend():
@@ -310,3 +344,66 @@ def test_the_test_fault_scales_our_softmax_and_bad_values_are_refused(monkeypatc
     faulted = reference(runner, fb, q, layer)
     assert rel_err(out, faulted) <= TOL[torch.float16]
     assert rel_err(out, true) > 20 * TOL[torch.float16]
+
+
+def test_hybrid_attn_backend_routes_decode_to_persistentkv_and_prefill_to_the_other():
+    """SGLang's ``HybridAttnBackend`` (what ``--attention-backend X
+    --decode-attention-backend persistentkv`` builds) with SGLang's CPU
+    ``torch_native`` backend for prefill: DECODE reaches ours (float64-exact,
+    the prefill backend's decode never runs), EXTEND reaches torch_native (ours
+    refuses EXTEND, so a correct causal output proves the routing), graph
+    state and the CPU seq-lens flag come from ours, and the graph hooks find
+    ours behind the hybrid."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    dtype = torch.float16
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
+    runner = make_runner(1, dtype)
+    runner.server_args.speculative_attention_mode = "prefill"
+    ours = backend_mod.PersistentKVAttnBackend(runner, policy="compact", calibration=small_calibration())
+    prefill = ATTENTION_BACKENDS["torch_native"](runner)
+    hybrid = HybridAttnBackend(runner, prefill, ours)
+    assert hybrid.needs_cpu_seq_lens and backend_mod.find_backend(types.SimpleNamespace(attn_backend=hybrid)) is ours
+
+    def no_decode(*a, **k):
+        raise AssertionError("the prefill backend ran a decode")
+
+    prefill.forward_decode = no_decode
+    fb = make_batch(runner, [33, 260, 5], g)
+    hybrid.init_forward_metadata(fb)
+    assert ours.forward_metadata.path == "compact"
+    out, ref = decode_step(hybrid, runner, fb, g, dtype)
+    assert rel_err(out, ref) <= TOL[dtype], f"seed {seed}"
+
+    # EXTEND: one request, 20 cached tokens then 6 new ones (causal over all 26)
+    pre, new = 20, 6
+    lens_fb = make_batch(runner, [pre + new], g)
+    row = int(lens_fb.req_pool_indices[0])
+    slots = runner.req_to_token_pool.req_to_token[row, : pre + new].long()
+    ext = types.SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, req_pool_indices=lens_fb.req_pool_indices, seq_lens=lens_fb.seq_lens,
+        seq_lens_cpu=lens_fb.seq_lens_cpu, extend_prefix_lens=torch.tensor([pre]), extend_seq_lens=torch.tensor([new]),
+        extend_prefix_lens_cpu=[pre], extend_seq_lens_cpu=[new], encoder_lens=None, out_cache_loc=slots[pre:],
+    )
+    hybrid.init_forward_metadata(ext)  # ours would refuse an EXTEND batch here
+    layer = radix_layer(0)
+    q = torch.randn(new, HQ * D, generator=g).to(dtype)
+    k = torch.randn(new, HKV, D, generator=g).to(dtype)
+    v = torch.randn(new, HKV, D, generator=g).to(dtype)
+    out = hybrid.forward(q, k, v, layer, ext)
+    pool = runner.token_to_kv_pool
+    kb, vb = pool.get_key_buffer(0)[slots].double(), pool.get_value_buffer(0)[slots].double()
+    assert torch.equal(pool.get_key_buffer(0)[slots[pre:]], k)
+    G = HQ // HKV
+    want = torch.zeros(new, HQ, D, dtype=torch.float64)
+    for i in range(new):
+        for h in range(HQ):
+            p = torch.softmax(kb[: pre + i + 1, h // G] @ q.view(new, HQ, D)[i, h].double() * layer.scaling, 0)
+            want[i, h] = p @ vb[: pre + i + 1, h // G]
+    assert rel_err(out.view(new, HQ * D), want.view(new, HQ * D)) <= TOL[dtype], f"seed {seed}"
+
+    hybrid.init_cuda_graph_state(4, 4)
+    assert ours.cuda_graph_kv_indices is not None and hybrid.get_cuda_graph_seq_len_fill_value() == 1

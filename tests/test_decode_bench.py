@@ -36,7 +36,9 @@ def test_rows_policy_columns_fit_and_result_file():
         "flashinfer": PathCost(15.0, 4.3, 30.0), "split": PathCost(6.0, 4.0, 60.0), "compact": PathCost(9.0, 4.4, 60.0)})
     pol = DecodePolicy(truth, **bench.SHAPE)
     cases = {c["name"]: c for c in bench.bench_cases()}
-    rows = [bench.make_row(c, ps, fake_timings(pol, c["lens"]), {"ours_split": 3e-3}) for ps in bench.PAGE_SIZES for c in cases.values()]
+    rows = [bench.add_flush_columns(bench.make_row(c, ps, fake_timings(pol, c["lens"]), {"ours_split": 3e-3}),
+                                    {k: 0.97 * v for k, v in fake_timings(pol, c["lens"]).items()}, {"write": 9.0, "read": 4.0})
+            for ps in bench.PAGE_SIZES for c in cases.values()]
     fitted, errs = calibrate.fit_calibration(bench.calibration_timings(rows, cases), gpu="t", sm_count=132, **bench.SHAPE)
     assert max(errs.values()) < 0.05
     bench.fill_policy(rows, cases, DecodePolicy(fitted, **bench.SHAPE))
@@ -143,3 +145,59 @@ def test_the_streaming_read_reads_every_element_once():
     with pytest.raises(ValueError, match="2 sums, 3 programs"):
         bench.stream_read(x, torch.empty(2), 3)
     assert len(bench.STREAM_CONFIGS) == 18
+
+
+def test_both_flushes_and_their_read_floors_land_in_every_row():
+    c = bench.bench_cases()[1]
+    t = {"ours_split_us": 60.0, "ours_compact_us": 66.0, "flashinfer_us": 54.0, "flashinfer_persistent_us": None, "sglang_triton_us": 90.0}
+    read = {**t, "ours_split_us": 52.0, "flashinfer_persistent_us": 50.0}
+    row = bench.add_flush_columns(bench.make_row(c, 16, t, {}), read, {"write": 40.0, "read": 32.0}, {"write": 55.0, "read": 47.0})
+    assert (row["read_floor_us"], row["read_floor_read_flush_us"], row["fa3_us"]) == (40.0, 32.0, 55.0)
+    assert row["read_flush_us"] == {**read, "fa3_us": 47.0}
+    assert row["floor_ratio"]["write"]["ours_split_us"] == pytest.approx(1.5)
+    assert row["floor_ratio"]["read"]["ours_split_us"] == pytest.approx(52 / 32)
+    assert row["floor_ratio"]["write"]["flashinfer_persistent_us"] is None and row["floor_ratio"]["read"]["fa3_us"] == pytest.approx(47 / 32)
+    # FA3 absent: the column is None under both flushes, nothing else changes
+    row = bench.add_flush_columns(bench.make_row(c, 16, t, {}), read, {"write": 40.0, "read": 32.0}, None)
+    assert row["fa3_us"] is None and row["read_flush_us"]["fa3_us"] is None
+    assert set(bench.ROW_FIELDS) - set(row) == {"policy_pick", "policy_us", "policy_read_tbps"}  # fill_policy adds those
+    with pytest.raises(ValueError, match="read floors for \\['write'\\], need \\['write', 'read'\\]"):
+        bench.add_flush_columns(bench.make_row(c, 16, t, {}), read, {"write": 40.0})
+    with pytest.raises(ValueError, match="ours_compact_us under the read flush is needed"):
+        bench.add_flush_columns(bench.make_row(c, 16, t, {}), {**read, "ours_compact_us": None}, {"write": 40.0, "read": 32.0})
+    with pytest.raises(ValueError, match="read floor = 0.0 under the read flush is not a positive time"):
+        bench.add_flush_columns(bench.make_row(c, 16, t, {}), read, {"write": 40.0, "read": 0.0})
+
+
+def test_bench_us_flushes_before_every_timed_run_and_returns_the_median():
+    """do_bench's loop with the flush as an argument, on a simulated device
+    clock: each run takes its scripted time; the flush is outside the timed window."""
+    clock = {"t": 0.0}
+    log = []
+    # ms: the first call, 5 estimate runs (with their flushes: 1.32 ms each -> 1 warm-up, 4 timed), warm-up, timed
+    times = iter([1.0] + [0.8] * 5 + [0.1] + [0.1, 0.3, 0.2, 0.4])
+
+    class Ev:
+        def record(self):
+            self.t = clock["t"]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def fn():
+        log.append("fn")
+        clock["t"] += next(times)
+
+    def flush():
+        log.append("flush")
+        clock["t"] += 0.52
+
+    us = bench.bench_us(fn, flush, warmup_ms=2.0, rep_ms=6.0, event=Ev, synchronize=lambda: None)
+    assert us == pytest.approx(250.0)  # median of 0.1, 0.2, 0.3, 0.4 ms
+    assert log[1:11] == ["flush", "fn"] * 5 and log[11] == "fn"  # estimate, then one warm-up run without a flush
+    assert log[12:] == ["flush", "fn"] * 4  # every timed run after its flush
+
+
+def test_fa3_column_is_skipped_cleanly_without_the_package():
+    f = bench.fa3_decode()
+    assert f is None or callable(f)

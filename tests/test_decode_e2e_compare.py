@@ -195,7 +195,7 @@ def test_merge_judges_the_stored_outputs_again(tmp_path):
     assert split["criterion"] == "control noise floor" and split["divergences"][0]["near_tie"] and not split["tokens_equal"]
     # the control flipped the same gap (token 3 leads token 2 by 0.125 there): its margin ref-token minus run-token is reported
     assert split["divergences"][0]["control_margin_nats"] == pytest.approx(-2.075 - -1.95)
-    # the raw outputs live in the gzipped part beside the result, and a second merge from it judges the same
+    # the raw outputs live in the xz part beside the result, and a second merge from it judges the same
     kept = tmp_path / "merged_parts" / "part0.json.xz"
     assert "outputs" not in split and "reference" not in res and res["parts"] == ["merged_parts/part0.json.xz"]
     first = kept.read_bytes()
@@ -216,7 +216,7 @@ def test_merge_keeps_every_raw_part_when_judging_a_subset_again_and_replaces_the
         parts.append(str(p))
     out = tmp_path / "r.json"
     (tmp_path / "r_parts").mkdir()
-    (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part")
+    (tmp_path / "r_parts" / "part7.json.gz").write_bytes(b"an earlier run's extra part (gzip, as kept before)")
     assert e2e.merge(parts, str(out)) == 0
     kept = sorted(p.name for p in (tmp_path / "r_parts").iterdir())
     assert kept == ["part0.json.xz", "part1.json.xz"]  # the earlier run's extra part is gone
@@ -311,3 +311,12 @@ def test_the_shell_wrapper_refuses_e2e_modes_with_two_gpus_instead_of_ignoring_t
                        timeout=60)
     assert r.returncode == 2 and "E2E_MODES applies to one GPU only" in r.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_parts_kept_gzipped_before_still_load(tmp_path):
+    import gzip
+
+    d = {"reference": {"s": [_req([4], [-0.5], [[[-0.5, 4]]])]}, "runs": []}
+    p = tmp_path / "part0.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(d).encode()))
+    assert e2e.load_part(str(p)) == d

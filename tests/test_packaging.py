@@ -21,7 +21,7 @@ def test_every_subpackage_is_listed_in_pyproject():
 def test_the_tree_leaves_room_for_the_gpu_bundle_in_one_device_transfer():
     """A device call carries the tracked tree plus the carried GPU bundle
     (`.gpu/bundle`, 60.5 MiB: SGLang 0.5.17 and its dependencies) within 64
-    MiB; results must stay small (raw e2e outputs are kept gzipped) or the
+    MiB; results must stay small (raw e2e outputs are kept xz-compressed) or the
     bundle no longer travels. 3 MiB keeps a margin below the ~3.5 MiB left."""
     import shutil
     import subprocess

@@ -11,8 +11,11 @@ its JIT cache; its first compile can add a minute or two):
 Shape: Hq=32, Hkv=8, d=128, bf16, a 1M-token pool (2 GiB each of K and V),
 requests' KV scattered over it at page 16 (random pages) and page 1 (random
 tokens). Every timing is one layer's decode attention replayed from a CUDA
-graph, ``triton.testing.do_bench`` median with its 256 MB L2 flush between
-replays (the H200's L2 is 60 MB); plans (ours: ``*_plan``; FlashInfer:
+graph, the median of ``triton.testing.do_bench``'s loop
+(:func:`sglang_elastic.attention.bench.bench_us`) under two 256 MB L2 flushes
+between replays (the H200's L2 is 60 MB): ``write`` (do_bench's zeroing, the
+``*_us`` columns) and ``read`` (a streaming read: ``read_flush_us``), each
+with its own size-matched read floor; plans (ours: ``*_plan``; FlashInfer:
 ``plan()``) run outside the timed graph, as SGLang runs them once per step
 for all layers (ours also timed alone: ``ours_*_plan_us``).
 
@@ -79,8 +82,29 @@ DT = torch.bfloat16
 SCALE = D**-0.5
 
 
-def graph_us(fn) -> float:
-    """Median us of ``fn`` replayed from a CUDA graph, L2 flushed between replays."""
+_FLUSH = {}
+
+
+def flushers():
+    """``{flush: fn}`` of :data:`bench.FLUSHES` over one 256 MB buffer: ``write``
+    zeroes it (``triton.testing.do_bench``'s ``clear_cache``), ``read`` streams
+    it through the read-floor kernel (clean L2 lines)."""
+    if not _FLUSH:
+        buf = torch.empty(256 << 20 >> 2, dtype=torch.int32, device="cuda").fill_(1)
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        out = torch.empty(4 * sm, dtype=torch.float32, device="cuda")
+        _FLUSH["write"] = buf.zero_
+        _FLUSH["read"] = lambda: bench.stream_read(buf, out, 4 * sm, 4096, 4)
+    return _FLUSH
+
+
+def timed(fn, flush: str) -> float:
+    return bench.bench_us(fn, flushers()[flush], warmup_ms=10, rep_ms=60)
+
+
+def graph_us_both(fn) -> dict:
+    """``{flush: median us}`` of ``fn`` replayed from one CUDA graph, L2 flushed
+    between replays by each of :data:`bench.FLUSHES`."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -92,7 +116,16 @@ def graph_us(fn) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
+    return {f: timed(g.replay, f) for f in bench.FLUSHES}
+
+
+def graph_us(fn) -> float:
+    """Median us of ``fn`` replayed from a CUDA graph, write flush (the sweep's timing)."""
+    return graph_us_both(fn)["write"]
+
+
+def eager_us_both(fn) -> dict:
+    return {f: timed(fn, f) for f in bench.FLUSHES}
 
 
 def eager_us(fn) -> float:
@@ -124,12 +157,26 @@ def stream_read_tbps():
     return max(best, torch_sum), {"torch_sum_tbps": torch_sum, "triton_tbps": best, "triton_config": cfg}
 
 
-def read_floor_us(nbytes: int, buf: torch.Tensor, out: torch.Tensor, cfg: dict) -> float:
-    """Size-matched read floor: a contiguous streaming read of ``nbytes`` (the
-    case's K and V bytes) with the best streaming config, timed as the cases
-    are (CUDA-graph replay, L2 flushed). A decode step cannot beat it."""
+def read_floor_us(nbytes: int, buf: torch.Tensor, out: torch.Tensor, cfg: dict) -> dict:
+    """Size-matched read floor per flush: a contiguous streaming read of
+    ``nbytes`` (the case's K and V bytes) with the best streaming config,
+    timed as the cases are (CUDA-graph replay, each flush). A decode step
+    cannot beat it."""
     x = buf[: nbytes // buf.element_size()]
-    return graph_us(lambda: bench.stream_read(x, out, cfg["programs"], cfg["block"], cfg["num_warps"]))
+    return graph_us_both(lambda: bench.stream_read(x, out, cfg["programs"], cfg["block"], cfg["num_warps"]))
+
+
+def fa3_fn(fa3, q, k, v, lens, page_size, page_idx, page_indptr):
+    """FA3's paged decode (``flash_attn_with_kvcache``, ``num_splits=0``: its own split heuristic) over the same pages."""
+    B = len(lens)
+    n_pages = [-(-n // page_size) for n in lens]
+    table = torch.zeros(B, max(n_pages), dtype=torch.int32, device="cuda")
+    for b in range(B):
+        table[b, : n_pages[b]] = page_idx[page_indptr[b]: page_indptr[b + 1]]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kp, vp = k.view(-1, page_size, HKV, D), v.view(-1, page_size, HKV, D)
+    q4 = q.view(B, 1, HQ, D)
+    return lambda: fa3(q4, kp, vp, cache_seqlens=seqlens, page_table=table, softmax_scale=SCALE, causal=True, num_splits=0)
 
 
 def make_indices(lens, page_size, g):
@@ -193,6 +240,7 @@ def rel_err(x, ref):
 
 
 def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
+    """One case at one page size: ``(row, read-flush timings, FA3 timings or None)``."""
     import flashinfer
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
@@ -201,7 +249,11 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
     B = len(lens)
     indptr, idx, page_indptr, page_idx = make_indices(lens, page_size, g)
     q = torch.randn(B, HQ, D, device="cuda", dtype=DT, generator=g)
-    t, outs = {}, {}
+    t, outs, tr = {}, {}, {}  # write flush, outputs, read flush
+
+    def both(col, fn, eager=False):
+        r = (eager_us_both if eager else graph_us_both)(fn)
+        t[col], tr[col] = r["write"], r["read"]
 
     # FlashInfer tensor-core decode, planned as SGLang plans it (page_size 1, token ids)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -210,7 +262,7 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
     w.plan(indptr, idx, torch.ones(B, dtype=torch.int32, device="cuda"), HQ, HKV, D, 1, q_data_type=DT, kv_data_type=DT, sm_scale=SCALE)
     kv1 = (k.view(-1, 1, HKV, D), v.view(-1, 1, HKV, D))
     outs["flashinfer"] = torch.empty_like(q)
-    t["flashinfer_us"] = graph_us(lambda: w.run(q, kv1, out=outs["flashinfer"]))
+    both("flashinfer_us", lambda: w.run(q, kv1, out=outs["flashinfer"]))
     ref = outs["flashinfer"]
 
     # FlashInfer persistent (holistic) BatchAttention at the real page size
@@ -223,11 +275,11 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
         plse = torch.empty(B, HQ, dtype=torch.float32, device="cuda")
         fn = lambda: ba.run(q, kvp, out=po, lse=plse)  # noqa: E731
         try:
-            t["flashinfer_persistent_us"] = graph_us(fn)
+            both("flashinfer_persistent_us", fn)
         except Exception as e:  # noqa: BLE001
             torch.cuda.synchronize()
             notes.setdefault("persistent_eager", []).append(f"{case['name']} p{page_size}: {type(e).__name__}")
-            t["flashinfer_persistent_us"] = eager_us(fn)
+            both("flashinfer_persistent_us", fn, eager=True)
         outs["flashinfer_persistent"] = po
     except Exception as e:  # noqa: BLE001
         notes.setdefault("persistent_failed", []).append(f"{case['name']} p{page_size}: {type(e).__name__}: {str(e)[:200]}")
@@ -243,21 +295,34 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
                                    MAX_NUM_SEQ=max(256, triton.next_power_of_2(B)))
     idx64 = idx.long()
     to = torch.empty_like(q)
-    t["sglang_triton_us"] = graph_us(lambda: decode_attention_fwd(q, k, v, to, indptr, idx64, logits, lse, nsplits, max_kv_splits, SCALE, 1.0, 1.0))
+    both("sglang_triton_us", lambda: decode_attention_fwd(q, k, v, to, indptr, idx64, logits, lse, nsplits, max_kv_splits, SCALE, 1.0, 1.0))
+
+    # FA3 (PyPI tokenspeed-fa3) where it imports: SGLang's default decode backend on the H200
+    fa3 = bench.fa3_decode()
+    fa3_t = None
+    if fa3 is not None:
+        try:
+            fn = fa3_fn(fa3, q, k, v, lens, page_size, page_idx, page_indptr)
+            o = fn()
+            outs["fa3"] = (o[0] if isinstance(o, (tuple, list)) else o).reshape(B, HQ, D)
+            fa3_t = graph_us_both(fn)
+        except Exception as e:  # noqa: BLE001 - a build without this page size / head_dim: recorded, no column
+            torch.cuda.synchronize()
+            notes.setdefault("fa3_failed", []).append(f"{case['name']} p{page_size}: {type(e).__name__}: {str(e)[:160]}")
     outs["sglang_triton"] = to
 
     # ours: plan once (outside the timed graph, as per step), run per layer
     for path in ("split", "compact"):
         ours.plan(path, indptr)
         o = torch.empty_like(q)
-        t[f"ours_{path}_us"] = graph_us(lambda: ours.run(path, q, k, v, indptr, idx, o))
+        both(f"ours_{path}_us", lambda: ours.run(path, q, k, v, indptr, idx, o))
         outs[f"ours_{path}"] = o
         t[f"ours_{path}_plan_us"] = graph_us(lambda: ours.plan(path, indptr))
     errs = {name: rel_err(o, ref) for name, o in outs.items() if name != "flashinfer"}
     row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
     row["max_abs_err_vs_flashinfer"] = {name: (o.float() - ref.float()).abs().max().item() for name, o in outs.items() if name != "flashinfer"}
     row["ours_split_plan_us"], row["ours_compact_plan_us"] = t["ours_split_plan_us"], t["ours_compact_plan_us"]
-    return row
+    return row, {c: tr.get(c) for c in bench.METHODS}, fa3_t
 
 
 def around(x: int, lo: int, hi: int) -> tuple:
@@ -352,14 +417,19 @@ def main():
     t0 = time.time()
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
-    notes = {"timing": "us per layer, CUDA-graph replay, do_bench median, 256 MB L2 flush between replays; plans outside the graph",
+    notes = {"timing": "us per layer, CUDA-graph replay, do_bench's loop (bench.bench_us) median, 256 MB L2 flush between replays (write: *_us; read: read_flush_us); plans outside the graph",
              "flashinfer_us": "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, use_cuda_graph=True), page_size 1 token ids as SGLang plans it",
              "flashinfer_persistent_us": "flashinfer.BatchAttention at the case's page size",
              "sglang_triton_us": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, max_kv_splits 8",
              "policy": "policy_* from the calibration fitted to this run (in-sample); policy_shipped_* from the calibration shipped before it"}
     read, read_info = stream_read_tbps()
     notes["stream_read"] = {**read_info, "how": "4 GiB bf16; the best Triton grid-stride read of bench.STREAM_CONFIGS and torch.sum; stream_read_tbps is the faster"}
-    notes["read_floor_us"] = "a contiguous read of the case's K and V bytes with the best streaming config, CUDA-graph replay, L2 flushed: the floor of a decode step"
+    notes["read_floor_us"] = ("a contiguous read of the case's K and V bytes with the best streaming config, CUDA-graph replay, L2 flushed: the floor of a decode step; "
+                              "read_floor_us under the write flush, read_floor_read_flush_us under the read flush")
+    notes["flushes"] = ("every *_us column: write flush (do_bench's: zeroing 256 MB between replays, dirty L2 lines); read_flush_us: the same columns "
+                        "with a streaming read of the 256 MB instead (clean lines); both timed by sglang_elastic.attention.bench.bench_us")
+    notes["fa3_us"] = ("flash_attn_with_kvcache of PyPI tokenspeed-fa3, page table of the case's pages, num_splits=0" if bench.fa3_decode() is not None
+                       else "FA3 (PyPI tokenspeed-fa3) did not import: no fa3_us column")
     print(f"stream read {read:.2f} TB/s ({json.dumps(read_info)})", flush=True)
     shipped = load_calibration()
     calib = shipped
@@ -382,8 +452,8 @@ def main():
     rows = []
     for page_size in bench.PAGE_SIZES:
         for c in cases:
-            r = run_case(c, page_size, k, v, ours, fi_ws, g, notes)
-            r["read_floor_us"] = floors[c["name"]]
+            r, read_flush, fa3_t = run_case(c, page_size, k, v, ours, fi_ws, g, notes)
+            bench.add_flush_columns(r, read_flush, floors[c["name"]], fa3_t)
             rows.append(r)
             e = r["rel_err_vs_flashinfer"]
             print(f"p{page_size:<2d} {c['name']:18s} split {r['ours_split_us']:7.1f} compact {r['ours_compact_us']:7.1f} | FI tc {r['flashinfer_us']:7.1f} "
@@ -393,7 +463,7 @@ def main():
     fitted, fit_errs = fit_calibration(
         bench.calibration_timings(rows, by_name), gpu=torch.cuda.get_device_name(0), sm_count=sm, start=calib,
         source=f"scripts/gpu/bench_decode.py at commit {results.commit()}: every case, page 16 and 1, CUDA-graph replay",
-        provisional=False, stream_read_tbps=read, **bench.SHAPE)
+        provisional=False, stream_read_tbps=read, shape=bench.calibration_shape(), **bench.SHAPE)
     cd = fitted.to_json()
     cd["fit_rms_rel_err"] = fit_errs
     results.write(a.calibration_out, cd)

@@ -45,7 +45,8 @@ meets the 1e-2 on this model: SGLang's Triton decode moved logprobs by up to
 Each divergence also reports, never judged, the control's margin between the
 same two tokens (:func:`control_margin`). ``--merge``
 judges stored outputs again with the current rules (no GPU), from the parts
-kept xz-compressed beside the result (``<result>_parts/partN.json.xz``). Also checked:
+kept xz-compressed beside the result (``<result>_parts/partN.json.xz``; half
+of gzip's size: the tracked tree has a 3 MiB budget). Also checked:
 the decode steps went where they should (the backend's ``SGLANG_ELASTIC_DECODE_TRACE``
 counts: forced modes replay graphs of their path only). Exit 1 on a failed
 check. About 30 s per engine start (eight engines on one GPU, nine over two;
@@ -57,8 +58,8 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
-import lzma
 import json
+import lzma
 import math
 import os
 import sys
@@ -417,10 +418,10 @@ def check_trace(mode: str, counts: dict):
 
 
 def load_part(path: str) -> dict:
-    """A part file, plain (``.json``, as a run writes it), xz-compressed
-    (``.json.xz``, as kept in the repo) or gzipped (``.json.gz``, as kept before)."""
-    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    """A part file, plain (``.json``, as a run writes it), xz (``.json.xz``, as kept in the repo)
+    or gzipped (``.json.gz``, as kept before)."""
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else None
+    with (opener(path, "rt") if opener else open(path)) as f:
         return json.load(f)
 
 
@@ -473,7 +474,7 @@ def merge(parts, out: str, command=None) -> int:
         paths = []
         for i, d in enumerate(datas):
             name = os.path.join(kept, f"part{i}.json.xz")
-            with open(name + ".tmp", "wb") as f:  # xz at its strongest: 45 % of gzip's size here; the same bytes for the same data
+            with open(name + ".tmp", "wb") as f:  # xz has no timestamp: the same bytes for the same data
                 f.write(lzma.compress(json.dumps(d, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME))
             os.replace(name + ".tmp", name)
             paths.append(os.path.abspath(name))

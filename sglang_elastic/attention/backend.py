@@ -37,6 +37,16 @@ loop ``DecodeCudaGraphRunner.capture_one_shape`` over the paths and add the
 path to the graph key's ``variant_label`` in ``_make_graph_key`` (which the
 runner calls after ``init_forward_metadata_out_graph`` on replay). A forced
 policy captures one graph per batch size, as stock SGLang does.
+
+Calibration per shape (``calibration_cache.py``): the backend keys its
+calibration by GPU and layer shape; where nothing measured covers the key it
+starts on the cost-model prior and, under ``auto``, times every path on
+synthetic batches over its own pool in ``init_cuda_graph_state`` (the start
+of CUDA-graph capture; :meth:`PersistentKVAttnBackend.startup_calibrate`),
+then caches the fit. Online (``online.py``): a third AROUND hook on
+``DecodeCudaGraphRunner.execute`` times one replay in 16 with CUDA events read
+back by ``query()`` on later steps, and :meth:`choose` lets the measured
+per-bucket choice override the model's.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_elastic.attention import NAME
+from sglang_elastic.attention.calibration_cache import CalibrationCache, ShapeKey, resolve
+from sglang_elastic.attention.online import OnlineCorrector, ReplayTimer, bucket_key
 from sglang_elastic.attention.policy import (
     PATHS, Calibration, DecodePolicy, load_calibration, split_max_splits, work_queue_rows,
 )
@@ -106,6 +118,45 @@ def _attn_dcp_size() -> int:
     return get_parallel().attn_dcp_size
 
 
+#: GQA group sizes FlashInfer's CUDA-core decode is compiled for
+#: (``DISPATCH_GQA_GROUP_SIZE`` in ``flashinfer/utils.cuh``); others it refuses.
+CUDA_CORE_GQA_GROUPS = (1, 2, 3, 4, 8)
+
+
+def flashinfer_decode_unavailable(q_heads: int, kv_heads: int, kv_dtype, deterministic: bool = False) -> Optional[str]:
+    """Why SGLang's FlashInfer decode cannot serve this shape, or ``None``.
+
+    SGLang's ``FlashInferAttnBackend`` picks tensor-core or CUDA-core decode by
+    ``should_use_tensor_core`` (``SGLANG_FLASHINFER_USE_TENSOR_CORE`` first,
+    else GQA >= 4; tensor cores always under deterministic inference); that
+    function is called here, so the answer is the delegate's. CUDA-core decode
+    has kernels only for GQA groups :data:`CUDA_CORE_GQA_GROUPS`.
+    """
+    if deterministic or _should_use_tensor_core(kv_dtype, q_heads, kv_heads):
+        return None
+    group = q_heads // kv_heads
+    if group in CUDA_CORE_GQA_GROUPS:
+        return None
+    return (f"FlashInfer's CUDA-core decode (tensor cores off: SGLANG_FLASHINFER_USE_TENSOR_CORE="
+            f"{os.environ.get('SGLANG_FLASHINFER_USE_TENSOR_CORE')}) has no kernel for GQA group {group} "
+            f"(only {', '.join(map(str, CUDA_CORE_GQA_GROUPS))})")
+
+
+def _should_use_tensor_core(kv_dtype, q_heads: int, kv_heads: int) -> bool:
+    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
+
+    return should_use_tensor_core(kv_cache_dtype=kv_dtype, num_attention_heads=q_heads, num_kv_heads=kv_heads)
+
+
+def _device_name(model_runner) -> str:
+    """The GPU's name as ``torch.cuda.get_device_name`` gives it (``cpu`` off a GPU)."""
+    if not str(getattr(model_runner, "device", "cpu")).startswith("cuda"):
+        return "cpu"
+    from sglang.srt.utils import get_device_name
+
+    return get_device_name(getattr(model_runner, "gpu_id", 0)) or "unknown"
+
+
 def _device_sm_count(model_runner) -> int:
     from sglang.srt.utils import get_device_core_count
 
@@ -149,7 +200,7 @@ class PersistentKVAttnBackend(AttentionBackend):
 
         cfg = config.current()
         mode = policy or cfg.decode_policy
-        calib = calibration or load_calibration(cfg.decode_calibration)
+        explicit = calibration or (load_calibration(cfg.decode_calibration) if cfg.decode_calibration else None)
         self._check_supported(model_runner)
 
         self.device = model_runner.device
@@ -163,14 +214,39 @@ class PersistentKVAttnBackend(AttentionBackend):
         self.q_heads = model_runner.model_config.get_max_num_attention_heads() // _attn_tp_size()
         self.kv_dtype = self.token_to_kv_pool.dtype
         sm = _device_sm_count(model_runner)
-        if sm and sm != calib.sm_count:
+        # the calibration of this shape on this GPU (calibration_cache: explicit, cache, shipped, else the prior)
+        self.shape_key = ShapeKey(gpu=_device_name(model_runner), sm_count=sm or (explicit.sm_count if explicit else 132),
+                                  q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                  dtype=str(self.kv_dtype).removeprefix("torch."), page_size=self.page_size)
+        self.calibration_cache = None if cfg.decode_calibration_cache == "off" else CalibrationCache(cfg.decode_calibration_cache)
+        calib, self.calibration_source = resolve(self.shape_key, explicit, self.calibration_cache)
+        if explicit is not None and sm and sm != calib.sm_count:
             logger.warning("persistentkv: calibration is for %s (%d SMs), this GPU has %d SMs: the policy's choices may be off; "
                            "run scripts/gpu/bench_decode.py on this GPU and pass --decode-calibration", calib.gpu, calib.sm_count, sm)
-        if calib.provisional and mode == "auto":
+        if calib.provisional and mode == "auto" and self.calibration_source != "prior":
             logger.warning("persistentkv: using the PROVISIONAL calibration (%s)", calib.source[:120])
         self.sm_count = sm or calib.sm_count
         self.calib = calib
-        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, mode)
+        deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
+        why = flashinfer_decode_unavailable(self.q_heads, self.kv_heads, self.kv_dtype, deterministic)
+        self._flashinfer_tensor_cores = deterministic or _should_use_tensor_core(self.kv_dtype, self.q_heads, self.kv_heads)
+        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, mode,
+                                   unavailable={"flashinfer": why} if why else None)
+        if why and mode == "auto":
+            logger.warning("persistentkv: %s; the policy picks between split and compact only", why)
+        # the startup measurement (init_cuda_graph_state) where no measurement covers this shape, or when forced
+        startup = cfg.decode_startup_calibration
+        self._needs_startup = (mode == "auto" and len(self.policy.paths) > 1 and str(self.device).startswith("cuda")
+                               and (startup == "force" or (startup == "auto" and self.calibration_source == "prior")))
+        self._startup_timer = None  # None: calibrate.graph_timer() (tests inject theirs)
+        logger.info("persistentkv: %s calibration for %s%s", self.calibration_source, self.shape_key.file_name(),
+                    "; measuring at CUDA-graph capture" if self._needs_startup else "")
+        # online correction from timed graph replays (online.py)
+        self.online: Optional[OnlineCorrector] = None
+        self.replay_timer: Optional[ReplayTimer] = None
+        if mode == "auto" and cfg.decode_online == "on" and len(self.policy.paths) > 1:
+            self.online = OnlineCorrector(self.policy.paths)
+            self.replay_timer = ReplayTimer(self.online)
 
         self.flashinfer = None
         if "flashinfer" in self.policy.paths:
@@ -272,16 +348,18 @@ class PersistentKVAttnBackend(AttentionBackend):
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if lens_cpu is not None and bs > 0:
             lens = lens_cpu.numpy()[:bs]  # a view: cheaper than slicing the tensor first
-            mean = int(lens.sum()) // bs
+            mean, longest = int(lens.sum()) // bs, int(lens.max())
             # size, mean, longest, shortest and how many run past twice the mean:
             # batches alike in these are alike to the cost model
-            key = (bs, mean // RECHOOSE_TOKENS, int(lens.max()) // RECHOOSE_TOKENS, int(lens.min()) // (8 * RECHOOSE_TOKENS),
+            key = (bs, mean // RECHOOSE_TOKENS, longest // RECHOOSE_TOKENS, int(lens.min()) // (8 * RECHOOSE_TOKENS),
                    int(np.count_nonzero(lens > 2 * mean)))
             path = self._choices.get(key)
             if path is None:
                 if len(self._choices) >= _MAX_CHOICES:
                     self._choices.clear()
                 path = self._choices[key] = self.policy.choose(lens)  # the policy picks Python ints or numpy by size
+            if self.online is not None:  # measured replays override the prior per bucket
+                path = self.online.choose(bucket_key(bs, mean, longest), path)
             return path
         total = getattr(forward_batch, "seq_lens_sum", None)
         if total is not None and bs > 0:
@@ -317,6 +395,102 @@ class PersistentKVAttnBackend(AttentionBackend):
         if self.flashinfer is not None:
             # one index buffer for both: a step runs one path, and each path refills it for its step
             self.flashinfer.init_cuda_graph_state(max_bs, max_num_tokens, kv_indices_buf=self.cuda_graph_kv_indices)
+        if self._needs_startup:
+            self._needs_startup = False
+            self.startup_calibrate()
+
+    # ------------------------------------------------------- calibration
+
+    def set_calibration(self, calib: Calibration, source: str) -> None:
+        """Use ``calib`` from now on (its kernel configs must be the current ones: the workspaces were sized for them).
+
+        Raises:
+            ValueError: ``calib``'s split / compact configs differ from the current ones.
+        """
+        if (calib.split, calib.compact) != (self.calib.split, self.calib.compact):
+            raise ValueError("a new calibration must keep the kernel configs the workspaces were sized for")
+        self.calib, self.calibration_source = calib, source
+        self.policy = DecodePolicy(calib, self.q_heads, self.kv_heads, self.head_dim, self.kv_dtype.itemsize, self.policy.mode,
+                                   unavailable=self.policy.unavailable)
+        self._choices.clear()
+
+    def startup_calibrate(self) -> Optional[Calibration]:
+        """The startup measurement (:func:`sglang_elastic.attention.calibrate.calibrate_shape`):
+        every policy path timed on :func:`~sglang_elastic.attention.calibrate.probe_cases`
+        over this server's own KV pool (layer 0) and workspaces, the fit used
+        from now on and written to the calibration cache. A failure is logged
+        and keeps the current calibration (a server must still start).
+
+        Returns:
+            The new calibration, or ``None`` when the measurement failed.
+        """
+        from sglang_elastic.attention.calibrate import calibrate_shape, graph_timer, probe_cases
+
+        t0 = time.monotonic()
+        slots = self.token_to_kv_pool.size
+        cases = probe_cases(self.max_bs - 1, self.max_context_len, max(1, slots - 2 * self.page_size * (self.max_bs + 1)))
+        timer = self._startup_timer or graph_timer()
+        try:
+            calib, errs, _ = calibrate_shape(self.shape_key, self.calib, self.policy.paths, self._probe_launch, timer, cases,
+                                             self.kv_dtype.itemsize)
+        except Exception as e:  # noqa: BLE001 - the server starts on the calibration it has
+            logger.warning("persistentkv: startup calibration failed (%s: %s); keeping the %s calibration",
+                           type(e).__name__, str(e)[:200], self.calibration_source)
+            return None
+        self.set_calibration(calib, "measured")
+        where = None
+        if self.calibration_cache is not None:
+            try:
+                where = self.calibration_cache.store(self.shape_key, calib, {"fit_rms_rel_err": errs, "seconds": round(time.monotonic() - t0, 2)})
+            except OSError as e:
+                logger.warning("persistentkv: cannot write the calibration cache %s: %s", self.calibration_cache.root, e)
+        logger.info("persistentkv: measured %d batches x %s in %.1f s (fit rms rel err %s)%s", len(cases), "/".join(self.policy.paths),
+                    time.monotonic() - t0, {p: round(x, 3) for p, x in errs.items()}, f"; cached in {where}" if where else "")
+        return calib
+
+    def _probe_launch(self, path: str, lens):
+        """One layer's decode of ``path`` for a synthetic batch of ``lens`` over
+        layer 0 of the pool (random pages; GPU only), as a no-argument launch."""
+        from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run, work_queue_plan, work_queue_run
+
+        dev, ps, B = self.device, self.page_size, len(lens)
+        g = torch.Generator(device=dev).manual_seed(7919 * B + int(sum(lens)))
+        need = [-(-int(n) // ps) for n in lens]
+        pages = torch.randperm(self.token_to_kv_pool.size // ps - 1, device=dev, generator=g)[: sum(need)] + 1
+        toks = (pages[:, None] * ps + torch.arange(ps, device=dev)).view(-1, ps)
+        idx, at = [], 0
+        for n, k in zip(lens, need):
+            idx.append(toks[at: at + k].reshape(-1)[: int(n)])
+            at += k
+        idx = torch.cat(idx).to(torch.int32)
+        indptr = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        indptr[1:] = torch.cumsum(torch.tensor(list(lens), device=dev), 0)
+        q = torch.randn(B, self.q_heads, self.head_dim, device=dev, generator=g).to(self.kv_dtype)
+        o = torch.empty_like(q)
+        kb, vb = self.token_to_kv_pool.get_key_buffer(0), self.token_to_kv_pool.get_value_buffer(0)
+        scale = self.head_dim ** -0.5
+        if path == "split":
+            c = self.calib.split
+            ms = split_max_splits(c, B)
+            chunk, nsplit = split_kv_plan(indptr, ms, c.min_chunk, c.block_n)
+            return lambda: split_kv_run(q, kb, vb, indptr, idx, chunk, nsplit, ms, self.mid_o, self.mid_lse, o, scale, c.block_n,
+                                        c.num_warps, c.num_stages, c.pdl)
+        if path == "compact":
+            c = self.calib.compact
+            qc, qo, qn = work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
+                                         capacity=min(self.mid_o.shape[0], self.mid_lse.shape[0]))
+            return lambda: work_queue_run(q, kb, vb, indptr, idx, qc, qo, qn, self.mid_o, self.mid_lse, o, c.programs or self.sm_count,
+                                          scale, c.block_n, c.num_warps, c.num_stages, c.pdl)
+        import flashinfer  # FlashInfer's decode as SGLang's backend plans it: page size 1, token ids
+
+        ones = torch.ones(B, dtype=torch.int32, device=dev)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.flashinfer.workspace_buffer, "NHD", use_cuda_graph=True, use_tensor_cores=self._flashinfer_tensor_cores,
+            paged_kv_indptr_buffer=torch.empty_like(indptr), paged_kv_indices_buffer=torch.empty_like(idx), paged_kv_last_page_len_buffer=ones)
+        w.plan(indptr, idx, ones, self.q_heads, self.kv_heads, self.head_dim, 1, q_data_type=self.kv_dtype, kv_data_type=self.kv_dtype,
+               sm_scale=scale)
+        kv = (kb.view(-1, 1, self.kv_heads, self.head_dim), vb.view(-1, 1, self.kv_heads, self.head_dim))
+        return lambda: w.run(q, kv, out=o)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Host side of a graph step: pick the path (capture: the path being
@@ -336,6 +510,7 @@ class PersistentKVAttnBackend(AttentionBackend):
                                    path, bs, sorted(captured))
                     self._warned_fallback = True
                 path = next(p for p in self.policy.paths if p in captured)
+                self.online = None  # one graph per bs: nothing to explore or correct
         self._trace("capture" if in_capture else "replay", path, bs)
         self.graph_path = path
         if path == "flashinfer":
@@ -382,7 +557,8 @@ class PersistentKVAttnBackend(AttentionBackend):
         else:
             c = self.calib.compact
             work_queue_plan(meta.kv_indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
-                            chunk_out=self.queue_chunk, item_offsets_out=self.queue_item_offsets, n_items_out=self.queue_n_items)
+                            chunk_out=self.queue_chunk, item_offsets_out=self.queue_item_offsets, n_items_out=self.queue_n_items,
+                            capacity=min(self.mid_o.shape[0], self.mid_lse.shape[0]))
 
     # ----------------------------------------------------------------- forward
 
@@ -411,6 +587,8 @@ class PersistentKVAttnBackend(AttentionBackend):
 
         H, D = layer.tp_q_head_num, layer.head_dim
         q3 = q.reshape(-1, H, D)
+        if q3.stride(-1) != 1:  # e.g. a slice of a fused QKV projection with a strided last dim: the kernels need unit stride
+            q3 = q3.contiguous()
         o = q3.new_empty(q3.shape)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
@@ -474,6 +652,26 @@ def _capture_one_shape(original, runner, *args, **kwargs):
     return out
 
 
+def _execute(original, runner, forward_batch, *args, **kwargs):
+    """Times one decode step in ``sample_every`` with CUDA events around
+    ``DecodeCudaGraphRunner.execute`` (online correction, ``online.py``):
+    completed samples are read at the start of later steps with ``query()``,
+    never with a sync."""
+    be = find_backend(runner)
+    if be is None or be.online is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    be.replay_timer.poll()
+    pair = be.replay_timer.start() if be.online.begin_step() else None
+    if pair is None:
+        be.online.sampling = False  # not timed (no free event pair): no exploring either
+    try:
+        return original(runner, forward_batch, *args, **kwargs)
+    finally:
+        ran = be.online.end_step()
+        if pair is not None:
+            be.replay_timer.stop(pair, *(ran or (None, None)))
+
+
 def _make_graph_key(original, runner, size, stream_idx=None, variant_label=None):
     be = find_backend(runner)
     if be is not None and be.variant_graphs:
@@ -493,6 +691,7 @@ def install_graph_hooks() -> None:
 
     HookRegistry.register(f"{_RUNNER}.capture_one_shape", _capture_one_shape, HookType.AROUND)
     HookRegistry.register(f"{_RUNNER}._make_graph_key", _make_graph_key, HookType.AROUND)
+    HookRegistry.register(f"{_RUNNER}.execute", _execute, HookType.AROUND)
     HookRegistry.apply_hooks()
     _hooks_installed = True
 

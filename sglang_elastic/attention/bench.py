@@ -32,7 +32,17 @@ METHODS = {
 ROW_FIELDS = (
     "name", "batch", "lengths_desc", "page_size", "ours_split_us", "ours_compact_us", "policy_pick", "policy_us",
     "flashinfer_us", "flashinfer_persistent_us", "sglang_triton_us", "policy_read_tbps",
+    "fa3_us", "read_floor_us", "read_floor_read_flush_us", "read_flush_us", "floor_ratio",
 )
+#: L2 flushes between timed replays: ``write`` (``triton.testing.do_bench``'s:
+#: zeroing a 256 MB buffer, which leaves dirty lines the next kernel's reads
+#: wait behind: ~8 us a case on the H200) and ``read`` (a streaming read of the
+#: same buffer: clean lines). The ``*_us`` columns are the write flush's (as
+#: before); ``read_flush_us`` holds the same columns under the read flush.
+FLUSHES = ("write", "read")
+#: Optional columns: None where the method did not run (FA3 not installed, a
+#: BatchAttention plan refused).
+OPTIONAL = ("flashinfer_persistent_us", "fa3_us")
 
 
 def zipf_lengths(n: int = 32, lo: int = 1024, top: int = 61440, s: float = 1.1) -> List[int]:
@@ -55,6 +65,12 @@ def bench_cases() -> List[dict]:
         {"name": "B64_8K", "lens": [8 * K] * 64, "lengths_desc": "64 x 8K"},
         {"name": "B256_2K", "lens": [2 * K] * 256, "lengths_desc": "256 x 2K"},
     ]
+
+
+def calibration_shape() -> dict:
+    """The ``shape`` the fitted calibration records (it is used only for this shape:
+    :mod:`sglang_elastic.attention.calibration_cache`)."""
+    return {**SHAPE, "dtype": "bfloat16", "page_sizes": list(PAGE_SIZES)}
 
 
 def kv_bytes(lens: Sequence[int], kv_heads: int = SHAPE["kv_heads"], head_dim: int = SHAPE["head_dim"], dtype_bytes: int = DTYPE_BYTES) -> int:
@@ -92,6 +108,97 @@ def fill_policy(rows: List[dict], cases: Dict[str, dict], policy: DecodePolicy, 
         r[f"{key}_pick"] = pick
         r[f"{key}_us"] = us
         r[f"{key}_read_tbps"] = kv_bytes(lens) / (us * 1e-6) / 1e12
+
+
+def add_flush_columns(row: dict, read_flush: Dict[str, Optional[float]], floors: Dict[str, float],
+                      fa3: Optional[Dict[str, Optional[float]]] = None) -> dict:
+    """Add the columns of the second flush and the floors to a :func:`make_row` row.
+
+    Args:
+        read_flush: the row's timing columns (:data:`METHODS`) measured under the read flush.
+        floors: ``{"write": us, "read": us}``: the bare read of the case's K/V bytes under each flush.
+        fa3: ``{"write": us, "read": us}`` of FA3's decode, or ``None`` (not installed).
+
+    Sets ``fa3_us`` (write flush), ``read_floor_us`` (write), ``read_floor_read_flush_us``,
+    ``read_flush_us`` (``{column: us}`` incl. ``fa3_us``) and ``floor_ratio``
+    (``{flush: {column: us / floor}}``: 1.0 is the floor) and returns the row.
+
+    Raises:
+        ValueError: a flush or a floor missing, or a time that is not positive.
+    """
+    where = f"{row['name']} page {row['page_size']}"
+    if set(floors) != set(FLUSHES):
+        raise ValueError(f"{where}: read floors for {sorted(floors)}, need {list(FLUSHES)}")
+    fa3 = fa3 or {}
+    rf = {}
+    for col in list(METHODS) + ["fa3_us"]:
+        us = fa3.get("read") if col == "fa3_us" else read_flush.get(col)
+        if us is None and col not in OPTIONAL:
+            raise ValueError(f"{where}: {col} under the read flush is needed")
+        rf[col] = us
+    times = {"write": {c: (fa3.get("write") if c == "fa3_us" else row[c]) for c in rf}, "read": rf}
+    for flush, cols in times.items():
+        for c, us in list(cols.items()) + [("read floor", floors[flush])]:
+            if us is not None and not us > 0:
+                raise ValueError(f"{where}: {c} = {us!r} under the {flush} flush is not a positive time")
+    row["fa3_us"] = fa3.get("write")
+    row["read_floor_us"] = floors["write"]
+    row["read_floor_read_flush_us"] = floors["read"]
+    row["read_flush_us"] = rf
+    row["floor_ratio"] = {f: {c: (us / floors[f] if us is not None else None) for c, us in times[f].items()} for f in FLUSHES}
+    return row
+
+
+def bench_us(fn, flush, *, warmup_ms: float = 10.0, rep_ms: float = 60.0, event=None, synchronize=None) -> float:
+    """Median us of ``fn`` with ``flush()`` before every timed run: the loop of
+    ``triton.testing.do_bench`` (5 runs to estimate, then ``warmup_ms`` of
+    warm-up and ``rep_ms`` of timed runs, each between two events) with the
+    flush as an argument, so both flushes are timed by one harness.
+
+    Args:
+        event: makes a timing event (default ``torch.cuda.Event(enable_timing=True)``).
+        synchronize: waits for the device (default ``torch.cuda.synchronize``).
+    """
+    if event is None or synchronize is None:
+        import torch
+
+        event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        synchronize = synchronize or torch.cuda.synchronize
+    fn()
+    synchronize()
+    a, b = event(), event()
+    a.record()
+    for _ in range(5):
+        flush()
+        fn()
+    b.record()
+    synchronize()
+    est = max(1e-6, a.elapsed_time(b) / 5)
+    n_warm, n_rep = max(1, int(warmup_ms / est)), max(1, int(rep_ms / est))
+    for _ in range(n_warm):
+        fn()
+    ev = [(event(), event()) for _ in range(n_rep)]
+    for s, e in ev:
+        flush()
+        s.record()
+        fn()
+        e.record()
+    synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in ev)
+    n = len(ts)
+    return 1e3 * (ts[n // 2] if n % 2 else (ts[n // 2 - 1] + ts[n // 2]) / 2)
+
+
+def fa3_decode():
+    """FA3's ``flash_attn_with_kvcache`` from PyPI ``tokenspeed-fa3`` (or any
+    FlashAttention-3 install), or ``None`` when it does not import."""
+    for mod in ("flash_attn_interface", "flash_attn_3.flash_attn_interface"):
+        try:
+            m = __import__(mod, fromlist=["flash_attn_with_kvcache"])
+            return m.flash_attn_with_kvcache
+        except Exception:  # noqa: BLE001 - absent, or a build for another CUDA / torch: no FA3 column
+            continue
+    return None
 
 
 def calibration_timings(rows: List[dict], cases: Dict[str, dict]) -> Dict[str, list]:

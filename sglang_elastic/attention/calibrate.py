@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang_elastic.attention.policy import (
     PATHS, Calibration, CompactConfig, PathCost, SplitConfig, calibration_from_dict, path_stats, path_time_us,
@@ -69,7 +69,8 @@ def fit_path(path: str, cases: Cases, calib: Calibration, shape: dict, rounds: i
 def fit_calibration(
     timings: Dict[str, Cases], *, gpu: str, sm_count: int, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
     start: Optional[Calibration] = None, source: str = "", provisional: bool = False, stream_read_tbps: Optional[float] = None,
-    split: Optional[SplitConfig] = None, compact: Optional[CompactConfig] = None,
+    split: Optional[SplitConfig] = None, compact: Optional[CompactConfig] = None, shape: Optional[dict] = None,
+    keep_unmeasured: bool = False,
 ) -> Tuple[Calibration, Dict[str, float]]:
     """Fit every path's constants to its timings.
 
@@ -77,6 +78,9 @@ def fit_calibration(
         timings: ``{path: [(lengths, us), ...]}`` for each of ``flashinfer``, ``split``, ``compact``.
         start: starting constants (default: a neutral start); its kernel configs are kept unless
             ``split`` / ``compact`` are given (the configs the timings were taken with).
+        shape: the calibration's ``shape`` (what the timings were measured on; default ``start``'s).
+        keep_unmeasured: a path without timings keeps ``start``'s constants (a path this
+            server cannot run) instead of raising.
 
     Returns:
         ``(calibration, {path: rms relative error of the fit})``.
@@ -87,16 +91,111 @@ def fit_calibration(
     neutral = {p: PathCost(launch_us=10.0, bw_tbps=3.0, cta_gbps=50.0, ctas_per_sm=2) for p in PATHS}
     calib = start or Calibration(gpu=gpu, sm_count=sm_count, paths=neutral)
     calib = dataclasses.replace(calib, gpu=gpu, sm_count=sm_count, source=source, provisional=provisional,
-                                stream_read_tbps=stream_read_tbps, split=split or calib.split, compact=compact or calib.compact)
-    shape = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+                                stream_read_tbps=stream_read_tbps, split=split or calib.split, compact=compact or calib.compact,
+                                shape=shape if shape is not None else calib.shape)
+    layer = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
     paths, errs = dict(calib.paths), {}
     for p in PATHS:
-        if p not in timings:
+        if p not in timings or (keep_unmeasured and not timings[p]):
+            if keep_unmeasured:
+                continue
             raise ValueError(f"no timings for path {p!r}")
-        paths[p], errs[p] = fit_path(p, timings[p], calib, shape)
+        paths[p], errs[p] = fit_path(p, timings[p], calib, layer)
     calib = dataclasses.replace(calib, paths=paths)
     calibration_from_dict(calib.to_json())  # the fitted values must pass the loader's checks
     return calib, errs
+
+
+# ---------------------------------------------------------------------------
+# the startup measurement (server start, during CUDA-graph capture)
+# ---------------------------------------------------------------------------
+
+#: Margin of a calibration measured on its own shape (ours >= 3 % faster than FlashInfer).
+MEASURED_MARGIN = 0.03
+#: One timed launch: ``timer(fn) -> us`` (the GPU one: :func:`graph_timer`; tests inject theirs).
+Timer = Callable[[Callable[[], None]], float]
+
+
+def probe_cases(max_batch: int, max_len: int, max_tokens: int) -> List[List[int]]:
+    """The batches the startup measurement times: one long request at four
+    lengths, small and large even batches, a Zipf batch and mixed ones
+    (stragglers past FlashInfer's split limit): the regimes the cost model
+    separates. Clamped to the server's limits (lengths to ``max_len``,
+    batches to ``max_batch``, each batch's tokens scaled down to
+    ``max_tokens``); duplicates dropped.
+    """
+    K = 1024
+    zipf = [int(1024 + 60 * 1024 / (r + 1) ** 1.1) for r in range(32)]
+    want = [[2 * K], [8 * K], [32 * K], [128 * K], [32 * K] * 4, [64 * K] * 2 + [4 * K] * 6, [8 * K] * 16, zipf,
+            [32 * K] * 8 + [2 * K] * 56, [8 * K] * 64, [2 * K] * 256, [512] * 256]
+    out: List[List[int]] = []
+    for lens in want:
+        lens = [max(1, min(int(n), max_len)) for n in lens][: max(1, max_batch)]
+        total = sum(lens)
+        if total > max_tokens:
+            f = max_tokens / total
+            lens = [max(1, int(n * f)) for n in lens]
+        if lens not in out:
+            out.append(lens)
+    return out
+
+
+def measure(paths: Sequence[str], cases: Sequence[Sequence[int]], make_launch: Callable[[str, Sequence[int]], Callable[[], None]],
+            timer: Timer) -> Dict[str, list]:
+    """``{path: [(lens, us), ...]}``: ``timer(make_launch(path, lens))`` for every path and case."""
+    return {p: [(list(lens), float(timer(make_launch(p, lens)))) for lens in cases] for p in paths}
+
+
+def calibrate_shape(key, prior: Calibration, paths: Sequence[str], make_launch, timer: Timer, cases: Sequence[Sequence[int]],
+                    dtype_bytes: int = 2) -> Tuple[Calibration, Dict[str, float], Dict[str, list]]:
+    """The startup measurement: time ``paths`` on ``cases`` and fit a calibration
+    for ``key`` (:class:`sglang_elastic.attention.calibration_cache.ShapeKey`)
+    starting from ``prior`` (its kernel configs are kept: the workspaces were
+    sized for them; paths not in ``paths`` keep the prior's constants).
+
+    Returns:
+        ``(calibration, fit rms relative error per path, the timings)``.
+    """
+    t = measure(paths, cases, make_launch, timer)
+    calib, errs = fit_calibration(
+        t, gpu=key.gpu, sm_count=key.sm_count, q_heads=key.q_heads, kv_heads=key.kv_heads, head_dim=key.head_dim,
+        dtype_bytes=dtype_bytes, start=prior, provisional=False, shape=key.shape(), keep_unmeasured=True,
+        source=f"startup measurement (sglang_elastic.attention.calibrate.calibrate_shape): {len(cases)} batches x {', '.join(paths)}",
+        stream_read_tbps=prior.stream_read_tbps)
+    # measured constants need only the usual margin (the prior's wider one hedged its guess)
+    return dataclasses.replace(calib, margin=min(prior.margin, MEASURED_MARGIN)), errs, t
+
+
+def graph_timer(reps: int = 20) -> Timer:
+    """The GPU timer of the startup measurement: ``fn`` captured once in a CUDA
+    graph (as the server replays it), replayed ``reps`` times between CUDA
+    events after two warm replays; the median in us. Runs at server start,
+    before serving, so its synchronisations cost nothing per step."""
+
+    def timer(fn) -> float:
+        import torch
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        g.replay()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in ev:
+            a.record()
+            g.replay()
+            b.record()
+        torch.cuda.synchronize()
+        ts = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
+        del g
+        return ts[len(ts) // 2]
+
+    return timer
 
 
 def _check_decode_zipf() -> List[int]:
@@ -138,6 +237,7 @@ def provisional_h200() -> Tuple[Calibration, Dict[str, float]]:
                "tensor-core numbers of shared/design/decode-attention-anchors.md (another run); replace with the "
                "file scripts/gpu/bench_decode.py writes",
         provisional=True, stream_read_tbps=4.27, split=split, compact=compact,
+        shape={"q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_sizes": [16]},
     )
     # the fixed-chunk queue of the measured run; the backend's default plan is target_items-driven
     calib = dataclasses.replace(calib, compact=CompactConfig(target_items=1024, min_chunk=512, programs=132, block_n=32))

@@ -45,8 +45,13 @@ Calibration JSON (schema ``version`` 1)::
                   "num_warps": null, "num_stages": null,
                   "pdl": false},             # programmatic dependent launch (optional, default false)
       "compact": {"target_items": 1024, "min_chunk": 256, "programs": null, "block_n": 32,
-                  "num_warps": null, "num_stages": null, "pdl": false}
+                  "num_warps": null, "num_stages": null, "pdl": false},
+      "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128,   # optional: the shape measured
+                "dtype": "bfloat16", "page_sizes": [16, 1]}      # (per rank); absent: unknown
     }
+
+A calibration is used only for the shape it was measured on
+(:mod:`sglang_elastic.attention.calibration_cache`).
 
 Ideas: FA2/FA3 ``num_splits_heuristic`` (wave efficiency), LeanAttention
 (arXiv 2405.10480: equal work per CTA), FlashInfer's planners, the
@@ -118,6 +123,9 @@ class Calibration:
     source: str = ""
     split: SplitConfig = SplitConfig()
     compact: CompactConfig = CompactConfig()
+    #: the layer shape the constants were measured on (``None``: unknown, e.g. a prior):
+    #: ``{q_heads, kv_heads, head_dim, dtype, page_sizes}`` (:func:`check_shape`)
+    shape: Optional[dict] = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -135,6 +143,30 @@ def _num(d: dict, key: str, where: str, kind=float, lo: float = 0.0, hi: float =
     if not (lo <= v <= hi) or (kind is float and not math.isfinite(v)):
         raise CalibrationError(f"{where}.{key} = {v!r} is out of range [{lo}, {hi}]")
     return kind(v)
+
+
+SHAPE_FIELDS = ("q_heads", "kv_heads", "head_dim")
+DTYPES = ("bfloat16", "float16")
+
+
+def check_shape(s, where: str) -> dict:
+    """Validate a calibration's ``shape`` object (module docstring).
+
+    Raises:
+        CalibrationError: naming the bad field.
+    """
+    if not isinstance(s, dict):
+        raise CalibrationError(f"{where}.shape must be an object")
+    out = {k: _num(s, k, f"{where}.shape", kind=int, lo=1, hi=1 << 16) for k in SHAPE_FIELDS}
+    if s.get("dtype") not in DTYPES:
+        raise CalibrationError(f"{where}.shape.dtype must be one of {', '.join(DTYPES)}, not {s.get('dtype')!r}")
+    ps = s.get("page_sizes")
+    if not isinstance(ps, list) or not ps or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in ps):
+        raise CalibrationError(f"{where}.shape.page_sizes must be a non-empty list of positive integers, not {ps!r}")
+    extra = set(s) - set(SHAPE_FIELDS) - {"dtype", "page_sizes"}
+    if extra:
+        raise CalibrationError(f"{where}.shape: unknown field(s) {sorted(extra)}")
+    return {**out, "dtype": s["dtype"], "page_sizes": [int(p) for p in ps]}
 
 
 def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
@@ -203,6 +235,7 @@ def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
         source=str(d.get("source", "")),
         split=split,
         compact=compact,
+        shape=check_shape(d["shape"], where) if d.get("shape") is not None else None,
     )
 
 
@@ -399,21 +432,36 @@ class DecodePolicy:
         q_heads, kv_heads, head_dim: the layer shape (per tensor-parallel rank).
         dtype_bytes: bytes per KV element (2 for bf16/fp16).
         mode: ``auto`` (cost model) or a forced path (``flashinfer``, ``split``, ``compact``).
+        unavailable: ``{path: why}`` of paths this server cannot run (e.g.
+            FlashInfer's CUDA-core decode for a GQA group it has no kernel for):
+            ``auto`` never returns them.
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, a forced mode that is unavailable (the
+            message says why), or every path unavailable.
     """
 
-    def __init__(self, calib: Calibration, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mode: str = "auto"):
+    def __init__(self, calib: Calibration, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mode: str = "auto",
+                 unavailable: Optional[Dict[str, str]] = None):
         if mode not in MODES:
             raise ValueError(f"decode policy must be one of {', '.join(MODES)}, not {mode!r}")
+        self.unavailable = dict(unavailable or {})
+        unknown = set(self.unavailable) - set(PATHS)
+        if unknown:
+            raise ValueError(f"unknown decode path(s) {sorted(unknown)}; known: {', '.join(PATHS)}")
+        if mode in self.unavailable:
+            others = [m for m in MODES if m not in self.unavailable and m != mode]
+            raise ValueError(f"--decode-policy {mode} cannot run here: {self.unavailable[mode]}; use --decode-policy {' or '.join(others)}")
+        if mode == "auto" and set(self.unavailable) >= set(PATHS):
+            raise ValueError("no decode path available: " + "; ".join(self.unavailable.values()))
         self.calib, self.mode = calib, mode
         self.q_heads, self.kv_heads, self.head_dim, self.dtype_bytes = q_heads, kv_heads, head_dim, dtype_bytes
+        self._paths = tuple(p for p in PATHS if p not in self.unavailable) if mode == "auto" else (mode,)
 
     @property
     def paths(self) -> Tuple[str, ...]:
         """Paths this policy can return (each gets its own CUDA graph per batch size)."""
-        return PATHS if self.mode == "auto" else (self.mode,)
+        return self._paths
 
     def predict(self, lens: Iterable[int]) -> Dict[str, float]:
         """Predicted us per layer of every path for these KV lengths."""
@@ -433,6 +481,11 @@ class DecodePolicy:
         """The path for a batch with these KV lengths (forced modes return themselves)."""
         if self.mode != "auto":
             return self.mode
+        if len(self._paths) == 1:
+            return self._paths[0]
         t = self.predict(lens)
-        best = min(("split", "compact"), key=t.get)
+        ours = [p for p in ("split", "compact") if p in self._paths]
+        best = min(ours, key=t.get)
+        if "flashinfer" not in self._paths:
+            return best
         return best if t[best] <= (1.0 - self.calib.margin) * t["flashinfer"] else "flashinfer"
