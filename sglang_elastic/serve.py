@@ -76,6 +76,8 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
     the user's flags as given."""
     cmd = [python or sys.executable, "-m", "sglang.launch_server"]
     defaults = list(BACKEND_FLAGS)
+    if _given(extra, "--enable-kv-offload"):  # the plugin selects its own backend (kvoffload; prefill on FlashInfer inside it)
+        defaults = [(f, v) for f, v in defaults if f != "--attention-backend"]
     if not (_given(extra, "--model-path") or _given(extra, "--model")):
         cmd += ["--model-path", str(model_path(model))]
         defaults = list(EMBEDDED_MODEL_FLAGS) + defaults
@@ -116,11 +118,9 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
             print(f"sglang-elastic serve: {e}", file=sys.stderr)
             return 2
         if state is not patchset.State.APPLIED:
-            print(
-                f"sglang-elastic serve: the installed SGLang is {state.value}; "
-                "run 'sglang-elastic patch apply' first (or pass --allow-unpatched)",
-                file=sys.stderr,
-            )
+            fix = ("run 'sglang-elastic patch apply' first" if state is patchset.State.PRISTINE else
+                   "restore it with 'sglang-elastic patch restore --from-wheel', then 'sglang-elastic patch apply'")
+            print(f"sglang-elastic serve: the installed SGLang is {state.value}; {fix} (or pass --allow-unpatched)", file=sys.stderr)
             return 2
     # exec: the server takes this process's place, so signals (Ctrl-C, kill)
     # reach SGLang's launcher, which tears down its scheduler processes.

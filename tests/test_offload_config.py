@@ -158,3 +158,20 @@ def test_estimate_costs_a_summary_row_per_chunk_of_tokens_not_per_context():
     assert summary_bytes(LLAMA8B, est, 64) == 65 * 8192 * 4 + 67 * 30 * 2048 + 65 * 32 * 32 * 128 * 4
     assert 1.50 < sz.tokens / 906051 < 1.53 < 1.60 < base.tokens / 906051
     assert summary_bytes(LLAMA8B, OffloadPolicy(), 64) == summary_token_bytes(LLAMA8B, OffloadPolicy()) == 0
+
+
+def test_serves_offload_command_passes_the_plugins_checks(sglang_python, monkeypatch):
+    """``sglang-elastic serve --enable-kv-offload --disable-radix-cache`` (the
+    README's command) leaves the attention backend to the plugin: SGLang's own
+    parse of the exact command line it builds selects ``kvoffload`` (before,
+    serve's ``--attention-backend flashinfer`` default made the plugin refuse it)."""
+    from sglang_elastic import serve
+
+    monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
+    argv = serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--disable-radix-cache"])
+    assert "--attention-backend" not in argv and argv[argv.index("--sampling-backend") + 1] == "pytorch"
+    r = sglang_python.run(PARSE, argv[3:] + ["--device", "cpu"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
+    assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"] and json.loads(out["CONFIG"])["offload"]["enabled"] is True
+    assert "--attention-backend" in serve.build_command("llama-3.1-8b", ["--enable-elastic-kv"])  # other features keep FlashInfer

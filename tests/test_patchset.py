@@ -219,6 +219,7 @@ def test_cli_status_apply_revert_and_one_line_refusal(sglang_site):
     assert cli("patch", "apply", "--sglang-dir", str(sglang_site)).returncode == 0
     r = cli("patch", "apply", "--sglang-dir", str(sglang_site))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "refusing" in r.stderr
+    assert f"patch status --sglang-dir {sglang_site}" in r.stderr  # names the tree it refused, not the installed one
     r = cli("patch", "status", "--sglang-dir", str(sglang_site / "sglang"))
     assert ": applied" in r.stdout.splitlines()[0]
     assert cli("patch", "revert", "--sglang-dir", str(sglang_site)).returncode == 0
