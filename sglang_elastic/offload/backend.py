@@ -280,7 +280,8 @@ class OffloadAttnBackend(AttentionBackend):
         (the prefetch's copies and the rows it found resident already),
         ``pcie_read_bytes`` (V rows copied host -> GPU, prefetch included),
         ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
-        ``decode_tokens``, ``prefill_tokens``."""
+        ``decode_tokens``, ``prefill_tokens``, ``summary_overflow`` (``estimate``: chunks
+        that found no free V-summary slot, their share estimated as zero; should stay 0)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
@@ -293,6 +294,7 @@ class OffloadAttnBackend(AttentionBackend):
             "pcie_read_bytes": (misses + spec_rows) * row,
             "pcie_write_bytes": (self.prefill_tokens + self.decode_tokens) * sparse * row,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+            "summary_overflow": int(pool.slot_overflow.item()) if pool.summary_layer_ids else 0,
         }
 
 
