@@ -239,6 +239,59 @@ def test_staging_gathers_a_prefix_from_the_pool_and_the_host_rows():
         sim.pool.stage_layer(1, torch.arange(1, 1202))
 
 
+def hooked_req_free():
+    """SGLang's ``ReqToTokenPool.free`` as the plugin's hook wraps it: the hook
+    ``hooks.register`` gives, applied by SGLang's own ``HookRegistry`` wrapper."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.plugins.hook_registry import HookRegistry, _wrap_fn
+
+    from sglang_elastic.offload import hooks
+
+    seen = {}
+    orig = HookRegistry.register
+    try:
+        HookRegistry.register = classmethod(lambda cls, target, fn, kind: seen.__setitem__(target, (fn, kind)))
+        hooks.register()
+    finally:
+        HookRegistry.register = orig
+    fn, kind = seen["sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free"]
+    return _wrap_fn(ReqToTokenPool.free, fn, kind)
+
+
+def test_sglang_freeing_a_row_returns_its_summary_slots_through_the_hook():
+    """A request SGLang frees (``release_kv_cache`` -> ``ReqToTokenPool.free``, which
+    clears ``req.req_pool_idx``) gives its chunks' summary slots back at the next
+    forward, before its row is ever reused: otherwise every idle row keeps its last
+    request's slots, and a full pool's new chunks find none (``slot_overflow``: their
+    estimate reads zeros)."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_elastic.offload import hooks
+
+    free = hooked_req_free()
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator="estimate", chunk=8)
+    pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200)
+    sim = Sim(pool, seed=int(torch.randint(0, 2**16, ())), ctx=200)
+    r2t_pool = ReqToTokenPool(size=4, max_context_len=200, device="cpu", enable_memory_saver=False)
+    reqs = [types.SimpleNamespace(req_pool_idx=None) for _ in range(2)]
+    rows = r2t_pool.alloc(reqs)
+    hooks._BUILT["pool"] = pool
+    try:
+        sim.extend(rows, [(0, 123), (0, 77)])
+        sim.decode(rows, [124, 78], check=False)
+        assert int(pool.slot_top) == pool.summary_slots - 15 - 9
+        free(r2t_pool, reqs[0])
+        assert reqs[0].req_pool_idx is None and rows[0] in r2t_pool.free_slots  # SGLang's own free ran
+        pool.flush_releases()  # what the next forward does first
+        assert int(pool.slot_top) == pool.summary_slots - 9 and int(pool.slot_count[rows[0]]) == 0
+        assert bool((pool.chunk_slot[rows[0]] == pool.ZERO).all())
+        free(r2t_pool, reqs[1])
+        pool.flush_releases()
+        assert sorted(pool.slot_stack.tolist()) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
+    finally:
+        hooks._BUILT.pop("pool", None)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["admit", "decode", "finish", "retract"]), st.integers(0, 3), st.integers(20, 160)),
                 min_size=4, max_size=14), st.integers(0, 2**16))
@@ -258,12 +311,15 @@ def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_row
     hooks._BUILT["pool"] = pool
     live = {}  # request row -> length
     try:
-        _run_ops(ops, sim, pool, live, hooks)
+        _run_ops(ops, sim, pool, live, hooked_req_free())
     finally:
         hooks._BUILT.pop("pool", None)
 
 
-def _run_ops(ops, sim, pool, live, hooks):
+def _run_ops(ops, sim, pool, live, req_free):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    r2t_pool = ReqToTokenPool(size=pool.layout.request_rows - 1, max_context_len=sim.ctx, device="cpu", enable_memory_saver=False)
     for op, slot, n in ops:
         r = slot + 1
         if op == "admit" and r not in live:
@@ -277,7 +333,7 @@ def _run_ops(ops, sim, pool, live, hooks):
             live.update(zip(reqs, lens))
         elif op in ("finish", "retract") and r in live:
             del live[r]  # SGLang frees its ids; a retracted one re-prefills from position 0 when admitted again
-            hooks._after_req_free(None, None, types.SimpleNamespace(req_pool_idx=r))
+            req_free(r2t_pool, types.SimpleNamespace(req_pool_idx=r))  # SGLang's free, hooked
         pool.flush_releases()  # what the next forward does first
         owned = []
         for q, n_q in live.items():

@@ -9,7 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
-| ``ReqToTokenPool.free`` | AFTER | a finished or retracted request's row gives its V-summary slots back (``--kv-offload-denominator estimate``; at the next forward, on its stream) |
+| ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its V-summary slots back (``--kv-offload-denominator estimate``; at the next forward, on its stream); AROUND because ``free`` clears ``req.req_pool_idx`` |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -42,13 +42,16 @@ def register() -> None:
     HookRegistry.register(f"{_CONFIGURATOR}._build_mha_kv_pool", build_mha_kv_pool, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
-    HookRegistry.register(f"{_REQ_POOL}.free", _after_req_free, HookType.AFTER)
+    HookRegistry.register(f"{_REQ_POOL}.free", around_req_free, HookType.AROUND)
 
 
-def _after_req_free(result, req_pool, req, *args, **kwargs):
-    """A request's ``req_to_token`` row is free again: its summary slots go back (queued for the next forward)."""
-    pool = _BUILT.get("pool")
+def around_req_free(orig, req_pool, req, *args, **kwargs):
+    """AROUND hook of ``ReqToTokenPool.free``: the request's ``req_to_token`` row is free
+    again, so its summary slots go back (queued for the next forward). The row is read
+    before ``free`` runs: SGLang's ``free`` sets ``req.req_pool_idx = None``."""
     row = getattr(req, "req_pool_idx", None)
+    result = orig(req_pool, req, *args, **kwargs)
+    pool = _BUILT.get("pool")
     if pool is not None and row is not None and pool.summary_layer_ids:
         pool.release_summary_rows([row])
     return result
@@ -223,4 +226,4 @@ def build_mha_kv_pool(orig, kvc, *args, mha_pool_class, quant_method=None, **kwa
     return orig(kvc, *args, mha_pool_class=factory, quant_method=None, **kwargs)
 
 
-__all__ = ["DEFAULT_REQUESTS", "build_mha_kv_pool", "model_shape", "register", "resolve_memory_pool_config", "state"]
+__all__ = ["DEFAULT_REQUESTS", "around_req_free", "build_mha_kv_pool", "model_shape", "register", "resolve_memory_pool_config", "state"]

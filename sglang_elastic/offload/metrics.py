@@ -75,5 +75,7 @@ class OffloadMetrics:
             self.g["read"].inc(d["pcie_read_bytes"])
             self.g["write"].inc(d["pcie_write_bytes"])
         hit_s = "n/a" if hit is None else f"{hit:.3f}"
+        lost = st.get("summary_overflow", 0) - prev.get("summary_overflow", 0)
         return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
-                f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use")
+                f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use"
+                + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else ""))

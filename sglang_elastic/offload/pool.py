@@ -259,16 +259,20 @@ class OffloadKVPool(MHATokenToKVPool):
         if isinstance(rows, torch.Tensor):
             from sglang_elastic.kernels.offload import slot_release_run
 
-            slot_release_run(rows.to(device=self.device), self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
+            slot_release_run(rows.to(device=self.device, non_blocking=True), self.chunk_slot, self.slot_count, self.slot_stack,
+                             self.slot_top, self.ZERO)
         else:
             self._release_pending.extend(int(r) for r in rows)
 
     def flush_releases(self) -> None:
-        """Release the rows SGLang freed since the last forward (the backend calls it first in every forward)."""
+        """Release the rows SGLang freed since the last forward (the backend calls it first in every forward).
+        The row list goes to the GPU from pinned memory without a host sync: under SGLang's overlap
+        scheduler the previous forward is still running when this one is prepared."""
         if self._release_pending:
             # swap, not copy-then-clear: SGLang's scheduler thread may append while the forward thread flushes
             pending, self._release_pending = self._release_pending, []
-            self.release_summary_rows(torch.tensor(sorted(set(pending)), dtype=torch.int64))
+            pin = torch.device(self.device).type == "cuda"
+            self.release_summary_rows(torch.tensor(sorted(set(pending)), dtype=torch.int64, pin_memory=pin))
 
     def plan_extend_summaries(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu, req_to_token: torch.Tensor):
         """The summary plan of a prefill (``None`` without ``estimate`` or when
