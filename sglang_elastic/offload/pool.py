@@ -212,7 +212,7 @@ class OffloadKVPool(MHATokenToKVPool):
             if self._v_rows is not None:
                 copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
         if self._summary_plan is not None and layer_idx in self.vsum:
-            self._write_summaries(layer_idx)
+            self._write_summaries(layer_idx, cache_v)
 
     # ------------------------------------------------------------- summaries
 
@@ -220,18 +220,35 @@ class OffloadKVPool(MHATokenToKVPool):
         """The chunks whose V summary this forward completes: ``(src, dst)``
         with ``src`` ``[n, chunk]`` int64 token ids (a chunk's positions, in
         order) and ``dst`` ``[n]`` int64 summary rows (the spare last row for
-        an entry that completes nothing), or ``None``. Written by every
+        an entry that completes nothing) — a prefill's plan adds which items
+        to average from the forward's own V (:meth:`plan_extend_summaries`) —
+        or ``None``. Written by every
         ``set_kv_buffer`` of a sparse layer after its V is stored
         (:meth:`plan_extend_summaries`, :meth:`OffloadDecoder.summary_plan`)."""
         self._summary_plan = plan
 
-    def _write_summaries(self, layer_idx: int) -> None:
-        src, dst = self._summary_plan
+    def _write_summaries(self, layer_idx: int, cache_v: torch.Tensor) -> None:
+        """Each planned chunk's mean V into its slot. A prefill's chunks that
+        lie inside this forward's new tokens are averaged from ``cache_v``
+        (still on the GPU, the same bf16 values as stored); the others (a
+        decode step's chunk, a chunk straddling a prompt chunk's start) read
+        their rows back from where they are stored (the host pool)."""
+        plan = self._summary_plan
+        src, dst = plan[0], plan[1]
         if src.shape[0] == 0:
             return
+        H, D = self.head_num, self.v_head_dim
+        out = self.vsum[layer_idx]
+        if len(plan) > 2:  # a prefill: (src, dst, new_items, new_rows, old_items)
+            new_items, new_rows, old_items = plan[2:]
+            if new_items.shape[0]:
+                out[dst[new_items]] = cache_v[new_rows.reshape(-1)].view(new_rows.shape[0], new_rows.shape[1], H, D).float().mean(1).to(self.store_dtype)
+            if old_items.shape[0] == 0:
+                return
+            src, dst = src[old_items], dst[old_items]
         v = self.host.view(layer_idx) if layer_idx in self._sparse else self.v_buffer[layer_idx]
-        rows = v[src.reshape(-1)].view(src.shape[0], src.shape[1], self.head_num, self.v_head_dim)
-        self.vsum[layer_idx][dst] = rows.float().mean(1).to(self.store_dtype)
+        rows = v[src.reshape(-1)].view(src.shape[0], src.shape[1], H, D)
+        out[dst] = rows.float().mean(1).to(self.store_dtype)
 
     def summaries(self, layer_id: int):
         """``(vsum, chunk_slot)`` of a sparse layer (``estimate``), else None: what
@@ -278,10 +295,16 @@ class OffloadKVPool(MHATokenToKVPool):
         """The summary plan of a prefill (``None`` without ``estimate`` or when
         no chunk completes): request row ``r`` extended over positions
         ``[prefix, prefix + extend)`` completes chunks ``prefix // C`` to
-        ``(prefix + extend) // C - 1``, each given a slot here; their V rows
-        are read from the host pool once this layer's rows are written (the
-        earlier positions of a straddling chunk were written by an earlier
-        chunk of the prompt).
+        ``(prefix + extend) // C - 1``, each given a slot here. A chunk inside
+        the new tokens is averaged from the forward's own V (``cache_v``,
+        rows in batch order, as ``out_cache_loc`` lists the tokens); one that
+        straddles the prefix (at most one per request) reads its rows back
+        from the host pool once this layer's rows are written.
+
+        Returns:
+            ``(src, dst, new_items, new_rows, old_items)`` (see
+            :meth:`set_summary_plan`; ``new_rows`` ``[n_new, C]`` are rows of
+            ``cache_v``), or None.
 
         Args:
             req_pool_indices: ``[bs]`` request rows; prefix_lens_cpu, extend_lens_cpu: ``bs`` ints.
@@ -290,11 +313,15 @@ class OffloadKVPool(MHATokenToKVPool):
         if not self.summary_layer_ids:
             return None
         C = self.layout.policy.chunk
-        rows, chunks = [], []
+        rows, chunks, first_new = [], [], []  # per item: its row, chunk, and the row in cache_v of its first position (or -1)
+        start = 0  # this request's first token in the forward's new tokens (cache_v rows, batch order)
         for r, p, e in zip(req_pool_indices.tolist(), prefix_lens_cpu, extend_lens_cpu):
-            lo, hi = int(p) // C, (int(p) + int(e)) // C
+            p, e = int(p), int(e)
+            lo, hi = p // C, (p + e) // C
             rows += [int(r)] * (hi - lo)
             chunks += range(lo, hi)
+            first_new += [start + c * C - p if c * C >= p else -1 for c in range(lo, hi)]
+            start += e
         if not rows:
             return None
         dev = req_to_token.device
@@ -303,7 +330,11 @@ class OffloadKVPool(MHATokenToKVPool):
         pos = c_t[:, None] * C + torch.arange(C, device=dev)[None, :]
         src = req_to_token[r_t[:, None], pos].to(torch.int64).to(self.device)
         dst = self.assign_summary_slots(r_t.to(self.device), c_t.to(self.device), torch.ones(len(rows), dtype=torch.int32, device=self.device))
-        return src, dst
+        f = torch.tensor(first_new, dtype=torch.int64)
+        new_items = torch.nonzero(f >= 0).flatten()
+        new_rows = f[new_items][:, None] + torch.arange(C)[None, :]
+        old_items = torch.nonzero(f < 0).flatten()
+        return src, dst, new_items.to(self.device), new_rows.to(self.device), old_items.to(self.device)
 
     # --------------------------------------------------------------- staging
 
