@@ -127,12 +127,7 @@ class Model:
 
     def text(self, ids: Sequence[int]) -> str:
         """Decoded ``ids`` up to the first EOS (excluded)."""
-        out = []
-        for t in ids:
-            if t in self.eos_ids:
-                break
-            out.append(t)
-        return self.tokenizer.decode(out)
+        return tasks.answer_text(self.tokenizer, self.eos_ids, ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[steps, vocab]`` float32 from ``[steps, hidden]`` float32 final hidden states."""

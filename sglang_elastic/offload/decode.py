@@ -123,6 +123,7 @@ class OffloadDecoder:
             self.sum_valid = torch.zeros(max_bs, dtype=torch.int32, device=device)
             self.sum_dst = torch.zeros(max_bs, dtype=torch.int64, device=device)
             self.attended = torch.zeros(max(token_capacity, 1) + 1, dtype=torch.uint8, device=device)
+            self._sel_col = torch.arange(self.sel.sel_pos.shape[1], device=device)[None, :]  # column index of sel_pos
             self.est_o = torch.zeros((max_bs * split.scores_max_splits, q_heads, head_dim), **f32)
         self.spec = _Selection(layout, q_heads, max_bs, token_capacity, split, device, own_lists=True) if prefetch else None
         #: [hits, misses] of the exact passes' selected rows (a prefetched row counts as a hit)
@@ -255,10 +256,8 @@ class OffloadDecoder:
     def _mark_attended(self, bs: int) -> None:
         """``attended[kv_indptr[b] + pos] = 1`` for each request's selected (top-k) positions, 0 elsewhere
         (sink and window are known by position); entries past a request's k go to the spare last element."""
-        kmax = self.sel.sel_pos.shape[1]
-        j = torch.arange(kmax, device=self.k.device)[None, :]
         flat = self.kv_indptr[:bs, None].to(torch.int64) + self.sel.sel_pos[:bs].to(torch.int64)
-        flat = torch.where(j < self.k[:bs, None], flat, torch.full_like(flat, self.attended.shape[0] - 1))
+        flat = torch.where(self._sel_col < self.k[:bs, None], flat, self.attended.shape[0] - 1)
         self.attended.zero_()
         self.attended[flat.reshape(-1)] = 1
 

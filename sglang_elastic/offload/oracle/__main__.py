@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import time
 
@@ -28,15 +27,6 @@ from ... import results
 from ..policy import OffloadPolicy
 from . import score, tasks
 from .reference import Reference, run_sample
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else ``platform``'s guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +75,7 @@ def main(argv=None) -> int:
         return 2
     head = results.header("python -m sglang_elastic.offload.oracle " + " ".join(sys.argv[1:] if argv is None else argv))
     head["gpu"] = "none (CPU only)"
-    head["machine"] = f"{cpu_name()}, {os.cpu_count()} cores, torch threads {a.threads}"
+    head["machine"] = f"{results.cpu_name()}, {os.cpu_count()} cores, torch threads {a.threads}"
     labels = list(policies)
     records = {den: [] for den in labels}
     per_sample = []

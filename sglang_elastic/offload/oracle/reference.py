@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..policy import OffloadPolicy, attend_reference
-from .tasks import Sample
+from .tasks import Sample, answer_text
 
 #: Every layer dense: the dense baseline.
 DENSE = OffloadPolicy(dense_layers=1 << 30)
@@ -226,12 +226,7 @@ class Reference:
 
     def text(self, tokens: Sequence[int]) -> str:
         """Decoded text of generated ``tokens`` up to the first EOS (excluded)."""
-        out = []
-        for t in tokens:
-            if t in self.eos_ids:
-                break
-            out.append(t)
-        return self.tokenizer.decode(out)
+        return answer_text(self.tokenizer, self.eos_ids, tokens)
 
 
 def run_sample(ref: Reference, sample: Sample, policies: Dict[str, OffloadPolicy]) -> SampleOutcome:

