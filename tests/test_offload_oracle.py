@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,63 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert "--kv-offload-denominator estimate" in d["servers"]["offload_2"] and "estimate" not in d["servers"]["offload"]
     assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
     assert "offload vs dense through SGLang" in capsys.readouterr().out
+
+
+def test_gpu_script_server_commands_pass_sglangs_parse_with_the_plugin(sglang_python, monkeypatch, tmp_path):
+    """Every server the script starts gets past SGLang's own argument parse
+    with the plugin loaded (before, the shared ``--attention-backend
+    flashinfer`` made the plugin refuse every offload server)."""
+    from tests.test_offload_config import MODEL, PARSE
+
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
+    sets = [shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate --kv-offload-host-gb 8"), shlex.split(gpu.DEFAULT_OFFLOAD_ARGS)]
+    cmds = gpu.server_commands(MODEL, ["--chunked-prefill-size", "512", "--disable-prefill-cuda-graph"], sets)
+    assert list(cmds) == ["dense", "offload", "offload_2"]
+    want = {"dense": (["flashinfer", "flashinfer"], False), "offload": (["kvoffload", "kvoffload"], "estimate"),
+            "offload_2": (["kvoffload", "kvoffload"], "selected")}
+    for name, argv in cmds.items():
+        argv = [x.replace("{port}", "30000") for x in argv[3:]] + ["--device", "cpu"]
+        r = sglang_python.run(PARSE, argv)
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+        out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
+        cfg = json.loads(out["CONFIG"]) if out["CONFIG"] != "None" else None
+        backends, denominator = want[name]
+        assert json.loads(out["BACKENDS"]) == backends, name
+        assert (cfg["offload"]["denominator"] if cfg and cfg["offload"]["enabled"] else False) == denominator, name
+
+
+def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir, tmp_path, capsys):
+    import lzma
+
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    argv = ["--model", model_dir, "--dry-run", "--tasks", "passkey", "--lengths", "1024", "--samples", "2", "--natural", "1",
+            "--cache-dir", str(tmp_path / "cache"), "--samples-file", str(tmp_path / "s.json.xz")]
+    assert gpu.main(argv + ["--out", str(tmp_path / "a.json")]) == 0
+    with lzma.open(tmp_path / "s.json.xz", "rt") as f:
+        drawn = json.load(f)
+    assert [(d["task"], d["index"]) for d in drawn["samples"]] == [("passkey", 0), ("passkey", 1), ("natural", 0)]
+    assert drawn["key"]["samples"] == 2 and len(drawn["samples"][0]["input_ids"]) > 900
+    cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    assert cached == ["dense", "offload", "offload_2"]
+
+    def refuse(url, payload, timeout_s):
+        raise gpu.Failure(f"{url}: connection refused")
+
+    # every server's answers come from the cache: no request is sent, the rows are the same
+    assert gpu.main(argv + ["--out", str(tmp_path / "b.json"), "--per-sample", str(tmp_path / "b.json.xz")], post=refuse) == 0
+    assert capsys.readouterr().err.count("answers read from") == 3
+    a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
+    assert a["accuracy"] == b["accuracy"] and a["accuracy"][0]["kl"] > 0
+    assert "per_sample" not in b and b["per_sample_file"] == "b.json.xz" and "per_sample" not in b["variants"][0]
+    with lzma.open(tmp_path / "b.json.xz", "rt") as f:
+        full = json.load(f)
+    assert full["per_sample"] == a["per_sample"] and len(full["variants"]["offload_2"]) == len(a["per_sample"])
+    assert full["variants"]["offload_2"][0]["offload"]["text"]
+    assert "drawing again" not in capsys.readouterr().err  # the samples came from the file
+    # another sample count: drawn again (the file says 2), another cache entry: the refusing client is asked, nothing is measured
+    assert gpu.main(argv + ["--samples", "1", "--out", str(tmp_path / "c.json")], post=refuse) == 1
+    assert not (tmp_path / "c.json").exists() and "drawing again" in capsys.readouterr().err
 
 
 def test_gpu_script_writes_nothing_when_no_server_answers(model_dir, tmp_path, capsys):

