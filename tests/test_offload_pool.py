@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import types
 
+import torch.utils._python_dispatch
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -357,3 +359,57 @@ def _run_ops(ops, sim, pool, live, req_free):
                     dev_row = q * pool.layout.region_rows + pool.layout.lru_base + j
                     assert torch.equal(pool.v_buffer[lid][dev_row], pool.host.view(lid)[tok])
                     assert int(loc_slot[tok]) == j
+
+
+#: aten ops a CUDA graph cannot capture: a Python value made a tensor (a
+#: host-to-device copy on a GPU), a read of a device value by the host (a sync).
+GRAPH_UNSAFE = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item")
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("denominator,resident,prefetch", [("selected", False, False), ("estimate", False, True), ("full", True, False)])
+def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch):
+    """What the backend runs inside SGLang's decode CUDA graph (the plan, then
+    per layer: the prefetch, the KV write, the attention) makes no tensor from
+    a Python value and reads no device value on the host. On the H200, with
+    ``estimate`` ``attended[idx] = 1`` (a Python 1 made a CPU tensor) failed
+    the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
+    sim = Sim(make_pool(pol, resident), seed=3)
+    sim.extend([1, 2], [(0, 40), (0, 300)])
+    sim.decode([1, 2], [41, 301], check=False)
+    pool, dec = sim.pool, sim.dec
+    pool.flush_releases()  # out of the graph (init_forward_metadata_out_graph)
+    rp, seq = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([42, 302], dtype=torch.int32)
+    loc = sim.r2t[rp.long(), seq.long() - 1].long()
+    ins = [(torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HQ, D).bfloat16()) for _ in range(L)]
+    outs = [torch.empty(2, HQ, D, dtype=torch.bfloat16) for _ in range(L)]
+    with _OpRecorder() as rec:
+        dec.plan(sim.r2t, rp, seq, 2)
+        pool.set_v_rows(dec.new_token_rows())
+        pool.set_summary_plan(dec.summary_plan(pool))
+        for l in range(L):
+            k, v, q = ins[l]
+            if prefetch and l + 1 < L and l + 1 in pool.sparse_layer_ids:
+                dec.prefetch(ins[l + 1][2], pool.get_key_buffer(l + 1), pool.get_value_buffer(l + 1), D ** -0.5, sim.r2t, rp, seq,
+                             pool.hot_state(l + 1), pool.host.view(l + 1))
+            pool.set_kv_buffer(layer(l), loc, k, v)
+            kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
+            if pol.is_dense_layer(l):
+                dec.dense(q, kb, vb, outs[l], D ** -0.5)
+            elif resident:
+                dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, v_summary=pool.summaries(l))
+            else:
+                dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
+    bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE)})
+    assert len(rec.ops) > 50 and not bad, bad
+    assert all(torch.isfinite(o.float()).all() for o in outs)

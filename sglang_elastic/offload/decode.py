@@ -259,7 +259,7 @@ class OffloadDecoder:
         flat = self.kv_indptr[:bs, None].to(torch.int64) + self.sel.sel_pos[:bs].to(torch.int64)
         flat = torch.where(self._sel_col < self.k[:bs, None], flat, self.attended.shape[0] - 1)
         self.attended.zero_()
-        self.attended[flat.reshape(-1)] = 1
+        self.attended.index_fill_(0, flat.reshape(-1), 1)  # not attended[idx] = 1: that makes the 1 a host tensor (no graph capture)
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v) -> None:
