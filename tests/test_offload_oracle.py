@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shlex
+import types
 from pathlib import Path
 
 import pytest
@@ -225,8 +226,7 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert pol == OffloadPolicy(window=16, budget_frac=0.1)
     s = tasks.Sample("niah_single", 100, 0, (5, 6, 7), ("42",), 16)
     assert gpu.request(s, {2}) == {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "stop_token_ids": [2]},
-                                   "return_hidden_states": True}
-    assert gpu.step_hidden({"hidden_states": [[[0.0], [1.0]], [2.0], [3.0]]}) == [[1.0], [2.0], [3.0]]  # full-mode prefill: its last row
+                                   "return_hidden_states": "last", "stream": True}
     out = tmp_path / "acc.json"
     assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "niah_single,vt", "--lengths", "1024", "--samples", "2", "--natural", "1",
                      "--out", str(out)]) == 0
@@ -246,6 +246,37 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert "--kv-offload-denominator estimate" in d["servers"]["offload_2"] and "estimate" not in d["servers"]["offload"]
     assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
     assert "offload vs dense through SGLang" in capsys.readouterr().out
+
+
+def test_gpu_script_reads_a_stream_of_last_hidden_states_with_gaps():
+    """SGLang's stream: one chunk per token, or a chunk bringing several when
+    its tokenizer manager merged queued ones (only the newest row survives)."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+
+    def chunk(ids, n, row):
+        return "data: " + json.dumps({"output_ids": ids, "meta_info": {"completion_tokens": n, "hidden_states": [row]}})
+
+    rows = [[0.5, -1.0], [1.5, 2.0], [3.0, 0.25], [-2.0, 4.0]]
+    cumulative = [chunk([9], 1, rows[0]), chunk([9, 8], 2, rows[1]), chunk([9, 8, 7, 6], 4, rows[3]), "data: [DONE]"]
+    r = gpu.parse_stream(cumulative)
+    assert r["output_ids"] == [9, 8, 7, 6] and r["missing"] == 1
+    assert torch.equal(r["hidden"][[0, 1, 3]], torch.tensor([rows[0], rows[1], rows[3]])) and torch.isnan(r["hidden"][2]).all()
+    incremental = [chunk([9], 1, rows[0]), chunk([8], 2, rows[1]), chunk([7], 3, rows[2]), chunk([6], 4, rows[3])]
+    r = gpu.parse_stream(incremental)
+    assert r["output_ids"] == [9, 8, 7, 6] and r["missing"] == 0 and torch.equal(r["hidden"], torch.tensor(rows))
+    with pytest.raises(gpu.Failure, match="no hidden_states"):
+        gpu.parse_stream(["data: " + json.dumps({"output_ids": [9], "meta_info": {"completion_tokens": 1}})])
+    with pytest.raises(gpu.Failure, match="neither cumulative nor an increment"):
+        gpu.parse_stream([chunk([9], 1, rows[0]), chunk([1, 2, 3], 2, rows[1])])
+    with pytest.raises(gpu.Failure, match="no tokens"):
+        gpu.parse_stream(["data: [DONE]"])
+    # the KL skips a step one stream left without its row
+    model = types.SimpleNamespace(logits=lambda h: h * 3, text=lambda ids: " ".join(map(str, ids)))
+    s = tasks.Sample("natural", 100, 0, tuple(range(60)), (), 4)
+    d = gpu.parse_stream(cumulative)
+    o = gpu.parse_stream(incremental)
+    rec = gpu.compare(s, d, o, model, OffloadPolicy())
+    assert rec["kl_steps_missing"] == 1 and rec["kl_steps"][1] is None and rec["kl"] == 0.0 and rec["prefill_kl"] == 0.0
 
 
 def test_gpu_script_server_commands_pass_sglangs_parse_with_the_plugin(sglang_python, monkeypatch, tmp_path):

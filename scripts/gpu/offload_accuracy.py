@@ -11,31 +11,32 @@ server and to an offload server, greedy, scored the same way.
 ``DIR`` is ``scripts/offload/convert_smollm2.py --dtype bfloat16``'s output.
 Each server (``python -m sglang.launch_server --model-path DIR
 --sampling-backend pytorch --grammar-backend none --disable-radix-cache
---skip-tokenizer-init --enable-return-hidden-states``, then
+--skip-tokenizer-init --return-hidden-states-mode last``, then
 ``--attention-backend flashinfer`` for the dense one, ``--offload-args``
 for an offload one) starts, answers every
-sample's ``/generate`` (``input_ids``, temperature 0, ``return_hidden_states``)
+sample's ``/generate`` (``input_ids``, temperature 0, streamed)
 and stops, one after the other on the same GPU.
 
-KL(dense || offload): SGLang's returned hidden state of a step is the final
-normed one (``LlamaModel`` applies ``norm`` before the logits processor), so
-the client's ``hidden @ embed_tokens.T`` (tied embeddings, float32) is that
-step's logits over the full vocabulary. A server cannot be teacher-forced, so
-the KL covers the decode steps on the same prefix: every step up to and
-including the first greedy disagreement (the CPU oracle,
-``python -m sglang_elastic.offload.oracle``, forces dense's tokens into every
-step). The prefill step (dense in both) is kept apart as ``prefill_kl``: the
-two servers' noise floor. ``budget_frac`` is the rule's attended fraction
-(``OffloadPolicy.counts`` with the ``--kv-offload-*`` values of
-``--offload-args``) over the same steps.
+KL(dense || offload): the servers run with ``--return-hidden-states-mode
+last`` and each request streams with ``return_hidden_states: "last"``, so
+every chunk carries the final normed hidden state (``LlamaModel`` applies
+``norm`` before the logits processor) of the token it brings; the client's
+``hidden @ embed_tokens.T`` (tied embeddings, float32) is that step's logits
+over the full vocabulary. (Full mode would return every prompt position's
+row too: ~100 MB of JSON for an 8K prompt.) A step whose chunk SGLang
+merged into a later one has no row and no KL (``kl_steps_missing``). A
+server cannot be teacher-forced, so the KL covers the decode steps on the
+same prefix: every step up to and including the first greedy disagreement
+(the CPU oracle, ``python -m sglang_elastic.offload.oracle``, forces dense's
+tokens into every step). The prefill step (dense in both) is kept apart as
+``prefill_kl``: the two servers' noise floor. ``budget_frac`` is the rule's
+attended fraction (``OffloadPolicy.counts`` with the ``--kv-offload-*``
+values of ``--offload-args``) over the same steps.
 
-Hidden states: SGLang returns every prompt position of the prefill that ends
-a prompt (full mode), ~12 KB of JSON per position here; ``--server-args
-"--chunked-prefill-size 512"`` keeps that to the last chunk's rows (both
-servers chunk the same way). ``--cache-dir``: each server's answers are kept
-there (``NAME-HASH.pt``, the hash of its command line and the samples) as
-soon as it has run, and a later run with the same server and samples reads
-them instead of starting it again: a run cut off by a time limit resumes.
+``--cache-dir``: each server's answers are kept there (``NAME-HASH.pt``, the
+hash of its command line and the samples) as soon as it has run, and a later
+run with the same server and samples reads them instead of starting it
+again: a run cut off by a time limit resumes.
 
 Writes ``{date, gpu, commit, command, model, servers, offload_policy,
 accuracy, acceptance, variants, prefill_kl, per_sample}`` (``accuracy``: the issue's
@@ -61,7 +62,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -75,7 +76,7 @@ from sglang_elastic.offload.policy import OffloadPolicy  # noqa: E402
 DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --kv-offload-budget 0.05 --kv-offload-sink 4 --kv-offload-window 32 "
                         "--kv-offload-topk 2048 --kv-offload-hot-tokens 4096")
 BASE_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none",
-             "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-hidden-states", "--host", "127.0.0.1"]
+             "--disable-radix-cache", "--skip-tokenizer-init", "--return-hidden-states-mode", "last", "--host", "127.0.0.1"]
 DENSE_ARGS = ["--attention-backend", "flashinfer"]  # the offload servers' plugin sets its own backend (and refuses another)
 
 
@@ -102,23 +103,67 @@ def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
 
 def request(sample: tasks.Sample, eos_ids: Sequence[int], hidden: bool = True) -> Dict:
     """The ``/generate`` payload of one sample: its token ids, greedy, up to
-    ``max_new_tokens`` (natural text: its continuation's length), stopping at EOS."""
+    ``max_new_tokens`` (natural text: its continuation's length), stopping at
+    EOS, streamed, each chunk with the hidden state of its newest token."""
     return {
         "input_ids": list(sample.input_ids),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": sample.max_new_tokens, "stop_token_ids": sorted(eos_ids)},
-        "return_hidden_states": hidden,
+        "return_hidden_states": "last" if hidden else False,
+        "stream": True,
     }
 
 
-def step_hidden(meta: Dict) -> List[List[float]]:
-    """One final hidden state per generated token from ``meta_info["hidden_states"]``:
-    entry 0 is the prefill's (all prompt positions in SGLang's full mode: its
-    last row), then one per decode step."""
-    hs = meta.get("hidden_states")
-    if not hs:
-        raise Failure("the response has no hidden_states (start the server with --enable-return-hidden-states)")
-    first = hs[0][-1] if hs[0] and isinstance(hs[0][0], list) else hs[0]
-    return [first] + list(hs[1:])
+def parse_stream(lines: Iterable[str]) -> Dict:
+    """A streamed ``/generate`` response (``data: {json}`` lines, ``data: [DONE]``)
+    into ``{output_ids, hidden, missing}``.
+
+    With ``return_hidden_states: "last"`` each chunk carries the final hidden
+    state of its newest token (``meta_info.completion_tokens`` = n: token
+    n - 1, token 0 being the prefill's). A chunk that brings several tokens
+    (SGLang's tokenizer manager sends only the newest of queued chunks) leaves
+    the earlier ones without a row: ``hidden`` is ``[tokens, hidden_size]``
+    float32 with NaN rows there, ``missing`` counts them. ``output_ids`` may
+    come cumulative or as increments; both are read.
+
+    Raises:
+        Failure: no chunk, a chunk without ``meta_info``, token counts that do not add up.
+    """
+    ids: List[int] = []
+    rows: Dict[int, List[float]] = {}
+    n_prev, seen = 0, False
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        try:
+            chunk = _loads(line[5:])
+            n = int(chunk["meta_info"]["completion_tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise Failure(f"unexpected /generate chunk ({type(e).__name__}: {e}): {line[:120]}") from None
+        seen = True
+        if "error" in chunk:
+            raise Failure(f"the server answered an error: {str(chunk['error'])[:200]}")
+        got = list(chunk.get("output_ids") or [])
+        if len(got) == n and got[:len(ids)] == ids:
+            ids = got
+        elif len(got) == n - n_prev:
+            ids += got
+        elif n > n_prev or got:
+            raise Failure(f"a chunk of {len(got)} output ids at {n} tokens after {n_prev}: neither cumulative nor an increment")
+        hs = chunk["meta_info"].get("hidden_states")
+        if hs and n > 0:
+            rows[n - 1] = hs[-1] if isinstance(hs[0], list) else hs
+        n_prev = max(n_prev, n)
+    if not seen or not ids:
+        raise Failure("the stream brought no tokens")
+    if not rows:
+        raise Failure("the stream has no hidden_states (start the server with --return-hidden-states-mode last)")
+    width = len(next(iter(rows.values())))
+    hidden = torch.full((len(ids), width), float("nan"))
+    for j, r in rows.items():
+        if j < len(ids):
+            hidden[j] = torch.tensor(r, dtype=torch.float32)
+    return {"output_ids": ids, "hidden": hidden, "missing": len(ids) - sum(j < len(ids) for j in rows)}
 
 
 class Model:
@@ -155,12 +200,13 @@ except ImportError:  # pragma: no cover
     _loads = json.loads
 
 
-def post_json(url: str, payload: Dict, timeout_s: float) -> Dict:
-    """POST ``payload`` to ``url``; raises :class:`Failure` with one line."""
+def post_stream(url: str, payload: Dict, timeout_s: float) -> List[str]:
+    """POST ``payload`` to ``url`` and read the streamed response's lines;
+    raises :class:`Failure` with one line."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return _loads(r.read())
+            return [raw.decode() for raw in r]
     except urllib.error.HTTPError as e:
         raise Failure(f"HTTP {e.code} from {url}: {e.read()[:200].decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -168,26 +214,27 @@ def post_json(url: str, payload: Dict, timeout_s: float) -> Dict:
 
 
 class StandIn:
-    """``--dry-run``'s server: answers each payload with the sample's gold answer
-    (``" A, B."`` then EOS) and, per generated token, the tied embedding row of
-    the token it emits as the hidden state (so the client's logits put that
-    token first); ``noise`` > 0 perturbs them (the "offload" stand-in)."""
+    """``--dry-run``'s server: streams each payload's answer, the sample's gold
+    answer (``" A, B."`` then EOS), one token per chunk with cumulative
+    ``output_ids`` and, per token, the tied embedding row of the token it
+    emits as the hidden state (so the client's logits put that token first);
+    ``noise`` > 0 perturbs them (the "offload" stand-in)."""
 
     def __init__(self, model: Model, answers: Dict[tuple, Sequence[str]], noise: float):
         self.model, self.answers, self.noise = model, answers, noise
 
-    def __call__(self, url: str, payload: Dict, timeout_s: float) -> Dict:
+    def __call__(self, url: str, payload: Dict, timeout_s: float) -> List[str]:
         gold = self.answers[tuple(payload["input_ids"])]
         text = " " + ", ".join(gold) + "." if gold else " and so on"
         ids = self.model.tokenizer(text, add_special_tokens=False)["input_ids"][: payload["sampling_params"]["max_new_tokens"] - 1]
         ids.append(min(self.model.eos_ids))
         g = torch.Generator().manual_seed(len(payload["input_ids"]))
         hidden = self.model.embed[ids] * 8 + self.noise * torch.randn(len(ids), self.model.embed.shape[1], generator=g)
-        prefill = [[0.0] * hidden.shape[1], hidden[0].tolist()]  # full mode: every prompt position (two here)
-        return {"output_ids": ids, "meta_info": {"hidden_states": [prefill] + hidden[1:].tolist(), "finish_reason": {"type": "stop"}}}
+        return [f"data: {json.dumps({'output_ids': ids[: j + 1], 'meta_info': {'completion_tokens': j + 1, 'hidden_states': [hidden[j].tolist()]}})}\n"
+                for j in range(len(ids))] + ["data: [DONE]\n"]
 
 
-def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: Model, args, post: Callable = post_json,
+def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: Model, args, post: Callable = post_stream,
                start: bool = True) -> Dict[int, Dict]:
     """Start ``argv`` (unless ``start`` is False: ``post`` is then a stand-in),
     send every sample, stop it. Returns sample position -> ``{output_ids,
@@ -208,12 +255,7 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
             raise Failure(f"{name} server: {str(e).splitlines()[0]} (log: {server.log_path})") from None
         print(f"{name} server up in {secs:.0f} s", file=sys.stderr, flush=True)
     def one(s: tasks.Sample) -> Dict:
-        # keep the tokens and one float32 row per step: a full-mode prefill of 8K positions is ~150 MB as Python floats
-        r = post(url + "/generate", request(s, model.eos_ids), args.request_timeout)
-        try:
-            return {"output_ids": list(r["output_ids"]), "hidden": torch.tensor(step_hidden(r["meta_info"]), dtype=torch.float32)}
-        except (KeyError, TypeError, ValueError) as e:
-            raise Failure(f"unexpected /generate response ({type(e).__name__}: {e}); keys {sorted(r)}") from None
+        return parse_stream(post(url + "/generate", request(s, model.eos_ids), args.request_timeout))
 
     out: Dict[int, Dict] = {}
     try:
@@ -240,16 +282,18 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
     steps = min(agree + 1, len(d_ids), len(o_ids))  # outputs 0..agree share their prefix
     dl = model.logits(dense["hidden"][:steps])
     ol = model.logits(offload["hidden"][:steps])
-    kl = kl_divergence(dl, ol).tolist()
+    kl = kl_divergence(dl, ol).tolist()  # NaN at a step either stream left without its row
     n = len(sample.input_ids)
     frac = [sum(policy.counts(n + j)) / (n + j) for j in range(1, steps)]
+    dec = [x for x in kl[1:] if x == x]
     natural = sample.task == "natural"
     d_text, o_text = model.text(d_ids), model.text(o_ids)
     return {
         "task": sample.task, "context": sample.context, "index": sample.index, "prompt_tokens": n, "answers": list(sample.answers),
         "dense": {"text": d_text, "solved": None if natural else sample.solved(d_text)},
         "offload": {"text": o_text, "solved": None if natural else sample.solved(o_text)},
-        "prefill_kl": kl[0] if kl else None, "kl_steps": kl[1:], "kl": sum(kl[1:]) / len(kl[1:]) if kl[1:] else None,
+        "prefill_kl": kl[0] if kl and kl[0] == kl[0] else None, "kl_steps": [x if x == x else None for x in kl[1:]],
+        "kl": sum(dec) / len(dec) if dec else None, "kl_steps_missing": len(kl) - 1 - len(dec) if kl else 0,
         "budget_frac": sum(frac) / len(frac) if frac else None,
     }
 
@@ -319,7 +363,7 @@ def parse_args(argv=None):
     ap.add_argument("--server-args", default="", help="flags both servers add (one string), e.g. '--mem-fraction-static 0.5'")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (hidden states of 8K prompts are ~50 MB of JSON each)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "offload_accuracy"))
     ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES)
     ap.add_argument("--samples-file", default=None, help="an .json.xz of the drawn samples: read when it matches the settings, else written")
@@ -352,7 +396,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                 got[name] = torch.load(cached)
                 print(f"{name}: {len(got[name])} answers read from {cached}", file=sys.stderr, flush=True)
                 continue
-            client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_json
+            client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
             got[name] = run_server(name, argv, samples, model, a, client, start=not a.dry_run)
             if cached and any("error" not in r for r in got[name].values()):
                 cached.parent.mkdir(parents=True, exist_ok=True)
@@ -395,13 +439,14 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                          "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
                          "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
+    missing = {"kl_steps_missing": sum(r["kl_steps_missing"] for r in per_sample), "kl_steps": sum(len(r["kl_steps"]) for r in per_sample)}
     out = dict(results.header())
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
                offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
-               errors=errors, per_sample=per_sample)
+               kl_coverage=missing, errors=errors, per_sample=per_sample)
     if a.per_sample:
         for v in variants:
             del v["per_sample"]
