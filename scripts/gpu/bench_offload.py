@@ -300,7 +300,12 @@ def part_throughput(a) -> dict:
         s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + a.extra.split(), 30300 + i, a.work)
         try:
             up = s.wait()
-            s.generate({"input_ids": ps[0][:256], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})  # warm-up
+            # warm-up at the workload's size (a 256-token one left a first-use JIT in stock's measured prefill on fits)
+            import concurrent.futures as cf
+
+            with cf.ThreadPoolExecutor(4) as ex:
+                list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}),
+                            [ps[0][:256]] + [p[::-1] for p in ps[:3]]))
             before = offload_state(s.info())
             poller = PeakPoller(s)
             t0 = time.time()
@@ -332,12 +337,22 @@ def part_assemble(a) -> dict:
     out = results.header(a.command)
     by = {p.get("part"): p for p in parts}
     out["parts"] = sorted(k for k in by if k)
+    gpus = sorted({p["gpu"] for p in parts if p.get("gpu") and p["gpu"] != "unknown"})
+    if gpus:  # assembled on any machine: the GPU the parts ran on
+        out["gpu"] = "; ".join(gpus)
+    out["part_commits"] = {os.path.basename(f): json.load(open(f)).get("commit") for f in sorted(glob.glob(os.path.join(a.parts, "*.json")))}
     cap = next((p for p in parts if p.get("part") == "capacity"), None)
     if cap:
         st, off = cap["servers"].get("stock", {}), cap["servers"].get("offload", {})
         out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
                            "stock_peak_used_tokens": st.get("peak_used_tokens"), "offload_peak_used_tokens": off.get("peak_used_tokens"),
                            "bound": ((off.get("offload") or {}).get("sizing") or {}).get("bound")}
+    if cap is None:  # no capacity part: the pool sizes of the servers of a throughput part (same run, same defaults)
+        tp = next((p for p in parts if p.get("part") == "throughput" and {"stock", "offload"} <= set(p["servers"])), None)
+        if tp:
+            st, off = tp["servers"]["stock"], tp["servers"]["offload"]
+            out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
+                               "source": f"throughput part {tp['workload']} ({off.get('extra_flags') or 'defaults'})"}
     out["throughput"] = []
     for p in parts:
         if p.get("part") != "throughput":

