@@ -71,10 +71,35 @@ def test_load_times_ttft_itl_and_throughput_from_the_stream():
 
 
 def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
+    """The committed H200 parts give the committed ``offload_h200.json`` rows;
+    with no capacity part the pool sizes come from a throughput part's servers."""
     parts = ROOT / "docs" / "results" / "offload_h200_parts"
     mod = bench()
     args = type("A", (), {"parts": str(parts), "command": "python scripts/gpu/bench_offload.py assemble --parts ..."})()
     out = mod.part_assemble(args)
-    assert {"date", "gpu", "commit", "command", "throughput", "exactness"} <= set(out)
+    want = json.loads((ROOT / "docs" / "results" / "offload_h200.json").read_text())
+    assert {"date", "gpu", "commit", "command", "capacity", "throughput", "exactness"} <= set(out)
+    assert "H200" in out["gpu"]  # the parts' GPU, not the assembling machine's
+    for key in ("capacity", "throughput", "exactness", "part_commits"):
+        assert out[key] == want[key], key
     assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
-    assert out["throughput"] == [] and "capacity" not in out  # not measured yet: nothing claimed
+    src = json.loads((parts / "throughput_fits.json").read_text())["servers"]
+    (fits,) = out["throughput"]
+    assert fits["workload"] == "fits" and fits["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
+    assert fits["offload_output_tok_s"] == src["offload"]["output_tok_s"] and fits["hicache_output_tok_s"] is None  # not run: null
+    assert out["capacity"]["offload_tokens"] == src["offload"]["max_total_num_tokens"] > 1.6 * 906_051
+    assert "accuracy" not in out  # not measured yet: nothing claimed
+
+
+def test_a_capacity_part_wins_over_the_throughput_pool_sizes(tmp_path):
+    import shutil
+
+    parts = tmp_path / "parts"
+    shutil.copytree(ROOT / "docs" / "results" / "offload_h200_parts", parts)
+    cap = {"part": "capacity", "gpu": "NVIDIA H200", "commit": "x", "servers": {
+        "stock": {"max_total_num_tokens": 900_000, "peak_used_tokens": 880_000},
+        "offload": {"max_total_num_tokens": 1_500_000, "peak_used_tokens": 1_490_000, "offload": {"sizing": {"bound": "hbm"}}}}}
+    (parts / "capacity.json").write_text(json.dumps(cap))
+    args = type("A", (), {"parts": str(parts), "command": "assemble"})()
+    assert bench().part_assemble(args)["capacity"] == {"stock_tokens": 900_000, "offload_tokens": 1_500_000, "stock_peak_used_tokens": 880_000,
+                                                      "offload_peak_used_tokens": 1_490_000, "bound": "hbm"}

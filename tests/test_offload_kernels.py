@@ -296,11 +296,15 @@ def test_estimate_reference_is_the_loop_over_chunks_and_unattended_positions():
     assert estimate_reference(s, lse, v, torch.arange(Lq), C, G).abs().max() == 0
 
 
-@pytest.mark.parametrize("C", [8, 16])
-def test_estimate_kernel_matches_the_float64_reference(C):
+@pytest.mark.parametrize("C,positions", [(8, 256), (16, 256), (8, 32)])
+def test_estimate_kernel_matches_the_float64_reference(C, positions, monkeypatch):
     """``estimate_run`` over a real selection (scores, lse and top-k from the
-    kernels), chunk means from the V rows, against ``estimate_reference``."""
+    kernels), chunk means from the V rows, against ``estimate_reference``;
+    ``positions``: scores per head a kernel step reads (32: several steps per
+    split, the last one partly masked)."""
     from sglang_elastic.offload.policy import estimate_reference
+
+    monkeypatch.setattr(ko, "ESTIMATE_POSITIONS", positions)
 
     g = torch.Generator().manual_seed(22 + C)
     lens, hq, hkv, d = [150, 700, 20, 5], 6, 2, 32
