@@ -261,17 +261,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes; also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
     o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")
-    o.add_argument("--kv-offload-topk", type=int, default=2048, help="Most selected V rows per request and layer besides sink and window.")
-    o.add_argument("--kv-offload-budget", type=float, default=0.05, help="Attended fraction of the context (sink + window + top-k), at least sink + window rows.")
-    o.add_argument("--kv-offload-sink", type=int, default=4, help="First tokens always attended.")
-    o.add_argument("--kv-offload-window", type=int, default=32, help="Last tokens always attended (>= 1).")
-    o.add_argument("--kv-offload-dense-layers", type=int, default=2, help="Layers 0..N-1 attend to every token and keep V on the GPU.")
-    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default="selected", help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL than full, docs/offload-oracle.md), full (exact over every token; only the V sum is sparse) or estimate (exact, the unattended rows' V estimated by chunk means kept on the GPU; lowest KL on the CPU oracle, costs 1/chunk of V per token on the GPU).")
-    o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=16, help="Positions per V summary with --kv-offload-denominator estimate (at most --kv-offload-window).")
-    o.add_argument("--kv-offload-hot-tokens", type=int, default=4096, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk).")
+    o.add_argument("--kv-offload-topk", type=int, default=None, help="Most selected V rows per request and layer besides sink and window (default 2048).")
+    o.add_argument("--kv-offload-budget", type=float, default=None, help="Attended fraction of the context (sink + window + top-k), at least sink + window rows (default 0.05).")
+    o.add_argument("--kv-offload-sink", type=int, default=None, help="First tokens always attended (default 4).")
+    o.add_argument("--kv-offload-window", type=int, default=None, help="Last tokens always attended (>= 1) (default 32).")
+    o.add_argument("--kv-offload-dense-layers", type=int, default=None, help="Layers 0..N-1 attend to every token and keep V on the GPU (default 2).")
+    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default=None, help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL than full, docs/offload-oracle.md), full (exact over every token; only the V sum is sparse) or estimate (exact, the unattended rows' V estimated by chunk means kept on the GPU; lowest KL on the CPU oracle, costs 1/chunk of V per token on the GPU) (default selected).")
+    o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=None, help="Positions per V summary with --kv-offload-denominator estimate (at most --kv-offload-window) (default 16).")
+    o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk) (default 4096).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
-    o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default="off", help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer.")
+    o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
     d.add_argument("--decode-calibration", default=None, metavar="PATH", help="Calibration JSON of the decode policy (default: this GPU and layer shape's: the calibration cache, else a shipped file measured on this shape, else the cost-model prior). Applies only with --decode-attention-backend persistentkv.")
@@ -321,21 +321,21 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         decode_calibration_cache=cache if cache in (None, "off") else os.path.abspath(cache),
         decode_startup_calibration=getattr(ns, "decode_startup_calibration", None) or "auto",
         decode_online=getattr(ns, "decode_online_correction", None) or "on",
-        offload=OffloadConfig(
-            enabled=bool(getattr(ns, "enable_kv_offload", False)),
-            topk=getattr(ns, "kv_offload_topk", 2048),
-            budget=getattr(ns, "kv_offload_budget", 0.05),
-            sink=getattr(ns, "kv_offload_sink", 4),
-            window=getattr(ns, "kv_offload_window", 32),
-            dense_layers=getattr(ns, "kv_offload_dense_layers", 2),
-            denominator=getattr(ns, "kv_offload_denominator", "selected"),
-            chunk=getattr(ns, "kv_offload_chunk", 16),
-            hot_tokens=getattr(ns, "kv_offload_hot_tokens", 4096),
-            host_gb=getattr(ns, "kv_offload_host_gb", None),
-            resident_v=bool(getattr(ns, "kv_offload_resident_v", False)),
-            prefetch=getattr(ns, "kv_offload_prefetch", "off"),
-        ),
+        offload=_offload_config(ns),
     )
+
+
+def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
+    """``OffloadConfig`` from the ``--kv-offload-*`` flags. Their parser
+    defaults are None, so a flag given at its default value without
+    ``--enable-kv-offload`` is refused too (not only a changed value)."""
+    fields = OffloadConfig.__dataclass_fields__
+    given = {f: getattr(ns, f"kv_offload_{f}", None) for f in fields if f != "enabled"}
+    given = {f: v for f, v in given.items() if v is not None and v is not False}
+    enabled = bool(getattr(ns, "enable_kv_offload", False))
+    if given and not enabled:
+        raise ConfigError(f"--kv-offload-{next(iter(given)).replace('_', '-')} (and every --kv-offload-* flag) needs --enable-kv-offload")
+    return OffloadConfig(enabled=enabled, **given)
 
 
 #: SGLang features the elastic pool does not support: (flag, test on its

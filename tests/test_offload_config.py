@@ -86,6 +86,17 @@ def test_offload_sets_its_attention_backend():
     assert ns.attention_backend == config.OFFLOAD_BACKEND
 
 
+@pytest.mark.parametrize("flags", [["--kv-offload-topk", "2048"], ["--kv-offload-denominator", "selected"], ["--kv-offload-resident-v"],
+                                   ["--kv-offload-host-gb", "40"]])
+def test_offload_flags_given_without_enable_are_refused_even_at_their_default(flags):
+    """A flag at its default value was accepted silently without --enable-kv-offload (seen by a new user)."""
+    with pytest.raises(config.ConfigError, match=f"{flags[0]} .*needs --enable-kv-offload"):
+        config.from_namespace(namespace(*flags))
+    cfg = config.from_namespace(namespace("--enable-kv-offload", *flags, disable_radix_cache=True)).offload
+    assert cfg.enabled and cfg.topk == 2048 and cfg.denominator == "selected" and cfg.hot_tokens == 4096  # defaults fill the rest
+    assert config.from_namespace(namespace()).offload == config.OffloadConfig()  # nothing given: off, nothing refused
+
+
 def test_offload_flags_without_enable_are_refused():
     with pytest.raises(config.ConfigError, match="needs --enable-kv-offload"):
         config.OffloadConfig(topk=10)
