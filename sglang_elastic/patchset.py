@@ -155,6 +155,7 @@ class HunkState(str, enum.Enum):
     EXACT = "applies"
     OFFSET = "offset"
     FUZZ = "fuzz"
+    APPLIED = "already applied"
     CONFLICT = "conflicts"
 
 
@@ -667,7 +668,9 @@ def check(src: Install, series: Optional[Sequence[Patch]] = None, max_fuzz: int 
     """Dry-run the series against another SGLang tree (e.g. a newer release).
 
     Each patch is tried on the files as the previous patches left them (with
-    fuzz up to ``max_fuzz``, like ``patch -F2``); nothing is written.
+    fuzz up to ``max_fuzz``, like ``patch -F2``); nothing is written. A file
+    the patch does not apply to but comes out of cleanly (reversed, exact)
+    already has it: ``already applied``, not a conflict.
     """
     series = list(series if series is not None else load_series())
     cur: Dict[str, Optional[str]] = {}
@@ -682,6 +685,10 @@ def check(src: Install, series: Optional[Sequence[Patch]] = None, max_fuzz: int 
                 rows.extend(CheckRow(p.name, fp.path, i, HunkState.CONFLICT, 0, 0) for i in range(1, len(fp.hunks) + 1))
                 continue
             new, results = apply_to_text(fp, text, max_fuzz=max_fuzz)
+            if new is None and apply_to_text(fp, text, reverse=True)[0] is not None:
+                # the tree already has this patch (a patched install): it comes out cleanly, so it is in
+                results = [HunkResult(r.index, HunkState.APPLIED) for r in results]
+                new = text
             rows.extend(CheckRow(p.name, fp.path, r.index, r.state, r.offset, r.fuzz) for r in results)
             if new is not None:
                 cur[fp.path] = new

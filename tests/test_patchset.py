@@ -351,6 +351,17 @@ def test_two_dist_infos_are_refused_rather_than_guessed(sglang_site):
         patchset.locate(sglang_site)
 
 
+def test_check_on_a_patched_tree_says_already_applied_not_conflicts(sglang_site):
+    """A new user ran ``patch check`` on the install they had patched: every hunk read "conflicts"."""
+    assert cli("patch", "apply", "--sglang-dir", str(sglang_site)).returncode == 0
+    rows = patchset.check(patchset.locate(sglang_site))
+    assert rows and {r.state for r in rows} == {HunkState.APPLIED}
+    r = cli("patch", "check", "--sglang-src", str(sglang_site))
+    assert r.returncode == 0 and "| already applied |" in r.stdout and "conflicts" not in r.stdout, r.stdout + r.stderr
+    assert cli("patch", "revert", "--sglang-dir", str(sglang_site)).returncode == 0
+    assert {r.state for r in patchset.check(patchset.locate(sglang_site))} == {HunkState.EXACT}
+
+
 def test_crlf_file_conflicts_in_check_as_it_would_in_apply(tmp_path):
     src = _src_tree(tmp_path, lambda t: t.replace("\n", "\r\n"))
     assert [r.state for r in patchset.check(src)] == [HunkState.CONFLICT]
