@@ -87,12 +87,50 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
     return cmd + list(extra)
 
 
+def check_flags(argv: Sequence[str]) -> Optional[str]:
+    """What the server's start would refuse in ``argv`` (``launch_server``'s
+    arguments), without starting it: SGLang 0.5.17's own argument parser with
+    our flags, then this project's checks (``config.check_server_args``, as
+    the plugin runs them). Returns the one-line reason, or None. SGLang's
+    device-dependent checks (``ServerArgs.__post_init__``) are not run."""
+    import argparse
+    import contextlib
+    import io
+
+    from sglang_elastic import config
+
+    import warnings
+
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")  # SGLang's import warns about Triton on a machine without a GPU
+            from sglang.srt.server_args import ServerArgs
+    except ImportError as e:  # pragma: no cover - SGLang is a dependency
+        return f"cannot import SGLang to check the flags ({e})"
+    parser = argparse.ArgumentParser(prog="launch_server", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    if not any(a.dest == "enable_kv_offload" for a in parser._actions):  # the plugin is not loaded in this process
+        config.add_cli_args(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(list(argv))
+    except SystemExit:
+        return (err.getvalue().strip().splitlines() or ["SGLang's parser refused the flags"])[-1]
+    try:
+        config.check_server_args(config.from_namespace(ns), ns)
+    except config.ConfigError as e:
+        return str(e)
+    return None
+
+
 def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patched: bool = True) -> int:
     """Replace this process with the patched server (``os.execv``).
 
     Exits with 2 and a one-line message, starting nothing, for an unknown
     embedded model, when there is no NVIDIA GPU, or when the series is not
-    applied to the installed SGLang.
+    applied to the installed SGLang. ``dry_run``: print the command after
+    :func:`check_flags` (exit 2 with its reason when it refuses).
     """
     if not (_given(extra, "--model-path") or _given(extra, "--model")) and model not in model_names():
         print(f"sglang-elastic serve: --embedded-model {model}: no such embedded model; use one of {', '.join(model_names())}, "
@@ -100,6 +138,10 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
         return 2
     cmd = build_command(model, extra)
     if dry_run:
+        err = check_flags(cmd[3:])
+        if err:
+            print(f"sglang-elastic serve: {err}", file=sys.stderr)
+            return 2
         print(" ".join(cmd))
         return 0
     if not has_nvidia_gpu():

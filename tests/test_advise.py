@@ -331,6 +331,7 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     (tmp_path / "str.json").write_text(json.dumps({**json.loads(cfg), "hidden_size": "4096"}))
+    (tmp_path / "nomt.json").write_text(json.dumps({k: v for k, v in json.loads(cfg).items() if k != "model_type"}))
     for arg, says in (
         ("bad.json", "--model-config {d}/bad.json: not valid JSON (Expecting property name enclosed in double quotes at line 2 column 1); fix it or pass the model's own config.json"),
         ("dir", "--model-config {d}/dir: {d}/dir/config.json is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2); fix it or pass the model's own config.json"),
@@ -338,6 +339,8 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
         ("list.json", "--model-config {d}/list.json: a JSON list, not a model config (an object with model_type, hidden_size, ...)"),
         ("bert.json", "--model-config {d}/bert.json: model_type 'bert' (BertModel) is not a dense MHA decoder of llama, qwen2, mistral; the advisor's weight count covers those only"),
         ("str.json", "--model-config {d}/str.json: hidden_size must be a positive integer, not '4096'"),
+        ("nomt.json", "--model-config {d}/nomt.json: config.json has no model_type (SGLang loads it through transformers, which needs one: "
+                      "'llama', 'qwen2', 'mistral' for the models the advisor covers)"),
         ("none.json", "--model-config {d}/none.json: no such file or directory; pass the model's directory, its config.json, or an embedded name"),
     ):
         assert cli.main(["advise", "--model-config", str(tmp_path / arg), *args]) == 2, arg
@@ -345,3 +348,22 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
     assert cli.main(["advise", "--model-config", "llama-3.1-9b", *args]) == 2
     assert capsys.readouterr().err == ("sglang-elastic: --model-config llama-3.1-9b: no such file or directory, nor an embedded model; "
                                        "pass the model's directory or its config.json, or one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b\n")
+
+
+def test_heads_that_do_not_split_over_the_tp_ranks_are_refused(tmp_path, capsys):
+    """6 KV heads at TP 4 were advised as if each rank held one (new-user finding); SGLang refuses that split."""
+    import json
+
+    base = json.loads((model_path("llama-3.1-8b") / "config.json").read_text())
+    cases = {"kv6": ({"num_key_value_heads": 6, "num_attention_heads": 24, "hidden_size": 3072}, 4, "6 KV heads neither split evenly over 4 GPUs"),
+             "q20": ({"num_attention_heads": 20, "num_key_value_heads": 4, "hidden_size": 2560}, 8, "20 attention heads do not split evenly over 8 GPUs")}
+    for name, (edit, tp, says) in cases.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**base, **edit}))
+        assert cli.main(["advise", "--model-config", str(tmp_path / f"{name}.json"), "--gpu-mem-gb", "140.4", "--tp", str(tp)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.splitlines()) == 1, err
+    # 8 KV heads at TP 4 split; 2 KV heads at TP 4 replicate: both advised
+    for kvh in (8, 2):
+        (tmp_path / "ok.json").write_text(json.dumps({**base, "num_key_value_heads": kvh}))
+        assert cli.main(["advise", "--model-config", str(tmp_path / "ok.json"), "--gpu-mem-gb", "140.4", "--tp", "4"]) == 0
+        capsys.readouterr()

@@ -57,3 +57,27 @@ def test_launch_script_refuses_on_this_cpu_machine_before_installing_anything():
         pytest.skip("GPU present")
     r = subprocess.run(["bash", "scripts/launch.sh"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and serve.TEST_COMMAND in r.stderr
+
+
+def test_dry_run_refuses_what_the_server_start_would_refuse():
+    """``serve --dry-run`` printed any command, however wrong (new-user finding):
+    it now runs SGLang's parser with our flags and the plugin's checks."""
+    r = cli("serve", "--dry-run", "--enable-kv-offload", timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("sglang-elastic serve: --enable-kv-offload needs --disable-radix-cache") and len(r.stderr.splitlines()) == 1
+    r = cli("serve", "--dry-run", "--enable-kv-offload", "--disable-radix-cache", "--kv-offload-denominator", "estimate", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--enable-kv-offload" in r.stdout.split() and "--attention-backend" not in r.stdout.split()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-offload-topk", "2048"], "--kv-offload-topk (and every --kv-offload-* flag) needs --enable-kv-offload"),
+    (["--enable-elastic-kv", "--speculative-algorithm", "NGRAM"], "--enable-elastic-kv does not support --speculative-algorithm 'NGRAM'"),
+    (["--enable-kv-offload", "--disable-radix-cache", "--kv-offload-denominator", "exact"], "invalid choice: 'exact'"),
+    (["--mem-fraction-static", "lots"], "invalid float value: 'lots'"),
+])
+def test_check_flags_names_the_first_refusal(flags, message):
+    argv = serve.build_command("llama-3.1-8b", flags)[3:]
+    err = serve.check_flags(argv)
+    assert err is not None and message in err and "\n" not in err
+    assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--port", "31000"])[3:]) is None

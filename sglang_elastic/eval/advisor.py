@@ -302,6 +302,12 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     if max_running_requests is not None and max_running_requests < 1:
         raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
     m = model_facts(model)
+    # SGLang's QKVParallelLinear: query heads split evenly; KV heads split evenly, or replicated when fewer than the ranks
+    if m.num_attention_heads % tp:
+        raise AdviseError(f"--tp {tp}: the model's {m.num_attention_heads} attention heads do not split evenly over {tp} GPUs (SGLang refuses it)")
+    kvh = m.num_key_value_heads
+    if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
+        raise AdviseError(f"--tp {tp}: the model's {kvh} KV heads neither split evenly over {tp} GPUs nor replicate onto them (SGLang refuses it)")
     cal = calibration or load_calibration()
     f = factors(cal, tp)
     gpu_mem_mib = gpu_mem_gib * 1024

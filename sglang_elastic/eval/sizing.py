@@ -148,6 +148,9 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
     """
     mt = cfg.get("model_type")
     arch = (cfg.get("architectures") or [None])[0] if isinstance(cfg.get("architectures"), list) else cfg.get("architectures")
+    if mt is None:  # transformers' AutoConfig (SGLang's loader) cannot read such a config either
+        raise AdviseError(f"{where}: config.json has no model_type (SGLang loads it through transformers, which needs one: "
+                          f"{', '.join(repr(t) for t in DENSE_MODEL_TYPES)} for the models the advisor covers)")
     if mt not in ARCHITECTURES or arch not in (None, ARCHITECTURES[mt]):
         raise AdviseError(f"{where}: model_type {mt!r} ({arch or 'no architecture'}) is not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; "
                           "the advisor's weight count covers those only")
