@@ -136,6 +136,11 @@ def _patch(args: argparse.Namespace) -> int:
             args.report.write_text(report)
         print(report, end="")
         bad = [r for r in rows if r.state is patchset.HunkState.CONFLICT]
+        partly = [p for p, v in patchset.verdicts(rows).items() if v == patchset.PARTLY_APPLIED]
+        if partly and not bad:
+            print(f"sglang-elastic: {', '.join(partly)} partly applied in that tree (some hunks in, others not): "
+                  "restore the files from the wheel, then apply the series", file=sys.stderr)
+            return 1
         if bad:
             print(f"sglang-elastic: {len(bad)} of {len(rows)} hunk(s) conflict with SGLang {inst.version} "
                   f"({', '.join(sorted({r.patch for r in bad}))}): the series does not apply there; rebase those patches", file=sys.stderr)

@@ -684,15 +684,34 @@ def check(src: Install, series: Optional[Sequence[Patch]] = None, max_fuzz: int 
             if text is None:
                 rows.extend(CheckRow(p.name, fp.path, i, HunkState.CONFLICT, 0, 0) for i in range(1, len(fp.hunks) + 1))
                 continue
+            if apply_to_text(fp, text)[0] is None and apply_to_text(fp, text, reverse=True)[0] is not None:
+                # the tree already has this file's patch (a patched install): it does not go in exactly, but comes out
+                # exactly (tried before fuzz, which could find trimmed context of an applied hunk elsewhere)
+                rows.extend(CheckRow(p.name, fp.path, i, HunkState.APPLIED, 0, 0) for i in range(1, len(fp.hunks) + 1))
+                continue
             new, results = apply_to_text(fp, text, max_fuzz=max_fuzz)
-            if new is None and apply_to_text(fp, text, reverse=True)[0] is not None:
-                # the tree already has this patch (a patched install): it comes out cleanly, so it is in
-                results = [HunkResult(r.index, HunkState.APPLIED) for r in results]
-                new = text
             rows.extend(CheckRow(p.name, fp.path, r.index, r.state, r.offset, r.fuzz) for r in results)
             if new is not None:
                 cur[fp.path] = new
     return rows
+
+
+def verdicts(rows: Sequence[CheckRow]) -> Dict[str, str]:
+    """Per patch: its worst hunk's state, or ``partly applied`` when some of
+    its hunks are in the tree and others are not (a half-patched install)."""
+    order = list(HunkState)
+    out: Dict[str, str] = {}
+    for name in dict.fromkeys(r.patch for r in rows):
+        states = {r.state for r in rows if r.patch == name}
+        if HunkState.APPLIED in states and states != {HunkState.APPLIED}:
+            out[name] = PARTLY_APPLIED
+        else:
+            out[name] = max(states, key=order.index).value
+    return out
+
+
+#: ``verdicts``' word for a patch some of whose hunks the tree has and others not.
+PARTLY_APPLIED = "partly applied"
 
 
 def check_report(src: Install, rows: Sequence[CheckRow]) -> str:
@@ -713,13 +732,8 @@ def check_report(src: Install, rows: Sequence[CheckRow]) -> str:
         elif r.state is HunkState.FUZZ:
             res += f" {r.fuzz} (offset {r.offset:+d})"
         out.append(f"| {r.patch} | `{r.path}` | #{r.hunk} | {res} |")
-    verdict = {}
-    for r in rows:
-        prev = verdict.get(r.patch, HunkState.EXACT)
-        order = list(HunkState)
-        verdict[r.patch] = max(prev, r.state, key=order.index)
     out += ["", "| patch | verdict |", "|---|---|"]
-    out += [f"| {p} | {v.value} |" for p, v in verdict.items()]
+    out += [f"| {p} | {v} |" for p, v in verdicts(rows).items()]
     return "\n".join(out) + "\n"
 
 

@@ -105,6 +105,11 @@ def check_flags(argv: Sequence[str]) -> Optional[str]:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")  # SGLang's import warns about Triton on a machine without a GPU
             from sglang.srt.server_args import ServerArgs
+
+            from sglang_elastic import attention, offload
+
+            attention.register()  # the plugin's backends among SGLang's --attention-backend choices, as at a server start
+            offload.register()
     except ImportError as e:  # pragma: no cover - SGLang is a dependency
         return f"cannot import SGLang to check the flags ({e})"
     parser = argparse.ArgumentParser(prog="launch_server", add_help=False)

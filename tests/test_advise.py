@@ -356,7 +356,8 @@ def test_heads_that_do_not_split_over_the_tp_ranks_are_refused(tmp_path, capsys)
 
     base = json.loads((model_path("llama-3.1-8b") / "config.json").read_text())
     cases = {"kv6": ({"num_key_value_heads": 6, "num_attention_heads": 24, "hidden_size": 3072}, 4, "6 KV heads neither split evenly over 4 GPUs"),
-             "q20": ({"num_attention_heads": 20, "num_key_value_heads": 4, "hidden_size": 2560}, 8, "20 attention heads do not split evenly over 8 GPUs")}
+             "q20": ({"num_attention_heads": 20, "num_key_value_heads": 4, "hidden_size": 2560}, 8, "20 attention heads do not split evenly over 8 GPUs"),
+             "mlp": ({"intermediate_size": 14338}, 4, "MLP width 14338 does not split evenly over 4 GPUs")}
     for name, (edit, tp, says) in cases.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({**base, **edit}))
         assert cli.main(["advise", "--model-config", str(tmp_path / f"{name}.json"), "--gpu-mem-gb", "140.4", "--tp", str(tp)]) == 2

@@ -296,18 +296,18 @@ def test_estimate_reference_is_the_loop_over_chunks_and_unattended_positions():
     assert estimate_reference(s, lse, v, torch.arange(Lq), C, G).abs().max() == 0
 
 
-@pytest.mark.parametrize("C,positions", [(8, 256), (16, 256), (8, 32)])
-def test_estimate_kernel_matches_the_float64_reference(C, positions, monkeypatch):
+@pytest.mark.parametrize("C,positions,heads", [(8, 256, (6, 2)), (16, 256, (6, 2)), (8, 32, (6, 2)), (8, 64, (2, 2))])
+def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monkeypatch):
     """``estimate_run`` over a real selection (scores, lse and top-k from the
     kernels), chunk means from the V rows, against ``estimate_reference``;
     ``positions``: scores per head a kernel step reads (32: several steps per
-    split, the last one partly masked)."""
+    split, the last one partly masked); ``heads``: (q, kv), MHA included."""
     from sglang_elastic.offload.policy import estimate_reference
 
     monkeypatch.setattr(ko, "ESTIMATE_POSITIONS", positions)
 
     g = torch.Generator().manual_seed(22 + C)
-    lens, hq, hkv, d = [150, 700, 20, 5], 6, 2, 32
+    lens, (hq, hkv), d = [150, 700, 20, 5], heads, 32  # heads (2, 2): MHA, one query head per group
     slots = 1200
     kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
     vb = torch.randn(slots, hkv, d, generator=g).bfloat16()

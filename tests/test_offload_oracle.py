@@ -253,15 +253,15 @@ def test_gpu_script_reads_a_stream_of_last_hidden_states_with_gaps():
     its tokenizer manager merged queued ones (only the newest row survives)."""
     gpu = _load_script("scripts/gpu/offload_accuracy.py")
 
-    def chunk(ids, n, row):
-        return "data: " + json.dumps({"output_ids": ids, "meta_info": {"completion_tokens": n, "hidden_states": [row]}})
+    def chunk(ids, n, row, nested=False):  # SGLang's "last" mode sends the row flat (output_streamer.py: req.hidden_states[-1])
+        return "data: " + json.dumps({"output_ids": ids, "meta_info": {"completion_tokens": n, "hidden_states": [row] if nested else row}})
 
     rows = [[0.5, -1.0], [1.5, 2.0], [3.0, 0.25], [-2.0, 4.0]]
     cumulative = [chunk([9], 1, rows[0]), chunk([9, 8], 2, rows[1]), chunk([9, 8, 7, 6], 4, rows[3]), "data: [DONE]"]
     r = gpu.parse_stream(cumulative)
     assert r["output_ids"] == [9, 8, 7, 6] and r["missing"] == 1
     assert torch.equal(r["hidden"][[0, 1, 3]], torch.tensor([rows[0], rows[1], rows[3]])) and torch.isnan(r["hidden"][2]).all()
-    incremental = [chunk([9], 1, rows[0]), chunk([8], 2, rows[1]), chunk([7], 3, rows[2]), chunk([6], 4, rows[3])]
+    incremental = [chunk([9], 1, rows[0]), chunk([8], 2, rows[1], nested=True), chunk([7], 3, rows[2]), chunk([6], 4, rows[3])]
     r = gpu.parse_stream(incremental)
     assert r["output_ids"] == [9, 8, 7, 6] and r["missing"] == 0 and torch.equal(r["hidden"], torch.tensor(rows))
     with pytest.raises(gpu.Failure, match="no hidden_states"):
@@ -270,6 +270,13 @@ def test_gpu_script_reads_a_stream_of_last_hidden_states_with_gaps():
         gpu.parse_stream([chunk([9], 1, rows[0]), chunk([1, 2, 3], 2, rows[1])])
     with pytest.raises(gpu.Failure, match="no tokens"):
         gpu.parse_stream(["data: [DONE]"])
+    # SGLang streams an abort as a normal chunk, an error as {"error": ...}: neither is scored as an answer
+    abort = "data: " + json.dumps({"output_ids": [9], "meta_info": {"completion_tokens": 1, "hidden_states": rows[0],
+                                                                     "finish_reason": {"type": "abort", "message": "out of memory"}}})
+    with pytest.raises(gpu.Failure, match="aborted the request: out of memory"):
+        gpu.parse_stream([chunk([9], 1, rows[0]), abort])
+    with pytest.raises(gpu.Failure, match="answered an error: .*too long"):
+        gpu.parse_stream(["data: " + json.dumps({"error": {"message": "input too long"}})])
     # the KL skips a step one stream left without its row
     model = types.SimpleNamespace(logits=lambda h: h * 3, text=lambda ids: " ".join(map(str, ids)))
     s = tasks.Sample("natural", 100, 0, tuple(range(60)), (), 4)

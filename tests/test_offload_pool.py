@@ -363,17 +363,65 @@ def _run_ops(ops, sim, pool, live, req_free):
 
 #: aten ops a CUDA graph cannot capture: a Python value made a tensor (a
 #: host-to-device copy on a GPU), a read of a device value by the host (a sync).
-GRAPH_UNSAFE = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item")
+GRAPH_UNSAFE = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero.", "aten.masked_select", "aten.item", "aten.repeat_interleave.Tensor",
+                "aten._unique", "aten.unique", "aten.equal")
 
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run under it, plus what the dispatcher does not show: a
+    boolean-mask index (a hidden ``nonzero``) and the host reads of a tensor
+    (``tolist``, ``cpu``, ``numpy``, ``bool``/``int``/``float``), counted by
+    patching ``torch.Tensor`` while it is active."""
+
+    HOST_READS = ("tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
     def __init__(self):
         super().__init__()
         self.ops = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.HOST_READS:
+            orig = getattr(torch.Tensor, name)
+            self._saved[name] = orig
+
+            def counted(t, *a, _orig=orig, _name=name, **k):
+                self.ops.append(f"host-read.{_name}")
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+            if any(t is not None and t.dtype == torch.bool for t in (args[1] or [])):
+                self.ops.append("aten.nonzero.bool-mask-index")
         return func(*args, **(kwargs or {}))
+
+
+def test_the_op_recorder_sees_what_a_graph_cannot_capture():
+    """The recorder is not blind to the usual ways of breaking a capture."""
+    t, i = torch.randn(8), torch.tensor([1, 2])
+    orig_tolist = torch.Tensor.tolist
+    for bad, want in ((lambda: t.__setitem__(i, 1), "aten.lift_fresh"), (lambda: t[t > 0], "aten.nonzero.bool-mask-index"),
+                      (lambda: t.sum().item(), "aten._local_scalar_dense"), (lambda: t.tolist(), "host-read.tolist"),
+                      (lambda: int(i[0]), "host-read.__int__"), (lambda: bool((t > 0).any()), "host-read.__bool__"),
+                      (lambda: torch.repeat_interleave(i, i), "aten.repeat_interleave.Tensor")):
+        with _OpRecorder() as rec:
+            bad()
+        assert any(op.startswith(want) for op in rec.ops), (want, rec.ops)
+        assert {op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")}, rec.ops
+    with _OpRecorder() as rec:
+        t.index_fill_(0, i, 1)
+        torch.where(i < 2, i, 5)
+    assert not [op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")], rec.ops
+    assert torch.Tensor.tolist is orig_tolist and t.tolist() == orig_tolist(t)  # the patches are gone after the block
 
 
 @pytest.mark.parametrize("denominator,resident,prefetch", [("selected", False, False), ("estimate", False, True), ("full", True, False)])
@@ -410,6 +458,6 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
                 dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, v_summary=pool.summaries(l))
             else:
                 dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
-    bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE)})
+    bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)

@@ -362,6 +362,21 @@ def test_check_on_a_patched_tree_says_already_applied_not_conflicts(sglang_site)
     assert {r.state for r in patchset.check(patchset.locate(sglang_site))} == {HunkState.EXACT}
 
 
+def test_a_half_patched_tree_reads_partly_applied(tmp_path):
+    """One patch over two files, only the first already in the tree: not 'already applied' (which exits 0)."""
+    other = "sglang/srt/server_args.py"
+    site = make_site(tmp_path / "src", extra_files=[other])
+    a = synthetic_patch(site, HTTP, "0009-two.patch", "import", "import  ")
+    b = synthetic_patch(site, other, "0009-two.patch", "import", "import  ")
+    two = patchset.Patch("0009-two.patch", a.header, a.files + b.files)
+    f = site / HTTP
+    f.write_text(patchset.apply_to_text(a.files[0], f.read_text())[0])  # the first file's hunk is in, the second's not
+    rows = patchset.check(patchset.locate(site), series=[two])
+    assert [(r.path, r.state) for r in rows] == [(HTTP, HunkState.APPLIED), (other, HunkState.EXACT)]
+    assert patchset.verdicts(rows) == {"0009-two.patch": patchset.PARTLY_APPLIED}
+    assert "| 0009-two.patch | partly applied |" in patchset.check_report(patchset.locate(site), rows)
+
+
 def test_crlf_file_conflicts_in_check_as_it_would_in_apply(tmp_path):
     src = _src_tree(tmp_path, lambda t: t.replace("\n", "\r\n"))
     assert [r.state for r in patchset.check(src)] == [HunkState.CONFLICT]

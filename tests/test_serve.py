@@ -81,3 +81,7 @@ def test_check_flags_names_the_first_refusal(flags, message):
     err = serve.check_flags(argv)
     assert err is not None and message in err and "\n" not in err
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--port", "31000"])[3:]) is None
+    # the project's own backends are choices there, as at a server start (the first version refused them)
+    assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv"])[3:]) is None
+    assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--disable-radix-cache", "--attention-backend",
+                                                                  "kvoffload"])[3:]) is None

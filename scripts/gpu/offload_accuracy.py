@@ -137,12 +137,18 @@ def parse_stream(lines: Iterable[str]) -> Dict:
             continue
         try:
             chunk = _loads(line[5:])
-            n = int(chunk["meta_info"]["completion_tokens"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise Failure(f"unexpected /generate chunk ({type(e).__name__}: {e}): {line[:120]}") from None
-        seen = True
-        if "error" in chunk:
+        except ValueError as e:
+            raise Failure(f"unexpected /generate chunk ({e}): {line[:120]}") from None
+        if isinstance(chunk, dict) and "error" in chunk:
             raise Failure(f"the server answered an error: {str(chunk['error'])[:200]}")
+        try:
+            n = int(chunk["meta_info"]["completion_tokens"])
+            finish = chunk["meta_info"].get("finish_reason") or {}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise Failure(f"unexpected /generate chunk ({type(e).__name__}: {e}): {line[:120]}") from None
+        if isinstance(finish, dict) and finish.get("type") == "abort":  # SGLang streams an abort as a normal chunk
+            raise Failure(f"the server aborted the request: {str(finish.get('message'))[:200]}")
+        seen = True
         got = list(chunk.get("output_ids") or [])
         if len(got) == n and got[:len(ids)] == ids:
             ids = got
@@ -216,7 +222,8 @@ def post_stream(url: str, payload: Dict, timeout_s: float) -> List[str]:
 class StandIn:
     """``--dry-run``'s server: streams each payload's answer, the sample's gold
     answer (``" A, B."`` then EOS), one token per chunk with cumulative
-    ``output_ids`` and, per token, the tied embedding row of the token it
+    ``output_ids`` and, per token, a flat hidden row as SGLang's "last" mode
+    sends it (``output_streamer.py``: ``req.hidden_states[-1]``): the tied embedding row of the token it
     emits as the hidden state (so the client's logits put that token first);
     ``noise`` > 0 perturbs them (the "offload" stand-in)."""
 
@@ -230,7 +237,7 @@ class StandIn:
         ids.append(min(self.model.eos_ids))
         g = torch.Generator().manual_seed(len(payload["input_ids"]))
         hidden = self.model.embed[ids] * 8 + self.noise * torch.randn(len(ids), self.model.embed.shape[1], generator=g)
-        return [f"data: {json.dumps({'output_ids': ids[: j + 1], 'meta_info': {'completion_tokens': j + 1, 'hidden_states': [hidden[j].tolist()]}})}\n"
+        return [f"data: {json.dumps({'output_ids': ids[: j + 1], 'meta_info': {'completion_tokens': j + 1, 'hidden_states': hidden[j].tolist()}})}\n"
                 for j in range(len(ids))] + ["data: [DONE]\n"]
 
 
@@ -294,6 +301,7 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
         "offload": {"text": o_text, "solved": None if natural else sample.solved(o_text)},
         "prefill_kl": kl[0] if kl and kl[0] == kl[0] else None, "kl_steps": [x if x == x else None for x in kl[1:]],
         "kl": sum(dec) / len(dec) if dec else None, "kl_steps_missing": len(kl) - 1 - len(dec) if kl else 0,
+        "prefill_row_missing": bool(kl) and kl[0] != kl[0],
         "budget_frac": sum(frac) / len(frac) if frac else None,
     }
 
@@ -314,13 +322,19 @@ def sample_set(a, model: "Model") -> List[tasks.Sample]:
     900 samples takes minutes of one CPU core), else drawn and written there."""
     key = {k: getattr(a, k) for k in ("tasks", "lengths", "samples", "natural", "natural_tokens", "seed")}
     key["tokenizer"] = hashlib.sha256(json.dumps(model.tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+    key["haystack"] = hashlib.sha256(tasks.shakespeare_path(a.haystack).read_bytes()).hexdigest()[:16]
+    data = {"key": None}
     if a.samples_file and os.path.isfile(a.samples_file):
-        with lzma.open(a.samples_file, "rt") as f:
-            data = json.load(f)
-        if data["key"] == key:
+        try:
+            with lzma.open(a.samples_file, "rt") as f:
+                data = json.load(f)
+        except (OSError, EOFError, lzma.LZMAError, ValueError) as e:
+            print(f"--samples-file {a.samples_file} is unreadable ({type(e).__name__}): drawing again", file=sys.stderr, flush=True)
+        if data.get("key") == key:
             return [tasks.Sample(**{**d, "input_ids": tuple(d["input_ids"]), "answers": tuple(d["answers"]), "forced": tuple(d["forced"]),
                                     "needles": tuple(d["needles"])}) for d in data["samples"]]
-        print(f"--samples-file {a.samples_file} was drawn with {data['key']}, not {key}: drawing again", file=sys.stderr, flush=True)
+        elif data.get("key") is not None:
+            print(f"--samples-file {a.samples_file} was drawn with {data['key']}, not {key}: drawing again", file=sys.stderr, flush=True)
     samples = make_sample_set(a, model.tokenizer)
     if a.samples_file:
         with lzma.open(f"{a.samples_file}.tmp", "wt") as f:
@@ -339,8 +353,18 @@ def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequen
 
 def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample]) -> Path:
     """Where ``--cache-dir`` keeps one server's answers: ``NAME-HASH.pt``, the
-    hash of its command line and every sample's ids and token budget."""
-    h = hashlib.sha256(json.dumps([list(argv), [[list(s.input_ids), s.max_new_tokens] for s in samples]]).encode()).hexdigest()[:16]
+    hash of its command line, this code's commit (``results.commit()``: a
+    rerun after a fix is not served the old build's answers), the
+    checkpoint's weights file (size and mtime) and every sample's ids and
+    token budget."""
+    model = argv[argv.index("--model-path") + 1] if "--model-path" in argv else ""
+    try:
+        st = os.stat(Path(model) / "model.safetensors")
+        weights = [st.st_size, st.st_mtime_ns]
+    except OSError:
+        weights = None
+    key = [list(argv), results.commit(), weights, [[list(s.input_ids), s.max_new_tokens] for s in samples]]
+    h = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{name}-{h}.pt"
 
 
@@ -398,7 +422,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                 continue
             client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
             got[name] = run_server(name, argv, samples, model, a, client, start=not a.dry_run)
-            if cached and any("error" not in r for r in got[name].values()):
+            if cached and got[name] and not any("error" in r for r in got[name].values()):  # a failed sample is asked again next time
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(got[name], f"{cached}.tmp")
                 os.replace(f"{cached}.tmp", cached)
@@ -439,7 +463,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                          "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
                          "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
-    missing = {"kl_steps_missing": sum(r["kl_steps_missing"] for r in per_sample), "kl_steps": sum(len(r["kl_steps"]) for r in per_sample)}
+    missing = {"kl_steps_missing": sum(r["kl_steps_missing"] for r in per_sample), "kl_steps": sum(len(r["kl_steps"]) for r in per_sample),
+               "prefill_rows_missing": sum(r["prefill_row_missing"] for r in per_sample)}
     out = dict(results.header())
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"

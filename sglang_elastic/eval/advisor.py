@@ -308,6 +308,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     kvh = m.num_key_value_heads
     if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
         raise AdviseError(f"--tp {tp}: the model's {kvh} KV heads neither split evenly over {tp} GPUs nor replicate onto them (SGLang refuses it)")
+    if m.intermediate_size % tp:  # MergedColumnParallelLinear divides the MLP width by the ranks
+        raise AdviseError(f"--tp {tp}: the model's MLP width {m.intermediate_size} does not split evenly over {tp} GPUs (SGLang refuses it)")
     cal = calibration or load_calibration()
     f = factors(cal, tp)
     gpu_mem_mib = gpu_mem_gib * 1024
