@@ -359,6 +359,10 @@ def select_run(
 # ---------------------------------------------------------------------------
 
 
+#: ``lfu`` eviction: ``slot_time`` packs (uses << 21) | last use (the kernel's literals); lengths must stay below 2**21.
+LFU_MAX_LEN = 1 << 21
+
+
 @triton.jit
 def _swap_in_kernel(
     sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, seq_lens_ptr, req_pool_ptr, req_to_token_ptr,
@@ -366,7 +370,7 @@ def _swap_in_kernel(
     att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
     stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b,
     HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, REGION: tl.constexpr, LRU_BASE: tl.constexpr,
-    SPEC: tl.constexpr = False,
+    SPEC: tl.constexpr = False, LFU: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     r = tl.load(req_pool_ptr + b).to(tl.int64)
@@ -388,21 +392,32 @@ def _swap_in_kernel(
     s_ok = valid & (s >= 0) & (s < HN)
     held = tl.load(slot_pos + s, mask=s_ok, other=-1)
     hit = s_ok & (held == pos)
-    tl.store(slot_time + s, now, mask=hit)
+    if LFU:  # slot_time holds (uses << 21) | last use: a hit counts one more use (at most 1023)
+        old = tl.load(slot_time + s, mask=hit, other=-1)
+        uses = tl.minimum(tl.maximum(old >> 21, 0) + 1, 1023)
+        tl.store(slot_time + s, (uses << 21) + now, mask=hit)
+    else:
+        tl.store(slot_time + s, now, mask=hit)
     tl.debug_barrier()
 
-    # victims: the m least recently used slots not hit now (time < now)
+    # victims: the m slots of the smallest key not used now (LRU: key = last use; LFU: uses, then last use)
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < HN
     t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
-    avail = hmask & (t < now)
+    if LFU:
+        last = tl.where(t < 0, -1, t & 2097151)
+        avail = hmask & (last < now)
+        top = now * 0 + 2147483647 - 1
+    else:
+        avail = hmask & (t < now)
+        top = now - 1
     # the exact pass always has a victim per miss (HN >= k); a speculative one loads only what fits
     miss = valid & (~hit)
     miss = miss & (tl.cumsum(miss.to(tl.int32), 0) <= tl.sum(avail.to(tl.int32), 0))
     m = tl.sum(miss.to(tl.int32), 0)
-    # smallest tau with count(avail & t <= tau) >= m, by binary search on [-1, now - 1]
+    # smallest tau with count(avail & t <= tau) >= m, by binary search on [-1, top]
     lo_t = now * 0 - 1
-    hi_t = now - 1
+    hi_t = top
     for _ in tl.static_range(32):
         mid = (lo_t + hi_t) >> 1
         c = tl.sum((avail & (t <= mid)).to(tl.int32), 0)
@@ -422,7 +437,10 @@ def _swap_in_kernel(
     vslot = tl.load(scratch_ptr + b * stride_scratch_b + m_rank, mask=miss, other=0)
     slot = tl.where(hit, s, vslot)
     tl.store(slot_pos + vslot, pos, mask=miss)
-    tl.store(slot_time + vslot, now, mask=miss)
+    if LFU:  # a row loaded for this step's selection has one use; a speculative load none yet (a wrong guess goes first)
+        tl.store(slot_time + vslot, ((1 - SPEC) << 21) + now, mask=miss)
+    else:
+        tl.store(slot_time + vslot, now, mask=miss)
     tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
     tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
     tl.store(att_vidx_ptr + base + offs_k, (row0 + slot).to(att_vidx_ptr.dtype.element_ty), mask=valid)
@@ -439,8 +457,9 @@ def swap_in_run(
     loc_slot: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor, scratch: torch.Tensor,
     att_kidx: torch.Tensor, att_vidx: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_cnt: torch.Tensor,
     stats: torch.Tensor, max_k: int, region_rows: int, lru_base: int, spec: bool = False, num_warps: Optional[int] = None,
+    eviction: str = "lru",
 ) -> None:
-    """Hot-buffer bookkeeping of one layer: hits, LRU victims, the miss list.
+    """Hot-buffer bookkeeping of one layer: hits, victims (LRU or LFU), the miss list.
 
     Request ``b`` (pool row ``r = req_pool_indices[b]``) owns device V rows
     ``[r * region_rows, (r + 1) * region_rows)``: ``lru_base`` rows of sink
@@ -466,14 +485,21 @@ def swap_in_run(
             ``seq_lens - 1``, evicts only slots older than the previous step, and
             loads only the misses that have a victim; its ``att_kidx`` / ``att_vidx``
             are its own scratch.
+        eviction: ``"lru"`` (the least recently used slots go) or ``"lfu"``
+            (InfiniGen's rule, arXiv 2406.19707 §5: the least often selected go,
+            the least recently used among equals; a slot's uses count from its
+            load, saturating at 1023; ``slot_time`` then packs
+            ``uses << 21 | last use``, so lengths must stay below 2**21).
 
     Raises:
-        ValueError: ``HN < max_k`` (a step could not hold its selection).
+        ValueError: ``HN < max_k`` (a step could not hold its selection), an unknown ``eviction``.
     """
     B = k.shape[0]
     hn = slot_pos.shape[1]
     if hn < max_k:
         raise ValueError(f"hot buffer of {hn} rows cannot hold {max_k} selected rows: raise --kv-offload-hot-tokens")
+    if eviction not in EVICTIONS:
+        raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)}, not {eviction!r}")
     if B == 0:
         return
     _swap_in_kernel[(B,)](
@@ -481,8 +507,12 @@ def swap_in_run(
         loc_slot, slot_pos, slot_time, scratch, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
         sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0),
         HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
-        REGION=region_rows, LRU_BASE=lru_base, SPEC=spec, **_launch_opts(num_warps, None),
+        REGION=region_rows, LRU_BASE=lru_base, SPEC=spec, LFU=eviction == "lfu", **_launch_opts(num_warps, None),
     )
+
+
+#: hot-buffer victim rules of :func:`swap_in_run` (``--kv-offload-eviction``).
+EVICTIONS = ("lru", "lfu")
 
 
 # ---------------------------------------------------------------------------

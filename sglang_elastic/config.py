@@ -105,6 +105,7 @@ class ConfigError(ValueError):
 DENOMINATORS = ("selected", "full", "estimate")
 CHUNKS = (8, 16, 32, 64)
 PREFETCH = ("off", "speculative")
+EVICTIONS = ("lru", "lfu")  # kernels/offload.py EVICTIONS (config stays torch-free)
 #: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
 OFFLOAD_BACKEND = "kvoffload"
 
@@ -117,7 +118,8 @@ class OffloadConfig:
     ``sink``, ``window``, ``dense_layers``, ``denominator`` (the attended set:
     :meth:`policy`); ``hot_tokens`` (LRU V rows per request and sparse layer);
     ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
-    less 10 GiB); ``resident_v`` (no host tier: the exactness reference).
+    less 10 GiB); ``resident_v`` (no host tier: the exactness reference);
+    ``prefetch``; ``eviction`` (the hot buffer's victim rule).
 
     Raises:
         ConfigError: a value out of range, or a ``--kv-offload-*`` flag without
@@ -136,6 +138,7 @@ class OffloadConfig:
     host_gb: Optional[float] = None
     resident_v: bool = False
     prefetch: str = "off"
+    eviction: str = "lru"
 
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
@@ -154,6 +157,8 @@ class OffloadConfig:
             raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
         if self.prefetch not in PREFETCH:
             raise ConfigError(f"--kv-offload-prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"--kv-offload-eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.prefetch != "off" and self.resident_v:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         defaults = OffloadConfig.__dataclass_fields__
@@ -271,6 +276,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk) (default 4096).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
+    o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

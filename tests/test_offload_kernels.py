@@ -132,7 +132,33 @@ class LRUReference:
         return [slot[p] for p in selected], len(misses)
 
 
-def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
+class LFUReference(LRUReference):
+    """InfiniGen's rule (``eviction="lfu"``): misses take the slots used least
+    often (uses since the load, 1023 at most), then least recently, then the
+    lower slot; ``time`` holds what the kernel keeps: ``uses << 21 | last use``."""
+
+    def __init__(self, rows, hn):
+        super().__init__(rows, hn)
+        self.uses = [[0] * hn for _ in range(rows)]
+        self.last = [[-1] * hn for _ in range(rows)]
+
+    def step(self, r, selected, now):
+        P, U, T = self.pos[r], self.uses[r], self.last[r]
+        slot = {p: P.index(p) for p in selected if p in P}
+        for j in slot.values():
+            U[j], T[j] = min(U[j] + 1, 1023), now
+        misses = [p for p in selected if p not in slot]
+        key = lambda j: -1 if P[j] < 0 else (U[j] << 21) + T[j]  # noqa: E731
+        avail = [j for j in range(len(P)) if T[j] < now]
+        victims = sorted(sorted(avail, key=lambda j: (key(j), j))[: len(misses)])
+        for p, j in zip(misses, victims):
+            P[j], U[j], T[j], slot[p] = p, 1, now, j
+        self.time[r] = [key(j) for j in range(len(P))]
+        return [slot[p] for p in selected], len(misses)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(eviction):
     rnd = random.Random(0)
     g = torch.Generator().manual_seed(0)
     HN, MAXK, PRE, rows, ctx, B = 12, 8, 3, 4, 80, 3
@@ -145,14 +171,17 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
     host = torch.randn(1024, 2, 8, generator=g).bfloat16()
     dev = torch.full((rows * region + 1, 2, 8), NAN).bfloat16()
     stats = torch.zeros(2, dtype=torch.int64)
-    ref = LRUReference(rows, HN)
+    ref = (LRUReference if eviction == "lru" else LFUReference)(rows, HN)
     hits = misses = 0
     last0 = []
+    favourites = [5, 6, 7]  # selected often: LFU keeps them where LRU lets them go
     for step in range(40):
         now = 20 + step
         sels = [rnd.sample(range(3, now - 3), rnd.randint(0, MAXK)) for _ in range(B)]
         if step % 7 == 3:  # a repeated selection: all hits
             sels[0] = last0
+        if step % 3 == 0 and step < 36:  # none in the last four steps: LRU has let them go by the end
+            sels[1] = favourites + [p for p in sels[1] if p not in favourites][: MAXK - 3]
         last0 = sels[0]
         k = torch.tensor([len(x) for x in sels], dtype=torch.int32)
         sel = torch.zeros(B, MAXK, dtype=torch.int32)
@@ -166,7 +195,8 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
         ms, md = torch.full((B, MAXK), -1, dtype=torch.int32), torch.full((B, MAXK), -1, dtype=torch.int32)
         mc = torch.full((B,), -1, dtype=torch.int32)
         ko.swap_in_run(sel, k, s_eff, w_eff, att_indptr, torch.full((B,), now, dtype=torch.int32), req, r2t, loc_slot, slot_pos,
-                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, region, PRE)
+                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, region, PRE,
+                       eviction=eviction)
         ko.copy_rows_run(host, dev, ms, md, counts=mc)
         for b in range(B):
             r = int(req[b])
@@ -184,6 +214,8 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows():
                 assert torch.equal(dev[int(att_v[base + i])], host[loc])  # the hot row is the host's V row
             assert (att_k[int(att_indptr[b]): base] == -5).all()  # sink/window entries are not this kernel's
     assert stats.tolist() == [hits, misses] and hits > 0 and misses > 0
+    held = set(slot_pos[int(req[1])].tolist())
+    assert set(favourites) <= held if eviction == "lfu" else not set(favourites) <= held  # the rule made a difference
 
 
 def test_swap_in_refuses_a_hot_buffer_smaller_than_the_selection():

@@ -31,8 +31,8 @@ def layer(i):
     return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
 
 
-def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200):
-    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident)
+def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru"):
+    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction)
     return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
 
 
@@ -115,13 +115,13 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected"):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru"):
     """Three requests, one prefilled in two chunks; four decode steps; request
     row 4 finishes and a new request takes it (its hot buffer must start empty).
     ``guess``: prefetch each sparse layer before the layer ahead of it runs.
     ``short``: three decode steps, no second request in row 4."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    sim = Sim(make_pool(pol, resident, hot=hot), seed)
+    sim = Sim(make_pool(pol, resident, hot=hot, eviction=eviction), seed)
     sim.guess = guess
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
@@ -174,6 +174,20 @@ def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_
     assert all(torch.equal(a, b) for a, b in zip(outs_off, outs_res))
     hits, misses = sim.dec.stats.tolist()
     assert misses > 0  # the hot buffers were filled from the host rows
+
+
+def test_least_selected_eviction_changes_copies_never_outputs():
+    """``--kv-offload-eviction lfu`` (InfiniGen's rule) against LRU through the
+    whole lifecycle (chunked prefill, a new request in a reused row): the
+    same selections, so bit-identical outputs; only which rows hit may differ."""
+    base, _, sim0 = lifecycle(resident=False, hot=24, short=True)
+    outs, worst, sim = lifecycle(resident=False, hot=24, short=True, eviction="lfu")
+    assert all(torch.equal(a, b) for a, b in zip(base, outs)) and worst < 1e-2
+    assert sum(sim0.dec.stats.tolist()) == sum(sim.dec.stats.tolist()) > 0
+    with pytest.raises(ValueError, match="lru or lfu"):
+        make_pool(OffloadPolicy(), eviction="lifo")
+    with pytest.raises(ValueError, match="21 bits"):
+        OffloadLayout(OffloadPolicy(), hot_tokens=4096, request_rows=2, stage_tokens=1 << 21, eviction="lfu")
 
 
 @pytest.mark.parametrize("guess,hot", [("next-q", 32), ("random", 24)])

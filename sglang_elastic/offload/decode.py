@@ -210,7 +210,7 @@ class OffloadDecoder:
             loc_slot, slot_pos, slot_time = hot_state
             swap_in_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
                         loc_slot, slot_pos, slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
-                        ws.miss_cnt, ws.stats, pol.max_topk, lay.region_rows, lay.lru_base, spec=spec)
+                        ws.miss_cnt, ws.stats, pol.max_topk, lay.region_rows, lay.lru_base, spec=spec, eviction=lay.eviction)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
         return lse
 

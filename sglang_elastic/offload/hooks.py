@@ -197,7 +197,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
     _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len,
-                                     resident_v=cfg.resident_v)
+                                     resident_v=cfg.resident_v, eviction=cfg.eviction)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static

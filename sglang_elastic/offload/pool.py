@@ -62,10 +62,13 @@ class OffloadLayout:
     ``request_rows`` (``req_to_token`` rows, SGLang's padding row included);
     ``stage_tokens`` (rows of each prefix staging buffer: the longest prefix
     a prefill can have, the context length); ``resident_v`` (the all-resident
-    reference).
+    reference); ``eviction`` (the hot buffer's victim rule,
+    ``--kv-offload-eviction``: ``lru`` or InfiniGen's least-selected ``lfu``,
+    :func:`~sglang_elastic.kernels.offload.swap_in_run`).
 
     Raises:
-        ValueError: ``hot_tokens < policy.max_topk`` or a non-positive size.
+        ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
+            unknown ``eviction``, or ``lfu`` with a context of 2**21 tokens or more.
     """
 
     policy: OffloadPolicy
@@ -73,8 +76,13 @@ class OffloadLayout:
     request_rows: int
     stage_tokens: int
     resident_v: bool = False
+    eviction: str = "lru"
 
     def __post_init__(self):
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"--kv-offload-eviction must be lru or lfu, not {self.eviction!r}")
+        if self.eviction == "lfu" and self.stage_tokens >= 1 << 21:
+            raise ValueError(f"--kv-offload-eviction lfu packs a slot's last use in 21 bits: a context of {self.stage_tokens} tokens is too long")
         if self.hot_tokens < self.policy.max_topk:
             raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.policy.max_topk}")
         if self.request_rows < 1 or self.stage_tokens < 1:
