@@ -201,10 +201,10 @@ def time_layer(out, bs=44, ctx=32768):
     t["select"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
                                                 ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts))
 
-    def swap():
+    def swap(eviction="lru"):
         ko.swap_in_run(ws.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
                        slot_time, ws.scratch, dec.att_kidx, dec.att_vidx, ws.miss_src, ws.miss_dst, ws.miss_cnt, ws.stats,
-                       pol.max_topk, lay.region_rows, lay.lru_base)
+                       pol.max_topk, lay.region_rows, lay.lru_base, eviction=eviction)
 
     def copy():
         ko.copy_rows_run(hview, vhot, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
@@ -225,6 +225,7 @@ def time_layer(out, bs=44, ctx=32768):
     swap()
     copy()
     t["swap_in_warm"] = time_ms(swap)  # the same selection: all hits
+    t["swap_in_warm_lfu"] = time_ms(lambda: swap("lfu"))  # --kv-offload-eviction lfu: the same bookkeeping with use counts
     misses_warm = int(ws.miss_cnt[:bs].sum())
     t["attend"] = time_ms(lambda: ko.attend_run(q, kb, vhot, dec.att_indptr[: bs + 1], dec.att_kidx, dec.att_vidx, dec.att_chunk[:bs],
                                                 dec.att_nsplit[:bs], sp.attend_max_splits, dec.mid_o, dec.mid_lse, o, lse, D ** -0.5,
