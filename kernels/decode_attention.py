@@ -54,13 +54,15 @@ def _partial_attn(
     stride_mo_s, stride_mo_h, stride_ml_s,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     vidx_ptr=None, SEP_V: tl.constexpr = False,
+    o_ptr=None, stride_ob=0, stride_oh=0, DIRECT=False,
 ):
     """Attention of the G query heads of KV head ``h`` of request ``b`` over
     KV positions ``[start, end)`` of its index list; writes the partial output
     (unnormalised by nothing: already divided by its own sum) and its LSE into
     slot ``out_slot`` of the mid buffers. ``SEP_V``: V row ``i`` is
     ``vidx[i]`` instead of ``idx[i]`` (the KV offload path: K in the pool, V
-    in a hot buffer)."""
+    in a hot buffer). ``DIRECT`` (runtime): write the normalised output to
+    ``o[b]`` instead (a single-chunk request of the fused kernel)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G
@@ -109,8 +111,12 @@ def _partial_attn(
         m_i = m_new
     out = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
-    tl.store(mid_o_ptr + out_slot * stride_mo_s + qh[:, None] * stride_mo_h + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(mid_lse_ptr + out_slot * stride_ml_s + qh, lse, mask=mask_g)
+    if DIRECT:  # the request's only chunk: its partial is the output (no mid round trip, no merge)
+        tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        tl.store(mid_o_ptr + out_slot * stride_mo_s + qh[:, None] * stride_mo_h + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(mid_lse_ptr + out_slot * stride_ml_s + qh, lse, mask=mask_g)
 
 
 @triton.jit
@@ -138,6 +144,73 @@ def _split_kernel(
         _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
                       G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32)
+
+
+@triton.jit
+def _split_fused_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, chunk_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
+    max_splits, num_kv_heads,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Split-KV in one launch. Program ``(b, h, s)`` computes chunk ``s`` of
+    request ``b`` for KV head ``h``'s query heads; a request of one chunk
+    writes its output directly; otherwise the program that finishes last
+    (a per-(request, head) arrival counter, acquire-release at GPU scope)
+    merges all the partials by log-sum-exp, in slot order (deterministic:
+    the same sums whichever program is last), and resets the counter for
+    the next launch (CUDA-graph replays). The serial split-K fix-up of
+    CUTLASS's semaphore / Stream-K, applied to decode attention."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    lo = tl.load(indptr_ptr + b)
+    hi = tl.load(indptr_ptr + b + 1)
+    chunk = tl.load(chunk_ptr + b)
+    n = tl.where(hi > lo, (hi - lo + chunk - 1) // chunk, 0)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, hi)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    qh = h * G + offs_g
+    if n == 0:
+        if s == 0:  # an empty request: zeros, as the merge kernel writes
+            tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :],
+                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    elif start < end:
+        _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
+                      stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
+                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32, o_ptr=o_ptr, stride_ob=stride_ob, stride_oh=stride_oh, DIRECT=n == 1)
+        if n > 1:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            arrived = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
+            if arrived == n - 1:  # the last chunk of (b, h) to finish: merge
+                offs_s = tl.arange(0, BLOCK_S)
+                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_G], tl.float32)
+                acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for i0 in range(0, n, BLOCK_S):
+                    mask_s = (i0 + offs_s) < n
+                    slot = b * max_splits + i0 + offs_s
+                    lse = tl.load(mid_lse_ptr + slot[:, None] * stride_ml_s + qh[None, :], mask=mask_s[:, None] & mask_g[None, :],
+                                  other=float("-inf"), cache_modifier=".cg")  # [S, G], from L2: other SMs wrote them
+                    o = tl.load(mid_o_ptr + slot[:, None, None] * stride_mo_s + qh[None, :, None] * stride_mo_h + offs_d[None, None, :],
+                                mask=mask_s[:, None, None] & mask_g[None, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m, tl.max(lse, 0))
+                    scale_old = tl.exp(m - m_new)
+                    w = tl.exp(lse - m_new[None, :])  # masked rows: exp(-inf) = 0
+                    acc = acc * scale_old[:, None] + tl.sum(o * w[:, :, None], 0)
+                    l = l * scale_old + tl.sum(w, 0)
+                    m = m_new
+                out = acc / tl.maximum(l, 1e-30)[:, None]
+                tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=mask_g[:, None] & mask_d[None, :])
+                tl.atomic_xchg(count_ptr + b * num_kv_heads + h, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -435,6 +508,56 @@ def split_kv_run(
         mid_o, mid_lse, nsplit, nsplit, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
         D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S, **pdl_opts,
+    )
+    return out
+
+
+#: Partials the fused kernel's last program loads per step (``[BLOCK_S, G, D]`` float32 in flight).
+FUSED_BLOCK_S = 8
+
+
+def split_kv_fused_counters(batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The arrival counters of :func:`split_kv_fused_run`: ``[batch * kv_heads]``
+    int32 zeros (each launch leaves them at zero again; allocate once, keep
+    the address under CUDA graphs)."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+
+
+def split_kv_fused_run(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+    chunk: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
+    sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Split-KV decode of one layer in **one launch** (issue 23's "kernel at
+    the floor"): :func:`split_kv_run`'s partials, with the merge done by the
+    last chunk of each (request, KV head) to finish, and single-chunk
+    requests written straight to ``out``. Same plan (:func:`split_kv_plan`'s
+    ``chunk``), same workspaces, plus ``counters``
+    (:func:`split_kv_fused_counters`, zero before and after every launch).
+
+    Args: as :func:`split_kv_run` (no ``nsplit``: the kernel derives it from
+        ``chunk``), and ``counters``: ``[>= batch * kv_heads]`` int32.
+
+    Returns:
+        ``out``; requests of length 0 get zeros.
+
+    Raises:
+        ValueError: as :func:`split_kv_run`, or ``counters`` too small or not int32.
+    """
+    B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
+    _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B * max_splits)
+    if counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
+        raise ValueError(f"counters must be int32 with >= batch * kv_heads = {B * Hkv} entries on {q.device}, "
+                         f"not {counters.dtype} with {counters.numel()} on {counters.device}")
+    if B == 0:
+        return out
+    sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    _split_fused_kernel[(B, Hkv, max_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, out, counters, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits, Hkv,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S,
+        **_launch_opts(num_warps, num_stages),
     )
     return out
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_elastic.kernels.decode_attention import split_kv_decode, work_queue_decode
+from sglang_elastic.kernels.decode_attention import (split_kv_decode, split_kv_fused_counters, split_kv_fused_run, split_kv_plan,
+                                                     work_queue_decode)
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -63,7 +64,22 @@ CASES = [
 ]
 
 
+def fused(q, k, v, indptr, idx, out, max_splits=4, min_chunk=64, block_n=32):
+    """One launch (the last chunk merges); the counters must be zero again afterwards."""
+    chunk, _ = split_kv_plan(indptr, max_splits, min_chunk, block_n)
+    B, Hq, D = q.shape
+    mid_o = torch.full((B * max_splits, Hq, D), float("nan"))
+    mid_lse = torch.full((B * max_splits, Hq), float("nan"))
+    counters = split_kv_fused_counters(B, k.shape[1], q.device)
+    split_kv_fused_run(q, k, v, indptr, idx, chunk, max_splits, mid_o, mid_lse, out, counters, block_n=block_n)
+    assert not counters.any(), "a counter was left non-zero (the next CUDA-graph replay would merge early)"
+    return out
+
+
 KERNELS = {
+    # one launch: partials, the last chunk of each (request, head) merges, single-chunk requests straight to out
+    "split_kv_fused": lambda q, k, v, indptr, idx, out: fused(q, k, v, indptr, idx, out),
+    "split_kv_fused_many_splits": lambda q, k, v, indptr, idx, out: fused(q, k, v, indptr, idx, out, max_splits=64, min_chunk=32),
     # chunks shorter than most requests and longer than some; 4 splits at most
     "split_kv": lambda q, k, v, indptr, idx, out: split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, out=out),
     # one chunk per request (the split path at batch sizes past its partial budget)
@@ -206,3 +222,64 @@ def test_max_batch_256_matches_float64(kernel):
     ref = reference(q, k, v, indptr, idx, 64**-0.5)
     per_request = ((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1))
     assert per_request.max().item() <= TOL[torch.float16], f"worst request {per_request.argmax().item()}: {per_request.max().item():.2e} (seed {seed})"
+
+
+def test_fused_split_equals_the_two_launch_split_and_replays_with_the_same_counters():
+    """The fused kernel against :func:`split_kv_decode` (same plan) on a batch with an
+    empty, a one-chunk and several many-chunk requests, twice with one counter buffer
+    (a CUDA-graph replay), and its refusals."""
+    lens = [0, 40, 700, 1, 257]
+    q, k, v, indptr, idx = make_case(lens, 8, 2, 64, torch.float16, 1, seed=int(torch.randint(0, 2**31, ())))
+    two = split_kv_decode(q, k, v, indptr, idx, max_splits=8, min_chunk=64)
+    chunk, nsplit = split_kv_plan(indptr, 8, 64)
+    assert sorted(set(nsplit.tolist())) == [0, 1, 5, 8]  # empty, single-chunk and split requests
+    mid_o, mid_lse = torch.empty(len(lens) * 8, 8, 64), torch.empty(len(lens) * 8, 8)
+    counters = split_kv_fused_counters(len(lens), 2, "cpu")
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, mid_o, mid_lse, out, counters)
+        assert not counters.any() and torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.allclose(out.float(), two.float(), atol=2e-3, rtol=0)
+    ref = reference(q, k, v, indptr, idx, 64 ** -0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.float16]
+    with pytest.raises(ValueError, match="counters must be int32 with >= batch \\* kv_heads = 10"):
+        split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, mid_o, mid_lse, out, torch.zeros(9, dtype=torch.int32))
+
+
+_FUSED_PTX = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sglang_elastic.kernels import decode_attention as da
+
+fn = da._split_fused_kernel
+types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr")})
+types["sm_scale"] = "fp32"
+cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S)
+sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx}
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = k.asm["ptx"]
+print("acq_rel_atomic", any(("atom" in l and ".acq_rel" in l and ".gpu" in l) for l in ptx.splitlines()))
+print("cg_loads", "ld.global.cg" in ptx)
+print("bar_sync", "bar.sync" in ptx)
+"""
+
+
+def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_loads(tmp_path):
+    """The one-launch kernel as the H200 gets it (PTX for sm_90, no GPU
+    needed): the arrival counter is an acquire-release atomic at GPU scope
+    after a CTA barrier, and the last program reads the partials from L2
+    (``ld.global.cg``: other SMs wrote them), which the interpreter cannot show."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _FUSED_PTX, str(Path(__file__).parents[1])], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert dict(line.split() for line in out.stdout.splitlines()) == {"acq_rel_atomic": "True", "cg_loads": "True", "bar_sync": "True"}

@@ -212,6 +212,7 @@ class Ours:
         self.qc = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.qo = torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")
         self.qn = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
+        self.counters = kernels.split_kv_fused_counters(max_bs, HKV, "cuda") if hasattr(kernels, "split_kv_fused_counters") else None
 
     def plan(self, path, indptr):
         B = indptr.shape[0] - 1
@@ -233,6 +234,14 @@ class Ours:
         return self.k.work_queue_run(q, k, v, indptr, idx, self.qc, self.qo[: B + 1], self.qn[:B], self.mid_o, self.mid_lse, out,
                                      c.programs or torch.cuda.get_device_properties(0).multi_processor_count, SCALE, c.block_n,
                                      c.num_warps, c.num_stages, c.pdl)
+
+
+    def run_fused(self, q, k, v, indptr, idx, out):
+        """The split path in one launch (``split_kv_fused_run``: the last chunk merges), on the split plan."""
+        B = q.shape[0]
+        c = self.calib.split
+        return self.k.split_kv_fused_run(q, k, v, indptr, idx, self.sc[:B], split_max_splits(c, B), self.mid_o, self.mid_lse, out,
+                                         self.counters, SCALE, c.block_n, c.num_warps, c.num_stages)
 
 
 def rel_err(x, ref):
@@ -318,8 +327,15 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
         both(f"ours_{path}_us", lambda: ours.run(path, q, k, v, indptr, idx, o))
         outs[f"ours_{path}"] = o
         t[f"ours_{path}_plan_us"] = graph_us(lambda: ours.plan(path, indptr))
+    if ours.counters is not None:  # issue 23 Build 2: one launch per layer, beside the two-launch split (not a policy path yet)
+        ours.plan("split", indptr)
+        o = torch.empty_like(q)
+        both("ours_split_fused_us", lambda: ours.run_fused(q, k, v, indptr, idx, o))
+        outs["ours_split_fused"] = o
     errs = {name: rel_err(o, ref) for name, o in outs.items() if name != "flashinfer"}
     row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
+    if "ours_split_fused_us" in t:
+        row["ours_split_fused_us"], row["ours_split_fused_read_us"] = t["ours_split_fused_us"], tr["ours_split_fused_us"]
     row["max_abs_err_vs_flashinfer"] = {name: (o.float() - ref.float()).abs().max().item() for name, o in outs.items() if name != "flashinfer"}
     row["ours_split_plan_us"], row["ours_compact_plan_us"] = t["ours_split_plan_us"], t["ours_compact_plan_us"]
     return row, {c: tr.get(c) for c in bench.METHODS}, fa3_t
