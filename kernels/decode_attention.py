@@ -152,9 +152,9 @@ def _split_fused_kernel(
     sm_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
-    max_splits, num_kv_heads,
+    max_splits, num_kv_heads, order_ptr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Split-KV in one launch. Program ``(b, h, s)`` computes chunk ``s`` of
     request ``b`` for KV head ``h``'s query heads; a request of one chunk
@@ -163,8 +163,13 @@ def _split_fused_kernel(
     merges all the partials by log-sum-exp, in slot order (deterministic:
     the same sums whichever program is last), and resets the counter for
     the next launch (CUDA-graph replays). The serial split-K fix-up of
-    CUTLASS's semaphore / Stream-K, applied to decode attention."""
-    b = tl.program_id(0)
+    CUTLASS's semaphore / Stream-K, applied to decode attention.
+    ``ORDERED``: program row ``i`` takes request ``order[i]`` (longest
+    requests first, so their chunks do not start last and set the tail)."""
+    if ORDERED:
+        b = tl.load(order_ptr + tl.program_id(0))
+    else:
+        b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     lo = tl.load(indptr_ptr + b)
@@ -516,6 +521,20 @@ def split_kv_run(
 FUSED_BLOCK_S = 8
 
 
+def longest_first(kv_indptr: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[batch]`` int32: the requests by length, longest first (ties: lower
+    index first); GPU ops only, so a decode graph can record it with the plan.
+    ``out``: an optional address-stable ``[>= batch]`` int32 buffer."""
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    B = lens.shape[0]
+    idx = torch.arange(B, device=lens.device, dtype=torch.int64)
+    order = torch.argsort(-lens * (B + 1) + idx).to(torch.int32)  # a unique key: a stable order without a stable sort
+    if out is not None:
+        out[:B].copy_(order)
+        return out[:B]
+    return order
+
+
 def split_kv_fused_counters(batch: int, kv_heads: int, device) -> torch.Tensor:
     """The arrival counters of :func:`split_kv_fused_run`: ``[batch * kv_heads]``
     int32 zeros (each launch leaves them at zero again; allocate once, keep
@@ -527,6 +546,7 @@ def split_kv_fused_run(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     chunk: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
     sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Split-KV decode of one layer in **one launch** (issue 23's "kernel at
     the floor"): :func:`split_kv_run`'s partials, with the merge done by the
@@ -536,7 +556,9 @@ def split_kv_fused_run(
     (:func:`split_kv_fused_counters`, zero before and after every launch).
 
     Args: as :func:`split_kv_run` (no ``nsplit``: the kernel derives it from
-        ``chunk``), and ``counters``: ``[>= batch * kv_heads]`` int32.
+        ``chunk``), and ``counters``: ``[>= batch * kv_heads]`` int32;
+        ``order``: optional ``[batch]`` int32 permutation of the requests in
+        launch order (:func:`longest_first`); the output does not depend on it.
 
     Returns:
         ``out``; requests of length 0 get zeros.
@@ -556,7 +578,8 @@ def split_kv_fused_run(
         q, k_buffer, v_buffer, kv_indptr, kv_indices, chunk, mid_o, mid_lse, out, counters, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits, Hkv,
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S,
+        order if order is not None else chunk,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S, ORDERED=order is not None,
         **_launch_opts(num_warps, num_stages),
     )
     return out

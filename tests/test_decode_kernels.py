@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_elastic.kernels.decode_attention import (split_kv_decode, split_kv_fused_counters, split_kv_fused_run, split_kv_plan,
-                                                     work_queue_decode)
+from sglang_elastic.kernels.decode_attention import (longest_first, split_kv_decode, split_kv_fused_counters, split_kv_fused_run,
+                                                     split_kv_plan, work_queue_decode)
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -242,6 +242,12 @@ def test_fused_split_equals_the_two_launch_split_and_replays_with_the_same_count
         assert torch.allclose(out.float(), two.float(), atol=2e-3, rtol=0)
     ref = reference(q, k, v, indptr, idx, 64 ** -0.5)
     assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.float16]
+    # longest requests first: the same output bit for bit (each request's sums do not depend on the launch order)
+    order = longest_first(indptr)
+    assert order.tolist() == [2, 4, 1, 3, 0] and order.dtype == torch.int32
+    first = torch.full_like(q, float("nan"))
+    split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, mid_o, mid_lse, first, counters, order=order)
+    assert torch.equal(first, out) and not counters.any()
     with pytest.raises(ValueError, match="counters must be int32 with >= batch \\* kv_heads = 10"):
         split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, mid_o, mid_lse, out, torch.zeros(9, dtype=torch.int32))
 
@@ -257,9 +263,9 @@ from sglang_elastic.kernels import decode_attention as da
 fn = da._split_fused_kernel
 types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
 types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
-types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr")})
 types["sm_scale"] = "fp32"
-cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S)
+cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S, ORDERED=True)
 sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx}
 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 ptx = k.asm["ptx"]

@@ -240,8 +240,9 @@ class Ours:
         """The split path in one launch (``split_kv_fused_run``: the last chunk merges), on the split plan."""
         B = q.shape[0]
         c = self.calib.split
+        order = self.k.longest_first(indptr) if hasattr(self.k, "longest_first") else None
         return self.k.split_kv_fused_run(q, k, v, indptr, idx, self.sc[:B], split_max_splits(c, B), self.mid_o, self.mid_lse, out,
-                                         self.counters, SCALE, c.block_n, c.num_warps, c.num_stages)
+                                         self.counters, SCALE, c.block_n, c.num_warps, c.num_stages, order=order)
 
 
 def rel_err(x, ref):
