@@ -415,6 +415,24 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         raise ConfigError("--enable-kv-offload sizes the KV pool itself: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
 
 
+def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
+    """The project's backends where SGLang would misuse them: ``persistentkv``
+    is decode-only (as the prefill backend SGLang would call its missing
+    extend path at the first prefill, after the start-up), ``kvoffload``
+    needs the offload pool (``--enable-kv-offload``)."""
+    main = getattr(ns, "attention_backend", None)
+    prefill = getattr(ns, "prefill_attention_backend", None) or main
+    if prefill == DECODE_BACKEND:
+        flag = "--prefill-attention-backend" if getattr(ns, "prefill_attention_backend", None) else "--attention-backend"
+        raise ConfigError(f"{flag} {DECODE_BACKEND}: it is a decode-only backend; pass --decode-attention-backend {DECODE_BACKEND} "
+                          "(prefill stays on SGLang's)")
+    if not cfg.offload.enabled:
+        for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            if getattr(ns, flag, None) == OFFLOAD_BACKEND:
+                raise ConfigError(f"--{flag.replace('_', '-')} {OFFLOAD_BACKEND} runs over the offload pool: pass --enable-kv-offload "
+                                  "(which selects it) instead")
+
+
 def apply_offload_defaults(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     """With ``--enable-kv-offload``, SGLang's attention backend is ``kvoffload``."""
     if cfg.offload.enabled:
@@ -428,6 +446,7 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         ConfigError: naming the first conflicting flag.
     """
     _check_offload(cfg, ns)
+    _check_backends(cfg, ns)
     if not cfg.enabled:
         return
     for flag, bad, *why in _UNSUPPORTED:

@@ -321,8 +321,9 @@ def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir
         drawn = json.load(f)
     assert [(d["task"], d["index"]) for d in drawn["samples"]] == [("passkey", 0), ("passkey", 1), ("natural", 0)]
     assert drawn["key"]["samples"] == 2 and len(drawn["samples"][0]["input_ids"]) > 900
-    cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    cached = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir())
     assert cached == ["dense", "offload", "offload_2"]
+    assert all(p.name.startswith("standin-") for p in (tmp_path / "cache").iterdir())  # never read by a real run
 
     def refuse(url, payload, timeout_s):
         raise gpu.Failure(f"{url}: connection refused")
@@ -341,6 +342,36 @@ def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir
     # another sample count: drawn again (the file says 2), another cache entry: the refusing client is asked, nothing is measured
     assert gpu.main(argv + ["--samples", "1", "--out", str(tmp_path / "c.json")], post=refuse) == 1
     assert not (tmp_path / "c.json").exists() and "drawing again" in capsys.readouterr().err
+
+
+def test_gpu_script_refuses_bad_server_flags_and_paths_before_anything_runs(model_dir, tmp_path, capsys):
+    """A bad --offload-args set was refused only when its server started, after the
+    dense one had run (new-user finding); unwritable outputs after every server."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    base = ["--model", model_dir, "--dry-run", "--tasks", "passkey", "--lengths", "1024", "--samples", "1", "--natural", "0"]
+
+    def never(url, payload, timeout_s):
+        raise AssertionError("a request was sent")
+
+    for extra, says in (
+        (["--offload-args", "--kv-offload-budget 0.1"], "the offload server would not start: --kv-offload-budget (and every --kv-offload-* flag) needs"),
+        (["--offload-args", "--enable-kv-offload --kv-offload-hot-tokens 100"], "at least --kv-offload-topk 2048"),
+        (["--out", str(tmp_path / "no" / "x.json")], "--out"),
+        (["--per-sample", str(tmp_path / "no" / "x.json.xz")], "--per-sample"),
+    ):
+        argv = base + ["--out", str(tmp_path / "a.json")] + extra
+        assert gpu.main(argv, post=never) == 2, extra
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    # a file that is not a samples file is refused, not overwritten
+    other = tmp_path / "results.json.xz"
+    import lzma
+
+    with lzma.open(other, "wt") as f:
+        json.dump({"per_sample": []}, f)
+    before = other.read_bytes()
+    assert gpu.main(base + ["--out", str(tmp_path / "a.json"), "--samples-file", str(other)], post=never) == 2
+    assert "is not a samples file" in capsys.readouterr().err and other.read_bytes() == before
 
 
 def test_gpu_script_writes_nothing_when_no_server_answers(model_dir, tmp_path, capsys):

@@ -75,6 +75,9 @@ def test_dry_run_refuses_what_the_server_start_would_refuse():
     (["--enable-elastic-kv", "--speculative-algorithm", "NGRAM"], "--enable-elastic-kv does not support --speculative-algorithm 'NGRAM'"),
     (["--enable-kv-offload", "--disable-radix-cache", "--kv-offload-denominator", "exact"], "invalid choice: 'exact'"),
     (["--mem-fraction-static", "lots"], "invalid float value: 'lots'"),
+    (["--attention-backend", "persistentkv"], "--attention-backend persistentkv: it is a decode-only backend"),
+    (["--prefill-attention-backend", "persistentkv"], "--prefill-attention-backend persistentkv: it is a decode-only backend"),
+    (["--attention-backend", "kvoffload"], "--attention-backend kvoffload runs over the offload pool: pass --enable-kv-offload"),
 ])
 def test_check_flags_names_the_first_refusal(flags, message):
     argv = serve.build_command("llama-3.1-8b", flags)[3:]

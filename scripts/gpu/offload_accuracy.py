@@ -330,6 +330,8 @@ def sample_set(a, model: "Model") -> List[tasks.Sample]:
                 data = json.load(f)
         except (OSError, EOFError, lzma.LZMAError, ValueError) as e:
             print(f"--samples-file {a.samples_file} is unreadable ({type(e).__name__}): drawing again", file=sys.stderr, flush=True)
+        if not (isinstance(data, dict) and "key" in data and isinstance(data.get("samples"), list)):
+            raise Failure(f"--samples-file {a.samples_file} is not a samples file (no key and samples): not overwritten")
         if data.get("key") == key:
             return [tasks.Sample(**{**d, "input_ids": tuple(d["input_ids"]), "answers": tuple(d["answers"]), "forced": tuple(d["forced"]),
                                     "needles": tuple(d["needles"])}) for d in data["samples"]]
@@ -343,6 +345,33 @@ def sample_set(a, model: "Model") -> List[tasks.Sample]:
     return samples
 
 
+def preflight(a, servers: Dict[str, List[str]]) -> None:
+    """Before any server starts: the output paths can be written, and every
+    server's flags pass SGLang's parse with this project's checks
+    (:func:`sglang_elastic.serve.check_flags`), so a bad ``--offload-args``
+    is refused now, not after the dense server has run.
+
+    Raises:
+        Failure: naming the path or the server.
+    """
+    for flag, path in (("--out", a.out), ("--per-sample", a.per_sample), ("--samples-file", a.samples_file)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)) or ".", os.W_OK):
+            raise Failure(f"{flag} {path}: its directory does not exist or is not writable")
+    if a.cache_dir:
+        try:
+            os.makedirs(a.cache_dir, exist_ok=True)
+        except OSError as e:
+            raise Failure(f"--cache-dir {a.cache_dir}: {e.strerror}") from None
+        if not os.access(a.cache_dir, os.W_OK):
+            raise Failure(f"--cache-dir {a.cache_dir}: not writable")
+    from sglang_elastic.serve import check_flags
+
+    for name, argv in servers.items():
+        err = check_flags([x.replace("{port}", "30000") for x in argv[3:]])
+        if err:
+            raise Failure(f"the {name} server would not start: {err}")
+
+
 def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequence[Sequence[str]]) -> Dict[str, List[str]]:
     """Server name -> ``launch_server`` argv (``{port}`` for the port):
     ``dense`` (FlashInfer), then ``offload``, ``offload_2``, ... (one per set of offload flags)."""
@@ -351,7 +380,7 @@ def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequen
     return {"dense": base + DENSE_ARGS, **{n: base + list(x) for n, x in zip(names, offload_sets)}}
 
 
-def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample]) -> Path:
+def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample], dry_run: bool = False) -> Path:
     """Where ``--cache-dir`` keeps one server's answers: ``NAME-HASH.pt``, the
     hash of its command line, this code's commit (``results.commit()``: a
     rerun after a fix is not served the old build's answers), the
@@ -363,9 +392,9 @@ def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence
         weights = [st.st_size, st.st_mtime_ns]
     except OSError:
         weights = None
-    key = [list(argv), results.commit(), weights, [[list(s.input_ids), s.max_new_tokens] for s in samples]]
+    key = [list(argv), results.commit(), weights, [[list(s.input_ids), s.max_new_tokens] for s in samples], dry_run]
     h = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"{name}-{h}.pt"
+    return Path(cache_dir) / f"{'standin-' if dry_run else ''}{name}-{h}.pt"  # a stand-in's answers never serve a real run
 
 
 def parse_args(argv=None):
@@ -405,17 +434,18 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate"])]
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
+        servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
+        preflight(a, servers)  # before the samples (minutes to draw) and any server
         samples = sample_set(a, model)
     except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
         print(f"offload_accuracy: {e}", file=sys.stderr)
         return 2
-    servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
     names = list(servers)[1:]
     answers = {tuple(s.input_ids): s.answers for s in samples}
     got = {}
     try:
         for name, argv in servers.items():
-            cached = cache_path(a.cache_dir, name, argv, samples) if a.cache_dir else None
+            cached = cache_path(a.cache_dir, name, argv, samples, a.dry_run) if a.cache_dir else None
             if cached and cached.is_file():
                 got[name] = torch.load(cached)
                 print(f"{name}: {len(got[name])} answers read from {cached}", file=sys.stderr, flush=True)

