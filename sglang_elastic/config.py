@@ -341,6 +341,9 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given and not enabled:
         raise ConfigError(f"--kv-offload-{next(iter(given)).replace('_', '-')} (and every --kv-offload-* flag) needs --enable-kv-offload")
+    if "chunk" in given and given.get("denominator", OffloadConfig.denominator) != "estimate":
+        raise ConfigError(f"--kv-offload-chunk applies only with --kv-offload-denominator estimate (the chunk means it sizes), "
+                          f"not {given.get('denominator', OffloadConfig.denominator)}")
     return OffloadConfig(enabled=enabled, **given)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,6 +137,8 @@ def test_decode_policy_reaches_the_schedulers_through_sglangs_parser(launch_args
         (["--attention-backend", "flashinfer", "--decode-policy", "split"], "--decode-policy applies only with --decode-attention-backend persistentkv (decode backend here: flashinfer)"),
         (["--decode-attention-backend", "triton", "--decode-calibration", "x.json"], "--decode-calibration applies only with --decode-attention-backend persistentkv"),
         (["--decode-attention-backend", "persistentkv", "--decode-calibration", "/nonexistent.json"], "--decode-calibration: cannot read calibration file /nonexistent.json"),
+        (["--decode-attention-backend", "persistentkv", "--decode-calibration", str(Path(__file__).parents[1] / "docs/results/eval/ttft_vs_chunk.png")],
+         "is not UTF-8 text"),
         (["--decode-calibration-cache", "/tmp/x"], "--decode-calibration-cache applies only with --decode-attention-backend persistentkv"),
         (["--decode-attention-backend", "triton", "--decode-online-correction", "off"], "--decode-online-correction applies only with"),
         (["--decode-attention-backend", "persistentkv", "--decode-startup-calibration", "always"], "invalid choice: 'always'"),

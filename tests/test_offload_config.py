@@ -65,6 +65,8 @@ def namespace(*flags, **sglang):
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
     (["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "64"], dict(disable_radix_cache=True),
      "--kv-offload-chunk 64 must be at most --kv-offload-window 32"),
+    (["--kv-offload-chunk", "16"], dict(disable_radix_cache=True), "--kv-offload-chunk applies only with --kv-offload-denominator estimate"),
+    (["--kv-offload-denominator", "full", "--kv-offload-chunk", "8"], dict(disable_radix_cache=True), "estimate (the chunk means it sizes), not full"),
     ([], dict(disable_radix_cache=True, enable_mixed_chunk=True), "does not support --enable-mixed-chunk"),
     ([], dict(disable_radix_cache=True, page_size=16), "does not support --page-size 16"),
     ([], dict(disable_radix_cache=True, kv_cache_dtype="fp8_e4m3"), "does not support --kv-cache-dtype 'fp8_e4m3'"),
@@ -121,6 +123,14 @@ def test_sizing_on_the_h200_budget_holds_about_1_6x_stock_with_k_on_the_gpu():
     assert sz.host_bytes == (sz.tokens + 1) * 30 * 2048
     # fewer hot rows per request leave more K
     assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 2048, 64, 120 << 30).tokens > sz.tokens
+
+
+def test_sizing_refuses_dense_layers_that_leave_nothing_sparse():
+    """``--kv-offload-dense-layers 32`` on a 32-layer model was clamped silently: the server ran without offloading."""
+    with pytest.raises(SizingError, match="--kv-offload-dense-layers 32 leaves none of the model's 32 layers sparse"):
+        size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(dense_layers=32), 4096, 48, 200 * 2**30)
+    assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(dense_layers=31), 4096, 48, 200 * 2**30).tokens > 0
+    assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(dense_layers=32), 4096, 48, 200 * 2**30, resident=True).tokens > 0  # no host tier
 
 
 def test_sizing_names_the_host_as_the_bound_and_refuses_a_pool_below_one_request():

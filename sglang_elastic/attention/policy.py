@@ -256,6 +256,8 @@ def load_calibration(path: Optional[os.PathLike] = None) -> Calibration:
         text = Path(path).read_text()
     except OSError as e:
         raise CalibrationError(f"cannot read calibration file {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(f"calibration file {path} is not UTF-8 text (a calibration is JSON)") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:

@@ -160,10 +160,14 @@ def size_pool(
 
     Raises:
         SizingError: when the pool would hold less than one request of
-            ``shape.context_len`` tokens (names the bound and the flag to change).
+            ``shape.context_len`` tokens (names the bound and the flag to change),
+            or when ``policy.dense_layers`` leaves no sparse layer.
     """
     if requests < 1:
         raise SizingError(f"--max-running-requests must be >= 1 with --enable-kv-offload, not {requests}")
+    if not resident and policy.dense_layers >= shape.layers:
+        raise SizingError(f"--kv-offload-dense-layers {policy.dense_layers} leaves none of the model's {shape.layers} layers sparse: "
+                          f"nothing would be offloaded (use at most {shape.layers - 1})")
     per_dev = device_token_bytes(shape, policy, resident)
     fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident)
     per_host = host_token_bytes(shape, policy, resident)
