@@ -120,6 +120,19 @@ def _partial_attn(
 
 
 @triton.jit
+def _chunk_span(indptr_ptr, chunk_ptr, b, s):
+    """Split ``s`` of request ``b`` under a :func:`split_kv_plan` plan:
+    ``(lo, hi, chunk, start, end)``, the request's list ``[lo, hi)`` and the
+    split's ``[start, end)`` (empty past the request's last chunk)."""
+    lo = tl.load(indptr_ptr + b)
+    hi = tl.load(indptr_ptr + b + 1)
+    chunk = tl.load(chunk_ptr + b)
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, hi)
+    return lo, hi, chunk, start, end
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, indptr_ptr, idx_ptr, chunk_ptr, mid_o_ptr, mid_lse_ptr,
     sm_scale,
@@ -135,11 +148,7 @@ def _split_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    lo = tl.load(indptr_ptr + b)
-    hi = tl.load(indptr_ptr + b + 1)
-    chunk = tl.load(chunk_ptr + b)
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, hi)
+    lo, hi, chunk, start, end = _chunk_span(indptr_ptr, chunk_ptr, b, s)
     if start < end:
         _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
@@ -172,12 +181,8 @@ def _split_fused_kernel(
         b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    lo = tl.load(indptr_ptr + b)
-    hi = tl.load(indptr_ptr + b + 1)
-    chunk = tl.load(chunk_ptr + b)
+    lo, hi, chunk, start, end = _chunk_span(indptr_ptr, chunk_ptr, b, s)
     n = tl.where(hi > lo, (hi - lo + chunk - 1) // chunk, 0)
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, hi)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from sglang_elastic.kernels.decode_attention import (
-    MERGE_BLOCK_S, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _shape_args,
+    MERGE_BLOCK_S, _chunk_span, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _shape_args,
 )
 
 
@@ -74,11 +74,7 @@ def _scores_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    lo = tl.load(indptr_ptr + b)
-    hi = tl.load(indptr_ptr + b + 1)
-    chunk = tl.load(chunk_ptr + b)
-    start = lo + sp * chunk
-    end = tl.minimum(start + chunk, hi)
+    lo, hi, chunk, start, end = _chunk_span(indptr_ptr, chunk_ptr, b, sp)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < G
@@ -712,11 +708,7 @@ def _attend_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    lo = tl.load(indptr_ptr + b)
-    hi = tl.load(indptr_ptr + b + 1)
-    chunk = tl.load(chunk_ptr + b)
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, hi)
+    lo, hi, chunk, start, end = _chunk_span(indptr_ptr, chunk_ptr, b, s)
     if start < end:
         _partial_attn(q_ptr, k_ptr, v_ptr, kidx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,

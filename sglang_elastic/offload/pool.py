@@ -79,9 +79,11 @@ class OffloadLayout:
     eviction: str = "lru"
 
     def __post_init__(self):
-        if self.eviction not in ("lru", "lfu"):
-            raise ValueError(f"--kv-offload-eviction must be lru or lfu, not {self.eviction!r}")
-        if self.eviction == "lfu" and self.stage_tokens >= 1 << 21:
+        from sglang_elastic.kernels.offload import EVICTIONS, LFU_MAX_LEN
+
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"--kv-offload-eviction must be {' or '.join(EVICTIONS)}, not {self.eviction!r}")
+        if self.eviction == "lfu" and self.stage_tokens >= LFU_MAX_LEN:
             raise ValueError(f"--kv-offload-eviction lfu packs a slot's last use in 21 bits: a context of {self.stage_tokens} tokens is too long")
         if self.hot_tokens < self.policy.max_topk:
             raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.policy.max_topk}")
