@@ -405,3 +405,41 @@ def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, c
     assert "denominator=full" in capsys.readouterr().out
     assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
     assert "unknown qa_1" in capsys.readouterr().err
+
+
+def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_request_at_a_time(model_dir, tmp_path, capsys):
+    """--exactness N: a resident-V copy of the first offload server answers N
+    samples spread over the tasks, sent alone to both; bit-equal answers count
+    as identical, one changed hidden value or token does not."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    argv = ["--model", model_dir, "--dry-run", "--tasks", "passkey,vt", "--lengths", "1024", "--samples", "2", "--natural", "1",
+            "--exactness", "3", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "a.json")]
+    assert gpu.main(argv) == 0
+    d = json.loads((tmp_path / "a.json").read_text())
+    assert d["servers"]["resident"] == d["servers"]["offload"] + " --kv-offload-resident-v"
+    ex = d["exactness"]
+    assert (ex["compared"], ex["identical"], ex["errors"], ex["batch"]) == (3, 3, 0, 1) and ex["tokens"] == ex["tokens_identical"] > 0
+    assert ex["max_abs_hidden_diff"] == 0.0
+    assert "resident" not in {v["server"] for v in d["variants"]}  # the reference is no accuracy variant
+    names = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir())
+    assert names == ["dense", "offload", "offload_2", "resident"]
+    # spread: 5 samples (2 passkey, 2 vt, 1 natural) -> 3 picks cover every task
+    s = [tasks.Sample(t, 1024, i, (i,), (), 4) for t, i in (("passkey", 0), ("passkey", 1), ("vt", 0), ("vt", 1), ("natural", 0))]
+    assert [(x.task, x.index) for x in gpu.exactness_subset(s, 3)] == [("passkey", 0), ("vt", 0), ("natural", 0)]
+    assert gpu.exactness_subset(s, 9) == s and gpu.exactness_subset(s, 0) == []
+    # one hidden value off by one ulp, or one token changed: not identical
+    h = torch.randn(4, 6, dtype=torch.float32)
+    rec = {"output_ids": [5, 6, 7, 8], "hidden": h}
+    off = {("serial", 0): rec, ("serial", 1): rec, ("serial", 2): rec}
+    h2 = h.clone()
+    h2[2, 3] = torch.nextafter(h2[2, 3], torch.tensor(float("inf")))
+    res = {("serial", 0): rec, ("serial", 1): {"output_ids": [5, 6, 7, 8], "hidden": h2}, ("serial", 2): {"output_ids": [5, 6, 9, 8], "hidden": h}}
+    got = gpu.exactness(off, res, 3)
+    assert (got["compared"], got["identical"], got["tokens"], got["tokens_identical"]) == (3, 1, 12, 11)
+    assert 0 < got["max_abs_hidden_diff"] < 1e-5
+    assert gpu.exactness(off, {("serial", 0): {"error": "x"}}, 3)["errors"] == 3
+    # refused before anything runs
+    for bad, says in ((["--exactness", "-1"], "--exactness -1"),
+                      (["--exactness", "2", "--offload-args", "--enable-kv-offload --kv-offload-resident-v"], "drop --kv-offload-resident-v")):
+        assert gpu.main(argv[:-4] + bad + ["--out", str(tmp_path / "b.json")]) == 2
+        assert says in capsys.readouterr().err

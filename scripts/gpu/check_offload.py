@@ -167,8 +167,25 @@ def check_exact_case(name, HQ, HKV, D, denominator):
             "identical": identical, "max_rel_err_vs_float64": worst, "stats": stats}
 
 
-def time_layer(out, bs=44, ctx=32768):
-    """One sparse layer of a 44 x 32K batch: each kernel, and a dense split-KV layer for comparison."""
+def graph_ms(fn, reps=50):
+    """Median CUDA-event time of one replay of ``fn`` captured in a CUDA graph
+    (what a serving step pays: no launch gaps from Python)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_ms(g.replay, reps=reps)
+
+
+def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
+    """One sparse layer of a ``bs`` x ``ctx`` batch: each kernel, the whole
+    warm layer captured in a CUDA graph, and a dense split-KV layer for comparison."""
     pol = OffloadPolicy()
     hot = 4096
     size = bs * ctx + 8
@@ -245,8 +262,13 @@ def time_layer(out, bs=44, ctx=32768):
     t["estimate"] = time_ms(lambda: ko.estimate_run(ws.scores, lse, est.kv_indptr[: bs + 1], est.chunk[:bs], sp.scores_max_splits,
                                                     est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.attended, vsum, reqs, table, C,
                                                     est.est_o, HKV))
+    # the whole warm sparse layer (OffloadDecoder.sparse: scores, merge, top-k, swap-in, copy, attention) as one graph
+    # replay, and the dense split-KV layer the same way: the per-kernel sums above leave out the launch gaps a graph removes
+    hot_state = (loc_slot, slot_pos, slot_time)
+    t["sparse_layer_graph"] = graph_ms(lambda: dec.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview))
+    t["dense_split_kv_graph"] = graph_ms(lambda: dec.dense(q, kb, vfull, o, D ** -0.5))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
-    out["layer_timing"] = {
+    out[key] = {
         "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
         "misses_cold": misses_cold, "misses_warm": misses_warm,
         "cold_copy_gb_s": misses_cold * HKV * D * 2 / t["copy_cold"] / 1e6 if t["copy_cold"] else None,
@@ -271,6 +293,9 @@ def main():
     print("exactness", out["exactness"], out.get("exact_stats"), flush=True)
     time_layer(out)
     print("layer", out["layer_timing"], flush=True)
+    # the fitting workload's shape (64 x 4,096 + 512: offload costs +12.3 % median ITL there): where a sparse layer's time goes
+    time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")
+    print("layer fits", out["layer_timing_fits"], flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     results.write(a.out, out)
     print("wrote", a.out)

@@ -5,7 +5,7 @@ server and to an offload server, greedy, scored the same way.
     python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
         [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 50] \\
         [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."] \\
-        [--cache-dir DIR] [--per-sample FILE.json.xz] [--samples-file FILE.json.xz]
+        [--cache-dir DIR] [--per-sample FILE.json.xz] [--samples-file FILE.json.xz] [--exactness N]
     python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
 
 ``DIR`` is ``scripts/offload/convert_smollm2.py --dtype bfloat16``'s output.
@@ -33,13 +33,21 @@ tokens into every step). The prefill step (dense in both) is kept apart as
 attended fraction (``OffloadPolicy.counts`` with the ``--kv-offload-*``
 values of ``--offload-args``) over the same steps.
 
+``--exactness N``: the issue's exactness point on SmolLM2 through SGLang. N
+samples spread over every task and length are sent one at a time (batch 1,
+so no batch composition can change a GEMM's kernel) to the first offload
+server, after its accuracy samples, and to a ``resident`` server: the same
+flags plus ``--kv-offload-resident-v`` (the same selection, every V row on
+the GPU, no host tier). ``exactness`` compares their greedy tokens and the
+hidden state behind every token bit for bit.
+
 ``--cache-dir``: each server's answers are kept there (``NAME-HASH.pt``, the
 hash of its command line and the samples) as soon as it has run, and a later
 run with the same server and samples reads them instead of starting it
 again: a run cut off by a time limit resumes.
 
 Writes ``{date, gpu, commit, command, model, servers, offload_policy,
-accuracy, acceptance, variants, prefill_kl, per_sample}`` (``accuracy``: the issue's
+accuracy, acceptance, variants, prefill_kl, exactness, per_sample}`` (``accuracy``: the issue's
 rows ``{task, context, samples, dense, offload, kept, kl, budget_frac}``),
 with ``--per-sample``, the per-sample records (texts, per-step KL, of every
 offload server) go to that xz-compressed JSON instead and ``per_sample_file``
@@ -242,11 +250,13 @@ class StandIn:
 
 
 def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: Model, args, post: Callable = post_stream,
-               start: bool = True) -> Dict[int, Dict]:
+               start: bool = True, serial: Sequence[tasks.Sample] = ()) -> Dict:
     """Start ``argv`` (unless ``start`` is False: ``post`` is then a stand-in),
-    send every sample, stop it. Returns sample position -> ``{output_ids,
+    send every sample (``args.concurrency`` in flight), then each of
+    ``serial`` alone, and stop it. Returns sample position -> ``{output_ids,
     hidden}`` (``hidden``: ``[tokens, hidden_size]`` float32, the final hidden
-    state that produced each output token) or ``{"error": line}``; raises :class:`Failure` when the server does not come up."""
+    state that produced each output token) or ``{"error": line}``, and
+    ``("serial", j)`` -> the same for ``serial[j]``; raises :class:`Failure` when the server does not come up."""
     from sglang_elastic.eval.launcher import ServerActor
 
     server = None
@@ -264,7 +274,7 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
     def one(s: tasks.Sample) -> Dict:
         return parse_stream(post(url + "/generate", request(s, model.eos_ids), args.request_timeout))
 
-    out: Dict[int, Dict] = {}
+    out: Dict = {}
     try:
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
             futs = {pool.submit(one, s): i for i, s in enumerate(samples)}
@@ -273,6 +283,11 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
                     out[futs[fut]] = fut.result()
                 except Failure as e:
                     out[futs[fut]] = {"error": str(e)}
+        for j, s in enumerate(serial):
+            try:
+                out[("serial", j)] = one(s)
+            except Failure as e:
+                out[("serial", j)] = {"error": str(e)}
     finally:
         if server is not None:
             server.stop()
@@ -304,6 +319,39 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
         "prefill_row_missing": bool(kl) and kl[0] != kl[0],
         "budget_frac": sum(frac) / len(frac) if frac else None,
     }
+
+
+def exactness_subset(samples: Sequence[tasks.Sample], n: int) -> List[tasks.Sample]:
+    """``n`` samples spread evenly over ``samples`` (every task and length
+    when ``n`` is at least their number; the list is task-major per length)."""
+    if n <= 0 or not samples:
+        return []
+    n = min(n, len(samples))
+    return [samples[((2 * j + 1) * len(samples)) // (2 * n)] for j in range(n)]  # the middle of each of n equal stretches
+
+
+def exactness(offload: Dict, resident: Dict, n: int) -> Dict:
+    """The host-tier server's serial answers against the resident server's:
+    ``{compared, identical, tokens, tokens_identical, max_abs_hidden_diff, errors}``
+    (``identical``: the same greedy tokens and bit-equal hidden rows)."""
+    compared = identical = tokens = same_tokens = errors = 0
+    worst = 0.0
+    for j in range(n):
+        a, b = offload.get(("serial", j), {"error": "not run"}), resident.get(("serial", j), {"error": "not run"})
+        if "error" in a or "error" in b:
+            errors += 1
+            continue
+        compared += 1
+        ids_equal = a["output_ids"] == b["output_ids"]
+        tokens += len(a["output_ids"])
+        same_tokens += sum(x == y for x, y in zip(a["output_ids"], b["output_ids"]))
+        ha, hb = a["hidden"], b["hidden"]
+        rows_equal = ha.shape == hb.shape and torch.equal(torch.isnan(ha), torch.isnan(hb)) and torch.equal(ha.nan_to_num(), hb.nan_to_num())
+        if ha.shape == hb.shape:
+            worst = max(worst, float((ha - hb).abs().nan_to_num().max()) if ha.numel() else 0.0)
+        identical += ids_equal and rows_equal
+    return {"compared": compared, "identical": identical, "tokens": tokens, "tokens_identical": same_tokens,
+            "max_abs_hidden_diff": worst, "errors": errors}
 
 
 def make_sample_set(a, tokenizer) -> List[tasks.Sample]:
@@ -380,7 +428,8 @@ def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequen
     return {"dense": base + DENSE_ARGS, **{n: base + list(x) for n, x in zip(names, offload_sets)}}
 
 
-def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample], dry_run: bool = False) -> Path:
+def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample], dry_run: bool = False,
+               serial: Sequence[tasks.Sample] = ()) -> Path:
     """Where ``--cache-dir`` keeps one server's answers: ``NAME-HASH.pt``, the
     hash of its command line, this code's commit (``results.commit()``: a
     rerun after a fix is not served the old build's answers), the
@@ -393,6 +442,8 @@ def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence
     except OSError:
         weights = None
     key = [list(argv), results.commit(), weights, [[list(s.input_ids), s.max_new_tokens] for s in samples], dry_run]
+    if serial:  # (a key without serial samples stays what it was)
+        key.append([[list(s.input_ids), s.max_new_tokens] for s in serial])
     h = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{'standin-' if dry_run else ''}{name}-{h}.pt"  # a stand-in's answers never serve a real run
 
@@ -422,6 +473,9 @@ def parse_args(argv=None):
     ap.add_argument("--samples-file", default=None, help="an .json.xz of the drawn samples: read when it matches the settings, else written")
     ap.add_argument("--cache-dir", default=None, help="keep each server's answers here and reuse them (a cut-off run resumes)")
     ap.add_argument("--per-sample", default=None, help="write the per-sample records to this .json.xz instead of the result")
+    ap.add_argument("--exactness", type=int, default=0,
+                    help="also send this many samples one at a time to the first offload server and to a resident-V copy of it "
+                         "(--kv-offload-resident-v), and compare them bit for bit")
     ap.add_argument("--dry-run", action="store_true", help="no server: a stand-in echoes the gold answers (tests the client)")
     return ap.parse_args(argv)
 
@@ -435,23 +489,33 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
         servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
+        if a.exactness < 0:
+            raise Failure(f"--exactness {a.exactness}: give a number of samples >= 0")
+        if a.exactness:
+            if "--kv-offload-resident-v" in offload_sets[0]:
+                raise Failure("--exactness compares the first --offload-args server with its resident-V copy: drop --kv-offload-resident-v there")
+            servers["resident"] = servers["offload"] + ["--kv-offload-resident-v"]
         preflight(a, servers)  # before the samples (minutes to draw) and any server
         samples = sample_set(a, model)
     except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
         print(f"offload_accuracy: {e}", file=sys.stderr)
         return 2
-    names = list(servers)[1:]
+    names = [n for n in servers if n not in ("dense", "resident")]
     answers = {tuple(s.input_ids): s.answers for s in samples}
+    serial = exactness_subset(samples, a.exactness)
     got = {}
     try:
         for name, argv in servers.items():
-            cached = cache_path(a.cache_dir, name, argv, samples, a.dry_run) if a.cache_dir else None
+            # the first offload server also answers the exactness samples one at a time; the resident one only those
+            mine, ser = (samples, serial) if name == "offload" else ([], serial) if name == "resident" else (samples, ())
+            cached = cache_path(a.cache_dir, name, argv, mine, a.dry_run, ser) if a.cache_dir else None
             if cached and cached.is_file():
                 got[name] = torch.load(cached)
                 print(f"{name}: {len(got[name])} answers read from {cached}", file=sys.stderr, flush=True)
                 continue
+            # the stand-in's offload servers add noise by the sample (its seed), so a resident copy answers as the offload one does
             client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
-            got[name] = run_server(name, argv, samples, model, a, client, start=not a.dry_run)
+            got[name] = run_server(name, argv, mine, model, a, client, start=not a.dry_run, serial=ser)
             if cached and got[name] and not any("error" in r for r in got[name].values()):  # a failed sample is asked again next time
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(got[name], f"{cached}.tmp")
@@ -501,6 +565,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     out.update(model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
                offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
+               exactness=({"model": "SmolLM2-135M-Instruct", "against": "the same flags with --kv-offload-resident-v",
+                           "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
                kl_coverage=missing, errors=errors, per_sample=per_sample)
     if a.per_sample:
         for v in variants:
@@ -512,6 +578,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     results.write(a.out, out)
     print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
                             f"({len(failing)} failing cells, {len(errors)} samples failed); {a.out}"))
+    if serial:
+        print(f"exactness (host tier vs resident V, one request at a time): {out['exactness']}")
     for v in variants:
         print(score.table(v["accuracy"], f"{v['server']} ({v['offload_args']}): acceptance {'PASSED' if v['acceptance']['passed'] else 'FAILED'}"))
     return 0
