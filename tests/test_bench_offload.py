@@ -88,7 +88,14 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     assert fits["workload"] == "fits" and fits["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
     assert fits["offload_output_tok_s"] == src["offload"]["output_tok_s"] and fits["hicache_output_tok_s"] is None  # not run: null
     assert out["capacity"]["offload_tokens"] == src["offload"]["max_total_num_tokens"] > 1.6 * 906_051
-    assert "accuracy" not in out  # not measured yet: nothing claimed
+    # the SmolLM2 run through SGLang: the first offload server's rows (estimate), its verdict, the shipped-before rule beside it
+    acc = json.loads((parts / "accuracy.json").read_text())
+    assert out["accuracy"] == acc["accuracy"] == want["accuracy"] and len(out["accuracy"]) == 18
+    assert set(out["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
+    assert all(r["samples"] >= 50 and r["budget_frac"] <= 0.05 for r in out["accuracy"])
+    assert out["accuracy_policy"]["denominator"] == "estimate" and out["accuracy_acceptance"] == acc["acceptance"]
+    assert [v["offload_policy"]["denominator"] for v in out["accuracy_variants"]] == ["selected"]
+    assert out["exactness_smollm2"]["compared"] == out["exactness_smollm2"]["identical"] == 30
 
 
 def test_a_capacity_part_wins_over_the_throughput_pool_sizes(tmp_path):

@@ -373,7 +373,12 @@ def part_assemble(a) -> dict:
     acc = by.get("accuracy")
     if acc:
         out["accuracy"] = acc["accuracy"]
-        if "exactness" in acc:
+        # whose rows these are (the first offload server's flags), the gate's verdict, the other servers' rows
+        out["accuracy_policy"] = acc.get("offload_policy")
+        out["accuracy_acceptance"] = acc.get("acceptance")
+        out["accuracy_variants"] = [{k: v.get(k) for k in ("offload_args", "offload_policy", "accuracy", "acceptance")}
+                                    for v in acc.get("variants", [])]
+        if acc.get("exactness"):
             out.setdefault("exactness_smollm2", acc["exactness"])
     out["part_files"] = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
     return out

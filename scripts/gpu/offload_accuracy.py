@@ -562,7 +562,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     out = dict(results.header())
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
-    out.update(model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
+    out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
                offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                exactness=({"model": "SmolLM2-135M-Instruct", "against": "the same flags with --kv-offload-resident-v",
