@@ -50,6 +50,9 @@ import torch
 
 DENOMINATORS = ("selected", "full", "estimate")
 
+#: selection granularities (``OffloadPolicy.granularity``): ``token`` is what the kernels run
+GRANULARITIES = ("token", "kv_head")
+
 
 #: ``--kv-offload-chunk`` values: powers of two that divide the split-KV plans' block (64 positions)
 CHUNKS = (8, 16, 32, 64)
@@ -71,7 +74,11 @@ class OffloadPolicy:
     attend to everything), ``denominator`` (``--kv-offload-denominator``:
     ``selected``, ``full`` or ``estimate``, see the module docstring),
     ``chunk`` (``--kv-offload-chunk``, positions per V summary of
-    ``estimate``).
+    ``estimate``), ``granularity`` (``token``: one set of token rows per
+    request and layer, ranked by the summed softmax of every head, what the
+    kernels run; ``kv_head``: each KV head's own top-k by its query group's
+    summed softmax, as issue 24's Build 3 words it: same KV bytes attended,
+    float64 reference and CPU oracle only).
 
     Raises:
         PolicyError: a negative size, a budget outside (0, 1], an unknown
@@ -85,6 +92,7 @@ class OffloadPolicy:
     dense_layers: int = 2
     denominator: str = "selected"
     chunk: int = 16
+    granularity: str = "token"
 
     def __post_init__(self):
         for name, flag in (("sink", "sink"), ("window", "window"), ("max_topk", "topk"), ("dense_layers", "dense-layers")):
@@ -99,6 +107,8 @@ class OffloadPolicy:
             raise PolicyError(f"--kv-offload-denominator must be one of {', '.join(DENOMINATORS)}, not {self.denominator!r}")
         if self.chunk not in CHUNKS:
             raise PolicyError(f"--kv-offload-chunk must be one of {', '.join(map(str, CHUNKS))}, not {self.chunk}")
+        if self.granularity not in GRANULARITIES:
+            raise PolicyError(f"selection granularity must be one of {', '.join(GRANULARITIES)}, not {self.granularity!r}")
         if self.denominator == "estimate" and self.chunk > self.window:
             # the last, incomplete chunk (fewer than `chunk` positions) must lie inside the window
             raise PolicyError(f"--kv-offload-chunk {self.chunk} must be at most --kv-offload-window {self.window} with --kv-offload-denominator estimate")
@@ -187,7 +197,8 @@ def attend_reference(
         return_selected: also return the attended positions.
 
     Returns:
-        ``[q_heads, D]`` float64 (and the ``[n]`` int64 positions if asked).
+        ``[q_heads, D]`` float64 (and the ``[n]`` int64 positions if asked;
+        ``[kv_heads, n]`` with ``granularity="kv_head"``).
 
     Raises:
         ValueError: q heads not a multiple of kv heads.
@@ -204,6 +215,19 @@ def attend_reference(
     lse = torch.logsumexp(s, dim=1)
     if policy.is_dense_layer(layer_id):
         sel = torch.arange(L, dtype=torch.int64)
+    elif policy.granularity == "kv_head":  # each KV head's own attended set, from its query group's scores
+        out = torch.empty(Hq, vv.shape[-1], dtype=torch.float64)
+        sels = []
+        for g in range(Hkv):
+            h = slice(g * G, (g + 1) * G)
+            sel_g = select_reference(token_scores(s[h], lse[h]), policy)
+            ss = s[h][:, sel_g]
+            denom = torch.logsumexp(ss, dim=1) if policy.denominator == "selected" else lse[h]
+            out[h] = torch.einsum("hn,nhd->hd", torch.exp(ss - denom[:, None]), vv[sel_g][:, h])
+            if policy.denominator == "estimate":
+                out[h] += estimate_reference(s[h], lse[h], v[:, g: g + 1].double(), sel_g, policy.chunk, G)
+            sels.append(sel_g)
+        return (out, torch.stack(sels)) if return_selected else out
     else:
         sel = select_reference(token_scores(s, lse), policy)
     ss = s[:, sel]
@@ -251,4 +275,4 @@ def estimate_reference(s: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, atte
     return torch.einsum("hc,chd->hd", mass, vbar)
 
 
-__all__ = ["CHUNKS", "DENOMINATORS", "OffloadPolicy", "PolicyError", "attend_reference", "estimate_reference", "select_reference", "token_scores"]
+__all__ = ["CHUNKS", "DENOMINATORS", "GRANULARITIES", "OffloadPolicy", "PolicyError", "attend_reference", "estimate_reference", "select_reference", "token_scores"]

