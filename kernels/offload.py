@@ -136,8 +136,11 @@ def scores_run(
 
 @triton.jit
 def _lse_merge_kernel(mid_lse_ptr, out_ptr, stride_ml_s, stride_ob, max_splits, HQ: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, stamp_ptr=None, BUMP: tl.constexpr = False):
     b = tl.program_id(0)
+    if BUMP:  # a new stamp for this layer's attended marks (one writer; the kernels after this one read it)
+        if b == 0:
+            tl.store(stamp_ptr, tl.load(stamp_ptr) + 1)
     offs_h = tl.arange(0, BLOCK_HQ)
     offs_s = tl.arange(0, BLOCK_S)
     mh = offs_h < HQ
@@ -155,17 +158,21 @@ def _lse_merge_kernel(mid_lse_ptr, out_ptr, stride_ml_s, stride_ob, max_splits, 
     tl.store(out_ptr + b * stride_ob + offs_h, lse, mask=mh)
 
 
-def lse_merge(mid_lse: torch.Tensor, batch: int, max_splits: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def lse_merge(mid_lse: torch.Tensor, batch: int, max_splits: int, out: Optional[torch.Tensor] = None,
+              stamp: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[batch, q_heads]`` float32 log-sum-exp over each request's chunks
     (``mid_lse`` rows ``b * max_splits + s``; empty chunks hold ``-inf``).
     One launch (``torch.logsumexp`` cost 0.12 ms at 44 requests x 32 heads x
-    32 chunks on the H200, per layer)."""
+    32 chunks on the H200, per layer). ``stamp`` (``[1]`` int32, ``estimate``'s
+    exact pass): incremented by one in the same launch, the value this
+    layer's attended marks carry (:func:`select_run`, :func:`estimate_run`)."""
     Hq = mid_lse.shape[1]
     if out is None:
         out = torch.empty((batch, Hq), dtype=torch.float32, device=mid_lse.device)
     if batch:
         _lse_merge_kernel[(batch,)](mid_lse, out, mid_lse.stride(0), out.stride(0), max_splits, HQ=Hq,
-                                    BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_S=min(32, triton.next_power_of_2(max(max_splits, 1))))
+                                    BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_S=min(32, triton.next_power_of_2(max(max_splits, 1))),
+                                    stamp_ptr=stamp, BUMP=stamp is not None)
     return out[:batch]
 
 
@@ -255,21 +262,26 @@ def _select_hist_kernel(
 @triton.jit
 def _select_write_kernel(
     indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, hist_ptr, cnt_ptr, sel_ptr, stride_selb,
-    COUNT: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+    COUNT: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, mark_ptr=None, stamp_ptr=None, MARK: tl.constexpr = False,
 ):
     """``COUNT``: part ``program_id(1)``'s counts above and at the threshold;
     else its selected positions, written after those of the parts before it
-    (the compaction keeps position order: the same list every run)."""
+    (the compaction keeps position order: the same list every run), and,
+    ``MARK``, ``mark[lo + pos] = stamp`` for each (``estimate``'s attended marks)."""
     b = tl.program_id(0)
     part = tl.program_id(1)
     lo, s0, e0, k, lo_p, hi_p = _select_range(indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, b, part, PARTS, BLOCK_N)
     offs = tl.arange(0, BLOCK_N)
     sel = sel_ptr + b * stride_selb
+    if MARK:
+        stamp = tl.load(stamp_ptr)
     if k >= e0 - s0:
         if not COUNT:  # the budget covers every middle position: take them all (dense)
             for n0 in range(lo_p, hi_p, BLOCK_N):
                 pos = n0 + offs
                 tl.store(sel + (pos - s0), pos, mask=pos < hi_p)
+                if MARK:
+                    tl.store(mark_ptr + lo + pos, stamp, mask=pos < hi_p)
     elif k > 0:
         tau, k_rem = _prefix_of(hist_ptr, b, k, 4)  # the bits of the k-th largest p; k - k_rem lie above it
         if COUNT:
@@ -299,6 +311,8 @@ def _select_write_kernel(
                 i_eq = n_gt_all + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
                 tl.store(sel + i_gt, pos, mask=gt)
                 tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
+                if MARK:
+                    tl.store(mark_ptr + lo + pos, stamp, mask=gt | (eq & (i_eq < k)))
                 cnt_gt += tl.sum(gt.to(tl.int32), 0)
                 cnt_eq += tl.sum(eq.to(tl.int32), 0)
 
@@ -307,6 +321,7 @@ def select_run(
     scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor,
     p_buf: torch.Tensor, sel_pos: torch.Tensor, q_heads: int, block_n: int = 512, parts: int = 16,
     hist: Optional[torch.Tensor] = None, counts: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
+    marks: Optional[torch.Tensor] = None, stamp: Optional[torch.Tensor] = None,
 ) -> None:
     """The top ``k[b]`` middle positions of each request by summed softmax.
 
@@ -328,6 +343,9 @@ def select_run(
         parts: programs per request (a power of two).
         hist, counts: optional workspaces ``[>= batch * 4 * 256]`` / ``[>= batch * parts * 2]``
             int32 (address-stable under CUDA graphs); ``hist`` is zeroed here.
+        marks, stamp: ``estimate``'s attended marks, ``[>= total]`` int32 (flat, as ``scores``), and
+            ``[1]`` int32 (:func:`lse_merge` bumps it): ``marks[kv_indptr[b] + pos] = stamp`` for every
+            selected position (a mark never needs clearing: an older one carries an older stamp).
     """
     B = kv_indptr.shape[0] - 1
     if B == 0:
@@ -347,7 +365,7 @@ def select_run(
         )
     for count in (True, False):
         _select_write_kernel[(B, parts)](kv_indptr, s_eff, w_eff, k, p_buf, hist, counts, sel_pos, sel_pos.stride(0), COUNT=count,
-                                         **common, **opts)
+                                         mark_ptr=marks, stamp_ptr=stamp, MARK=marks is not None and not count, **common, **opts)
 
 
 # ---------------------------------------------------------------------------
@@ -362,14 +380,16 @@ LFU_MAX_LEN = 1 << 21
 @triton.jit
 def _swap_in_kernel(
     sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, seq_lens_ptr, req_pool_ptr, req_to_token_ptr,
-    loc_slot_ptr, slot_pos_ptr, slot_time_ptr, scratch_ptr,
+    loc_slot_ptr, slot_pos_ptr, slot_time_ptr, scratch_ptr, table_ptr, count_ptr,
     att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
-    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b,
-    HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, REGION: tl.constexpr, LRU_BASE: tl.constexpr,
+    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b, stride_table, hot_base,
+    HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
     SPEC: tl.constexpr = False, LFU: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     r = tl.load(req_pool_ptr + b).to(tl.int64)
+    # the slots this request holds pages for (page_grant_run gave it >= k of them this step)
+    cap = tl.minimum(tl.load(count_ptr + r) * PAGE, HN)
     # the LRU clock: the request's length; a speculative pass (a prefetch for the next layer, run
     # before its exact pass in the same step) stamps one less, so the exact pass may still evict
     # what it loaded in vain, and it never evicts what the previous step used
@@ -378,14 +398,14 @@ def _swap_in_kernel(
     base = tl.load(att_indptr_ptr + b) + tl.load(s_eff_ptr + b) + tl.load(w_eff_ptr + b)
     slot_pos = slot_pos_ptr + r * stride_slot_r
     slot_time = slot_time_ptr + r * stride_slot_r
-    row0 = r * REGION + LRU_BASE  # device V row of LRU slot 0 of this request
+    table = table_ptr + r * stride_table  # slot s is device row hot_base + table[s // PAGE] * PAGE + s % PAGE
 
     offs_k = tl.arange(0, BLOCK_K)
     valid = offs_k < k
     pos = tl.load(sel_ptr + b * stride_selb + offs_k, mask=valid, other=0)
     loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=valid, other=0)
     s = tl.load(loc_slot_ptr + loc, mask=valid, other=-1).to(tl.int32)
-    s_ok = valid & (s >= 0) & (s < HN)
+    s_ok = valid & (s >= 0) & (s < cap)
     held = tl.load(slot_pos + s, mask=s_ok, other=-1)
     hit = s_ok & (held == pos)
     if LFU:  # slot_time holds (uses << 21) | last use: a hit counts one more use (at most 1023)
@@ -398,7 +418,7 @@ def _swap_in_kernel(
 
     # victims: the m slots of the smallest key not used now (LRU: key = last use; LFU: uses, then last use)
     offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < HN
+    hmask = offs_h < cap
     t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
     if LFU:
         last = tl.where(t < 0, -1, t & 2097151)
@@ -407,7 +427,7 @@ def _swap_in_kernel(
     else:
         avail = hmask & (t < now)
         top = now - 1
-    # the exact pass always has a victim per miss (HN >= k); a speculative one loads only what fits
+    # the exact pass always has a victim per miss (cap >= k); a speculative one loads only what fits
     miss = valid & (~hit)
     miss = miss & (tl.cumsum(miss.to(tl.int32), 0) <= tl.sum(avail.to(tl.int32), 0))
     m = tl.sum(miss.to(tl.int32), 0)
@@ -439,9 +459,10 @@ def _swap_in_kernel(
         tl.store(slot_time + vslot, now, mask=miss)
     tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
     tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
-    tl.store(att_vidx_ptr + base + offs_k, (row0 + slot).to(att_vidx_ptr.dtype.element_ty), mask=valid)
+    dev_row = hot_base + tl.load(table + slot // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + slot % PAGE
+    tl.store(att_vidx_ptr + base + offs_k, dev_row.to(att_vidx_ptr.dtype.element_ty), mask=valid)
     tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
-    tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, (row0 + vslot).to(miss_dst_ptr.dtype.element_ty), mask=miss)
+    tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, dev_row.to(miss_dst_ptr.dtype.element_ty), mask=miss)
     tl.store(miss_cnt_ptr + b, m)
     tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int32), 0).to(tl.int64))  # hits
     tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses (rows copied)
@@ -452,14 +473,15 @@ def swap_in_run(
     seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
     loc_slot: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor, scratch: torch.Tensor,
     att_kidx: torch.Tensor, att_vidx: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_cnt: torch.Tensor,
-    stats: torch.Tensor, max_k: int, region_rows: int, lru_base: int, spec: bool = False, num_warps: Optional[int] = None,
-    eviction: str = "lru",
+    stats: torch.Tensor, max_k: int, table: torch.Tensor, count: torch.Tensor, hot_base: int, page: int,
+    spec: bool = False, num_warps: Optional[int] = None, eviction: str = "lru",
 ) -> None:
     """Hot-buffer bookkeeping of one layer: hits, victims (LRU or LFU), the miss list.
 
-    Request ``b`` (pool row ``r = req_pool_indices[b]``) owns device V rows
-    ``[r * region_rows, (r + 1) * region_rows)``: ``lru_base`` rows of sink
-    and window, then ``HN = slot_pos.shape[1]`` LRU slots.
+    Request ``b`` (pool row ``r = req_pool_indices[b]``) has up to ``HN =
+    slot_pos.shape[1]`` LRU slots, those its pages cover: ``count[r]`` pages
+    of ``page`` rows (:func:`page_grant_run`), slot ``s`` at device V row
+    ``hot_base + table[r, s // page] * page + s % page``.
 
     Args:
         sel_pos: ``[batch, >= max_k]`` int32 selected positions (:func:`select_run`); ``k``: ``[batch]`` int32 counts.
@@ -476,7 +498,9 @@ def swap_in_run(
             miss_cnt: ``[batch]`` int32 output counts.
         stats: ``[>= 2]`` int64, accumulated: hits, misses.
         max_k: the largest ``k`` (a compile-time block).
-        region_rows, lru_base: the region layout above.
+        table, count, hot_base, page: the page table ``[rows, >= HN / page]`` int32, pages held ``[rows]``
+            int32, the first page's device row, rows per page (the layout above). The grant gives
+            each request at least ``k[b]`` slots before its exact pass.
         spec: a speculative pass (the prefetch of the next layer's rows): it stamps
             ``seq_lens - 1``, evicts only slots older than the previous step, and
             loads only the misses that have a victim; its ``att_kidx`` / ``att_vidx``
@@ -500,15 +524,76 @@ def swap_in_run(
         return
     _swap_in_kernel[(B,)](
         sel_pos, k, s_eff, w_eff, att_indptr, seq_lens, req_pool_indices, req_to_token,
-        loc_slot, slot_pos, slot_time, scratch, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
-        sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0),
+        loc_slot, slot_pos, slot_time, scratch, table, count, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
+        sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0), table.stride(0), hot_base,
         HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
-        REGION=region_rows, LRU_BASE=lru_base, SPEC=spec, LFU=eviction == "lfu", **_launch_opts(num_warps, None),
+        PAGE=page, SPEC=spec, LFU=eviction == "lfu", **_launch_opts(num_warps, None),
     )
 
 
 #: hot-buffer victim rules of :func:`swap_in_run` (``--kv-offload-eviction``).
 EVICTIONS = ("lru", "lfu")
+
+
+@triton.jit
+def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, stride_t,
+                       HN: tl.constexpr, PAGE: tl.constexpr, SLACK64: tl.constexpr, BLOCK: tl.constexpr):
+    """Request ``b``: raise its row's pages to ``ceil(min(HN, ceil(k * SLACK64 / 64)) / PAGE)``,
+    popping the missing ones off the free stack (all or none: a short stack leaves
+    the row as it was and counts one overflow)."""
+    b = tl.program_id(0)
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    k = tl.load(k_ptr + b).to(tl.int32)
+    need_rows = tl.minimum((k * SLACK64 + 63) // 64, HN)
+    need = (need_rows + PAGE - 1) // PAGE
+    have = tl.load(count_ptr + r)
+    n = need - have
+    if n > 0:
+        t = tl.atomic_add(top_ptr, -n)  # the stack's height before this pop
+        if t >= n:
+            offs = tl.arange(0, BLOCK)
+            m = offs < n
+            pages = tl.load(stack_ptr + t - n + offs, mask=m, other=-1)
+            tl.store(table_ptr + r * stride_t + have + offs, pages, mask=m)
+            tl.store(count_ptr + r, need)
+        else:
+            tl.atomic_add(top_ptr, n)
+            tl.atomic_add(overflow_ptr, 1)
+
+
+def page_grant_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, count: torch.Tensor, stack: torch.Tensor,
+                   top: torch.Tensor, overflow: torch.Tensor, hot_tokens: int, page: int, slack64: int) -> None:
+    """Hot-buffer pages for a decode step (no host read; CUDA-graph safe).
+
+    Request ``b`` (row ``rows[b]``, ``k[b]`` selected rows this step) holds
+    ``count[row]`` pages of ``page`` rows, listed in ``table[row]``; it gets
+    enough for ``min(hot_tokens, ceil(k * slack64 / 64))`` slots (the slack in
+    64ths: :func:`~sglang_elastic.offload.sizing.slack_64ths`), never
+    fewer than it has (a request's ``k`` grows with its length; its pages
+    go back with its row, :func:`slot_release_run` with ``zero=-1``). The
+    pool is sized so that the stack never runs short
+    (:func:`~sglang_elastic.offload.sizing.hot_pages`); if it did, the row
+    keeps what it had and ``overflow`` counts it.
+
+    Args:
+        rows: ``[batch]`` request rows; k: ``[batch]`` int32 selected rows.
+        table: ``[rows, >= ceil(hot_tokens / page)]`` int32; count: ``[rows]`` int32.
+        stack, top: ``[pages]`` int32 free pages and ``[1]`` int32 their count.
+        overflow: ``[1]`` int32.
+        hot_tokens, page, slack64: the layout's (``OffloadLayout``; ``slack64 >= 64``).
+
+    Raises:
+        ValueError: the table has fewer columns than ``hot_tokens`` needs, or ``slack64 < 64``.
+    """
+    B = rows.shape[0]
+    max_pages = -(-hot_tokens // page)
+    if table.shape[1] < max_pages:
+        raise ValueError(f"page_grant_run: a table of {table.shape[1]} pages per row cannot list {max_pages}")
+    if slack64 < 64:
+        raise ValueError(f"page_grant_run: slack64 {slack64} gives fewer slots than selected rows (at least 64)")
+    if B:
+        _page_grant_kernel[(B,)](rows, k, table, count, stack, top, overflow, table.stride(0), HN=hot_tokens, PAGE=page,
+                                 SLACK64=slack64, BLOCK=triton.next_power_of_2(max_pages))
 
 
 # ---------------------------------------------------------------------------
@@ -720,6 +805,7 @@ def attend_run(
     att_vidx: torch.Tensor, chunk: torch.Tensor, nsplit: torch.Tensor, max_splits: int, mid_o: torch.Tensor,
     mid_lse: torch.Tensor, out: torch.Tensor, lse_full: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
     block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    extra: Optional[torch.Tensor] = None, extra_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of one layer over each request's attended list.
 
@@ -735,6 +821,9 @@ def attend_run(
         lse_full: ``[batch, q_heads]`` float32 log-sum-exp over all positions: the output is
             ``sum_i exp(s_i - lse_full) v_i`` over the attended entries (exact denominator);
             ``None``: normalised over the attended entries.
+        extra, extra_splits: float32 partials ``[>= batch * extra_splits, q_heads, head_dim]`` added
+            to each output in the merge (rows ``b * extra_splits ..``, in order; ``estimate``'s
+            unattended share, :func:`estimate_run` with ``reduce=False``), before the cast to ``out``'s dtype.
 
     Returns:
         ``out``.
@@ -755,6 +844,8 @@ def attend_run(
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
         D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
         lse_full_ptr=lse_full, stride_lf_b=lse_full.stride(0) if full else 0, FULL_LSE=full,
+        extra_ptr=extra, stride_ex_s=extra.stride(0) if extra is not None else 0, stride_ex_h=extra.stride(1) if extra is not None else 0,
+        extra_n=extra_splits, EXTRA=extra is not None,
     )
     return out
 
@@ -766,7 +857,7 @@ def attend_run(
 
 @triton.jit
 def _estimate_kernel(
-    scores_ptr, lse_ptr, indptr_ptr, chunk_ptr, s_eff_ptr, w_eff_ptr, k_ptr, att_ptr, vsum_ptr, rows_ptr, table_ptr, out_ptr,
+    scores_ptr, lse_ptr, indptr_ptr, chunk_ptr, s_eff_ptr, w_eff_ptr, k_ptr, att_ptr, stamp_ptr, vsum_ptr, rows_ptr, table_ptr, out_ptr,
     stride_sh, stride_lb, stride_vt, stride_vh, stride_os, stride_oh, stride_t,
     max_splits,
     C: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CH: tl.constexpr,
@@ -790,6 +881,7 @@ def _estimate_kernel(
     e0 = L - tl.load(w_eff_ptr + b)
     k = tl.load(k_ptr + b)
     row = tl.load(rows_ptr + b).to(tl.int64)
+    stamp = tl.load(stamp_ptr)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, C)
@@ -806,8 +898,8 @@ def _estimate_kernel(
             cs = c0 + offs_ch
             ok_c = cs < c_hi
             pos = cs[:, None] * C + offs_c[None, :]  # [BLOCK_CH, C]
-            att = tl.load(att_ptr + lo + pos, mask=ok_c[:, None], other=1)
-            keep = (pos >= s0) & (pos < e0) & (att == 0) & ok_c[:, None]
+            att = tl.load(att_ptr + lo + pos, mask=ok_c[:, None], other=0)
+            keep = (pos >= s0) & (pos < e0) & (att != stamp) & ok_c[:, None]
             sc = tl.load(scores_ptr + qh[:, None, None].to(tl.int64) * stride_sh + (lo + pos)[None, :, :],
                          mask=mask_g[:, None, None] & keep[None, :, :], other=float("-inf"))
             m = tl.sum(tl.exp(sc - lse[:, None, None]), 2)  # [BLOCK_G, BLOCK_CH]
@@ -827,6 +919,7 @@ def estimate_run(
     scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, chunk: torch.Tensor, max_splits: int,
     s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor, attended: torch.Tensor, v_summary: torch.Tensor,
     rows: torch.Tensor, table: torch.Tensor, summary_chunk: int, out_partial: torch.Tensor, kv_heads: int,
+    stamp: Optional[torch.Tensor] = None, reduce: bool = True,
 ) -> torch.Tensor:
     """The unattended positions' share of the V sum, through chunk-mean V.
 
@@ -843,15 +936,19 @@ def estimate_run(
         scores: ``[q_heads, >= total]`` float32 (:func:`scores_run`); lse: ``[batch, q_heads]`` over all positions.
         kv_indptr, chunk, max_splits: the scores' offsets and split plan (chunks multiples of ``summary_chunk``).
         s_eff, w_eff, k: ``[batch]`` int32 (the policy's counts).
-        attended: ``[>= total]`` uint8, 1 at the selected positions (flat, as ``scores``).
+        attended: ``[>= total]`` marks (flat, as ``scores``): a selected position holds ``stamp``
+            (:func:`select_run` writes them); with ``stamp`` None, a 0/1 mask (1: selected).
         v_summary: ``[slots, kv_heads, head_dim]`` chunk means; rows: ``[batch]`` request rows;
             table: ``[request_rows, max_chunks]`` int32, the slot of each row's chunk (:func:`slot_assign_run`).
         summary_chunk: ``C``, positions per chunk (a power of two).
         out_partial: ``[>= batch * max_splits, q_heads, head_dim]`` float32 workspace.
         kv_heads: KV heads of ``v_summary`` (and of the scores' GQA groups).
+        stamp: ``[1]`` int32, this layer's mark value (:func:`lse_merge`), or None.
+        reduce: sum the splits' partials here; False: return them, ``[batch * max_splits, q_heads, head_dim]``
+            (:func:`attend_run` adds them in its merge: no extra launch).
 
     Returns:
-        ``[batch, q_heads, head_dim]`` float32.
+        ``[batch, q_heads, head_dim]`` float32 (``reduce``), else the partials.
 
     Raises:
         ValueError: ``summary_chunk`` not a power of two, or q heads not a multiple of ``kv_heads``.
@@ -865,12 +962,16 @@ def estimate_run(
     if B == 0:
         return out_partial[:0, :, :].view(0, Hq, D)
     G = Hq // kv_heads
+    if stamp is None:
+        stamp = torch.ones(1, dtype=torch.int32, device=scores.device)
     _estimate_kernel[(B, kv_heads, max_splits)](
-        scores, lse, kv_indptr, chunk, s_eff, w_eff, k, attended, v_summary, rows, table, out_partial,
+        scores, lse, kv_indptr, chunk, s_eff, w_eff, k, attended, stamp, v_summary, rows, table, out_partial,
         scores.stride(0), lse.stride(0), v_summary.stride(0), v_summary.stride(1), out_partial.stride(0), out_partial.stride(1),
         table.stride(0), max_splits, C=summary_chunk, G=G, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_CH=max(1, ESTIMATE_POSITIONS // summary_chunk),
     )
+    if not reduce:
+        return out_partial[: B * max_splits]
     return out_partial[: B * max_splits].view(B, max_splits, Hq, D).sum(1)
 
 
@@ -947,4 +1048,4 @@ def slot_release_run(rows: torch.Tensor, table: torch.Tensor, count: torch.Tenso
         _slot_release_kernel[(n,)](rows, table, count, stack, top, table.stride(0), ZERO=zero, BLOCK=block)
 
 
-__all__ = ["attend_run", "copy_rows_run", "estimate_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]
+__all__ = ["attend_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

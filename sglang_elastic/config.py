@@ -41,10 +41,14 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
 - ``--kv-offload-topk N`` (2048), ``--kv-offload-budget F`` (0.05),
   ``--kv-offload-sink N`` (4), ``--kv-offload-window N`` (32),
   ``--kv-offload-dense-layers N`` (2), ``--kv-offload-denominator
-  {selected,full,estimate}`` (selected), ``--kv-offload-chunk N`` (16,
-  positions per V summary of ``estimate``): the attended set
+  {estimate,selected,full}`` (estimate), ``--kv-offload-chunk N`` (16, or
+  the largest that fits a smaller window; positions per V summary of
+  ``estimate``): the attended set
   (:class:`sglang_elastic.offload.policy.OffloadPolicy`).
-- ``--kv-offload-hot-tokens N`` (4096): LRU V rows per request and sparse layer.
+- ``--kv-offload-hot-tokens N`` (4096): the most LRU V rows one request
+  holds per sparse layer on the GPU; ``--kv-offload-hot-slack F`` (2.0):
+  hot rows granted per selected row as a request grows (pages from one pool
+  sized by the tokens the server holds, not a full buffer per request).
 - ``--kv-offload-host-gb G``: cap on the host pool (default: free host RAM
   less a 10 GiB reserve).
 - ``--kv-offload-resident-v``: keep V on the GPU too (the same selection,
@@ -116,7 +120,8 @@ class OffloadConfig:
 
     Fields (flag): ``enabled`` (``--enable-kv-offload``); ``topk``, ``budget``,
     ``sink``, ``window``, ``dense_layers``, ``denominator`` (the attended set:
-    :meth:`policy`); ``hot_tokens`` (LRU V rows per request and sparse layer);
+    :meth:`policy`); ``hot_tokens`` (the most LRU V rows per request and sparse
+    layer); ``hot_slack`` (hot rows granted per selected row, 1 to 16);
     ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
     less 10 GiB); ``resident_v`` (no host tier: the exactness reference);
     ``prefetch``; ``eviction`` (the hot buffer's victim rule).
@@ -132,9 +137,10 @@ class OffloadConfig:
     sink: int = 4
     window: int = 32
     dense_layers: int = 2
-    denominator: str = "selected"
+    denominator: str = "estimate"
     chunk: int = 16
     hot_tokens: int = 4096
+    hot_slack: float = 2.0
     host_gb: Optional[float] = None
     resident_v: bool = False
     prefetch: str = "off"
@@ -143,16 +149,18 @@ class OffloadConfig:
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
 
+        if self.window < 1:
+            raise ConfigError(f"--kv-offload-window must be >= 1 (the newest token is in the window), not {self.window}")
         try:
             self.policy()
         except PolicyError as e:
             raise ConfigError(str(e)) from None
-        if self.window < 1:
-            raise ConfigError(f"--kv-offload-window must be >= 1 (the newest token is in the window), not {self.window}")
         if self.hot_tokens < self.topk:
             raise ConfigError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.topk}")
         if self.hot_tokens >= 32768:
             raise ConfigError(f"--kv-offload-hot-tokens must be below 32768, not {self.hot_tokens}")
+        if not 1.0 <= self.hot_slack <= 16.0:
+            raise ConfigError(f"--kv-offload-hot-slack must be between 1 and 16 (hot rows per selected row), not {self.hot_slack}")
         if self.host_gb is not None and not self.host_gb > 0:
             raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
         if self.prefetch not in PREFETCH:
@@ -271,9 +279,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-sink", type=int, default=None, help="First tokens always attended (default 4).")
     o.add_argument("--kv-offload-window", type=int, default=None, help="Last tokens always attended (>= 1) (default 32).")
     o.add_argument("--kv-offload-dense-layers", type=int, default=None, help="Layers 0..N-1 attend to every token and keep V on the GPU (default 2).")
-    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default=None, help="Softmax denominator: selected (renormalised over the attended rows; measured 3-9x lower next-token KL than full, docs/offload-oracle.md), full (exact over every token; only the V sum is sparse) or estimate (exact, the unattended rows' V estimated by chunk means kept on the GPU; lowest KL on the CPU oracle, costs 1/chunk of V per token on the GPU) (default selected).")
-    o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=None, help="Positions per V summary with --kv-offload-denominator estimate (at most --kv-offload-window) (default 16).")
-    o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="LRU V rows per request and sparse layer kept on the GPU (>= --kv-offload-topk) (default 4096).")
+    o.add_argument("--kv-offload-denominator", choices=DENOMINATORS, default=None, help="Softmax denominator: estimate (exact over every token, the unattended rows' V estimated by chunk means kept on the GPU; met the 0.02 next-token KL gate in all 18 task/length cells on SmolLM2 through SGLang, docs/offload.md; costs 1/chunk of a V row per token on the GPU), selected (renormalised over the attended rows; missed the KL gate in 4 cells) or full (exact, only the V sum is sparse; 3-9x the KL of selected on the CPU oracle) (default estimate).")
+    o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=None, help="Positions per V summary with --kv-offload-denominator estimate, at most --kv-offload-window (default 16, or the largest that fits a smaller window).")
+    o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="The most LRU V rows one request keeps per sparse layer on the GPU (>= --kv-offload-topk) (default 4096).")
+    o.add_argument("--kv-offload-hot-slack", type=float, default=None, help="Hot-buffer rows granted per selected row as a request grows, in pages from one pool sized by the tokens held (1 to 16) (default 2).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
@@ -341,9 +350,20 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given and not enabled:
         raise ConfigError(f"--kv-offload-{next(iter(given)).replace('_', '-')} (and every --kv-offload-* flag) needs --enable-kv-offload")
-    if "chunk" in given and given.get("denominator", OffloadConfig.denominator) != "estimate":
+    denominator = given.get("denominator", OffloadConfig.denominator)
+    if "chunk" in given and denominator != "estimate":
         raise ConfigError(f"--kv-offload-chunk applies only with --kv-offload-denominator estimate (the chunk means it sizes), "
-                          f"not {given.get('denominator', OffloadConfig.denominator)}")
+                          f"not {denominator}")
+    window = given.get("window", OffloadConfig.window)
+    if denominator == "estimate" and "chunk" not in given and 1 <= window < OffloadConfig.chunk:
+        # the default chunk follows a smaller window (the last, incomplete chunk must lie inside it)
+        fits = [c for c in CHUNKS if c <= window]
+        if not fits:
+            how = "given" if "denominator" in given else "the default"
+            raise ConfigError(f"--kv-offload-window {window} is below the smallest V-summary chunk ({CHUNKS[0]}) of "
+                              f"--kv-offload-denominator estimate ({how}): give a window of at least {CHUNKS[0]}, "
+                              f"or --kv-offload-denominator selected")
+        given["chunk"] = fits[-1]
     return OffloadConfig(enabled=enabled, **given)
 
 

@@ -159,19 +159,29 @@ class LFUReference(LRUReference):
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(eviction):
+    """The hot buffer against a plain-Python LRU / LFU, each request within the
+    slots its pages cover (row 2 holds 2 pages of 4 rows: 8 of the 12 slots),
+    the pages scattered over the page pool (slot ``s`` is device row
+    ``base + table[r, s // 4] * 4 + s % 4``)."""
     rnd = random.Random(0)
     g = torch.Generator().manual_seed(0)
-    HN, MAXK, PRE, rows, ctx, B = 12, 8, 3, 4, 80, 3
-    region = PRE + HN
+    HN, MAXK, PRE, rows, ctx, B, PAGE, NP = 12, 8, 3, 4, 80, 3, 4, 10
+    base = rows * PRE
     req = torch.tensor([1, 3, 2], dtype=torch.int32)
+    pages = torch.randperm(NP, generator=g).to(torch.int32)
+    table = torch.full((rows, 3), -1, dtype=torch.int32)
+    table[1], table[3], table[2, :2] = pages[:3], pages[3:6], pages[6:8]
+    count = torch.tensor([0, 3, 2, 3], dtype=torch.int32)
+    cap = {1: 12, 3: 12, 2: 8}
+    row_of = {(r, s): base + int(table[r, s // PAGE]) * PAGE + s % PAGE for r in cap for s in range(cap[r])}
     r2t = (torch.randperm(900, generator=g)[: rows * ctx].view(rows, ctx) + 1).to(torch.int32)
     loc_slot = torch.full((1024,), -1, dtype=torch.int16)
     slot_pos = torch.full((rows, HN), -1, dtype=torch.int32)
     slot_time = torch.full((rows, HN), -1, dtype=torch.int32)
     host = torch.randn(1024, 2, 8, generator=g).bfloat16()
-    dev = torch.full((rows * region + 1, 2, 8), NAN).bfloat16()
+    dev = torch.full((base + NP * PAGE + 1, 2, 8), NAN).bfloat16()
     stats = torch.zeros(2, dtype=torch.int64)
-    ref = (LRUReference if eviction == "lru" else LFUReference)(rows, HN)
+    refs = {r: (LRUReference if eviction == "lru" else LFUReference)(rows, cap[r]) for r in cap}
     hits = misses = 0
     last0 = []
     favourites = [5, 6, 7]  # selected often: LFU keeps them where LRU lets them go
@@ -195,24 +205,27 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(evictio
         ms, md = torch.full((B, MAXK), -1, dtype=torch.int32), torch.full((B, MAXK), -1, dtype=torch.int32)
         mc = torch.full((B,), -1, dtype=torch.int32)
         ko.swap_in_run(sel, k, s_eff, w_eff, att_indptr, torch.full((B,), now, dtype=torch.int32), req, r2t, loc_slot, slot_pos,
-                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, region, PRE,
+                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, table, count, base, PAGE,
                        eviction=eviction)
         ko.copy_rows_run(host, dev, ms, md, counts=mc)
         for b in range(B):
             r = int(req[b])
+            ref = refs[r]
             want_slots, m = ref.step(r, sels[b], now)
             hits, misses = hits + len(sels[b]) - m, misses + m
-            base = int(att_indptr[b]) + 3
-            got_slots = [int(att_v[base + i]) - r * region - PRE for i in range(len(sels[b]))]
-            assert got_slots == want_slots and int(mc[b]) == m
-            assert slot_pos[r].tolist() == ref.pos[r] and slot_time[r].tolist() == ref.time[r]
+            at = int(att_indptr[b]) + 3
+            got_rows = [int(att_v[at + i]) for i in range(len(sels[b]))]
+            assert got_rows == [row_of[r, j] for j in want_slots] and int(mc[b]) == m
+            c = cap[r]
+            assert slot_pos[r, :c].tolist() == ref.pos[r] and slot_time[r, :c].tolist() == ref.time[r]
+            assert (slot_pos[r, c:] == -1).all() and (slot_time[r, c:] == -1).all()  # no slot past the pages is used
             held = [p for p in slot_pos[r].tolist() if p >= 0]
             assert len(held) == len(set(held))  # no position held twice
             for i, p in enumerate(sels[b]):
                 loc = int(r2t[r, p])
-                assert int(att_k[base + i]) == loc
-                assert torch.equal(dev[int(att_v[base + i])], host[loc])  # the hot row is the host's V row
-            assert (att_k[int(att_indptr[b]): base] == -5).all()  # sink/window entries are not this kernel's
+                assert int(att_k[at + i]) == loc
+                assert torch.equal(dev[int(att_v[at + i])], host[loc])  # the hot row is the host's V row
+            assert (att_k[int(att_indptr[b]): at] == -5).all()  # sink/window entries are not this kernel's
     assert stats.tolist() == [hits, misses] and hits > 0 and misses > 0
     held = set(slot_pos[int(req[1])].tolist())
     assert set(favourites) <= held if eviction == "lfu" else not set(favourites) <= held  # the rule made a difference
@@ -222,7 +235,48 @@ def test_swap_in_refuses_a_hot_buffer_smaller_than_the_selection():
     z = torch.zeros(1, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="kv-offload-hot-tokens"):
         ko.swap_in_run(z, z[:, 0], z[:, 0], z[:, 0], torch.zeros(2, dtype=torch.int32), z[:, 0], z[:, 0], z, torch.zeros(4, dtype=torch.int16),
-                       z, z, z, z[0], z[0], z, z, z[:, 0], torch.zeros(2, dtype=torch.int64), max_k=8, region_rows=8, lru_base=0)
+                       z, z, z, z[0], z[0], z, z, z[:, 0], torch.zeros(2, dtype=torch.int64), max_k=8, table=z, count=z[0], hot_base=0,
+                       page=4)
+
+
+def test_page_grant_gives_each_request_the_pages_its_selection_needs_from_one_stack():
+    """``page_grant_run``: ``ceil(min(HN, ceil(k * slack)) / page)`` pages per row,
+    never fewer than held, popped off one free stack without duplicates;
+    released with the row (``slot_release_run``, zero -1); a stack too short
+    for a grant leaves the row as it was and counts an overflow."""
+    HN, PAGE, NP, rows = 40, 8, 12, 5
+    table = torch.full((rows, 5), -1, dtype=torch.int32)
+    count = torch.zeros(rows, dtype=torch.int32)
+    stack = torch.arange(NP, dtype=torch.int32)
+    top = torch.tensor([NP], dtype=torch.int32)
+    over = torch.zeros(1, dtype=torch.int32)
+
+    def grant(r, k, slack64=128):
+        ko.page_grant_run(torch.tensor(r, dtype=torch.int32), torch.tensor(k, dtype=torch.int32), table, count, stack, top, over,
+                          HN, PAGE, slack64)
+
+    grant([1, 2, 3], [0, 5, 30])  # 0 rows; ceil(10 / 8) = 2 pages; min(40, 60) rows = 5 pages
+    assert count.tolist() == [0, 0, 2, 5, 0] and int(top) == NP - 7
+    owned = table[table >= 0].tolist()
+    assert len(owned) == len(set(owned)) == 7 and set(owned) == set(range(NP - 7, NP))
+    assert (table[2, 2:] == -1).all() and (table[1] == -1).all()
+    grant([2, 3], [3, 1], slack64=96)  # asks for fewer than held: nothing changes
+    assert count.tolist() == [0, 0, 2, 5, 0] and int(top) == NP - 7
+    grant([2], [7], slack64=96)  # ceil(7 * 1.5) = 11 rows: 2 pages, held already
+    assert count.tolist() == [0, 0, 2, 5, 0]
+    grant([4], [20], slack64=96)  # 30 rows: 4 pages, 5 free
+    assert count.tolist() == [0, 0, 2, 5, 4] and int(top) == 1
+    grant([1], [9])  # 18 rows: 3 pages, 1 free: none given, one overflow
+    assert count.tolist() == [0, 0, 2, 5, 4] and int(top) == 1 and int(over) == 1 and (table[1] == -1).all()
+    ko.slot_release_run(torch.tensor([3, 0]), table, count, stack, top, -1)  # row 3's five pages back
+    assert count.tolist() == [0, 0, 2, 0, 4] and int(top) == 6 and (table[3] == -1).all()
+    grant([1], [9])
+    held = table[table >= 0].tolist()
+    assert count[1] == 3 and len(held) == len(set(held)) == 9 and int(over) == 1
+    free = stack[: int(top)].tolist()
+    assert set(free).isdisjoint(held) and len(free) + len(held) == NP
+    with pytest.raises(ValueError, match="slack64"):
+        grant([1], [1], slack64=63)
 
 
 def test_copy_rows_moves_exactly_the_listed_rows_and_skips_negative_ids():
@@ -280,6 +334,14 @@ def test_attend_over_the_attended_list_matches_the_policy_reference(denominator)
         ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, sel_out, None)
         assert torch.allclose(out[2].float(), sel_out[2].float(), atol=1e-2)  # 3 tokens: everything attended
         assert not torch.allclose(out[1].float(), sel_out[1].float(), atol=1e-3)
+    # extra partials (estimate's share) are added in the merge, before the cast: float32 output = without + their sum
+    extra = torch.randn(len(lens) * 3, hq, d, generator=g)
+    o32, o32x = torch.full(q.shape, NAN), torch.full(q.shape, NAN)
+    den = lse if denominator == "full" else None
+    ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, o32, den)
+    ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, o32x, den, extra=extra, extra_splits=3)
+    want = o32 + extra.view(len(lens), 3, hq, d).sum(1)
+    assert torch.allclose(o32x, want, rtol=0, atol=1e-5) and (o32x - o32).abs().max() > 0.1
 
 
 def test_lse_merge_combines_chunks_and_keeps_empty_requests_at_minus_infinity():
@@ -328,6 +390,32 @@ def test_estimate_reference_is_the_loop_over_chunks_and_unattended_positions():
     assert estimate_reference(s, lse, v, torch.arange(Lq), C, G).abs().max() == 0
 
 
+@pytest.mark.parametrize("denominator", ["selected", "full", "estimate"])
+def test_kv_head_granularity_is_each_kv_head_on_its_own(denominator):
+    """``granularity="kv_head"`` (the reference's per-KV-head top-k, issue 24's
+    wording): each KV head's rows are exactly those of a one-KV-head model
+    holding only that head and its query group, and they differ from the
+    shared token-row selection; the kernels' layout refuses it."""
+    from sglang_elastic.offload.policy import PolicyError
+    from sglang_elastic.offload.pool import OffloadLayout
+
+    g = torch.Generator().manual_seed(11)
+    L, Hkv, G, D = 300, 3, 3, 16
+    q, k, v = torch.randn(Hkv * G, D, generator=g), torch.randn(L, Hkv, D, generator=g), torch.randn(L, Hkv, D, generator=g)
+    pol = OffloadPolicy(budget_frac=0.2, denominator=denominator, granularity="kv_head")
+    out, sel = attend_reference(q, k, v, pol, 5, return_selected=True)
+    assert sel.shape == (Hkv, pol.counts(L)[0] + pol.counts(L)[1] + pol.counts(L)[2])
+    for h in range(Hkv):
+        one = attend_reference(q[h * G:(h + 1) * G], k[:, h:h + 1], v[:, h:h + 1], OffloadPolicy(budget_frac=0.2, denominator=denominator), 5)
+        assert torch.allclose(out[h * G:(h + 1) * G], one, rtol=0, atol=1e-12)
+    shared = attend_reference(q, k, v, OffloadPolicy(budget_frac=0.2, denominator=denominator), 5)
+    assert (shared - out).abs().max() > 1e-3  # a different rule, not the same one twice
+    with pytest.raises(PolicyError, match="granularity"):
+        OffloadPolicy(granularity="head")
+    with pytest.raises(ValueError, match="reference's only"):
+        OffloadLayout(OffloadPolicy(granularity="kv_head"), 4096, 4, 8)
+
+
 @pytest.mark.parametrize("C,positions,heads", [(8, 256, (6, 2)), (16, 256, (6, 2)), (8, 32, (6, 2)), (8, 64, (2, 2))])
 def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monkeypatch):
     """``estimate_run`` over a real selection (scores, lse and top-k from the
@@ -367,6 +455,22 @@ def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monk
     out = torch.full((len(lens) * max_splits, hq, d), NAN)
     table = (torch.arange(4)[:, None] * n_chunks + torch.arange(n_chunks)[None, :]).to(torch.int32)  # row r's chunk c: slot r * n + c
     est = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, attended, vsum, rows, table, C, out, hkv)
+    # the decode step's way: lse_merge bumps a stamp, the top-k's last pass writes it at the selected positions, the
+    # estimate reads "attended" as "holds this stamp"; older stamps everywhere (never cleared) count as unattended
+    marks = torch.randint(0, 6, (T,), generator=g, dtype=torch.int32)
+    before = marks.clone()
+    stamp = torch.tensor([5], dtype=torch.int32)
+    ko.lse_merge(mid, len(lens), max_splits, stamp=stamp)
+    assert int(stamp) == 6
+    sel2 = torch.full_like(sel, -7)
+    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel2, hq, block_n=64, parts=2, marks=marks, stamp=stamp)
+    assert torch.equal(sel2, sel)
+    want = before.clone()
+    want[attended[:T].bool()] = 6
+    assert torch.equal(marks, want)
+    part = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, marks, vsum, rows, table, C,
+                           torch.full_like(out, NAN), hkv, stamp=stamp, reduce=False)
+    assert part.shape == (len(lens) * max_splits, hq, d) and torch.equal(part.view(len(lens), max_splits, hq, d).sum(1), est)
     for b, L in enumerate(lens):
         ids = idx[int(indptr[b]): int(indptr[b + 1])].long()
         G = hq // hkv

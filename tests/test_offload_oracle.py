@@ -222,8 +222,12 @@ def test_split_and_join_round_trip_and_check_the_hash(tmp_path, capsys):
 
 def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_dir, tmp_path, capsys):
     gpu = _load_script("scripts/gpu/offload_accuracy.py")
-    pol = gpu.offload_policy(["--enable-kv-offload", "--kv-offload-budget", "0.1", "--kv-offload-window", "16", "--kv-offload-hot-tokens", "512"])
-    assert pol == OffloadPolicy(window=16, budget_frac=0.1)
+    pol = gpu.offload_policy(["--enable-kv-offload", "--kv-offload-budget", "0.1", "--kv-offload-window", "16", "--kv-offload-topk", "256",
+                              "--kv-offload-hot-tokens", "512"])
+    assert pol == OffloadPolicy(window=16, budget_frac=0.1, max_topk=256, denominator="estimate", chunk=16)  # the server's defaults
+    assert gpu.offload_policy(["--kv-offload-window", "8"]) == OffloadPolicy(window=8, denominator="estimate", chunk=8)
+    with pytest.raises(ValueError, match="--kv-offload-hot-tokens 512 must be at least --kv-offload-topk 2048"):
+        gpu.offload_policy(["--kv-offload-hot-tokens", "512"])
     s = tasks.Sample("niah_single", 100, 0, (5, 6, 7), ("42",), 16)
     assert gpu.request(s, {2}) == {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "stop_token_ids": [2]},
                                    "return_hidden_states": "last", "stream": True}
@@ -239,11 +243,11 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
         assert rows[t]["kl"] > 0 and 0.045 < rows[t]["budget_frac"] < 0.055
     assert rows["natural"]["dense"] is None and rows["natural"]["kl"] > 0
     assert d["acceptance"]["passed"] is False  # 2 samples < 50
-    # by default a second offload server runs the estimate rule beside the shipped one
+    # by default a second offload server runs the selected rule beside the shipped estimate
     (v,) = d["variants"]
-    assert v["offload_policy"]["denominator"] == "estimate" and d["offload_policy"]["denominator"] == "selected"
+    assert v["offload_policy"]["denominator"] == "selected" and d["offload_policy"]["denominator"] == "estimate"
     assert {r["task"] for r in v["accuracy"]} == {"niah_single", "vt", "natural"} and len(v["per_sample"]) == len(d["per_sample"])
-    assert "--kv-offload-denominator estimate" in d["servers"]["offload_2"] and "estimate" not in d["servers"]["offload"]
+    assert "--kv-offload-denominator selected" in d["servers"]["offload_2"] and "denominator" not in d["servers"]["offload"]
     assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
     assert "offload vs dense through SGLang" in capsys.readouterr().out
 
@@ -294,7 +298,7 @@ def test_gpu_script_server_commands_pass_sglangs_parse_with_the_plugin(sglang_py
 
     gpu = _load_script("scripts/gpu/offload_accuracy.py")
     monkeypatch.delenv("SGLANG_ELASTIC_CONFIG", raising=False)
-    sets = [shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate --kv-offload-host-gb 8"), shlex.split(gpu.DEFAULT_OFFLOAD_ARGS)]
+    sets = [shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-host-gb 8"), shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator selected")]
     cmds = gpu.server_commands(MODEL, ["--chunked-prefill-size", "512", "--disable-prefill-cuda-graph"], sets)
     assert list(cmds) == ["dense", "offload", "offload_2"]
     want = {"dense": (["flashinfer", "flashinfer"], False), "offload": (["kvoffload", "kvoffload"], "estimate"),

@@ -31,8 +31,9 @@ def layer(i):
     return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
 
 
-def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru"):
-    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction)
+def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0):
+    lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction,
+                        hot_page=hot_page, hot_slack=slack)
     return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
 
 
@@ -86,6 +87,7 @@ class Sim:
         pool.flush_releases()
         rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         dec.plan(self.r2t, rp, seq, len(reqs))
+        dec.grant_pages(pool)
         pool.set_summary_plan(dec.summary_plan(pool))
         outs, worst = [], 0.0
         step = [(torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(),
@@ -215,13 +217,18 @@ def test_pool_shapes_keep_k_and_dense_v_for_every_token_and_only_hot_rows_of_spa
     pool = make_pool(pol)
     rows = pool.size + pool.page_size
     region = pool.layout.region_rows
-    assert region == 2 + 8 + 32
+    assert region == 2 + 8  # sink and window rows per request row; the LRU slots are pages
+    # pages: the fewer of what 7,000 tokens' selections need (ceil((2 * 0.05 * 7000 + 5) / 8) + 5 = 94) and 5 rows x 4 pages
+    assert pool.hot_pages == 20 and pool.hot_base == 5 * region and int(pool.page_top) == 20
     assert [tuple(b.shape) for b in pool.k_buffer] == [(rows, HKV, D)] * L
     assert tuple(pool.v_buffer[0].shape) == (rows, HKV, D)  # dense layer
-    assert [tuple(b.shape) for b in pool.v_buffer[1:]] == [(5 * region + 1, HKV, D)] * 2
+    hot_rows = 5 * region + 20 * 8 + 1
+    assert [tuple(b.shape) for b in pool.v_buffer[1:]] == [(hot_rows, HKV, D)] * 2
     assert tuple(pool.host.v_buffer.shape) == (2, rows, HKV, D)  # V of every token id of the sparse layers
     k, v = pool.get_kv_size_bytes()
-    assert k == L * rows * HKV * D * 2 and v == (rows + 2 * (5 * region + 1)) * HKV * D * 2
+    assert k == L * rows * HKV * D * 2 and v == (rows + 2 * hot_rows) * HKV * D * 2
+    big = make_pool(pol, size=7000, rows=5, hot=4096, hot_page=64)  # long buffers allowed: the tokens bound the pages
+    assert big.hot_pages == -(-(700 + 5) // 64) + 5 == 17 < 5 * 64
     resident = make_pool(pol, resident=True)
     assert resident.host is None and all(b.shape[0] == rows for b in resident.v_buffer)
 
@@ -322,7 +329,8 @@ def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_row
     from sglang_elastic.offload import hooks
 
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator="estimate", chunk=8)
-    pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200)  # 5 rows x 200 ids, 2000 free for new requests
+    # 5 rows x 200 ids, 2000 free for new requests; pages of 4 rows, 1.5 slots per selected row: up to 3 pages a request
+    pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200, hot_page=4, slack=1.5)
     sim = Sim(pool, seed, ctx=200)
     hooks._BUILT["pool"] = pool
     live = {}  # request row -> length
@@ -336,6 +344,7 @@ def _run_ops(ops, sim, pool, live, req_free):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     r2t_pool = ReqToTokenPool(size=pool.layout.request_rows - 1, max_context_len=sim.ctx, device="cpu", enable_memory_saver=False)
+    decoded = set()  # live rows that ran a decode step since their prefill
     for op, slot, n in ops:
         r = slot + 1
         if op == "admit" and r not in live:
@@ -347,8 +356,10 @@ def _run_ops(ops, sim, pool, live, req_free):
             lens = [min(live[q] + 1, 199) for q in reqs]
             sim.decode(reqs, lens, check=False)
             live.update(zip(reqs, lens))
+            decoded |= set(reqs)
         elif op in ("finish", "retract") and r in live:
             del live[r]  # SGLang frees its ids; a retracted one re-prefills from position 0 when admitted again
+            decoded.discard(r)
             req_free(r2t_pool, types.SimpleNamespace(req_pool_idx=r))  # SGLang's free, hooked
         pool.flush_releases()  # what the next forward does first
         owned = []
@@ -362,17 +373,25 @@ def _run_ops(ops, sim, pool, live, req_free):
                     assert torch.equal(pool.vsum[lid][int(pool.chunk_slot[q, c])], want)
         free = pool.slot_stack[: int(pool.slot_top)].tolist()
         assert sorted(owned + free) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
+        # hot-buffer pages: each owned by one live row, the rest on the free stack; a decoded request holds what its k needs
+        pages = [p for q in live for p in pool.hot_table[q, : int(pool.hot_count[q])].tolist()]
+        free_pages = pool.page_stack[: int(pool.page_top)].tolist()
+        assert sorted(pages + free_pages) == list(range(pool.hot_pages)) and int(pool.page_overflow) == 0
+        assert all(int(pool.hot_count[q]) == 0 for q in range(pool.layout.request_rows) if q not in live)
+        for q in decoded & set(live):
+            k = pool.layout.policy.counts(live[q])[2]
+            assert int(pool.hot_count[q]) * 4 >= min(12, -(-k * 3 // 2))
         for i, lid in enumerate(pool.sparse_layer_ids):
-            loc_slot, slot_pos, _ = pool.hot_state(lid)
+            h = pool.hot_state(lid)
             for q in live:
-                held = [(j, p) for j, p in enumerate(slot_pos[q].tolist()) if p >= 0]
+                held = [(j, p) for j, p in enumerate(h.slot_pos[q].tolist()) if p >= 0]
                 assert len({p for _, p in held}) == len(held)
                 for j, p in held:
-                    assert p < live[q]
+                    assert p < live[q] and j < int(h.count[q]) * h.page  # only slots its pages cover
                     tok = int(sim.r2t[q, p])
-                    dev_row = q * pool.layout.region_rows + pool.layout.lru_base + j
+                    dev_row = h.base + int(h.table[q, j // h.page]) * h.page + j % h.page
                     assert torch.equal(pool.v_buffer[lid][dev_row], pool.host.view(lid)[tok])
-                    assert int(loc_slot[tok]) == j
+                    assert int(h.loc_slot[tok]) == j
 
 
 #: aten ops a CUDA graph cannot capture: a Python value made a tensor (a
@@ -457,6 +476,7 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     outs = [torch.empty(2, HQ, D, dtype=torch.bfloat16) for _ in range(L)]
     with _OpRecorder() as rec:
         dec.plan(sim.r2t, rp, seq, 2)
+        dec.grant_pages(pool)
         pool.set_v_rows(dec.new_token_rows())
         pool.set_summary_plan(dec.summary_plan(pool))
         for l in range(L):

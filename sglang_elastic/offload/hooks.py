@@ -182,7 +182,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     ranks_here = max(1, min(get_parallel().tp_size, torch.cuda.device_count() or 1))
     host_free = psutil.virtual_memory().available // ranks_here
     try:
-        sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free,
+        sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
                        max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v)
     except SizingError as e:
@@ -196,7 +196,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
         " (resident V: the exactness reference)" if cfg.resident_v else "",
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
-    _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len,
+    _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
                                      resident_v=cfg.resident_v, eviction=cfg.eviction)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)

@@ -16,7 +16,8 @@ class OffloadMetrics:
     """Gauges ``sglang_elastic:offload_hit_rate`` (hot-buffer hits over the
     last interval), ``offload_pcie_read_gb_per_s`` / ``offload_pcie_write_gb_per_s``
     (over the interval's wall time), ``offload_pcie_bytes_per_step``,
-    ``offload_host_pool_bytes`` (V bytes of the tokens in use), counters
+    ``offload_host_pool_bytes`` (V bytes of the tokens in use),
+    ``offload_hot_pages_used`` (hot-buffer pages held by running requests), counters
     ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes``.
 
     Args:
@@ -46,6 +47,7 @@ class OffloadMetrics:
                 "write_gbps": gauge("offload_pcie_write_gb_per_s", "V rows written GPU -> host, GB/s over the last interval."),
                 "bytes_per_step": gauge("offload_pcie_bytes_per_step", "PCIe bytes (both directions) per decode step over the last interval."),
                 "host_bytes": gauge("offload_host_pool_bytes", "Host V bytes of the tokens in use."),
+                "hot_pages": gauge("offload_hot_pages_used", "Hot-buffer pages held by running requests."),
                 "read": counter("offload_pcie_read_bytes", "V bytes copied host -> GPU."),
                 "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
             }
@@ -72,10 +74,15 @@ class OffloadMetrics:
             self.g["write_gbps"].set(write_gbps)
             self.g["bytes_per_step"].set(per_step)
             self.g["host_bytes"].set(host)
+            if "hot_pages" in st:
+                self.g["hot_pages"].set(st["hot_pages"] - st["hot_pages_free"])
             self.g["read"].inc(d["pcie_read_bytes"])
             self.g["write"].inc(d["pcie_write_bytes"])
         hit_s = "n/a" if hit is None else f"{hit:.3f}"
         lost = st.get("summary_overflow", 0) - prev.get("summary_overflow", 0)
+        short = st.get("hot_page_overflow", 0) - prev.get("hot_page_overflow", 0)
+        pages = f", hot pages {st['hot_pages'] - st['hot_pages_free']}/{st['hot_pages']}" if "hot_pages" in st else ""
         return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
-                f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use"
-                + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else ""))
+                f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use{pages}"
+                + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else "")
+                + (f"; {short} hot-page grants found the pool short" if short > 0 else ""))

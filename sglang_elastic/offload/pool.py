@@ -10,12 +10,21 @@ sparse layers in pinned host memory plus per-request hot buffers.
 - dense layers (``l < policy.dense_layers``) keep ``v_buffer[l]`` of the same
   shape (they attend to everything every step);
 - sparse layers: V of every token in :class:`~.host_pool.HostVPool` (row =
-  token id), and ``v_buffer[l]`` is ``[rows * R + 1, kv_heads, v_head_dim]``:
-  request row ``r`` (its ``req_to_token`` row) owns device rows
-  ``[r * R, (r + 1) * R)`` with ``R = sink + window + hot_tokens``: ``sink``
-  rows for positions ``< sink``, a ring of ``window`` rows (position ``p`` at
-  ``sink + p % window``), then ``hot_tokens`` LRU slots for selected rows
-  (``slot_pos`` / ``slot_time`` / ``loc_slot``, :func:`~sglang_elastic.kernels.offload.swap_in_run`).
+  token id), and ``v_buffer[l]`` is ``[rows * R + pages * P + 1, kv_heads,
+  v_head_dim]``: request row ``r`` (its ``req_to_token`` row) owns the
+  fixed rows ``[r * R, (r + 1) * R)`` with ``R = sink + window`` (``sink``
+  rows for positions ``< sink``, a ring of ``window`` rows: position ``p`` at
+  ``sink + p % window``) and the hot-buffer pages its page table lists
+  (``hot_table[r]``, ``hot_count[r]`` of them, ``P = hot_page`` rows each,
+  after the fixed rows): LRU slot ``s`` is row ``rows * R + hot_table[r, s //
+  P] * P + s % P`` (``slot_pos`` / ``slot_time`` / ``loc_slot``,
+  :func:`~sglang_elastic.kernels.offload.swap_in_run`). Pages come from one
+  free stack on the GPU as a request's selection grows (each decode step's
+  plan: :func:`~sglang_elastic.kernels.offload.page_grant_run`, ``slack``
+  rows per selected row, at most ``hot_tokens``) and go back with the row
+  (``ReqToTokenPool.free``, hooked): the pool holds pages for the tokens
+  SGLang can hold (:func:`~sglang_elastic.offload.sizing.hot_pages`), not a
+  full buffer per request row.
 
 Writes (``set_kv_buffer``): K to the pool; for sparse layers V to the host
 row of its token id and, when the step's write plan
@@ -43,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -57,18 +66,21 @@ logger = logging.getLogger(__name__)
 class OffloadLayout:
     """The shape of the offload pool beside SGLang's pool arguments.
 
-    Fields: ``policy``; ``hot_tokens`` (LRU slots per request and sparse
-    layer, ``--kv-offload-hot-tokens``; at least ``policy.max_topk``);
+    Fields: ``policy``; ``hot_tokens`` (the most LRU slots one request may
+    hold per sparse layer, ``--kv-offload-hot-tokens``; at least ``policy.max_topk``);
     ``request_rows`` (``req_to_token`` rows, SGLang's padding row included);
     ``stage_tokens`` (rows of each prefix staging buffer: the longest prefix
     a prefill can have, the context length); ``resident_v`` (the all-resident
     reference); ``eviction`` (the hot buffer's victim rule,
     ``--kv-offload-eviction``: ``lru`` or InfiniGen's least-selected ``lfu``,
-    :func:`~sglang_elastic.kernels.offload.swap_in_run`).
+    :func:`~sglang_elastic.kernels.offload.swap_in_run`); ``hot_slack`` (hot
+    rows granted per selected row, ``--kv-offload-hot-slack``, 1 to 16);
+    ``hot_page`` (rows per hot-buffer page).
 
     Raises:
         ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
-            unknown ``eviction``, or ``lfu`` with a context of 2**21 tokens or more.
+            unknown ``eviction``, ``lfu`` with a context of 2**21 tokens or more,
+            a slack outside [1, 16].
     """
 
     policy: OffloadPolicy
@@ -77,6 +89,8 @@ class OffloadLayout:
     stage_tokens: int
     resident_v: bool = False
     eviction: str = "lru"
+    hot_slack: float = 2.0
+    hot_page: int = 64
 
     def __post_init__(self):
         from sglang_elastic.kernels.offload import EVICTIONS, LFU_MAX_LEN
@@ -85,12 +99,19 @@ class OffloadLayout:
             raise ValueError(f"--kv-offload-eviction must be {' or '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.eviction == "lfu" and self.stage_tokens >= LFU_MAX_LEN:
             raise ValueError(f"--kv-offload-eviction lfu packs a slot's last use in 21 bits: a context of {self.stage_tokens} tokens is too long")
+        if self.policy.granularity != "token":
+            raise ValueError(f"the offload kernels select one set of token rows per request (granularity 'token'), "
+                             f"not {self.policy.granularity!r}: that one is the float64 reference's only")
         if self.hot_tokens < self.policy.max_topk:
             raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be at least --kv-offload-topk {self.policy.max_topk}")
         if self.request_rows < 1 or self.stage_tokens < 1:
             raise ValueError(f"offload layout needs request_rows and stage_tokens >= 1, not {self.request_rows}, {self.stage_tokens}")
         if self.hot_tokens >= 32768:
             raise ValueError(f"--kv-offload-hot-tokens {self.hot_tokens} must be below 32768 (slots are int16)")
+        if not 1.0 <= self.hot_slack <= 16.0:
+            raise ValueError(f"--kv-offload-hot-slack must be between 1 and 16 (hot rows per selected row), not {self.hot_slack}")
+        if self.hot_page < 1:
+            raise ValueError(f"hot_page must be >= 1, not {self.hot_page}")
 
     @property
     def lru_base(self) -> int:
@@ -98,7 +119,19 @@ class OffloadLayout:
 
     @property
     def region_rows(self) -> int:
-        return self.lru_base + self.hot_tokens
+        """Fixed device V rows per request row (sink and window ring); the LRU slots live in pages."""
+        return self.lru_base
+
+    @property
+    def max_pages(self) -> int:
+        """Pages one request may hold (its ``hot_tokens`` slots)."""
+        return -(-self.hot_tokens // self.hot_page)
+
+    def pages_for(self, tokens: int) -> int:
+        """Hot-buffer pages of a pool of ``tokens`` token ids (:func:`~sglang_elastic.offload.sizing.hot_pages`)."""
+        from sglang_elastic.offload.sizing import hot_pages
+
+        return hot_pages(self.policy, tokens, self.request_rows, self.hot_tokens, self.hot_slack, self.hot_page)
 
     @property
     def summary_chunks(self) -> int:
@@ -141,6 +174,13 @@ class OffloadKVPool(MHATokenToKVPool):
         self.slot_pos = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
         self.slot_time = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
         self.loc_slot = torch.full((n_sparse, self.size + self.page_size), -1, dtype=torch.int16, device=dev)
+        # hot-buffer pages (one table for every sparse layer): a free stack on the GPU, granted by the decode plan
+        self.hot_table = torch.full((rows, layout.max_pages), -1, dtype=torch.int32, device=dev)
+        self.hot_count = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.page_stack = torch.arange(self.hot_pages, dtype=torch.int32, device=dev)
+        self.page_top = torch.full((1,), self.hot_pages, dtype=torch.int32, device=dev)
+        #: grants that found too few free pages (should stay 0: the pool is sized for every running request)
+        self.page_overflow = torch.zeros(1, dtype=torch.int32, device=dev)
         self._sparse_index = {l: i for i, l in enumerate(self.sparse_layer_ids)}
         self.host = None
         if n_sparse:
@@ -177,7 +217,9 @@ class OffloadKVPool(MHATokenToKVPool):
     def _create_buffers_normal(self):
         rows = self.size + self.page_size
         lay = self.layout
-        hot_rows = lay.request_rows * lay.region_rows + 1  # + a row that padded writes may hit
+        self.hot_pages = 0 if lay.resident_v else lay.pages_for(self.size)
+        self.hot_base = lay.request_rows * lay.region_rows  # the first page's row
+        hot_rows = self.hot_base + self.hot_pages * lay.hot_page + 1  # + a row that padded writes may hit
         self.k_buffer = [torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
                          for _ in range(self.layer_num)]
         self.v_buffer = []
@@ -189,10 +231,23 @@ class OffloadKVPool(MHATokenToKVPool):
     def is_sparse_layer(self, layer_id: int) -> bool:
         return (layer_id - self.start_layer) in self._sparse
 
-    def hot_state(self, layer_id: int):
-        """``(loc_slot, slot_pos, slot_time)`` views of sparse layer ``layer_id``."""
+    def hot_state(self, layer_id: int) -> "HotState":
+        """Sparse layer ``layer_id``'s hot-buffer state (:class:`HotState`)."""
         i = self._sparse_index[layer_id - self.start_layer]
-        return self.loc_slot[i], self.slot_pos[i], self.slot_time[i]
+        return HotState(self.loc_slot[i], self.slot_pos[i], self.slot_time[i], self.hot_table, self.hot_count, self.hot_base,
+                        self.layout.hot_page)
+
+    def grant_pages(self, rows: torch.Tensor, k: torch.Tensor) -> None:
+        """Give each request row of this decode step the pages its selection of
+        ``k`` rows needs (GPU ops only: recorded in the decode CUDA graph;
+        :func:`~sglang_elastic.kernels.offload.page_grant_run`)."""
+        if self.hot_pages:
+            from sglang_elastic.kernels.offload import page_grant_run
+            from sglang_elastic.offload.sizing import slack_64ths
+
+            lay = self.layout
+            page_grant_run(rows, k, self.hot_table, self.hot_count, self.page_stack, self.page_top, self.page_overflow,
+                           lay.hot_tokens, lay.hot_page, slack_64ths(lay.hot_slack))
 
     def get_kv_size_bytes(self):
         k = sum(b.numel() * b.element_size() for b in self.k_buffer)
@@ -277,19 +332,25 @@ class OffloadKVPool(MHATokenToKVPool):
         return slot_assign_run(rows, chunks, valid, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top,
                                self.slot_overflow, dst, self.SPARE, self.ZERO)
 
-    def release_summary_rows(self, rows) -> None:
-        """Return request rows' summary slots to the free stack: now (on the
-        current stream) for a tensor; for a list (SGLang freed the rows, from
-        ``ReqToTokenPool.free``), at the next forward (:meth:`flush_releases`)."""
-        if not self.summary_layer_ids:
+    def release_rows(self, rows) -> None:
+        """Return request rows' hot-buffer pages and summary slots to their
+        free stacks: now (on the current stream) for a tensor; for a list
+        (SGLang freed the rows, from ``ReqToTokenPool.free``), at the next
+        forward (:meth:`flush_releases`)."""
+        if not self.summary_layer_ids and not self.hot_pages:
             return
         if isinstance(rows, torch.Tensor):
             from sglang_elastic.kernels.offload import slot_release_run
 
-            slot_release_run(rows.to(device=self.device, non_blocking=True), self.chunk_slot, self.slot_count, self.slot_stack,
-                             self.slot_top, self.ZERO)
+            rows = rows.to(device=self.device, non_blocking=True)
+            if self.summary_layer_ids:
+                slot_release_run(rows, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
+            if self.hot_pages:
+                slot_release_run(rows, self.hot_table, self.hot_count, self.page_stack, self.page_top, -1)
         else:
             self._release_pending.extend(int(r) for r in rows)
+
+    release_summary_rows = release_rows  # the name before hot-buffer pages (summary slots only)
 
     def flush_releases(self) -> None:
         """Release the rows SGLang freed since the last forward (the backend calls it first in every forward).
@@ -299,7 +360,7 @@ class OffloadKVPool(MHATokenToKVPool):
             # swap, not copy-then-clear: SGLang's scheduler thread may append while the forward thread flushes
             pending, self._release_pending = self._release_pending, []
             pin = torch.device(self.device).type == "cuda"
-            self.release_summary_rows(torch.tensor(sorted(set(pending)), dtype=torch.int64, pin_memory=pin))
+            self.release_rows(torch.tensor(sorted(set(pending)), dtype=torch.int64, pin_memory=pin))
 
     def plan_extend_summaries(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu, req_to_token: torch.Tensor):
         """The summary plan of a prefill (``None`` without ``estimate`` or when
@@ -409,7 +470,7 @@ class OffloadKVPool(MHATokenToKVPool):
             self.slot_pos.index_fill_(1, r, -1)
             self.slot_time.index_fill_(1, r, -1)
         if rows.numel():
-            self.release_summary_rows(rows.to(torch.int64))  # a row SGLang freed already released them: nothing left
+            self.release_rows(rows.to(torch.int64))  # a row SGLang freed already released them: nothing left
 
     def _clear_buffers(self):
         if self.host is not None:
@@ -418,4 +479,19 @@ class OffloadKVPool(MHATokenToKVPool):
         super()._clear_buffers()
 
 
-__all__ = ["OffloadKVPool", "OffloadLayout"]
+class HotState(NamedTuple):
+    """One sparse layer's hot-buffer state, as :func:`~sglang_elastic.kernels.offload.swap_in_run` reads it:
+    ``loc_slot`` ``[tokens]`` (a token's slot), ``slot_pos`` / ``slot_time`` ``[rows, hot_tokens]``,
+    the page table ``table`` ``[rows, max_pages]`` int32 and ``count`` ``[rows]`` int32 (pages held),
+    ``base`` (the first page's device row) and ``page`` (rows per page)."""
+
+    loc_slot: torch.Tensor
+    slot_pos: torch.Tensor
+    slot_time: torch.Tensor
+    table: torch.Tensor
+    count: torch.Tensor
+    base: int
+    page: int
+
+
+__all__ = ["HotState", "OffloadKVPool", "OffloadLayout"]

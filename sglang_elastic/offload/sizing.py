@@ -22,6 +22,14 @@ from typing import Optional
 
 from sglang_elastic.offload.policy import OffloadPolicy
 
+#: V rows per hot-buffer page (``OffloadLayout.hot_page``): hot buffers are pages from one pool, granted as a
+#: request's selection grows (``kernels/offload.py`` ``page_grant_run``).
+HOT_PAGE = 64
+
+#: ``--kv-offload-hot-slack`` default: hot rows per selected row (the fixed 4,096-row buffers it replaced were
+#: twice the largest top-k).
+HOT_SLACK = 2.0
+
 #: Host RAM SGLang's host pools leave free (``HICACHE_HOST_MEMORY_RESERVE_BYTES``,
 #: sglang/srt/mem_cache/pool_host/base.py); ours keeps the same reserve.
 HOST_RESERVE_BYTES = 10 * (1 << 30)
@@ -86,12 +94,12 @@ def device_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool 
 def summary_token_bytes(shape: ModelShape, policy: OffloadPolicy) -> int:
     """``estimate``'s GPU bytes per token (0 otherwise): a V summary row per
     sparse layer of the policy and its free-stack entry (int32), per
-    ``chunk`` tokens, and the token's attended mark (uint8)."""
+    ``chunk`` tokens, and the token's attended mark (an int32 stamp: marks are never cleared)."""
     if policy.denominator != "estimate":
         return 0
     sparse = shape.layers - min(policy.dense_layers, shape.layers)
     row = sparse * shape.kv_heads * shape.v_head_dim * shape.elem + 4
-    return -(-row // policy.chunk) + 1
+    return -(-row // policy.chunk) + 4
 
 
 def host_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False) -> int:
@@ -102,18 +110,49 @@ def host_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = 
     return sparse * shape.kv_heads * shape.v_head_dim * shape.elem
 
 
-def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool = False) -> int:
-    """GPU bytes that do not grow with the token count: per request row
-    (``requests`` + SGLang's padding row) and sparse layer, a region of
-    ``sink + window + hot_tokens`` V rows and the slots' position and time
-    (int32 each; none when ``resident``); the prefix staging buffers (K and
-    V of one layer for the context length); ``estimate``'s V summaries
-    (:func:`summary_bytes`)."""
+def slack_64ths(slack: float) -> int:
+    """``slack`` as the integer number of 64ths the kernels use (rounded up: never fewer rows than asked)."""
+    import math
+
+    return math.ceil(slack * 64 - 1e-9)
+
+
+def hot_pages(policy: OffloadPolicy, tokens: int, request_rows: int, hot_tokens: int, slack: float = HOT_SLACK,
+              page: int = HOT_PAGE) -> int:
+    """Pages of ``page`` V rows (per sparse layer) that cover every running
+    request's hot buffer, whatever their lengths, while SGLang holds at most
+    ``tokens`` tokens in at most ``request_rows`` rows.
+
+    A request of ``L`` tokens selects ``k(L) <= budget * L`` rows and is
+    granted ``ceil(min(hot_tokens, ceil(k * slack)) / page)`` pages
+    (:func:`~sglang_elastic.kernels.offload.page_grant_run`): at most
+    ``(slack * k + 1) / page + 1`` and at most ``ceil(hot_tokens / page)``.
+    Summed over requests whose lengths add up to ``tokens`` or less, that is
+    at most the smaller of the two counts below, so a grant never finds the
+    pool empty.
+    """
+    s = slack_64ths(slack) / 64
+    num = round(policy.budget_frac * 1_000_000)
+    by_tokens = -(-(int(-(-(tokens * num * s) // 1_000_000)) + request_rows) // page) + request_rows
+    by_rows = request_rows * -(-hot_tokens // page)
+    return max(1, min(by_tokens, by_rows))
+
+
+def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool = False,
+                       slack: float = HOT_SLACK, tokens: int = 0) -> int:
+    """GPU bytes beside K and the dense layers' V of ``tokens`` tokens: per
+    request row (``requests`` + SGLang's padding row) and sparse layer,
+    ``sink + window`` fixed V rows and ``hot_tokens`` slots' position and
+    time (int32 each), the hot-buffer pages that ``tokens`` need
+    (:func:`hot_pages`; none when ``resident``); the prefix staging buffers
+    (K and V of one layer for the context length); ``estimate``'s V
+    summaries (:func:`summary_bytes`)."""
     sparse = 0 if resident else shape.layers - min(policy.dense_layers, shape.layers)
     rows = requests + 1
-    region = policy.sink + policy.window + hot_tokens
-    v_rows = rows * region * sparse * shape.kv_heads * shape.v_head_dim * shape.elem
-    state = rows * hot_tokens * sparse * 8
+    row_bytes = sparse * shape.kv_heads * shape.v_head_dim * shape.elem
+    v_rows = (rows * (policy.sink + policy.window) + (hot_pages(policy, tokens, rows, hot_tokens, slack) * HOT_PAGE if sparse else 0)
+              + 1) * row_bytes
+    state = rows * hot_tokens * sparse * 8 + rows * (-(-hot_tokens // HOT_PAGE) + 1) * 4
     staging = shape.context_len * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
     return v_rows + state + staging + summary_bytes(shape, policy, requests)
 
@@ -137,7 +176,7 @@ def summary_bytes(shape: ModelShape, policy: OffloadPolicy, requests: int, max_s
 def size_pool(
     available_bytes: int, shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int,
     host_available_bytes: int, host_limit_bytes: Optional[int] = None, max_total_tokens: Optional[int] = None,
-    page_size: int = 1, resident: bool = False,
+    page_size: int = 1, resident: bool = False, slack: float = HOT_SLACK,
 ) -> OffloadSizing:
     """The offload pool's size for a KV budget.
 
@@ -146,7 +185,7 @@ def size_pool(
             free memory after the weights less the activation reserve).
         shape: the model's per-rank KV shape.
         policy: the attended-set rule (its ``dense_layers`` keep V on the GPU).
-        hot_tokens: LRU slots per request and sparse layer.
+        hot_tokens: the most hot-buffer rows one request may hold per sparse layer.
         requests: ``max_running_requests`` (hot buffers are per request).
         host_available_bytes: free host RAM now (``psutil.virtual_memory().available``);
             :data:`HOST_RESERVE_BYTES` of it stays free.
@@ -154,6 +193,8 @@ def size_pool(
         max_total_tokens: SGLang's ``--max-total-tokens`` cap, or None.
         page_size: the token count is a multiple of it.
         resident: the exactness reference (V of every layer on the GPU, no host pool).
+        slack: hot-buffer rows per selected row (``--kv-offload-hot-slack``): the
+            pages come with the tokens (:func:`hot_pages`), not per request row.
 
     Returns:
         :class:`OffloadSizing`.
@@ -169,9 +210,10 @@ def size_pool(
         raise SizingError(f"--kv-offload-dense-layers {policy.dense_layers} leaves none of the model's {shape.layers} layers sparse: "
                           f"nothing would be offloaded (use at most {shape.layers - 1})")
     per_dev = device_token_bytes(shape, policy, resident)
-    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident)
     per_host = host_token_bytes(shape, policy, resident)
-    tokens_hbm = max(0, (available_bytes - fixed) // per_dev - page_size)
+    tokens_hbm = _tokens_that_fit(available_bytes, shape, policy, hot_tokens, requests, resident, slack, per_dev) - page_size
+    tokens_hbm = max(0, tokens_hbm)
+    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens_hbm + page_size)
     host_budget = host_available_bytes - HOST_RESERVE_BYTES
     if host_limit_bytes is not None:
         host_budget = min(host_budget, host_limit_bytes)
@@ -180,12 +222,13 @@ def size_pool(
     if max_total_tokens is not None and max_total_tokens < tokens:
         tokens, bound = max_total_tokens, "max-total-tokens"
     tokens = tokens // page_size * page_size
+    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens + page_size)
     cell = shape.layers * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
     stock = available_bytes // cell // page_size * page_size
     if tokens < shape.context_len:
         why = {
             "hbm": f"the GPU holds K of only {tokens_hbm} tokens after {fixed / 2**30:.1f} GiB of hot buffers for {requests} requests "
-                   "(lower --max-running-requests or --kv-offload-hot-tokens, or --context-length)",
+                   "(lower --kv-offload-hot-slack, --max-running-requests or --kv-offload-hot-tokens, or --context-length)",
             "host": f"host memory holds V of only {tokens_host} tokens ({max(host_budget, 0) / 2**30:.1f} GiB usable after a "
                     f"{HOST_RESERVE_BYTES >> 30} GiB reserve; raise --kv-offload-host-gb or free host RAM, or lower --context-length)",
             "max-total-tokens": f"--max-total-tokens {max_total_tokens} is below the context length",
@@ -198,5 +241,19 @@ def size_pool(
     )
 
 
-__all__ = ["HOST_RESERVE_BYTES", "ModelShape", "OffloadSizing", "SizingError", "device_fixed_bytes", "device_token_bytes",
+def _tokens_that_fit(available: int, shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool,
+                     slack: float, per_dev: int) -> int:
+    """The most tokens ``T`` with ``T * per_dev + device_fixed_bytes(.., T) <= available``
+    (the fixed bytes grow with ``T`` through the hot pages): a bisection."""
+    lo, hi = 0, max(0, available // max(per_dev, 1)) + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * per_dev + device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, mid) <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+__all__ = ["HOST_RESERVE_BYTES", "HOT_PAGE", "HOT_SLACK", "hot_pages", "slack_64ths", "ModelShape", "OffloadSizing", "SizingError", "device_fixed_bytes", "device_token_bytes",
            "host_token_bytes", "size_pool", "summary_bytes", "summary_token_bytes"]
