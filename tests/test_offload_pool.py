@@ -495,3 +495,23 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
+
+
+def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_use():
+    """``OffloadMetrics.update`` (no Prometheus here: the log line): hit rate and
+    PCIe rates of the interval, not since start; hot pages in use; an overflow
+    of pages or summary slots named, never silent."""
+    from sglang_elastic.offload.metrics import OffloadMetrics
+
+    m = OffloadMetrics(None)
+    clock = iter([100.0, 102.0, 103.0])
+    m._clock = lambda: next(clock)
+    base = {"hits": 10, "misses": 10, "pcie_read_bytes": 0, "pcie_write_bytes": 0, "decode_steps": 5, "hot_pages": 40, "hot_pages_free": 40,
+            "hot_page_overflow": 0, "summary_overflow": 0}
+    assert m.update(base, used_tokens=0, host_token_bytes=2048) == ""  # the first call only starts the interval
+    st = dict(base, hits=40, misses=20, pcie_read_bytes=4 * 10**9, pcie_write_bytes=10**9, decode_steps=15, hot_pages_free=28)
+    line = m.update(st, used_tokens=1000, host_token_bytes=2048)
+    assert line.startswith("hit rate 0.750, PCIe read 2.00 GB/s write 0.50 GB/s, 500.0 MB/step") and "hot pages 12/40" in line
+    assert "found" not in line
+    line = m.update(dict(st, hot_page_overflow=2, summary_overflow=1), used_tokens=1000, host_token_bytes=2048)
+    assert "2 hot-page grants found the pool short" in line and "1 chunks found no V-summary slot" in line and "hit rate n/a" in line

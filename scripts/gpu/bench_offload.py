@@ -325,6 +325,9 @@ def part_throughput(a) -> dict:
                 dur = rec["duration_s"] or 1
                 row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
                             "pcie_gb_per_s": (rd + wr) / dur / 1e9, "prefetched_rows": after.get("prefetched_rows", 0) - b.get("prefetched_rows", 0)})
+                # the pool as built and its overflow counters (both should stay 0), the rule that ran
+                row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
+                                                                 "summary_overflow", "summary_slots") if k in after}
             out["servers"][name] = row
             results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:

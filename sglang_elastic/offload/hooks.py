@@ -74,9 +74,9 @@ def state(sched) -> dict:
         return {}
     pool = be.pool
     lay = pool.layout
-    out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "resident_v": lay.resident_v,
-           "host_pool_bytes": pool.host_bytes(), "policy": {k: getattr(lay.policy, k) for k in ("sink", "window", "budget_frac", "max_topk",
-                                                                                                  "dense_layers", "denominator")}}
+    out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "hot_slack": lay.hot_slack,
+           "resident_v": lay.resident_v, "host_pool_bytes": pool.host_bytes(),
+           "policy": {k: getattr(lay.policy, k) for k in ("sink", "window", "budget_frac", "max_topk", "dense_layers", "denominator", "chunk")}}
     sz = _BUILT.get("sizing")
     if sz is not None:
         out["sizing"] = sz.to_dict()
