@@ -265,21 +265,22 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
                                        stage_tokens=ctx, resident_v=False), HQ, HKV, D, max_bs=bs, token_capacity=size, device="cuda")
     est.plan(r2t, reqs, seq, bs)
     est.sel = dec.sel
-    table = (torch.arange(bs + 1, device="cuda")[:, None] * (ctx // C) + torch.arange(ctx // C, device="cuda")[None, :]).to(torch.int32)
+    # the summary slots' table (named apart: reusing `table` gave the hot state below the summary table as its page table)
+    sum_table = (torch.arange(bs + 1, device="cuda")[:, None] * (ctx // C) + torch.arange(ctx // C, device="cuda")[None, :]).to(torch.int32)
     vsum = torch.randn(((bs + 1) * (ctx // C) + 2, HKV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
     # the marks come with the top-k's last pass now (no pass of their own): time that select against the plain one
     t["estimate_mark"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
                                                        ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, sp.select_parts, ws.sel_hist,
                                                        ws.sel_counts, marks=est.marks, stamp=est.stamp)) - t["select"]
     t["estimate"] = time_ms(lambda: ko.estimate_run(ws.scores, lse, est.kv_indptr[: bs + 1], est.chunk[:bs], sp.scores_max_splits,
-                                                    est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.marks, vsum, reqs, table, C,
+                                                    est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], est.marks, vsum, reqs, sum_table, C,
                                                     est.est_o, HKV, stamp=est.stamp, reduce=False))
     # the whole warm sparse layer (OffloadDecoder.sparse: scores, merge, top-k, swap-in, copy, attention) as one graph
     # replay, and the dense split-KV layer the same way: the per-kernel sums above leave out the launch gaps a graph removes
     hot_state = HotState(loc_slot, slot_pos, slot_time, table, count, base, P)
     t["sparse_layer_graph"] = graph_ms(lambda: dec.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview))
     t["sparse_layer_graph_estimate"] = graph_ms(lambda: est.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview,
-                                                                   v_summary=(vsum, table)))
+                                                                   v_summary=(vsum, sum_table)))
     t["dense_split_kv_graph"] = graph_ms(lambda: dec.dense(q, kb, vfull, o, D ** -0.5))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
     out[key] = {
