@@ -54,10 +54,12 @@ def header(command: Optional[str] = None) -> Dict[str, Any]:
 
 
 def write(path: str, result: Dict[str, Any]) -> None:
-    """Write ``result`` as indented JSON, atomically (a temp file beside it,
-    then ``os.replace``): a reader or a killed writer never sees half a file."""
+    """Write ``result`` as JSON, one item per line (indent 1, no space after
+    ``:``: the tracked results must leave room for the GPU bundle in one
+    device transfer), atomically (a temp file beside it, then ``os.replace``):
+    a reader or a killed writer never sees half a file."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(result, f, indent=1, separators=(",", ":"))
         f.write("\n")
     os.replace(tmp, path)

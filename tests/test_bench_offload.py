@@ -84,10 +84,15 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
         assert out[key] == want[key], key
     assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
     src = json.loads((parts / "throughput_fits.json").read_text())["servers"]
-    (fits,) = out["throughput"]
-    assert fits["workload"] == "fits" and fits["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
-    assert fits["offload_output_tok_s"] == src["offload"]["output_tok_s"] and fits["hicache_output_tok_s"] is None  # not run: null
-    assert out["capacity"]["offload_tokens"] == src["offload"]["max_total_num_tokens"] > 1.6 * 906_051
+    new = json.loads((parts / "throughput_fits_estimate.json").read_text())["servers"]["offload"]
+    old_row, new_row = out["throughput"]  # by file name: the stock + selected run of 2026-12-02, the estimate run of 2026-12-03
+    assert old_row["workload"] == new_row["workload"] == "fits" and old_row["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
+    assert old_row["offload_output_tok_s"] == src["offload"]["output_tok_s"] and old_row["hicache_output_tok_s"] is None  # not run: null
+    assert new_row["offload_denominator"] == "estimate" and new_row["stock_median_itl_ms"] is None  # stock did not run in that call
+    # capacity from the newest part: its offload pool against SGLang's own count for the same budget (its sizing's stock_tokens)
+    cap = out["capacity"]
+    assert cap["offload_tokens"] == new["max_total_num_tokens"] > 1.6 * cap["stock_tokens"] and cap["stock_tokens"] == 910_612
+    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same KV budget" in cap["source"]
     # the SmolLM2 run through SGLang: the first offload server's rows (estimate), its verdict, the shipped-before rule beside it
     acc = json.loads((parts / "accuracy.json").read_text())
     assert out["accuracy"] == acc["accuracy"] == want["accuracy"] and len(out["accuracy"]) == 18

@@ -172,11 +172,11 @@ from triton.compiler import ASTSource
 from sglang_elastic.kernels import decode_attention as da
 
 types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
-types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr", "lse_full_ptr")})
+types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr", "lse_full_ptr", "extra_ptr")})
 types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "item_offsets_ptr", "num_items_ptr", "seg_start_ptr", "seg_count_ptr")})
 types["sm_scale"] = "fp32"
 attn = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False)
-for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32, FULL_LSE=False, GUARD_ROWS=False))):
+for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32, FULL_LSE=False, GUARD_ROWS=False, EXTRA=False))):
     for pdl in (False, True):
         sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx and n != "PDL"}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**cx, "PDL": pdl}), target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})

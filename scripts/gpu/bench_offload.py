@@ -350,19 +350,29 @@ def part_assemble(a) -> dict:
         out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
                            "stock_peak_used_tokens": st.get("peak_used_tokens"), "offload_peak_used_tokens": off.get("peak_used_tokens"),
                            "bound": ((off.get("offload") or {}).get("sizing") or {}).get("bound")}
-    if cap is None:  # no capacity part: the pool sizes of the servers of a throughput part (same run, same defaults)
-        tp = next((p for p in parts if p.get("part") == "throughput" and {"stock", "offload"} <= set(p["servers"])), None)
-        if tp:
-            st, off = tp["servers"]["stock"], tp["servers"]["offload"]
-            out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
-                               "source": f"throughput part {tp['workload']} ({off.get('extra_flags') or 'defaults'})"}
+    if cap is None:  # no capacity part: the pool sizes of the newest throughput part's offload server (same defaults)
+        tps = sorted((p for p in parts if p.get("part") == "throughput" and "offload" in p["servers"]), key=lambda p: p.get("date", ""))
+        if tps:
+            tp = tps[-1]
+            off = tp["servers"]["offload"]
+            st = tp["servers"].get("stock")
+            sizing = (off.get("offload_pool") or {}).get("sizing") or {}
+            if st is not None:  # stock's own pool in the same run
+                stock, how = st.get("max_total_num_tokens"), "stock server in the same run"
+            else:  # SGLang's own count for the same KV budget, computed by the offload server's sizing in the same run
+                stock, how = sizing.get("stock_tokens"), "SGLang's token count for the same KV budget, in the offload server's sizing"
+            out["capacity"] = {"stock_tokens": stock, "offload_tokens": off.get("max_total_num_tokens"), "bound": sizing.get("bound"),
+                               "policy": (off.get("offload_pool") or {}).get("policy"),
+                               "source": f"throughput part {tp['workload']} of {tp.get('date', '?')[:10]} ({off.get('extra_flags') or 'defaults'}); "
+                                         f"stock: {how}"}
     out["throughput"] = []
     for p in parts:
         if p.get("part") != "throughput":
             continue
         st, off = p["servers"].get("stock", {}), p["servers"].get("offload", {})
         out["throughput"].append({
-            "workload": p["workload"], "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
+            "workload": p["workload"], "date": p.get("date"), "commit": p.get("commit"),
+            "offload_denominator": ((off.get("offload_pool") or {}).get("policy") or {}).get("denominator"), "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
             "stock_median_itl_ms": st.get("median_itl_ms"), "offload_median_itl_ms": off.get("median_itl_ms"),
             "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),
             "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"),

