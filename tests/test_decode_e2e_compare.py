@@ -320,3 +320,27 @@ def test_parts_kept_gzipped_before_still_load(tmp_path):
     p = tmp_path / "part0.json.gz"
     p.write_bytes(gzip.compress(json.dumps(d).encode()))
     assert e2e.load_part(str(p)) == d
+
+
+def test_real_model_prompts_are_text_windows_of_spread_lengths_in_the_models_vocabulary():
+    """``--model`` (issue 23, build 5): 32 windows of the Shakespeare haystack
+    through SmolLM2's own tokenizer, lengths log-uniform in [64, 7000],
+    the same on every call with one seed, others with another."""
+    import os
+
+    model = os.environ.get("SGLANG_ELASTIC_SMOLLM2")
+    if not model:
+        pytest.skip("SGLANG_ELASTIC_SMOLLM2 not set (bash ci/test.sh sets it)")
+    from transformers import AutoTokenizer
+
+    sets = e2e.prompts(0, model)
+    (name, ps), = sets.items()
+    lens = [len(p) for p in ps]
+    assert name == "text_B32" and len(ps) == 32 and min(lens) >= 64 and max(lens) <= 7000
+    assert max(lens) > 2000 and min(lens) < 300  # spread, not one length
+    vocab = AutoTokenizer.from_pretrained(model, local_files_only=True).vocab_size
+    assert all(0 <= t < vocab + 100 for p in ps for t in p)
+    text = AutoTokenizer.from_pretrained(model, local_files_only=True).decode(ps[0][:40])
+    assert sum(c.isalpha() for c in text) > 0.5 * len(text)  # words, not random ids
+    assert e2e.prompts(0, model) == sets and e2e.prompts(1, model) != sets
+    assert e2e.engine_kwargs("m", "persistentkv", max_bs=32)["cuda_graph_max_bs_decode"] == 32  # the batch replays a graph

