@@ -267,7 +267,8 @@ def _merge_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
     lse_full_ptr=None, stride_lf_b=0, FULL_LSE: tl.constexpr = False,
     max_rows=0, GUARD_ROWS: tl.constexpr = False,
-    extra_ptr=None, stride_ex_s=0, stride_ex_h=0, extra_n=0, EXTRA: tl.constexpr = False,
+    extra_ptr=None, stride_ex_s=0, stride_ex_h=0, extra_n=0, extra_cnt_ptr=None, EXTRA: tl.constexpr = False,
+    EXTRA_CNT: tl.constexpr = False,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
@@ -283,9 +284,10 @@ def _merge_kernel(
     ``GUARD_ROWS``: a segment running past ``max_rows`` (a work-queue list
     longer than its workspace, whose tail was never computed) reads no row
     past it and writes NaN: visibly wrong, never silently partial.
-    ``EXTRA``: adds ``sum_j extra[b * extra_n + j, qh]`` (``j < extra_n``, float32
-    partials summed in order) to the result before the cast: the offload
-    path's ``estimate`` share, with no launch of its own."""
+    ``EXTRA``: adds ``sum_j extra[b * extra_n + j, qh]`` (``j < extra_n``, or
+    ``j < extra_cnt[b]`` with ``EXTRA_CNT``; float32 partials summed in order)
+    to the result before the cast: the offload path's ``estimate`` share,
+    with no launch of its own."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0)
@@ -323,8 +325,11 @@ def _merge_kernel(
     else:
         out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
     if EXTRA:
-        for j0 in range(0, extra_n, BLOCK_S):
-            mask_j = (j0 + offs_s) < extra_n
+        n_ex = extra_n
+        if EXTRA_CNT:
+            n_ex = tl.load(extra_cnt_ptr + b)
+        for j0 in range(0, n_ex, BLOCK_S):
+            mask_j = (j0 + offs_s) < n_ex
             row = b * extra_n + j0 + offs_s
             ex = tl.load(extra_ptr + row[:, None] * stride_ex_s + qh * stride_ex_h + offs_d[None, :],
                          mask=mask_j[:, None] & mask_d[None, :], other=0.0)

@@ -805,7 +805,7 @@ def attend_run(
     att_vidx: torch.Tensor, chunk: torch.Tensor, nsplit: torch.Tensor, max_splits: int, mid_o: torch.Tensor,
     mid_lse: torch.Tensor, out: torch.Tensor, lse_full: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
     block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    extra: Optional[torch.Tensor] = None, extra_splits: int = 0,
+    extra: Optional[torch.Tensor] = None, extra_splits: int = 0, extra_count: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one layer over each request's attended list.
 
@@ -823,7 +823,9 @@ def attend_run(
             ``None``: normalised over the attended entries.
         extra, extra_splits: float32 partials ``[>= batch * extra_splits, q_heads, head_dim]`` added
             to each output in the merge (rows ``b * extra_splits ..``, in order; ``estimate``'s
-            unattended share, :func:`estimate_run` with ``reduce=False``), before the cast to ``out``'s dtype.
+            unattended share, :func:`estimate_run` with ``reduce=False``), before the cast to ``out``'s dtype;
+            ``extra_count`` (``[batch]`` int32, optional): only the first ``extra_count[b]`` of
+            request ``b``'s rows (the scores' split count: the estimate writes no other).
 
     Returns:
         ``out``.
@@ -845,7 +847,7 @@ def attend_run(
         D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
         lse_full_ptr=lse_full, stride_lf_b=lse_full.stride(0) if full else 0, FULL_LSE=full,
         extra_ptr=extra, stride_ex_s=extra.stride(0) if extra is not None else 0, stride_ex_h=extra.stride(1) if extra is not None else 0,
-        extra_n=extra_splits, EXTRA=extra is not None,
+        extra_n=extra_splits, extra_cnt_ptr=extra_count, EXTRA=extra is not None, EXTRA_CNT=extra_count is not None,
     )
     return out
 
@@ -907,8 +909,51 @@ def _estimate_kernel(
             v = tl.load(vsum_ptr + slot[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
                         mask=ok_c[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_CH, BLOCK_D]
             acc += tl.sum(m[:, :, None] * v[None, :, :], 1)
+    active = sp * chunk < L  # a split past the request's length writes nothing (the merge reads nsplit rows)
     tl.store(out_ptr + (b * max_splits + sp) * stride_os + qh[:, None] * stride_oh + offs_d[None, :], acc,
-             mask=mask_g[:, None] & mask_d[None, :])
+             mask=mask_g[:, None] & mask_d[None, :] & active)
+
+
+@triton.jit
+def _chunk_mean_kernel(src_ptr, ids_ptr, dst_ptr, out_ptr, stride_src, stride_ids, stride_out,
+                       C: tl.constexpr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    """Item ``i``: ``out[dst[i]] = mean(src[ids[i, :C]])`` over whole rows, summed in float32, one cast."""
+    i = tl.program_id(0)
+    offs_c = tl.arange(0, C)
+    offs_r = tl.arange(0, BLOCK_ROW)
+    mr = offs_r < ROW
+    ids = tl.load(ids_ptr + i * stride_ids + offs_c).to(tl.int64)
+    x = tl.load(src_ptr + ids[:, None] * stride_src + offs_r[None, :], mask=mr[None, :], other=0.0).to(tl.float32)
+    d = tl.load(dst_ptr + i).to(tl.int64)
+    tl.store(out_ptr + d * stride_out + offs_r, (tl.sum(x, 0) / C).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mr)
+
+
+def chunk_mean_run(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The V summaries a decode step completes, in one launch: ``out[dst[i]] =
+    mean over j of src[ids[i, j]]`` (whole rows, float32 sum, one cast to
+    ``out``'s dtype; what ``src[ids].float().mean(1)`` gives up to the sum's order).
+
+    Args:
+        src: ``[rows, ...]`` V rows (the host pool's device view, or the pool's V); ids: ``[n, C]``
+            int32/int64 rows of ``src`` (C a power of two); dst: ``[n]`` rows of ``out`` (a spare row
+            for an item that completes nothing); out: ``[slots, ...]``, rows as wide as ``src``'s.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: rows of different widths, or C not a power of two.
+    """
+    n, C = ids.shape
+    row = src[0].numel() if src.shape[0] else out[0].numel()
+    if out[0].numel() != row:
+        raise ValueError(f"chunk_mean_run: rows of {row} elements into rows of {out[0].numel()}")
+    if C & (C - 1):
+        raise ValueError(f"chunk_mean_run: chunk {C} is not a power of two")
+    if n:
+        _chunk_mean_kernel[(n,)](src, ids, dst, out, src.stride(0), ids.stride(0), out.stride(0), C=C, ROW=row,
+                                 BLOCK_ROW=triton.next_power_of_2(row))
+    return out
 
 
 #: scores per head one step of the estimate kernel reads (``BLOCK_CH * C``).
@@ -945,7 +990,8 @@ def estimate_run(
         kv_heads: KV heads of ``v_summary`` (and of the scores' GQA groups).
         stamp: ``[1]`` int32, this layer's mark value (:func:`lse_merge`), or None.
         reduce: sum the splits' partials here; False: return them, ``[batch * max_splits, q_heads, head_dim]``
-            (:func:`attend_run` adds them in its merge: no extra launch).
+            (:func:`attend_run` adds them in its merge: no extra launch). Rows of the splits past a
+            request's length (``s * chunk[b] >= L``) are not written: add ``nsplit[b]`` rows only.
 
     Returns:
         ``[batch, q_heads, head_dim]`` float32 (``reduce``), else the partials.
@@ -972,7 +1018,10 @@ def estimate_run(
     )
     if not reduce:
         return out_partial[: B * max_splits]
-    return out_partial[: B * max_splits].view(B, max_splits, Hq, D).sum(1)
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    written = torch.arange(max_splits, device=lens.device)[None, :] * chunk[:B, None].to(torch.int64) < lens[:, None]
+    part = out_partial[: B * max_splits].view(B, max_splits, Hq, D)
+    return torch.where(written[:, :, None, None], part, 0.0).sum(1)
 
 
 @triton.jit
@@ -1048,4 +1097,4 @@ def slot_release_run(rows: torch.Tensor, table: torch.Tensor, count: torch.Tenso
         _slot_release_kernel[(n,)](rows, table, count, stack, top, table.stride(0), ZERO=zero, BLOCK=block)
 
 
-__all__ = ["attend_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]
+__all__ = ["attend_run", "chunk_mean_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

@@ -342,6 +342,16 @@ def test_attend_over_the_attended_list_matches_the_policy_reference(denominator)
     ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, o32x, den, extra=extra, extra_splits=3)
     want = o32 + extra.view(len(lens), 3, hq, d).sum(1)
     assert torch.allclose(o32x, want, rtol=0, atol=1e-5) and (o32x - o32).abs().max() > 0.1
+    # only each request's first extra_count[b] rows are added (the rest may hold anything: never read)
+    cnt = torch.tensor([3, 1, 0], dtype=torch.int32)
+    junk = extra.clone().view(len(lens), 3, hq, d)
+    junk[1, 1:], junk[2] = NAN, NAN
+    o32c = torch.full(q.shape, NAN)
+    ko.attend_run(q, kb, vb, att_indptr, ak, av, chunk, nsplit, 2, mid_o, mid_lse, o32c, den, extra=junk.view(-1, hq, d), extra_splits=3,
+                  extra_count=cnt)
+    ex = extra.view(len(lens), 3, hq, d)
+    want_c = o32 + torch.stack([ex[0].sum(0), ex[1, :1].sum(0), torch.zeros(hq, d)])
+    assert torch.allclose(o32c, want_c, rtol=0, atol=1e-5) and not torch.isnan(o32c).any()
 
 
 def test_lse_merge_combines_chunks_and_keeps_empty_requests_at_minus_infinity():
@@ -470,7 +480,13 @@ def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monk
     assert torch.equal(marks, want)
     part = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, marks, vsum, rows, table, C,
                            torch.full_like(out, NAN), hkv, stamp=stamp, reduce=False)
-    assert part.shape == (len(lens) * max_splits, hq, d) and torch.equal(part.view(len(lens), max_splits, hq, d).sum(1), est)
+    assert part.shape == (len(lens) * max_splits, hq, d)
+    _, nsplit = split_kv_plan(indptr, max_splits, 64, 32)
+    part = part.view(len(lens), max_splits, hq, d)
+    for b in range(len(lens)):  # the splits of the request's length are written (their sum is the estimate), the others not at all
+        n = int(nsplit[b])
+        assert torch.equal(part[b, :n].sum(0), est[b]) and torch.isnan(part[b, n:]).all() and not torch.isnan(part[b, :n]).any()
+    assert int(nsplit.min()) < max_splits  # a request with unwritten splits is among them
     for b, L in enumerate(lens):
         ids = idx[int(indptr[b]): int(indptr[b + 1])].long()
         G = hq // hkv
@@ -508,3 +524,24 @@ def test_summary_slots_come_from_one_free_stack_and_go_back_per_row():
     ko.slot_release_run(torch.tensor([1, 2]), table, count, stack, top, S + 1)
     assert int(top) == 4 and count.tolist() == [0, 0, 0, 1]
     assert sorted(stack[:4].tolist() + [int(table[3, 0])]) == list(range(S))  # every slot owned once: free or row 3's
+
+
+def test_chunk_mean_writes_the_mean_of_each_items_rows_to_its_slot_and_nothing_else():
+    """``chunk_mean_run`` (a decode step's V summaries, one launch): each item's
+    ``C`` rows averaged in float32 into its slot; the spare slot takes what
+    completes nothing; other slots untouched; a width mismatch refused."""
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(300, 3, 40, generator=g).bfloat16()  # a 120-element row (not a power of two)
+    ids = torch.randint(0, 300, (5, 8), generator=g)
+    dst = torch.tensor([4, 0, 9, 2, 9])  # 9: the spare row, written twice (its value is never read)
+    out = torch.full((10, 3, 40), NAN).bfloat16()
+    ko.chunk_mean_run(src, ids, dst, out)
+    for i in range(4):
+        want = src[ids[i]].double().mean(0)
+        if int(dst[i]) != 9:
+            # within one bf16 step (Triton's interpreter truncates the cast; the GPU rounds to nearest)
+            assert ((out[int(dst[i])].double() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
+            assert (out[int(dst[i])].double() - want).abs().max() > 0  # a real mean, rounded
+    assert torch.isnan(out[[1, 3, 5, 6, 7, 8]].float()).all() and not torch.isnan(out[[0, 2, 4, 9]].float()).any()
+    with pytest.raises(ValueError, match="rows of 120 elements"):
+        ko.chunk_mean_run(src, ids, dst, torch.zeros(10, 3, 41).bfloat16())

@@ -27,6 +27,13 @@ L, HQ, HKV, D = 3, 4, 2, 32
 SPLIT = SplitConfig(scores_max_splits=4, scores_min_chunk=128, attend_max_splits=2, attend_min_chunk=32, select_block_n=128, select_parts=2)
 
 
+def bf16_close(got, want):
+    """Equal up to one bf16 rounding step: a decode step's chunk mean is summed
+    in another order than torch's ``mean`` (``chunk_mean_run``), a prefill's is torch's."""
+    g, w = got.float(), want.float()
+    return bool(((g - w).abs() <= w.abs() * 2 ** -7 + 1e-30).all()) and not torch.isnan(g).any()
+
+
 def layer(i):
     return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
 
@@ -161,8 +168,9 @@ def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_
             for l in pool.summary_layer_ids:
                 for c in range(L // C):
                     want = sim.v[l, r, c * C:(c + 1) * C].float().mean(0).bfloat16()
-                    assert torch.equal(pool.vsum[l][int(pool.chunk_slot[r, c])], want), (r, l, c)
-                    assert torch.equal(sim_res.pool.vsum[l][int(sim_res.pool.chunk_slot[r, c])], want)
+                    got = pool.vsum[l][int(pool.chunk_slot[r, c])]
+                    assert bf16_close(got, want), (r, l, c)
+                    assert torch.equal(sim_res.pool.vsum[l][int(sim_res.pool.chunk_slot[r, c])], got)  # host tier = resident, bit for bit
                     checked += 1
         assert checked > 100
         # every live chunk owns one slot; the free stack holds the others (row 4's first request gave its chunk back)
@@ -370,7 +378,7 @@ def _run_ops(ops, sim, pool, live, req_free):
                 ids = sim.r2t[q, c * 8:(c + 1) * 8].long()
                 for lid in pool.summary_layer_ids:
                     want = pool.host.view(lid)[ids].float().mean(0).bfloat16()
-                    assert torch.equal(pool.vsum[lid][int(pool.chunk_slot[q, c])], want)
+                    assert bf16_close(pool.vsum[lid][int(pool.chunk_slot[q, c])], want)
         free = pool.slot_stack[: int(pool.slot_top)].tolist()
         assert sorted(owned + free) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
         # hot-buffer pages: each owned by one live row, the rest on the free stack; a decoded request holds what its k needs

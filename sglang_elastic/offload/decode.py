@@ -260,7 +260,7 @@ class OffloadDecoder:
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
                    self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
                    None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n,
-                   extra=est, extra_splits=sp.scores_max_splits)
+                   extra=est, extra_splits=sp.scores_max_splits, extra_count=self.nsplit[:bs])
         return out
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,

@@ -312,6 +312,11 @@ class OffloadKVPool(MHATokenToKVPool):
                 return
             src, dst = src[old_items], dst[old_items]
         v = self.host.view(layer_idx) if layer_idx in self._sparse else self.v_buffer[layer_idx]
+        if len(plan) == 2:  # a decode step (inside the CUDA graph): one launch per layer
+            from sglang_elastic.kernels.offload import chunk_mean_run
+
+            chunk_mean_run(v, src, dst, out)
+            return
         rows = v[src.reshape(-1)].view(src.shape[0], src.shape[1], H, D)
         out[dst] = rows.float().mean(1).to(self.store_dtype)
 
