@@ -382,7 +382,7 @@ def _swap_in_kernel(
     sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, seq_lens_ptr, req_pool_ptr, req_to_token_ptr,
     loc_slot_ptr, slot_pos_ptr, slot_time_ptr, scratch_ptr, table_ptr, count_ptr,
     att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
-    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b, stride_table, hot_base,
+    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b, stride_table, hot_base, spare_row,
     HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
     SPEC: tl.constexpr = False, LFU: tl.constexpr = False,
 ):
@@ -459,7 +459,11 @@ def _swap_in_kernel(
         tl.store(slot_time + vslot, now, mask=miss)
     tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
     tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
-    dev_row = hot_base + tl.load(table + slot // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + slot % PAGE
+    # a selected row with no slot (only if a grant found the pool short, which the sizing rules out: counted in
+    # the grant's overflow) reads the spare row, never another request's row or memory outside the buffer
+    placed = hit | miss
+    page = tl.load(table + slot // PAGE, mask=valid & placed, other=-1).to(tl.int64)
+    dev_row = tl.where(placed & (page >= 0), hot_base + page * PAGE + slot % PAGE, spare_row)
     tl.store(att_vidx_ptr + base + offs_k, dev_row.to(att_vidx_ptr.dtype.element_ty), mask=valid)
     tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
     tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, dev_row.to(miss_dst_ptr.dtype.element_ty), mask=miss)
@@ -474,7 +478,7 @@ def swap_in_run(
     loc_slot: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor, scratch: torch.Tensor,
     att_kidx: torch.Tensor, att_vidx: torch.Tensor, miss_src: torch.Tensor, miss_dst: torch.Tensor, miss_cnt: torch.Tensor,
     stats: torch.Tensor, max_k: int, table: torch.Tensor, count: torch.Tensor, hot_base: int, page: int,
-    spec: bool = False, num_warps: Optional[int] = None, eviction: str = "lru",
+    spec: bool = False, num_warps: Optional[int] = None, eviction: str = "lru", spare_row: int = -1,
 ) -> None:
     """Hot-buffer bookkeeping of one layer: hits, victims (LRU or LFU), the miss list.
 
@@ -501,6 +505,8 @@ def swap_in_run(
         table, count, hot_base, page: the page table ``[rows, >= HN / page]`` int32, pages held ``[rows]``
             int32, the first page's device row, rows per page (the layout above). The grant gives
             each request at least ``k[b]`` slots before its exact pass.
+        spare_row: the device row an entry with no slot reads (a grant short of pages; default
+            the row before ``hot_base``, the last fixed row: never out of bounds).
         spec: a speculative pass (the prefetch of the next layer's rows): it stamps
             ``seq_lens - 1``, evicts only slots older than the previous step, and
             loads only the misses that have a victim; its ``att_kidx`` / ``att_vidx``
@@ -526,6 +532,7 @@ def swap_in_run(
         sel_pos, k, s_eff, w_eff, att_indptr, seq_lens, req_pool_indices, req_to_token,
         loc_slot, slot_pos, slot_time, scratch, table, count, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
         sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0), table.stride(0), hot_base,
+        spare_row if spare_row >= 0 else max(hot_base - 1, 0),
         HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
         PAGE=page, SPEC=spec, LFU=eviction == "lfu", **_launch_opts(num_warps, None),
     )
@@ -539,8 +546,10 @@ EVICTIONS = ("lru", "lfu")
 def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, stride_t,
                        HN: tl.constexpr, PAGE: tl.constexpr, SLACK64: tl.constexpr, BLOCK: tl.constexpr):
     """Request ``b``: raise its row's pages to ``ceil(min(HN, ceil(k * SLACK64 / 64)) / PAGE)``,
-    popping the missing ones off the free stack (all or none: a short stack leaves
-    the row as it was and counts one overflow)."""
+    popping the missing ones off the free stack with a compare-and-swap on its height
+    (all or none: a short stack leaves the row as it was and counts one overflow; the
+    height never goes below what is really there, so a failed pop takes nothing from
+    a concurrent one: an add-then-restore did, and could hand a page to two rows)."""
     b = tl.program_id(0)
     r = tl.load(rows_ptr + b).to(tl.int64)
     k = tl.load(k_ptr + b).to(tl.int32)
@@ -549,15 +558,19 @@ def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr
     have = tl.load(count_ptr + r)
     n = need - have
     if n > 0:
-        t = tl.atomic_add(top_ptr, -n)  # the stack's height before this pop
-        if t >= n:
+        t = tl.atomic_add(top_ptr, 0)  # the stack's height now
+        got = t * 0
+        while (t >= n) & (got == 0):
+            old = tl.atomic_cas(top_ptr, t, t - n)
+            got = (old == t).to(tl.int32)
+            t = tl.where(old == t, t, old)  # lost the race: try again from the height another pop left
+        if got == 1:  # pages stack[t - n .. t) are this row's
             offs = tl.arange(0, BLOCK)
             m = offs < n
             pages = tl.load(stack_ptr + t - n + offs, mask=m, other=-1)
             tl.store(table_ptr + r * stride_t + have + offs, pages, mask=m)
             tl.store(count_ptr + r, need)
         else:
-            tl.atomic_add(top_ptr, n)
             tl.atomic_add(overflow_ptr, 1)
 
 

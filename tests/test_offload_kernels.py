@@ -545,3 +545,27 @@ def test_chunk_mean_writes_the_mean_of_each_items_rows_to_its_slot_and_nothing_e
     assert torch.isnan(out[[1, 3, 5, 6, 7, 8]].float()).all() and not torch.isnan(out[[0, 2, 4, 9]].float()).any()
     with pytest.raises(ValueError, match="rows of 120 elements"):
         ko.chunk_mean_run(src, ids, dst, torch.zeros(10, 3, 41).bfloat16())
+
+
+def test_a_request_short_of_pages_reads_the_spare_row_never_another_rows_or_outside():
+    """If a grant had found the pool short (the sizing rules it out; counted
+    as an overflow), the selected rows with no slot point at the spare row:
+    not at another request's rows (``table`` -1 made ``base - page`` before)."""
+    B, MAXK, HN, PAGE, rows = 1, 8, 16, 4, 3
+    sel = torch.arange(8, dtype=torch.int32).view(1, 8) + 10
+    k = torch.tensor([6], dtype=torch.int32)
+    s_eff, w_eff = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    att_indptr = torch.tensor([0, 6], dtype=torch.int32)
+    r2t = torch.arange(rows * 40, dtype=torch.int32).view(rows, 40) + 1
+    table = torch.full((rows, 4), -1, dtype=torch.int32)
+    table[1, 0] = 2  # row 1 holds one page (4 slots) for a selection of 6
+    count = torch.tensor([0, 1, 0], dtype=torch.int32)
+    att_k, att_v = torch.full((7,), -5, dtype=torch.int32), torch.full((7,), -5, dtype=torch.int32)
+    ms, md, mc = torch.full((1, MAXK), -1, dtype=torch.int32), torch.full((1, MAXK), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    ko.swap_in_run(sel, k, s_eff, w_eff, att_indptr, torch.tensor([30], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), r2t,
+                   torch.full((200,), -1, dtype=torch.int16), torch.full((rows, HN), -1, dtype=torch.int32),
+                   torch.full((rows, HN), -1, dtype=torch.int32), torch.zeros(1, HN, dtype=torch.int32), att_k, att_v, ms, md, mc,
+                   torch.zeros(2, dtype=torch.int64), MAXK, table, count, 6, PAGE, spare_row=99)
+    placed = [int(x) for x in att_v[:6]]
+    assert sorted(placed[:4]) == [6 + 2 * 4 + j for j in range(4)] and placed[4:] == [99, 99]  # 4 slots, then the spare
+    assert int(mc[0]) == 4 and sorted(md[0, :4].tolist()) == sorted(placed[:4])

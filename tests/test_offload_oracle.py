@@ -423,6 +423,7 @@ def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_
     assert d["servers"]["resident"] == d["servers"]["offload"] + " --kv-offload-resident-v"
     ex = d["exactness"]
     assert (ex["compared"], ex["identical"], ex["errors"], ex["batch"]) == (3, 3, 0, 1) and ex["tokens"] == ex["tokens_identical"] > 0
+    assert ex["model"] == Path(model_dir).name  # the checkpoint that ran, not a fixed name
     assert ex["max_abs_hidden_diff"] == 0.0
     assert "resident" not in {v["server"] for v in d["variants"]}  # the reference is no accuracy variant
     names = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir())

@@ -323,20 +323,23 @@ def test_sglang_freeing_a_row_returns_its_summary_slots_through_the_hook():
         hooks._BUILT.pop("pool", None)
 
 
+@pytest.mark.parametrize("denominator", ["estimate", "selected"])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["admit", "decode", "finish", "retract"]), st.integers(0, 3), st.integers(20, 160)),
                 min_size=4, max_size=14), st.integers(0, 2**16))
-def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_rows_equal_to_host(ops, seed):
+def test_random_admit_decode_finish_retract_keeps_slots_single_owned_and_hot_rows_equal_to_host(denominator, ops, seed):
     """Under any order of admissions (prefill), decode steps, finishes and
     retractions (SGLang frees the ids; the request is re-prefilled later from
     position 0): no LRU slot holds two positions of its request, and every
     held slot's device V row equals the host's V row of that position's token;
     (``estimate``) every complete chunk of a live request owns one summary
     slot holding its mean V, and every other slot is free again once SGLang
-    freed the rows (``ReqToTokenPool.free``'s hook, flushed at the next forward)."""
+    freed the rows (``ReqToTokenPool.free``'s hook, flushed at the next forward);
+    with every denominator, hot-buffer pages only on live rows (a review found
+    a finished row keeping its pages under ``selected``)."""
     from sglang_elastic.offload import hooks
 
-    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator="estimate", chunk=8)
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator=denominator, chunk=8)
     # 5 rows x 200 ids, 2000 free for new requests; pages of 4 rows, 1.5 slots per selected row: up to 3 pages a request
     pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200, hot_page=4, slack=1.5)
     sim = Sim(pool, seed, ctx=200)
@@ -371,7 +374,7 @@ def _run_ops(ops, sim, pool, live, req_free):
             req_free(r2t_pool, types.SimpleNamespace(req_pool_idx=r))  # SGLang's free, hooked
         pool.flush_releases()  # what the next forward does first
         owned = []
-        for q, n_q in live.items():
+        for q, n_q in (live.items() if pool.summary_layer_ids else ()):
             assert int(pool.slot_count[q]) == n_q // 8
             owned += pool.chunk_slot[q, : n_q // 8].tolist()
             for c in range(n_q // 8):
@@ -381,6 +384,7 @@ def _run_ops(ops, sim, pool, live, req_free):
                     assert bf16_close(pool.vsum[lid][int(pool.chunk_slot[q, c])], want)
         free = pool.slot_stack[: int(pool.slot_top)].tolist()
         assert sorted(owned + free) == list(range(pool.summary_slots)) and int(pool.slot_overflow) == 0
+        assert pool.summary_slots > 0 or pool.layout.policy.denominator != "estimate"
         # hot-buffer pages: each owned by one live row, the rest on the free stack; a decoded request holds what its k needs
         pages = [p for q in live for p in pool.hot_table[q, : int(pool.hot_count[q])].tolist()]
         free_pages = pool.page_stack[: int(pool.page_top)].tolist()
@@ -503,6 +507,34 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
+
+
+@pytest.mark.parametrize("denominator", ["selected", "full", "estimate"])
+def test_a_finished_request_gives_its_hot_pages_back_with_every_denominator(denominator):
+    """SGLang frees a finished request's row (FIFO: the row may stay idle for
+    long): its pages must go back at the next forward, not when the row is
+    reused, or the pool sized for the live tokens runs short (review finding,
+    HIGH, ``selected``/``full``)."""
+    from sglang_elastic.offload import hooks
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.2, max_topk=10, dense_layers=1, denominator=denominator, chunk=8)
+    pool = make_pool(pol, size=3000, rows=5, hot=12, ctx=200, hot_page=4, slack=1.5)
+    sim = Sim(pool, 5, ctx=200)
+    hooks._BUILT["pool"] = pool
+    try:
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        r2t_pool = ReqToTokenPool(size=4, max_context_len=200, device="cpu", enable_memory_saver=False)
+        sim.new_request(2)
+        sim.extend([2], [(0, 150)])
+        sim.decode([2], [151], check=False)
+        assert int(pool.hot_count[2]) == 3 and int(pool.page_top) == pool.hot_pages - 3
+        hooked_req_free()(r2t_pool, types.SimpleNamespace(req_pool_idx=2))
+        pool.flush_releases()
+        assert int(pool.hot_count[2]) == 0 and int(pool.page_top) == pool.hot_pages
+        assert sorted(pool.page_stack.tolist()) == list(range(pool.hot_pages))
+    finally:
+        hooks._BUILT.pop("pool", None)
 
 
 def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_use():

@@ -564,7 +564,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
                offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
-               exactness=({"model": "SmolLM2-135M-Instruct", "against": "the same flags with --kv-offload-resident-v",
+               exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
                kl_coverage=missing, errors=errors, per_sample=per_sample)
     if a.per_sample:

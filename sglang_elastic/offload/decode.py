@@ -221,7 +221,8 @@ class OffloadDecoder:
             h = hot_state
             swap_in_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, lens, rp, req_to_token,
                         h.loc_slot, h.slot_pos, h.slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
-                        ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction)
+                        ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction,
+                        spare_row=h.spare)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
         return lse
 

@@ -9,7 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
-| ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its V-summary slots back (``--kv-offload-denominator estimate``; at the next forward, on its stream); AROUND because ``free`` clears ``req.req_pool_idx`` |
+| ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream); AROUND because ``free`` clears ``req.req_pool_idx`` |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -47,13 +47,15 @@ def register() -> None:
 
 def around_req_free(orig, req_pool, req, *args, **kwargs):
     """AROUND hook of ``ReqToTokenPool.free``: the request's ``req_to_token`` row is free
-    again, so its summary slots go back (queued for the next forward). The row is read
-    before ``free`` runs: SGLang's ``free`` sets ``req.req_pool_idx = None``."""
+    again, so its hot-buffer pages and summary slots go back (queued for the next forward;
+    with every denominator: an idle row must hold no page, or the page pool sized for the
+    live tokens runs short). The row is read before ``free`` runs: SGLang's ``free`` sets
+    ``req.req_pool_idx = None``."""
     row = getattr(req, "req_pool_idx", None)
     result = orig(req_pool, req, *args, **kwargs)
     pool = _BUILT.get("pool")
-    if pool is not None and row is not None and pool.summary_layer_ids:
-        pool.release_summary_rows([row])
+    if pool is not None and row is not None and (pool.summary_layer_ids or pool.hot_pages):
+        pool.release_rows([row])
     return result
 
 

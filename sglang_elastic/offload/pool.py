@@ -235,7 +235,7 @@ class OffloadKVPool(MHATokenToKVPool):
         """Sparse layer ``layer_id``'s hot-buffer state (:class:`HotState`)."""
         i = self._sparse_index[layer_id - self.start_layer]
         return HotState(self.loc_slot[i], self.slot_pos[i], self.slot_time[i], self.hot_table, self.hot_count, self.hot_base,
-                        self.layout.hot_page)
+                        self.layout.hot_page, self.hot_base + self.hot_pages * self.layout.hot_page)
 
     def grant_pages(self, rows: torch.Tensor, k: torch.Tensor) -> None:
         """Give each request row of this decode step the pages its selection of
@@ -488,7 +488,8 @@ class HotState(NamedTuple):
     """One sparse layer's hot-buffer state, as :func:`~sglang_elastic.kernels.offload.swap_in_run` reads it:
     ``loc_slot`` ``[tokens]`` (a token's slot), ``slot_pos`` / ``slot_time`` ``[rows, hot_tokens]``,
     the page table ``table`` ``[rows, max_pages]`` int32 and ``count`` ``[rows]`` int32 (pages held),
-    ``base`` (the first page's device row) and ``page`` (rows per page)."""
+    ``base`` (the first page's device row), ``page`` (rows per page) and ``spare`` (the last row, which
+    only padded writes and a slot-less selected row touch; -1: none)."""
 
     loc_slot: torch.Tensor
     slot_pos: torch.Tensor
@@ -497,6 +498,7 @@ class HotState(NamedTuple):
     count: torch.Tensor
     base: int
     page: int
+    spare: int = -1
 
 
 __all__ = ["HotState", "OffloadKVPool", "OffloadLayout"]
