@@ -139,8 +139,9 @@ def _lse_merge_kernel(mid_lse_ptr, out_ptr, stride_ml_s, stride_ob, max_splits, 
                       BLOCK_S: tl.constexpr, stamp_ptr=None, BUMP: tl.constexpr = False):
     b = tl.program_id(0)
     if BUMP:  # a new stamp for this layer's attended marks (one writer; the kernels after this one read it)
-        if b == 0:
-            tl.store(stamp_ptr, tl.load(stamp_ptr) + 1)
+        if b == 0:  # never 0, the value of a position never marked (the int32 wraps after 2**32 layer steps)
+            new = tl.load(stamp_ptr) + 1
+            tl.store(stamp_ptr, tl.where(new == 0, 1, new))
     offs_h = tl.arange(0, BLOCK_HQ)
     offs_s = tl.arange(0, BLOCK_S)
     mh = offs_h < HQ

@@ -621,3 +621,14 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert rows["_page_grant_kernel"] == ["True", "True"]  # the CAS is there, and the stack loads
     assert set(rows) == {"_page_grant_kernel", "_swap_in_kernel", "_chunk_mean_kernel", "_lse_merge_kernel", "_select_write_kernel",
                          "_estimate_kernel", "_merge_kernel"}
+
+
+def test_the_mark_stamp_wraps_without_ever_being_zero():
+    """The stamp the lse merge bumps (one per sparse layer and step) is an
+    int32: after 2**31 bumps it wraps to negative values, and it skips 0, the
+    value of a position never marked, which would otherwise read as attended."""
+    mid = torch.randn(8, 3)
+    for before, after in ((-1, 1), (2**31 - 1, -2**31), (5, 6)):
+        st = torch.tensor([before], dtype=torch.int32)
+        ko.lse_merge(mid, 4, 2, stamp=st)
+        assert int(st) == after
