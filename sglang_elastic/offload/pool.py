@@ -355,8 +355,6 @@ class OffloadKVPool(MHATokenToKVPool):
         else:
             self._release_pending.extend(int(r) for r in rows)
 
-    release_summary_rows = release_rows  # the name before hot-buffer pages (summary slots only)
-
     def flush_releases(self) -> None:
         """Release the rows SGLang freed since the last forward (the backend calls it first in every forward).
         The row list goes to the GPU from pinned memory without a host sync: under SGLang's overlap
