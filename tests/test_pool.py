@@ -299,3 +299,26 @@ def test_a_dropped_pool_gives_its_memory_back():
     del pool, alloc
     gc.collect()
     assert be.live_handles == 0 and not be._maps
+
+
+def test_a_pool_dropped_on_another_thread_closes_its_arena_later_on_a_safe_one():
+    """The CPU suite once hung: the collector dropped a pool inside a new
+    thread's start (holding Python's shutdown-locks lock), and the arena's
+    close joined its helper thread there. A pool dropped on a thread other
+    than its builder's defers the close; the next pool built closes it."""
+    import gc
+    import threading
+
+    from sglang_elastic.pool import kv_pool
+
+    be, pool, alloc = make_pool(16)
+    pool.arena.lend()
+    box = [pool]
+    del pool, alloc
+    t = threading.Thread(target=lambda: (box.clear(), gc.collect()))
+    t.start()
+    t.join()
+    assert len(kv_pool._DEFERRED) == 1 and be.live_handles > 0  # not closed on the foreign thread
+    be2, pool2, alloc2 = make_pool(16)  # a new pool closes it, on this thread
+    assert not kv_pool._DEFERRED and be.live_handles == 0 and not be._maps
+    pool2._clear_buffers()

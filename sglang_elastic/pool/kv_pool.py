@@ -21,9 +21,11 @@ The allocator's ``size`` is the number of usable ids now
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -32,6 +34,31 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from sglang_elastic.pool.tensor import tensor_at
 from sglang_elastic.vmm import ElasticArena, VmmBackend
+
+#: arenas of pools the garbage collector dropped on a thread where closing could deadlock (see :func:`_close_dropped`)
+_DEFERRED: List[ElasticArena] = []
+
+
+def _close_dropped(arena: ElasticArena, owner: int) -> None:
+    """A dropped pool's arena: closed now on the thread that built it, else
+    kept for :func:`close_deferred`. ``close`` joins the arena's helper
+    thread, and a collection can run inside Python's own thread bookkeeping
+    (a new thread's start, holding ``threading._shutdown_locks_lock``): a
+    join there never returns (the CPU suite hung in a thread's start so)."""
+    held = getattr(threading, "_shutdown_locks_lock", None)
+    if threading.get_ident() == owner and not (held is not None and held.locked()):
+        arena.close()
+    else:
+        _DEFERRED.append(arena)
+
+
+def close_deferred() -> None:
+    """Close the arenas :func:`_close_dropped` kept (a new pool's construction and interpreter exit call it)."""
+    while _DEFERRED:
+        _DEFERRED.pop().close()
+
+
+atexit.register(close_deferred)
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +102,12 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         head_dim = kwargs.get("swa_head_dim") or kwargs["head_dim"]
         v_head_dim = kwargs.get("swa_v_head_dim") or kwargs.get("v_head_dim") or head_dim
         rows = [head_num * head_dim * store_bytes] * layers + [head_num * v_head_dim * store_bytes] * layers
+        close_deferred()  # arenas of pools dropped on another thread: closed here, on a thread that may join
         self.arena = ElasticArena(backend, rows, base_tokens, max_elastic_tokens, step_tokens, page_size=page_size, round_base_up=round_base_up)
         # The tensors do not own the arena's memory: the pool does, for its
         # whole life (SGLang keeps the pool as long as the server runs). A
         # tensor kept past the pool's end points at freed memory.
-        weakref.finalize(self, self.arena.close)
+        weakref.finalize(self, _close_dropped, self.arena, threading.get_ident())
         total_rows = self.arena.base_tokens + self.arena.max_elastic_tokens
         try:
             super().__init__(total_rows - page_size, *args, **kwargs)
