@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..policy import OffloadPolicy, attend_reference
+from ..policy import OffloadPolicy, attend_reference, select_reference, token_scores
 from .tasks import Sample, answer_text
 
 #: Every layer dense: the dense baseline.
@@ -105,6 +105,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     qg = q.double().view(Hkv, Hq // Hkv, D)
     s = torch.einsum("hgd,lhd->hgl", qg, k.double()) * D ** -0.5
     return torch.einsum("hgl,lhd->hgd", torch.softmax(s, -1), v.double()).reshape(Hq, D)
+
+
+def guessed_selection(q: torch.Tensor, k: torch.Tensor, policy: OffloadPolicy) -> torch.Tensor:
+    """The positions ``policy`` attends to for query ``q`` (``[q_heads, D]``) over
+    keys ``k`` (``[L, kv_heads, D]``), without the attention: the selection of
+    :func:`~sglang_elastic.offload.policy.attend_reference` (scale ``D ** -0.5``)."""
+    Hq, D = q.shape
+    Hkv = k.shape[1]
+    s = torch.einsum("hgd,lhd->hgl", q.double().view(Hkv, Hq // Hkv, D), k.double()).reshape(Hq, -1) * D ** -0.5
+    return select_reference(token_scores(s, torch.logsumexp(s, dim=1)), policy)
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -181,12 +191,18 @@ class Reference:
         return k, v, out.logits[0, -1].float()
 
     @torch.no_grad()
-    def decode(self, streams: Sequence[Stream], tokens: Sequence[int]) -> torch.Tensor:
+    def decode(self, streams: Sequence[Stream], tokens: Sequence[int], trace: Optional[list] = None) -> torch.Tensor:
         """One decode step of every stream (all at the same length ``L - 1``).
 
         Args:
             streams: the runs; each gets ``tokens[i]`` at position ``length``.
             tokens: one token id per stream.
+            trace: with one stream, a list that gets, per sparse layer, ``(layer, selected, guessed)``:
+                the top-k positions the layer selected (sink and window left out: they are fixed
+                rows) and those InfiniGen's guess from the layer before picks
+                (``RoPE(W_q(layer) . h)`` with ``h`` the previous layer's normed attention input,
+                what :func:`sglang_elastic.offload.prefetch.guessed_query` computes, scored against
+                this layer's K by the same rule), both ``[k]`` int64 (:mod:`.reuse`).
 
         Returns:
             ``[streams, vocab]`` float32 logits; every stream's ``length`` is one more.
@@ -201,6 +217,9 @@ class Reference:
         m = self.model.model
         x = m.embed_tokens(torch.tensor(list(tokens)))  # [S, hidden]
         cos, sin = m.rotary_emb(x[None], torch.tensor([[pos]]))
+        if trace is not None and S != 1:
+            raise ReferenceError("decode: a trace follows one stream")
+        h_prev = None
         for i, layer in enumerate(m.layers):
             att = layer.self_attn
             h = layer.input_layernorm(x)
@@ -218,6 +237,13 @@ class Reference:
                     o[j], sel = attend_reference(q[j, :, 0], s.k[i, :L], s.v[i, :L], s.policy, i, return_selected=True)
                     if i == s.policy.dense_layers:  # the first sparse layer (counts are the same in all)
                         s.attended.append(sel.shape[-1] / L)  # per KV head when each has its own set: the same count
+                    if trace is not None and h_prev is not None and sel.dim() == 1:
+                        fixed = sum(s.policy.counts(L)[:2])
+                        qs = att.q_proj(h_prev).view(S, self.q_heads, 1, self.head_dim)
+                        qs, _ = apply_rotary_pos_emb(qs, k, cos, sin)
+                        guess = guessed_selection(qs[0, :, 0], s.k[i, :L], s.policy)
+                        trace.append((i, sel[fixed:].clone(), guess[fixed:].clone()))
+            h_prev = h
             x = x + att.o_proj(o.view(S, -1).float())
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for s in streams:
@@ -287,4 +313,5 @@ def run_sample(ref: Reference, sample: Sample, policies: Dict[str, OffloadPolicy
     return SampleOutcome(sample, dense_tokens, dense_solved, outcomes)
 
 
-__all__ = ["DENSE", "PolicyOutcome", "Reference", "ReferenceError", "SampleOutcome", "Stream", "dense_attention", "kl_divergence", "run_sample"]
+__all__ = ["DENSE", "PolicyOutcome", "Reference", "ReferenceError", "SampleOutcome", "Stream", "dense_attention", "guessed_selection", "kl_divergence",
+           "run_sample"]
