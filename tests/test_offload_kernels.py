@@ -8,6 +8,7 @@ fresh random inputs, scatters each request's tokens over random pool slots
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from sglang_elastic.kernels import offload as ko
 from sglang_elastic.kernels.decode_attention import split_kv_plan
+from sglang_elastic.offload.oracle.reuse import HotBufferModel, hot_capacity
 from sglang_elastic.offload.policy import OffloadPolicy, attend_reference, select_reference, token_scores
 
 NAN = float("nan")
@@ -110,54 +112,6 @@ def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_cove
     assert int(k[0]) == L - 6 and sel[0, : L - 6].tolist() == list(range(2, L - 4))
 
 
-class LRUReference:
-    """The hot buffer's bookkeeping in plain Python: per request row, the
-    position each slot holds and when it was last used; hits refresh, misses
-    take the least recently used slots not used this step (ties: lower slot),
-    assigned to the misses in slot order."""
-
-    def __init__(self, rows, hn):
-        self.pos = [[-1] * hn for _ in range(rows)]
-        self.time = [[-1] * hn for _ in range(rows)]
-
-    def step(self, r, selected, now):
-        P, T = self.pos[r], self.time[r]
-        slot = {p: P.index(p) for p in selected if p in P}
-        for j in slot.values():
-            T[j] = now
-        misses = [p for p in selected if p not in slot]
-        avail = [j for j in range(len(P)) if T[j] < now]
-        victims = sorted(sorted(avail, key=lambda j: (T[j], j))[: len(misses)])
-        for p, j in zip(misses, victims):
-            P[j], T[j], slot[p] = p, now, j
-        return [slot[p] for p in selected], len(misses)
-
-
-class LFUReference(LRUReference):
-    """InfiniGen's rule (``eviction="lfu"``): misses take the slots used least
-    often (uses since the load, 1023 at most), then least recently, then the
-    lower slot; ``time`` holds what the kernel keeps: ``uses << 21 | last use``."""
-
-    def __init__(self, rows, hn):
-        super().__init__(rows, hn)
-        self.uses = [[0] * hn for _ in range(rows)]
-        self.last = [[-1] * hn for _ in range(rows)]
-
-    def step(self, r, selected, now):
-        P, U, T = self.pos[r], self.uses[r], self.last[r]
-        slot = {p: P.index(p) for p in selected if p in P}
-        for j in slot.values():
-            U[j], T[j] = min(U[j] + 1, 1023), now
-        misses = [p for p in selected if p not in slot]
-        key = lambda j: -1 if P[j] < 0 else (U[j] << 21) + T[j]  # noqa: E731
-        avail = [j for j in range(len(P)) if T[j] < now]
-        victims = sorted(sorted(avail, key=lambda j: (key(j), j))[: len(misses)])
-        for p, j in zip(misses, victims):
-            P[j], U[j], T[j], slot[p] = p, 1, now, j
-        self.time[r] = [key(j) for j in range(len(P))]
-        return [slot[p] for p in selected], len(misses)
-
-
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(eviction):
     """The hot buffer against a plain-Python LRU / LFU, each request within the
@@ -182,7 +136,7 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(evictio
     host = torch.randn(1024, 2, 8, generator=g).bfloat16()
     dev = torch.full((base + NP * PAGE + 1, 2, 8), NAN).bfloat16()
     stats = torch.zeros(2, dtype=torch.int64)
-    refs = {r: (LRUReference if eviction == "lru" else LFUReference)(rows, cap[r]) for r in cap}
+    refs = {r: HotBufferModel(cap[r], eviction) for r in cap}  # the CPU oracle's model of the hot buffer (oracle/reuse.py)
     hits = misses = 0
     last0 = []
     favourites = [5, 6, 7]  # selected often: LFU keeps them where LRU lets them go
@@ -212,13 +166,14 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(evictio
         for b in range(B):
             r = int(req[b])
             ref = refs[r]
-            want_slots, m = ref.step(r, sels[b], now)
+            want_slots, loaded = ref.step(sels[b], now)
+            m = len(loaded)
             hits, misses = hits + len(sels[b]) - m, misses + m
             at = int(att_indptr[b]) + 3
             got_rows = [int(att_v[at + i]) for i in range(len(sels[b]))]
             assert got_rows == [row_of[r, j] for j in want_slots] and int(mc[b]) == m
             c = cap[r]
-            assert slot_pos[r, :c].tolist() == ref.pos[r] and slot_time[r, :c].tolist() == ref.time[r]
+            assert slot_pos[r, :c].tolist() == ref.pos and slot_time[r, :c].tolist() == ref.time
             assert (slot_pos[r, c:] == -1).all() and (slot_time[r, c:] == -1).all()  # no slot past the pages is used
             held = [p for p in slot_pos[r].tolist() if p >= 0]
             assert len(held) == len(set(held))  # no position held twice
@@ -230,6 +185,62 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(evictio
     assert stats.tolist() == [hits, misses] and hits > 0 and misses > 0
     held = set(slot_pos[int(req[1])].tolist())
     assert set(favourites) <= held if eviction == "lfu" else not set(favourites) <= held  # the rule made a difference
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_a_speculative_pass_loads_only_into_slots_the_last_step_left_and_the_model_agrees(eviction):
+    """``swap_in_run(spec=True)`` (the prefetch) against :class:`HotBufferModel`:
+    it stamps ``L - 1``, takes only slots older than the previous step (a guess
+    with more misses than such slots loads the first ones only), and the exact
+    pass that follows finds the loaded rows; the model's slots, clocks and
+    loads equal the kernel's after every pass, over random guesses."""
+    rnd = random.Random(1)
+    HN, PAGE, ctx = 8, 4, 64
+    r2t = (torch.randperm(500, generator=torch.Generator().manual_seed(1))[:ctx].view(1, ctx) + 1).to(torch.int32)
+    loc_slot = torch.full((512,), -1, dtype=torch.int16)
+    slot_pos = torch.full((1, HN), -1, dtype=torch.int32)
+    slot_time = torch.full((1, HN), -1, dtype=torch.int32)
+    table, count = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    stats = torch.zeros(2, dtype=torch.int64)
+    model = HotBufferModel(HN, eviction)
+    short = 0
+    for step in range(30):
+        now = 20 + step
+        exact = rnd.sample(range(2, now - 2), rnd.randint(1, 6))
+        guess = rnd.sample(range(2, now - 2), rnd.randint(1, 8))
+        for sel_list, spec in ((guess, True), (exact, False)):
+            k = torch.tensor([len(sel_list)], dtype=torch.int32)
+            sel = torch.zeros(1, 8, dtype=torch.int32)
+            sel[0, : len(sel_list)] = torch.tensor(sel_list, dtype=torch.int32)
+            att = torch.zeros(len(sel_list) + 1, dtype=torch.int32)
+            ms, md, mc = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            z = torch.zeros(1, dtype=torch.int32)
+            ko.swap_in_run(sel, k, z, z, torch.tensor([0, len(sel_list)], dtype=torch.int32), torch.tensor([now], dtype=torch.int32), z, r2t,
+                           loc_slot, slot_pos, slot_time, torch.zeros(1, HN, dtype=torch.int32), att, att.clone(), ms, md, mc, stats, 8, table,
+                           count, 0, PAGE, spec=spec, eviction=eviction)
+            _, loaded = model.step(sel_list, now, spec=spec)
+            assert int(mc[0]) == len(loaded) and ms[0, : len(loaded)].tolist() == [int(r2t[0, p]) for p in loaded]
+            assert slot_pos[0].tolist() == model.pos and slot_time[0].tolist() == model.time
+            if spec:
+                missing = [p for p in sel_list if p not in set(model.pos)]
+                short += bool(missing)
+                assert all(t != now - 1 or p in sel_list or p in prev for p, t in zip(model.pos, [model._last(x) for x in model.time]))
+            else:
+                prev = set(sel_list)
+    assert short > 0  # some guesses found too few free slots: the partial load was exercised
+
+
+def test_hot_capacity_is_what_the_page_grant_gives():
+    """The oracle's slot count for ``k`` selected rows equals the pages
+    ``page_grant_run`` grants times their rows (capped at ``hot_tokens``)."""
+    HN, PAGE = 40, 8
+    for k, slack in [(0, 2.0), (1, 1.0), (5, 2.0), (13, 1.5), (30, 2.0), (40, 1.0), (3, 4.0)]:
+        table = torch.full((1, 5), -1, dtype=torch.int32)
+        count = torch.zeros(1, dtype=torch.int32)
+        ko.page_grant_run(torch.tensor([0], dtype=torch.int32), torch.tensor([k], dtype=torch.int32), table, count,
+                          torch.arange(5, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                          HN, PAGE, math.ceil(slack * 64))
+        assert hot_capacity(k, slack, PAGE, HN) == min(int(count[0]) * PAGE, HN), (k, slack)
 
 
 def test_swap_in_refuses_a_hot_buffer_smaller_than_the_selection():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_elastic.offload.oracle import score, tasks
+from sglang_elastic.offload.oracle import reuse, score, tasks
 from sglang_elastic.offload.oracle.reference import DENSE, Reference, Stream, dense_attention, run_sample
 from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
 
@@ -162,6 +162,47 @@ def test_natural_text_is_teacher_forced_into_every_run(ref):
     good, bad = o.policies["default"], o.policies["bad"]
     assert good.tokens == list(w.forced) and len(good.kl) == 3 and good.solved is None
     assert sum(good.kl) < sum(bad.kl)
+
+
+# ---- (d) hot-buffer reuse (oracle/reuse.py) -----------------------------------------------------------------------
+
+
+def test_the_reuse_trace_holds_each_sparse_layers_top_k_and_its_guess_and_lru_keeps_every_repeat(ref):
+    """Decode 1K of Shakespeare under the shipped policy: every sparse layer
+    (2..29) records k distinct middle positions and as many guessed ones; the
+    real model repeats a good part of the top-k between steps and the guess
+    from the layer before names most of it; with a slack of 2 the hot buffer
+    holds the previous step's rows, so every repeated row is a hit, and LRU's
+    hits never fall as the slack grows (a stack algorithm)."""
+    pol = OffloadPolicy(denominator="estimate")
+    sample = tasks.natural_windows(1024, 1, ref.tokenizer, 0, 6)[0]
+    per_step, lens = reuse.trace_sample(ref, sample, pol)
+    assert lens == [1019 + i for i in range(6)]
+    for step, L in zip(per_step, lens):
+        assert sorted(step) == list(range(pol.dense_layers, ref.layers))
+        s_, w_, k = pol.counts(L)
+        for sel, guess in step.values():
+            for xs in (sel, guess):
+                assert len(xs) == len(set(xs)) == k and all(s_ <= p < L - w_ for p in xs)
+    over = reuse.overlap_stats(per_step)
+    assert over["selected"] == sum(pol.counts(L)[2] for L in lens[1:]) * (ref.layers - pol.dense_layers)
+    assert 0.3 < over["repeated"] / over["selected"] < 0.98 and over["guessed"] / over["selected"] > 0.5
+    hits = {}
+    for slack in (1.0, 2.0, 4.0):
+        sim = reuse.simulate(per_step, lens, (slack, "lru", False))
+        assert sim["cold_copied"] == sim["cold_selected"] == pol.counts(lens[0])[2] * (ref.layers - pol.dense_layers)
+        hits[slack] = sim["selected"] - sim["copied"]
+    assert hits[2.0] >= over["repeated"] and hits[1.0] <= hits[2.0] <= hits[4.0]
+    pf = reuse.simulate(per_step, lens, (2.0, "lru", True))
+    assert pf["cold_copied"] < pf["cold_selected"] and 0 < pf["prefetch_used"] <= pf["prefetched"]
+
+
+def test_reuse_cli_refuses_lengths_with_no_top_k_and_writes_nothing(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert reuse.main(["--model", model_dir, "--lengths", "512", "--steps", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "leave a top-k" in err and not out.exists()
+    assert reuse.main(["--model", model_dir, "--slacks", "0.5", "--out", str(out)]) == 2 and not out.exists()
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------------

@@ -279,14 +279,16 @@ def main(argv=None) -> int:
         slacks = [float(x) for x in a.slacks.split(",") if x]
         if not lengths or not slacks or a.samples < 1 or a.steps < 2 or any(s < 1 or s > 16 for s in slacks):
             raise tasks.TaskError("--lengths and --slacks need one value at least, slacks in [1, 16]; --samples >= 1, --steps >= 2")
+        policy = OffloadPolicy(denominator="estimate")
+        bad = [L for L in lengths if L <= a.steps + 256 or policy.counts(L - a.steps)[2] == 0]
+        if bad:
+            raise tasks.TaskError(f"--lengths {bad}: each must exceed --steps + 256 and leave a top-k beside the sink and window "
+                                  f"({policy.sink} + {policy.window} positions at {policy.budget_frac:g} of the context)")
         tasks.shakespeare_path(a.haystack)
         ref = Reference(a.model, a.threads)
-        policy = OffloadPolicy(denominator="estimate")
-        bad = [L for L in lengths if L > ref.max_positions or L <= a.steps + 256 or policy.counts(L - a.steps)[2] == 0]
+        bad = [L for L in lengths if L > ref.max_positions]
         if bad:
-            raise tasks.TaskError(f"--lengths {bad}: each must exceed --steps + 256, fit the model's {ref.max_positions} positions "
-                                  f"and leave a top-k beside the sink and window ({policy.sink} + {policy.window} positions at "
-                                  f"{policy.budget_frac:g} of the context)")
+            raise tasks.TaskError(f"--lengths {bad} exceed the model's {ref.max_positions} positions")
     except ValueError as e:
         print(f"reuse: {e}", file=sys.stderr)
         return 2
