@@ -203,6 +203,12 @@ def test_reuse_cli_refuses_lengths_with_no_top_k_and_writes_nothing(model_dir, t
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "leave a top-k" in err and not out.exists()
     assert reuse.main(["--model", model_dir, "--slacks", "0.5", "--out", str(out)]) == 2 and not out.exists()
+    for bad in (["--lengths", "abc"], ["--model", str(tmp_path / "none")]):
+        args = ["--model", model_dir, "--lengths", "2048", "--out", str(out)] + bad
+        capsys.readouterr()
+        assert reuse.main(args) == 2 and not out.exists()
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.split()[1] in ("--lengths", "--model"), err
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------------

@@ -275,8 +275,11 @@ def main(argv=None) -> int:
 
     a = parse_args(argv)
     try:
-        lengths = [int(x) for x in a.lengths.split(",") if x]
-        slacks = [float(x) for x in a.slacks.split(",") if x]
+        try:
+            lengths = [int(x) for x in a.lengths.split(",") if x]
+            slacks = [float(x) for x in a.slacks.split(",") if x]
+        except ValueError:
+            raise tasks.TaskError(f"--lengths takes integers and --slacks numbers, comma-separated (got {a.lengths!r}, {a.slacks!r})") from None
         if not lengths or not slacks or a.samples < 1 or a.steps < 2 or any(s < 1 or s > 16 for s in slacks):
             raise tasks.TaskError("--lengths and --slacks need one value at least, slacks in [1, 16]; --samples >= 1, --steps >= 2")
         policy = OffloadPolicy(denominator="estimate")
@@ -285,6 +288,8 @@ def main(argv=None) -> int:
             raise tasks.TaskError(f"--lengths {bad}: each must exceed --steps + 256 and leave a top-k beside the sink and window "
                                   f"({policy.sink} + {policy.window} positions at {policy.budget_frac:g} of the context)")
         tasks.shakespeare_path(a.haystack)
+        if not os.path.isfile(os.path.join(a.model, "config.json")):
+            raise tasks.TaskError(f"--model {a.model}: no config.json there (convert it with scripts/offload/convert_smollm2.py --dtype float32)")
         ref = Reference(a.model, a.threads)
         bad = [L for L in lengths if L > ref.max_positions]
         if bad:
