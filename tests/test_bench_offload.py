@@ -84,15 +84,22 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
         assert out[key] == want[key], key
     assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
     src = json.loads((parts / "throughput_fits.json").read_text())["servers"]
-    new = json.loads((parts / "throughput_fits_estimate.json").read_text())["servers"]["offload"]
-    old_row, new_row = out["throughput"]  # by file name: the stock + selected run of 2026-12-02, the estimate run of 2026-12-03
-    assert old_row["workload"] == new_row["workload"] == "fits" and old_row["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
+    same = json.loads((parts / "throughput_fits_same_run.json").read_text())["servers"]
+    long = json.loads((parts / "throughput_long32k.json").read_text())["servers"]
+    # by file name: the stock + selected run of 2026-12-02, the estimate-only run of 2026-12-03,
+    # stock + estimate in one run of 2026-12-04, and the 64 x 32K load against stock and HiCache
+    old_row, est_row, same_row, long_row = out["throughput"]
+    assert [r["workload"] for r in out["throughput"]] == ["fits", "fits", "fits", "long32k"]
+    assert old_row["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
     assert old_row["offload_output_tok_s"] == src["offload"]["output_tok_s"] and old_row["hicache_output_tok_s"] is None  # not run: null
-    assert new_row["offload_denominator"] == "estimate" and new_row["stock_median_itl_ms"] is None  # stock did not run in that call
-    # capacity from the newest part: its offload pool against SGLang's own count for the same budget (its sizing's stock_tokens)
+    assert est_row["offload_denominator"] == "estimate" and est_row["stock_median_itl_ms"] is None  # stock did not run in that call
+    assert same_row["stock_median_itl_ms"] == same["stock"]["median_itl_ms"] < same_row["offload_median_itl_ms"]
+    assert long_row["hicache_output_tok_s"] == long["hicache"]["output_tok_s"] and long_row["stock_output_tok_s"] == long["stock"]["output_tok_s"]
+    # capacity from the newest fits part that ran stock beside offload: both pools from one run
     cap = out["capacity"]
-    assert cap["offload_tokens"] == new["max_total_num_tokens"] > 1.6 * cap["stock_tokens"] and cap["stock_tokens"] == 910_612
-    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same KV budget" in cap["source"]
+    assert cap["offload_tokens"] == same["offload"]["max_total_num_tokens"] > 1.6 * cap["stock_tokens"]
+    assert cap["stock_tokens"] == same["stock"]["max_total_num_tokens"] == 910_612
+    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same run" in cap["source"]
     # the SmolLM2 run through SGLang: the first offload server's rows (estimate), its verdict, the shipped-before rule beside it
     acc = json.loads((parts / "accuracy.json").read_text())
     assert out["accuracy"] == acc["accuracy"] == want["accuracy"] and len(out["accuracy"]) == 18
