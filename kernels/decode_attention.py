@@ -280,7 +280,9 @@ def _merge_kernel(
     while the partials kernel still runs; waits for it before any load.
     ``FULL_LSE``: divide by ``exp(lse_full[b, qh])`` (a log-sum-exp over more
     positions than the partials cover) instead of by the partials' own sum:
-    the KV offload path's exact softmax denominator with a sparse V sum.
+    the KV offload path's exact softmax denominator with a sparse V sum; a
+    request whose ``lse_full`` is ``-inf`` (scored over no position: a dense
+    request of the offload path) is normalised by its own sum.
     ``GUARD_ROWS``: a segment running past ``max_rows`` (a work-queue list
     longer than its workspace, whose tail was never computed) reads no row
     past it and writes NaN: visibly wrong, never silently partial.
@@ -321,7 +323,10 @@ def _merge_kernel(
         # acc = sum_s o_s exp(lse_s - m); o_s is normalised by its own sum, so
         # acc * exp(m - lse_full) = sum_i exp(s_i - lse_full) v_i over the partials' positions
         lf = tl.load(lse_full_ptr + b * stride_lf_b + qh)
-        out = tl.where(l > 0, acc * tl.exp(m - lf), 0.0)
+        # a request scored over no position (lse_full -inf: the offload path's dense requests,
+        # whose partials cover every position) is normalised by its partials' own sum
+        own = lf == float("-inf")
+        out = tl.where(l > 0, tl.where(own, acc / tl.maximum(l, 1e-30), acc * tl.exp(m - tl.where(own, m, lf))), 0.0)
     else:
         out = tl.where(l > 0, acc / tl.maximum(l, 1e-30), 0.0)
     if EXTRA:

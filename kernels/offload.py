@@ -833,8 +833,9 @@ def attend_run(
         mid_o, mid_lse: ``[>= batch * max_splits, q_heads, (head_dim)]`` float32 workspaces.
         out: ``[batch, q_heads, head_dim]`` output.
         lse_full: ``[batch, q_heads]`` float32 log-sum-exp over all positions: the output is
-            ``sum_i exp(s_i - lse_full) v_i`` over the attended entries (exact denominator);
-            ``None``: normalised over the attended entries.
+            ``sum_i exp(s_i - lse_full) v_i`` over the attended entries (exact denominator); a request
+            whose row is ``-inf`` (scored over no position: a dense request, whose list holds every
+            position) is normalised over its attended entries; ``None``: every request is.
         extra, extra_splits: float32 partials ``[>= batch * extra_splits, q_heads, head_dim]`` added
             to each output in the merge (rows ``b * extra_splits ..``, in order; ``estimate``'s
             unattended share, :func:`estimate_run` with ``reduce=False``), before the cast to ``out``'s dtype;

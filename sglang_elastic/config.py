@@ -55,6 +55,10 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
   no host tier: the exactness reference; capacity as stock).
 - ``--kv-offload-prefetch {off,speculative}`` (off): InfiniGen's prefetch of
   layer l+1's selected V rows while layer l runs.
+- ``--kv-offload-keep-v``: dense while V fits: a request keeps its V in idle
+  pool slots lent by SGLang's allocator and attends to every position, until
+  the allocator runs short (then the largest such requests continue sparse)
+  (:mod:`sglang_elastic.offload.keep`).
 
 Decode attention (only with SGLang's ``--decode-attention-backend persistentkv``,
 the backend this package registers; :mod:`sglang_elastic.attention`):
@@ -124,7 +128,9 @@ class OffloadConfig:
     layer); ``hot_slack`` (hot rows granted per selected row, 1 to 16);
     ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
     less 10 GiB); ``resident_v`` (no host tier: the exactness reference);
-    ``prefetch``; ``eviction`` (the hot buffer's victim rule).
+    ``prefetch``; ``eviction`` (the hot buffer's victim rule); ``keep_v`` (a request
+    keeps V in idle pool slots and attends densely while SGLang's allocator has
+    them: :mod:`sglang_elastic.offload.keep`).
 
     Raises:
         ConfigError: a value out of range, or a ``--kv-offload-*`` flag without
@@ -145,6 +151,7 @@ class OffloadConfig:
     resident_v: bool = False
     prefetch: str = "off"
     eviction: str = "lru"
+    keep_v: bool = False
 
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
@@ -169,6 +176,8 @@ class OffloadConfig:
             raise ConfigError(f"--kv-offload-eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.prefetch != "off" and self.resident_v:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
+        if self.keep_v and self.resident_v:
+            raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
         defaults = OffloadConfig.__dataclass_fields__
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
@@ -286,6 +295,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
+    o.add_argument("--kv-offload-keep-v", action="store_true", help="Dense while V fits: a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. Aims at stock's ITL on a load that fits in HBM; not yet measured on a GPU (docs/offload.md).")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

@@ -366,6 +366,40 @@ def test_attend_over_the_attended_list_matches_the_policy_reference(denominator)
     assert torch.allclose(o32c, want_c, rtol=0, atol=1e-5) and not torch.isnan(o32c).any()
 
 
+def test_a_request_with_minus_infinity_lse_is_normalised_over_its_own_list_the_others_by_the_full_lse():
+    """The dense requests of ``--kv-offload-keep-v``: scored over no position (lse -inf), their list
+    holds every position with V rows apart from K ids; the merge normalises them by their own sum."""
+    g = torch.Generator().manual_seed(23)
+    lens, hq, hkv, d = [50, 260, 7], 6, 2, 32
+    slots = 1000
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    vb = torch.randn(2 * slots, hkv, d, generator=g).bfloat16()  # V rows of a dense request live elsewhere than its K
+    q = (2 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()
+    indptr, idx = scattered(lens, slots, g)
+    vidx = (idx.long() + slots).to(torch.int32)
+    lse = 3 * torch.randn(len(lens), hq, generator=g)
+    dense = [0, 2]
+    lse[dense] = float("-inf")
+    chunk, nsplit = split_kv_plan(indptr, 3, 16, 32)
+    out = torch.full_like(q, NAN)
+    mid_o, mid_lse = torch.full((len(lens) * 3, hq, d), NAN), torch.full((len(lens) * 3, hq), NAN)
+    ko.attend_run(q, kb, vb, indptr, idx, vidx, chunk, nsplit, 3, mid_o, mid_lse, out, lse)
+    assert not torch.isnan(out).any()
+    G = hq // hkv
+    for b in range(len(lens)):
+        lo, hi = int(indptr[b]), int(indptr[b + 1])
+        K = kb[idx[lo:hi].long()].double().repeat_interleave(G, 1)
+        V = vb[vidx[lo:hi].long()].double().repeat_interleave(G, 1)
+        s_ = torch.einsum("hd,lhd->hl", q[b].double(), K) * d ** -0.5
+        den = torch.logsumexp(s_, 1) if b in dense else lse[b].double()  # own sum, or the given full lse
+        ref = torch.einsum("hl,lhd->hd", torch.exp(s_ - den[:, None]), V)
+        assert float((out[b].double() - ref).abs().max() / ref.abs().max()) < 1e-2, b
+    # the sparse request really used the given denominator (not its own sum)
+    own = torch.full_like(q, NAN)
+    ko.attend_run(q, kb, vb, indptr, idx, vidx, chunk, nsplit, 3, mid_o, mid_lse, own, None)
+    assert torch.equal(own[dense], out[dense]) and not torch.allclose(own[1].float(), out[1].float(), atol=1e-2)
+
+
 def test_lse_merge_combines_chunks_and_keeps_empty_requests_at_minus_infinity():
     g = torch.Generator().manual_seed(11)
     x = 4 * torch.randn(4 * 6, 9, generator=g)

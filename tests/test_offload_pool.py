@@ -10,6 +10,7 @@ tier against the all-resident reference bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch.utils._python_dispatch
@@ -38,9 +39,9 @@ def layer(i):
     return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
 
 
-def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0):
+def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0, keep_v=False):
     lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction,
-                        hot_page=hot_page, hot_slack=slack)
+                        hot_page=hot_page, hot_slack=slack, keep_v=keep_v)
     return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
 
 
@@ -61,6 +62,15 @@ class Sim:
         self.v = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)
         self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT, prefetch=True)
         self.guess = None  # prefetch: f(q of the next layer) -> the guessed query, or None: no prefetch
+        self.keep = set()  # keep_v: rows whose V goes to pool slots too (taken from the free ids, as SGLang's allocator lends them)
+
+    def _keep(self, r, start, n):
+        if r in self.keep:
+            ids, self.free = self.free[:n], self.free[n:]
+            self.pool.set_keep(r, start, torch.tensor(ids, dtype=torch.int64))
+
+    def kept(self, r, length):
+        return self.pool.keep_v and self.pool.keep_len_cpu[r] >= length
 
     def new_request(self, r):
         """Row ``r`` gets a new request: its old ids go back to the free list, fresh ones come (as SGLang's allocator does)."""
@@ -78,13 +88,16 @@ class Sim:
         new = [r for r, p in zip(reqs, pre) if p == 0]
         if new:
             pool.reset_requests(torch.tensor(new))
+        for r, (a, b) in zip(reqs, spans):
+            self._keep(r, a, b - a)
         vrows = pool.extend_v_rows(rows, pre, ext)
+        keep_rows = pool.extend_keep_rows(rows, pre, ext)
         pool.set_summary_plan(pool.plan_extend_summaries(rows, pre, ext, self.r2t))
         own = torch.cat([torch.full((b - a,), r) for r, (a, b) in zip(reqs, spans)])
         pos = torch.cat([torch.arange(a, b) for a, b in spans])
         for l in range(L):
             k, v = torch.randn(len(pos), HKV, D, generator=self.g).bfloat16(), torch.randn(len(pos), HKV, D, generator=self.g).bfloat16()
-            pool.set_v_rows(vrows)
+            pool.set_v_rows(vrows, keep_rows)
             pool.set_kv_buffer(layer(l), self.r2t[own, pos].long(), k, v)
             self.k[l, own, pos], self.v[l, own, pos] = k, v
 
@@ -93,7 +106,10 @@ class Sim:
         pool, dec = self.pool, self.dec
         pool.flush_releases()
         rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-        dec.plan(self.r2t, rp, seq, len(reqs))
+        for r, n in zip(reqs, lens):
+            if self.kept(r, n - 1):
+                self._keep(r, n - 1, 1)
+        dec.plan(self.r2t, rp, seq, len(reqs), keep=pool.keep_tables())
         dec.grant_pages(pool)
         pool.set_summary_plan(dec.summary_plan(pool))
         outs, worst = [], 0.0
@@ -105,7 +121,7 @@ class Sim:
             if self.guess is not None and nxt < L and nxt in pool.sparse_layer_ids:  # before layer l runs: layer l+1's guessed rows
                 dec.prefetch(self.guess(step[nxt][2]), pool.get_key_buffer(nxt), pool.get_value_buffer(nxt), D ** -0.5, self.r2t, rp, seq,
                              pool.hot_state(nxt), pool.host.view(nxt))
-            pool.set_v_rows(dec.new_token_rows())
+            pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
             pool.set_kv_buffer(layer(l), self.r2t[rp.long(), seq.long() - 1].long(), k, v)
             self.k[l, rp.long(), seq.long() - 1], self.v[l, rp.long(), seq.long() - 1] = k, v
             o = torch.full_like(q, float("nan"))
@@ -119,7 +135,9 @@ class Sim:
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
-                    ref = attend_reference(q[b], self.k[l, r, : lens[b]], self.v[l, r, : lens[b]], pool.layout.policy, l)
+                    pol = pool.layout.policy  # a request that keeps V attends to every position
+                    pol = dataclasses.replace(pol, dense_layers=L) if self.kept(r, lens[b]) else pol
+                    ref = attend_reference(q[b], self.k[l, r, : lens[b]], self.v[l, r, : lens[b]], pol, l)
                     worst = max(worst, float((o[b].double() - ref).abs().max() / ref.abs().max()))
         return outs, worst
 
@@ -469,27 +487,31 @@ def test_the_op_recorder_sees_what_a_graph_cannot_capture():
     assert torch.Tensor.tolist is orig_tolist and t.tolist() == orig_tolist(t)  # the patches are gone after the block
 
 
-@pytest.mark.parametrize("denominator,resident,prefetch", [("selected", False, False), ("estimate", False, True), ("full", True, False)])
-def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch):
+@pytest.mark.parametrize("denominator,resident,prefetch,keep_v", [("selected", False, False, False), ("estimate", False, True, False),
+                                                                  ("full", True, False, False), ("estimate", False, True, True)])
+def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v):
     """What the backend runs inside SGLang's decode CUDA graph (the plan, then
     per layer: the prefetch, the KV write, the attention) makes no tensor from
     a Python value and reads no device value on the host. On the H200, with
     ``estimate`` ``attended[idx] = 1`` (a Python 1 made a CPU tensor) failed
     the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    sim = Sim(make_pool(pol, resident), seed=3)
+    sim = Sim(make_pool(pol, resident, keep_v=keep_v), seed=3)
+    sim.keep = {2} if keep_v else set()  # keep_v: one dense and one sparse request in the step
     sim.extend([1, 2], [(0, 40), (0, 300)])
     sim.decode([1, 2], [41, 301], check=False)
     pool, dec = sim.pool, sim.dec
+    if keep_v:
+        sim._keep(2, 301, 1)  # the step's slot, lent by the scheduler before the graph replays
     pool.flush_releases()  # out of the graph (init_forward_metadata_out_graph)
     rp, seq = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([42, 302], dtype=torch.int32)
     loc = sim.r2t[rp.long(), seq.long() - 1].long()
     ins = [(torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HQ, D).bfloat16()) for _ in range(L)]
     outs = [torch.empty(2, HQ, D, dtype=torch.bfloat16) for _ in range(L)]
     with _OpRecorder() as rec:
-        dec.plan(sim.r2t, rp, seq, 2)
+        dec.plan(sim.r2t, rp, seq, 2, keep=pool.keep_tables())
         dec.grant_pages(pool)
-        pool.set_v_rows(dec.new_token_rows())
+        pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
         pool.set_summary_plan(dec.summary_plan(pool))
         for l in range(L):
             k, v, q = ins[l]
@@ -507,6 +529,8 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
+    if keep_v:
+        assert dec.dense_lens[:2].tolist() == [0, 302]  # row 2 was dense in the recorded step
 
 
 @pytest.mark.parametrize("denominator", ["selected", "full", "estimate"])
@@ -544,7 +568,7 @@ def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_u
     from sglang_elastic.offload.metrics import OffloadMetrics
 
     m = OffloadMetrics(None)
-    clock = iter([100.0, 102.0, 103.0])
+    clock = iter([100.0, 102.0, 103.0, 104.0, 105.0])
     m._clock = lambda: next(clock)
     base = {"hits": 10, "misses": 10, "pcie_read_bytes": 0, "pcie_write_bytes": 0, "decode_steps": 5, "hot_pages": 40, "hot_pages_free": 40,
             "hot_page_overflow": 0, "summary_overflow": 0}
@@ -555,3 +579,85 @@ def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_u
     assert "found" not in line
     line = m.update(dict(st, hot_page_overflow=2, summary_overflow=1), used_tokens=1000, host_token_bytes=2048)
     assert "2 hot-page grants found the pool short" in line and "1 chunks found no V-summary slot" in line and "hit rate n/a" in line
+    assert "kept V" not in line  # without --kv-offload-keep-v
+    kept = dict(st, kept_tokens=5000, kept_requests=3, keep_granted_tokens=9000, keep_demotions=4)
+    m.update(kept, used_tokens=1000, host_token_bytes=2048)
+    line = m.update(dict(kept, keep_demotions=6, kept_requests=2, kept_tokens=4100), used_tokens=1000, host_token_bytes=2048)
+    assert "kept V 2 requests / 4100 tokens (2 demoted)" in line
+
+
+# ---- keep_v: dense while V fits in idle pool slots ------------------------------------------
+
+
+@pytest.mark.parametrize("denominator,prefetch", [("selected", False), ("estimate", True)])
+def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_sparse_after_a_demotion(denominator, prefetch):
+    """Rows 1 and 4 keep V in pool slots (taken from the free ids, as SGLang's allocator lends them),
+    row 2 does not: in one batch the first two attend to every position (the float64 dense
+    reference), row 2 to the policy's set. Row 1 is then demoted mid-stream: from the next step its
+    output is the policy's again, from its complete host V, its sink and ring rows and (estimate)
+    the chunk means written while it was dense; row 4 finishes and a new request in its row starts
+    sparse. Each kept slot holds exactly the V written for its position (the K rows beside it untouched)."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
+    pool = make_pool(pol, keep_v=True)
+    assert pool.keep_v and pool.keep_base == pool.v_buffer[1].shape[0] - pool.k_buffer[1].shape[0]
+    assert pool.k_buffer[1].data_ptr() == pool.v_buffer[1][pool.keep_base:].data_ptr()  # K and kept V share the buffer
+    sim = Sim(pool, 7)
+    if prefetch:  # InfiniGen's prefetch (the next layer's own query as the guess): a dense request has nothing to fetch
+        sim.guess = lambda q: q
+    sim.keep = {1, 4}
+    sim.extend([1, 2, 4], [(0, 300), (0, 260), (0, 120)])
+    sim.extend([1], [(300, 420)])  # a later chunk of a dense request: its prefix from the host staging, its V kept
+    lens = [420, 260, 120]
+    worst = 0.0
+    for _ in range(3):
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode([1, 2, 4], lens)
+        worst = max(worst, w)
+    assert sim.kept(1, lens[0]) and sim.kept(4, lens[2]) and not sim.kept(2, 1)
+    assert worst < 2e-2, worst  # rows 1 and 4 against the dense reference, row 2 against the policy's
+    # the kept rows hold exactly the history's V, at the slots the table names
+    for l in pool.sparse_layer_ids:
+        for r, n in ((1, lens[0]), (4, lens[2])):
+            rows = pool.req_to_vrow[r, :n].long()
+            assert torch.equal(pool.v_buffer[l][rows], sim.v[l, r, :n])
+            assert torch.equal(pool.k_buffer[l][sim.r2t[r, :n].long()], sim.k[l, r, :n])
+    # dense rows took no hot pages and copied nothing: only row 2's misses were counted
+    assert int(pool.hot_count[1]) == int(pool.hot_count[4]) == 0 and int(pool.hot_count[2]) > 0
+    # at these lengths the policy's set differs from every position: the dense reference tells them apart
+    q = torch.randn(HQ, D, generator=sim.g).bfloat16()
+    n = lens[0]
+    dense_ref = attend_reference(q, sim.k[1, 1, :n], sim.v[1, 1, :n], dataclasses.replace(pol, dense_layers=L), 1)
+    sparse_ref = attend_reference(q, sim.k[1, 1, :n], sim.v[1, 1, :n], pol, 1)
+    assert float((dense_ref - sparse_ref).abs().max() / dense_ref.abs().max()) > 0.05
+    sim.keep.discard(1)
+    pool.set_keep(1, 0, None)  # demoted (SGLang's allocator ran short): row 1 continues sparse
+    for _ in range(3):
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode([1, 2, 4], lens)
+        worst = max(worst, w)
+    assert not sim.kept(1, lens[0]) and int(pool.hot_count[1]) > 0
+    sim.keep.discard(4)
+    pool.set_keep(4, 0, None)
+    pool.release_rows([4])
+    sim.new_request(4)
+    sim.extend([4], [(0, 90)])
+    lens = [lens[0], lens[1], 90]
+    for _ in range(2):
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode([1, 2, 4], lens)
+        worst = max(worst, w)
+    assert worst < 2e-2, worst
+
+
+def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length():
+    """A row whose kept positions stop short of its length (a decode step whose slot was not lent)
+    is scored sparsely: ``keep_len >= seq_len`` decides, on the GPU, per step."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
+    pool = make_pool(pol, keep_v=True)
+    sim = Sim(pool, 9)
+    sim.keep = {1}
+    sim.extend([1], [(0, 200)])
+    sim.keep = set()  # the next decode step's slot is not lent
+    _, w = sim.decode([1], [201])
+    assert not sim.kept(1, 201) and pool.keep_len_cpu[1] == 200 and w < 2e-2
+    assert int(sim.dec.dense_lens[0]) == 0 and int(sim.dec.sc_indptr[1]) == 201

@@ -52,6 +52,8 @@ SERVERS = {
     "stock": ["--attention-backend", "flashinfer"],
     "offload": ["--enable-kv-offload", "--disable-radix-cache", "--max-running-requests", "48"],
     "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "48"],
+    # dense while V fits (--kv-offload-keep-v): to run beside stock and offload on the fitting load and past HBM
+    "offload-keep": ["--enable-kv-offload", "--kv-offload-keep-v", "--disable-radix-cache", "--max-running-requests", "48"],
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }
@@ -378,6 +380,9 @@ def part_assemble(a) -> dict:
             "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"),
             "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
+            **({"keep_v_output_tok_s": p["servers"]["offload-keep"].get("output_tok_s"),
+                "keep_v_median_itl_ms": p["servers"]["offload-keep"].get("median_itl_ms"),
+                "keep_v_median_ttft_ms": p["servers"]["offload-keep"].get("median_ttft_ms")} if "offload-keep" in p["servers"] else {}),
         })
     smoke = by.get("smoke")
     if smoke:

@@ -16,7 +16,9 @@ prefix's K from the pool and V from the host pool (``custom_kv_indices`` =
 staging rows; :meth:`OffloadKVPool.stage_layer`). The pool writes every new
 token's K to the GPU, V to the host, and the prompt's first ``sink`` and
 each chunk's last ``window`` positions also to the request's hot buffer.
-New requests' hot buffers are reset here.
+New requests' hot buffers are reset here. With ``--kv-offload-keep-v`` a
+request whose V is kept in pool slots (:mod:`sglang_elastic.offload.keep`)
+also writes V there, and its decode steps attend to every position.
 
 Decode: :class:`~sglang_elastic.offload.decode.OffloadDecoder` — planned
 once per step (recorded in the decode CUDA graph), then per layer split-KV
@@ -82,7 +84,12 @@ class OffloadAttnBackend(AttentionBackend):
             from sglang_elastic.offload import prefetch as _prefetch
 
             self.prefetch_on = _prefetch.install(self, model_runner.model)
-        self.decoder = OffloadDecoder(self.pool.layout, self.q_heads, self.pool.head_num, self.pool.head_dim, max_bs=rows,
+        layout = self.pool.layout
+        if layout.keep_v and not self.pool.keep_v:  # the pool could not share K and V rows (head dims differ)
+            import dataclasses
+
+            layout = dataclasses.replace(layout, keep_v=False)
+        self.decoder = OffloadDecoder(layout, self.q_heads, self.pool.head_num, self.pool.head_dim, max_bs=rows,
                                       token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device,
                                       prefetch=self.prefetch_on)
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
@@ -124,14 +131,19 @@ class OffloadAttnBackend(AttentionBackend):
         new = [i for i, p in enumerate(prefix_cpu) if p == 0]
         if new:
             pool.reset_requests(rows[torch.tensor(new, device=rows.device)] if len(new) < bs else rows)
-        pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu))
+        pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu), pool.extend_keep_rows(rows, prefix_cpu, ext_cpu))
         pool.set_summary_plan(pool.plan_extend_summaries(rows, prefix_cpu, ext_cpu, self.req_to_token))
         total_prefix = sum(prefix_cpu)
         custom = None
         self._prefix_locs = None
         if total_prefix:
             r2t = self.req_to_token
-            self._prefix_locs = torch.cat([r2t[int(r), :p] for r, p in zip(rows.tolist(), prefix_cpu) if p]).to(torch.int64)
+            # the prefixes' token ids gathered on the GPU (no device-to-host read of the rows)
+            pre = torch.tensor(prefix_cpu, dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(bs), pre)
+            pos = torch.arange(total_prefix) - (torch.cumsum(pre, 0) - pre)[owner]
+            dev = r2t.device
+            self._prefix_locs = r2t[rows.to(dev, torch.int64)[owner.to(dev, non_blocking=True)], pos.to(dev, non_blocking=True)].to(torch.int64)
             custom = torch.arange(total_prefix, dtype=torch.int32, device=self.device)
         fi.indices_updater_prefill.update(
             fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum, fb.extend_prefix_lens,
@@ -181,9 +193,9 @@ class OffloadAttnBackend(AttentionBackend):
 
     def _plan(self, fb) -> None:
         bs = fb.batch_size
-        self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs)
+        self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs, keep=self.pool.keep_tables())
         self.decoder.grant_pages(self.pool)
-        self.pool.set_v_rows(self.decoder.new_token_rows())
+        self.pool.set_v_rows(self.decoder.new_token_rows(), self.decoder.new_token_keep_rows())
         self.pool.set_summary_plan(self.decoder.summary_plan(self.pool))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -286,7 +298,10 @@ class OffloadAttnBackend(AttentionBackend):
         ``summary_overflow`` (chunks that found no slot: should stay 0);
         ``hot_pages`` / ``hot_pages_free`` (hot-buffer pages of ``hot_page_rows``
         V rows per sparse layer) and ``hot_page_overflow`` (grants that found
-        too few free pages: should stay 0)."""
+        too few free pages: should stay 0); with ``--kv-offload-keep-v``,
+        ``kept_tokens`` / ``kept_requests`` (V kept in pool slots now) and
+        ``keep_granted_tokens`` / ``keep_demotions`` since start
+        (:meth:`sglang_elastic.offload.keep.KeepV.stats`)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
@@ -303,7 +318,15 @@ class OffloadAttnBackend(AttentionBackend):
                if pool.summary_layer_ids else {}),
             **({"hot_pages": pool.hot_pages, "hot_pages_free": int(pool.page_top), "hot_page_overflow": int(pool.page_overflow),
                 "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
+            **(self._keep_stats() if pool.keep_v else {}),
         }
+
+    @staticmethod
+    def _keep_stats() -> dict:
+        from sglang_elastic.offload import keep
+
+        m = keep.current()
+        return m.stats() if m is not None else {"kept_tokens": 0, "kept_requests": 0, "keep_granted_tokens": 0, "keep_demotions": 0}
 
 
 __all__ = ["OffloadAttnBackend"]

@@ -66,8 +66,9 @@ class _Selection:
         #: accumulated since start: [hits, rows copied] of this pass's selected rows
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)
         if own_lists:
-            self.att_kidx = torch.zeros(max_bs * layout.policy.max_attended + 1, **i32)
-            self.att_vidx = torch.zeros(max_bs * layout.policy.max_attended + 1, **i32)
+            n = max_bs * layout.policy.max_attended + (token_capacity if layout.keep_v and not layout.resident_v else 0) + 1
+            self.att_kidx = torch.zeros(n, **i32)
+            self.att_vidx = torch.zeros(n, **i32)
 
 
 class OffloadDecoder:
@@ -85,6 +86,8 @@ class OffloadDecoder:
 
     def __init__(self, layout: OffloadLayout, q_heads: int, kv_heads: int, head_dim: int, max_bs: int, token_capacity: int,
                  device, split: SplitConfig = SplitConfig(), prefetch: bool = False):
+        #: ``layout.keep_v``: requests whose V is kept in idle pool slots attend over every position
+        self.keep_v = layout.keep_v and not layout.resident_v
         self.layout = layout
         self.policy = layout.policy
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
@@ -102,8 +105,20 @@ class OffloadDecoder:
         self.w_eff = torch.zeros(max_bs, **i32)
         self.k = torch.zeros(max_bs, **i32)
         self.att_indptr = torch.zeros(max_bs + 1, **i32)
-        self.att_kidx = torch.zeros(max_bs * pol.max_attended + 1, **i32)
-        self.att_vidx = torch.zeros(max_bs * pol.max_attended + 1, **i32)
+        #: entries of the attended lists: every request's budget, plus (keep_v) every position of the dense ones
+        self.att_entries = max_bs * pol.max_attended + (token_capacity if self.keep_v else 0) + 1
+        self.att_kidx = torch.zeros(self.att_entries, **i32)
+        self.att_vidx = torch.zeros(self.att_entries, **i32)
+        if self.keep_v:  # the scored (sparse) requests' own lists: a dense request has none
+            self.sc_indptr = torch.zeros(max_bs + 1, **i32)
+            self.sc_indices = torch.zeros(max(token_capacity, 1), **i32)
+            self.sc_chunk = torch.zeros(max_bs, **i32)
+            self.sc_nsplit = torch.zeros(max_bs, **i32)
+            self.dense_lens = torch.zeros(max_bs, **i32)
+            self.keep_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        else:
+            self.sc_indptr, self.sc_indices, self.sc_chunk, self.sc_nsplit = self.kv_indptr, self.kv_indices, self.chunk, self.nsplit
+            self.dense_lens = self.keep_rows = None
         self.att_chunk = torch.zeros(max_bs, **i32)
         self.att_nsplit = torch.zeros(max_bs, **i32)
         self.v_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -132,13 +147,26 @@ class OffloadDecoder:
         self.stats = self.sel.stats
         self.bs = 0
 
-    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int) -> None:
+    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int,
+             keep: Optional[tuple] = None) -> None:
         """This step's lists and plans for ``bs`` requests (GPU ops only).
 
         Args:
             req_to_token: ``[rows, context]`` int32 (SGLang's ``req_to_token_pool.req_to_token``).
             req_pool_indices: ``[>= bs]``; seq_lens: ``[>= bs]`` lengths with the new token.
+            keep: ``layout.keep_v`` only: ``(req_to_vrow, keep_len)``, the pool's V row of each
+                position of a row (``[rows, context]`` int32) and how many leading positions have
+                one (``[rows]`` int32) (:meth:`OffloadKVPool.keep_tables`). A request with
+                ``keep_len >= seq_len`` is dense this step: no scores, no selection, no copy; its
+                attended list is every position (K ids from ``req_to_token``, V rows from
+                ``req_to_vrow``), normalised by its own sum. The others run the sparse path.
+
+        Raises:
+            ValueError: a batch larger than the workspace; ``keep`` given without ``layout.keep_v``
+                or missing with it.
         """
+        if (keep is not None) != self.keep_v:
+            raise ValueError("OffloadDecoder.plan: keep=(req_to_vrow, keep_len) goes with layout.keep_v, and only with it")
         from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
 
         from sglang_elastic.kernels.decode_attention import split_kv_plan
@@ -156,13 +184,33 @@ class OffloadDecoder:
         )
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
         s, w, k = pol.counts_tensor(lens)
+        att_splits = sp.attend_max_splits
+        if self.keep_v:
+            req_to_vrow, keep_len = keep
+            dense = (keep_len[rp.to(torch.int64)] >= lens) & (lens > 0)
+            dl = torch.where(dense, lens, 0).to(torch.int32)
+            self.dense_lens[:bs] = dl
+            sl = (lens - dl).to(torch.int32)  # the scored requests' lengths (0 for a dense one)
+            self.sc_indptr[1: bs + 1] = torch.cumsum(sl, 0)
+            create_flashinfer_kv_indices_triton[(bs,)](
+                req_to_token, rp, sl, self.sc_indptr, None, self.sc_indices, req_to_token.stride(0),
+            )
+            split_kv_plan(self.sc_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.sc_chunk, self.sc_nsplit)
+            s, w, k = (torch.where(dense, 0, x).to(torch.int32) for x in (s, w, k))
+            att_splits = max(att_splits, sp.scores_max_splits)
         self.s_eff[:bs] = s
         self.w_eff[:bs] = w
         self.k[:bs] = k
-        self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k, 0)
-        split_kv_plan(self.att_indptr[: bs + 1], sp.attend_max_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
+        self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k + (self.dense_lens[:bs] if self.keep_v else 0), 0)
+        split_kv_plan(self.att_indptr[: bs + 1], att_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
         fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, self.att_kidx, self.att_vidx,
                           self.v_rows, pol.sink, pol.window, lay.region_rows, resident=lay.resident_v)
+        if self.keep_v:  # a dense request's list: every position, K at its token id, V at its kept row
+            dl = self.dense_lens[:bs]
+            create_flashinfer_kv_indices_triton[(bs,)](req_to_token, rp, dl, self.att_indptr, None, self.att_kidx, req_to_token.stride(0))
+            create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, self.att_indptr, None, self.att_vidx, req_to_vrow.stride(0))
+            last = torch.clamp(lens.to(torch.int64) - 1, min=0)
+            self.keep_rows[:bs] = torch.where(dl > 0, req_to_vrow[rp.to(torch.int64), last].to(torch.int64), -1)
         if self.estimate:  # the chunk a request's new token completes: positions [L - C, L) when L % C == 0
             C = pol.chunk
             L64 = lens.to(torch.int64)
@@ -194,6 +242,10 @@ class OffloadDecoder:
         """``[bs]`` int64 device V rows of this step's new tokens (sparse layers; token ids when resident)."""
         return self.v_rows[: self.bs]
 
+    def new_token_keep_rows(self) -> Optional[torch.Tensor]:
+        """``[bs]`` int64: the kept V row of each new token of a dense request (``-1``: none); None without ``keep_v``."""
+        return self.keep_rows[: self.bs] if self.keep_v else None
+
     def dense(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention over every position (a dense layer; V in the pool)."""
         from sglang_elastic.kernels.decode_attention import split_kv_run
@@ -207,11 +259,11 @@ class OffloadDecoder:
         from sglang_elastic.kernels.offload import copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run
 
         bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
-        scores_run(q, k_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits, ws.scores,
+        scores_run(q, k_buffer, self.sc_indptr[: bs + 1], self.sc_indices, self.sc_chunk[:bs], sp.scores_max_splits, ws.scores,
                    ws.score_lse, sm_scale, sp.scores_block_n)
         stamp = self.stamp if mark else None
         lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=stamp)
-        select_run(ws.scores, lse, self.kv_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
+        select_run(ws.scores, lse, self.sc_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
                    ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts,
                    marks=self.marks if mark else None, stamp=stamp)
         if lay.resident_v:
@@ -255,13 +307,14 @@ class OffloadDecoder:
         est = None
         if self.estimate:  # the unattended share's per-split partials, added by the attention's merge (no launch of their own)
             vsum, table = v_summary
-            est = estimate_run(self.sel.scores, lse, self.kv_indptr[: bs + 1], self.chunk[:bs], sp.scores_max_splits,
+            est = estimate_run(self.sel.scores, lse, self.sc_indptr[: bs + 1], self.sc_chunk[:bs], sp.scores_max_splits,
                                self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.marks, vsum, rp, table,
                                pol.chunk, self.est_o, self.kv_heads, stamp=self.stamp, reduce=False)
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
-                   self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
+                   self.att_nsplit[:bs], max(sp.attend_max_splits, sp.scores_max_splits) if self.keep_v else sp.attend_max_splits,
+                   self.mid_o, self.mid_lse, out,
                    None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n,
-                   extra=est, extra_splits=sp.scores_max_splits, extra_count=self.nsplit[:bs])
+                   extra=est, extra_splits=sp.scores_max_splits, extra_count=self.sc_nsplit[:bs])
         return out
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,

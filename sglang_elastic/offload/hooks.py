@@ -9,7 +9,8 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds :class:`~sglang_elastic.offload.pool.OffloadKVPool` where SGLang builds ``MHATokenToKVPool`` |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
-| ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream); AROUND because ``free`` clears ``req.req_pool_idx`` |
+| ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream), and (``--kv-offload-keep-v``) its kept V slots to SGLang's allocator; AROUND because ``free`` clears ``req.req_pool_idx`` |
+| ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``, ``TokenToKVPoolAllocator.alloc`` / ``available_size`` | AFTER / AROUND | ``--kv-offload-keep-v`` only: :mod:`sglang_elastic.offload.keep` |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -43,6 +44,10 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
     HookRegistry.register(f"{_REQ_POOL}.free", around_req_free, HookType.AROUND)
+    if config.current().offload.keep_v:
+        from sglang_elastic.offload import keep
+
+        keep.register()
 
 
 def around_req_free(orig, req_pool, req, *args, **kwargs):
@@ -56,6 +61,10 @@ def around_req_free(orig, req_pool, req, *args, **kwargs):
     pool = _BUILT.get("pool")
     if pool is not None and row is not None and (pool.summary_layer_ids or pool.hot_pages):
         pool.release_rows([row])
+    if pool is not None and row is not None and pool.keep_v:
+        from sglang_elastic.offload import keep
+
+        keep.release_row(row)  # its kept V slots back to SGLang's allocator
     return result
 
 
@@ -176,6 +185,9 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
 
     sched = get_schedule()
     shape = model_shape(kvc)
+    if cfg.keep_v and shape.head_dim != shape.v_head_dim:
+        raise RuntimeError(f"sglang-elastic: --kv-offload-keep-v keeps V rows in K slots: this model's V head_dim {shape.v_head_dim} "
+                           f"differs from K's {shape.head_dim}: drop --kv-offload-keep-v")
     policy = cfg.policy()
     requests = sched.max_running_requests or DEFAULT_REQUESTS
     if sched.max_running_requests is None:
@@ -186,7 +198,8 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     try:
         sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
-                       max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v)
+                       max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v,
+                       keep_v=cfg.keep_v)
     except SizingError as e:
         raise RuntimeError(f"sglang-elastic: {e}") from None
     tokens = _tp_min(sz.tokens)
@@ -199,7 +212,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
     _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
-                                     resident_v=cfg.resident_v, eviction=cfg.eviction)
+                                     resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=cfg.keep_v)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static

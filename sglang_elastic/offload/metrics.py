@@ -17,7 +17,8 @@ class OffloadMetrics:
     last interval), ``offload_pcie_read_gb_per_s`` / ``offload_pcie_write_gb_per_s``
     (over the interval's wall time), ``offload_pcie_bytes_per_step``,
     ``offload_host_pool_bytes`` (V bytes of the tokens in use),
-    ``offload_hot_pages_used`` (hot-buffer pages held by running requests), counters
+    ``offload_hot_pages_used`` (hot-buffer pages held by running requests),
+    ``offload_kept_tokens`` / ``offload_kept_requests`` (``--kv-offload-keep-v``), counters
     ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes``.
 
     Args:
@@ -48,6 +49,8 @@ class OffloadMetrics:
                 "bytes_per_step": gauge("offload_pcie_bytes_per_step", "PCIe bytes (both directions) per decode step over the last interval."),
                 "host_bytes": gauge("offload_host_pool_bytes", "Host V bytes of the tokens in use."),
                 "hot_pages": gauge("offload_hot_pages_used", "Hot-buffer pages held by running requests."),
+                "kept_tokens": gauge("offload_kept_tokens", "Pool slots holding kept V (--kv-offload-keep-v): dense requests' tokens."),
+                "kept_requests": gauge("offload_kept_requests", "Requests attending densely from kept V (--kv-offload-keep-v)."),
                 "read": counter("offload_pcie_read_bytes", "V bytes copied host -> GPU."),
                 "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
             }
@@ -76,12 +79,18 @@ class OffloadMetrics:
             self.g["host_bytes"].set(host)
             if "hot_pages" in st:
                 self.g["hot_pages"].set(st["hot_pages"] - st["hot_pages_free"])
+            if "kept_tokens" in st:
+                self.g["kept_tokens"].set(st["kept_tokens"])
+                self.g["kept_requests"].set(st["kept_requests"])
             self.g["read"].inc(d["pcie_read_bytes"])
             self.g["write"].inc(d["pcie_write_bytes"])
         hit_s = "n/a" if hit is None else f"{hit:.3f}"
         lost = st.get("summary_overflow", 0) - prev.get("summary_overflow", 0)
         short = st.get("hot_page_overflow", 0) - prev.get("hot_page_overflow", 0)
         pages = f", hot pages {st['hot_pages'] - st['hot_pages_free']}/{st['hot_pages']}" if "hot_pages" in st else ""
+        if "kept_tokens" in st:
+            demoted = st["keep_demotions"] - prev.get("keep_demotions", 0)
+            pages += f", kept V {st['kept_requests']} requests / {st['kept_tokens']} tokens ({demoted} demoted)"
         return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
                 f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use{pages}"
                 + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else "")

@@ -75,7 +75,9 @@ class OffloadLayout:
     ``--kv-offload-eviction``: ``lru`` or InfiniGen's least-selected ``lfu``,
     :func:`~sglang_elastic.kernels.offload.swap_in_run`); ``hot_slack`` (hot
     rows granted per selected row, ``--kv-offload-hot-slack``, 1 to 16);
-    ``hot_page`` (rows per hot-buffer page).
+    ``hot_page`` (rows per hot-buffer page); ``keep_v`` (``--kv-offload-keep-v``: a
+    request keeps its V in idle pool slots while SGLang's allocator has them, and
+    attends densely: :mod:`sglang_elastic.offload.keep`).
 
     Raises:
         ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
@@ -91,6 +93,7 @@ class OffloadLayout:
     eviction: str = "lru"
     hot_slack: float = 2.0
     hot_page: int = 64
+    keep_v: bool = False
 
     def __post_init__(self):
         from sglang_elastic.kernels.offload import EVICTIONS, LFU_MAX_LEN
@@ -211,6 +214,13 @@ class OffloadKVPool(MHATokenToKVPool):
         self.slot_overflow = torch.zeros(1, **i32)
         self._summary_plan = None
         self._release_pending = []  # request rows SGLang freed, returned at the next forward (on its stream)
+        # ``keep_v``: the V row (in the sparse layers' shared K/V buffers) of each position of a dense
+        # request, and how many leading positions have one; the CPU mirror of keep_len for the prefill's plan
+        self.keep_v = self.keep_base is not None
+        self.req_to_vrow = torch.full((rows, layout.stage_tokens), -1, dtype=torch.int32, device=dev) if self.keep_v else None
+        self.keep_len = torch.zeros(rows, dtype=torch.int32, device=dev) if self.keep_v else None
+        self.keep_len_cpu = [0] * rows
+        self._v_keep_rows: Optional[torch.Tensor] = None
 
     # --------------------------------------------------------------- buffers
 
@@ -220,11 +230,19 @@ class OffloadKVPool(MHATokenToKVPool):
         self.hot_pages = 0 if lay.resident_v else lay.pages_for(self.size)
         self.hot_base = lay.request_rows * lay.region_rows  # the first page's row
         hot_rows = self.hot_base + self.hot_pages * lay.hot_page + 1  # + a row that padded writes may hit
-        self.k_buffer = [torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
-                         for _ in range(self.layer_num)]
-        self.v_buffer = []
+        # keep_v: a sparse layer's hot V rows and K share one buffer, hot rows first, so that a
+        # pool slot SGLang's allocator lends holds a V row at row keep_base + slot of the layer's V
+        keep = lay.keep_v and not lay.resident_v and self.head_dim == self.v_head_dim
+        self.keep_base = hot_rows if keep else None
+        self.k_buffer, self.v_buffer = [], []
         for l in range(self.layer_num):
             full = lay.resident_v or lay.policy.is_dense_layer(l)
+            if keep and not full:
+                kv = torch.zeros((hot_rows + rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device)
+                self.k_buffer.append(kv[hot_rows:])
+                self.v_buffer.append(kv)
+                continue
+            self.k_buffer.append(torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device))
             self.v_buffer.append(torch.zeros((rows if full else hot_rows, self.head_num, self.v_head_dim),
                                              dtype=self.store_dtype, device=self.device))
 
@@ -252,18 +270,42 @@ class OffloadKVPool(MHATokenToKVPool):
     def get_kv_size_bytes(self):
         k = sum(b.numel() * b.element_size() for b in self.k_buffer)
         v = sum(b.numel() * b.element_size() for b in self.v_buffer)
+        if self.keep_base is not None:  # a shared K/V buffer counts its K rows once
+            v -= sum(kb.numel() * kb.element_size() for kb, vb in zip(self.k_buffer, self.v_buffer) if vb.shape[0] > kb.shape[0] and vb.data_ptr() != kb.data_ptr())
         return k, v
+
+    def keep_tables(self):
+        """``(req_to_vrow, keep_len)`` for :meth:`OffloadDecoder.plan` (``keep_v``), else None."""
+        return (self.req_to_vrow, self.keep_len) if self.keep_v else None
+
+    def set_keep(self, row: int, start: int, rows: Optional[torch.Tensor]) -> None:
+        """Row ``row`` keeps V of positions ``[start, start + len(rows))`` at pool slots ``rows``
+        (``[n]`` int64 token ids from SGLang's allocator) and has ``start + n`` kept positions;
+        ``rows=None``: none any more (the request attends sparsely from now on). GPU writes on the
+        current stream, as SGLang writes ``req_to_token`` (:mod:`sglang_elastic.offload.keep`)."""
+        if rows is None:
+            if self.keep_len_cpu[row]:
+                self.keep_len[row] = 0
+            self.keep_len_cpu[row] = 0
+            return
+        n = int(rows.numel())
+        if n:
+            self.req_to_vrow[row, start: start + n] = (rows.to(self.req_to_vrow.device) + self.keep_base).to(torch.int32)
+        self.keep_len[row] = start + n
+        self.keep_len_cpu[row] = start + n
 
     def host_bytes(self) -> int:
         return 0 if self.host is None else self.host.v_buffer.numel() * self.host.v_buffer.element_size()
 
     # ---------------------------------------------------------------- writes
 
-    def set_v_rows(self, rows: Optional[torch.Tensor]) -> None:
+    def set_v_rows(self, rows: Optional[torch.Tensor], keep_rows: Optional[torch.Tensor] = None) -> None:
         """This forward's device V row per written token (int32/int64, ``-1``:
         host only), aligned with the ``loc`` that ``set_kv_buffer`` receives;
-        ``None``: host only."""
+        ``None``: host only. ``keep_rows`` (``keep_v``): a second row per token in
+        the shared K/V buffer (a dense request's kept V; ``-1``: none), or None."""
         self._v_rows = rows
+        self._v_keep_rows = keep_rows
 
     def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
         if layer_idx not in self._sparse:
@@ -276,6 +318,8 @@ class OffloadKVPool(MHATokenToKVPool):
             copy_rows_run(cache_v, self.host.view(layer_idx), None, loc, n=n)
             if self._v_rows is not None:
                 copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
+            if self._v_keep_rows is not None:
+                copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_keep_rows, n=n)
         if self._summary_plan is not None and layer_idx in self.vsum:
             self._write_summaries(layer_idx, cache_v)
 
@@ -387,19 +431,20 @@ class OffloadKVPool(MHATokenToKVPool):
         if not self.summary_layer_ids:
             return None
         C = self.layout.policy.chunk
-        rows, chunks, first_new = [], [], []  # per item: its row, chunk, and the row in cache_v of its first position (or -1)
+        rows, chunks, first_new = [], [], []  # per item: its request's batch index, chunk, and the row in cache_v of its first position (or -1)
         start = 0  # this request's first token in the forward's new tokens (cache_v rows, batch order)
-        for r, p, e in zip(req_pool_indices.tolist(), prefix_lens_cpu, extend_lens_cpu):
+        for b, (p, e) in enumerate(zip(prefix_lens_cpu, extend_lens_cpu)):
             p, e = int(p), int(e)
             lo, hi = p // C, (p + e) // C
-            rows += [int(r)] * (hi - lo)
+            rows += [b] * (hi - lo)
             chunks += range(lo, hi)
             first_new += [start + c * C - p if c * C >= p else -1 for c in range(lo, hi)]
             start += e
         if not rows:
             return None
         dev = req_to_token.device
-        r_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        # the request rows from the batch's GPU tensor: no device-to-host read (it would wait for the last forward)
+        r_t = req_pool_indices.to(dev, torch.int64)[torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)]
         c_t = torch.tensor(chunks, dtype=torch.int64, device=dev)
         pos = c_t[:, None] * C + torch.arange(C, device=dev)[None, :]
         src = req_to_token[r_t[:, None], pos].to(torch.int64).to(self.device)
@@ -449,18 +494,38 @@ class OffloadKVPool(MHATokenToKVPool):
             ``[sum(extend_lens)]`` int64 on the pool's device.
         """
         pol, lay = self.layout.policy, self.layout
-        ext = torch.tensor(list(extend_lens_cpu), dtype=torch.int64)
-        pre = torch.tensor(list(prefix_lens_cpu), dtype=torch.int64)
-        rows = req_pool_indices.detach().to("cpu", torch.int64)
+        owner, pos, end = self._extend_positions(prefix_lens_cpu, extend_lens_cpu)
+        # the row within the request's region on the CPU (from the CPU lengths), the region on the GPU:
+        # no device-to-host read of the request rows (under the overlap scheduler it would wait for the last forward)
+        off = torch.where(pos < pol.sink, pos, torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1)))
+        dev = req_pool_indices.device
+        rows = req_pool_indices[: len(extend_lens_cpu)].to(torch.int64)[owner.to(dev, non_blocking=True)]
+        off = off.to(dev, non_blocking=True)
+        return torch.where(off >= 0, rows * lay.region_rows + off, -1).to(self.device)
+
+    @staticmethod
+    def _extend_positions(prefix_lens_cpu, extend_lens_cpu):
+        """Per token a prefill writes (batch order): its request's index, its position, and its request's end (CPU int64)."""
+        ext = torch.tensor([int(x) for x in extend_lens_cpu], dtype=torch.int64)
+        pre = torch.tensor([int(x) for x in prefix_lens_cpu], dtype=torch.int64)
         n = int(ext.sum())
         owner = torch.repeat_interleave(torch.arange(len(ext)), ext)
         first = torch.cumsum(ext, 0) - ext
-        pos = pre[owner] + (torch.arange(n) - first[owner])
-        end = (pre + ext)[owner]
-        base = rows[owner] * lay.region_rows
-        ring = base + pol.sink + pos % max(pol.window, 1)
-        out = torch.where(pos < pol.sink, base + pos, torch.where(pos >= end - pol.window, ring, torch.full_like(pos, -1)))
-        return out.to(self.device)
+        return owner, pre[owner] + (torch.arange(n) - first[owner]), (pre + ext)[owner]
+
+    def extend_keep_rows(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu) -> Optional[torch.Tensor]:
+        """The kept V row of each token a prefill writes (``keep_v``): for a request whose row keeps
+        every position up to the end of this chunk (``keep_len``), its ``req_to_vrow`` entries;
+        ``-1`` for the others. ``[sum(extend_lens)]`` int64 on the pool's device (GPU ops only, no
+        host read), or None without ``keep_v``."""
+        if not self.keep_v:
+            return None
+        owner, pos, end = self._extend_positions(prefix_lens_cpu, extend_lens_cpu)
+        dev = self.req_to_vrow.device
+        rows = req_pool_indices[: len(extend_lens_cpu)].to(dev, torch.int64)[owner.to(dev, non_blocking=True)]
+        pos, end = pos.to(dev, non_blocking=True), end.to(dev, non_blocking=True)
+        # GPU reads only: keep_len and req_to_vrow were written by this batch's grants, earlier on the stream
+        return torch.where(self.keep_len[rows] >= end, self.req_to_vrow[rows, pos].to(torch.int64), -1)
 
     # ----------------------------------------------------------- lifecycle
 

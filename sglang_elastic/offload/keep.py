@@ -1,0 +1,278 @@
+"""Dense while V fits: a request keeps its V in idle KV-pool slots (``--kv-offload-keep-v``).
+
+The offload pool holds K of every token on the GPU and V of the sparse layers
+on the host, so it admits ~1.6x stock's tokens; but on a load that fits in
+HBM most of its K slots sit idle, and every sparse decode step costs a chain
+of selection kernels (+31 % median ITL against stock at 64 x 4K on the H200,
+docs/offload.md). A K slot has exactly a V row's shape (``head_dim ==
+v_head_dim``), and the pool lays each sparse layer's hot V rows and K out in
+one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
+``keep_base``), so slot ``j`` lent by SGLang's own allocator holds a V row at
+``keep_base + j``. While the allocator has slots to spare:
+
+- a new request takes one extra slot per prompt token at its first prefill
+  chunk (and per token of its later chunks, one per decode step) and keeps
+  V there as well as on the host (the host copy, the sink and ring rows and
+  ``estimate``'s chunk means are written as for every request);
+- such a request is dense: its decode step reads every position, K at its
+  token ids and V at its kept rows, in the same attention launch as the
+  sparse requests' lists, normalised by its own sum
+  (:meth:`~sglang_elastic.offload.decode.OffloadDecoder.plan` with ``keep``);
+  it runs no scores, no top-k, no copy over PCIe;
+- when SGLang's allocator would run short (an admission, a prefill chunk, a
+  decode step), the largest kept requests are demoted: their slots go back
+  to the allocator at once and they continue sparse from their complete host
+  V (their first sparse step copies its top-k). A kept request whose next
+  slot would cut into :data:`RESERVE_FRAC` of the pool is demoted too. No
+  request is promoted back: that would copy its whole V over PCIe.
+
+SGLang sees the kept slots as free (``available_size`` counts them: the
+admission, the decode retraction check and ``token_usage`` reason about the
+tokens requests hold), and ``alloc`` demotes before it could fail. The slots
+of a request's kept positions are read back from the pool's own table
+(``req_to_vrow``) when it is demoted or SGLang frees its row: no second list.
+
+Hooks (SGLang's ``HookRegistry``, registered by
+:func:`sglang_elastic.offload.hooks.register` when the flag is on):
+``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode`` (AFTER: the
+grants, next to SGLang's own ``req_to_token`` writes, on the same stream),
+``TokenToKVPoolAllocator.alloc`` (AROUND: demote first when short),
+``TokenToKVPoolAllocator.available_size`` (AROUND: plus the kept slots), and
+``ReqToTokenPool.free`` (the pool's existing hook: the row's kept slots go
+back).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The share of the pool a grant leaves free: a kept request's next slot is refused (and it is
+#: demoted) when fewer than this many slots would remain, so new requests find room without a
+#: demotion on every step.
+RESERVE_FRAC = 0.125
+
+
+class KeepV:
+    """The CPU side of ``--kv-offload-keep-v`` for one pool and its allocator.
+
+    Args:
+        pool: an :class:`~sglang_elastic.offload.pool.OffloadKVPool` built with ``layout.keep_v``
+            (``pool.keep_v``).
+        allocator: SGLang's ``TokenToKVPoolAllocator`` (page size 1) of that pool.
+        reserve_frac: :data:`RESERVE_FRAC`.
+
+    Raises:
+        ValueError: a pool without kept V, or a paged allocator.
+    """
+
+    def __init__(self, pool, allocator, reserve_frac: float = RESERVE_FRAC):
+        if not getattr(pool, "keep_v", False):
+            raise ValueError("KeepV needs an OffloadKVPool built with keep_v (--kv-offload-keep-v, head_dim == v_head_dim)")
+        if getattr(allocator, "page_size", 1) != 1:
+            raise ValueError(f"--kv-offload-keep-v lends single slots: the allocator's page size is {allocator.page_size}, not 1")
+        self.pool, self.allocator = pool, allocator
+        self.reserve = int(pool.size * reserve_frac)
+        #: slots lent now, and counters since start: positions granted, requests demoted
+        self.held = 0
+        self.granted = 0
+        self.demoted = 0
+        self._inner = False  # our own alloc / free calls: the allocator hooks pass them through
+
+    # ------------------------------------------------------------- accounting
+
+    def real_free(self) -> int:
+        """Slots SGLang's allocator can hand out now (its own count, without the kept slots)."""
+        a = self.allocator
+        return len(a.free_pages) + len(a.release_pages)
+
+    def kept(self, row: int) -> int:
+        """Leading positions of request row ``row`` whose V is kept (0: sparse)."""
+        return self.pool.keep_len_cpu[row]
+
+    # ----------------------------------------------------------------- grants
+
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        if self.real_free() - n < self.reserve:
+            return None
+        self._inner = True
+        try:
+            ids = self.allocator.alloc(n)
+        finally:
+            self._inner = False
+        return ids
+
+    def on_extend(self, rows, prefix_lens, extend_lens) -> None:
+        """A prefill batch was allocated (SGLang's ``prepare_for_extend``): a new request
+        (prefix 0) keeps V of its chunk if the slots are spare; a kept request extends
+        its kept positions by the chunk, or is demoted."""
+        for r, p, e in zip(rows, prefix_lens, extend_lens):
+            r, p, e = int(r), int(p), int(e)
+            have = self.kept(r)
+            if p == 0 and have:  # a stale grant of a row's last request (freed without the hook): give it back
+                self.demote(r)
+                have = 0
+            if have != p or e <= 0:
+                if have and have != p:
+                    self.demote(r)
+                continue
+            ids = self._alloc(e)
+            if ids is None:
+                if have:
+                    self.demote(r)
+                continue
+            self.pool.set_keep(r, p, ids)
+            self.held += e
+            self.granted += e
+
+    def on_decode(self, rows, seq_lens) -> None:
+        """A decode batch was allocated (SGLang's ``prepare_for_decode``; ``seq_lens`` with the
+        new token): every kept request whose kept positions reach its new token's position gets
+        one slot (one allocation for the batch); a request the reserve refuses is demoted."""
+        want = [(int(r), int(n) - 1) for r, n in zip(rows, seq_lens) if self.kept(int(r)) == int(n) - 1 and int(n) > 1]
+        stale = [int(r) for r, n in zip(rows, seq_lens) if 0 < self.kept(int(r)) != int(n) - 1 and self.kept(int(r)) < int(n)]
+        for r in stale:
+            self.demote(r)
+        if not want:
+            return
+        ids = self._alloc(len(want))
+        if ids is None:  # too few spare slots for all: the largest requests go sparse until the rest fit
+            keep = []
+            for r, pos in sorted(want, key=lambda x: x[1]):
+                if self.real_free() - (len(keep) + 1) >= self.reserve:
+                    keep.append((r, pos))
+                else:
+                    self.demote(r)
+            want = sorted(keep)
+            if not want:
+                return
+            ids = self._alloc(len(want))
+            if ids is None:
+                for r, _ in want:
+                    self.demote(r)
+                return
+        pool = self.pool
+        dev = pool.req_to_vrow.device
+        r_t = torch.tensor([r for r, _ in want], dtype=torch.int64).to(dev, non_blocking=True)
+        p_t = torch.tensor([p for _, p in want], dtype=torch.int64).to(dev, non_blocking=True)
+        pool.req_to_vrow[r_t, p_t] = (ids.to(dev) + pool.keep_base).to(torch.int32)
+        pool.keep_len[r_t] = (p_t + 1).to(torch.int32)
+        for r, p in want:
+            pool.keep_len_cpu[r] = p + 1
+        self.held += len(want)
+        self.granted += len(want)
+
+    # -------------------------------------------------------------- demotions
+
+    def demote(self, row: int) -> int:
+        """Request row ``row`` gives its kept slots back and attends sparsely from its next step;
+        returns the slots freed. Also what SGLang freeing the row does (``ReqToTokenPool.free``)."""
+        n = self.kept(row)
+        if not n:
+            return 0
+        pool = self.pool
+        ids = pool.req_to_vrow[row, :n].to(torch.int64) - pool.keep_base
+        pool.set_keep(row, 0, None)
+        self._give_back(ids)
+        self.held -= n
+        self.demoted += 1
+        return n
+
+    def _give_back(self, ids: torch.Tensor) -> None:
+        """Slots back to the allocator's free list now, also inside one of SGLang's free groups
+        (whose frees wait for ``free_group_end``: a demotion must make room at once)."""
+        a = self.allocator
+        ids = ids.to(a.free_pages.device)
+        if a.need_sort:
+            a.release_pages = torch.cat((a.release_pages, ids))
+        else:
+            a.free_pages = torch.cat((a.free_pages, ids))
+
+    def make_room(self, need: int) -> None:
+        """Demote the largest kept requests until the allocator has ``need`` free slots (or none is kept)."""
+        if self.real_free() >= need or not self.held:
+            return
+        rows = sorted((r for r, n in enumerate(self.pool.keep_len_cpu) if n), key=lambda r: -self.pool.keep_len_cpu[r])
+        for r in rows:
+            self.demote(r)
+            if self.real_free() >= need:
+                break
+
+    def stats(self) -> dict:
+        """``kept_tokens`` (slots lent now), ``kept_requests``, ``keep_granted_tokens`` and ``keep_demotions`` since start."""
+        return {"kept_tokens": self.held, "kept_requests": sum(1 for n in self.pool.keep_len_cpu if n),
+                "keep_granted_tokens": self.granted, "keep_demotions": self.demoted}
+
+
+# ----------------------------------------------------------------------- hooks
+
+_SCHED_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+#: this process's manager (one target worker per scheduler process), made at the first prefill
+_STATE: dict = {}
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SCHED_BATCH}.prepare_for_extend", after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(f"{_SCHED_BATCH}.prepare_for_decode", after_prepare_for_decode, HookType.AFTER)
+    HookRegistry.register(f"{_ALLOCATOR}.alloc", around_alloc, HookType.AROUND)
+    HookRegistry.register(f"{_ALLOCATOR}.available_size", around_available_size, HookType.AROUND)
+
+
+def manager_for(allocator) -> Optional[KeepV]:
+    """The :class:`KeepV` of ``allocator`` (made on first use when it allocates for a pool with kept V), else None."""
+    m = _STATE.get("keep")
+    if m is not None:
+        return m if m.allocator is allocator else None
+    pool = getattr(allocator, "_kvcache", None)
+    if not getattr(pool, "keep_v", False):
+        return None
+    m = _STATE["keep"] = KeepV(pool, allocator)
+    return m
+
+
+def current() -> Optional[KeepV]:
+    return _STATE.get("keep")
+
+
+def after_prepare_for_extend(result, batch, *args, **kwargs):
+    m = manager_for(batch.token_to_kv_pool_allocator)
+    if m is not None and batch.reqs:
+        m.on_extend([req.req_pool_idx for req in batch.reqs], batch.prefix_lens, batch.extend_lens)
+    return result
+
+
+def after_prepare_for_decode(result, batch, *args, **kwargs):
+    m = manager_for(batch.token_to_kv_pool_allocator)
+    if m is not None and batch.reqs and batch.seq_lens_cpu is not None:
+        m.on_decode([req.req_pool_idx for req in batch.reqs], batch.seq_lens_cpu.tolist())
+    return result
+
+
+def around_alloc(orig, allocator, need_size, *args, **kwargs):
+    m = manager_for(allocator)
+    if m is not None and not m._inner:
+        m.make_room(int(need_size))
+    return orig(allocator, need_size, *args, **kwargs)
+
+
+def around_available_size(orig, allocator, *args, **kwargs):
+    n = orig(allocator, *args, **kwargs)
+    m = _STATE.get("keep")
+    return n + m.held if m is not None and m.allocator is allocator and not m._inner else n
+
+
+def release_row(row: int) -> None:
+    """SGLang freed request row ``row`` (``ReqToTokenPool.free``): its kept slots go back."""
+    m = _STATE.get("keep")
+    if m is not None:
+        m.demote(row)
+
+
+__all__ = ["KeepV", "RESERVE_FRAC", "current", "manager_for", "register", "release_row"]

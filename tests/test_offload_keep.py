@@ -1,0 +1,221 @@
+"""``--kv-offload-keep-v`` on SGLang's own allocator (CPU): lending idle pool slots to
+requests that keep their V, and demoting them when SGLang's allocator would run short.
+
+The allocator is SGLang 0.5.17's ``TokenToKVPoolAllocator`` with the plugin's hooks
+applied by SGLang's own ``HookRegistry`` wrapper; the scheduler's batch calls are
+driven as ``prepare_for_extend`` / ``prepare_for_decode`` and ``ReqToTokenPool.free``
+make them. Decode outputs of kept and demoted requests: ``test_offload_pool.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_elastic.offload import keep
+from sglang_elastic.offload.policy import OffloadPolicy
+from test_offload_pool import make_pool
+
+SIZE, ROWS, CTX = 600, 5, 200
+
+
+def hooked_allocator_class():
+    """SGLang's allocator with the hooks ``keep.register`` gives, wrapped by SGLang's ``_wrap_fn``."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.plugins.hook_registry import HookRegistry, _wrap_fn
+
+    seen = {}
+    orig = HookRegistry.register
+    try:
+        HookRegistry.register = classmethod(lambda cls, target, fn, kind: seen.__setitem__(target, (fn, kind)))
+        keep.register()
+    finally:
+        HookRegistry.register = orig
+    # every target names a real SGLang 0.5.17 attribute
+    for target in seen:
+        mod, cls, attr = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(mod), cls), attr)), target
+    name = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+    ns = {a: _wrap_fn(getattr(TokenToKVPoolAllocator, a), *seen[f"{name}.{a}"]) for a in ("alloc", "available_size")}
+    cls = type("HookedAllocator", (TokenToKVPoolAllocator,), ns)
+    batch_hooks = {a: seen[f"sglang.srt.managers.schedule_batch.ScheduleBatch.{a}"][0] for a in ("prepare_for_extend", "prepare_for_decode")}
+    return cls, batch_hooks
+
+
+class Server:
+    """A scheduler's use of the allocator: admit (a prompt's slots, then ``prepare_for_extend``'s hook),
+    decode (one slot per running request, then ``prepare_for_decode``'s), finish / retract (the
+    request's slots freed, then ``ReqToTokenPool.free``'s hook), admission by ``available_size``."""
+
+    def __init__(self, reserve_frac=keep.RESERVE_FRAC):
+        pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
+        self.pool = make_pool(pol, size=SIZE, rows=ROWS, ctx=CTX, keep_v=True)
+        cls, self.hooks = hooked_allocator_class()
+        self.alloc = cls(SIZE, torch.bfloat16, "cpu", self.pool, need_sort=False)
+        keep._STATE.clear()
+        self.m = keep.manager_for(self.alloc)
+        self.m.reserve = int(SIZE * reserve_frac)
+        self.reqs = {}  # row -> its token ids (the req_to_token row SGLang keeps), in position order
+
+    def batch(self, rows, **kw):
+        reqs = [types.SimpleNamespace(req_pool_idx=r) for r in rows]
+        return types.SimpleNamespace(reqs=reqs, token_to_kv_pool_allocator=self.alloc, **kw)
+
+    def admit(self, row, n):
+        """A new request of ``n`` tokens in ``row`` if SGLang's admission (available_size) lets it in."""
+        if row in self.reqs or self.alloc.available_size() < n:
+            return False
+        ids = self.alloc.alloc(n)
+        assert ids is not None, "SGLang admitted by available_size, and alloc failed"
+        self.reqs[row] = ids.clone()
+        self.hooks["prepare_for_extend"](None, self.batch([row], prefix_lens=[0], extend_lens=[n]))
+        return True
+
+    def chunk(self, row, n):
+        """A later prefill chunk of ``n`` tokens of the request in ``row``."""
+        if row not in self.reqs or self.alloc.available_size() < n or len(self.reqs[row]) + n > CTX:
+            return False
+        ids = self.alloc.alloc(n)
+        assert ids is not None
+        pre = len(self.reqs[row])
+        self.reqs[row] = torch.cat([self.reqs[row], ids])
+        self.hooks["prepare_for_extend"](None, self.batch([row], prefix_lens=[pre], extend_lens=[n]))
+        return True
+
+    def decode(self):
+        for r in [r for r, ids in self.reqs.items() if len(ids) >= CTX]:  # at the context length: finished
+            self.finish(r)
+        rows = sorted(self.reqs)
+        if not rows or self.alloc.available_size() < len(rows):
+            return False
+        ids = self.alloc.alloc(len(rows))
+        assert ids is not None
+        for r, i in zip(rows, ids):
+            self.reqs[r] = torch.cat([self.reqs[r], i.view(1)])
+        lens = torch.tensor([len(self.reqs[r]) for r in rows], dtype=torch.int64)
+        self.hooks["prepare_for_decode"](None, self.batch(rows, seq_lens_cpu=lens))
+        return True
+
+    def finish(self, row):
+        if row not in self.reqs:
+            return False
+        self.alloc.free(self.reqs.pop(row))
+        keep.release_row(row)  # ReqToTokenPool.free's hook
+        return True
+
+    def check(self):
+        """Every slot has one owner (a request's token, a kept V row, or the free list); the
+        accounting SGLang reads adds the kept slots to what is free; tables agree with the mirror."""
+        pool, m = self.pool, self.m
+        owned = [ids for ids in self.reqs.values()]
+        kept = [pool.req_to_vrow[r, :n].long() - pool.keep_base for r, n in enumerate(pool.keep_len_cpu) if n]
+        free = [self.alloc.free_pages, self.alloc.release_pages]
+        allids = torch.cat(owned + kept + free).tolist()
+        assert sorted(allids) == list(range(1, SIZE + 1)), "a slot owned twice or lost"
+        assert m.held == sum(pool.keep_len_cpu) == sum(len(k) for k in kept)
+        assert self.alloc.available_size() == m.real_free() + m.held
+        assert pool.keep_len.tolist() == pool.keep_len_cpu
+        for r, n in enumerate(pool.keep_len_cpu):
+            assert n == 0 or (r in self.reqs and n == len(self.reqs[r])), (r, n)  # kept: every position, or none
+
+
+def test_new_requests_keep_v_while_slots_are_spare_and_the_largest_is_demoted_when_the_allocator_runs_short():
+    s = Server(reserve_frac=0.1)
+    assert s.admit(1, 150) and s.admit(2, 100)
+    assert s.pool.keep_len_cpu[1] == 150 and s.pool.keep_len_cpu[2] == 100
+    s.check()
+    assert s.decode() and s.pool.keep_len_cpu[1] == 151 and s.pool.keep_len_cpu[2] == 101
+    s.check()
+    # 600 slots: 252 tokens + 252 kept; a 150-token request is admitted on SGLang's count (kept slots count as free),
+    # and its allocation demotes the largest kept request (row 1), not the smaller one
+    free_before = s.m.real_free()
+    assert free_before < 150 <= s.alloc.available_size()
+    assert s.admit(3, 150)
+    assert s.pool.keep_len_cpu[1] == 0 and s.pool.keep_len_cpu[2] == 101 and s.m.demoted == 1
+    assert s.pool.keep_len_cpu[3] == 0  # no spare slots for its V after the demotion: it runs sparse
+    s.check()
+    # finishing a kept request returns its kept slots with its tokens
+    held = s.m.held
+    assert s.finish(2) and s.m.held == held - 101 and s.m.real_free() == s.alloc.available_size()
+    s.check()
+
+
+def test_a_kept_request_is_demoted_when_its_next_slot_would_cut_into_the_reserve():
+    s = Server(reserve_frac=0.5)
+    assert s.admit(1, 100)  # 600 - 100 - 100 kept = 400 >= 300 reserve
+    assert s.pool.keep_len_cpu[1] == 100
+    assert s.admit(2, 120)  # 380 free - 120 < 300: row 2 sparse, row 1 stays kept
+    assert s.pool.keep_len_cpu[2] == 0 and s.pool.keep_len_cpu[1] == 100
+    for _ in range(30):
+        s.decode()
+        s.check()
+    # each step takes 2 slots and row 1's kept one more, until a kept slot would leave < 300 free
+    assert s.pool.keep_len_cpu[1] == 0 and s.m.demoted == 1
+    assert s.m.real_free() == s.alloc.available_size()
+
+
+def test_a_later_chunk_extends_a_kept_request_and_a_stale_grant_is_returned():
+    s = Server(reserve_frac=0.0)
+    assert s.admit(1, 60) and s.chunk(1, 40)
+    assert s.pool.keep_len_cpu[1] == 100
+    s.check()
+    # a row freed without the hook (never in SGLang, but the manager must not leak): a new request returns it
+    s.alloc.free(s.reqs.pop(1))
+    assert s.admit(1, 30) and s.pool.keep_len_cpu[1] == 30
+    s.check()
+
+
+def test_demotion_inside_a_free_group_makes_room_at_once():
+    """SGLang batches frees between ``free_group_begin`` and ``free_group_end``; a demotion there
+    must still free its slots for the allocation that asked for them."""
+    s = Server(reserve_frac=0.0)
+    assert s.admit(1, 180) and s.pool.keep_len_cpu[1] == 180
+    s.alloc.free_group_begin()
+    try:
+        ids = s.alloc.alloc(300)  # 240 free + 180 kept: only with row 1's kept slots back
+        assert ids is not None and s.pool.keep_len_cpu[1] == 0
+    finally:
+        s.alloc.free_group_end()
+    s.reqs[2] = ids
+    s.check()
+
+
+def test_keep_v_is_refused_without_shared_buffers_and_with_resident_v():
+    from sglang_elastic.config import ConfigError, OffloadConfig
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1)
+    with pytest.raises(ValueError, match="keep_v"):
+        keep.KeepV(make_pool(pol, size=SIZE, rows=ROWS, ctx=CTX), object())
+    with pytest.raises(ConfigError, match="--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v"):
+        OffloadConfig(enabled=True, resident_v=True, keep_v=True)
+    with pytest.raises(ConfigError, match="needs --enable-kv-offload"):
+        OffloadConfig(keep_v=True)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["admit", "chunk", "decode", "decode", "finish"]), st.integers(1, ROWS - 1),
+                         st.integers(1, 90)), min_size=5, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, reserve=st.sampled_from([0.0, 0.1, 0.3]))
+def test_random_admit_chunk_decode_finish_never_owns_a_slot_twice_and_admission_never_fails(ops, reserve):
+    s = Server(reserve_frac=reserve)
+    for op, row, n in ops:
+        if op == "admit":
+            s.admit(row, n)
+        elif op == "chunk":
+            s.chunk(row, n)
+        elif op == "decode":
+            s.decode()
+        else:
+            s.finish(row)
+        s.check()
+    for row in list(s.reqs):
+        s.finish(row)
+    s.check()
+    assert s.m.held == 0 and s.alloc.available_size() == SIZE  # SGLang's idle check: every slot free again
