@@ -72,7 +72,7 @@ import triton
 from sglang_elastic import results
 from sglang_elastic.attention import bench
 from sglang_elastic.attention.calibrate import fit_calibration
-from sglang_elastic.attention.policy import DecodePolicy, load_calibration, split_max_splits, work_queue_rows
+from sglang_elastic.attention.policy import DecodePolicy, load_calibration, split_max_splits, split_min_chunk, work_queue_rows
 from sglang_elastic.kernels import decode_attention
 from sglang_elastic.kernels.decode_attention import pdl_supported
 
@@ -219,7 +219,7 @@ class Ours:
         B = indptr.shape[0] - 1
         if path == "split":
             c = self.calib.split
-            self.k.split_kv_plan(indptr, split_max_splits(c, B), c.min_chunk, c.block_n, self.sc, self.sn)
+            self.k.split_kv_plan(indptr, split_max_splits(c, B), split_min_chunk(c, B), c.block_n, self.sc, self.sn)
         else:
             c = self.calib.compact
             self.k.work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,

@@ -67,7 +67,7 @@ from sglang_elastic.attention import NAME
 from sglang_elastic.attention.calibration_cache import CalibrationCache, ShapeKey, resolve
 from sglang_elastic.attention.online import OnlineCorrector, ReplayTimer, bucket_key
 from sglang_elastic.attention.policy import (
-    PATHS, Calibration, DecodePolicy, load_calibration, split_max_splits, work_queue_rows,
+    PATHS, Calibration, DecodePolicy, load_calibration, split_max_splits, split_min_chunk, work_queue_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -472,7 +472,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         if path == "split":
             c = self.calib.split
             ms = split_max_splits(c, B)
-            chunk, nsplit = split_kv_plan(indptr, ms, c.min_chunk, c.block_n)
+            chunk, nsplit = split_kv_plan(indptr, ms, split_min_chunk(c, B), c.block_n)
             return lambda: split_kv_run(q, kb, vb, indptr, idx, chunk, nsplit, ms, self.mid_o, self.mid_lse, o, scale, c.block_n,
                                         c.num_warps, c.num_stages, c.pdl)
         if path == "compact":
@@ -553,7 +553,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         )
         if meta.path == "split":
             c = self.calib.split
-            split_kv_plan(meta.kv_indptr, meta.max_splits, c.min_chunk, c.block_n, self.split_chunk, self.split_nsplit)
+            split_kv_plan(meta.kv_indptr, meta.max_splits, split_min_chunk(c, bs), c.block_n, self.split_chunk, self.split_nsplit)
         else:
             c = self.calib.compact
             work_queue_plan(meta.kv_indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,

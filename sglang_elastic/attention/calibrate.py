@@ -228,7 +228,8 @@ def provisional_h200_cases() -> Dict[str, Cases]:
 
 
 def provisional_h200() -> Tuple[Calibration, Dict[str, float]]:
-    split = SplitConfig(max_splits=64, min_chunk=512, block_n=32, partial_budget=4096)
+    # the measured run's plans: no batch-dependent minimum chunk then
+    split = SplitConfig(max_splits=64, min_chunk=512, block_n=32, partial_budget=4096, min_chunk_large=0)
     compact = CompactConfig(target_items=1 << 20, min_chunk=512, programs=132, block_n=32)
     calib, errs = fit_calibration(
         provisional_h200_cases(), gpu="NVIDIA H200", sm_count=132, q_heads=32, kv_heads=8, head_dim=128,
@@ -241,6 +242,8 @@ def provisional_h200() -> Tuple[Calibration, Dict[str, float]]:
     )
     # the fixed-chunk queue of the measured run; the backend's default plan is target_items-driven
     calib = dataclasses.replace(calib, compact=CompactConfig(target_items=1024, min_chunk=512, programs=132, block_n=32))
+    # and the batch-dependent minimum chunk the backend plans with now (SplitConfig's default)
+    calib = dataclasses.replace(calib, split=dataclasses.replace(calib.split, min_chunk_large=SplitConfig.min_chunk_large))
     return calib, errs
 
 
