@@ -219,3 +219,42 @@ def test_random_admit_chunk_decode_finish_never_owns_a_slot_twice_and_admission_
         s.finish(row)
     s.check()
     assert s.m.held == 0 and s.alloc.available_size() == SIZE  # SGLang's idle check: every slot free again
+
+
+def test_the_all_dense_graph_variant_is_replayed_only_when_every_request_of_the_prepared_batch_keeps_v():
+    """SGLang's decode graph runner captures two variants per batch size when ``record_nolora_graph``
+    is set; ``keep.register``'s hooks set it for the offload backend (not under LoRA) and pick the
+    all-dense variant for a batch whose every request the scheduler just granted a kept slot."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    s = Server(reserve_frac=0.0)
+    assert s.admit(1, 50) and s.admit(2, 40) and s.decode()
+    assert s.m.all_kept and s.m.all_kept_bs == 2
+    runner = types.SimpleNamespace(_sglang_elastic_keep=True)
+    pick = lambda fb, r=runner: keep.around_resolve_variant(lambda *a: "orig", r, fb)  # noqa: E731
+    assert pick(types.SimpleNamespace(batch_size=2)) == keep.DENSE_VARIANT
+    assert pick(types.SimpleNamespace(batch_size=3)) == keep.GENERAL_VARIANT  # not the batch that was prepared
+    assert pick(types.SimpleNamespace(batch_size=2), types.SimpleNamespace()) == "orig"  # a runner the hook did not set up
+    s.m.reserve = SIZE  # no spare slot any more: the next step's grants fail, both go sparse
+    assert s.decode() and not s.m.all_kept and s.m.held == 0
+    assert pick(types.SimpleNamespace(batch_size=2)) == keep.GENERAL_VARIANT
+    # the capture hook: our backend with kept V gets both variants; a LoRA runner (both labels taken) does not
+    be = object.__new__(OffloadAttnBackend)
+    be.pool, be.graph_variants = s.pool, False
+    r = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=be))
+    keep.before_capture(r)
+    assert r.record_nolora_graph and r._sglang_elastic_keep and be.graph_variants
+    be2 = object.__new__(OffloadAttnBackend)
+    be2.pool, be2.graph_variants = s.pool, False
+    lora = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=be2), record_nolora_graph=True)
+    keep.before_capture(lora)
+    assert not getattr(lora, "_sglang_elastic_keep", False) and not be2.graph_variants
+    try:
+        _set_capture_lora_variant(keep.DENSE_VARIANT)
+        assert keep.capturing_dense_variant()
+        _set_capture_lora_variant(keep.GENERAL_VARIANT)
+        assert not keep.capturing_dense_variant()
+    finally:
+        _set_capture_lora_variant(None)

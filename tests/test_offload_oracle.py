@@ -456,6 +456,18 @@ def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, c
     assert "denominator=full" in capsys.readouterr().out
     assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
     assert "unknown qa_1" in capsys.readouterr().err
+    # --per-sample: the records go to an xz file the result names (the tracked results stay small)
+    out2, xz = tmp_path / "oracle2.json", tmp_path / "oracle2_per_sample.json.xz"
+    assert main(["--model", model_dir, "--tasks", "passkey", "--lengths", "512", "--samples", "1", "--natural", "0",
+                 "--out", str(out2), "--per-sample", str(xz)]) == 0
+    d2 = json.loads(out2.read_text())
+    import lzma
+
+    recs = json.loads(lzma.open(xz, "rt").read())["per_sample"]
+    assert "per_sample" not in d2 and d2["per_sample_file"] == xz.name and len(recs) == 1 and recs[0]["task"] == "passkey"
+    assert recs[0]["dense"] == d["per_sample"][0]["dense"]  # the same sample, the same answer as above
+    assert main(["--model", model_dir, "--out", str(tmp_path / "x.json"), "--per-sample", str(tmp_path / "x.json")]) == 2
+    assert "--per-sample needs --out and an .xz file name" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_request_at_a_time(model_dir, tmp_path, capsys):

@@ -101,15 +101,16 @@ class Sim:
             pool.set_kv_buffer(layer(l), self.r2t[own, pos].long(), k, v)
             self.k[l, own, pos], self.v[l, own, pos] = k, v
 
-    def decode(self, reqs, lens, check=True):
-        """One decode step of requests ``reqs`` now ``lens`` long (the new token included)."""
+    def decode(self, reqs, lens, check=True, all_dense=False):
+        """One decode step of requests ``reqs`` now ``lens`` long (the new token included);
+        ``all_dense``: the all-dense plan (keep_v, every request kept; a padding entry may ride along)."""
         pool, dec = self.pool, self.dec
         pool.flush_releases()
         rp, seq = torch.tensor(reqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         for r, n in zip(reqs, lens):
-            if self.kept(r, n - 1):
+            if r and self.kept(r, n - 1):
                 self._keep(r, n - 1, 1)
-        dec.plan(self.r2t, rp, seq, len(reqs), keep=pool.keep_tables())
+        dec.plan(self.r2t, rp, seq, len(reqs), keep=pool.keep_tables(), all_dense=all_dense)
         dec.grant_pages(pool)
         pool.set_summary_plan(dec.summary_plan(pool))
         outs, worst = [], 0.0
@@ -128,6 +129,8 @@ class Sim:
             kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
             if pool.layout.policy.is_dense_layer(l):
                 dec.dense(q, kb, vb, o, D ** -0.5)
+            elif all_dense:
+                dec.dense_kept(q, kb, vb, o, D ** -0.5)
             elif pool.layout.resident_v:
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, v_summary=pool.summaries(l))
             else:
@@ -135,6 +138,8 @@ class Sim:
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
+                    if r == 0:  # SGLang's padding row (a CUDA-graph padding entry): its output is dropped
+                        continue
                     pol = pool.layout.policy  # a request that keeps V attends to every position
                     pol = dataclasses.replace(pol, dense_layers=L) if self.kept(r, lens[b]) else pol
                     ref = attend_reference(q[b], self.k[l, r, : lens[b]], self.v[l, r, : lens[b]], pol, l)
@@ -487,9 +492,10 @@ def test_the_op_recorder_sees_what_a_graph_cannot_capture():
     assert torch.Tensor.tolist is orig_tolist and t.tolist() == orig_tolist(t)  # the patches are gone after the block
 
 
-@pytest.mark.parametrize("denominator,resident,prefetch,keep_v", [("selected", False, False, False), ("estimate", False, True, False),
-                                                                  ("full", True, False, False), ("estimate", False, True, True)])
-def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v):
+@pytest.mark.parametrize("denominator,resident,prefetch,keep_v,all_dense", [
+    ("selected", False, False, False, False), ("estimate", False, True, False, False), ("full", True, False, False, False),
+    ("estimate", False, True, True, False), ("estimate", False, False, True, True)])
+def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense):
     """What the backend runs inside SGLang's decode CUDA graph (the plan, then
     per layer: the prefetch, the KV write, the attention) makes no tensor from
     a Python value and reads no device value on the host. On the H200, with
@@ -497,19 +503,21 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
     sim = Sim(make_pool(pol, resident, keep_v=keep_v), seed=3)
-    sim.keep = {2} if keep_v else set()  # keep_v: one dense and one sparse request in the step
+    sim.keep = ({1, 2} if all_dense else {2}) if keep_v else set()  # keep_v: one dense and one sparse request (or both dense)
     sim.extend([1, 2], [(0, 40), (0, 300)])
     sim.decode([1, 2], [41, 301], check=False)
     pool, dec = sim.pool, sim.dec
     if keep_v:
         sim._keep(2, 301, 1)  # the step's slot, lent by the scheduler before the graph replays
+        if all_dense:
+            sim._keep(1, 41, 1)
     pool.flush_releases()  # out of the graph (init_forward_metadata_out_graph)
     rp, seq = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([42, 302], dtype=torch.int32)
     loc = sim.r2t[rp.long(), seq.long() - 1].long()
     ins = [(torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HKV, D).bfloat16(), torch.randn(2, HQ, D).bfloat16()) for _ in range(L)]
     outs = [torch.empty(2, HQ, D, dtype=torch.bfloat16) for _ in range(L)]
     with _OpRecorder() as rec:
-        dec.plan(sim.r2t, rp, seq, 2, keep=pool.keep_tables())
+        dec.plan(sim.r2t, rp, seq, 2, keep=pool.keep_tables(), all_dense=all_dense)
         dec.grant_pages(pool)
         pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
         pool.set_summary_plan(dec.summary_plan(pool))
@@ -522,6 +530,8 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
             kb, vb = pool.get_key_buffer(l), pool.get_value_buffer(l)
             if pol.is_dense_layer(l):
                 dec.dense(q, kb, vb, outs[l], D ** -0.5)
+            elif all_dense:
+                dec.dense_kept(q, kb, vb, outs[l], D ** -0.5)
             elif resident:
                 dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, v_summary=pool.summaries(l))
             else:
@@ -530,7 +540,7 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
     if keep_v:
-        assert dec.dense_lens[:2].tolist() == [0, 302]  # row 2 was dense in the recorded step
+        assert dec.dense_lens[:2].tolist() == ([42, 302] if all_dense else [0, 302])  # row 2 (and 1) dense in the recorded step
 
 
 @pytest.mark.parametrize("denominator", ["selected", "full", "estimate"])
@@ -661,3 +671,41 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
     _, w = sim.decode([1], [201])
     assert not sim.kept(1, 201) and pool.keep_len_cpu[1] == 200 and w < 2e-2
     assert int(sim.dec.dense_lens[0]) == 0 and int(sim.dec.sc_indptr[1]) == 201
+
+
+def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry():
+    """The all-dense plan (every request keeps V; the CUDA-graph variant of such batches): the sparse
+    layers run one split-KV pass over K and the kept V, no scores, top-k or copy (no hot page granted,
+    no hit or miss counted); SGLang's padding row 0 (length 1) rides along and writes nothing a
+    request reads; the next general step and a demotion continue from the same state."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    pool = make_pool(pol, keep_v=True)
+    sim = Sim(pool, 11)
+    sim.keep = {1, 2}
+    sim.extend([1, 2], [(0, 230), (0, 600)])
+    lens = [230, 600]
+    sink_rows = [pool.v_buffer[l][1 * pool.layout.region_rows].clone() for l in pool.sparse_layer_ids]
+    worst = 0.0
+    for _ in range(2):
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode([1, 2, 0], lens + [1], all_dense=True)  # a padded graph batch: row 0, length 1
+        worst = max(worst, w)
+    assert worst < 2e-2, worst
+    assert sim.dec.stats.tolist() == [0, 0] and int(pool.hot_count[1]) == int(pool.hot_count[2]) == 0
+    # row 1 reached 232 = 29 chunks of 8 in an all-dense step: that chunk's mean was read from the kept rows
+    for l in pool.sparse_layer_ids:
+        slot = int(pool.chunk_slot[1, 28])
+        assert slot < pool.summary_slots and bf16_close(pool.vsum[l][slot], sim.v[l, 1, 224:232].float().mean(0).bfloat16())
+    assert all(torch.equal(pool.v_buffer[l][1 * pool.layout.region_rows], s_) for l, s_ in zip(pool.sparse_layer_ids, sink_rows))
+    lens = [x + 1 for x in lens]
+    _, w = sim.decode([1, 2], lens)  # the general plan: both still dense there
+    assert w < 2e-2 and sim.dec.stats.tolist() == [0, 0]
+    sim.keep.discard(2)
+    pool.set_keep(2, 0, None)
+    for _ in range(2):
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode([1, 2], lens)  # row 2 demoted: sparse from its host V, ring and chunk means
+        assert w < 2e-2, w
+    assert sum(sim.dec.stats.tolist()) > 0
+    with pytest.raises(RuntimeError, match="all_dense=True"):
+        sim.dec.dense_kept(torch.zeros(2, HQ, D).bfloat16(), pool.get_key_buffer(1), pool.get_value_buffer(1), torch.empty(2, HQ, D).bfloat16(), 1.0)

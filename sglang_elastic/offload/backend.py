@@ -95,6 +95,10 @@ class OffloadAttnBackend(AttentionBackend):
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
         self._spec_pending = {}  # layer id -> event of its prefetch in this step
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
+        #: --kv-offload-keep-v: an all-dense step runs no selection (eager: the scheduler's grant says so;
+        #: CUDA graphs: the graph variant captured for it, sglang_elastic.offload.keep.DENSE_VARIANT)
+        self._all_dense = False
+        self.graph_variants = False  # set when SGLang's decode graph runner captures the all-dense variant too
         self._prefix_locs: Optional[torch.Tensor] = None
         #: host-side counters (no device read): tokens whose V went to the host, decode steps
         self.prefill_tokens = 0
@@ -186,6 +190,12 @@ class OffloadAttnBackend(AttentionBackend):
         self._mode = self._require(forward_batch)
         self.pool.flush_releases()
         self._count(forward_batch)
+        self._all_dense = False
+        if self._mode == "decode" and self.pool.keep_v:
+            from sglang_elastic.offload import keep
+
+            m = keep.current()
+            self._all_dense = m is not None and m.all_kept and m.all_kept_bs == forward_batch.batch_size
         if self._mode == "extend":
             self._init_extend(forward_batch)
         elif self._mode == "decode":
@@ -193,7 +203,8 @@ class OffloadAttnBackend(AttentionBackend):
 
     def _plan(self, fb) -> None:
         bs = fb.batch_size
-        self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs, keep=self.pool.keep_tables())
+        self.decoder.plan(self.req_to_token, fb.req_pool_indices, fb.seq_lens, bs, keep=self.pool.keep_tables(),
+                          all_dense=self._all_dense)
         self.decoder.grant_pages(self.pool)
         self.pool.set_v_rows(self.decoder.new_token_rows(), self.decoder.new_token_keep_rows())
         self.pool.set_summary_plan(self.decoder.summary_plan(self.pool))
@@ -208,6 +219,10 @@ class OffloadAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self._mode = self._require(forward_batch)
+        if in_capture:  # which graph variant this capture records (the all-dense one: no selection)
+            from sglang_elastic.offload import keep
+
+            self._all_dense = self.graph_variants and keep.capturing_dense_variant()
         if not in_capture:
             self._count(forward_batch)
             self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
@@ -249,6 +264,8 @@ class OffloadAttnBackend(AttentionBackend):
         vb = pool.get_value_buffer(lid)
         if pool.layout.policy.is_dense_layer(lid - pool.start_layer):
             dec.dense(q3, kb, vb, o, layer.scaling)
+        elif self._all_dense:  # every request keeps V (--kv-offload-keep-v): one split-KV pass over K and the kept V
+            dec.dense_kept(q3, kb, vb, o, layer.scaling)
         elif pool.layout.resident_v:
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                        v_summary=pool.summaries(lid))
@@ -261,7 +278,7 @@ class OffloadAttnBackend(AttentionBackend):
 
     def wants_prefetch(self, layer_id: int) -> bool:
         """Prefetch for ``layer_id`` in this forward (a decode step, a sparse layer, prefetch on)."""
-        return self.prefetch_on and self._mode == "decode" and self.pool.is_sparse_layer(layer_id)
+        return self.prefetch_on and self._mode == "decode" and not self._all_dense and self.pool.is_sparse_layer(layer_id)
 
     def prefetch(self, layer_id: int, q_spec: torch.Tensor, forward_batch, sm_scale: float) -> None:
         """Select and copy ``layer_id``'s guessed rows on the side stream

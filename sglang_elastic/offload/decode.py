@@ -146,9 +146,10 @@ class OffloadDecoder:
         #: [hits, misses] of the exact passes' selected rows (a prefetched row counts as a hit)
         self.stats = self.sel.stats
         self.bs = 0
+        self.all_dense = False
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int,
-             keep: Optional[tuple] = None) -> None:
+             keep: Optional[tuple] = None, all_dense: bool = False) -> None:
         """This step's lists and plans for ``bs`` requests (GPU ops only).
 
         Args:
@@ -160,6 +161,11 @@ class OffloadDecoder:
                 ``keep_len >= seq_len`` is dense this step: no scores, no selection, no copy; its
                 attended list is every position (K ids from ``req_to_token``, V rows from
                 ``req_to_vrow``), normalised by its own sum. The others run the sparse path.
+            all_dense: ``keep`` only: every request of the batch keeps V (the scheduler granted it
+                this step, :attr:`sglang_elastic.offload.keep.KeepV.all_kept`): the step plans no
+                selection at all, and the sparse layers run :meth:`dense_kept`. A request of length
+                1 (a CUDA-graph padding entry; a real decode step has at least 2 positions) reads
+                the padding row's kept entries, which point at the padding row's own V rows.
 
         Raises:
             ValueError: a batch larger than the workspace; ``keep`` given without ``layout.keep_v``
@@ -183,6 +189,24 @@ class OffloadDecoder:
             req_to_token, rp, lens, self.kv_indptr, None, self.kv_indices, req_to_token.stride(0),
         )
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
+        self.all_dense = bool(all_dense)
+        if all_dense:
+            if not self.keep_v:
+                raise ValueError("OffloadDecoder.plan: all_dense needs layout.keep_v")
+            req_to_vrow, _ = keep
+            # every position, K at kv_indices and V at the kept rows: the dense layers' lists and split plan
+            create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, lens, self.kv_indptr, None, self.att_vidx, req_to_vrow.stride(0))
+            self.s_eff[:bs].zero_()  # (not ``= 0``: a Python scalar becomes a fresh CPU tensor, which a graph cannot capture)
+            self.w_eff[:bs].zero_()
+            self.k[:bs].zero_()
+            self.dense_lens[:bs] = lens
+            fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.kv_indptr, self.att_kidx, self.att_vidx,
+                              self.v_rows, pol.sink, pol.window, lay.region_rows, resident=False)  # only the new tokens' ring rows
+            last = torch.clamp(lens.to(torch.int64) - 1, min=0)
+            self.keep_rows[:bs] = req_to_vrow[rp.to(torch.int64), last].to(torch.int64)
+            self._plan_summaries(req_to_vrow, rp, lens, bs)  # the completed chunks' kept rows: their means read no PCIe
+            self._rp = rp
+            return
         s, w, k = pol.counts_tensor(lens)
         att_splits = sp.attend_max_splits
         if self.keep_v:
@@ -211,14 +235,19 @@ class OffloadDecoder:
             create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, self.att_indptr, None, self.att_vidx, req_to_vrow.stride(0))
             last = torch.clamp(lens.to(torch.int64) - 1, min=0)
             self.keep_rows[:bs] = torch.where(dl > 0, req_to_vrow[rp.to(torch.int64), last].to(torch.int64), -1)
+        self._plan_summaries(req_to_token, rp, lens, bs)
+        self._rp = rp
+
+    def _plan_summaries(self, table, rp, lens, bs) -> None:
+        """The chunk each request's new token completes (``estimate``): its positions' entries of
+        ``table`` (``req_to_token``: host rows; an all-dense step's ``req_to_vrow``: kept rows)."""
         if self.estimate:  # the chunk a request's new token completes: positions [L - C, L) when L % C == 0
-            C = pol.chunk
+            C = self.policy.chunk
             L64 = lens.to(torch.int64)
             pos = torch.clamp(L64[:, None] - C + torch.arange(C, device=lens.device)[None, :], min=0)
-            self.sum_src[:bs] = req_to_token[rp.to(torch.int64)[:, None], pos].to(torch.int64)
+            self.sum_src[:bs] = table[rp.to(torch.int64)[:, None], pos].to(torch.int64)
             self.sum_chunk[:bs] = torch.clamp(L64 // C - 1, min=0)
             self.sum_valid[:bs] = ((L64 % C == 0) & (L64 >= C)).to(torch.int32)
-        self._rp = rp
 
     def summary_plan(self, pool):
         """This step's ``(src, dst)`` for :meth:`OffloadKVPool.set_summary_plan`
@@ -229,13 +258,15 @@ class OffloadDecoder:
             return None
         bs = self.bs
         dst = pool.assign_summary_slots(self._rp, self.sum_chunk[:bs], self.sum_valid[:bs], dst=self.sum_dst[:bs])
+        if self.all_dense:  # src: kept rows of the shared K/V buffers, not token ids
+            return self.sum_src[:bs], dst, "kept"
         return self.sum_src[:bs], dst
 
     def grant_pages(self, pool) -> None:
         """This step's hot-buffer pages (after :meth:`plan`; GPU ops only):
         each request gets the pages its ``k`` selected rows need
         (:meth:`OffloadKVPool.grant_pages`)."""
-        if not self.layout.resident_v:
+        if not self.layout.resident_v and not self.all_dense:
             pool.grant_pages(self._rp, self.k[: self.bs])
 
     def new_token_rows(self) -> torch.Tensor:
@@ -253,6 +284,22 @@ class OffloadDecoder:
         bs, sp = self.bs, self.split
         return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
                             sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
+
+    def dense_kept(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """A sparse layer of an all-dense step (:meth:`plan` with ``all_dense``): attention over every
+        position, K at its token id, V at its kept row of ``v_buffer`` (the layer's shared K/V buffer),
+        in one split-KV launch and its merge, as :meth:`dense` runs a dense layer.
+
+        Raises:
+            RuntimeError: the step was not planned ``all_dense``.
+        """
+        from sglang_elastic.kernels.offload import attend_run
+
+        if not self.all_dense:
+            raise RuntimeError("OffloadDecoder.dense_kept runs a step planned with all_dense=True")
+        bs, sp = self.bs, self.split
+        return attend_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.att_vidx, self.chunk[:bs], self.nsplit[:bs],
+                          sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
                 spec: bool, mark: bool = False):

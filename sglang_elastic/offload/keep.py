@@ -39,7 +39,10 @@ grants, next to SGLang's own ``req_to_token`` writes, on the same stream),
 ``TokenToKVPoolAllocator.alloc`` (AROUND: demote first when short),
 ``TokenToKVPoolAllocator.available_size`` (AROUND: plus the kept slots), and
 ``ReqToTokenPool.free`` (the pool's existing hook: the row's kept slots go
-back).
+back), and SGLang's decode graph runner (``DecodeCudaGraphRunner.capture``,
+BEFORE; ``_resolve_lora_variant``, AROUND): a batch whose every request keeps
+V replays a graph variant captured without any selection kernel
+(:data:`DENSE_VARIANT`), the others the general one.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class KeepV:
         self.held = 0
         self.granted = 0
         self.demoted = 0
+        #: the decode batch just prepared keeps V for every request (``all_kept_bs`` of them): its step
+        #: runs the all-dense plan (no selection; a CUDA-graph variant of its own, :func:`around_resolve_variant`)
+        self.all_kept = False
+        self.all_kept_bs = 0
         self._inner = False  # our own alloc / free calls: the allocator hooks pass them through
 
     # ------------------------------------------------------------- accounting
@@ -133,6 +140,8 @@ class KeepV:
         """A decode batch was allocated (SGLang's ``prepare_for_decode``; ``seq_lens`` with the
         new token): every kept request whose kept positions reach its new token's position gets
         one slot (one allocation for the batch); a request the reserve refuses is demoted."""
+        self.all_kept = False
+        rows, seq_lens = list(rows), list(seq_lens)
         want = [(int(r), int(n) - 1) for r, n in zip(rows, seq_lens) if self.kept(int(r)) == int(n) - 1 and int(n) > 1]
         stale = [int(r) for r, n in zip(rows, seq_lens) if 0 < self.kept(int(r)) != int(n) - 1 and self.kept(int(r)) < int(n)]
         for r in stale:
@@ -165,6 +174,8 @@ class KeepV:
             pool.keep_len_cpu[r] = p + 1
         self.held += len(want)
         self.granted += len(want)
+        self.all_kept = len(want) == len(rows)
+        self.all_kept_bs = len(rows)
 
     # -------------------------------------------------------------- demotions
 
@@ -216,6 +227,14 @@ _ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 _STATE: dict = {}
 
 
+_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+#: SGLang 0.5.17's decode graph runner captures two variants per batch size when ``record_nolora_graph``
+#: is set (for LoRA: labels "lora" and "nolora", picked per replay by ``_resolve_lora_variant``). Without
+#: LoRA, --kv-offload-keep-v borrows the mechanism: the general step (mixed dense / sparse) under the
+#: first label, the all-dense step (no selection kernels at all) under the second.
+GENERAL_VARIANT, DENSE_VARIANT = "lora", "nolora"
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -223,6 +242,43 @@ def register() -> None:
     HookRegistry.register(f"{_SCHED_BATCH}.prepare_for_decode", after_prepare_for_decode, HookType.AFTER)
     HookRegistry.register(f"{_ALLOCATOR}.alloc", around_alloc, HookType.AROUND)
     HookRegistry.register(f"{_ALLOCATOR}.available_size", around_available_size, HookType.AROUND)
+    HookRegistry.register(f"{_GRAPH_RUNNER}.capture", before_capture, HookType.BEFORE)
+    HookRegistry.register(f"{_GRAPH_RUNNER}._resolve_lora_variant", around_resolve_variant, HookType.AROUND)
+
+
+def _offload_backend(runner):
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    ab = getattr(getattr(runner, "model_runner", None), "attn_backend", None)
+    return ab if isinstance(ab, OffloadAttnBackend) and ab.pool.keep_v else None
+
+
+def before_capture(runner, *args, **kwargs):
+    """BEFORE ``DecodeCudaGraphRunner.capture``: capture the all-dense variant beside the general one
+    (not when LoRA already uses the two variants: then every step runs the general plan)."""
+    be = _offload_backend(runner)
+    if be is not None and not getattr(runner, "record_nolora_graph", False) and not getattr(runner, "_sglang_elastic_keep", False):
+        runner.record_nolora_graph = True
+        runner._sglang_elastic_keep = True
+        be.graph_variants = True
+    return None
+
+
+def capturing_dense_variant() -> bool:
+    """The graph being captured now is the all-dense variant."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_lora_variant
+
+    return get_capture_lora_variant() == DENSE_VARIANT
+
+
+def around_resolve_variant(orig, runner, forward_batch, *args, **kwargs):
+    """AROUND ``DecodeCudaGraphRunner._resolve_lora_variant``: the all-dense graph for a batch whose
+    every request the scheduler just granted a kept slot (:attr:`KeepV.all_kept`), else the general one."""
+    if not getattr(runner, "_sglang_elastic_keep", False):
+        return orig(runner, forward_batch, *args, **kwargs)
+    m = current()
+    dense = m is not None and m.all_kept and m.all_kept_bs == forward_batch.batch_size
+    return DENSE_VARIANT if dense else GENERAL_VARIANT
 
 
 def manager_for(allocator) -> Optional[KeepV]:
@@ -275,4 +331,5 @@ def release_row(row: int) -> None:
         m.demote(row)
 
 
-__all__ = ["KeepV", "RESERVE_FRAC", "current", "manager_for", "register", "release_row"]
+__all__ = ["DENSE_VARIANT", "GENERAL_VARIANT", "KeepV", "RESERVE_FRAC", "capturing_dense_variant", "current", "manager_for", "register",
+           "release_row"]

@@ -218,6 +218,8 @@ class OffloadKVPool(MHATokenToKVPool):
         # request, and how many leading positions have one; the CPU mirror of keep_len for the prefill's plan
         self.keep_v = self.keep_base is not None
         self.req_to_vrow = torch.full((rows, layout.stage_tokens), -1, dtype=torch.int32, device=dev) if self.keep_v else None
+        if self.keep_v:  # SGLang's padding row 0 (CUDA-graph padding entries) names its own fixed V row 0: never read as a kept
+            self.req_to_vrow[0] = 0  # row, only by an all-dense step's padding, whose output is dropped
         self.keep_len = torch.zeros(rows, dtype=torch.int32, device=dev) if self.keep_v else None
         self.keep_len_cpu = [0] * rows
         self._v_keep_rows: Optional[torch.Tensor] = None
@@ -330,8 +332,9 @@ class OffloadKVPool(MHATokenToKVPool):
         with ``src`` ``[n, chunk]`` int64 token ids (a chunk's positions, in
         order) and ``dst`` ``[n]`` int64 summary rows (the spare last row for
         an entry that completes nothing) — a prefill's plan adds which items
-        to average from the forward's own V (:meth:`plan_extend_summaries`) —
-        or ``None``. Written by every
+        to average from the forward's own V (:meth:`plan_extend_summaries`);
+        ``(src, dst, "kept")``: ``src`` are rows of the sparse layers' shared
+        K/V buffers (an all-dense step's kept V, read without PCIe) — or ``None``. Written by every
         ``set_kv_buffer`` of a sparse layer after its V is stored
         (:meth:`plan_extend_summaries`, :meth:`OffloadDecoder.summary_plan`)."""
         self._summary_plan = plan
@@ -348,6 +351,11 @@ class OffloadKVPool(MHATokenToKVPool):
             return
         H, D = self.head_num, self.v_head_dim
         out = self.vsum[layer_idx]
+        if len(plan) == 3:  # a decode step's (src, dst, "kept"): src are kept rows of the layer's shared K/V buffer
+            from sglang_elastic.kernels.offload import chunk_mean_run
+
+            chunk_mean_run(self.v_buffer[layer_idx], src, dst, out)
+            return
         if len(plan) > 2:  # a prefill: (src, dst, new_items, new_rows, old_items)
             new_items, new_rows, old_items = plan[2:]
             if new_items.shape[0]:

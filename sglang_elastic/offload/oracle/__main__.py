@@ -11,7 +11,8 @@ tables and the acceptance verdict, and writes (``--out``, rewritten after every
 sample so a stopped sweep keeps what it measured) ``{date, gpu, machine,
 commit, command, model, seed, policy, accuracy, acceptance, variants,
 per_sample}``: ``accuracy`` is the first denominator's rows, ``variants`` the
-others'. Exit status 0 whether or not the gate passes (the verdict is data);
+others' (``--per-sample FILE.json.xz``: the per-sample records go there, and
+``per_sample_file`` names it). Exit status 0 whether or not the gate passes (the verdict is data);
 2 on bad input.
 """
 
@@ -51,7 +52,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-samples", type=int, default=score.MIN_SAMPLES, help="acceptance: samples per cell")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--per-sample", default=None, metavar="FILE.json.xz",
+                    help="write the per-sample records to this xz-compressed JSON instead of --out (which then names it in per_sample_file)")
     return ap.parse_args(argv)
+
+
+def write_per_sample(path: str, records: list) -> None:
+    """The per-sample records as xz-compressed JSON ``{"per_sample": [...]}``, atomically (the tracked
+    results stay small enough to travel with the GPU bundle in one device call)."""
+    import json
+    import lzma
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with lzma.open(tmp, "wt") as f:
+        json.dump({"per_sample": records}, f)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -69,6 +84,8 @@ def main(argv=None) -> int:
             policies[label] = OffloadPolicy(a.sink, a.window, a.budget, a.topk, a.dense_layers, den, granularity=gran or "token")
         if not policies or a.samples < 0 or a.natural < 0:
             raise tasks.TaskError("--denominators must name one at least; --samples and --natural must be >= 0")
+        if a.per_sample is not None and (not a.out or not a.per_sample.endswith(".xz")):
+            raise tasks.TaskError("--per-sample needs --out and an .xz file name (the records go there, xz-compressed)")
         tasks.shakespeare_path(a.haystack)
         ref = Reference(a.model, a.threads)
         too_long = [L for L in lengths if L > ref.max_positions]
@@ -97,6 +114,9 @@ def main(argv=None) -> int:
             out = dict(head, model=os.path.abspath(a.model), seed=a.seed, seconds=round(time.time() - t0, 1), complete=final,
                        policy=runs[0]["policy"], accuracy=runs[0]["accuracy"], acceptance=runs[0]["acceptance"], variants=runs[1:],
                        per_sample=per_sample)
+            if a.per_sample:
+                write_per_sample(a.per_sample, out.pop("per_sample"))
+                out["per_sample_file"] = os.path.basename(a.per_sample)
             results.write(a.out, out)
 
     cells = [(t, L) for L in lengths for t in task_list] + [("natural", L) for L in lengths if a.natural]
