@@ -52,11 +52,11 @@ class Server:
     decode (one slot per running request, then ``prepare_for_decode``'s), finish / retract (the
     request's slots freed, then ``ReqToTokenPool.free``'s hook), admission by ``available_size``."""
 
-    def __init__(self, reserve_frac=keep.RESERVE_FRAC):
+    def __init__(self, reserve_frac=keep.RESERVE_FRAC, need_sort=False):
         pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
         self.pool = make_pool(pol, size=SIZE, rows=ROWS, ctx=CTX, keep_v=True)
         cls, self.hooks = hooked_allocator_class()
-        self.alloc = cls(SIZE, torch.bfloat16, "cpu", self.pool, need_sort=False)
+        self.alloc = cls(SIZE, torch.bfloat16, "cpu", self.pool, need_sort=need_sort)  # need_sort: PD's sorted free lists
         keep._STATE.clear()
         self.m = keep.manager_for(self.alloc)
         self.m.reserve = int(SIZE * reserve_frac)
@@ -202,9 +202,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "chunk", "decode", "decode", 
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, reserve=st.sampled_from([0.0, 0.1, 0.3]))
-def test_random_admit_chunk_decode_finish_never_owns_a_slot_twice_and_admission_never_fails(ops, reserve):
-    s = Server(reserve_frac=reserve)
+@given(ops=OPS, reserve=st.sampled_from([0.0, 0.1, 0.3]), need_sort=st.booleans())
+def test_random_admit_chunk_decode_finish_never_owns_a_slot_twice_and_admission_never_fails(ops, reserve, need_sort):
+    s = Server(reserve_frac=reserve, need_sort=need_sort)
     for op, row, n in ops:
         if op == "admit":
             s.admit(row, n)
@@ -258,3 +258,37 @@ def test_the_all_dense_graph_variant_is_replayed_only_when_every_request_of_the_
         assert not keep.capturing_dense_variant()
     finally:
         _set_capture_lora_variant(None)
+
+
+def test_a_short_decode_step_demotes_the_largest_kept_requests_first_and_finishing_is_no_demotion():
+    """(Found by review.) With slots for only some of the step's kept requests, the largest go sparse
+    until the rest fit, never a smaller one while a larger stays kept; a request that finishes
+    returns its kept slots without counting as a demotion."""
+    s = Server(reserve_frac=0.0)
+    assert s.admit(1, 10) and s.admit(2, 20) and s.admit(3, 150)
+    assert [s.pool.keep_len_cpu[r] for r in (1, 2, 3)] == [10, 20, 150]
+    s.m.reserve = s.m.real_free() - 3 - 1  # after the step's own 3 token slots, room for 1 kept slot less than needed
+    assert s.decode()
+    kl = {r: s.pool.keep_len_cpu[r] for r in (1, 2, 3)}
+    assert kl == {1: 11, 2: 21, 3: 0} and s.m.demoted == 1, kl
+    s.check()
+    assert s.finish(1) and s.finish(2) and s.m.demoted == 1 and s.m.held == 0
+    assert s.m.stats() == {"kept_tokens": 0, "kept_requests": 0, "keep_granted_tokens": 10 + 20 + 150 + 2, "keep_demotions": 1}
+
+
+def test_the_capture_hooks_leave_lora_alone_and_clear_the_variant_label():
+    from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant, get_capture_lora_variant
+
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    s = Server()
+    be = object.__new__(OffloadAttnBackend)
+    be.pool, be.graph_variants = s.pool, False
+    r = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=be, server_args=types.SimpleNamespace(enable_lora=True)))
+    keep.before_capture(r)
+    assert not getattr(r, "_sglang_elastic_keep", False) and not be.graph_variants  # --enable-lora: SGLang's variants stay LoRA's
+    r.model_runner.server_args.enable_lora = False
+    keep.before_capture(r)
+    assert r._sglang_elastic_keep and be.graph_variants
+    _set_capture_lora_variant(keep.DENSE_VARIANT)  # what SGLang's capture loop leaves after its last variant
+    assert keep.after_capture("done", r) == "done" and get_capture_lora_variant() is None

@@ -150,13 +150,9 @@ class KeepV:
             return
         ids = self._alloc(len(want))
         if ids is None:  # too few spare slots for all: the largest requests go sparse until the rest fit
-            keep = []
-            for r, pos in sorted(want, key=lambda x: x[1]):
-                if self.real_free() - (len(keep) + 1) >= self.reserve:
-                    keep.append((r, pos))
-                else:
-                    self.demote(r)
-            want = sorted(keep)
+            want.sort(key=lambda x: x[1])
+            while want and self.real_free() - len(want) < self.reserve:
+                self.demote(want.pop()[0])  # the largest first: its slots go back, the rest may fit now
             if not want:
                 return
             ids = self._alloc(len(want))
@@ -179,9 +175,10 @@ class KeepV:
 
     # -------------------------------------------------------------- demotions
 
-    def demote(self, row: int) -> int:
+    def demote(self, row: int, finished: bool = False) -> int:
         """Request row ``row`` gives its kept slots back and attends sparsely from its next step;
-        returns the slots freed. Also what SGLang freeing the row does (``ReqToTokenPool.free``)."""
+        returns the slots freed. ``finished``: SGLang freed the row (``ReqToTokenPool.free``: the
+        request finished or was retracted), which is not counted as a demotion."""
         n = self.kept(row)
         if not n:
             return 0
@@ -190,7 +187,8 @@ class KeepV:
         pool.set_keep(row, 0, None)
         self._give_back(ids)
         self.held -= n
-        self.demoted += 1
+        if not finished:
+            self.demoted += 1
         return n
 
     def _give_back(self, ids: torch.Tensor) -> None:
@@ -243,6 +241,7 @@ def register() -> None:
     HookRegistry.register(f"{_ALLOCATOR}.alloc", around_alloc, HookType.AROUND)
     HookRegistry.register(f"{_ALLOCATOR}.available_size", around_available_size, HookType.AROUND)
     HookRegistry.register(f"{_GRAPH_RUNNER}.capture", before_capture, HookType.BEFORE)
+    HookRegistry.register(f"{_GRAPH_RUNNER}.capture", after_capture, HookType.AFTER)
     HookRegistry.register(f"{_GRAPH_RUNNER}._resolve_lora_variant", around_resolve_variant, HookType.AROUND)
 
 
@@ -257,11 +256,24 @@ def before_capture(runner, *args, **kwargs):
     """BEFORE ``DecodeCudaGraphRunner.capture``: capture the all-dense variant beside the general one
     (not when LoRA already uses the two variants: then every step runs the general plan)."""
     be = _offload_backend(runner)
-    if be is not None and not getattr(runner, "record_nolora_graph", False) and not getattr(runner, "_sglang_elastic_keep", False):
+    mr = getattr(runner, "model_runner", None)
+    lora = (getattr(runner, "record_nolora_graph", False) or getattr(getattr(mr, "server_args", None), "enable_lora", False)
+            or getattr(mr, "lora_manager", None) is not None)
+    if be is not None and not lora and not getattr(runner, "_sglang_elastic_keep", False):
         runner.record_nolora_graph = True
         runner._sglang_elastic_keep = True
         be.graph_variants = True
     return None
+
+
+def after_capture(result, runner, *args, **kwargs):
+    """AFTER ``DecodeCudaGraphRunner.capture``: SGLang leaves the last variant label set; clear it, so
+    that no later capture records the all-dense plan by mistake."""
+    if getattr(runner, "_sglang_elastic_keep", False):
+        from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+        _set_capture_lora_variant(None)
+    return result
 
 
 def capturing_dense_variant() -> bool:
@@ -328,7 +340,7 @@ def release_row(row: int) -> None:
     """SGLang freed request row ``row`` (``ReqToTokenPool.free``): its kept slots go back."""
     m = _STATE.get("keep")
     if m is not None:
-        m.demote(row)
+        m.demote(row, finished=True)
 
 
 __all__ = ["DENSE_VARIANT", "GENERAL_VARIANT", "KeepV", "RESERVE_FRAC", "capturing_dense_variant", "current", "manager_for", "register",
