@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from sglang_elastic.offload import keep
 from sglang_elastic.offload.policy import OffloadPolicy
-from test_offload_pool import make_pool
+from test_offload_pool import make_pool, recorded_hooks
 
 SIZE, ROWS, CTX = 600, 5, 200
 
@@ -27,23 +27,17 @@ SIZE, ROWS, CTX = 600, 5, 200
 def hooked_allocator_class():
     """SGLang's allocator with the hooks ``keep.register`` gives, wrapped by SGLang's ``_wrap_fn``."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.plugins.hook_registry import HookRegistry, _wrap_fn
+    from sglang.srt.plugins.hook_registry import _wrap_fn
 
-    seen = {}
-    orig = HookRegistry.register
-    try:
-        HookRegistry.register = classmethod(lambda cls, target, fn, kind: seen.__setitem__(target, (fn, kind)))
-        keep.register()
-    finally:
-        HookRegistry.register = orig
+    seen = recorded_hooks(keep.register)
     # every target names a real SGLang 0.5.17 attribute
     for target in seen:
         mod, cls, attr = target.rsplit(".", 2)
         assert callable(getattr(getattr(importlib.import_module(mod), cls), attr)), target
     name = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
-    ns = {a: _wrap_fn(getattr(TokenToKVPoolAllocator, a), *seen[f"{name}.{a}"]) for a in ("alloc", "available_size")}
+    ns = {a: _wrap_fn(getattr(TokenToKVPoolAllocator, a), *seen[f"{name}.{a}"][0]) for a in ("alloc", "available_size")}
     cls = type("HookedAllocator", (TokenToKVPoolAllocator,), ns)
-    batch_hooks = {a: seen[f"sglang.srt.managers.schedule_batch.ScheduleBatch.{a}"][0] for a in ("prepare_for_extend", "prepare_for_decode")}
+    batch_hooks = {a: seen[f"sglang.srt.managers.schedule_batch.ScheduleBatch.{a}"][0][0] for a in ("prepare_for_extend", "prepare_for_decode")}
     return cls, batch_hooks
 
 

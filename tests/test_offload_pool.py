@@ -101,6 +101,17 @@ class Sim:
             pool.set_kv_buffer(layer(l), self.r2t[own, pos].long(), k, v)
             self.k[l, own, pos], self.v[l, own, pos] = k, v
 
+    def run(self, reqs, lens, steps, **kw):
+        """``steps`` decode steps in a row from lengths ``lens`` (before the first new token):
+        ``(lens after, every step's outputs, the worst relative error)``."""
+        outs, worst = [], 0.0
+        for _ in range(steps):
+            lens = [x + 1 for x in lens]
+            o, w = self.decode(reqs, lens, **kw)
+            outs += o
+            worst = max(worst, w)
+        return lens, outs, worst
+
     def decode(self, reqs, lens, check=True, all_dense=False):
         """One decode step of requests ``reqs`` now ``lens`` long (the new token included);
         ``all_dense``: the all-dense plan (keep_v, every request kept; a padding entry may ride along)."""
@@ -157,25 +168,14 @@ def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="se
     sim.guess = guess
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
-    lens = [30, 500, 5]
-    outs, worst = [], 0.0
-    for _ in range(3 if short else 4):
-        lens = [x + 1 for x in lens]
-        o, w = sim.decode([1, 2, 4], lens)
-        outs += o
-        worst = max(worst, w)
+    lens, outs, worst = sim.run([1, 2, 4], [30, 500, 5], 3 if short else 4)
     if short:
         return outs, worst, sim
     # row 4 finishes; a new 400-token request takes row 4 (new token ids in its req_to_token row)
     sim.new_request(4)
     sim.extend([4], [(0, 400)])
-    lens = [lens[0], lens[1], 400]
-    for _ in range(2):
-        lens = [x + 1 for x in lens]
-        o, w = sim.decode([1, 2, 4], lens)
-        outs += o
-        worst = max(worst, w)
-    return outs, worst, sim
+    _, o, w = sim.run([1, 2, 4], [lens[0], lens[1], 400], 2)
+    return outs + o, max(worst, w), sim
 
 
 @pytest.mark.parametrize("denominator", ["selected", "estimate"])
@@ -293,22 +293,30 @@ def test_staging_gathers_a_prefix_from_the_pool_and_the_host_rows():
         sim.pool.stage_layer(1, torch.arange(1, 1202))
 
 
-def hooked_req_free():
-    """SGLang's ``ReqToTokenPool.free`` as the plugin's hook wraps it: the hook
-    ``hooks.register`` gives, applied by SGLang's own ``HookRegistry`` wrapper."""
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.plugins.hook_registry import HookRegistry, _wrap_fn
-
-    from sglang_elastic.offload import hooks
+def recorded_hooks(register):
+    """What ``register()`` hands SGLang's ``HookRegistry.register``: ``{target: [(hook, kind), ...]}``
+    in registration order (a target may take several hooks), without applying any."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     seen = {}
     orig = HookRegistry.register
     try:
-        HookRegistry.register = classmethod(lambda cls, target, fn, kind: seen.__setitem__(target, (fn, kind)))
-        hooks.register()
+        HookRegistry.register = classmethod(lambda cls, target, fn, kind: seen.setdefault(target, []).append((fn, kind)))
+        register()
     finally:
         HookRegistry.register = orig
-    fn, kind = seen["sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free"]
+    return seen
+
+
+def hooked_req_free():
+    """SGLang's ``ReqToTokenPool.free`` as the plugin's hook wraps it: the hook
+    ``hooks.register`` gives, applied by SGLang's own ``HookRegistry`` wrapper."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.plugins.hook_registry import _wrap_fn
+
+    from sglang_elastic.offload import hooks
+
+    [(fn, kind)] = recorded_hooks(hooks.register)["sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free"]
     return _wrap_fn(ReqToTokenPool.free, fn, kind)
 
 
@@ -617,12 +625,7 @@ def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_spa
     sim.keep = {1, 4}
     sim.extend([1, 2, 4], [(0, 300), (0, 260), (0, 120)])
     sim.extend([1], [(300, 420)])  # a later chunk of a dense request: its prefix from the host staging, its V kept
-    lens = [420, 260, 120]
-    worst = 0.0
-    for _ in range(3):
-        lens = [x + 1 for x in lens]
-        _, w = sim.decode([1, 2, 4], lens)
-        worst = max(worst, w)
+    lens, _, worst = sim.run([1, 2, 4], [420, 260, 120], 3)
     assert sim.kept(1, lens[0]) and sim.kept(4, lens[2]) and not sim.kept(2, 1)
     assert worst < 2e-2, worst  # rows 1 and 4 against the dense reference, row 2 against the policy's
     # the kept rows hold exactly the history's V, at the slots the table names
@@ -641,22 +644,16 @@ def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_spa
     assert float((dense_ref - sparse_ref).abs().max() / dense_ref.abs().max()) > 0.05
     sim.keep.discard(1)
     pool.set_keep(1, 0, None)  # demoted (SGLang's allocator ran short): row 1 continues sparse
-    for _ in range(3):
-        lens = [x + 1 for x in lens]
-        _, w = sim.decode([1, 2, 4], lens)
-        worst = max(worst, w)
+    lens, _, w = sim.run([1, 2, 4], lens, 3)
+    worst = max(worst, w)
     assert not sim.kept(1, lens[0]) and int(pool.hot_count[1]) > 0
     sim.keep.discard(4)
     pool.set_keep(4, 0, None)
     pool.release_rows([4])
     sim.new_request(4)
     sim.extend([4], [(0, 90)])
-    lens = [lens[0], lens[1], 90]
-    for _ in range(2):
-        lens = [x + 1 for x in lens]
-        _, w = sim.decode([1, 2, 4], lens)
-        worst = max(worst, w)
-    assert worst < 2e-2, worst
+    _, _, w = sim.run([1, 2, 4], [lens[0], lens[1], 90], 2)
+    assert max(worst, w) < 2e-2, (worst, w)
 
 
 def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length():
@@ -702,10 +699,8 @@ def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_wit
     assert w < 2e-2 and sim.dec.stats.tolist() == [0, 0]
     sim.keep.discard(2)
     pool.set_keep(2, 0, None)
-    for _ in range(2):
-        lens = [x + 1 for x in lens]
-        _, w = sim.decode([1, 2], lens)  # row 2 demoted: sparse from its host V, ring and chunk means
-        assert w < 2e-2, w
+    lens, _, w = sim.run([1, 2], lens, 2)  # row 2 demoted: sparse from its host V, ring and chunk means
+    assert w < 2e-2, w
     assert sum(sim.dec.stats.tolist()) > 0
     with pytest.raises(RuntimeError, match="all_dense=True"):
         sim.dec.dense_kept(torch.zeros(2, HQ, D).bfloat16(), pool.get_key_buffer(1), pool.get_value_buffer(1), torch.empty(2, HQ, D).bfloat16(), 1.0)

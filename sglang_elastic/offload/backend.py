@@ -143,9 +143,7 @@ class OffloadAttnBackend(AttentionBackend):
         if total_prefix:
             r2t = self.req_to_token
             # the prefixes' token ids gathered on the GPU (no device-to-host read of the rows)
-            pre = torch.tensor(prefix_cpu, dtype=torch.int64)
-            owner = torch.repeat_interleave(torch.arange(bs), pre)
-            pos = torch.arange(total_prefix) - (torch.cumsum(pre, 0) - pre)[owner]
+            owner, pos, _ = pool.extend_positions([0] * bs, prefix_cpu)  # positions [0, prefix) of each request
             dev = r2t.device
             self._prefix_locs = r2t[rows.to(dev, torch.int64)[owner.to(dev, non_blocking=True)], pos.to(dev, non_blocking=True)].to(torch.int64)
             custom = torch.arange(total_prefix, dtype=torch.int32, device=self.device)

@@ -273,7 +273,7 @@ class OffloadKVPool(MHATokenToKVPool):
         k = sum(b.numel() * b.element_size() for b in self.k_buffer)
         v = sum(b.numel() * b.element_size() for b in self.v_buffer)
         if self.keep_base is not None:  # a shared K/V buffer counts its K rows once
-            v -= sum(kb.numel() * kb.element_size() for kb, vb in zip(self.k_buffer, self.v_buffer) if vb.shape[0] > kb.shape[0] and vb.data_ptr() != kb.data_ptr())
+            v -= sum(kb.numel() * kb.element_size() for kb, vb in zip(self.k_buffer, self.v_buffer) if vb.shape[0] > kb.shape[0])
         return k, v
 
     def keep_tables(self):
@@ -502,7 +502,7 @@ class OffloadKVPool(MHATokenToKVPool):
             ``[sum(extend_lens)]`` int64 on the pool's device.
         """
         pol, lay = self.layout.policy, self.layout
-        owner, pos, end = self._extend_positions(prefix_lens_cpu, extend_lens_cpu)
+        owner, pos, end = self.extend_positions(prefix_lens_cpu, extend_lens_cpu)
         # the row within the request's region on the CPU (from the CPU lengths), the region on the GPU:
         # no device-to-host read of the request rows (under the overlap scheduler it would wait for the last forward)
         off = torch.where(pos < pol.sink, pos, torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1)))
@@ -512,7 +512,7 @@ class OffloadKVPool(MHATokenToKVPool):
         return torch.where(off >= 0, rows * lay.region_rows + off, -1).to(self.device)
 
     @staticmethod
-    def _extend_positions(prefix_lens_cpu, extend_lens_cpu):
+    def extend_positions(prefix_lens_cpu, extend_lens_cpu):
         """Per token a prefill writes (batch order): its request's index, its position, and its request's end (CPU int64)."""
         ext = torch.tensor([int(x) for x in extend_lens_cpu], dtype=torch.int64)
         pre = torch.tensor([int(x) for x in prefix_lens_cpu], dtype=torch.int64)
@@ -528,7 +528,7 @@ class OffloadKVPool(MHATokenToKVPool):
         host read), or None without ``keep_v``."""
         if not self.keep_v:
             return None
-        owner, pos, end = self._extend_positions(prefix_lens_cpu, extend_lens_cpu)
+        owner, pos, end = self.extend_positions(prefix_lens_cpu, extend_lens_cpu)
         dev = self.req_to_vrow.device
         rows = req_pool_indices[: len(extend_lens_cpu)].to(dev, torch.int64)[owner.to(dev, non_blocking=True)]
         pos, end = pos.to(dev, non_blocking=True), end.to(dev, non_blocking=True)
