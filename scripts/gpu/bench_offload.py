@@ -136,12 +136,16 @@ def log_value(log: str, key: str) -> Optional[str]:
 
 class PeakPoller:
     """Polls ``/metrics`` every 0.5 s in a thread: the peak of SGLang's
-    ``sglang:num_used_tokens`` (KV tokens held) and ``num_running_reqs``."""
+    ``sglang:num_used_tokens`` (KV tokens held) and ``num_running_reqs``, and with
+    ``--kv-offload-keep-v`` ``sglang_elastic:offload_kept_tokens`` / ``_kept_requests``."""
+
+    KEYS = {"sglang:num_used_tokens": "tokens", "sglang:num_running_reqs": "running",
+            "sglang_elastic:offload_kept_tokens": "kept_tokens", "sglang_elastic:offload_kept_requests": "kept_requests"}
 
     def __init__(self, server: "Server"):
         import threading
 
-        self.server, self.peak = server, {"tokens": 0, "running": 0}
+        self.server, self.peak = server, {"tokens": 0, "running": 0, "kept_tokens": 0, "kept_requests": 0}
         self._stop = threading.Event()
         self._th = threading.Thread(target=self._run, daemon=True)
         self._th.start()
@@ -151,10 +155,9 @@ class PeakPoller:
             try:
                 text = urllib.request.urlopen(self.server.url("/metrics"), timeout=10).read().decode()
                 for line in text.splitlines():
-                    if line.startswith("sglang:num_used_tokens"):
-                        self.peak["tokens"] = max(self.peak["tokens"], int(float(line.split()[-1])))
-                    elif line.startswith("sglang:num_running_reqs"):
-                        self.peak["running"] = max(self.peak["running"], int(float(line.split()[-1])))
+                    key = self.KEYS.get(line.split("{", 1)[0].split(" ", 1)[0])
+                    if key is not None:
+                        self.peak[key] = max(self.peak[key], int(float(line.split()[-1])))
             except Exception:
                 pass
             time.sleep(0.5)
@@ -327,6 +330,10 @@ def part_throughput(a) -> dict:
                 dur = rec["duration_s"] or 1
                 row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
                             "pcie_gb_per_s": (rd + wr) / dur / 1e9, "prefetched_rows": after.get("prefetched_rows", 0) - b.get("prefetched_rows", 0)})
+                if "keep_granted_tokens" in after:  # --kv-offload-keep-v: how much ran dense, and how often HBM ran short
+                    row["keep_v"] = {"peak_kept_tokens": peak["kept_tokens"], "peak_kept_requests": peak["kept_requests"],
+                                     "granted_tokens": after["keep_granted_tokens"] - b.get("keep_granted_tokens", 0),
+                                     "demotions": after["keep_demotions"] - b.get("keep_demotions", 0)}
                 # the pool as built and its overflow counters (both should stay 0), the rule that ran
                 row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
                                                                  "summary_overflow", "summary_slots") if k in after}
