@@ -790,6 +790,87 @@ def copy_rows_run(
     )
 
 
+@triton.jit
+def _store_sparse_kernel(
+    k_ptr, v_ptr, kdst_ptr, host_ptr, vdst_ptr, loc_ptr, vrow_ptr, keep_ptr, n,
+    stride_k, stride_v, stride_kdst, stride_host, stride_vdst,
+    KROW: tl.constexpr, VROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    VROWS: tl.constexpr, KEEP: tl.constexpr,
+):
+    """Row ``i < n``: ``kdst[loc[i]] = k[i]``, ``host[loc[i]] = v[i]`` and, where the
+    index is ``>= 0``, ``vdst[vrow[i]] = v[i]`` and ``vdst[keep[i]] = v[i]``."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    ok_k = tl.arange(0, BLOCK_K)
+    ok_v = tl.arange(0, BLOCK_V)
+    mk = ok_k < KROW
+    mv = ok_v < VROW
+    for i0 in range(pid * BLOCK_R, n, P * BLOCK_R):
+        rows = i0 + tl.arange(0, BLOCK_R)
+        m = rows < n
+        loc = tl.load(loc_ptr + rows, mask=m, other=-1).to(tl.int64)
+        ok = m & (loc >= 0)
+        r64 = rows.to(tl.int64)
+        x = tl.load(k_ptr + r64[:, None] * stride_k + ok_k[None, :], mask=ok[:, None] & mk[None, :])
+        tl.store(kdst_ptr + loc[:, None] * stride_kdst + ok_k[None, :], x, mask=ok[:, None] & mk[None, :])
+        y = tl.load(v_ptr + r64[:, None] * stride_v + ok_v[None, :], mask=m[:, None] & mv[None, :])
+        tl.store(host_ptr + loc[:, None] * stride_host + ok_v[None, :], y, mask=ok[:, None] & mv[None, :])
+        if VROWS:
+            vr = tl.load(vrow_ptr + rows, mask=m, other=-1).to(tl.int64)
+            tl.store(vdst_ptr + vr[:, None] * stride_vdst + ok_v[None, :], y, mask=(m & (vr >= 0))[:, None] & mv[None, :])
+        if KEEP:
+            kr = tl.load(keep_ptr + rows, mask=m, other=-1).to(tl.int64)
+            tl.store(vdst_ptr + kr[:, None] * stride_vdst + ok_v[None, :], y, mask=(m & (kr >= 0))[:, None] & mv[None, :])
+
+
+def store_sparse_run(
+    cache_k: torch.Tensor, cache_v: torch.Tensor, k_dst: torch.Tensor, host_v: torch.Tensor, v_dst: torch.Tensor,
+    loc: torch.Tensor, v_rows: Optional[torch.Tensor] = None, keep_rows: Optional[torch.Tensor] = None,
+    block_r: int = 4, num_warps: Optional[int] = None,
+) -> None:
+    """A sparse layer's KV write in one launch (what four :func:`copy_rows_run` did):
+    K to the pool, V to the host pool and to up to two device rows.
+
+    For each new token ``i``: ``k_dst[loc[i]] = cache_k[i]`` and ``host_v[loc[i]] =
+    cache_v[i]`` (a negative ``loc`` skips both); ``v_dst[v_rows[i]] = cache_v[i]``
+    (the request's sink or ring row) and ``v_dst[keep_rows[i]] = cache_v[i]`` (its
+    kept V, ``--kv-offload-keep-v``) where those are ``>= 0``. The host writes are
+    GPU-initiated PCIe stores through UVA, as SGLang's
+    ``transfer_hicache_one_layer`` does (sgl-kernel); on the GPU and CUDA-graph safe.
+
+    Args:
+        cache_k: ``[n, kv_heads, head_dim]``; cache_v: ``[n, kv_heads, v_head_dim]`` (each row's
+            trailing dims contiguous; any row stride, e.g. a view of the fused QKV output).
+        k_dst: ``[slots, kv_heads, head_dim]`` the layer's K buffer.
+        host_v: ``[slots, kv_heads, v_head_dim]`` the layer's host V (a UVA view on the GPU).
+        v_dst: ``[rows, kv_heads, v_head_dim]`` the layer's device V rows (hot rows, kept rows).
+        loc: ``[n]`` int32/int64 token ids (SGLang's ``out_cache_loc``).
+        v_rows, keep_rows: ``[n]`` int32/int64 device rows (``-1``: none), or None.
+
+    Raises:
+        ValueError: row sizes or dtypes of a source and its destinations differ, or an index list
+            is shorter than ``n``.
+    """
+    n = cache_k.shape[0]
+    krow = int(torch.Size(cache_k.shape[1:]).numel())
+    vrow = int(torch.Size(cache_v.shape[1:]).numel())
+    for name, t, row, src in (("k_dst", k_dst, krow, cache_k), ("host_v", host_v, vrow, cache_v), ("v_dst", v_dst, vrow, cache_v)):
+        if int(torch.Size(t.shape[1:]).numel()) != row or t.dtype != src.dtype:
+            raise ValueError(f"store_sparse: {name} {tuple(t.shape)} {t.dtype} does not take rows of {tuple(src.shape)} {src.dtype}")
+    for name, t in (("cache_v", cache_v), ("loc", loc), ("v_rows", v_rows), ("keep_rows", keep_rows)):
+        if t is not None and t.shape[0] < n:
+            raise ValueError(f"store_sparse: {name} has {t.shape[0]} rows for {n} tokens")
+    if n == 0:
+        return
+    programs = min(triton.cdiv(n, block_r), 4 if triton.knobs.runtime.interpret else 1024)
+    _store_sparse_kernel[(programs,)](
+        cache_k, cache_v, k_dst, host_v, v_dst, loc, v_rows, keep_rows, n,
+        cache_k.stride(0), cache_v.stride(0), k_dst.stride(0), host_v.stride(0), v_dst.stride(0),
+        KROW=krow, VROW=vrow, BLOCK_K=triton.next_power_of_2(krow), BLOCK_V=triton.next_power_of_2(vrow), BLOCK_R=block_r,
+        VROWS=v_rows is not None, KEEP=keep_rows is not None, **_launch_opts(num_warps, None),
+    )
+
+
 # ---------------------------------------------------------------------------
 # 4. attention over the attended lists
 # ---------------------------------------------------------------------------
@@ -1112,4 +1193,4 @@ def slot_release_run(rows: torch.Tensor, table: torch.Tensor, count: torch.Tenso
         _slot_release_kernel[(n,)](rows, table, count, stack, top, table.stride(0), ZERO=zero, BLOCK=block)
 
 
-__all__ = ["attend_run", "chunk_mean_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]
+__all__ = ["attend_run", "chunk_mean_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "store_sparse_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

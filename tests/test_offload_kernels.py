@@ -677,3 +677,35 @@ def test_the_mark_stamp_wraps_without_ever_being_zero():
         st = torch.tensor([before], dtype=torch.int32)
         ko.lse_merge(mid, 4, 2, stamp=st)
         assert int(st) == after
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_store_sparse_writes_k_host_v_and_the_device_rows_of_each_token(keep):
+    g = torch.Generator().manual_seed(11)
+    n, slots, rows = 7, 60, 30
+    qkv = torch.randn(n, 3, 2, 64, generator=g).bfloat16()  # K and V as views of a fused output (row stride 384)
+    ck, cv = qkv[:, 1], qkv[:, 2]
+    kd = torch.full((slots, 2, 64), NAN).bfloat16()
+    host = torch.full((slots, 2, 64), NAN).bfloat16()
+    vd = torch.full((rows, 2, 64), NAN).bfloat16()
+    loc = torch.tensor([3, 59, 0, 17, -1, 40, 8], dtype=torch.int64)
+    vr = torch.tensor([2, -1, 29, 5, 6, -1, 0], dtype=torch.int32)
+    kr = torch.tensor([-1, 11, 12, -1, 13, -1, 1], dtype=torch.int64) if keep else None
+    ko.store_sparse_run(ck, cv, kd, host, vd, loc, vr, kr)
+    written = set()
+    for i in range(n):
+        if loc[i] >= 0:
+            assert torch.equal(kd[loc[i]], ck[i]) and torch.equal(host[loc[i]], cv[i])
+        for idx in (vr, kr):
+            if idx is not None and idx[i] >= 0:
+                assert torch.equal(vd[idx[i]], cv[i])
+                written.add(int(idx[i]))
+    used = set(loc[loc >= 0].tolist())
+    assert torch.isnan(kd[[i for i in range(slots) if i not in used]].float()).all()
+    assert torch.isnan(host[[i for i in range(slots) if i not in used]].float()).all()
+    assert torch.isnan(vd[[i for i in range(rows) if i not in written]].float()).all()
+    assert len(written) == (9 if keep else 5)
+    with pytest.raises(ValueError, match="host_v"):
+        ko.store_sparse_run(ck, cv, kd, torch.zeros(4, 2, 32).bfloat16(), vd, loc)
+    with pytest.raises(ValueError, match="v_rows has 3 rows"):
+        ko.store_sparse_run(ck, cv, kd, host, vd, loc, vr[:3])

@@ -313,15 +313,11 @@ class OffloadKVPool(MHATokenToKVPool):
         if layer_idx not in self._sparse:
             super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
         else:
-            from sglang_elastic.kernels.offload import copy_rows_run
+            from sglang_elastic.kernels.offload import store_sparse_run
 
-            n = cache_k.shape[0]
-            copy_rows_run(cache_k, self.k_buffer[layer_idx], None, loc, n=n)
-            copy_rows_run(cache_v, self.host.view(layer_idx), None, loc, n=n)
-            if self._v_rows is not None:
-                copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_rows, n=n)
-            if self._v_keep_rows is not None:
-                copy_rows_run(cache_v, self.v_buffer[layer_idx], None, self._v_keep_rows, n=n)
+            # one launch: K to the pool, V to the host pool, to the ring/sink row and to the kept row
+            store_sparse_run(cache_k, cache_v, self.k_buffer[layer_idx], self.host.view(layer_idx), self.v_buffer[layer_idx],
+                             loc, self._v_rows, self._v_keep_rows)
         if self._summary_plan is not None and layer_idx in self.vsum:
             self._write_summaries(layer_idx, cache_v)
 
