@@ -101,7 +101,7 @@ def fit_calibration(
                 continue
             raise ValueError(f"no timings for path {p!r}")
         paths[p], errs[p] = fit_path(p, timings[p], calib, layer)
-    calib = dataclasses.replace(calib, paths=paths)
+    calib = dataclasses.replace(calib, paths=paths, fit_rms_rel_err={**calib.fit_rms_rel_err, **{p: min(1.0, round(e, 4)) for p, e in errs.items()}})
     calibration_from_dict(calib.to_json())  # the fitted values must pass the loader's checks
     return calib, errs
 

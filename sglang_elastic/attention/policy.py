@@ -26,7 +26,11 @@ wave quantisation (FA2's ``num_splits_heuristic``). Items per path:
   (as ``work_queue_plan``).
 
 The policy picks ours only when predicted ``margin`` faster than FlashInfer
-(FlashInfer is the stock path: ties go to it).
+(FlashInfer is the stock path: ties go to it), and, where the calibration
+records its fit's rms relative errors (``fit_rms_rel_err``), faster by more
+than the two paths' combined error ``hypot(err[ours], err[flashinfer])``: a fit
+whose ``split`` constants err by 7 % predicted a 4 % win on 64 x 8K and 256 x 2K
+that measured a 5 % loss (``docs/results/decode_h200_repeat_2026-12-04.json``).
 
 Calibration JSON (schema ``version`` 1)::
 
@@ -47,7 +51,9 @@ Calibration JSON (schema ``version`` 1)::
       "compact": {"target_items": 1024, "min_chunk": 256, "programs": null, "block_n": 32,
                   "num_warps": null, "num_stages": null, "pdl": false},
       "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128,   # optional: the shape measured
-                "dtype": "bfloat16", "page_sizes": [16, 1]}      # (per rank); absent: unknown
+                "dtype": "bfloat16", "page_sizes": [16, 1]},     # (per rank); absent: unknown
+      "fit_rms_rel_err": {"flashinfer": 0.045, "split": 0.04, "compact": 0.026}  # optional: the fit's
+                                         # rms relative error per path (widens the margin; absent: 0)
     }
 
 A calibration is used only for the shape it was measured on
@@ -139,6 +145,9 @@ class Calibration:
     #: the layer shape the constants were measured on (``None``: unknown, e.g. a prior):
     #: ``{q_heads, kv_heads, head_dim, dtype, page_sizes}`` (:func:`check_shape`)
     shape: Optional[dict] = None
+    #: the fit's rms relative error per path (``fit_rms_rel_err``; empty: unknown, e.g. a prior): the
+    #: policy wants ours predicted faster than FlashInfer by more than the two paths' combined error
+    fit_rms_rel_err: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -255,7 +264,16 @@ def calibration_from_dict(d: dict, where: str = "calibration") -> Calibration:
         split=split,
         compact=compact,
         shape=check_shape(d["shape"], where) if d.get("shape") is not None else None,
+        fit_rms_rel_err=_fit_errors(d.get("fit_rms_rel_err"), where),
     )
+
+
+def _fit_errors(e, where: str) -> Dict[str, float]:
+    if e is None:
+        return {}
+    if not isinstance(e, dict) or set(e) - set(PATHS):
+        raise CalibrationError(f"{where}.fit_rms_rel_err must map paths ({', '.join(PATHS)}) to errors, not {e!r}")
+    return {p: _num(e, p, f"{where}.fit_rms_rel_err", lo=0.0, hi=1.0) for p in e}
 
 
 def load_calibration(path: Optional[os.PathLike] = None) -> Calibration:
@@ -509,4 +527,10 @@ class DecodePolicy:
         best = min(ours, key=t.get)
         if "flashinfer" not in self._paths:
             return best
-        return best if t[best] <= (1.0 - self.calib.margin) * t["flashinfer"] else "flashinfer"
+        return best if t[best] <= (1.0 - self.margin_for(best)) * t["flashinfer"] else "flashinfer"
+
+    def margin_for(self, path: str) -> float:
+        """How much faster than FlashInfer ``path`` must be predicted (fraction): the calibration's
+        ``margin``, or the fit's combined relative error of the two paths if larger."""
+        e = self.calib.fit_rms_rel_err
+        return max(self.calib.margin, math.hypot(e.get(path, 0.0), e.get("flashinfer", 0.0)))
