@@ -544,24 +544,31 @@ EVICTIONS = ("lru", "lfu")
 
 
 @triton.jit
-def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, stride_t,
-                       HN: tl.constexpr, PAGE: tl.constexpr, SLACK64: tl.constexpr, BLOCK: tl.constexpr):
-    """Request ``b``: raise its row's pages to ``ceil(min(HN, ceil(k * SLACK64 / 64)) / PAGE)``,
+def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, slack_ptr, floor, stride_t,
+                       HN: tl.constexpr, PAGE: tl.constexpr, SLACK64: tl.constexpr, BLOCK: tl.constexpr,
+                       PER_ROW: tl.constexpr):
+    """Request ``b``: raise its row's pages to ``ceil(min(HN, ceil(k * slack64 / 64)) / PAGE)``
+    (``slack64``: ``SLACK64``, or the row's own ``slack_ptr[row]`` when ``PER_ROW``),
     popping the missing ones off the free stack with a compare-and-swap on its height
-    (all or none: a short stack leaves the row as it was and counts one overflow; the
-    height never goes below what is really there, so a failed pop takes nothing from
-    a concurrent one: an add-then-restore did, and could hand a page to two rows)."""
+    while at least ``floor`` pages stay on it (all or none: a short stack leaves the row
+    as it was and, when ``floor`` is 0, counts one overflow; the height never goes below
+    what is really there, so a failed pop takes nothing from a concurrent one: an
+    add-then-restore did, and could hand a page to two rows)."""
     b = tl.program_id(0)
     r = tl.load(rows_ptr + b).to(tl.int64)
     k = tl.load(k_ptr + b).to(tl.int32)
-    need_rows = tl.minimum((k * SLACK64 + 63) // 64, HN)
+    if PER_ROW:
+        slack = tl.load(slack_ptr + r)
+    else:
+        slack = SLACK64
+    need_rows = tl.minimum((k * slack + 63) // 64, HN)
     need = (need_rows + PAGE - 1) // PAGE
     have = tl.load(count_ptr + r)
     n = need - have
     if n > 0:
         t = tl.atomic_add(top_ptr, 0)  # the stack's height now
         got = t * 0
-        while (t >= n) & (got == 0):
+        while (t - n >= floor) & (got == 0):
             old = tl.atomic_cas(top_ptr, t, t - n)
             got = (old == t).to(tl.int32)
             t = tl.where(old == t, t, old)  # lost the race: try again from the height another pop left
@@ -571,12 +578,13 @@ def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr
             pages = tl.load(stack_ptr + t - n + offs, mask=m, other=-1)
             tl.store(table_ptr + r * stride_t + have + offs, pages, mask=m)
             tl.store(count_ptr + r, need)
-        else:
+        elif floor == 0:
             tl.atomic_add(overflow_ptr, 1)
 
 
 def page_grant_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, count: torch.Tensor, stack: torch.Tensor,
-                   top: torch.Tensor, overflow: torch.Tensor, hot_tokens: int, page: int, slack64: int) -> None:
+                   top: torch.Tensor, overflow: torch.Tensor, hot_tokens: int, page: int, slack64: int,
+                   row_slack64: Optional[torch.Tensor] = None, floor: int = 0) -> None:
     """Hot-buffer pages for a decode step (no host read; CUDA-graph safe).
 
     Request ``b`` (row ``rows[b]``, ``k[b]`` selected rows this step) holds
@@ -584,8 +592,9 @@ def page_grant_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, cou
     enough for ``min(hot_tokens, ceil(k * slack64 / 64))`` slots (the slack in
     64ths: :func:`~sglang_elastic.offload.sizing.slack_64ths`), never
     fewer than it has (a request's ``k`` grows with its length; its pages
-    go back with its row, :func:`slot_release_run` with ``zero=-1``). The
-    pool is sized so that the stack never runs short
+    go back with its row, :func:`slot_release_run` with ``zero=-1``, or when
+    :func:`page_shrink_run` takes back what it grew). The
+    pool is sized so that the stack never runs short at the base slack
     (:func:`~sglang_elastic.offload.sizing.hot_pages`); if it did, the row
     keeps what it had and ``overflow`` counts it.
 
@@ -595,9 +604,13 @@ def page_grant_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, cou
         stack, top: ``[pages]`` int32 free pages and ``[1]`` int32 their count.
         overflow: ``[1]`` int32.
         hot_tokens, page, slack64: the layout's (``OffloadLayout``; ``slack64 >= 64``).
+        row_slack64: ``[rows]`` int32, each row's own slack in 64ths (the adaptive
+            growth, :func:`page_adapt_run`), used instead of ``slack64``; None: ``slack64``.
+        floor: pages the grants must leave on the stack (growth above the base slack keeps
+            a reserve; a grant that would cut into it is skipped and not counted as an overflow).
 
     Raises:
-        ValueError: the table has fewer columns than ``hot_tokens`` needs, or ``slack64 < 64``.
+        ValueError: the table has fewer columns than ``hot_tokens`` needs, ``slack64 < 64``, ``floor < 0``.
     """
     B = rows.shape[0]
     max_pages = -(-hot_tokens // page)
@@ -605,9 +618,131 @@ def page_grant_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, cou
         raise ValueError(f"page_grant_run: a table of {table.shape[1]} pages per row cannot list {max_pages}")
     if slack64 < 64:
         raise ValueError(f"page_grant_run: slack64 {slack64} gives fewer slots than selected rows (at least 64)")
+    if floor < 0:
+        raise ValueError(f"page_grant_run: floor {floor} must be >= 0")
     if B:
-        _page_grant_kernel[(B,)](rows, k, table, count, stack, top, overflow, table.stride(0), HN=hot_tokens, PAGE=page,
-                                 SLACK64=slack64, BLOCK=triton.next_power_of_2(max_pages))
+        _page_grant_kernel[(B,)](rows, k, table, count, stack, top, overflow, row_slack64, floor, table.stride(0), HN=hot_tokens,
+                                 PAGE=page, SLACK64=slack64, BLOCK=triton.next_power_of_2(max_pages), PER_ROW=row_slack64 is not None)
+
+
+@triton.jit
+def _page_adapt_kernel(rows_ptr, k_ptr, count_ptr, slack_ptr, steps_ptr, miss_ptr, sel_ptr, demand_ptr,
+                       HN: tl.constexpr, PAGE: tl.constexpr, BASE64: tl.constexpr, MAX64: tl.constexpr,
+                       GROW64: tl.constexpr):
+    """Request ``b``: after two steps, a row whose last step missed at least ``GROW64 / 64`` of its
+    selection grows its slack by one (64ths) up to ``MAX64``; adds the pages its base grant
+    still needs to ``demand``."""
+    b = tl.program_id(0)
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    k = tl.load(k_ptr + b).to(tl.int32)
+    st = tl.load(steps_ptr + r)
+    sel = tl.load(sel_ptr + r)
+    miss = tl.load(miss_ptr + r)
+    slack = tl.load(slack_ptr + r)
+    grow = (st >= 2) & (sel > 0) & (miss * 64 >= GROW64 * sel)
+    tl.store(slack_ptr + r, tl.where(grow, tl.minimum(slack + 64, MAX64), slack))
+    tl.store(steps_ptr + r, tl.minimum(st + 1, 1 << 30))
+    need = (tl.minimum((k * BASE64 + 63) // 64, HN) + PAGE - 1) // PAGE
+    short = need - tl.load(count_ptr + r)
+    if short > 0:
+        tl.atomic_add(demand_ptr, short)
+
+
+@triton.jit
+def _page_shrink_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, demand_ptr, slack_ptr, taken_ptr,
+                        slot_pos_ptr, slot_time_ptr, layers, stride_t, stride_sl, stride_sr, reserve,
+                        HN: tl.constexpr, PAGE: tl.constexpr, BASE64: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Request ``b``: when the free stack holds fewer pages than this step's base grants need plus
+    ``reserve``, give back the pages the row holds beyond its base grant (pushed on the stack; their
+    slots forgotten in every layer, so no later hit can read a page another row now owns) and
+    return its slack to the base."""
+    b = tl.program_id(0)
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    k = tl.load(k_ptr + b).to(tl.int32)
+    top = tl.atomic_add(top_ptr, 0)
+    demand = tl.load(demand_ptr)
+    need = (tl.minimum((k * BASE64 + 63) // 64, HN) + PAGE - 1) // PAGE
+    have = tl.load(count_ptr + r)
+    extra = have - need
+    if (top < demand + reserve) & (extra > 0):
+        t = tl.atomic_add(top_ptr, extra)  # stack[t .. t + extra) are this row's to fill (no pop runs in this launch)
+        offs = tl.arange(0, BLOCK)
+        m = offs < extra
+        pages = tl.load(table_ptr + r * stride_t + need + offs, mask=m, other=-1)
+        tl.store(stack_ptr + t + offs, pages, mask=m)
+        tl.store(table_ptr + r * stride_t + need + offs, tl.full([BLOCK], -1, tl.int32), mask=m)
+        tl.store(count_ptr + r, need)
+        tl.store(slack_ptr + r, BASE64)
+        tl.atomic_add(taken_ptr, extra)
+        lo = need * PAGE
+        hi = tl.minimum(have * PAGE, HN)
+        for l in range(0, layers):
+            for s0 in range(lo, hi, BLOCK_S):
+                so = s0 + tl.arange(0, BLOCK_S)
+                sm = so < hi
+                tl.store(slot_pos_ptr + l * stride_sl + r * stride_sr + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
+                tl.store(slot_time_ptr + l * stride_sl + r * stride_sr + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
+
+
+def page_adapt_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, count: torch.Tensor, stack: torch.Tensor,
+                   top: torch.Tensor, overflow: torch.Tensor, hot_tokens: int, page: int, slack64: int, max_slack64: int,
+                   row_slack64: torch.Tensor, row_steps: torch.Tensor, row_miss: torch.Tensor, row_sel: torch.Tensor,
+                   demand: torch.Tensor, taken: torch.Tensor, slot_pos: torch.Tensor, slot_time: torch.Tensor,
+                   reserve: int, grow_at64: int = 4) -> None:
+    """A decode step's hot-buffer pages with per-request adaptive slack (no host read; CUDA-graph safe).
+
+    InfiniGen (OSDI'24) sizes the KV it keeps by how much of the selection repeats;
+    here each request's hot buffer grows while its selection keeps missing, into pages
+    nobody needs now, and gives them back as soon as the pool runs short. In four launches:
+
+    1. adapt: a request whose previous step missed at least ``grow_at64 / 64`` of its
+       selected rows (``row_miss[row] / row_sel[row]``, recorded by the first sparse
+       layer's swap-in) raises its slack by one row per selected row, up to
+       ``max_slack64 / 64``; ``demand`` sums the pages the batch's base grants
+       (``slack64``) still need;
+    2. shrink: if fewer than ``demand + reserve // 2`` pages are free, every request of the
+       batch holding more than its base grant gives the rest back (its hot slots past the
+       base are forgotten in every layer: ``slot_pos`` / ``slot_time`` set to -1) and
+       returns to the base slack; ``taken`` counts the pages;
+    3. the base grant (:func:`page_grant_run` at ``slack64``: the sizing guarantees it);
+    4. growth: :func:`page_grant_run` at each row's own slack, never leaving fewer than
+       ``reserve`` pages free.
+
+    Args:
+        rows, k, table, count, stack, top, overflow, hot_tokens, page, slack64: as :func:`page_grant_run`;
+            ``rows`` must hold every request that holds pages (SGLang's decode batch holds every
+            running request): only they can give pages back before the base grants.
+        max_slack64: the most slack (64ths) a request grows to (``>= slack64``).
+        row_slack64, row_steps, row_miss, row_sel: ``[rows]`` int32 per request row: its slack,
+            decode steps planned, last step's misses and selected rows (reset when the row is freed).
+        demand, taken: ``[1]`` int32 scratch and the running count of pages taken back.
+        slot_pos, slot_time: ``[sparse layers, rows, hot_tokens]`` int32, the swap-in's slot state.
+        reserve: free pages growth leaves for admissions (and under which grown rows give back).
+        grow_at64: the miss fraction (64ths) that makes a request grow.
+
+    Raises:
+        ValueError: ``max_slack64 < slack64``, ``reserve < 0``, or :func:`page_grant_run`'s.
+    """
+    if max_slack64 < slack64:
+        raise ValueError(f"page_adapt_run: max_slack64 {max_slack64} is below the base slack {slack64}")
+    if reserve < 0:
+        raise ValueError(f"page_adapt_run: reserve {reserve} must be >= 0")
+    B = rows.shape[0]
+    if B == 0:
+        return
+    max_pages = -(-hot_tokens // page)
+    demand.zero_()
+    _page_adapt_kernel[(B,)](rows, k, count, row_slack64, row_steps, row_miss, row_sel, demand, HN=hot_tokens, PAGE=page,
+                             BASE64=slack64, MAX64=max_slack64, GROW64=grow_at64)
+    # shrink under half the reserve, grow above all of it: a request does not give back and take again step after step
+    _page_shrink_kernel[(B,)](rows, k, table, count, stack, top, demand, row_slack64, taken, slot_pos, slot_time,
+                              slot_pos.shape[0], table.stride(0), slot_pos.stride(0), slot_pos.stride(1), reserve // 2,
+                              HN=hot_tokens, PAGE=page, BASE64=slack64, BLOCK=triton.next_power_of_2(max_pages),
+                              BLOCK_S=min(1024, triton.next_power_of_2(hot_tokens)))
+    page_grant_run(rows, k, table, count, stack, top, overflow, hot_tokens, page, slack64)
+    if max_slack64 > slack64:
+        page_grant_run(rows, k, table, count, stack, top, overflow, hot_tokens, page, slack64, row_slack64=row_slack64,
+                       floor=max(reserve, 1))
 
 
 # ---------------------------------------------------------------------------
@@ -1193,4 +1328,4 @@ def slot_release_run(rows: torch.Tensor, table: torch.Tensor, count: torch.Tenso
         _slot_release_kernel[(n,)](rows, table, count, stack, top, table.stride(0), ZERO=zero, BLOCK=block)
 
 
-__all__ = ["attend_run", "chunk_mean_run", "copy_rows_run", "estimate_run", "page_grant_run", "slot_assign_run", "slot_release_run", "store_sparse_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]
+__all__ = ["attend_run", "chunk_mean_run", "copy_rows_run", "estimate_run", "page_adapt_run", "page_grant_run", "slot_assign_run", "slot_release_run", "store_sparse_run", "fixed_entries_run", "gather_selected_run", "lse_merge", "scores_run", "select_run", "swap_in_run"]

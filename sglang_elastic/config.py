@@ -48,7 +48,10 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
 - ``--kv-offload-hot-tokens N`` (4096): the most LRU V rows one request
   holds per sparse layer on the GPU; ``--kv-offload-hot-slack F`` (2.0):
   hot rows granted per selected row as a request grows (pages from one pool
-  sized by the tokens the server holds, not a full buffer per request).
+  sized by the tokens the server holds, not a full buffer per request);
+  ``--kv-offload-hot-slack-max F`` (0: off): a request whose selection keeps
+  missing grows its hot buffer up to F rows per selected row, in pages
+  nobody needs now, and gives them back when the pool runs short.
 - ``--kv-offload-host-gb G``: cap on the host pool (default: free host RAM
   less a 10 GiB reserve).
 - ``--kv-offload-resident-v``: keep V on the GPU too (the same selection,
@@ -125,7 +128,8 @@ class OffloadConfig:
     Fields (flag): ``enabled`` (``--enable-kv-offload``); ``topk``, ``budget``,
     ``sink``, ``window``, ``dense_layers``, ``denominator`` (the attended set:
     :meth:`policy`); ``hot_tokens`` (the most LRU V rows per request and sparse
-    layer); ``hot_slack`` (hot rows granted per selected row, 1 to 16);
+    layer); ``hot_slack`` (hot rows granted per selected row, 1 to 16); ``hot_slack_max``
+    (adaptive growth up to this slack while a request's selection misses; 0: off);
     ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
     less 10 GiB); ``resident_v`` (no host tier: the exactness reference);
     ``prefetch``; ``eviction`` (the hot buffer's victim rule); ``keep_v`` (a request
@@ -147,6 +151,7 @@ class OffloadConfig:
     chunk: int = 16
     hot_tokens: int = 4096
     hot_slack: float = 2.0
+    hot_slack_max: float = 0.0
     host_gb: Optional[float] = None
     resident_v: bool = False
     prefetch: str = "off"
@@ -168,6 +173,11 @@ class OffloadConfig:
             raise ConfigError(f"--kv-offload-hot-tokens must be below 32768, not {self.hot_tokens}")
         if not 1.0 <= self.hot_slack <= 16.0:
             raise ConfigError(f"--kv-offload-hot-slack must be between 1 and 16 (hot rows per selected row), not {self.hot_slack}")
+        if self.hot_slack_max and not self.hot_slack <= self.hot_slack_max <= 16.0:
+            raise ConfigError(f"--kv-offload-hot-slack-max must be between --kv-offload-hot-slack ({self.hot_slack}) and 16, "
+                              f"or 0 (off), not {self.hot_slack_max}")
+        if self.hot_slack_max and self.resident_v:
+            raise ConfigError("--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v (V stays on the GPU)")
         if self.host_gb is not None and not self.host_gb > 0:
             raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
         if self.prefetch not in PREFETCH:
@@ -292,10 +302,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-chunk", type=int, choices=CHUNKS, default=None, help="Positions per V summary with --kv-offload-denominator estimate, at most --kv-offload-window (default 16, or the largest that fits a smaller window).")
     o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="The most LRU V rows one request keeps per sparse layer on the GPU (>= --kv-offload-topk) (default 4096).")
     o.add_argument("--kv-offload-hot-slack", type=float, default=None, help="Hot-buffer rows granted per selected row as a request grows, in pages from one pool sized by the tokens held (1 to 16) (default 2).")
+    o.add_argument("--kv-offload-hot-slack-max", type=float, default=None, help="Adaptive hot buffers: a request whose selection missed at least 1/16 of its rows in the last step grows by one row per selected row a step, up to this many, in hot pages nobody needs now (an eighth of the pool stays free), and gives them back when the pool runs short (between --kv-offload-hot-slack and 16; default 0: off; not yet measured on a GPU).")
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
-    o.add_argument("--kv-offload-keep-v", action="store_true", help="Dense while V fits: a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. Aims at stock's ITL on a load that fits in HBM; not yet measured on a GPU (docs/offload.md).")
+    o.add_argument("--kv-offload-keep-v", action="store_true", help="Dense while V fits: a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +6.3 % median ITL against stock on a load that fits in HBM (+31 % without it), unchanged past HBM (docs/offload.md).")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

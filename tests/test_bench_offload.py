@@ -86,10 +86,17 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     src = json.loads((parts / "throughput_fits.json").read_text())["servers"]
     same = json.loads((parts / "throughput_fits_same_run.json").read_text())["servers"]
     long = json.loads((parts / "throughput_long32k.json").read_text())["servers"]
-    # by file name: the stock + selected run of 2026-12-02, the estimate-only run of 2026-12-03,
-    # stock + estimate in one run of 2026-12-04, and the 64 x 32K load against stock and HiCache
-    old_row, est_row, same_row, long_row = out["throughput"]
-    assert [r["workload"] for r in out["throughput"]] == ["fits", "fits", "fits", "long32k"]
+    # by file name: the stock + selected run of 2026-12-02, the estimate-only run of 2026-12-03, keep-v beside stock
+    # twice (2026-12-04 #2), stock + estimate in one run of 2026-12-04, the 64 x 32K load against stock and HiCache,
+    # and with keep-v
+    old_row, est_row, keep1, keep2, same_row, long_row, long_keep = out["throughput"]
+    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 5 + ["long32k"] * 2
+    for i, row in ((1, keep1), (2, keep2)):
+        kv = json.loads((parts / f"throughput_fits_keep_v_{i}.json").read_text())["servers"]
+        assert row["keep_v_median_itl_ms"] == kv["offload-keep"]["median_itl_ms"] and row["stock_median_itl_ms"] == kv["stock"]["median_itl_ms"]
+        assert 1.0 < row["keep_v_median_itl_ms"] / row["stock_median_itl_ms"] < 1.07 and row["offload_median_itl_ms"] is None
+        assert kv["offload-keep"]["completed"] == 64
+    assert long_keep["keep_v_output_tok_s"] > 0 and long_keep["stock_output_tok_s"] is None
     assert old_row["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
     assert old_row["offload_output_tok_s"] == src["offload"]["output_tok_s"] and old_row["hicache_output_tok_s"] is None  # not run: null
     assert est_row["offload_denominator"] == "estimate" and est_row["stock_median_itl_ms"] is None  # stock did not run in that call

@@ -46,10 +46,29 @@ def test_cache_round_trips_a_calibration_under_its_key(tmp_path):
     k = key()
     assert cache.load(k) is None
     c = measured(k)
-    p = cache.store(k, c, {"fit_rms_rel_err": {"split": 0.01}})
+    p = cache.store(k, c, {"seconds": 1.5})
     assert p.parent == tmp_path and p.name == "nvidia-h200-sm132_q32-kv8-d128_bfloat16_page16.json"
     assert cache.load(k) == c
     assert json.loads(p.read_text())["key"] == k.to_json()
+    c2 = dataclasses.replace(c, fit_rms_rel_err={"split": 0.07, "flashinfer": 0.045})  # a fit carries its errors
+    cache.store(k, c2)
+    assert cache.load(k) == c2
+
+
+def test_a_cache_file_from_before_the_fit_errors_moved_into_the_calibration_keeps_its_margin(tmp_path):
+    # files written before 2026-12-04 #2 kept the startup fit's errors beside the calibration, not in it: they must
+    # still widen the policy's margin, or a refit with a 7 % split error trades at the flat 3 %
+    cache = cc.CalibrationCache(tmp_path)
+    k = key()
+    c = measured(k)
+    p = cache.store(k, c, {"fit_rms_rel_err": {"split": 0.0703546, "flashinfer": 0.0454153, "compact": 1.7}})
+    got = cache.load(k)
+    assert got.fit_rms_rel_err == {"split": 0.0704, "flashinfer": 0.0454, "compact": 1.0}
+    assert DecodePolicy(got, **{f: LLAMA[f] for f in ("q_heads", "kv_heads", "head_dim")}).margin_for("split") > 0.08
+    d = json.loads(p.read_text())
+    d["fit_rms_rel_err"] = {"split": "bad"}
+    p.write_text(json.dumps(d))
+    assert cache.load(k) is None  # unreadable errors: the file is ignored (measured again), never a crash
 
 
 @pytest.mark.parametrize("other", [

@@ -255,3 +255,17 @@ def test_the_fit_records_its_errors_and_the_policy_margin_combines_them():
     assert pol.margin_for("split") == pytest.approx(math.hypot(errs["split"], errs["flashinfer"]), abs=1e-3)
     assert DecodePolicy(calib(), **SHAPE).margin_for("split") == calib().margin  # no fit errors: the flat margin
     assert policy.calibration_from_dict(fit.to_json()) == fit
+
+
+def test_each_of_our_paths_is_held_to_its_own_margin():
+    # split predicted fastest but with a 9 % fit error; compact 5 % slower than split with a 1 % error: compact clears
+    # its margin against FlashInfer where split does not, so the policy takes compact, not FlashInfer
+    c = dataclasses.replace(calib(), fit_rms_rel_err={"flashinfer": 0.01, "split": 0.09, "compact": 0.01})
+    pol = DecodePolicy(c, **SHAPE)
+    lens = [8192] * 64
+    t = {"flashinfer": 100.0, "split": 93.0, "compact": 96.0}
+    pol.predict = lambda _lens: t
+    assert pol.margin_for("split") > 0.09 and pol.margin_for("compact") == c.margin
+    assert pol.choose(lens) == "compact"
+    t["compact"] = 98.0  # neither clears: FlashInfer
+    assert pol.choose(lens) == "flashinfer"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sglang_elastic.kernels import offload as ko
 from sglang_elastic.kernels.decode_attention import split_kv_plan
@@ -709,3 +711,101 @@ def test_store_sparse_writes_k_host_v_and_the_device_rows_of_each_token(keep):
         ko.store_sparse_run(ck, cv, kd, torch.zeros(4, 2, 32).bfloat16(), vd, loc)
     with pytest.raises(ValueError, match="v_rows has 3 rows"):
         ko.store_sparse_run(ck, cv, kd, host, vd, loc, vr[:3])
+
+
+class _Adapt:
+    """One pool's hot pages with the adaptive slack (``page_adapt_run``) on CPU tensors."""
+
+    def __init__(self, rows=6, NP=40, HN=64, PAGE=8, layers=3, base=128, top64=256, reserve=4):
+        self.HN, self.PAGE, self.NP, self.base, self.top64, self.reserve = HN, PAGE, NP, base, top64, reserve
+        i32 = dict(dtype=torch.int32)
+        self.table = torch.full((rows, -(-HN // PAGE)), -1, **i32)
+        self.count = torch.zeros(rows, **i32)
+        self.stack = torch.arange(NP, **i32)
+        self.top = torch.tensor([NP], **i32)
+        self.over = torch.zeros(1, **i32)
+        self.slack = torch.full((rows,), base, **i32)
+        self.steps, self.miss, self.sel = (torch.zeros(rows, **i32) for _ in range(3))
+        self.demand, self.taken = torch.zeros(1, **i32), torch.zeros(1, **i32)
+        g = torch.Generator().manual_seed(rows * NP)
+        self.slot_pos = torch.randint(0, 1000, (layers, rows, HN), generator=g, dtype=torch.int32)  # stand-in LRU state
+        self.slot_time = torch.randint(0, 1000, (layers, rows, HN), generator=g, dtype=torch.int32)
+
+    def need(self, k, slack64):
+        return -(-min(-(-k * slack64 // 64), self.HN) // self.PAGE)
+
+    def step(self, rows, k, miss=None):
+        if miss is not None:  # the previous step's swap-in record of these rows
+            for r, kk, m in zip(rows, k, miss):
+                self.sel[r], self.miss[r] = kk, m
+        ko.page_adapt_run(torch.tensor(rows, dtype=torch.int32), torch.tensor(k, dtype=torch.int32), self.table, self.count,
+                          self.stack, self.top, self.over, self.HN, self.PAGE, self.base, self.top64, self.slack, self.steps,
+                          self.miss, self.sel, self.demand, self.taken, self.slot_pos, self.slot_time, reserve=self.reserve)
+
+    def check_owned(self):
+        held = self.table[self.table >= 0].tolist()
+        free = self.stack[: int(self.top)].tolist()
+        assert len(held) == len(set(held)) and set(free).isdisjoint(held) and sorted(free + held) == list(range(self.NP))
+        for r in range(self.table.shape[0]):
+            c = int(self.count[r])
+            assert (self.table[r, :c] >= 0).all() and (self.table[r, c:] == -1).all()
+
+
+def test_adaptive_pages_grow_while_the_selection_misses_and_come_back_when_the_pool_runs_short():
+    a = _Adapt(reserve=8)
+    a.step([0, 1], [6, 6])  # base: ceil(12 / 8) = 2 pages each
+    assert a.count.tolist()[:2] == [2, 2] and int(a.top) == 36
+    a.step([0, 1], [6, 6], miss=[6, 6])  # second step: not judged yet (the first step's misses are cold ones)
+    assert a.slack.tolist()[:2] == [128, 128]
+    a.step([0, 1], [6, 6], miss=[3, 0])  # row 0 missed half: slack 3 -> ceil(18 / 8) = 3 pages; row 1 hit all
+    assert a.slack.tolist()[:2] == [192, 128] and a.count.tolist()[:2] == [3, 2]
+    a.step([0, 1], [6, 6], miss=[1, 0])  # 1/6 >= 1/16: slack 4 (the most): 3 pages for 24 rows
+    a.step([0, 1], [6, 6], miss=[1, 0])
+    assert a.slack.tolist()[:2] == [256, 128] and a.count.tolist()[:2] == [3, 2] and int(a.top) == 35
+    before = a.slot_pos.clone(), a.slot_time.clone()
+    # four new requests of 64 rows (8 pages each at the base) ask for 32 of the 35 free: under demand + reserve // 2 (36),
+    # so row 0 gives back its third page (slots 16..23 forgotten in every layer) before the base grants run, and does not
+    # grow again into the 4 left (under the reserve of 8)
+    a.step([0, 1, 2, 3, 4, 5], [6, 6, 32, 32, 32, 32], miss=[1, 0, 0, 0, 0, 0])
+    assert a.count.tolist() == [2, 2, 8, 8, 8, 8] and int(a.over) == 0 and int(a.taken) == 1 and int(a.top) == 4
+    assert a.slack[0] == 128
+    assert (a.slot_pos[:, 0, 16:24] == -1).all() and (a.slot_time[:, 0, 16:24] == -1).all()
+    keep = torch.ones_like(a.slot_pos, dtype=torch.bool)
+    keep[:, 0, 16:24] = False
+    assert torch.equal(a.slot_pos[keep], before[0][keep]) and torch.equal(a.slot_time[keep], before[1][keep])
+    a.check_owned()
+    with pytest.raises(ValueError, match="below the base slack"):
+        ko.page_adapt_run(torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), a.table, a.count, a.stack,
+                          a.top, a.over, a.HN, a.PAGE, 128, 64, a.slack, a.steps, a.miss, a.sel, a.demand, a.taken,
+                          a.slot_pos, a.slot_time, reserve=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True),
+                          st.lists(st.integers(0, 12), min_size=6, max_size=6),
+                          st.lists(st.integers(0, 12), min_size=6, max_size=6),
+                          st.booleans()), min_size=1, max_size=12))
+def test_adaptive_pages_never_lose_a_page_nor_short_a_base_grant(steps):
+    """Random decode batches (requests join, grow, miss at random, finish): every page is owned once
+    or free, no base grant overflows (the pool holds the base need of every row), growth
+    leaves the reserve free, and a row never holds more than its slack allows."""
+    a = _Adapt(NP=6 * 4, HN=32, PAGE=8, reserve=4)  # the base need of 6 rows at k <= 16 is at most 4 pages each
+    k = [0] * 6
+    for rows, grow, miss, finish in steps:
+        # SGLang's decode batch holds every running request: every row that holds pages, and the new ones
+        rows = sorted(set(rows) | {r for r in range(6) if int(a.count[r]) > 0})
+        for r in rows:
+            k[r] = min(16, k[r] + grow[r])
+        before = a.count.clone()
+        a.step(rows, [k[r] for r in rows], miss=[min(miss[r], k[r]) for r in rows])
+        a.check_owned()
+        assert int(a.over) == 0
+        for r in rows:
+            assert a.need(k[r], a.base) <= int(a.count[r]) <= max(a.need(k[r], int(a.slack[r])), a.need(k[r], a.base))
+        grew = any(int(a.count[r]) > max(int(before[r]), a.need(k[r], a.base)) for r in rows)
+        assert not grew or int(a.top) >= a.reserve  # growth (after the base grants) never cut into the reserve
+        if finish:  # the first row of the batch finishes: its pages go back, its history is cleared
+            r = rows[0]
+            ko.slot_release_run(torch.tensor([r]), a.table, a.count, a.stack, a.top, -1)
+            a.slack[r], a.steps[r], a.miss[r], a.sel[r], k[r] = a.base, 0, 0, 0, 0
+            a.check_owned()

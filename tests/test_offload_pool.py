@@ -39,9 +39,10 @@ def layer(i):
     return types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None)
 
 
-def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0, keep_v=False):
+def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0, keep_v=False,
+              slack_max=0.0):
     lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction,
-                        hot_page=hot_page, hot_slack=slack, keep_v=keep_v)
+                        hot_page=hot_page, hot_slack=slack, keep_v=keep_v, hot_slack_max=slack_max)
     return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
 
 
@@ -144,8 +145,9 @@ class Sim:
                 dec.dense_kept(q, kb, vb, o, D ** -0.5)
             elif pool.layout.resident_v:
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, v_summary=pool.summaries(l))
-            else:
-                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
+            else:  # as the backend: the first sparse layer records the step's misses for the adaptive hot pages
+                dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l),
+                           record=pool.miss_record(l))
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
@@ -158,13 +160,13 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru"):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru", slack_max=0.0):
     """Three requests, one prefilled in two chunks; four decode steps; request
     row 4 finishes and a new request takes it (its hot buffer must start empty).
     ``guess``: prefetch each sparse layer before the layer ahead of it runs.
     ``short``: three decode steps, no second request in row 4."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    sim = Sim(make_pool(pol, resident, hot=hot, eviction=eviction), seed)
+    sim = Sim(make_pool(pol, resident, hot=hot, eviction=eviction, slack_max=slack_max), seed)
     sim.guess = guess
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
@@ -221,6 +223,31 @@ def test_least_selected_eviction_changes_copies_never_outputs():
         make_pool(OffloadPolicy(), eviction="lifo")
     with pytest.raises(ValueError, match="21 bits"):
         OffloadLayout(OffloadPolicy(), hot_tokens=4096, request_rows=2, stage_tokens=1 << 21, eviction="lfu")
+
+
+def test_adaptive_hot_pages_change_copies_never_outputs_and_go_back_with_the_row():
+    """``--kv-offload-hot-slack-max 4``: requests whose selection keeps missing (random queries
+    here) grow their hot buffers past the base slack of 2; the outputs stay bit-identical to
+    the fixed slack's through the whole lifecycle (chunked prefill, a finished request's row
+    reused), fewer rows are copied, and a freed row's pages and history go back."""
+    base, _, sim0 = lifecycle(resident=False, hot=96, short=False)
+    outs, worst, sim = lifecycle(resident=False, hot=96, short=False, slack_max=4.0)
+    assert all(torch.equal(a, b) for a, b in zip(base, outs)) and worst < 1e-2
+    h0, m0 = sim0.dec.stats.tolist()
+    h, m = sim.dec.stats.tolist()
+    assert h0 + m0 == h + m and m < m0  # the same selections, fewer misses
+    pool = sim.pool
+    assert pool.adaptive and not sim0.pool.adaptive and sim0.pool.miss_record(1) is None
+    assert int(pool.row_slack64[2]) > 128 and int(pool.hot_count[2]) > int(sim0.pool.hot_count[2])  # the long request grew
+    assert int(pool.page_overflow) == 0 and int(pool.page_taken) == 0  # the pool never ran short here
+    held = pool.hot_table[pool.hot_table >= 0].tolist()
+    free = pool.page_stack[: int(pool.page_top)].tolist()
+    assert sorted(held + free) == list(range(pool.hot_pages))
+    pool.release_rows(torch.tensor([2]))
+    assert int(pool.hot_count[2]) == 0 and int(pool.row_slack64[2]) == 128 and int(pool.row_steps[2]) == 0
+    assert int(pool.row_miss[2]) == int(pool.row_sel[2]) == 0
+    with pytest.raises(ValueError, match="hot-slack-max must be 0"):
+        make_pool(OffloadPolicy(max_topk=24), slack=2.0, slack_max=1.5)
 
 
 @pytest.mark.parametrize("guess,hot", [("next-q", 32), ("random", 24)])
@@ -500,17 +527,17 @@ def test_the_op_recorder_sees_what_a_graph_cannot_capture():
     assert torch.Tensor.tolist is orig_tolist and t.tolist() == orig_tolist(t)  # the patches are gone after the block
 
 
-@pytest.mark.parametrize("denominator,resident,prefetch,keep_v,all_dense", [
-    ("selected", False, False, False, False), ("estimate", False, True, False, False), ("full", True, False, False, False),
-    ("estimate", False, True, True, False), ("estimate", False, False, True, True)])
-def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense):
+@pytest.mark.parametrize("denominator,resident,prefetch,keep_v,all_dense,slack_max", [
+    ("selected", False, False, False, False, 0.0), ("estimate", False, True, False, False, 4.0), ("full", True, False, False, False, 0.0),
+    ("estimate", False, True, True, False, 0.0), ("estimate", False, False, True, True, 0.0)])
+def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense, slack_max):
     """What the backend runs inside SGLang's decode CUDA graph (the plan, then
     per layer: the prefetch, the KV write, the attention) makes no tensor from
     a Python value and reads no device value on the host. On the H200, with
     ``estimate`` ``attended[idx] = 1`` (a Python 1 made a CPU tensor) failed
     the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    sim = Sim(make_pool(pol, resident, keep_v=keep_v), seed=3)
+    sim = Sim(make_pool(pol, resident, keep_v=keep_v, slack_max=slack_max), seed=3)
     sim.keep = ({1, 2} if all_dense else {2}) if keep_v else set()  # keep_v: one dense and one sparse request (or both dense)
     sim.extend([1, 2], [(0, 40), (0, 300)])
     sim.decode([1, 2], [41, 301], check=False)
@@ -543,12 +570,15 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
             elif resident:
                 dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, v_summary=pool.summaries(l))
             else:
-                dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
+                dec.sparse(q, kb, vb, outs[l], D ** -0.5, sim.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l),
+                           record=pool.miss_record(l))
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
     if keep_v:
         assert dec.dense_lens[:2].tolist() == ([42, 302] if all_dense else [0, 302])  # row 2 (and 1) dense in the recorded step
+    if slack_max:
+        assert pool.adaptive and int(pool.row_sel[2]) > 0  # the adaptive plan and the miss record ran in the recorded step
 
 
 @pytest.mark.parametrize("denominator", ["selected", "full", "estimate"])

@@ -487,9 +487,7 @@ def main():
         bench.calibration_timings(rows, by_name), gpu=torch.cuda.get_device_name(0), sm_count=sm, start=calib,
         source=f"scripts/gpu/bench_decode.py at commit {results.commit()}: every case, page 16 and 1, CUDA-graph replay",
         provisional=False, stream_read_tbps=read, shape=bench.calibration_shape(), **bench.SHAPE)
-    cd = fitted.to_json()
-    cd["fit_rms_rel_err"] = fit_errs
-    results.write(a.calibration_out, cd)
+    results.write(a.calibration_out, fitted.to_json())  # with the fit's errors, capped and rounded as the loader takes them
     bench.fill_policy(rows, by_name, DecodePolicy(fitted, **bench.SHAPE))
     bench.fill_policy(rows, by_name, DecodePolicy(shipped, **bench.SHAPE), key="policy_shipped")
     notes["gpu_seconds"] = round(time.time() - t0, 1)

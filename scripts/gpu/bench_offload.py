@@ -54,6 +54,8 @@ SERVERS = {
     "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "48"],
     # dense while V fits (--kv-offload-keep-v): to run beside stock and offload on the fitting load and past HBM
     "offload-keep": ["--enable-kv-offload", "--kv-offload-keep-v", "--disable-radix-cache", "--max-running-requests", "48"],
+    # adaptive hot buffers (--kv-offload-hot-slack-max 4): growth past the base slack while a request's selection misses
+    "offload-adaptive": ["--enable-kv-offload", "--kv-offload-hot-slack-max", "4", "--disable-radix-cache", "--max-running-requests", "48"],
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }
@@ -336,7 +338,7 @@ def part_throughput(a) -> dict:
                                      "demotions": after["keep_demotions"] - b.get("keep_demotions", 0)}
                 # the pool as built and its overflow counters (both should stay 0), the rule that ran
                 row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
-                                                                 "summary_overflow", "summary_slots") if k in after}
+                                                                 "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
             out["servers"][name] = row
             results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:

@@ -441,7 +441,7 @@ class PersistentKVAttnBackend(AttentionBackend):
         where = None
         if self.calibration_cache is not None:
             try:
-                where = self.calibration_cache.store(self.shape_key, calib, {"fit_rms_rel_err": errs, "seconds": round(time.monotonic() - t0, 2)})
+                where = self.calibration_cache.store(self.shape_key, calib, {"seconds": round(time.monotonic() - t0, 2)})
             except OSError as e:
                 logger.warning("persistentkv: cannot write the calibration cache %s: %s", self.calibration_cache.root, e)
         logger.info("persistentkv: measured %d batches x %s in %.1f s (fit rms rel err %s)%s", len(cases), "/".join(self.policy.paths),

@@ -131,8 +131,13 @@ class CalibrationCache:
                            d.get("key") if isinstance(d, dict) else None, key.to_json())
             return None
         try:
-            calib = calibration_from_dict(d["calibration"], where=str(p))
-        except (CalibrationError, KeyError, TypeError) as e:
+            cd = d["calibration"]
+            if isinstance(cd, dict) and not cd.get("fit_rms_rel_err") and isinstance(d.get("fit_rms_rel_err"), dict):
+                # a file written before the calibration carried its fit errors (they were beside it): the policy's
+                # margin needs them, or a refit's error would be traded at the flat margin
+                cd = {**cd, "fit_rms_rel_err": {q: min(1.0, round(float(e), 4)) for q, e in d["fit_rms_rel_err"].items()}}
+            calib = calibration_from_dict(cd, where=str(p))
+        except (CalibrationError, KeyError, TypeError, ValueError) as e:
             logger.warning("persistentkv: ignoring calibration cache file %s: %s", p, e)
             return None
         if not covers(calib, key):

@@ -269,7 +269,8 @@ class OffloadAttnBackend(AttentionBackend):
                        v_summary=pool.summaries(lid))
         else:
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                       pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid))
+                       pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid),
+                       record=pool.miss_record(lid))
         return o.view(-1, H * D)
 
     # ---------------------------------------------------------------- prefetch
@@ -313,7 +314,8 @@ class OffloadAttnBackend(AttentionBackend):
         ``summary_overflow`` (chunks that found no slot: should stay 0);
         ``hot_pages`` / ``hot_pages_free`` (hot-buffer pages of ``hot_page_rows``
         V rows per sparse layer) and ``hot_page_overflow`` (grants that found
-        too few free pages: should stay 0); with ``--kv-offload-keep-v``,
+        too few free pages: should stay 0); with ``--kv-offload-hot-slack-max``,
+        ``hot_pages_taken_back`` (pages grown requests gave back when the pool ran short); with ``--kv-offload-keep-v``,
         ``kept_tokens`` / ``kept_requests`` (V kept in pool slots now) and
         ``keep_granted_tokens`` / ``keep_demotions`` since start
         (:meth:`sglang_elastic.offload.keep.KeepV.stats`)."""
@@ -333,6 +335,7 @@ class OffloadAttnBackend(AttentionBackend):
                if pool.summary_layer_ids else {}),
             **({"hot_pages": pool.hot_pages, "hot_pages_free": int(pool.page_top), "hot_page_overflow": int(pool.page_overflow),
                 "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
+            **({"hot_pages_taken_back": int(pool.page_taken)} if pool.adaptive else {}),
             **(self._keep_stats() if pool.keep_v else {}),
         }
 

@@ -302,7 +302,7 @@ class OffloadDecoder:
                           sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
-                spec: bool, mark: bool = False):
+                spec: bool, mark: bool = False, record: Optional[tuple] = None):
         from sglang_elastic.kernels.offload import copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run
 
         bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
@@ -323,11 +323,16 @@ class OffloadDecoder:
                         ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction,
                         spare_row=h.spare)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
+            if record is not None:  # this step's misses and selection per request row, for the adaptive hot pages
+                rows64 = rp.to(torch.int64)
+                record[0].index_copy_(0, rows64, ws.miss_cnt[:bs].to(record[0].dtype))
+                record[1].index_copy_(0, rows64, self.k[:bs].to(record[1].dtype))
         return lse
 
     def sparse(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-               hot_state=None, host_v: Optional[torch.Tensor] = None, v_summary: Optional[tuple] = None) -> torch.Tensor:
+               hot_state=None, host_v: Optional[torch.Tensor] = None, v_summary: Optional[tuple] = None,
+               record: Optional[tuple] = None) -> torch.Tensor:
         """Attention of a sparse layer over sink, window and the top-k rows
         (``estimate``: plus the unattended rows' share through their chunks' mean V).
 
@@ -339,6 +344,8 @@ class OffloadDecoder:
             host_v: the layer's host V rows seen by the GPU (not resident).
             v_summary: ``(vsum, chunk_slot)``, the layer's V summaries and their slots
                 (:meth:`OffloadKVPool.summaries`; ``estimate`` only).
+            record: ``(row_miss, row_sel)`` ``[rows]`` int32: this step's misses and selected rows are
+                written at each request's row (:meth:`OffloadKVPool.miss_record`, the adaptive hot pages), or None.
 
         Raises:
             ValueError: ``estimate`` without ``v_summary``.
@@ -350,7 +357,7 @@ class OffloadDecoder:
         if self.estimate and v_summary is None:
             raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
-                           self.att_kidx, self.att_vidx, spec=False, mark=self.estimate)
+                           self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record)
         est = None
         if self.estimate:  # the unattended share's per-split partials, added by the attention's merge (no launch of their own)
             vsum, table = v_summary

@@ -85,7 +85,7 @@ def state(sched) -> dict:
         return {}
     pool = be.pool
     lay = pool.layout
-    out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "hot_slack": lay.hot_slack,
+    out = {"tokens": pool.size, "request_rows": lay.request_rows, "hot_tokens": lay.hot_tokens, "hot_slack": lay.hot_slack, "hot_slack_max": lay.hot_slack_max,
            "resident_v": lay.resident_v, "host_pool_bytes": pool.host_bytes(),
            "policy": {k: getattr(lay.policy, k) for k in ("sink", "window", "budget_frac", "max_topk", "dense_layers", "denominator", "chunk")}}
     sz = _BUILT.get("sizing")
@@ -212,7 +212,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
     _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
-                                     resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=cfg.keep_v)
+                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=cfg.keep_v)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static

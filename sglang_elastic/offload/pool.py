@@ -75,14 +75,17 @@ class OffloadLayout:
     ``--kv-offload-eviction``: ``lru`` or InfiniGen's least-selected ``lfu``,
     :func:`~sglang_elastic.kernels.offload.swap_in_run`); ``hot_slack`` (hot
     rows granted per selected row, ``--kv-offload-hot-slack``, 1 to 16);
-    ``hot_page`` (rows per hot-buffer page); ``keep_v`` (``--kv-offload-keep-v``: a
+    ``hot_page`` (rows per hot-buffer page); ``hot_slack_max`` (``--kv-offload-hot-slack-max``:
+    the most rows per selected row a request's hot buffer grows to while its selection
+    keeps missing, in pages nobody needs now, given back when the pool runs short;
+    0: no growth, :func:`~sglang_elastic.kernels.offload.page_adapt_run`); ``keep_v`` (``--kv-offload-keep-v``: a
     request keeps its V in idle pool slots while SGLang's allocator has them, and
     attends densely: :mod:`sglang_elastic.offload.keep`).
 
     Raises:
         ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
             unknown ``eviction``, ``lfu`` with a context of 2**21 tokens or more,
-            a slack outside [1, 16].
+            a slack outside [1, 16], a ``hot_slack_max`` below ``hot_slack`` (other than 0) or above 16.
     """
 
     policy: OffloadPolicy
@@ -94,6 +97,7 @@ class OffloadLayout:
     hot_slack: float = 2.0
     hot_page: int = 64
     keep_v: bool = False
+    hot_slack_max: float = 0.0
 
     def __post_init__(self):
         from sglang_elastic.kernels.offload import EVICTIONS, LFU_MAX_LEN
@@ -115,6 +119,16 @@ class OffloadLayout:
             raise ValueError(f"--kv-offload-hot-slack must be between 1 and 16 (hot rows per selected row), not {self.hot_slack}")
         if self.hot_page < 1:
             raise ValueError(f"hot_page must be >= 1, not {self.hot_page}")
+        if self.hot_slack_max and not self.hot_slack <= self.hot_slack_max <= 16.0:
+            raise ValueError(f"--kv-offload-hot-slack-max must be 0 (off) or between --kv-offload-hot-slack {self.hot_slack} and 16, "
+                             f"not {self.hot_slack_max}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Hot buffers grow past ``hot_slack`` while their selection misses (``hot_slack_max``)."""
+        from sglang_elastic.offload.sizing import slack_64ths
+
+        return bool(self.hot_slack_max) and slack_64ths(self.hot_slack_max) > slack_64ths(self.hot_slack)
 
     @property
     def lru_base(self) -> int:
@@ -184,6 +198,19 @@ class OffloadKVPool(MHATokenToKVPool):
         self.page_top = torch.full((1,), self.hot_pages, dtype=torch.int32, device=dev)
         #: grants that found too few free pages (should stay 0: the pool is sized for every running request)
         self.page_overflow = torch.zeros(1, dtype=torch.int32, device=dev)
+        # adaptive hot pages (--kv-offload-hot-slack-max): per request row its slack (64ths), decode steps, and the
+        # first sparse layer's misses / selected rows of its last step; the step's base demand; pages taken back
+        self.adaptive = bool(self.hot_pages) and layout.adaptive and n_sparse > 0
+        if self.adaptive:
+            from sglang_elastic.offload.sizing import slack_64ths
+
+            i32 = dict(dtype=torch.int32, device=dev)
+            self.row_slack64 = torch.full((rows,), slack_64ths(layout.hot_slack), **i32)
+            self.row_steps = torch.zeros(rows, **i32)
+            self.row_miss = torch.zeros(rows, **i32)
+            self.row_sel = torch.zeros(rows, **i32)
+            self.page_demand = torch.zeros(1, **i32)
+            self.page_taken = torch.zeros(1, **i32)
         self._sparse_index = {l: i for i, l in enumerate(self.sparse_layer_ids)}
         self.host = None
         if n_sparse:
@@ -266,8 +293,29 @@ class OffloadKVPool(MHATokenToKVPool):
             from sglang_elastic.offload.sizing import slack_64ths
 
             lay = self.layout
+            if self.adaptive:
+                from sglang_elastic.kernels.offload import page_adapt_run
+
+                page_adapt_run(rows, k, self.hot_table, self.hot_count, self.page_stack, self.page_top, self.page_overflow,
+                               lay.hot_tokens, lay.hot_page, slack_64ths(lay.hot_slack), slack_64ths(lay.hot_slack_max),
+                               self.row_slack64, self.row_steps, self.row_miss, self.row_sel, self.page_demand, self.page_taken,
+                               self.slot_pos, self.slot_time, reserve=self.page_reserve)
+                return
             page_grant_run(rows, k, self.hot_table, self.hot_count, self.page_stack, self.page_top, self.page_overflow,
                            lay.hot_tokens, lay.hot_page, slack_64ths(lay.hot_slack))
+
+    @property
+    def page_reserve(self) -> int:
+        """Free hot pages the adaptive growth leaves for admissions: an eighth of the pool (grown
+        requests give back under half of it)."""
+        return max(2, self.hot_pages // 8)
+
+    def miss_record(self, layer_id: int):
+        """``(row_miss, row_sel)`` for the first sparse layer's swap-in when the hot pages adapt
+        (:meth:`OffloadDecoder.sparse`'s ``record``), else None."""
+        if self.adaptive and self.sparse_layer_ids and layer_id - self.start_layer == self.sparse_layer_ids[0]:
+            return self.row_miss, self.row_sel
+        return None
 
     def get_kv_size_bytes(self):
         k = sum(b.numel() * b.element_size() for b in self.k_buffer)
@@ -400,6 +448,12 @@ class OffloadKVPool(MHATokenToKVPool):
                 slot_release_run(rows, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
             if self.hot_pages:
                 slot_release_run(rows, self.hot_table, self.hot_count, self.page_stack, self.page_top, -1)
+            if self.adaptive:  # the row's next request starts at the base slack with no history
+                from sglang_elastic.offload.sizing import slack_64ths
+
+                self.row_slack64.index_fill_(0, rows, slack_64ths(self.layout.hot_slack))
+                for t in (self.row_steps, self.row_miss, self.row_sel):
+                    t.index_fill_(0, rows, 0)
         else:
             self._release_pending.extend(int(r) for r in rows)
 
