@@ -641,7 +641,7 @@ def _page_adapt_kernel(rows_ptr, k_ptr, count_ptr, slack_ptr, steps_ptr, miss_pt
     slack = tl.load(slack_ptr + r)
     grow = (st >= 2) & (sel > 0) & (miss * 64 >= GROW64 * sel)
     tl.store(slack_ptr + r, tl.where(grow, tl.minimum(slack + 64, MAX64), slack))
-    tl.store(steps_ptr + r, tl.minimum(st + 1, 1 << 30))
+    tl.store(steps_ptr + r, tl.minimum(st + (k > 0).to(tl.int32), 1 << 30))  # sparse steps only: a demoted keep-v request starts cold
     need = (tl.minimum((k * BASE64 + 63) // 64, HN) + PAGE - 1) // PAGE
     short = need - tl.load(count_ptr + r)
     if short > 0:
@@ -677,11 +677,12 @@ def _page_shrink_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_pt
         lo = need * PAGE
         hi = tl.minimum(have * PAGE, HN)
         for l in range(0, layers):
+            row = (r * 0 + l) * stride_sl + r * stride_sr  # int64 (r is): layers x rows x hot_tokens may pass 2**31
             for s0 in range(lo, hi, BLOCK_S):
                 so = s0 + tl.arange(0, BLOCK_S)
                 sm = so < hi
-                tl.store(slot_pos_ptr + l * stride_sl + r * stride_sr + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
-                tl.store(slot_time_ptr + l * stride_sl + r * stride_sr + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
+                tl.store(slot_pos_ptr + row + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
+                tl.store(slot_time_ptr + row + so, tl.full([BLOCK_S], -1, tl.int32), mask=sm)
 
 
 def page_adapt_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, count: torch.Tensor, stack: torch.Tensor,
@@ -697,7 +698,9 @@ def page_adapt_run(rows: torch.Tensor, k: torch.Tensor, table: torch.Tensor, cou
 
     1. adapt: a request whose previous step missed at least ``grow_at64 / 64`` of its
        selected rows (``row_miss[row] / row_sel[row]``, recorded by the first sparse
-       layer's swap-in) raises its slack by one row per selected row, up to
+       layer's swap-in; with the prefetch, its loads and the exact pass's misses), after
+       two sparse steps (``row_steps`` counts steps with ``k > 0``: a request that kept V
+       and was demoted starts cold), raises its slack by one row per selected row, up to
        ``max_slack64 / 64``; ``demand`` sums the pages the batch's base grants
        (``slack64``) still need;
     2. shrink: if fewer than ``demand + reserve // 2`` pages are free, every request of the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any, Dict, Optional
@@ -55,11 +56,23 @@ def header(command: Optional[str] = None) -> Dict[str, Any]:
 
 def write(path: str, result: Dict[str, Any]) -> None:
     """Write ``result`` as JSON, one item per line (indent 1, no space after
-    ``:``: the tracked results must leave room for the GPU bundle in one
-    device transfer), atomically (a temp file beside it, then ``os.replace``):
+    ``:``, lists of plain values on one line: :func:`dumps`; the tracked results
+    must leave room for the GPU bundle in one device transfer), atomically (a temp file beside it, then ``os.replace``):
     a reader or a killed writer never sees half a file."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, separators=(",", ":"))
+        f.write(dumps(result))
         f.write("\n")
     os.replace(tmp, path)
+
+
+_FLAT_LIST = re.compile(r"\[\n[^\[\]{}]*?\n *\]")
+
+
+def dumps(result: Any) -> str:
+    """JSON of ``result`` as :func:`write` lays it out: one item per line (indent 1, no
+    space after ``:``), except that a list of numbers, strings, booleans or nulls stays on
+    one line (a table row, a list of lengths). JSON strings hold no raw newline, so the
+    newlines removed are only whitespace between items."""
+    text = json.dumps(result, indent=1, separators=(",", ":"))
+    return _FLAT_LIST.sub(lambda m: re.sub(r"\n *", "", m.group(0)), text)

@@ -774,6 +774,9 @@ def test_adaptive_pages_grow_while_the_selection_misses_and_come_back_when_the_p
     keep[:, 0, 16:24] = False
     assert torch.equal(a.slot_pos[keep], before[0][keep]) and torch.equal(a.slot_time[keep], before[1][keep])
     a.check_owned()
+    steps = a.steps.clone()
+    a.step([0, 1, 2, 3, 4, 5], [0, 6, 32, 32, 32, 32])  # row 0 attends densely this step (k = 0, keep-v): not a sparse step
+    assert a.steps[0] == steps[0] and a.steps[1] == steps[1] + 1
     with pytest.raises(ValueError, match="below the base slack"):
         ko.page_adapt_run(torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), a.table, a.count, a.stack,
                           a.top, a.over, a.HN, a.PAGE, 128, 64, a.slack, a.steps, a.miss, a.sel, a.demand, a.taken,

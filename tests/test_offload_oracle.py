@@ -195,6 +195,16 @@ def test_the_reuse_trace_holds_each_sparse_layers_top_k_and_its_guess_and_lru_ke
     assert hits[2.0] >= over["repeated"] and hits[1.0] <= hits[2.0] <= hits[4.0]
     pf = reuse.simulate(per_step, lens, (2.0, "lru", True))
     assert pf["cold_copied"] < pf["cold_selected"] and 0 < pf["prefetch_used"] <= pf["prefetched"]
+    # adaptive (--kv-offload-hot-slack-max 4): starts at slack 2, grows from the third step while the first sparse layer
+    # misses; its hits lie between the fixed slacks' and so do the slots it holds (pages of 8 rows: at 1K, k is ~15 and
+    # one 64-row page would hold every slack)
+    fixed = {s: reuse.simulate(per_step, lens, (s, "lru", False), page=8) for s in (2.0, 4.0)}
+    ad = reuse.simulate(per_step, lens, (2.0, "lru", False, 4.0), page=8)
+    assert reuse.label((2.0, "lru", False, 4.0)) == "slack2to4_lru" and reuse.label((2.0, "lru", False)) == "slack2_lru"
+    assert ad["selected"] == fixed[2.0]["selected"]
+    assert fixed[2.0]["copied"] >= ad["copied"] >= fixed[4.0]["copied"]
+    assert fixed[2.0]["slots"] < ad["slots"] <= fixed[4.0]["slots"]  # it grew (the real model misses more than 1/16)
+    assert reuse.simulate(per_step, lens, (2.0, "lru", False, 2.0), page=8) == fixed[2.0]  # slack_max at the base: no growth
 
 
 def test_reuse_cli_refuses_lengths_with_no_top_k_and_writes_nothing(model_dir, tmp_path, capsys):

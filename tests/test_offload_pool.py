@@ -133,7 +133,7 @@ class Sim:
             nxt = l + 1
             if self.guess is not None and nxt < L and nxt in pool.sparse_layer_ids:  # before layer l runs: layer l+1's guessed rows
                 dec.prefetch(self.guess(step[nxt][2]), pool.get_key_buffer(nxt), pool.get_value_buffer(nxt), D ** -0.5, self.r2t, rp, seq,
-                             pool.hot_state(nxt), pool.host.view(nxt))
+                             pool.hot_state(nxt), pool.host.view(nxt), record=pool.miss_record(nxt))
             pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
             pool.set_kv_buffer(layer(l), self.r2t[rp.long(), seq.long() - 1].long(), k, v)
             self.k[l, rp.long(), seq.long() - 1], self.v[l, rp.long(), seq.long() - 1] = k, v
@@ -147,7 +147,7 @@ class Sim:
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, v_summary=pool.summaries(l))
             else:  # as the backend: the first sparse layer records the step's misses for the adaptive hot pages
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l),
-                           record=pool.miss_record(l))
+                           record=pool.miss_record(l, add=self.guess is not None))
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
@@ -225,13 +225,18 @@ def test_least_selected_eviction_changes_copies_never_outputs():
         OffloadLayout(OffloadPolicy(), hot_tokens=4096, request_rows=2, stage_tokens=1 << 21, eviction="lfu")
 
 
-def test_adaptive_hot_pages_change_copies_never_outputs_and_go_back_with_the_row():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_adaptive_hot_pages_change_copies_never_outputs_and_go_back_with_the_row(prefetch):
     """``--kv-offload-hot-slack-max 4``: requests whose selection keeps missing (random queries
     here) grow their hot buffers past the base slack of 2; the outputs stay bit-identical to
     the fixed slack's through the whole lifecycle (chunked prefill, a finished request's row
-    reused), fewer rows are copied, and a freed row's pages and history go back."""
-    base, _, sim0 = lifecycle(resident=False, hot=96, short=False)
-    outs, worst, sim = lifecycle(resident=False, hot=96, short=False, slack_max=4.0)
+    reused), fewer rows are copied, and a freed row's pages, slots and history go back. With
+    the prefetch (a random guess), the record counts its loads too, so the buffers still grow."""
+    g = torch.Generator().manual_seed(9)
+    guess = (lambda q: (2 * torch.randn(q.shape, generator=g)).bfloat16()) if prefetch else None
+    base, _, sim0 = lifecycle(resident=False, hot=96, short=False, guess=guess)
+    g.manual_seed(9)
+    outs, worst, sim = lifecycle(resident=False, hot=96, short=False, slack_max=4.0, guess=guess)
     assert all(torch.equal(a, b) for a, b in zip(base, outs)) and worst < 1e-2
     h0, m0 = sim0.dec.stats.tolist()
     h, m = sim.dec.stats.tolist()
@@ -243,8 +248,10 @@ def test_adaptive_hot_pages_change_copies_never_outputs_and_go_back_with_the_row
     held = pool.hot_table[pool.hot_table >= 0].tolist()
     free = pool.page_stack[: int(pool.page_top)].tolist()
     assert sorted(held + free) == list(range(pool.hot_pages))
+    assert (pool.slot_pos[:, 2] >= 0).any()
     pool.release_rows(torch.tensor([2]))
     assert int(pool.hot_count[2]) == 0 and int(pool.row_slack64[2]) == 128 and int(pool.row_steps[2]) == 0
+    assert (pool.slot_pos[:, 2] == -1).all() and (pool.slot_time[:, 2] == -1).all()  # no stale slot for the row's next request
     assert int(pool.row_miss[2]) == int(pool.row_sel[2]) == 0
     with pytest.raises(ValueError, match="hot-slack-max must be 0"):
         make_pool(OffloadPolicy(max_topk=24), slack=2.0, slack_max=1.5)

@@ -215,11 +215,13 @@ class Ours:
         self.counters = kernels.split_kv_fused_counters(max_bs, HKV, "cuda") if hasattr(kernels, "split_kv_fused_counters") else None
         self.order = torch.zeros(max_bs, dtype=torch.int32, device="cuda")
 
-    def plan(self, path, indptr):
+    def plan(self, path, indptr, min_chunk=None):
+        """``min_chunk`` (split): the plan's minimum chunk instead of the calibration's rule (the A/B of its large-batch one)."""
         B = indptr.shape[0] - 1
         if path == "split":
             c = self.calib.split
-            self.k.split_kv_plan(indptr, split_max_splits(c, B), split_min_chunk(c, B), c.block_n, self.sc, self.sn)
+            mc = split_min_chunk(c, B) if min_chunk is None else min_chunk
+            self.k.split_kv_plan(indptr, split_max_splits(c, B), mc, c.block_n, self.sc, self.sn)
         else:
             c = self.calib.compact
             self.k.work_queue_plan(indptr, target_items=c.target_items, min_chunk=c.min_chunk, block_n=c.block_n,
@@ -334,6 +336,13 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
         both(f"ours_{path}_us", lambda: ours.run(path, q, k, v, indptr, idx, o))
         outs[f"ours_{path}"] = o
         t[f"ours_{path}_plan_us"] = graph_us(lambda: ours.plan(path, indptr))
+    sc = ours.calib.split
+    if sc.min_chunk_large and B >= sc.large_batch and split_min_chunk(sc, B) != sc.min_chunk:
+        # the same-host A/B of the large-batch minimum chunk: split planned with the small-batch one (min_chunk_large off)
+        ours.plan("split", indptr, min_chunk=sc.min_chunk)
+        o = torch.empty_like(q)
+        both("ours_split_small_chunk_us", lambda: ours.run("split", q, k, v, indptr, idx, o))
+        outs["ours_split_small_chunk"] = o
     if ours.counters is not None:  # issue 23 Build 2: one launch per layer, beside the two-launch split (not a policy path yet)
         ours.plan_fused(indptr)  # outside the timed graph, as the plan is
         o = torch.empty_like(q)
@@ -343,6 +352,8 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
     row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
     if "ours_split_fused_us" in t:
         row["ours_split_fused_us"], row["ours_split_fused_read_us"] = t["ours_split_fused_us"], tr["ours_split_fused_us"]
+    if "ours_split_small_chunk_us" in t:  # min_chunk_large off, same host and case: settles whether the large-batch chunk pays
+        row["ours_split_small_chunk_us"], row["ours_split_small_chunk_read_us"] = t["ours_split_small_chunk_us"], tr["ours_split_small_chunk_us"]
     row["max_abs_err_vs_flashinfer"] = {name: (o.float() - ref.float()).abs().max().item() for name, o in outs.items() if name != "flashinfer"}
     row["ours_split_plan_us"], row["ours_compact_plan_us"] = t["ours_split_plan_us"], t["ours_compact_plan_us"]
     return row, {c: tr.get(c) for c in bench.METHODS}, fa3_t
@@ -426,8 +437,18 @@ def sweep(calib, k, v, g, notes):
                     best_split, best_s = twin, mt
                 else:
                     best_compact, best_c = twin, mt
-    notes["sweep"] = {"cases": [c["name"] for c in cases], "best_split_geomean_us": best_s, "best_compact_geomean_us": best_c, "tried": tried}
+    notes["sweep"] = {"cases": [c["name"] for c in cases], "best_split_geomean_us": best_s, "best_compact_geomean_us": best_c,
+                      "tried": {p: sweep_table(rows) for p, rows in tried.items()}}
     return dataclasses.replace(calib, split=best_split, compact=best_compact)
+
+
+def sweep_table(rows):
+    """The tried configs as one table, ``{"columns": [...], "rows": [[...], ...]}`` (a missing field: null):
+    a dict per config took two thirds of the result file, which must stay small (one device transfer)."""
+    cols = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    return {"columns": cols, "rows": [[r.get(c) for c in cols] for r in rows]}
 
 
 def main():
@@ -446,6 +467,8 @@ def main():
              "sglang_triton_us": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, max_kv_splits 8",
              "policy": "policy_* from the calibration fitted to this run (in-sample); policy_shipped_* from the calibration shipped before it"}
     read, read_info = stream_read_tbps()
+    notes["ours_split_small_chunk_us"] = ("batches of split.large_batch or more: split planned with split.min_chunk instead of "
+                                          "split.min_chunk_large (the same-host A/B of the large-batch minimum chunk)")
     notes["stream_read"] = {**read_info, "how": "4 GiB bf16; the best Triton grid-stride read of bench.STREAM_CONFIGS and torch.sum; stream_read_tbps is the faster"}
     notes["read_floor_us"] = ("a contiguous read of the case's K and V bytes with the best streaming config, CUDA-graph replay, L2 flushed: the floor of a decode step; "
                               "read_floor_us under the write flush, read_floor_read_flush_us under the read flush")

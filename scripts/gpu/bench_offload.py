@@ -54,11 +54,15 @@ SERVERS = {
     "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "48"],
     # dense while V fits (--kv-offload-keep-v): to run beside stock and offload on the fitting load and past HBM
     "offload-keep": ["--enable-kv-offload", "--kv-offload-keep-v", "--disable-radix-cache", "--max-running-requests", "48"],
+    # InfiniGen's prefetch on (beside "offload": the step time with and without it through SGLang)
+    "offload-prefetch": ["--enable-kv-offload", "--kv-offload-prefetch", "speculative", "--disable-radix-cache", "--max-running-requests", "48"],
     # adaptive hot buffers (--kv-offload-hot-slack-max 4): growth past the base slack while a request's selection misses
     "offload-adaptive": ["--enable-kv-offload", "--kv-offload-hot-slack-max", "4", "--disable-radix-cache", "--max-running-requests", "48"],
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }
+#: the offload variants' columns in the assembled throughput rows (``{column}_output_tok_s``, ``_median_itl_ms``, ``_median_ttft_ms``)
+VARIANT_COLUMNS = {"offload-keep": "keep_v", "offload-prefetch": "prefetch", "offload-adaptive": "adaptive"}
 WORKLOADS = {  # name: (input_len, output_len, num_prompts)
     "long32k": (32768, 512, 64),
     "long128k": (130560, 512, 16),
@@ -389,9 +393,8 @@ def part_assemble(a) -> dict:
             "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"),
             "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
-            **({"keep_v_output_tok_s": p["servers"]["offload-keep"].get("output_tok_s"),
-                "keep_v_median_itl_ms": p["servers"]["offload-keep"].get("median_itl_ms"),
-                "keep_v_median_ttft_ms": p["servers"]["offload-keep"].get("median_ttft_ms")} if "offload-keep" in p["servers"] else {}),
+            **{f"{col}_{k}": p["servers"][name].get(k) for name, col in VARIANT_COLUMNS.items() if name in p["servers"]
+               for k in ("output_tok_s", "median_itl_ms", "median_ttft_ms")},
         })
     smoke = by.get("smoke")
     if smoke:

@@ -94,6 +94,7 @@ class OffloadAttnBackend(AttentionBackend):
                                       prefetch=self.prefetch_on)
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
         self._spec_pending = {}  # layer id -> event of its prefetch in this step
+        self._spec_done = {}  # layer id -> True: prefetched in this step (its exact pass adds to the prefetch's miss record)
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
         #: --kv-offload-keep-v: an all-dense step runs no selection (eager: the scheduler's grant says so;
         #: CUDA graphs: the graph variant captured for it, sglang_elastic.offload.keep.DENSE_VARIANT)
@@ -249,6 +250,7 @@ class OffloadAttnBackend(AttentionBackend):
         if (layer.logit_cap or 0) > 0:
             raise NotImplementedError(f"{NAME} has no logit soft-cap: drop --enable-kv-offload for this model")
         pool, dec = self.pool, self.decoder
+        prefetched = self._spec_done.pop(layer.layer_id, False)
         ev = self._spec_pending.pop(layer.layer_id, None)
         if ev is not None:  # this layer's prefetch ran on the side stream: its hot buffer is ready after it
             torch.cuda.current_stream().wait_event(ev)
@@ -270,7 +272,7 @@ class OffloadAttnBackend(AttentionBackend):
         else:
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                        pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid),
-                       record=pool.miss_record(lid))
+                       record=pool.miss_record(lid, add=prefetched))
         return o.view(-1, H * D)
 
     # ---------------------------------------------------------------- prefetch
@@ -296,7 +298,8 @@ class OffloadAttnBackend(AttentionBackend):
         with ctx:
             dec.prefetch(q_spec.reshape(-1, self.q_heads, pool.head_dim), pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
                          sm_scale, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                         pool.hot_state(layer_id), pool.host.view(lid))
+                         pool.hot_state(layer_id), pool.host.view(lid), record=pool.miss_record(layer_id))
+            self._spec_done[layer_id] = True
             if cur is not None:
                 ev = torch.cuda.Event()
                 ev.record(self._spec_stream)

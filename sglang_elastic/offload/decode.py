@@ -323,9 +323,13 @@ class OffloadDecoder:
                         ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction,
                         spare_row=h.spare)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
-            if record is not None:  # this step's misses and selection per request row, for the adaptive hot pages
+            if record is not None:  # this step's copies and selection per request row, for the adaptive hot pages
                 rows64 = rp.to(torch.int64)
-                record[0].index_copy_(0, rows64, ws.miss_cnt[:bs].to(record[0].dtype))
+                miss = ws.miss_cnt[:bs].to(record[0].dtype)
+                if len(record) > 2 and record[2]:  # the exact pass after this layer's prefetch: its loads + these misses
+                    record[0].index_add_(0, rows64, miss)
+                else:
+                    record[0].index_copy_(0, rows64, miss)
                 record[1].index_copy_(0, rows64, self.k[:bs].to(record[1].dtype))
         return lse
 
@@ -344,8 +348,9 @@ class OffloadDecoder:
             host_v: the layer's host V rows seen by the GPU (not resident).
             v_summary: ``(vsum, chunk_slot)``, the layer's V summaries and their slots
                 (:meth:`OffloadKVPool.summaries`; ``estimate`` only).
-            record: ``(row_miss, row_sel)`` ``[rows]`` int32: this step's misses and selected rows are
-                written at each request's row (:meth:`OffloadKVPool.miss_record`, the adaptive hot pages), or None.
+            record: ``(row_miss, row_sel, add)`` ``[rows]`` int32: this step's misses (added to what the
+                layer's prefetch recorded when ``add``) and selected rows at each request's row
+                (:meth:`OffloadKVPool.miss_record`, the adaptive hot pages), or None.
 
         Raises:
             ValueError: ``estimate`` without ``v_summary``.
@@ -372,8 +377,10 @@ class OffloadDecoder:
         return out
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
-                 req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v) -> None:
-        """Load the V rows a sparse layer will probably select, before its own pass runs.
+                 req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v,
+                 record: Optional[tuple] = None) -> None:
+        """Load the V rows a sparse layer will probably select, before its own pass runs
+        (``record``: as :meth:`sparse`'s; the prefetch's loads are written, the exact pass adds its misses).
 
         The InfiniGen idea (arXiv 2406.19707): consecutive layers' attention
         inputs are nearly parallel, so layer ``l``'s input through layer
@@ -393,7 +400,8 @@ class OffloadDecoder:
             raise RuntimeError("OffloadDecoder(prefetch=True) keeps the prefetch's buffers")
         bs = self.bs
         self._select(self.spec, q_spec, k_buffer, v_buffer, sm_scale, req_to_token, req_pool_indices[:bs], seq_lens[:bs],
-                     hot_state, host_v, self.spec.att_kidx, self.spec.att_vidx, spec=True)
+                     hot_state, host_v, self.spec.att_kidx, self.spec.att_vidx, spec=True,
+                     record=None if record is None else (record[0], record[1], False))
 
 
 __all__ = ["OffloadDecoder", "SplitConfig"]

@@ -310,11 +310,13 @@ class OffloadKVPool(MHATokenToKVPool):
         requests give back under half of it)."""
         return max(2, self.hot_pages // 8)
 
-    def miss_record(self, layer_id: int):
-        """``(row_miss, row_sel)`` for the first sparse layer's swap-in when the hot pages adapt
-        (:meth:`OffloadDecoder.sparse`'s ``record``), else None."""
+    def miss_record(self, layer_id: int, add: bool = False):
+        """``(row_miss, row_sel, add)`` for the first sparse layer's swap-in when the hot pages adapt
+        (:meth:`OffloadDecoder.sparse`'s and :meth:`OffloadDecoder.prefetch`'s ``record``), else None.
+        ``add``: the exact pass after a prefetch of the layer adds its misses to the prefetch's loads
+        (rows the prefetch loaded are hits of the exact pass, but copies all the same)."""
         if self.adaptive and self.sparse_layer_ids and layer_id - self.start_layer == self.sparse_layer_ids[0]:
-            return self.row_miss, self.row_sel
+            return self.row_miss, self.row_sel, add
         return None
 
     def get_kv_size_bytes(self):
@@ -448,6 +450,10 @@ class OffloadKVPool(MHATokenToKVPool):
                 slot_release_run(rows, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
             if self.hot_pages:
                 slot_release_run(rows, self.hot_table, self.hot_count, self.page_stack, self.page_top, -1)
+            if self.slot_pos.shape[0]:  # no slot of a freed row may look valid to the row's next request (a prefix of it
+                r64 = rows.to(torch.int64)  # skips reset_requests), whatever pages that one is given
+                self.slot_pos.index_fill_(1, r64, -1)
+                self.slot_time.index_fill_(1, r64, -1)
             if self.adaptive:  # the row's next request starts at the base slack with no history
                 from sglang_elastic.offload.sizing import slack_64ths
 

