@@ -544,6 +544,12 @@ EVICTIONS = ("lru", "lfu")
 
 
 @triton.jit
+def _pages_for(k, slack64, HN: tl.constexpr, PAGE: tl.constexpr):
+    """Pages of ``PAGE`` slots for ``min(HN, ceil(k * slack64 / 64))`` hot slots (a grant's need)."""
+    return (tl.minimum((k * slack64 + 63) // 64, HN) + PAGE - 1) // PAGE
+
+
+@triton.jit
 def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr, overflow_ptr, slack_ptr, floor, stride_t,
                        HN: tl.constexpr, PAGE: tl.constexpr, SLACK64: tl.constexpr, BLOCK: tl.constexpr,
                        PER_ROW: tl.constexpr):
@@ -561,8 +567,7 @@ def _page_grant_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_ptr
         slack = tl.load(slack_ptr + r)
     else:
         slack = SLACK64
-    need_rows = tl.minimum((k * slack + 63) // 64, HN)
-    need = (need_rows + PAGE - 1) // PAGE
+    need = _pages_for(k, slack, HN, PAGE)
     have = tl.load(count_ptr + r)
     n = need - have
     if n > 0:
@@ -642,7 +647,7 @@ def _page_adapt_kernel(rows_ptr, k_ptr, count_ptr, slack_ptr, steps_ptr, miss_pt
     grow = (st >= 2) & (sel > 0) & (miss * 64 >= GROW64 * sel)
     tl.store(slack_ptr + r, tl.where(grow, tl.minimum(slack + 64, MAX64), slack))
     tl.store(steps_ptr + r, tl.minimum(st + (k > 0).to(tl.int32), 1 << 30))  # sparse steps only: a demoted keep-v request starts cold
-    need = (tl.minimum((k * BASE64 + 63) // 64, HN) + PAGE - 1) // PAGE
+    need = _pages_for(k, BASE64, HN, PAGE)
     short = need - tl.load(count_ptr + r)
     if short > 0:
         tl.atomic_add(demand_ptr, short)
@@ -661,7 +666,7 @@ def _page_shrink_kernel(rows_ptr, k_ptr, table_ptr, count_ptr, stack_ptr, top_pt
     k = tl.load(k_ptr + b).to(tl.int32)
     top = tl.atomic_add(top_ptr, 0)
     demand = tl.load(demand_ptr)
-    need = (tl.minimum((k * BASE64 + 63) // 64, HN) + PAGE - 1) // PAGE
+    need = _pages_for(k, BASE64, HN, PAGE)
     have = tl.load(count_ptr + r)
     extra = have - need
     if (top < demand + reserve) & (extra > 0):

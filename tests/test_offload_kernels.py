@@ -633,7 +633,12 @@ def sig(fn, ptrs, cx):
             for n in fn.arg_names if n not in cx}
 
 cases = [
-    (ko._page_grant_kernel, {}, dict(HN=4096, PAGE=64, SLACK64=128, BLOCK=64)),
+    (ko._page_grant_kernel, {}, dict(HN=4096, PAGE=64, SLACK64=128, BLOCK=64, PER_ROW=True)),
+    (ko._page_adapt_kernel, {}, dict(HN=4096, PAGE=64, BASE64=128, MAX64=256, GROW64=4)),
+    (ko._page_shrink_kernel, {}, dict(HN=4096, PAGE=64, BASE64=128, BLOCK=64, BLOCK_S=1024)),
+    (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
+                               "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64"},
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
@@ -651,7 +656,8 @@ for fn, ptrs, cx in cases:
 
 
 def test_the_new_offload_kernels_compile_for_sm90():
-    """The page grant (its compare-and-swap loop), the paged swap-in, the chunk
+    """The page grant (its compare-and-swap loop), the adaptive pages' demand and
+    give-back, the one-launch KV write, the paged swap-in, the chunk
     means, the stamping lse merge and top-k, the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
@@ -666,8 +672,9 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
     assert rows["_page_grant_kernel"] == ["True", "True"]  # the CAS is there, and the stack loads
-    assert set(rows) == {"_page_grant_kernel", "_swap_in_kernel", "_chunk_mean_kernel", "_lse_merge_kernel", "_select_write_kernel",
-                         "_estimate_kernel", "_merge_kernel"}
+    assert rows["_page_shrink_kernel"][0] == "True" and rows["_page_adapt_kernel"][0] == "True"  # the pushes and the demand
+    assert set(rows) == {"_page_grant_kernel", "_page_adapt_kernel", "_page_shrink_kernel", "_store_sparse_kernel", "_swap_in_kernel",
+                         "_chunk_mean_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel", "_merge_kernel"}
 
 
 def test_the_mark_stamp_wraps_without_ever_being_zero():
