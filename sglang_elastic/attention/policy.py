@@ -28,9 +28,10 @@ wave quantisation (FA2's ``num_splits_heuristic``). Items per path:
 The policy picks ours only when predicted ``margin`` faster than FlashInfer
 (FlashInfer is the stock path: ties go to it), and, where the calibration
 records its fit's rms relative errors (``fit_rms_rel_err``), faster by more
-than the two paths' combined error ``hypot(err[ours], err[flashinfer])``: a fit
-whose ``split`` constants err by 7 % predicted a 4 % win on 64 x 8K and 256 x 2K
-that measured a 5 % loss (``docs/results/decode_h200_repeat_2026-12-04.json``).
+than the two paths' combined error ``hypot(err[ours], err[flashinfer])``; of our
+paths that clear their own margin it takes the fastest. A fit whose ``split``
+constants err by 7 % predicted a 4 % win on 64 x 8K and 256 x 2K that measured a
+5 % loss (``docs/results/decode_h200_repeat_2026-12-04.json.xz``).
 
 Calibration JSON (schema ``version`` 1)::
 
