@@ -326,7 +326,7 @@ class OffloadDecoder:
             if record is not None:  # this step's copies and selection per request row, for the adaptive hot pages
                 rows64 = rp.to(torch.int64)
                 miss = ws.miss_cnt[:bs].to(record[0].dtype)
-                if len(record) > 2 and record[2]:  # the exact pass after this layer's prefetch: its loads + these misses
+                if record[2]:  # the exact pass after this layer's prefetch: its loads + these misses
                     record[0].index_add_(0, rows64, miss)
                 else:
                     record[0].index_copy_(0, rows64, miss)

@@ -437,10 +437,10 @@ class OffloadKVPool(MHATokenToKVPool):
 
     def release_rows(self, rows) -> None:
         """Return request rows' hot-buffer pages and summary slots to their
-        free stacks: now (on the current stream) for a tensor; for a list
-        (SGLang freed the rows, from ``ReqToTokenPool.free``), at the next
-        forward (:meth:`flush_releases`)."""
-        if not self.summary_layer_ids and not self.hot_pages:
+        free stacks and forget their hot slots: now (on the current stream) for
+        a tensor; for a list (SGLang freed the rows, from ``ReqToTokenPool.free``),
+        at the next forward (:meth:`flush_releases`)."""
+        if not self.summary_layer_ids and not self.hot_pages and not self.slot_pos.shape[0]:
             return
         if isinstance(rows, torch.Tensor):
             from sglang_elastic.kernels.offload import slot_release_run
@@ -450,8 +450,8 @@ class OffloadKVPool(MHATokenToKVPool):
                 slot_release_run(rows, self.chunk_slot, self.slot_count, self.slot_stack, self.slot_top, self.ZERO)
             if self.hot_pages:
                 slot_release_run(rows, self.hot_table, self.hot_count, self.page_stack, self.page_top, -1)
-            if self.slot_pos.shape[0]:  # no slot of a freed row may look valid to the row's next request (a prefix of it
-                r64 = rows.to(torch.int64)  # skips reset_requests), whatever pages that one is given
+            if self.slot_pos.shape[0]:  # no slot of a freed row may look valid to the row's next request, whatever pages it gets
+                r64 = rows.to(torch.int64)
                 self.slot_pos.index_fill_(1, r64, -1)
                 self.slot_time.index_fill_(1, r64, -1)
             if self.adaptive:  # the row's next request starts at the base slack with no history
@@ -595,14 +595,11 @@ class OffloadKVPool(MHATokenToKVPool):
 
     def reset_requests(self, rows: torch.Tensor) -> None:
         """Forget the hot buffers of request rows ``rows`` (new requests: their
-        rows may hold a finished request's slots). ``loc_slot`` entries stay:
-        a hit is only one whose ``slot_pos`` agrees."""
-        if self.slot_pos.shape[0] and rows.numel():
-            r = rows.to(device=self.slot_pos.device, dtype=torch.int64)
-            self.slot_pos.index_fill_(1, r, -1)
-            self.slot_time.index_fill_(1, r, -1)
+        rows may hold a finished request's slots): :meth:`release_rows`, which
+        a row SGLang freed has been through already (then nothing is left).
+        ``loc_slot`` entries stay: a hit is only one whose ``slot_pos`` agrees."""
         if rows.numel():
-            self.release_rows(rows.to(torch.int64))  # a row SGLang freed already released them: nothing left
+            self.release_rows(rows.to(torch.int64))
 
     def _clear_buffers(self):
         if self.host is not None:
