@@ -262,16 +262,16 @@ def test_events_are_read_from_an_offset_and_a_line_still_being_written_waits(tmp
     recs, off = a.events(0)
     assert [r["op"] for r in recs] == ["reclaim"] and off == a.events_path.read_text().index("\n") + 1
     with open(a.events_path, "a") as f:
-        f.write('2.5}\n{"op": "reclaim", "ms": 60.0, "vacate_ms": 50.0, "moved_units": 3, "retracted": 1}\n{"op": "reclaim", "ms": 10.0}\n')
+        f.write('2.5}\n{"op": "reclaim", "ms": 60.0, "vacate_ms": 50.0, "moved_units": 3, "retracted": 1}\n{"op": "reclaim_skipped", "need": 0}\n{"op": "reclaim", "ms": 10.0}\n')
     more, off2 = a.events(off)
-    assert [r["op"] for r in more] == ["lend", "reclaim", "reclaim"] and off2 == a.events_path.stat().st_size
+    assert [r["op"] for r in more] == ["lend", "reclaim", "reclaim_skipped", "reclaim"] and off2 == a.events_path.stat().st_size
     ev = summarize_events(recs + more)
     assert ev["reclaim_ms"] == {"n": 3, "first": 20.0, "min": 10.0, "median": 20.0, "max": 60.0, "values": [20.0, 60.0, 10.0]}
     assert ev["lend_ms"]["values"] == [12.5] and ev["reclaim_vacate_ms"] == {"first": 3.0, "median": 26.5, "max": 50.0}
-    assert ev["moved_units"] == 5 and ev["retracted"] == 1
+    assert ev["moved_units"] == 5 and ev["retracted"] == 1 and ev["reclaims_skipped"] == 1
     # malformed records do not cost the row its measurement; a recreated file is read from its start
     bad = summarize_events([{"op": "reclaim", "ms": float("nan"), "moved_units": "2.0"}, {"op": "reclaim", "ms": "x", "retracted": None}, {"op": "lend", "ms": 3}])
-    assert "reclaim_ms" not in bad and bad["lend_ms"]["values"] == [3.0] and bad["moved_units"] == 2 and bad["retracted"] == 0
+    assert "reclaim_ms" not in bad and bad["lend_ms"]["values"] == [3.0] and bad["moved_units"] == 2 and bad["retracted"] == 0 and bad["reclaims_skipped"] == 0
     a.events_path.write_text('[1, 2]\n{"op": "lend", "ms": 4.0}\n')  # shorter than off2 now; a line that is not a record is skipped
     assert a.events(off2) == ([{"op": "lend", "ms": 4.0}], a.events_path.stat().st_size)
 

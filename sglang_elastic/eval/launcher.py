@@ -370,7 +370,10 @@ def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     TP rank 0, :meth:`sglang_elastic.sched.controller.ElasticController.lend`
     / ``reclaim``) as the row keeps them: per operation its count and ms
     (first, min, median, max, every value in order), the reclaims' wait /
-    vacate / unmap split (ms) and the pages moved and requests retracted."""
+    vacate / unmap split (ms), the pages moved and requests retracted, and
+    ``reclaims_skipped``: prefills that ran while lent with nothing
+    reclaimed (issue 22: the CUDA graphs, or the free memory, held their
+    activations; event ``reclaim_skipped``)."""
     out: Dict[str, Any] = {"source": "TP rank 0's events file"}
     for op in ("lend", "reclaim"):
         xs = [x for x in (_num(r.get("ms")) for r in records if r.get("op") == op) if x is not None]
@@ -384,6 +387,7 @@ def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
             out[f"reclaim_{part}"] = {k: st[k] for k in ("first", "median", "max")}
     out["moved_units"] = int(sum(_num(r.get("moved_units")) or 0 for r in rec))
     out["retracted"] = int(sum(_num(r.get("retracted")) or 0 for r in rec))
+    out["reclaims_skipped"] = sum(r.get("op") == "reclaim_skipped" for r in records)
     return out
 
 
