@@ -371,3 +371,41 @@ def test_a_failed_release_on_the_helper_is_counted_turns_lending_off_and_close_r
     live = bed.be.live_handles
     bed.pool.arena.close()
     assert live == 2 and bed.be.live_handles == 0  # the base's handle and the failed one, both gone
+
+
+def test_a_one_step_lend_that_no_longer_fits_is_cut_to_what_is_free_and_grows_back_when_it_is(caplog):
+    """Seen on the H200 with SGLang's default prefill graphs: the start-up
+    measure (free after capture less the margin) left no slack, the server
+    took a little more memory for good, and the one 8 GiB step never fit
+    again: three lends lent nothing and lending went off for the whole run.
+    The step is now cut to what is free, lent and reclaimed as often as
+    before, and grows back once the memory is free again."""
+    from sglang_elastic.sched.controller import MAX_OOM_LENDS
+
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+    a = bed.pool.arena
+    assert bed.ctl.lendable_tokens == ELASTIC and a.max_steps == 1
+    other = bed.be.create(ELASTIC * ROW // 4 // 4096 * 4096)  # taken for good after start-up by someone else
+    want = (bed.be.free_bytes() - margin * MIB) // ROW // a.quantum * a.quantum
+    assert 0 < want < ELASTIC
+    for cycle in range(MAX_OOM_LENDS + 2):
+        with caplog.at_level("INFO"):
+            assert bed.ctl.lend() == want, cycle
+        assert a.lent_steps == 1 and a.lent_tokens == want and bed.alloc.lent_tokens == want
+        assert bed.be.free_bytes() >= margin * MIB  # the margin stays free at the driver
+        assert bed.admit(list(range(40)))  # spills into the cut step
+        assert bed.ctl.reclaim(bed.batch)
+        bed.check_ownership_and_accounting()
+    assert not bed.ctl.disabled and bed.ctl.state()["lendable_tokens"] == want
+    assert sum("the lend step is now" in r.getMessage() for r in caplog.records) == 1  # cut once, not at every lend
+    bed.be.release(other)
+    assert bed.ctl.lend() == ELASTIC and a.lent_tokens == ELASTIC  # the memory is back: the step grows to the start-up measure
+    # less than one token quantum free: a lend without memory, as before (lending stops after MAX_OOM_LENDS of them)
+    assert bed.ctl.reclaim(bed.batch)
+    hog = bed.be.create(bed.be.free_bytes() // 4096 * 4096)
+    for _ in range(MAX_OOM_LENDS):
+        assert bed.ctl.lend() == 0 and a.lent_steps == 0
+    assert bed.ctl.disabled
+    bed.be.release(hog)
+    bed.check_ownership_and_accounting()

@@ -540,7 +540,7 @@ class ElasticController:
         (``GET /server_info`` -> ``internal_states[i]``)."""
         return {
             "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
-            "lendable_tokens": self.lendable_tokens, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
+            "lendable_tokens": self.arena.lendable_tokens if self.lendable_tokens else 0, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
             "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled, "reclaims_skipped": self.reclaims_skipped,
         }
 
@@ -726,12 +726,16 @@ class ElasticController:
             return 0
         t0 = time.perf_counter()
         self._settle()  # the helper thread's prepares and releases, done before this lend measures anything
-        prepared = self.arena.prepared_steps
         err: Optional[VmmError] = None
         empty_ms = 0.0
         t_map = time.perf_counter()
+        want = 0
         if self._stop is None:
             want, empty_ms = self.steps_that_fit()
+        want, recut_ms = self._recut(want, emptied=empty_ms > 0)  # a collective over TP when nothing is lent
+        empty_ms += recut_ms
+        prepared = self.arena.prepared_steps  # after a re-cut, which drops handles made for another size
+        if self._stop is None:
             t_map = time.perf_counter()
             try:
                 if want:
@@ -759,8 +763,9 @@ class ElasticController:
                 self._oom_lends += 1
                 if self._oom_lends >= MAX_OOM_LENDS:
                     self.disabled = True
+                    need = self.arena.step_bytes() if self.arena.max_steps else self.lendable_tokens * sum(self.arena.row_bytes)  # a cut to nothing
                     logger.error("sglang-elastic: %d lends in a row found no device memory for %.2f GiB; lending is off", self._oom_lends,
-                                 self.arena.step_bytes() / 2**30)
+                                 need / 2**30)
             return 0
         self._oom_lends = 0
         self.alloc.lend(steps * self.arena.step_tokens)
@@ -777,6 +782,55 @@ class ElasticController:
         self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms (%d of %d step(s) made ahead)", self.alloc.lent_tokens,
                   self.arena.lent_bytes / 2**30, ms, used_prepared, steps)
         return self.alloc.lent_tokens
+
+    def _recut(self, want: int, emptied: bool = False):
+        """One-step lending (the default: no ``--elastic-kv-handle-mb``) with
+        nothing lent: cut the step to what is free now less the margin, at
+        most the start-up measure (:attr:`lendable_tokens`). Returns the steps
+        to lend now (``want``, or the new cut's one step when it fits) and the
+        milliseconds spent emptying torch's cache (as :meth:`steps_that_fit`:
+        only when the driver falls short and the cache holds unused blocks,
+        and not twice in one lend: ``emptied``).
+
+        Why: the start-up measure is the free memory after CUDA-graph capture
+        less the margin, so it leaves no slack. Whatever the server allocates
+        for good after that (FlashInfer's and cuBLAS's workspaces, buffers
+        made at the first long prompt) made the whole step not fit, the lend
+        lent nothing three times in a row and lending went off for the rest of
+        the run (seen on the H200 with SGLang's default prefill graphs: 8 GiB
+        measured, 9.015 GiB free after capture, margin 1 GiB, not one lend).
+        Now the step shrinks to what fits and grows back, up to the start-up
+        measure, when the memory is free again; only less than one token
+        quantum free counts as a lend without memory. Handles made ahead for
+        another size are released first. TP > 1: every rank calls this at the
+        same lend (the conditions are replicated) and the cut is the MIN over
+        ranks, so every rank lends the same token range."""
+        a = self.arena
+        if self.cfg.handle_mb or a.lent_steps or a.max_steps > 1 or self.lendable_tokens == 0:
+            return want, 0.0
+        free = a.backend.free_bytes()
+        if free is None:
+            return want, 0.0
+        row = max(sum(a.row_bytes), 1)
+        margin = self.cfg.margin_mb * 2**20
+        ms = 0.0
+        if not emptied and (free + a.prepared_bytes() - margin) // row < self.lendable_tokens and self.torch_cache.unused() > 0:
+            t = time.perf_counter()
+            self.torch_cache.empty()
+            ms = (time.perf_counter() - t) * 1e3
+            free = a.backend.free_bytes() or 0
+        room = free + a.prepared_bytes() - margin  # handles made ahead hold memory this lend has already
+        mine = min(self.lendable_tokens, max(room, 0) // row) if self._stop is None and not a.lending_disabled else 0
+        tokens = agree_min(self.sched, mine) // a.quantum * a.quantum
+        if tokens != a.lendable_tokens:
+            if a.prepared_steps:
+                a.drop_prepared()  # sized for the old cut
+            before = a.lendable_tokens
+            a.set_steps(tokens)
+            self._event(op="recut", tokens=a.lendable_tokens, before=before, free_bytes=free)
+            self._log("sglang-elastic: the lend step is now %d tokens (%.2f GiB; it was %d): what is free less --elastic-kv-margin-mb",
+                      a.lendable_tokens, a.lendable_tokens * row / 2**30, before)
+        return (a.max_steps if self._stop is None else 0), ms
 
     def steps_that_fit(self, may_empty: bool = True):
         """Steps the next lend may back, and the milliseconds spent emptying
