@@ -39,3 +39,16 @@ def test_the_tp_summaries_share_one_shape_and_tp2_is_reproduced(tmp_path):
     assert set(both["tp4"]) == set(both["tp2"]) and both["tp8"] is None
     assert both["tp4"]["reclaim_ms"]["max"] == both["tp2"]["reclaim_ms"]["max"] / 2 and both["tp4"]["cycles"] == both["tp2"]["cycles"]
     assert both["failed_requests_total"].keys() == {"elastic_tp2", "elastic_tp4"}
+
+
+def test_issue22s_h200_parts_give_the_committed_result_and_the_gpu_they_ran_on(tmp_path):
+    """The 2026-12-04 run of issue 22's code (docs/results/elastic_issue22_h200.json), assembled here
+    on a machine without a GPU: the result names the parts' GPU, not this machine's."""
+    committed = json.loads((ROOT / "docs/results/elastic_issue22_h200.json").read_text())
+    again = _assemble(sorted((PARTS / "issue22").glob("*_tp1.json.gz")), tmp_path / "c.json")
+    assert again["gpu"] == committed["gpu"] and committed["gpu"].startswith("NVIDIA H200")
+    keys = ("reclaim_needed_ms", "lend_ms_p99", "reclaims_skipped", "per_phase")
+    assert {k: again[k] for k in keys} == {k: committed[k] for k in keys}
+    # with the prefill graphs every prefill ran while lent and none reclaimed; the eager phase unmapped before each
+    assert committed["per_phase"]["elastic"]["reclaims_skipped"] > 100 and committed["per_phase"]["elastic"]["reclaims"] == 0
+    assert committed["reclaim_needed_ms"]["n"] >= 100

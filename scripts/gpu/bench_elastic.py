@@ -345,6 +345,9 @@ def assemble(args) -> None:
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
         itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100
     out = results.header(args.command)
+    gpus = sorted({d.get("gpu") for d in parts.values() if d.get("gpu") not in (None, "unknown")})
+    if gpus:  # what the parts ran on (the assembly may run on a machine without a GPU)
+        out["gpu"] = "; ".join(gpus)
     out.update({
         "lent_bytes": el["lent_bytes_max"] if el else None,
         "kv_tokens_stock": st["kv_tokens_base"] if st else None,
