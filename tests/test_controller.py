@@ -658,7 +658,9 @@ def test_repeated_out_of_memory_lends_stop_lending(caplog):
     """Issue 22, defect 3: with a device that runs out at half the step the
     pool tried again every 32 decode-only steps (10 times in 320), each time
     taking all free memory before rolling back, with warnings only. It stops
-    after three lends in a row found no memory, with one error."""
+    after three lends in a row found no memory, with one error. (Since the
+    one-step re-cut, half the step free is lent as a smaller step; here
+    less than one token quantum is free.)"""
     from sglang_elastic.sched import controller
 
     row = 2 * LAYERS * 2 * 64 * 2

@@ -398,12 +398,24 @@ def test_a_one_step_lend_that_no_longer_fits_is_cut_to_what_is_free_and_grows_ba
         assert bed.ctl.reclaim(bed.batch)
         bed.check_ownership_and_accounting()
     assert not bed.ctl.disabled and bed.ctl.state()["lendable_tokens"] == want
+    # torch's cache holding less than a token quantum cannot grow the cut: it is not emptied at every lend (review finding)
+    bed.be.release(other)
+    other = bed.be.create(ELASTIC * ROW // 4 - 4096)
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, 4096)  # 4 KiB of what the other user held is in torch's cache now
+    assert bed.ctl.lend() == want and cache.emptied == 0 and bed.ctl.reclaim(bed.batch)
+    # holding a quantum or more, it is emptied once and the cut grows by what it held
+    cache.empty()
+    bed.be.release(other)
+    other = bed.be.create(ELASTIC * ROW // 4 - a.quantum * ROW)
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, a.quantum * ROW)
+    assert bed.ctl.lend() == want + a.quantum and cache.emptied == 1 and bed.ctl.reclaim(bed.batch)
     assert sum("the lend step is now" in r.getMessage() for r in caplog.records) == 1  # cut once, not at every lend
     bed.be.release(other)
     assert bed.ctl.lend() == ELASTIC and a.lent_tokens == ELASTIC  # the memory is back: the step grows to the start-up measure
-    # less than one token quantum free: a lend without memory, as before (lending stops after MAX_OOM_LENDS of them)
+    # less than a quarter of the start-up measure free (MIN_CUT_FRAC): a lend without memory, as before
+    # (lending stops after MAX_OOM_LENDS of them)
     assert bed.ctl.reclaim(bed.batch)
-    hog = bed.be.create(bed.be.free_bytes() // 4096 * 4096)
+    hog = bed.be.create((bed.be.free_bytes() - margin * MIB - ELASTIC * ROW // 5) // 4096 * 4096)
     for _ in range(MAX_OOM_LENDS):
         assert bed.ctl.lend() == 0 and a.lent_steps == 0
     assert bed.ctl.disabled

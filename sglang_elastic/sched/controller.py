@@ -112,6 +112,10 @@ def agree_min(sched, *values: int):
 #: Lends in a row that lend nothing for lack of device memory before lending
 #: stops (each one creates handles until the driver refuses, then rolls back).
 MAX_OOM_LENDS = 3
+#: A re-cut one-step lend (:meth:`ElasticController._recut`) smaller than this share of the start-up
+#: measure counts as a lend without memory: with eager prefill every lend costs a reclaim before the
+#: next prefill, not worth a few hundred MiB.
+MIN_CUT_FRAC = 0.25
 
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
 #: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
@@ -800,8 +804,9 @@ class ElasticController:
         the run (seen on the H200 with SGLang's default prefill graphs: 8 GiB
         measured, 9.015 GiB free after capture, margin 1 GiB, not one lend).
         Now the step shrinks to what fits and grows back, up to the start-up
-        measure, when the memory is free again; only less than one token
-        quantum free counts as a lend without memory. Handles made ahead for
+        measure, when the memory is free again; a cut below
+        :data:`MIN_CUT_FRAC` of the start-up measure counts as a lend without
+        memory. Handles made ahead for
         another size are released first. TP > 1: every rank calls this at the
         same lend (the conditions are replicated) and the cut is the MIN over
         ranks, so every rank lends the same token range."""
@@ -814,13 +819,21 @@ class ElasticController:
         row = max(sum(a.row_bytes), 1)
         margin = self.cfg.margin_mb * 2**20
         ms = 0.0
-        if not emptied and (free + a.prepared_bytes() - margin) // row < self.lendable_tokens and self.torch_cache.unused() > 0:
+
+        def cut(room: int) -> int:
+            return min(self.lendable_tokens, max(room, 0) // row) // a.quantum * a.quantum
+
+        # emptied only when its unused blocks would add a token quantum to the cut (not at every lend of a cut that stays)
+        unused = 0 if emptied else self.torch_cache.unused()
+        if unused > 0 and cut(free + a.prepared_bytes() + unused - margin) > cut(free + a.prepared_bytes() - margin):
             t = time.perf_counter()
             self.torch_cache.empty()
             ms = (time.perf_counter() - t) * 1e3
             free = a.backend.free_bytes() or 0
         room = free + a.prepared_bytes() - margin  # handles made ahead hold memory this lend has already
-        mine = min(self.lendable_tokens, max(room, 0) // row) if self._stop is None and not a.lending_disabled else 0
+        mine = cut(room) if self._stop is None and not a.lending_disabled else 0
+        if mine < self.lendable_tokens * MIN_CUT_FRAC:
+            mine = 0
         tokens = agree_min(self.sched, mine) // a.quantum * a.quantum
         if tokens != a.lendable_tokens:
             if a.prepared_steps:
