@@ -541,12 +541,24 @@ def _tp_rank(rank: int, world: int, port: int, out):
             bed.ctl.after_prefill(None, bed.batch)
         cannot_map = (first, bed.ctl.disabled, bed.alloc.lent_tokens, bed.pool.arena.lent_steps)
         fell_back = Bed(stock_pool=rank == odd).ctl  # no rank may run a controller then
+        # at run time, the last rank's reclaim raises in its remap: every rank stops (still lent alike), and the retry goes through
+        live = Bed()
+        assert live.ctl.lend() == ELASTIC and live.admit(list(range(BASE - 20))) and live.admit(list(range(1000, 1060)))
+        if rank == odd:
+            controller.remap_many = _raise_injected
+        try:
+            first_try = live.ctl.reclaim(live.batch)
+        finally:
+            controller.remap_many = real_remap
+        stopped = (first_try, live.alloc.lent_tokens, live.ctl._stop is not None)
+        retried = (live.ctl.reclaim(live.batch), live.alloc.lent_tokens)
+        live.check_ownership_and_accounting()
         # the one lend step no longer fits on the last rank (something took a quarter of it for good): every rank cuts it alike
         short = Bed(free_bytes=ELASTIC * sum(make_pool(1)[1].arena.row_bytes) + 2**20, margin_mb=1)
         if rank == odd:
             short.be.create(short.pool.arena.step_bytes() // 4 // 4096 * 4096)
         recut = (short.ctl.lend(), short.pool.arena.lent_steps, short.ctl.disabled)
-        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut))
+        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut, stopped, retried))
     finally:
         dist.destroy_process_group()
 
@@ -583,6 +595,8 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
     assert len(recuts) == 1 and [(t, n, off) for t, n, off in recuts][0][1:] == (1, False)
     lent = recuts.pop()[0]
     assert lent == ELASTIC * 3 // 4  # a quarter of the step taken on the last rank (whole token quanta here)
+    # a reclaim that stops on one rank stops on all of them (before: the others unmapped, and the next collective hung)
+    assert [x[6:] for x in res] == [((False, ELASTIC, True), (True, 0))] * world
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():

@@ -415,6 +415,7 @@ def test_a_one_step_lend_that_no_longer_fits_is_cut_to_what_is_free_and_grows_ba
     # less than a quarter of the start-up measure free (MIN_CUT_FRAC): a lend without memory, as before
     # (lending stops after MAX_OOM_LENDS of them)
     assert bed.ctl.reclaim(bed.batch)
+    bed.pool.arena.settle()  # the reclaim's handles are released on the helper thread
     hog = bed.be.create((bed.be.free_bytes() - margin * MIB - ELASTIC * ROW // 5) // 4096 * 4096)
     for _ in range(MAX_OOM_LENDS):
         assert bed.ctl.lend() == 0 and a.lent_steps == 0

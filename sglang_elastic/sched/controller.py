@@ -401,11 +401,17 @@ class ElasticController:
             failed = False
             try:
                 self._warm_vacate_ops()
-                if not self.reclaim(self.sched.running_batch):
-                    raise RuntimeError("the warm-up reclaim stopped")
             except Exception:
                 failed = True
                 logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
+            try:  # every rank reclaims, the one whose vacate ops failed too: the reclaim is a collective over TP
+                if not self.reclaim(self.sched.running_batch) and not failed:
+                    raise RuntimeError("the warm-up reclaim stopped")
+            except Exception:
+                if not failed:
+                    logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
+                failed = True
+            if failed:
                 self._restore_base()
             if not agree_min(self.sched, int(not failed)):
                 self.disabled = True
@@ -923,7 +929,9 @@ class ElasticController:
             prefill. Never raises, but for a failure while the remapped ids
             are being written (tensor assignments, after every check passed).
         A failing unmap is logged, not raised: the rows are vacated, lending
-        stops.
+        stops. TP > 1: a collective (every lent rank calls it at the same
+        pass); when any rank's reclaim must stop, every rank stops, before
+        anything is rewritten or unmapped, so the ranks stay lent alike.
         """
         t0 = time.perf_counter()
         self._settle()
@@ -939,23 +947,32 @@ class ElasticController:
         lent_before = self.alloc.lent_tokens
         retracted: List = []
         withdrawn = in_use = self.alloc.withdraw(keep)
+        stop: Optional[str] = None
+        commit = dst = None
+        dropped = 0
         try:
             in_use, dropped = self._make_room(running_batch, in_use, retracted)
             if in_use.numel() * self.page > self.alloc.available_size():
-                return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted,
-                                          f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
-                                          f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
-            commit = None
-            if in_use.numel():
+                stop = (f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
+                        f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
+            elif in_use.numel():
                 dst = relocate_kv(self.pool, self.alloc, in_use)  # cannot be None: the room is there
                 try:
                     commit = self._remap(running_batch, top, in_use, dst)
                 except BaseException:
                     self.alloc.free(unit_tokens(dst, self.page))
+                    dst = None
                     raise
         except Exception as e:  # a bug: nothing was rewritten yet, so the pool can go back
             logger.exception("sglang-elastic: reclaim failed")
-            return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted, f"{type(e).__name__}: {e}")
+            stop = f"{type(e).__name__}: {e}"
+        # Every TP rank goes on, or every rank stops, before anything is rewritten or unmapped: a rank
+        # that stopped alone would stay lent while the others are not, and the next collective
+        # (steps_needed before a prefill, the next lend) would find it missing.
+        if not agree_min(self.sched, int(stop is None)):
+            if dst is not None:  # copied into, never written into any holder: back to the free list
+                self.alloc.free(unit_tokens(dst, self.page))
+            return self._stop_reclaim(running_batch, lent_before, withdrawn, retracted, stop or "another TP rank's reclaim stopped")
         moved = in_use.numel()
         if commit is not None:
             commit()
