@@ -323,6 +323,28 @@ def test_a_reclaim_vacates_while_the_last_forward_runs_and_waits_for_its_fence_o
     bed.check_ownership_and_accounting()
 
 
+def test_with_nothing_to_move_no_stream_work_is_ordered_after_the_forward_and_the_reclaim_waits_only_before_the_unmap(monkeypatch):
+    """The H200 (2026-12-04): with 40 decodes in flight and nothing to move,
+    the reclaim's host work took ~8 ms at p99: it had ordered its stream after
+    the forward first, so the free-list reads (``withdraw``) waited for it.
+    The stream is ordered only before copies now; the wait for the forward
+    is the one before the unmap."""
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    bed.ctl.fences = fences = Fences()
+    assert bed.admit(list(range(50)))  # in the base (nothing lent yet)
+    assert bed.ctl.lend() == ELASTIC
+    bed.ctl.after_forward()
+    [fwd] = fences.made
+    t, box = _run(lambda: bed.ctl.reclaim(bed.batch, why="test"))
+    assert fences.waiting.wait(JOIN)  # blocked on the forward's fence, in the unmap's wait only
+    assert fences.order == [] and bed.alloc.lent_tokens == 0  # nothing queued after the forward; withdrawn already
+    fwd.set()
+    t.join(JOIN)
+    assert box == {"result": True} and bed.pool.arena.lent_steps == 0
+    bed.ctl.after_prefill(None, bed.batch)
+    bed.check_ownership_and_accounting()
+
+
 def test_a_reclaims_handles_are_released_on_the_helper_and_the_forward_after_it_waits_for_them(tmp_path, monkeypatch):
     from sglang_elastic import config
 

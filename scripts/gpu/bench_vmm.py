@@ -105,6 +105,60 @@ def run_case(be, rows, base_tokens, elastic_bytes, steps, cycles, offset_mapping
         be.supports_offset_mapping = saved
 
 
+def release_order_case(be, rows, elastic_bytes, cycles):
+    """Issue 22: may the handles of a reclaim be released before their unmap?
+
+    ``cuMemRelease`` of a mapped handle only drops the handle; the memory is
+    freed when its last mapping goes (CUDA driver API, "Virtual Memory
+    Management"). If the release is cheap then and the unmap does not grow by
+    the same amount, a reclaim can release while the last forward still runs
+    and the forward after it waits only for the unmap. Times both orders on
+    one handle per buffer (the H200's layout), alternating per cycle, and
+    checks that the memory is back at the driver after each.
+
+    Returns:
+        ``{"unmap_then_release": {"unmap_ms", "release_ms", "total_ms"},
+        "release_then_unmap": {...}, "memory_back": bool, ...}``, each a
+        ``{p50, p99}`` over ``cycles`` per order (ms, wall time on the host).
+    """
+    g = be.granularity()
+    size = max(-(-(elastic_bytes // len(rows)) // g) * g, g)
+    va = be.reserve(size * len(rows))
+    out = {"handles": len(rows), "bytes_per_handle": size, "cycles": cycles}
+    times = {"unmap_then_release": {"unmap_ms": [], "release_ms": [], "total_ms": []},
+             "release_then_unmap": {"unmap_ms": [], "release_ms": [], "total_ms": []}}
+    back = True
+    try:
+        for c in range(2 * cycles):
+            order = "unmap_then_release" if c % 2 == 0 else "release_then_unmap"
+            free0 = be.free_bytes()
+            handles = [be.create(size) for _ in rows]
+            for i, h in enumerate(handles):
+                be.map(va + i * size, size, h, 0)
+            be.synchronize()
+            steps = ("unmap", "release") if order == "unmap_then_release" else ("release", "unmap")
+            t_all = time.perf_counter()
+            for step in steps:
+                t = time.perf_counter()
+                if step == "unmap":
+                    for i in range(len(rows)):
+                        be.unmap(va + i * size, size)
+                else:
+                    for h in handles:
+                        be.release(h)
+                times[order][f"{step}_ms"].append((time.perf_counter() - t) * 1e3)
+            times[order]["total_ms"].append((time.perf_counter() - t_all) * 1e3)
+            free1 = be.free_bytes()
+            if free0 is not None and free1 is not None and free1 < free0 - size:  # another process may move a little
+                back = False
+    finally:
+        be.free_va(va, size * len(rows))
+    for order, parts in times.items():
+        out[order] = {k: {"p50": statistics.median(v), "p99": pct(v, 99)} for k, v in parts.items()}
+    out["memory_back"] = back
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -112,9 +166,19 @@ def main():
     ap.add_argument("--row-bytes", type=int, default=8 * 128 * 2, help="bytes per token per K or V buffer")
     ap.add_argument("--base-tokens", type=int, default=906_051)
     ap.add_argument("--cycles", type=int, default=100)
+    ap.add_argument("--release-order-only", action="store_true",
+                    help="only the release-before-unmap timing (issue 22), 8 GiB over one handle per buffer, --cycles per order")
     a = ap.parse_args()
     be = CudaBackend(0)
     rows = [a.row_bytes] * (2 * a.layers)
+    order = release_order_case(be, rows, 8 * GiB, a.cycles)
+    print(f"release order, 8 GiB in {order['handles']} handles: " + " | ".join(
+        f"{k}: unmap {order[k]['unmap_ms']['p50']:.2f} release {order[k]['release_ms']['p50']:.2f} total p50 {order[k]['total_ms']['p50']:.2f} "
+        f"p99 {order[k]['total_ms']['p99']:.2f} ms" for k in ("unmap_then_release", "release_then_unmap")), flush=True)
+    if a.release_order_only:
+        results.write(a.out, {**results.header(), "granularity_bytes": be.granularity(), "buffers": len(rows), "row_bytes": a.row_bytes,
+                              "release_order": order})
+        return
     cases = []
     plan = [  # (GiB, steps, cycles, offset mapping if the driver allows it)
         (8, 1, a.cycles, True),
@@ -144,6 +208,7 @@ def main():
         "row_bytes": a.row_bytes,
         "base_tokens": a.base_tokens,
         "cases": cases,
+        "release_order": order,
     }
     results.write(a.out, result)
 

@@ -14,21 +14,22 @@ the decisions; :mod:`sglang_elastic.sched.hooks` calls it from two places of
 A reclaim (:meth:`reclaim`) vacates the lent rows, SGLang's way where SGLang
 has a way:
 
-1. queue the vacate's device work after the fence of the last forward
-   launched while lent (the overlap scheduler's in-flight batch reads and
-   writes lent rows; :meth:`ElasticController.after_forward`); the host does
-   not wait yet;
-2. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
-   in-use ones come back;
-3. if the base lacks free room for them: SGLang's ``evict_from_tree_cache``
+1. ``allocator.withdraw(0)``: the free lent ids leave the free list, the
+   in-use ones come back (free-list work only: it does not wait for the
+   forward in flight);
+2. if the base lacks free room for them: SGLang's ``evict_from_tree_cache``
    (least recently used first, wherever the pages are: a recently used
    prefix in lent pages moves into the base, an older one in the base goes),
    then drop the KV of idle streaming sessions (least recently active
    first), then retract decode requests, largest first (fewest retractions),
    with SGLang's ``ScheduleBatch.release_req``; they are re-queued and finish
    normally;
-4. copy the K/V of what is left into free base ids (``relocate_kv``) and
-   rewrite every holder of a lent id (:meth:`ElasticController._remap`);
+3. every TP rank goes on or every rank stops (a MIN over the ranks);
+4. copy the K/V of what is left into free base ids (``relocate_kv``),
+   queued after the fence of the last forward launched while lent (the
+   overlap scheduler's in-flight batch reads and writes lent rows;
+   :meth:`ElasticController.after_forward`), and rewrite every holder of a
+   lent id (:meth:`ElasticController._remap`);
 5. wait for that fence and the vacate's own device work (nothing else),
    unmap (``arena.reclaim``) and close the vacate window; the handles are
    released on the arena's helper thread while SGLang forms the batch, and
@@ -939,7 +940,6 @@ class ElasticController:
         # the vacate's device work (copies, row rewrites) is queued after the
         # last forward that used them, the host waits only before the unmap.
         fwd_fence = self._forward_fence  # kept: a reclaim that stops is tried again, maybe before another forward
-        self.fences.order_after(fwd_fence)
         t_vacate = time.perf_counter()
         steps = self.arena.lent_steps if steps is None else min(steps, self.arena.lent_steps)
         keep = (self.arena.lent_steps - steps) * self.arena.step_tokens  # the lower steps stay lent
@@ -956,6 +956,11 @@ class ElasticController:
                 stop = (f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
                         f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
             elif in_use.numel():
+                # the copies read rows the last forward may still write: queued after it. Only here: the
+                # free-list work above reads the device (withdraw, still_in_use), and on a stream ordered
+                # after the forward each such read waited for it (the H200: ~8 ms at p99 of "vacate"
+                # with 40 decodes in flight and nothing to move)
+                self.fences.order_after(fwd_fence)
                 dst = relocate_kv(self.pool, self.alloc, in_use)  # cannot be None: the room is there
                 try:
                     commit = self._remap(running_batch, top, in_use, dst)
