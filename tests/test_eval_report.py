@@ -207,3 +207,22 @@ def test_the_dry_runs_render_into_their_own_file_and_leave_the_measurements_alon
     r = subprocess.run([sys.executable, str(root / "scripts/eval/report.py"), "--standin", "--results-dir", str(res), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "no *.standin.json in" in r.stdout
+
+
+def test_e2_counts_what_the_pool_lent_not_what_it_measured_at_start_up():
+    """Issue 22 on the H200: the E2 ``elastic`` row at 00ea3e3 lent nothing (lending
+    went off), yet its start-up facts said 65,536 lendable tokens; since then the
+    one-step lend is cut to what is free (64,512 there). The capacity while lent is
+    the smallest lend in the row's events, 0 when nothing was lent."""
+    def row(label, ev=None, after=None, facts_el=None):
+        w = {"ttft_s": {"median": 1.0, "p99": 1.0}, "sglang_elastic_events": ev, "sglang_elastic_after": after}
+        f = {"max_total_num_tokens": 906057, **({"sglang_elastic": facts_el} if facts_el else {})}
+        return {"label": label, "group": label, "ok": True, "server": {}, "facts": f, "workloads": [w]}
+
+    el = {"mode": "dynamic", "lendable_tokens": 65536, "lent_tokens": 0, "lending_disabled": False}
+    lends = {"source": "x", "lend_ms": {"n": 3}, "lent_tokens": {"min": 64512, "max": 65536, "n": 3}}
+    d = {"config": {"baseline": "stock", "ttft_tolerance": 0.01},
+         "rows": [row("stock"), row("cut", lends, facts_el=el), row("dead", None, {**el, "lending_disabled": True}, el),
+                  row("no-lend", {"source": "x", "reclaims_skipped": 0}, facts_el=el), row("older", {"source": "x", "lend_ms": {"n": 2}}, facts_el=el)]}
+    cr = {x["row"]["label"]: x["lent_tokens"] for x in report.capacity_rows(d)}
+    assert cr == {"stock": None, "cut": 64512, "dead": 0, "no-lend": 0, "older": 65536}

@@ -373,7 +373,8 @@ def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     vacate / unmap split (ms), the pages moved and requests retracted, and
     ``reclaims_skipped``: prefills that ran while lent with nothing
     reclaimed (issue 22: the CUDA graphs, or the free memory, held their
-    activations; event ``reclaim_skipped``)."""
+    activations; event ``reclaim_skipped``), and ``lent_tokens``
+    (min / max / n over the lends: the tokens lent after each)."""
     out: Dict[str, Any] = {"source": "TP rank 0's events file"}
     for op in ("lend", "reclaim"):
         xs = [x for x in (_num(r.get("ms")) for r in records if r.get("op") == op) if x is not None]
@@ -388,6 +389,9 @@ def summarize_events(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["moved_units"] = int(sum(_num(r.get("moved_units")) or 0 for r in rec))
     out["retracted"] = int(sum(_num(r.get("retracted")) or 0 for r in rec))
     out["reclaims_skipped"] = sum(r.get("op") == "reclaim_skipped" for r in records)
+    lent = [int(x) for x in (_num(r.get("tokens")) for r in records if r.get("op") == "lend") if x is not None]
+    if lent:  # what each lend held: the one-step lend is cut to what is free (issue 22), so it may be below lendable_tokens
+        out["lent_tokens"] = {"min": min(lent), "max": max(lent), "n": len(lent)}
     return out
 
 

@@ -140,6 +140,26 @@ def _err(row: Dict[str, Any]) -> str:
     return "; ".join(x for x in notes if x)
 
 
+def _lent_tokens(r: Dict[str, Any]) -> Optional[int]:
+    """KV tokens a row's pool held lent during its workload: the smallest lend
+    in its events (the one-step lend is cut to what is free, issue 22), 0
+    when the events show no lend at all, or no events exist and the server
+    said after the workload that lending was off with nothing lent (the
+    H200's E2 ``elastic`` row at 00ea3e3); for rows recorded before the events kept ``lent_tokens``, the
+    server's ``lendable_tokens``; None for a row that cannot lend."""
+    f = r.get("facts") or {}
+    el = f.get("sglang_elastic") or {}
+    if el.get("lendable_tokens") is None or el.get("mode", "dynamic") == "off":
+        return el.get("lent_tokens")
+    ev = _w(r).get("sglang_elastic_events") or {}
+    after = _w(r).get("sglang_elastic_after") or {}
+    if "lent_tokens" in ev:
+        return int(ev["lent_tokens"]["min"])
+    if (ev and "lend_ms" not in ev) or (not ev and after.get("lending_disabled") and not after.get("lent_tokens")):
+        return 0
+    return None if el.get("lending_disabled") else el["lendable_tokens"]
+
+
 # -- E1 ---------------------------------------------------------------------
 
 
@@ -150,8 +170,8 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
         t, itl = w.get("ttft_s") or {}, w.get("decode_itl_s") or {}
         el = f.get("sglang_elastic") or {}
         kv = f.get("max_total_num_tokens")
-        can_lend = el.get("lendable_tokens") is not None and not el.get("lending_disabled") and el.get("mode", "dynamic") != "off"
-        lent = (kv + el["lendable_tokens"]) if kv and can_lend else None
+        held = _lent_tokens(r)
+        lent = (kv + held) if kv and held else None
         after = w.get("sglang_elastic_after") or {}
         note = _err(r)
         if after.get("cycles") is not None:
@@ -221,7 +241,7 @@ def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
     for r in d["rows"]:
         f, t = r.get("facts") or {}, _w(r).get("ttft_s") or {}
         el = f.get("sglang_elastic") or {}
-        lent = el.get("lendable_tokens", el.get("lent_tokens"))  # capacity while lent
+        lent = _lent_tokens(r)  # capacity while lent
         kv = f.get("max_total_num_tokens")
         dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None
         dp = (t["p99"] / bt["p99"] - 1) if t.get("p99") and bt.get("p99") else None
