@@ -444,3 +444,36 @@ def test_a_one_step_lend_that_no_longer_fits_is_cut_to_what_is_free_and_grows_ba
     assert bed.ctl.disabled
     bed.be.release(hog)
     bed.check_ownership_and_accounting()
+
+
+def test_a_cut_lend_step_grows_back_only_by_a_share_of_the_start_up_measure_so_handles_are_not_remade_at_every_lend(monkeypatch):
+    from sglang_elastic.sched import controller
+
+    monkeypatch.setattr(controller, "RECUT_GROW_DIV", 4)  # grows by 32 tokens (two quanta) or more at once, here
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+    a = bed.pool.arena
+    other = bed.be.create(ELASTIC * ROW // 4 // 4096 * 4096)
+    assert bed.ctl.lend() == 96 and bed.ctl.reclaim(bed.batch)
+    a.settle()
+    bed.be.release(other)
+    other = bed.be.create(ELASTIC * ROW // 4 - a.quantum * ROW)  # one quantum back: 112 would fit, but 16 < 32
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, 0)
+    assert bed.ctl.lend() == 96 and a.prepared_steps == 0 and bed.ctl.reclaim(bed.batch)
+    a.settle()
+    # made ahead during the next decode run at the cut that stays, then mapped by the lend as they are
+    assert bed.admit(list(range(30)))
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    a.settle()
+    assert a.prepared_steps == 1
+    creates = bed.be.calls["create"]
+    for _ in range(bed.ctl.cfg.lend_after_steps - bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == 96 and bed.be.calls["create"] == creates and cache.emptied == 0
+    assert bed.ctl.reclaim(bed.batch)
+    a.settle()
+    bed.be.release(other)  # all of it back: 32 more, it grows
+    assert bed.ctl.lend() == ELASTIC and bed.ctl.state()["lendable_tokens"] == ELASTIC
+    assert bed.ctl.reclaim(bed.batch)
+    bed.check_ownership_and_accounting()

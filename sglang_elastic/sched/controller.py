@@ -117,6 +117,8 @@ MAX_OOM_LENDS = 3
 #: measure counts as a lend without memory: with eager prefill every lend costs a reclaim before the
 #: next prefill, not worth a few hundred MiB.
 MIN_CUT_FRAC = 0.25
+#: A re-cut lend step grows back only by 1/RECUT_GROW_DIV of the start-up measure or more at once.
+RECUT_GROW_DIV = 8
 
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
 #: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
@@ -811,7 +813,7 @@ class ElasticController:
         the run (seen on the H200 with SGLang's default prefill graphs: 8 GiB
         measured, 9.015 GiB free after capture, margin 1 GiB, not one lend).
         Now the step shrinks to what fits and grows back, up to the start-up
-        measure, when the memory is free again; a cut below
+        measure, when at least 1/:data:`RECUT_GROW_DIV` of it is free again; a cut below
         :data:`MIN_CUT_FRAC` of the start-up measure counts as a lend without
         memory. Handles made ahead for
         another size are released first. TP > 1: every rank calls this at the
@@ -827,10 +829,17 @@ class ElasticController:
         margin = self.cfg.margin_mb * 2**20
         ms = 0.0
 
-        def cut(room: int) -> int:
-            return min(self.lendable_tokens, max(room, 0) // row) // a.quantum * a.quantum
+        cur = a.lendable_tokens
+        grow = max(a.quantum, self.lendable_tokens // RECUT_GROW_DIV)
 
-        # emptied only when its unused blocks would add a token quantum to the cut (not at every lend of a cut that stays)
+        def cut(room: int) -> int:
+            """The cut for ``room`` free bytes: smaller when the current one does not fit, larger only by
+            ``grow`` tokens or more (a cut that moved by a quantum at every lend would drop and remake
+            the handles made ahead each time)."""
+            c = min(self.lendable_tokens, max(room, 0) // row) // a.quantum * a.quantum
+            return c if c < cur or c >= cur + grow else cur
+
+        # emptied only when its unused blocks would change the cut (not at every lend of a cut that stays)
         unused = 0 if emptied else self.torch_cache.unused()
         if unused > 0 and cut(free + a.prepared_bytes() + unused - margin) > cut(free + a.prepared_bytes() - margin):
             t = time.perf_counter()
