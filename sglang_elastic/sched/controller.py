@@ -839,15 +839,20 @@ class ElasticController:
             c = min(self.lendable_tokens, max(room, 0) // row) // a.quantum * a.quantum
             return c if c < cur or c >= cur + grow else cur
 
-        # emptied only when its unused blocks would change the cut (not at every lend of a cut that stays)
+        # Torch's unused cached blocks count as room for the margin (they serve the next eager forward,
+        # which is what the margin is kept for), so a cut that fits with them stays without emptying the
+        # cache at every lend; the cache is emptied only to grow the cut (new handles need the driver's memory).
         unused = 0 if emptied else self.torch_cache.unused()
-        if unused > 0 and cut(free + a.prepared_bytes() + unused - margin) > cut(free + a.prepared_bytes() - margin):
+        room = free + a.prepared_bytes() - margin  # handles made ahead hold memory this lend has already
+        mine = cut(room + unused)
+        if mine > cur and cut(room) < mine:
             t = time.perf_counter()
             self.torch_cache.empty()
             ms = (time.perf_counter() - t) * 1e3
             free = a.backend.free_bytes() or 0
-        room = free + a.prepared_bytes() - margin  # handles made ahead hold memory this lend has already
-        mine = cut(room) if self._stop is None and not a.lending_disabled else 0
+            mine = cut(free + a.prepared_bytes() - margin)
+        if self._stop is not None or a.lending_disabled:
+            mine = 0
         if mine < self.lendable_tokens * MIN_CUT_FRAC:
             mine = 0
         tokens = agree_min(self.sched, mine) // a.quantum * a.quantum
