@@ -347,7 +347,7 @@ class OffloadAttnBackend(AttentionBackend):
         from sglang_elastic.offload import keep
 
         m = keep.current()
-        return m.stats() if m is not None else {"kept_tokens": 0, "kept_requests": 0, "keep_granted_tokens": 0, "keep_demotions": 0}
+        return m.stats() if m is not None else dict.fromkeys(keep.STATS, 0)
 
 
 __all__ = ["OffloadAttnBackend"]

@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 #: demotion on every step.
 RESERVE_FRAC = 0.125
 
+#: The keys of :meth:`KeepV.stats` (``/server_info`` and the benchmark's keep-v metrics; zeros before the first prefill).
+STATS = ("kept_tokens", "kept_requests", "keep_granted_tokens", "keep_demotions")
+
 
 class KeepV:
     """The CPU side of ``--kv-offload-keep-v`` for one pool and its allocator.
@@ -213,8 +216,7 @@ class KeepV:
 
     def stats(self) -> dict:
         """``kept_tokens`` (slots lent now), ``kept_requests``, ``keep_granted_tokens`` and ``keep_demotions`` since start."""
-        return {"kept_tokens": self.held, "kept_requests": sum(1 for n in self.pool.keep_len_cpu if n),
-                "keep_granted_tokens": self.granted, "keep_demotions": self.demoted}
+        return dict(zip(STATS, (self.held, sum(1 for n in self.pool.keep_len_cpu if n), self.granted, self.demoted)))
 
 
 # ----------------------------------------------------------------------- hooks
