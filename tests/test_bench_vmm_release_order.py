@@ -41,3 +41,14 @@ def test_a_handle_released_while_mapped_stays_readable_until_its_unmap():
     be.unmap(va, 4096)
     be.free_va(va, 4096)
     assert be.live_handles == 0
+
+
+def test_a_failure_midway_leaves_no_handle_or_mapping_behind():
+    be = HostBackend(granularity=4096, capacity=5 * 4096)  # room for 5 of the 6 handles: the 6th create fails
+    try:
+        _bench().release_order_case(be, [2048] * 6, 6 * 4096, cycles=1)
+    except Exception as e:
+        assert "out of memory" in str(e)
+    else:
+        raise AssertionError("the 6th handle should not fit")
+    assert be.live_handles == 0 and be.free_bytes() == 5 * 4096 and not be._maps

@@ -425,12 +425,16 @@ def test_a_one_step_lend_that_no_longer_fits_is_cut_to_what_is_free_and_grows_ba
     other = bed.be.create(ELASTIC * ROW // 4 - 4096)
     bed.ctl.torch_cache = cache = HeldCache(bed.be, 4096)  # 4 KiB of what the other user held is in torch's cache now
     assert bed.ctl.lend() == want and cache.emptied == 0 and bed.ctl.reclaim(bed.batch)
-    # holding a quantum or more, it is emptied once and the cut grows by what it held
+    # holding a quantum more, the cut grows by it without emptying: the driver backs the step, the margin now
+    # sits in the cache's blocks (they serve the next eager forward, which is what the margin is for)
     cache.empty()
     bed.be.release(other)
     other = bed.be.create(ELASTIC * ROW // 4 - a.quantum * ROW)
     bed.ctl.torch_cache = cache = HeldCache(bed.be, a.quantum * ROW)
-    assert bed.ctl.lend() == want + a.quantum and cache.emptied == 1 and bed.ctl.reclaim(bed.batch)
+    assert bed.ctl.lend() == want + a.quantum and cache.emptied == 0
+    assert bed.be.free_bytes() + cache.unused() >= margin * MIB
+    assert bed.ctl.reclaim(bed.batch)
+    cache.empty()
     assert sum("the lend step is now" in r.getMessage() for r in caplog.records) == 1  # cut once, not at every lend
     bed.be.release(other)
     assert bed.ctl.lend() == ELASTIC and a.lent_tokens == ELASTIC  # the memory is back: the step grows to the start-up measure
@@ -476,6 +480,53 @@ def test_a_cut_lend_step_grows_back_only_by_a_share_of_the_start_up_measure_so_h
     bed.be.release(other)  # all of it back: 32 more, it grows
     assert bed.ctl.lend() == ELASTIC and bed.ctl.state()["lendable_tokens"] == ELASTIC
     assert bed.ctl.reclaim(bed.batch)
+    a.settle()
+    # cut by less than the growth step (one quantum), it still grows back to the whole measure (review finding)
+    other = bed.be.create(a.quantum * ROW)
+    assert bed.ctl.lend() == ELASTIC - a.quantum and bed.ctl.reclaim(bed.batch)
+    a.settle()
+    bed.be.release(other)
+    assert bed.ctl.lend() == ELASTIC and bed.ctl.reclaim(bed.batch)
+    bed.check_ownership_and_accounting()
+
+
+def test_emptying_a_cache_that_gives_back_little_never_shrinks_the_cut(monkeypatch):
+    """Review finding: the cache's unused bytes promised growth, emptying gave back only what
+    whole segments held, and the re-measure shrank the cut below the one that fitted before,
+    dropping the handles made ahead for it."""
+    from sglang_elastic.sched import controller
+
+    monkeypatch.setattr(controller, "RECUT_GROW_DIV", 4)
+
+    class PartialCache(HeldCache):  # unused bytes of which only part can be handed back (blocks inside live segments)
+        def __init__(self, be, unused, releasable):
+            super().__init__(be, 0)
+            self.held, self.handle, self.rest = unused, be.create(releasable), unused - releasable
+
+        def empty(self):
+            self.emptied += 1
+            if self.handle is not None:
+                self.be.release(self.handle)
+                self.handle, self.held = None, self.rest
+
+    bed = Bed(free_bytes=ELASTIC * ROW + MIB, margin_mb=1)
+    a = bed.pool.arena
+    other = bed.be.create(2 * a.quantum * ROW)
+    assert bed.ctl.lend() == 96 and bed.ctl.reclaim(bed.batch)
+    a.settle()
+    bed.be.release(other)
+    assert a.prepare(1) == 1 and a.prepared_steps == 1  # handles made ahead for the cut of 96
+    bed.ctl.torch_cache = cache = PartialCache(bed.be, 40 * ROW, 4096)
+    hold = bed.be.create(40 * ROW - 4096)  # the rest of the cache's unused bytes, held in live segments
+    creates = bed.be.calls["create"]
+    got = bed.ctl.lend()
+    assert got >= 96 and a.lendable_tokens == got
+    if got == 96:
+        assert bed.be.calls["create"] == creates  # the handles made ahead were mapped, not dropped and remade
+    assert bed.ctl.reclaim(bed.batch)
+    a.settle()
+    cache.empty()
+    bed.be.release(hold)
     bed.check_ownership_and_accounting()
 
 

@@ -743,8 +743,9 @@ class ElasticController:
         empty_ms = 0.0
         t_map = time.perf_counter()
         want = 0
-        if self._stop is None:
-            want, empty_ms = self.steps_that_fit()
+        if self._stop is None:  # one step, nothing lent: _recut decides, emptying the cache only if that backs more
+            one_step = not self.cfg.handle_mb and not self.arena.lent_steps and self.arena.max_steps <= 1
+            want, empty_ms = self.steps_that_fit(may_empty=not one_step)
         want, recut_ms = self._recut(want, emptied=empty_ms > 0)  # a collective over TP when nothing is lent
         empty_ms += recut_ms
         prepared = self.arena.prepared_steps  # after a re-cut, which drops handles made for another size
@@ -830,31 +831,36 @@ class ElasticController:
         ms = 0.0
 
         cur = a.lendable_tokens
+        full = self.lendable_tokens // a.quantum * a.quantum
         grow = max(a.quantum, self.lendable_tokens // RECUT_GROW_DIV)
+        prep = a.prepared_bytes()  # handles made ahead hold memory this lend has already
 
         def cut(room: int) -> int:
-            """The cut for ``room`` free bytes: smaller when the current one does not fit, larger only by
-            ``grow`` tokens or more (a cut that moved by a quantum at every lend would drop and remake
-            the handles made ahead each time)."""
+            """The cut for ``room`` bytes: 0 below :data:`MIN_CUT_FRAC` of the start-up measure; smaller
+            than the current one when that does not fit; larger only by ``grow`` tokens or more, or up to
+            the whole measure (a cut that moved by a quantum at every lend would drop and remake the
+            handles made ahead each time)."""
             c = min(self.lendable_tokens, max(room, 0) // row) // a.quantum * a.quantum
-            return c if c < cur or c >= cur + grow else cur
+            if c < self.lendable_tokens * MIN_CUT_FRAC:
+                return 0
+            return c if c < cur or c >= min(cur + grow, full) else cur
 
-        # Torch's unused cached blocks count as room for the margin (they serve the next eager forward,
-        # which is what the margin is kept for), so a cut that fits with them stays without emptying the
-        # cache at every lend; the cache is emptied only to grow the cut (new handles need the driver's memory).
-        unused = 0 if emptied else self.torch_cache.unused()
-        room = free + a.prepared_bytes() - margin  # handles made ahead hold memory this lend has already
-        mine = cut(room + unused)
-        if mine > cur and cut(room) < mine:
-            t = time.perf_counter()
-            self.torch_cache.empty()
-            ms = (time.perf_counter() - t) * 1e3
-            free = a.backend.free_bytes() or 0
-            mine = cut(free + a.prepared_bytes() - margin)
-        if self._stop is not None or a.lending_disabled:
-            mine = 0
-        if mine < self.lendable_tokens * MIN_CUT_FRAC:
-            mine = 0
+        def room(free: int, unused: int) -> int:
+            """The step must be backed by the driver's free memory or the handles made ahead; the margin
+            may sit in torch's unused cached blocks (they serve the next eager forward, which is what the
+            margin is kept for), so a cut that fits that way stays without emptying the cache at every lend."""
+            return min(free + prep + unused - margin, free + prep)
+
+        mine = 0
+        if self._stop is None and not a.lending_disabled:
+            unused = 0 if emptied else self.torch_cache.unused()
+            mine = cut(room(free, unused))
+            if unused and cut(free + prep + unused - margin) > mine:  # the cache's blocks, back at the driver, would back more
+                t = time.perf_counter()
+                self.torch_cache.empty()
+                ms = (time.perf_counter() - t) * 1e3
+                free = a.backend.free_bytes() or 0
+                mine = max(mine, cut(room(free, self.torch_cache.unused())))  # what it could not give back still counts as margin
         tokens = agree_min(self.sched, mine) // a.quantum * a.quantum
         if tokens != a.lendable_tokens:
             if a.prepared_steps:
@@ -960,11 +966,12 @@ class ElasticController:
         top = self.arena.base_tokens + keep
         lent_before = self.alloc.lent_tokens
         retracted: List = []
-        withdrawn = in_use = self.alloc.withdraw(keep)
         stop: Optional[str] = None
-        commit = dst = None
+        commit = dst = withdrawn = None
         dropped = 0
         try:
+            # withdraw's own checks raise before it changes anything (withdrawn stays None: nothing to undo)
+            withdrawn = in_use = self.alloc.withdraw(keep)
             in_use, dropped = self._make_room(running_batch, in_use, retracted)
             if in_use.numel() * self.page > self.alloc.available_size():
                 stop = (f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
@@ -1084,15 +1091,17 @@ class ElasticController:
         s.tree_cache.release_session(sid)
         return True
 
-    def _stop_reclaim(self, batch, lent_before: int, withdrawn: torch.Tensor, retracted: List, why: str) -> bool:
+    def _stop_reclaim(self, batch, lent_before: int, withdrawn: Optional[torch.Tensor], retracted: List, why: str) -> bool:
         """A reclaim that cannot finish: the withdraw is undone (the arena
         still backs every lent row; what is no longer held goes back on the
         free list), the retracted requests are re-queued, lending stops (on
         every rank at the next :meth:`lend`), one error. The reclaim is tried
         again before the next prefill, without retracting: a retraction did
         not make room, and a re-queued request re-admitted on lent rows would
-        be retracted again at every pass. Returns False."""
-        self.alloc.restore_lent(lent_before, withdrawn)
+        be retracted again at every pass. ``withdrawn`` None: the withdraw
+        itself refused (it changed nothing). Returns False."""
+        if withdrawn is not None:
+            self.alloc.restore_lent(lent_before, withdrawn)
         self._sync_sizes()
         if retracted:
             self._requeue(batch, retracted)
