@@ -151,8 +151,8 @@ def _lent_tokens(r: Dict[str, Any]) -> Optional[int]:
     el = f.get("sglang_elastic") or {}
     if el.get("lendable_tokens") is None or el.get("mode", "dynamic") == "off":
         return el.get("lent_tokens")
-    ev = _w(r).get("sglang_elastic_events") or {}
-    after = _w(r).get("sglang_elastic_after") or {}
+    w = _w(r)
+    ev, after = w.get("sglang_elastic_events") or {}, w.get("sglang_elastic_after") or {}
     if "lent_tokens" in ev:
         return int(ev["lent_tokens"]["min"])
     if (ev and "lend_ms" not in ev) or (not ev and after.get("lending_disabled") and not after.get("lent_tokens")):
@@ -168,7 +168,6 @@ def ttft_vs_chunk(d: Dict[str, Any]) -> Tuple[str, Callable]:
     for r in d["rows"]:
         f, w = r.get("facts") or {}, _w(r)
         t, itl = w.get("ttft_s") or {}, w.get("decode_itl_s") or {}
-        el = f.get("sglang_elastic") or {}
         kv = f.get("max_total_num_tokens")
         held = _lent_tokens(r)
         lent = (kv + held) if kv and held else None
@@ -240,7 +239,6 @@ def capacity_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for r in d["rows"]:
         f, t = r.get("facts") or {}, _w(r).get("ttft_s") or {}
-        el = f.get("sglang_elastic") or {}
         lent = _lent_tokens(r)  # capacity while lent
         kv = f.get("max_total_num_tokens")
         dm = (t["median"] / bt["median"] - 1) if t.get("median") and bt.get("median") else None

@@ -402,17 +402,18 @@ class ElasticController:
                 return
             t_lent = time.perf_counter()
             failed = False
+            why = "sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off"
             try:
                 self._warm_vacate_ops()
             except Exception:
                 failed = True
-                logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
+                logger.exception(why)
             try:  # every rank reclaims, the one whose vacate ops failed too: the reclaim is a collective over TP
                 if not self.reclaim(self.sched.running_batch) and not failed:
                     raise RuntimeError("the warm-up reclaim stopped")
             except Exception:
                 if not failed:
-                    logger.exception("sglang-elastic: the start-up warm-up cycle failed; restoring the base pool and turning lending off")
+                    logger.exception(why)
                 failed = True
             if failed:
                 self._restore_base()
@@ -744,8 +745,7 @@ class ElasticController:
         t_map = time.perf_counter()
         want = 0
         if self._stop is None:  # one step, nothing lent: _recut decides, emptying the cache only if that backs more
-            one_step = not self.cfg.handle_mb and not self.arena.lent_steps and self.arena.max_steps <= 1
-            want, empty_ms = self.steps_that_fit(may_empty=not one_step)
+            want, empty_ms = self.steps_that_fit(may_empty=not self._one_step_unlent)
         want, recut_ms = self._recut(want, emptied=empty_ms > 0)  # a collective over TP when nothing is lent
         empty_ms += recut_ms
         prepared = self.arena.prepared_steps  # after a re-cut, which drops handles made for another size
@@ -797,14 +797,20 @@ class ElasticController:
                   self.arena.lent_bytes / 2**30, ms, used_prepared, steps)
         return self.alloc.lent_tokens
 
+    @property
+    def _one_step_unlent(self) -> bool:
+        """Lending is one step (no ``--elastic-kv-handle-mb``) and nothing is lent: :meth:`_recut` sizes the step."""
+        a = self.arena
+        return not self.cfg.handle_mb and not a.lent_steps and a.max_steps <= 1 and self.lendable_tokens > 0
+
     def _recut(self, want: int, emptied: bool = False):
         """One-step lending (the default: no ``--elastic-kv-handle-mb``) with
         nothing lent: cut the step to what is free now less the margin, at
         most the start-up measure (:attr:`lendable_tokens`). Returns the steps
         to lend now (``want``, or the new cut's one step when it fits) and the
-        milliseconds spent emptying torch's cache (as :meth:`steps_that_fit`:
-        only when the driver falls short and the cache holds unused blocks,
-        and not twice in one lend: ``emptied``).
+        milliseconds spent emptying torch's cache: only when its unused
+        blocks, handed back to the driver, would back a larger cut, and not
+        twice in one lend (``emptied``).
 
         Why: the start-up measure is the free memory after CUDA-graph capture
         less the margin, so it leaves no slack. Whatever the server allocates
@@ -821,7 +827,7 @@ class ElasticController:
         same lend (the conditions are replicated) and the cut is the MIN over
         ranks, so every rank lends the same token range."""
         a = self.arena
-        if self.cfg.handle_mb or a.lent_steps or a.max_steps > 1 or self.lendable_tokens == 0:
+        if not self._one_step_unlent:
             return want, 0.0
         free = a.backend.free_bytes()
         if free is None:
@@ -861,7 +867,7 @@ class ElasticController:
                 ms = (time.perf_counter() - t) * 1e3
                 free = a.backend.free_bytes() or 0
                 mine = max(mine, cut(room(free, self.torch_cache.unused())))  # what it could not give back still counts as margin
-        tokens = agree_min(self.sched, mine) // a.quantum * a.quantum
+        tokens = agree_min(self.sched, mine)  # whole token quanta on every rank (cut)
         if tokens != a.lendable_tokens:
             if a.prepared_steps:
                 a.drop_prepared()  # sized for the old cut
