@@ -542,3 +542,38 @@ def test_gpu_script_refuses_nonsense_counts_and_lengths_with_one_line(model_dir,
     err = capsys.readouterr().err
     assert "no checkpoint there" in err and "Repo id" not in err
     assert not (tmp_path / "a.json").exists()
+
+
+def test_gpu_script_reads_the_offload_counters_from_server_info():
+    """The accuracy run keeps each offload server's counters (hit rate, prefetch,
+    keep-v demotions) from ``/server_info``; a server without them, or one
+    that does not answer, gives None."""
+    import http.server
+    import threading
+
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    state = {"hit_rate": 0.8125, "prefetched_rows": 96, "keep_demotions": 3}
+    bodies = {"/server_info": {"internal_states": [{"other": 1}, {"sglang_elastic_offload": state}]}}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(bodies.get(self.path, {})).encode()
+            self.send_response(200 if self.path in bodies else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        assert gpu.server_offload_state(url) == state
+        bodies["/server_info"] = {"internal_states": [{"other": 1}]}  # the dense server
+        assert gpu.server_offload_state(url) is None
+        bodies.clear()  # 404
+        assert gpu.server_offload_state(url) is None
+    finally:
+        srv.shutdown()
+    assert gpu.server_offload_state("http://127.0.0.1:9") is None  # nobody listens

@@ -303,7 +303,7 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
 
 def part_throughput(a) -> dict:
     ilen, olen, n = WORKLOADS[a.workload]
-    olen = a.output_len or olen
+    olen, n = a.output_len or olen, a.num_prompts or n
     out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "client": "bench_offload.load (streaming /generate)",
            "servers": {}}
     ps = prompts([ilen] * n, seed=2)
@@ -424,11 +424,16 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=None, help="throughput: output tokens per request (default: the workload's)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="throughput: requests (default: the workload's; e.g. 8 x 130,560 of long128k, 1.04M tokens, still exceed stock's pool)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
     a = ap.parse_args()
+    for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len)):
+        if v is not None and v < 1:
+            ap.error(f"{flag} {v}: give 1 or more")
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:

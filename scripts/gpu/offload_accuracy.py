@@ -67,6 +67,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -277,6 +278,7 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
         return parse_stream(post(url + "/generate", request(s, model.eos_ids), args.request_timeout))
 
     out: Dict = {}
+    t0 = time.monotonic()
     try:
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
             futs = {pool.submit(one, s): i for i, s in enumerate(samples)}
@@ -290,12 +292,34 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
                 out[("serial", j)] = one(s)
             except Failure as e:
                 out[("serial", j)] = {"error": str(e)}
+        if server is not None:
+            out[STATS] = {"seconds": round(time.monotonic() - t0, 2), "offload": server_offload_state(url)}
     finally:
         if server is not None:
             server.stop()
-    errors = sum("error" in r for r in out.values())
-    print(f"{name}: {len(out) - errors} answered, {errors} failed", file=sys.stderr, flush=True)
+    errors = sum("error" in r for k, r in out.items() if k != STATS)
+    print(f"{name}: {len(out) - errors - (STATS in out)} answered, {errors} failed", file=sys.stderr, flush=True)
     return out
+
+
+#: run_server's key for the server's own numbers after its samples: ``{seconds, offload}``
+STATS = "server_stats"
+
+
+def server_offload_state(url: str) -> Optional[Dict]:
+    """The offload pool's counters from ``/server_info`` (``internal_states``'
+    ``sglang_elastic_offload``: hit rate, prefetch rows, PCIe bytes, keep-v
+    tokens and demotions; :meth:`sglang_elastic.offload.backend.OffloadAttnBackend.stats`),
+    or None for a server without offload or one that does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
+            info = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    for st in info.get("internal_states", []) or []:
+        if isinstance(st, dict) and "sglang_elastic_offload" in st:
+            return st["sglang_elastic_offload"]
+    return None
 
 
 def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, policy: OffloadPolicy) -> Dict:
@@ -556,7 +580,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
             # the stand-in's offload servers add noise by the sample (its seed), so a resident copy answers as the offload one does
             client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
             got[name] = run_server(name, argv, mine, model, a, client, start=not a.dry_run, serial=ser)
-            if cached and got[name] and not any("error" in r for r in got[name].values()):  # a failed sample is asked again next time
+            if cached and got[name] and not any("error" in r for k, r in got[name].items() if k != STATS):  # a failed sample is asked again next time
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(got[name], f"{cached}.tmp")
                 os.replace(f"{cached}.tmp", cached)
@@ -593,7 +617,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     variants = []
     for name, x, policy, (recs, errs) in list(zip(names, offload_sets, policies, runs))[1:]:
         v_rows, v_passed, v_failing = judged(recs) if recs else ([], False, [])
-        variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy), "accuracy": v_rows,
+        variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy),
+                         "server_stats": got.get(name, {}).get(STATS), "accuracy": v_rows,
                          "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
                          "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
@@ -603,7 +628,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
-               offload_policy=dataclasses.asdict(policies[0]), accuracy=rows, acceptance={"passed": passed, "failing": failing},
+               offload_policy=dataclasses.asdict(policies[0]), server_stats={n: got[n].get(STATS) for n in servers if n in got}, accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
