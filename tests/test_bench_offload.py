@@ -107,13 +107,21 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     assert cap["offload_tokens"] == same["offload"]["max_total_num_tokens"] > 1.6 * cap["stock_tokens"]
     assert cap["stock_tokens"] == same["stock"]["max_total_num_tokens"] == 910_612
     assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same run" in cap["source"]
-    # the SmolLM2 run through SGLang: the first offload server's rows (estimate), its verdict, the shipped-before rule beside it
+    # the SmolLM2 run through SGLang (bdbbce1): the first offload server's rows (estimate), its verdict, and the verdicts of
+    # keep-v (with demotions), the prefetch and adaptive hot buffers beside it; each server's counters
     acc = json.loads((parts / "accuracy.json").read_text())
     assert out["accuracy"] == acc["accuracy"] == want["accuracy"] and len(out["accuracy"]) == 18
     assert set(out["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
     assert all(r["samples"] >= 50 and r["budget_frac"] <= 0.05 for r in out["accuracy"])
     assert out["accuracy_policy"]["denominator"] == "estimate" and out["accuracy_acceptance"] == acc["acceptance"]
-    assert [v["offload_policy"]["denominator"] for v in out["accuracy_variants"]] == ["selected"]
+    assert [v["server"] for v in out["accuracy_variants"]] == ["offload_2", "offload_3", "offload_4"]
+    assert [v["acceptance"] for v in out["accuracy_variants"]] == [v["acceptance"] for v in acc["variants"]]
+    assert "--kv-offload-keep-v" in out["accuracy_variants"][0]["offload_args"] and "accuracy" not in out["accuracy_variants"][0]
+    st = out["accuracy_server_stats"]
+    assert st == acc["server_stats"] and st["dense"]["offload"] is None and st["resident"]["offload"]["hit_rate"] is None
+    assert 0.5 < st["offload"]["offload"]["hit_rate"] < st["offload_4"]["offload"]["hit_rate"] < st["offload_3"]["offload"]["hit_rate"] < 1
+    assert st["offload_3"]["offload"]["prefetched_rows"] > 0 == st["offload"]["offload"]["prefetched_rows"]
+    assert st["offload_2"]["offload"]["keep_demotions"] > 0 and st["offload_2"]["offload"]["keep_granted_tokens"] > 0
     assert out["exactness_smollm2"]["compared"] == out["exactness_smollm2"]["identical"] == 30
 
 
@@ -129,3 +137,15 @@ def test_a_capacity_part_wins_over_the_throughput_pool_sizes(tmp_path):
     args = type("A", (), {"parts": str(parts), "command": "assemble"})()
     assert bench().part_assemble(args)["capacity"] == {"stock_tokens": 900_000, "offload_tokens": 1_500_000, "stock_peak_used_tokens": 880_000,
                                                       "offload_peak_used_tokens": 1_490_000, "bound": "hbm"}
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--output-len"])
+def test_throughput_refuses_a_count_below_one_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, flag):
+    mod = bench()
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["bench_offload.py", "throughput", "--workload", "long128k", flag, "0", "--out", str(out),
+                                     "--work", str(tmp_path / "w")])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2 and f"{flag} 0: give 1 or more" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "w").exists()

@@ -397,7 +397,12 @@ def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir
     assert "per_sample" not in b and b["per_sample_file"] == "b.json.xz" and "per_sample" not in b["variants"][0]
     with lzma.open(tmp_path / "b.json.xz", "rt") as f:
         full = json.load(f)
-    assert full["per_sample"] == a["per_sample"] and len(full["variants"]["offload_2"]) == len(a["per_sample"])
+    # kept compact: no per-step KL lists, 4 significant digits, the variants without the first server's fields
+    assert full["per_sample"] == gpu.compact_per_sample({"per_sample": a["per_sample"], "variants": {}})["per_sample"]
+    r0, f0 = a["per_sample"][0], full["per_sample"][0]
+    assert "kl_steps" in r0 and "kl_steps" not in f0 and f0["kl"] != r0["kl"] and abs(f0["kl"] - r0["kl"]) <= 1e-3 * r0["kl"]
+    assert f0["offload"] == r0["offload"] and f0["answers"] == r0["answers"]
+    assert len(full["variants"]["offload_2"]) == len(a["per_sample"]) and "dense" not in full["variants"]["offload_2"][0]
     assert full["variants"]["offload_2"][0]["offload"]["text"]
     assert "drawing again" not in capsys.readouterr().err  # the samples came from the file
     # another sample count: drawn again (the file says 2), another cache entry: the refusing client is asked, nothing is measured

@@ -406,8 +406,11 @@ def part_assemble(a) -> dict:
         # whose rows these are (the first offload server's flags), the gate's verdict, the other servers' rows
         out["accuracy_policy"] = acc.get("offload_policy")
         out["accuracy_acceptance"] = acc.get("acceptance")
-        out["accuracy_variants"] = [{k: v.get(k) for k in ("offload_args", "offload_policy", "accuracy", "acceptance")}
-                                    for v in acc.get("variants", [])]
+        # the other servers' verdicts; their rows per cell are in the accuracy part (the tracked results stay small)
+        out["accuracy_variants"] = [{k: v.get(k) for k in ("server", "offload_args", "offload_policy", "acceptance")}
+                                    | {"rows_in": "offload_h200_parts/accuracy.json"} for v in acc.get("variants", [])]
+        if acc.get("server_stats"):  # per server name: its hit rate, prefetch rows, keep-v demotions over the samples (SmolLM2's real weights)
+            out["accuracy_server_stats"] = acc["server_stats"]
         if acc.get("exactness"):
             out.setdefault("exactness_smollm2", acc["exactness"])
     out["part_files"] = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]

@@ -304,6 +304,41 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
 
 #: run_server's key for the server's own numbers after its samples: ``{seconds, offload}``
 STATS = "server_stats"
+#: the offload counters an accuracy result keeps (the rest, the pool's sizing, is in the server's log)
+STAT_KEYS = ("hit_rate", "hits", "misses", "prefetched_rows", "prefetch_hits", "pcie_read_bytes", "decode_steps", "decode_tokens",
+             "hot_pages", "hot_page_overflow", "hot_pages_taken_back", "summary_overflow", "keep_granted_tokens", "keep_demotions")
+
+
+def compact_stats(stats: Optional[Dict]) -> Optional[Dict]:
+    """``{seconds, offload}`` with only :data:`STAT_KEYS` of the offload counters and the pool's token count and bound."""
+    if not stats:
+        return stats
+    off = stats.get("offload")
+    if off:
+        off = {k: off[k] for k in STAT_KEYS if k in off} | {"tokens": off.get("tokens"), "bound": (off.get("sizing") or {}).get("bound")}
+    return {"seconds": stats.get("seconds"), "offload": off}
+
+
+def compact_per_sample(full: Dict) -> Dict:
+    """The per-sample file as kept in the repository (the tracked results must
+    leave room for the GPU bundle in one device call): no per-step KL lists
+    (each record keeps its mean ``kl``), floats to 4 significant digits, and
+    the variants' records without what the first server's already hold (the
+    prompt's length and answers, dense's text)."""
+    def rnd(x):
+        if isinstance(x, float):
+            return float(f"{x:.4g}")
+        if isinstance(x, dict):
+            return {k: rnd(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rnd(v) for v in x]
+        return x
+
+    def drop(r: Dict, keys) -> Dict:
+        return {k: v for k, v in r.items() if k not in keys}
+
+    return rnd({"per_sample": [drop(r, ("kl_steps",)) for r in full["per_sample"]],
+                "variants": {n: [drop(r, ("kl_steps", "answers", "prompt_tokens", "dense")) for r in recs] for n, recs in full["variants"].items()}})
 
 
 def server_offload_state(url: str) -> Optional[Dict]:
@@ -617,8 +652,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     variants = []
     for name, x, policy, (recs, errs) in list(zip(names, offload_sets, policies, runs))[1:]:
         v_rows, v_passed, v_failing = judged(recs) if recs else ([], False, [])
-        variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy),
-                         "server_stats": got.get(name, {}).get(STATS), "accuracy": v_rows,
+        variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy), "accuracy": v_rows,
                          "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
                          "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
@@ -628,7 +662,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
-               offload_policy=dataclasses.asdict(policies[0]), server_stats={n: got[n].get(STATS) for n in servers if n in got}, accuracy=rows, acceptance={"passed": passed, "failing": failing},
+               offload_policy=dataclasses.asdict(policies[0]), server_stats={n: compact_stats(got[n].get(STATS)) for n in servers if n in got},
+               accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
@@ -636,8 +671,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     if a.per_sample:
         for v in variants:
             del v["per_sample"]
-        full = {"per_sample": out.pop("per_sample"), "variants": {n: recs for n, (recs, _) in zip(names[1:], runs[1:])}}
-        with lzma.open(a.per_sample, "wt") as f:
+        full = compact_per_sample({"per_sample": out.pop("per_sample"), "variants": {n: recs for n, (recs, _) in zip(names[1:], runs[1:])}})
+        with lzma.open(a.per_sample, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
             json.dump(full, f)
         out["per_sample_file"] = os.path.basename(a.per_sample)
     results.write(a.out, out)
