@@ -253,3 +253,29 @@ def test_serves_offload_command_passes_the_plugins_checks(sglang_python, monkeyp
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"] and json.loads(out["CONFIG"])["offload"]["enabled"] is True
     assert "--attention-backend" in serve.build_command("llama-3.1-8b", ["--enable-elastic-kv"])  # other features keep FlashInfer
+
+
+def test_dense_while_v_fits_is_on_by_default_off_with_its_no_flag_and_with_resident_v():
+    """``--kv-offload-keep-v`` became the default after its H200 runs (2026-12-04); the
+    sparse rule for every request is ``--no-kv-offload-keep-v``, which also needs
+    ``--enable-kv-offload``; resident V (the exactness reference) keeps nothing."""
+    def off(*flags):
+        return config.from_namespace(namespace(*flags, disable_radix_cache=True)).offload
+
+    on = off("--enable-kv-offload")
+    assert on.keep_v is None and on.keep_v_wanted
+    assert off("--enable-kv-offload", "--kv-offload-keep-v").keep_v is True
+    no = off("--enable-kv-offload", "--no-kv-offload-keep-v")
+    assert no.keep_v is False and not no.keep_v_wanted
+    assert off("--enable-kv-offload", "--no-kv-offload-keep-v", "--kv-offload-keep-v").keep_v_wanted  # the last one wins
+    res = off("--enable-kv-offload", "--kv-offload-resident-v")
+    assert res.keep_v is None and not res.keep_v_wanted
+    assert not off("--enable-kv-offload", "--kv-offload-resident-v", "--no-kv-offload-keep-v").keep_v_wanted
+    with pytest.raises(config.ConfigError, match="has nothing to keep with --kv-offload-resident-v"):
+        off("--enable-kv-offload", "--kv-offload-resident-v", "--kv-offload-keep-v")
+    with pytest.raises(config.ConfigError, match="--kv-offload-keep-v .*needs --enable-kv-offload"):
+        config.from_namespace(namespace("--no-kv-offload-keep-v"))
+    assert not config.OffloadConfig().keep_v_wanted  # offload off: nothing to keep
+    # the choice travels to the scheduler processes (SGLANG_ELASTIC_CONFIG) as given
+    for cfg in (on, no):
+        assert config.ElasticKVConfig.from_env(config.ElasticKVConfig(offload=cfg).to_env()).offload == cfg

@@ -519,7 +519,10 @@ def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_
     assert gpu.exactness(off, {("serial", 0): {"error": "x"}}, 3)["errors"] == 3
     # refused before anything runs
     for bad, says in ((["--exactness", "-1"], "--exactness -1"),
-                      (["--exactness", "2", "--offload-args", "--enable-kv-offload --kv-offload-resident-v"], "drop --kv-offload-resident-v")):
+                      (["--exactness", "2", "--offload-args", "--enable-kv-offload --kv-offload-resident-v"], "drop --kv-offload-resident-v"),
+                      (["--exactness", "2", "--offload-args=--enable-kv-offload"], "add --no-kv-offload-keep-v to the first --offload-args"),
+                      (["--exactness", "2", "--offload-args", "--enable-kv-offload --no-kv-offload-keep-v --kv-offload-keep-v"],
+                       "add --no-kv-offload-keep-v")):
         assert gpu.main(argv[:-4] + bad + ["--out", str(tmp_path / "b.json")]) == 2
         assert says in capsys.readouterr().err
 

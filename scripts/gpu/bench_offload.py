@@ -50,14 +50,15 @@ COMMON = ["--model-path", MODEL, "--load-format", "dummy", "--sampling-backend",
           "--host", "127.0.0.1"]
 SERVERS = {
     "stock": ["--attention-backend", "flashinfer"],
-    "offload": ["--enable-kv-offload", "--disable-radix-cache", "--max-running-requests", "48"],
+    # the sparse rule for every request (keep-v is on by default since 2026-12-04; "offload-keep" runs it)
+    "offload": ["--enable-kv-offload", "--no-kv-offload-keep-v", "--disable-radix-cache", "--max-running-requests", "48"],
     "resident": ["--enable-kv-offload", "--kv-offload-resident-v", "--disable-radix-cache", "--max-running-requests", "48"],
     # dense while V fits (--kv-offload-keep-v): to run beside stock and offload on the fitting load and past HBM
     "offload-keep": ["--enable-kv-offload", "--kv-offload-keep-v", "--disable-radix-cache", "--max-running-requests", "48"],
     # InfiniGen's prefetch on (beside "offload": the step time with and without it through SGLang)
-    "offload-prefetch": ["--enable-kv-offload", "--kv-offload-prefetch", "speculative", "--disable-radix-cache", "--max-running-requests", "48"],
+    "offload-prefetch": ["--enable-kv-offload", "--no-kv-offload-keep-v", "--kv-offload-prefetch", "speculative", "--disable-radix-cache", "--max-running-requests", "48"],
     # adaptive hot buffers (--kv-offload-hot-slack-max 4): growth past the base slack while a request's selection misses
-    "offload-adaptive": ["--enable-kv-offload", "--kv-offload-hot-slack-max", "4", "--disable-radix-cache", "--max-running-requests", "48"],
+    "offload-adaptive": ["--enable-kv-offload", "--no-kv-offload-keep-v", "--kv-offload-hot-slack-max", "4", "--disable-radix-cache", "--max-running-requests", "48"],
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }

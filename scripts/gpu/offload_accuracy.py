@@ -82,7 +82,8 @@ from sglang_elastic.offload.oracle import score, tasks  # noqa: E402
 from sglang_elastic.offload.oracle.reference import kl_divergence  # noqa: E402
 from sglang_elastic.offload.policy import OffloadPolicy  # noqa: E402
 
-DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --kv-offload-budget 0.05 --kv-offload-sink 4 --kv-offload-window 32 "
+#: the shipped rule, for every request (--no-kv-offload-keep-v: dense while V fits, on by default, would answer most samples densely)
+DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --no-kv-offload-keep-v --kv-offload-budget 0.05 --kv-offload-sink 4 --kv-offload-window 32 "
                         "--kv-offload-topk 2048 --kv-offload-hot-tokens 4096")
 BASE_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none",
              "--disable-radix-cache", "--skip-tokenizer-init", "--return-hidden-states-mode", "last", "--host", "127.0.0.1"]
@@ -93,10 +94,10 @@ class Failure(RuntimeError):
     """A server or request failure; the message is one line."""
 
 
-def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
-    """The attended-set rule the offload flags name, as the server reads
-    them (the plugin's own parser and defaults: :func:`sglang_elastic.config.add_cli_args`;
-    other flags are ignored here).
+def offload_config(offload_args: Sequence[str]):
+    """The :class:`~sglang_elastic.config.OffloadConfig` the offload flags name, as
+    the server reads them (the plugin's own parser and defaults:
+    :func:`sglang_elastic.config.add_cli_args`; other flags are ignored here).
 
     Raises:
         ValueError: (``ConfigError``) a bad ``--kv-offload-*`` value.
@@ -106,7 +107,16 @@ def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
     ap = argparse.ArgumentParser(add_help=False)
     config.add_cli_args(ap)
     a, _ = ap.parse_known_args(list(offload_args) if "--enable-kv-offload" in offload_args else ["--enable-kv-offload", *offload_args])
-    return config._offload_config(a).policy()
+    return config._offload_config(a)
+
+
+def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
+    """The attended-set rule the offload flags name (:func:`offload_config`).
+
+    Raises:
+        ValueError: (``ConfigError``) a bad ``--kv-offload-*`` value.
+    """
+    return offload_config(offload_args).policy()
 
 
 def request(sample: tasks.Sample, eos_ids: Sequence[int], hidden: bool = True) -> Dict:
@@ -593,6 +603,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         if a.exactness:
             if "--kv-offload-resident-v" in offload_sets[0]:
                 raise Failure("--exactness compares the first --offload-args server with its resident-V copy: drop --kv-offload-resident-v there")
+            if offload_config(offload_sets[0]).keep_v_wanted:  # resident V keeps nothing: the two would not run the same selection
+                raise Failure("--exactness compares the sparse rule with its resident-V copy: add --no-kv-offload-keep-v to the first --offload-args")
             servers["resident"] = servers["offload"] + ["--kv-offload-resident-v"]
         preflight(a, servers)  # before the samples (minutes to draw) and any server
         samples = sample_set(a, model)

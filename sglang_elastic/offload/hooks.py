@@ -44,7 +44,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
     HookRegistry.register(f"{_REQ_POOL}.free", around_req_free, HookType.AROUND)
-    if config.current().offload.keep_v:
+    if config.current().offload.keep_v_wanted:  # its hooks act only on a pool built with kept V (keep._offload_backend)
         from sglang_elastic.offload import keep
 
         keep.register()
@@ -185,9 +185,14 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
 
     sched = get_schedule()
     shape = model_shape(kvc)
-    if cfg.keep_v and shape.head_dim != shape.v_head_dim:
-        raise RuntimeError(f"sglang-elastic: --kv-offload-keep-v keeps V rows in K slots: this model's V head_dim {shape.v_head_dim} "
-                           f"differs from K's {shape.head_dim}: drop --kv-offload-keep-v")
+    keep_v = cfg.keep_v_wanted
+    if keep_v and shape.head_dim != shape.v_head_dim:
+        if cfg.keep_v:  # asked for
+            raise RuntimeError(f"sglang-elastic: --kv-offload-keep-v keeps V rows in K slots: this model's V head_dim {shape.v_head_dim} "
+                               f"differs from K's {shape.head_dim}: drop --kv-offload-keep-v")
+        logger.info("sglang-elastic: V head_dim %d differs from K's %d: no dense-while-V-fits (--kv-offload-keep-v) for this model",
+                    shape.v_head_dim, shape.head_dim)
+        keep_v = False
     policy = cfg.policy()
     requests = sched.max_running_requests or DEFAULT_REQUESTS
     if sched.max_running_requests is None:
@@ -199,7 +204,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
         sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
                        max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v,
-                       keep_v=cfg.keep_v)
+                       keep_v=keep_v)
     except SizingError as e:
         raise RuntimeError(f"sglang-elastic: {e}") from None
     tokens = _tp_min(sz.tokens)
@@ -212,7 +217,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
     _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
-                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=cfg.keep_v)
+                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=keep_v)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static
