@@ -52,3 +52,20 @@ def test_issue22s_h200_parts_give_the_committed_result_and_the_gpu_they_ran_on(t
     # with the prefill graphs every prefill ran while lent and none reclaimed; the eager phase unmapped before each
     assert committed["per_phase"]["elastic"]["reclaims_skipped"] > 100 and committed["per_phase"]["elastic"]["reclaims"] == 0
     assert committed["reclaim_needed_ms"]["n"] >= 100
+
+
+def test_the_bdbbce1_eager_part_gives_its_committed_result_and_eager_prefill_peaks_are_summarised(tmp_path):
+    """The eager re-run of 2026-12-04 (docs/results/elastic_issue22_eager_h200.json) reproduces; a part that
+    recorded eager prefills (--elastic-kv-activation-rule, after that run) gets their peaks against SGLang's
+    estimate per phase."""
+    part = PARTS / "issue22" / "bdbbce1" / "elastic-eager_tp1.json.gz"
+    committed = json.loads((ROOT / "docs/results/elastic_issue22_eager_h200.json").read_text())
+    again = _assemble([part], tmp_path / "d.json")
+    assert again["per_phase"] == committed["per_phase"] and committed["reclaim_needed_ms"]["n"] >= 100
+    assert "eager_prefill_peak_gib" not in committed["per_phase"]["elastic_eager"]  # recorded only since
+    d = json.loads(gzip.decompress(part.read_bytes()))
+    d["eager_prefills"] = [{"tokens": 8192, "peak_bytes": g * 2**30, "estimate_bytes": 13 * 2**30, "plain": True} for g in (1.5, 2.0, 2.5)]
+    (tmp_path / "elastic-eager_tp1.json").write_text(json.dumps(d))
+    pp = _assemble([tmp_path / "elastic-eager_tp1.json"], tmp_path / "e.json")["per_phase"]["elastic_eager"]
+    assert pp["eager_prefill_peak_gib"]["p50"] == 2.0 and pp["eager_prefill_peak_gib"]["max"] == 2.5 and pp["eager_prefill_peak_gib"]["n"] == 3
+    assert pp["eager_prefill_estimate_gib"]["max"] == 13 and pp["eager_prefill_tokens"]["p50"] == 8192

@@ -590,3 +590,111 @@ def test_a_lend_of_handles_made_ahead_does_not_empty_torchs_cache_when_its_block
     assert bed.ctl.reclaim(bed.batch)
     cache.empty()
     bed.check_ownership_and_accounting()
+
+
+class Peaks:
+    """The caching allocator's peak counter as a test drives it (``PeakMemory``'s stand-in)."""
+
+    available = True
+
+    def __init__(self):
+        self.allocated = self.top = 7 * MIB
+
+    def reset(self) -> int:
+        self.top = self.allocated
+        return self.allocated
+
+    def peak(self) -> int:
+        return self.top
+
+
+def _extend_batch(tokens, **kw):
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return SimpleNamespace(**{"forward_mode": ForwardMode.EXTEND, "extend_num_tokens": tokens, "return_logprob": False,
+                              "return_hidden_states": False, "input_embeds": None, **kw})
+
+
+def test_an_eager_prefill_reclaims_by_what_eager_prefills_took_not_by_sglangs_estimate(caplog):
+    """Seen on the H200: SGLang's estimate for a chunk of 8,192 tokens (12.9 GiB)
+    is more than the 8.6 GiB lent, so every eager prefill reclaimed the whole
+    step (8.6 / 15.0 ms). Measured: once an eager prefill ran, the next one is
+    taken to need 1.25x what it took plus 256 MiB; memory free for that skips
+    the reclaim. A request with logprobs, or --elastic-kv-activation-rule
+    sglang, keeps SGLang's estimate."""
+    import dataclasses
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_elastic.sched.controller import MEASURED_SAFETY, MEASURED_SLACK_MB, eager_activation_bytes
+    from test_controller import _graph_args
+
+    room = 400 * MIB  # free at the driver while lent
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + room, margin_mb=0)
+    ctl, peaks = bed.ctl, Peaks()
+    ctl.peak_memory = peaks
+    assert not ctl.prefill_in_graphs and ctl.cfg.activation_rule == "measured"
+    budget = bed.sched.server_args.chunked_prefill_size  # what reserve_needed gives an eager prefill
+    estimate = eager_activation_bytes(budget)
+    assert estimate > room
+    assert bed.admit(list(range(30)))
+    assert ctl.lend() == ELASTIC and bed.be.free_bytes() == room
+
+    def prefill(took, tokens=budget, **kw):  # one pass: SGLang forms an eager prefill and runs it
+        bed.sched.waiting_queue.append(bed.request(list(range(1000, 1100))))
+        ctl.before_prefill(bed.batch)
+        need = ctl._need
+        bed.sched.waiting_queue.clear()
+        ctl.after_prefill(_extend_batch(tokens), bed.batch)
+        peaks.top = peaks.allocated + took
+        ctl.after_forward(_extend_batch(tokens, **kw))
+        return need
+
+    # nothing measured yet: SGLang's estimate, the whole step reclaimed
+    assert prefill(took=64 * MIB) == estimate and bed.alloc.lent_tokens == 0 and ctl.activations.measured == 1
+    assert ctl.lend() == ELASTIC
+    want = int(64 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    assert want <= room
+    skipped = ctl.reclaims_skipped
+    assert prefill(took=80 * MIB) == want and bed.alloc.lent_tokens == ELASTIC and ctl.reclaims_skipped == skipped + 1
+    # the bound is the tightest measured one: 80 MiB at the same tokens now
+    assert ctl.activations.need(budget, estimate) == int(80 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    # half the tokens took 48 MiB: at the budget that bounds by 96 MiB, looser than 80 (kept); at half, 48 is tighter
+    ctl.activations.add(budget // 2, 48 * MIB, plain=True)
+    assert ctl.activations.need(budget, estimate) == int(80 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    assert ctl.activations.need(budget // 2, estimate) == int(48 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    # a prefill with logprobs is not measured as a plain one, and a waiting request with logprobs takes the estimate
+    prefill(took=900 * MIB, return_logprob=True)
+    assert max(ctl.activations.peaks.values()) == 80 * MIB and bed.alloc.lent_tokens == ELASTIC
+    lp = bed.request(list(range(2000, 2100)))
+    lp.return_logprob = True
+    bed.sched.waiting_queue.append(lp)
+    ctl.before_prefill(bed.batch)
+    assert ctl._need == estimate and bed.alloc.lent_tokens == 0
+    bed.sched.waiting_queue.clear()
+    ctl.after_prefill(None, bed.batch)
+    # SGLang's estimate alone, by flag
+    assert ctl.lend() == ELASTIC
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
+    assert prefill(took=64 * MIB) == estimate and bed.alloc.lent_tokens == 0
+    # checked: a prefill above SGLang's estimate is counted and logged once
+    with caplog.at_level("WARNING"):
+        ctl.activations.add(budget, estimate + 1, plain=True)
+        ctl.activations.add(budget, estimate + 2, plain=True)
+    assert ctl.activations.over_estimate == 2 and sum("more than SGLang's estimate" in r.getMessage() for r in caplog.records) == 1
+    # and it contradicts the bound the half-budget prefill gave (96 MiB): the estimate again, never more
+    assert ctl.activations.need(budget, estimate) == estimate
+    assert ctl.activations.need(budget // 2, estimate) == int(48 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    bed.check_ownership_and_accounting()
+
+
+def test_the_measured_bounds_keep_the_largest_token_counts():
+    from sglang_elastic.sched.controller import MEASURED_KEEP, EagerActivations
+
+    a = EagerActivations()
+    for t in range(1, MEASURED_KEEP + 6):
+        a.add(t * 100, t * MIB, plain=True)
+    assert len(a.peaks) == MEASURED_KEEP and min(a.peaks) == 600
+    assert a.need(0, 5 * MIB) == 5 * MIB and EagerActivations().need(8192, 5 * MIB) == 5 * MIB

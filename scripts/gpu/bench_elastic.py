@@ -278,6 +278,8 @@ def phase(args) -> None:
         res["reclaims"] = [e for e in ev if e["op"] == "reclaim"]
         res["reclaims_skipped"] = sum(e["op"] == "reclaim_skipped" for e in ev)
         res["reclaim_stops"] = sum(e["op"] == "reclaim_stopped" for e in ev)
+        # issue 22: what each eager prefill allocated against SGLang's estimate (--elastic-kv-activation-rule measured)
+        res["eager_prefills"] = [{k: e.get(k) for k in ("tokens", "peak_bytes", "estimate_bytes", "plain")} for e in ev if e["op"] == "eager_prefill"]
         res["lent_tokens_max"] = max((e["tokens"] for e in res["lends"]), default=0)
         res["lent_bytes_max"] = max((e["bytes"] for e in res["lends"]), default=0)
         res["log_tail"] = srv.tail(25)
@@ -360,7 +362,10 @@ def assemble(args) -> None:
         "lend_ms_p99": lend_p99(el),
         "reclaims_skipped": el.get("reclaims_skipped", 0) if el else None,
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
-                             "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"])}
+                             "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"]),
+                             **({"eager_prefill_peak_gib": stats([e["peak_bytes"] / 2**30 for e in d["eager_prefills"]]),
+                                 "eager_prefill_estimate_gib": stats([e["estimate_bytes"] / 2**30 for e in d["eager_prefills"]]),
+                                 "eager_prefill_tokens": stats([e["tokens"] for e in d["eager_prefills"]])} if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)
         "post_capture": None if not (epc or spc) else {

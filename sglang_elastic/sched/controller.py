@@ -128,6 +128,90 @@ RECUT_GROW_DIV = 8
 EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
 
 
+#: ``--elastic-kv-activation-rule measured``: an eager prefill needs at most MEASURED_SAFETY x the tightest bound
+#: the eager prefills measured so far give, plus MEASURED_SLACK_MB (never more than SGLang's estimate); at most
+#: MEASURED_KEEP token counts are kept (the smallest go first: they bound larger prefills loosely).
+MEASURED_SAFETY, MEASURED_SLACK_MB, MEASURED_KEEP = 1.25, 256, 64
+
+
+class PeakMemory:
+    """The caching allocator's allocated bytes and their peak since a reset
+    (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` /
+    ``reset_peak_memory_stats``). Without CUDA it measures nothing
+    (:attr:`available` False). Tests put a stand-in in its place."""
+
+    @property
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def reset(self) -> int:
+        """Start a measurement; returns the bytes allocated now."""
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+
+class EagerActivations:
+    """What the eager prefills of this server really allocate, against SGLang's
+    estimate (:func:`eager_activation_bytes`): issue 22's "SGLang's own
+    estimate, measured and checked".
+
+    Why: SGLang's estimate is 512 MiB + 1.5 MiB a token (12.9 GiB for a chunk
+    of 8,192 tokens), more than the 8.6 GiB step lent on the H200, so every
+    eager prefill reclaimed the whole step (8.6 / 15.0 ms p50 / p99), whatever
+    the prefill took and whatever torch's cache still held from the last one.
+
+    Measured: the peak of ``torch.cuda.max_memory_allocated`` over the
+    forward, above what was allocated before it (:class:`PeakMemory`). A
+    prefill of ``t_i`` tokens that took ``p_i`` bytes bounds one of ``T``
+    tokens by ``p_i * T / t_i`` when ``T >= t_i`` (activations grow at most in
+    proportion to the tokens: ``a + b t`` with a fixed part ``a >= 0``) and by
+    ``p_i`` when ``T <= t_i`` (they do not shrink with more tokens).
+    :meth:`need` is the tightest such bound times :data:`MEASURED_SAFETY`,
+    plus :data:`MEASURED_SLACK_MB`, and never more than SGLang's estimate,
+    which it is until a prefill was measured. Only plain prefills are
+    measured and bounded this way: one with logprobs, hidden states or input
+    embeddings allocates what the others do not (the logits of every token),
+    so it always takes SGLang's estimate. Checked: a prefill that took more
+    than SGLang's estimate is counted (:attr:`over_estimate`) and logged once.
+    """
+
+    def __init__(self):
+        self.peaks: dict = {}  # tokens -> the most bytes a plain eager prefill of that many tokens took
+        self.measured = 0
+        self.over_estimate = 0
+        self._warned = False
+
+    def add(self, tokens: int, peak: int, plain: bool, ranks: int = 1) -> dict:
+        """One eager prefill of ``tokens`` tokens that took ``peak`` bytes; returns its record."""
+        est = eager_activation_bytes(tokens, ranks)
+        self.measured += 1
+        if peak > est:
+            self.over_estimate += 1
+            if not self._warned:
+                self._warned = True
+                logger.warning("sglang-elastic: an eager prefill of %d tokens took %.2f GiB, more than SGLang's estimate (%.2f GiB)",
+                               tokens, peak / 2**30, est / 2**30)
+        if plain and tokens > 0:
+            self.peaks[tokens] = max(self.peaks.get(tokens, 0), peak)
+            if len(self.peaks) > MEASURED_KEEP:
+                del self.peaks[min(self.peaks)]
+        return {"tokens": tokens, "peak_bytes": peak, "estimate_bytes": est, "plain": plain}
+
+    def need(self, tokens: int, estimate: int) -> int:
+        """Bytes a plain eager prefill of up to ``tokens`` tokens is taken to need (``estimate`` at most).
+        A prefill of no more tokens that took more than the tightest bound contradicts the bound's model
+        (something else allocated during it): then the estimate."""
+        if not self.peaks or tokens <= 0:
+            return estimate
+        bound = min(p * max(tokens / t, 1.0) for t, p in self.peaks.items())
+        if max((p for t, p in self.peaks.items() if t <= tokens), default=0) > bound:
+            return estimate
+        return min(estimate, int(bound * MEASURED_SAFETY) + MEASURED_SLACK_MB * 2**20)
+
+
 class TorchCache:
     """PyTorch's CUDA caching allocator as the lend sees it: the bytes it
     reserves but does not use (``memory_reserved - memory_allocated``:
@@ -238,6 +322,10 @@ def lend_max_batch(server_args, margin_mb: int, encoder_decoder: bool = False) -
     return max(graph_bs, eager_bs)
 
 
+#: :meth:`ElasticController.reserve_needed`'s reason for a prefill outside CUDA graphs
+EAGER_PREFILL = "prefills run outside CUDA graphs"
+
+
 def eager_activation_bytes(tokens: int, ranks: int = 1) -> int:
     """SGLang's activation estimate for ``tokens`` in flight outside CUDA
     graphs, bytes: ``512 + 1.5 * max(tokens, 2048)`` MiB plus 128 MiB per
@@ -331,6 +419,12 @@ class ElasticController:
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
         self.torch_cache = TorchCache()
         self.fences = DeviceFences(sched)
+        #: The eager prefills' real peaks (``--elastic-kv-activation-rule``; :class:`EagerActivations`) and the
+        #: allocator's peak counter they are read from; ``_probe``: bytes allocated when this pass's measurement began.
+        self.activations = EagerActivations()
+        self.peak_memory = PeakMemory()
+        self._probe: Optional[int] = None
+        self._need = 0  # the bytes the last steps_needed took the next forward to need (in the reclaim events)
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -488,12 +582,26 @@ class ElasticController:
             self._event(**rec, release_wait_ms=waited, release_overlap_ms=overlap, release_failed=len(errors))
         return waited
 
-    def after_forward(self) -> None:
-        """After ``Scheduler.run_batch`` launched a forward: while lent, a
+    def after_forward(self, batch=None) -> None:
+        """After ``Scheduler.run_batch`` launched ``batch``: while lent, a
         fence after it (a reclaim waits on this fence only, not on the
-        whole device)."""
+        whole device); after an eager prefill, what it allocated
+        (:class:`EagerActivations`, an ``eager_prefill`` event)."""
         if self.lent:
             self._forward_fence = self.fences.record()
+        base, self._probe = self._probe, None
+        mode = getattr(batch, "forward_mode", None)
+        if base is None or mode is None or not mode.is_extend():
+            return
+        tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
+        plain = not (getattr(batch, "return_logprob", False) or getattr(batch, "return_hidden_states", False)
+                     or getattr(batch, "input_embeds", None) is not None)
+        rec = self.activations.add(tokens, max(self.peak_memory.peak() - base, 0), plain, self._ranks())
+        self._event(op="eager_prefill", **rec)
+
+    def _ranks(self) -> int:
+        sa = self.sched.server_args
+        return int(getattr(sa, "tp_size", 1) or 1) * int(getattr(sa, "pp_size", 1) or 1)
 
     def _log(self, msg: str, *args) -> None:
         """INFO, or DEBUG inside :meth:`warm_up`."""
@@ -580,6 +688,8 @@ class ElasticController:
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if self.cfg.mode != "dynamic":
             return
+        if not self.prefill_in_graphs and self.peak_memory.available:  # measure the eager prefill this pass may launch
+            self._probe = self.peak_memory.reset()
         if not self.lent:
             # Handles made ahead of a lend hold device memory: an eager
             # forward needs it back (released on the helper thread while
@@ -591,11 +701,23 @@ class ElasticController:
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
             return
-        steps = self.steps_needed(tokens) if why else 0
+        measured = why == EAGER_PREFILL and self.cfg.activation_rule == "measured" and self._pending_plain()
+        steps = self.steps_needed(tokens, measured) if why else 0
         if steps == 0:  # counted in after_prefill, if a prefill forms
-            self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens}
+            self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens,
+                          **({"need_bytes": self._need} if why else {})}
             return
         self.reclaim(running_batch, steps, why)
+
+    def _pending_plain(self) -> bool:
+        """No request the next prefill may take asks for logprobs or hidden states or brings input embeddings
+        (:class:`EagerActivations` bounds only such plain prefills)."""
+        s = self.sched
+        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
+        pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+        return not any(getattr(r, "return_logprob", False) or getattr(r, "return_hidden_states", False)
+                       or getattr(r, "input_embeds", None) is not None or getattr(r, "positional_embed_overrides", None) is not None
+                       for r in pending)
 
     def reserve_needed(self, running_batch):
         """What the next forward may need outside the CUDA graphs: ``(why,
@@ -628,7 +750,7 @@ class ElasticController:
         if not self._prefill_may_form(running_batch):
             return None, 0
         if not self.prefill_in_graphs:
-            return "prefills run outside CUDA graphs", budget
+            return EAGER_PREFILL, budget
         grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
         pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
         prefill = sa.cuda_graph_config.prefill
@@ -645,12 +767,17 @@ class ElasticController:
                 return "a request for logprobs (their logits run outside the prefill graphs)", budget
         return "", 0
 
-    def steps_needed(self, tokens: int) -> int:
+    def steps_needed(self, tokens: int, measured: bool = False) -> int:
         """Lent steps to reclaim so that the device has SGLang's activation
         estimate for ``tokens`` free (what is free now, with what torch's
-        cache holds unused, counts); the most any TP rank needs (a
-        collective: every rank calls it at the same pass)."""
-        need = eager_activation_bytes(tokens, int(getattr(self.sched.server_args, "tp_size", 1) or 1) * int(getattr(self.sched.server_args, "pp_size", 1) or 1))
+        cache holds unused, counts), or with ``measured`` (a plain eager
+        prefill, ``--elastic-kv-activation-rule measured``) the bound the
+        measured eager prefills give (:meth:`EagerActivations.need`); the
+        most any TP rank needs (a collective: every rank calls it at the same pass)."""
+        need = eager_activation_bytes(tokens, self._ranks())
+        if measured:
+            need = self.activations.need(tokens, need)
+        self._need = need
         free = self.arena.backend.free_bytes() or 0
         if torch.cuda.is_available():
             free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
@@ -1043,7 +1170,7 @@ class ElasticController:
         wait_ms = sum(waited) * 1e3
         vacate_ms, unmap_ms = (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3 - wait_ms
         rec = dict(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
-                   dropped_sessions=dropped, steps=steps, why=why)
+                   dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._need)
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
             self._releasing = dict(rec, t_end=time.perf_counter())
         else:
