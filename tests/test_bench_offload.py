@@ -91,6 +91,8 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     # and with keep-v
     old_row, est_row, keep1, keep2, same_row, long_row, long_keep = out["throughput"]
     assert [r["workload"] for r in out["throughput"]] == ["fits"] * 5 + ["long32k"] * 2
+    # each row says its size (a shortened run, --num-prompts, is not taken for the workload's default)
+    assert [(r["num_prompts"], r["input_len"], r["output_len"]) for r in out["throughput"]] == [(64, 4096, 512)] * 5 + [(64, 32768, 512)] * 2
     for i, row in ((1, keep1), (2, keep2)):
         kv = json.loads((parts / f"throughput_fits_keep_v_{i}.json").read_text())["servers"]
         assert row["keep_v_median_itl_ms"] == kv["offload-keep"]["median_itl_ms"] and row["stock_median_itl_ms"] == kv["stock"]["median_itl_ms"]

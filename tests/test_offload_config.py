@@ -273,9 +273,24 @@ def test_dense_while_v_fits_is_on_by_default_off_with_its_no_flag_and_with_resid
     assert not off("--enable-kv-offload", "--kv-offload-resident-v", "--no-kv-offload-keep-v").keep_v_wanted
     with pytest.raises(config.ConfigError, match="has nothing to keep with --kv-offload-resident-v"):
         off("--enable-kv-offload", "--kv-offload-resident-v", "--kv-offload-keep-v")
-    with pytest.raises(config.ConfigError, match="--kv-offload-keep-v .*needs --enable-kv-offload"):
+    with pytest.raises(config.ConfigError, match="^--no-kv-offload-keep-v .*needs --enable-kv-offload"):
         config.from_namespace(namespace("--no-kv-offload-keep-v"))
+    with pytest.raises(config.ConfigError, match="^--no-kv-offload-keep-v .*needs --enable-kv-offload"):
+        config.OffloadConfig(keep_v=False)
+    with pytest.raises(config.ConfigError, match="^--kv-offload-keep-v .*needs --enable-kv-offload"):
+        config.from_namespace(namespace("--kv-offload-keep-v"))
     assert not config.OffloadConfig().keep_v_wanted  # offload off: nothing to keep
     # the choice travels to the scheduler processes (SGLANG_ELASTIC_CONFIG) as given
     for cfg in (on, no):
         assert config.ElasticKVConfig.from_env(config.ElasticKVConfig(offload=cfg).to_env()).offload == cfg
+
+
+def test_the_help_of_every_flag_formats():
+    """Review finding: a bare percent sign in a help text made ``launch_server --help`` raise
+    (argparse formats help strings with %)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    text = " ".join(p.format_help().split())  # argparse wraps the lines
+    assert "--no-kv-offload-keep-v" in text and "+6.3 % median ITL" in text and "--elastic-kv-activation-rule" in text

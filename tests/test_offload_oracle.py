@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shlex
+import sys
 import types
 from pathlib import Path
 
@@ -305,6 +306,8 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert v["offload_policy"]["denominator"] == "selected" and d["offload_policy"]["denominator"] == "estimate"
     assert {r["task"] for r in v["accuracy"]} == {"niah_single", "vt", "natural"} and len(v["per_sample"]) == len(d["per_sample"])
     assert "--kv-offload-denominator selected" in d["servers"]["offload_2"] and "denominator" not in d["servers"]["offload"]
+    # the default servers run the sparse rule on every request, and the result says so
+    assert {n: c["keep_v_wanted"] for n, c in d["offload_configs"].items()} == {"offload": False, "offload_2": False}
     assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
     assert "offload vs dense through SGLang" in capsys.readouterr().out
 
@@ -585,3 +588,25 @@ def test_gpu_script_reads_the_offload_counters_from_server_info():
     finally:
         srv.shutdown()
     assert gpu.server_offload_state("http://127.0.0.1:9") is None  # nobody listens
+
+
+def test_the_compact_per_sample_file_keeps_what_only_a_variant_holds_and_each_server_says_its_keep_v():
+    """Review findings: a sample the first offload server failed lost its dense text in the variants'
+    compact records; and a result did not say whether dense-while-V-fits ran (its default changed)."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+
+    def rec(i, kl):
+        return {"task": "passkey", "context": 2048, "index": i, "prompt_tokens": 2000 + i, "answers": ["42"], "kl": kl, "kl_steps": [kl, kl],
+                "dense": {"text": "42", "solved": True}, "offload": {"text": "41", "solved": False}}
+
+    full = {"per_sample": [rec(0, 0.123456789)], "variants": {"offload_2": [rec(0, 0.2), rec(1, 0.987654321)]}}
+    c = gpu.compact_per_sample(full)
+    assert c["per_sample"][0]["kl"] == 0.1235 and "kl_steps" not in c["per_sample"][0] and c["per_sample"][0]["dense"]["solved"]
+    v0, v1 = c["variants"]["offload_2"]
+    assert "dense" not in v0 and "answers" not in v0  # the first server's record holds them
+    assert v1["dense"] == {"text": "42", "solved": True} and v1["answers"] == ["42"] and v1["kl"] == 0.9877 and "kl_steps" not in v1
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", "m", "--port", "{port}", "--enable-kv-offload"]
+    assert gpu.server_config(base)["keep_v_wanted"] is True
+    assert gpu.server_config(base + ["--no-kv-offload-keep-v"])["keep_v_wanted"] is False
+    assert gpu.server_config(base + ["--kv-offload-resident-v"])["keep_v_wanted"] is False
+    assert gpu.server_config(base + ["--kv-offload-topk", "1024"])["topk"] == 1024

@@ -387,7 +387,8 @@ def part_assemble(a) -> dict:
             continue
         st, off = p["servers"].get("stock", {}), p["servers"].get("offload", {})
         out["throughput"].append({
-            "workload": p["workload"], "date": p.get("date"), "commit": p.get("commit"),
+            "workload": p["workload"], "num_prompts": p.get("num_prompts"), "input_len": p.get("input_len"), "output_len": p.get("output_len"),
+            "date": p.get("date"), "commit": p.get("commit"),
             "offload_denominator": ((off.get("offload_pool") or {}).get("policy") or {}).get("denominator"), "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
             "stock_median_itl_ms": st.get("median_itl_ms"), "offload_median_itl_ms": off.get("median_itl_ms"),
             "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),

@@ -39,19 +39,27 @@ so no batch composition can change a GEMM's kernel) to the first offload
 server, after its accuracy samples, and to a ``resident`` server: the same
 flags plus ``--kv-offload-resident-v`` (the same selection, every V row on
 the GPU, no host tier). ``exactness`` compares their greedy tokens and the
-hidden state behind every token bit for bit.
+hidden state behind every token bit for bit. The first offload server must
+name ``--no-kv-offload-keep-v`` then (dense while V fits is on by default,
+and resident V keeps nothing: the two would not run the same selection).
 
 ``--cache-dir``: each server's answers are kept there (``NAME-HASH.pt``, the
 hash of its command line and the samples) as soon as it has run, and a later
 run with the same server and samples reads them instead of starting it
 again: a run cut off by a time limit resumes.
 
-Writes ``{date, gpu, commit, command, model, servers, offload_policy,
-accuracy, acceptance, variants, prefill_kl, exactness, per_sample}`` (``accuracy``: the issue's
-rows ``{task, context, samples, dense, offload, kept, kl, budget_frac}``),
-with ``--per-sample``, the per-sample records (texts, per-step KL, of every
-offload server) go to that xz-compressed JSON instead and ``per_sample_file``
-names it. Prints the table; writes nothing and exits 1 when no sample was measured on
+Writes ``{date, gpu, commit, command, model, servers, offload_configs,
+offload_policy, server_stats, accuracy, acceptance, variants, prefill_kl,
+exactness, per_sample}`` (``accuracy``: the issue's rows ``{task, context,
+samples, dense, offload, kept, kl, budget_frac}``; ``offload_configs``: each
+offload server's flags as read, with ``keep_v_wanted``; ``server_stats``:
+each server's ``/server_info`` counters after its samples, hit rate,
+prefetch rows, keep-v demotions, and the seconds its samples took, the
+exactness samples included); with ``--per-sample``, the per-sample records
+(texts, mean KL, of every offload server, in :func:`compact_per_sample`'s
+form) go to that xz-compressed JSON instead and ``per_sample_file`` names it.
+``budget_frac`` is the rule's fraction even for a server whose dense
+requests attended to every position. Prints the table; writes nothing and exits 1 when no sample was measured on
 both servers; 2 on bad input.
 """
 
@@ -108,6 +116,13 @@ def offload_config(offload_args: Sequence[str]):
     config.add_cli_args(ap)
     a, _ = ap.parse_known_args(list(offload_args) if "--enable-kv-offload" in offload_args else ["--enable-kv-offload", *offload_args])
     return config._offload_config(a)
+
+
+def server_config(argv: Sequence[str]) -> Dict:
+    """An offload server's :class:`~sglang_elastic.config.OffloadConfig` as a dict, with
+    ``keep_v_wanted`` (dense while V fits, resolved: on by default since 2026-12-04)."""
+    cfg = offload_config(list(argv))
+    return {**dataclasses.asdict(cfg), "keep_v_wanted": cfg.keep_v_wanted}
 
 
 def offload_policy(offload_args: Sequence[str]) -> OffloadPolicy:
@@ -347,8 +362,13 @@ def compact_per_sample(full: Dict) -> Dict:
     def drop(r: Dict, keys) -> Dict:
         return {k: v for k, v in r.items() if k not in keys}
 
+    first = {(r["task"], r["context"], r["index"]) for r in full["per_sample"]}  # a sample the first server failed keeps its fields
+
+    def shared(r: Dict) -> tuple:
+        return ("kl_steps", "answers", "prompt_tokens", "dense") if (r["task"], r["context"], r["index"]) in first else ("kl_steps",)
+
     return rnd({"per_sample": [drop(r, ("kl_steps",)) for r in full["per_sample"]],
-                "variants": {n: [drop(r, ("kl_steps", "answers", "prompt_tokens", "dense")) for r in recs] for n, recs in full["variants"].items()}})
+                "variants": {n: [drop(r, shared(r)) for r in recs] for n, recs in full["variants"].items()}})
 
 
 def server_offload_state(url: str) -> Optional[Dict]:
@@ -622,7 +642,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
             cached = cache_path(a.cache_dir, name, argv, mine, a.dry_run, ser) if a.cache_dir else None
             if cached and cached.is_file():
                 got[name] = torch.load(cached)
-                print(f"{name}: {len(got[name])} answers read from {cached}", file=sys.stderr, flush=True)
+                print(f"{name}: {len(got[name]) - (STATS in got[name])} answers read from {cached}", file=sys.stderr, flush=True)
                 continue
             # the stand-in's offload servers add noise by the sample (its seed), so a resident copy answers as the offload one does
             client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
@@ -674,6 +694,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     if a.dry_run:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
+               # what each offload server ran, as this code reads its flags (keep-v's default changed on 2026-12-04)
+               offload_configs={n: server_config(v) for n, v in servers.items() if n != "dense"},
                offload_policy=dataclasses.asdict(policies[0]), server_stats={n: compact_stats(got[n].get(STATS)) for n in servers if n in got},
                accuracy=rows, acceptance={"passed": passed, "failing": failing},
                variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},

@@ -10,7 +10,7 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic_offload`` (pool size and bound, hit rate, PCIe bytes) to ``/server_info``'s ``internal_states`` |
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
 | ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream), and (``--kv-offload-keep-v``) its kept V slots to SGLang's allocator; AROUND because ``free`` clears ``req.req_pool_idx`` |
-| ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``, ``TokenToKVPoolAllocator.alloc`` / ``available_size`` | AFTER / AROUND | ``--kv-offload-keep-v`` only: :mod:`sglang_elastic.offload.keep` |
+| ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``, ``TokenToKVPoolAllocator.alloc`` / ``available_size`` | AFTER / AROUND | dense while V fits (``--kv-offload-keep-v``, on by default; they pass through for a pool built without kept V): :mod:`sglang_elastic.offload.keep` |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.

@@ -1047,7 +1047,7 @@ class ElasticController:
         step, margin = max(a.step_bytes(), 1), self.cfg.margin_mb * 2**20
         # one step with nothing lent (the step :meth:`_recut` sizes): the margin may sit in torch's unused cached
         # blocks, as the cut counts it, or the handles made ahead for the cut would never fit (seen on the H200:
-        # 110 of 113 eager lends created their 8.6 GiB of handles on the lend path, map_ms p50 5.8 against 3.3)
+        # 112 of 113 eager lends created their 8.6 GiB of handles on the lend path, map_ms p50 5.8 against 3.3)
         one = self._one_step_unlent
 
         def fit(free: int) -> int:
