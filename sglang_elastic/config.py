@@ -25,10 +25,10 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   buffer (64 for Llama-3.1-8B): fewer, larger steps are faster.
 - ``--elastic-kv-lend-after-steps N``: decode-only steps in a row before
   lending (hysteresis, default 32).
-- ``--elastic-kv-activation-rule {measured,sglang}``: what an eager prefill
-  is taken to need while lent (default ``measured``: bounded by what earlier
-  eager prefills of the server took, never more than SGLang's estimate;
-  ``sglang``: SGLang's estimate, 512 MiB + 1.5 MiB a token).
+- ``--elastic-kv-activation-rule {sglang,measured}``: what a plain eager
+  prefill is taken to need while lent (default ``sglang``: SGLang's estimate,
+  512 MiB + 1.5 MiB a token; ``measured``, experimental: bounded by what the
+  server's eager prefill passes took, never more than SGLang's estimate).
 - ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
   and sampling when measuring the lendable bytes (default 1024). It also
   bounds the decode batch that may run while lent: one above the decode CUDA
@@ -110,7 +110,7 @@ logger = logging.getLogger(__name__)
 ENV = "SGLANG_ELASTIC_CONFIG"
 MODES = ("dynamic", "always-lent", "off")
 #: --elastic-kv-activation-rule: an eager prefill's need while lent (sglang_elastic.sched.controller.EagerActivations)
-ACTIVATION_RULES = ("measured", "sglang")
+ACTIVATION_RULES = ("sglang", "measured")
 DECODE_POLICIES = ("auto", "flashinfer", "split", "compact")
 STARTUP_CALIBRATION = ("auto", "force", "off")
 ONLINE = ("on", "off")
@@ -236,10 +236,10 @@ class ElasticKVConfig:
     (``--elastic-kv-handle-mb``, MiB per physical handle; 0 = one step);
     ``lend_after_steps`` (``--elastic-kv-lend-after-steps``, decode-only
     scheduler steps); ``margin_mb`` (``--elastic-kv-margin-mb``, MiB);
-    ``activation_rule`` (``--elastic-kv-activation-rule``: what an eager
-    prefill is taken to need while lent: ``measured``, bounded by what earlier
-    eager prefills of the server took and never more than SGLang's estimate,
-    or ``sglang``, SGLang's estimate alone:
+    ``activation_rule`` (``--elastic-kv-activation-rule``: what a plain eager
+    prefill is taken to need while lent: ``sglang``, SGLang's estimate, or
+    ``measured`` (experimental), bounded by what the server's eager prefill
+    passes took and never more than SGLang's estimate:
     :class:`sglang_elastic.sched.controller.EagerActivations`);
     ``decode_policy`` / ``decode_calibration`` (``--decode-policy`` /
     ``--decode-calibration``, for the ``persistentkv`` decode backend).
@@ -255,7 +255,7 @@ class ElasticKVConfig:
     handle_mb: int = 0
     lend_after_steps: int = 32
     margin_mb: int = 1024
-    activation_rule: str = "measured"
+    activation_rule: str = "sglang"
     decode_policy: str = "auto"
     decode_calibration: Optional[str] = None  # None: this shape's (cache, shipped or the prior)
     decode_calibration_cache: Optional[str] = None  # None: the default cache directory; "off": none
@@ -322,7 +322,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
     g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
-    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default="measured", help="What an eager prefill is taken to need while lent: measured (1.25x the tightest bound earlier eager prefills of this server give, plus 256 MiB, never more than SGLang's estimate, which it takes until a prefill was measured) or sglang (SGLang's estimate: 512 MiB + 1.5 MiB a token, 12.9 GiB for a chunk of 8192).")
+    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default="sglang", help="What a plain eager prefill is taken to need while lent: sglang (SGLang's estimate: 512 MiB + 1.5 MiB a token, 12.9 GiB for a chunk of 8192) or measured (experimental, not yet run on a GPU: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate). Every eager prefill's peak is logged as an event either way.")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes; also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
     o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")
@@ -385,7 +385,7 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         handle_mb=getattr(ns, "elastic_kv_handle_mb", 0),
         lend_after_steps=getattr(ns, "elastic_kv_lend_after_steps", 32),
         margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
-        activation_rule=getattr(ns, "elastic_kv_activation_rule", "measured"),
+        activation_rule=getattr(ns, "elastic_kv_activation_rule", "sglang"),
         decode_policy=policy or "auto",
         decode_calibration=calibration,
         decode_calibration_cache=cache if cache in (None, "off") else os.path.abspath(cache),

@@ -64,8 +64,12 @@ def test_the_bdbbce1_eager_part_gives_its_committed_result_and_eager_prefill_pea
     assert again["per_phase"] == committed["per_phase"] and committed["reclaim_needed_ms"]["n"] >= 100
     assert "eager_prefill_peak_gib" not in committed["per_phase"]["elastic_eager"]  # recorded only since
     d = json.loads(gzip.decompress(part.read_bytes()))
-    d["eager_prefills"] = [{"tokens": 8192, "peak_bytes": g * 2**30, "estimate_bytes": 13 * 2**30, "plain": True} for g in (1.5, 2.0, 2.5)]
+    d["eager_prefills"] = [{"tokens": 8192, "requests": 1, "peak_bytes": g * 2**30, "estimate_bytes": 13 * 2**30, "need_bytes": n and n * 2**30,
+                            "plain": True} for g, n in ((1.5, 2.0), (2.0, 2.0), (2.5, None))]
+    d["eager_prefills"].append({"tokens": 8192, "requests": 1, "peak_bytes": 9 * 2**30, "estimate_bytes": 13 * 2**30, "need_bytes": None,
+                                "plain": False})  # logprobs: not bounded by the rule, left out of its numbers
     (tmp_path / "elastic-eager_tp1.json").write_text(json.dumps(d))
     pp = _assemble([tmp_path / "elastic-eager_tp1.json"], tmp_path / "e.json")["per_phase"]["elastic_eager"]
     assert pp["eager_prefill_peak_gib"]["p50"] == 2.0 and pp["eager_prefill_peak_gib"]["max"] == 2.5 and pp["eager_prefill_peak_gib"]["n"] == 3
-    assert pp["eager_prefill_estimate_gib"]["max"] == 13 and pp["eager_prefill_tokens"]["p50"] == 8192
+    assert pp["eager_prefill_estimate_gib"]["max"] == 13 and pp["eager_prefill_tokens"]["p50"] == 8192 and pp["eager_prefills_not_plain"] == 1
+    assert pp["eager_prefill_peak_over_need"]["max"] == 1.0 and pp["eager_prefill_peak_over_need"]["n"] == 2

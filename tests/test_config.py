@@ -43,7 +43,7 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
-                   "activation_rule": "measured", "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
+                   "activation_rule": "sglang", "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
                    "decode_startup_calibration": "auto", "decode_online": "on",
                    "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
                                "denominator": "estimate", "chunk": 16, "hot_tokens": 4096, "hot_slack": 2.0, "hot_slack_max": 0.0, "host_gb": None, "resident_v": False, "prefetch": "off", "eviction": "lru", "keep_v": None}}
@@ -114,7 +114,7 @@ def test_config_round_trips_through_the_environment():
 
 
 @pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-handle-mb", "64"),
-                                        ("--elastic-kv-activation-rule", "sglang")])
+                                        ("--elastic-kv-activation-rule", "measured")])
 def test_every_elastic_flag_needs_the_enable_flag(flag, value):
     import argparse
 
@@ -225,12 +225,13 @@ def test_streaming_sessions_are_accepted_with_the_elastic_pool(launch_args):
     assert cfg["enabled"] is True
 
 
-def test_the_activation_rule_is_measured_by_default_and_sglang_by_flag():
+def test_the_activation_rule_is_sglangs_estimate_by_default_and_measured_by_flag():
     import argparse
 
     p = argparse.ArgumentParser()
     config.add_cli_args(p)
-    assert config.from_namespace(p.parse_args(["--enable-elastic-kv"])).activation_rule == "measured"
-    assert config.from_namespace(p.parse_args(["--enable-elastic-kv", "--elastic-kv-activation-rule", "sglang"])).activation_rule == "sglang"
-    with pytest.raises(config.ConfigError, match="--elastic-kv-activation-rule must be one of measured, sglang, not 'guess'"):
+    assert config.from_namespace(p.parse_args(["--enable-elastic-kv"])).activation_rule == "sglang"
+    cfg = config.from_namespace(p.parse_args(["--enable-elastic-kv", "--elastic-kv-activation-rule", "measured"]))
+    assert cfg.activation_rule == "measured" and config.ElasticKVConfig.from_env(cfg.to_env()).activation_rule == "measured"
+    with pytest.raises(config.ConfigError, match="--elastic-kv-activation-rule must be one of sglang, measured, not 'guess'"):
         config.ElasticKVConfig(enabled=True, activation_rule="guess")

@@ -607,27 +607,34 @@ class Peaks:
     def peak(self) -> int:
         return self.top
 
+    def cached_reusable(self) -> int:  # torch's cache holds nothing here: the driver's free memory is all there is
+        return 0
 
-def _extend_batch(tokens, **kw):
+
+def _extend_batch(reqs, tokens, **kw):
+    """SGLang's ``ScheduleBatch`` as ``run_batch`` gets it, the fields the measurement reads."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return SimpleNamespace(**{"forward_mode": ForwardMode.EXTEND, "extend_num_tokens": tokens, "return_logprob": False,
+    return SimpleNamespace(**{"forward_mode": ForwardMode.EXTEND, "extend_num_tokens": tokens, "reqs": list(reqs), "return_logprob": False,
                               "return_hidden_states": False, "input_embeds": None, **kw})
 
 
-def test_an_eager_prefill_reclaims_by_what_eager_prefills_took_not_by_sglangs_estimate(caplog):
+def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_measured_rule(caplog):
     """Seen on the H200: SGLang's estimate for a chunk of 8,192 tokens (12.9 GiB)
     is more than the 8.6 GiB lent, so every eager prefill reclaimed the whole
-    step (8.6 / 15.0 ms). Measured: once an eager prefill ran, the next one is
-    taken to need 1.25x what it took plus 256 MiB; memory free for that skips
-    the reclaim. A request with logprobs, or --elastic-kv-activation-rule
-    sglang, keeps SGLang's estimate."""
+    step (8.6 / 15.0 ms). Every eager prefill pass is measured (its peak read
+    when the next pass begins, so the sampling that the overlap scheduler runs
+    after run_batch counts); with --elastic-kv-activation-rule measured the next
+    plain prefill is taken to need 1.25x that plus 256 MiB, scaled by the
+    requests it may hold; memory free for that skips the reclaim. A request
+    that is not plain, or the default rule, keeps SGLang's estimate."""
     import dataclasses
 
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
+    from sglang_elastic.sched import hooks
     from sglang_elastic.sched.controller import MEASURED_SAFETY, MEASURED_SLACK_MB, eager_activation_bytes
     from test_controller import _graph_args
 
@@ -635,66 +642,93 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefills_took_not_by_sglangs_es
     bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + room, margin_mb=0)
     ctl, peaks = bed.ctl, Peaks()
     ctl.peak_memory = peaks
-    assert not ctl.prefill_in_graphs and ctl.cfg.activation_rule == "measured"
+    assert not ctl.prefill_in_graphs and ctl.cfg.activation_rule == "sglang"  # the default, until a GPU run shows the rule safe
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
     budget = bed.sched.server_args.chunked_prefill_size  # what reserve_needed gives an eager prefill
     estimate = eager_activation_bytes(budget)
     assert estimate > room
     assert bed.admit(list(range(30)))
-    assert ctl.lend() == ELASTIC and bed.be.free_bytes() == room
 
-    def prefill(took, tokens=budget, **kw):  # one pass: SGLang forms an eager prefill and runs it
-        bed.sched.waiting_queue.append(bed.request(list(range(1000, 1100))))
-        ctl.before_prefill(bed.batch)
+    def prefill(took, n=1, tokens=budget, **kw):  # one pass: SGLang forms an eager prefill of n requests and runs it
+        reqs = [bed.request(list(range(1000 + 100 * j, 1100 + 100 * j))) for j in range(n)]
+        for r in reqs:
+            for k, v in kw.items():
+                setattr(r, k, v)
+        bed.sched.waiting_queue.extend(reqs)
+        ctl.before_prefill(bed.batch)  # reads the last pass's peak, starts this one's
         need = ctl._need
         bed.sched.waiting_queue.clear()
-        ctl.after_prefill(_extend_batch(tokens), bed.batch)
+        ctl.after_prefill(_extend_batch(reqs, tokens), bed.batch)
         peaks.top = peaks.allocated + took
-        ctl.after_forward(_extend_batch(tokens, **kw))
+        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, tokens))  # SGLang's run_batch(batch) AFTER hook
         return need
 
-    # nothing measured yet: SGLang's estimate, the whole step reclaimed
-    assert prefill(took=64 * MIB) == estimate and bed.alloc.lent_tokens == 0 and ctl.activations.measured == 1
-    assert ctl.lend() == ELASTIC
-    want = int(64 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
-    assert want <= room
+    # measured while nothing is lent too; a pass's peak is read when the next pass begins
+    prefill(took=60 * MIB)  # nothing lent: nothing to reclaim, but measured
+    assert ctl.activations.measured == 0 and ctl._measuring["requests"] == 1 and ctl._measuring["plain"]
+    assert ctl.lend() == ELASTIC and bed.be.free_bytes() == room
+    want = int(60 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
     skipped = ctl.reclaims_skipped
-    assert prefill(took=80 * MIB) == want and bed.alloc.lent_tokens == ELASTIC and ctl.reclaims_skipped == skipped + 1
-    # the bound is the tightest measured one: 80 MiB at the same tokens now
-    assert ctl.activations.need(budget, estimate) == int(80 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
-    # half the tokens took 48 MiB: at the budget that bounds by 96 MiB, looser than 80 (kept); at half, 48 is tighter
-    ctl.activations.add(budget // 2, 48 * MIB, plain=True)
-    assert ctl.activations.need(budget, estimate) == int(80 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
-    assert ctl.activations.need(budget // 2, estimate) == int(48 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
-    # a prefill with logprobs is not measured as a plain one, and a waiting request with logprobs takes the estimate
-    prefill(took=900 * MIB, return_logprob=True)
-    assert max(ctl.activations.peaks.values()) == 80 * MIB and bed.alloc.lent_tokens == ELASTIC
-    lp = bed.request(list(range(2000, 2100)))
-    lp.return_logprob = True
-    bed.sched.waiting_queue.append(lp)
-    ctl.before_prefill(bed.batch)
-    assert ctl._need == estimate and bed.alloc.lent_tokens == 0
-    bed.sched.waiting_queue.clear()
-    ctl.after_prefill(None, bed.batch)
-    # SGLang's estimate alone, by flag
+    assert prefill(took=64 * MIB) == want and bed.alloc.lent_tokens == ELASTIC and ctl.reclaims_skipped == skipped + 1
+    assert ctl.activations.measured == 1 and ctl.activations.peaks == {(budget, 1): 60 * MIB}
+    # four requests may share the next prefill: the one-request passes bound it by 4x (the logits and sampling
+    # grow with the requests), more than is free: the whole step comes back
+    assert prefill(took=70 * MIB, n=4) == int(4 * 64 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB and bed.alloc.lent_tokens == 0
     assert ctl.lend() == ELASTIC
+    # a waiting request that is not plain takes SGLang's estimate, and its pass is not measured into the bound
+    for field, value in (("return_logprob", True), ("return_hidden_states", True), ("input_embeds", [[0.0]]),
+                         ("multimodal_inputs", object()), ("grammar", object())):
+        assert prefill(took=900 * MIB, **{field: value}) == estimate and bed.alloc.lent_tokens == 0, field
+        assert ctl.lend() == ELASTIC
+    assert max(ctl.activations.peaks.values()) == 70 * MIB and ctl.activations.measured == 7
+    assert ctl.activations.peaks[(budget, 4)] == 70 * MIB
+    # the largest peak a smaller pass took bounds the need from below (the model was wrong there)
+    ctl.activations.add(budget // 2, 1, 200 * MIB, plain=True)
+    assert ctl.activations.need(budget, 1, estimate) == int(200 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    # without chunked prefill a first request is admitted whole: SGLang's estimate
+    from types import SimpleNamespace
+
+    bed.sched.waiting_queue.append(bed.request(list(range(5000, 5100))))
+    assert ctl._requests_bound(bed.batch) == 1
+    sa = bed.sched.server_args
+    try:
+        bed.sched.server_args = SimpleNamespace(chunked_prefill_size=-1, pp_size=1, enable_mixed_chunk=False)
+        assert ctl._requests_bound(bed.batch) == 0
+        bed.sched.server_args = SimpleNamespace(chunked_prefill_size=budget, pp_size=2, enable_mixed_chunk=False)
+        assert ctl._requests_bound(bed.batch) == 0  # pipeline stages may grow their chunks
+        bed.sched.server_args = SimpleNamespace(chunked_prefill_size=budget, pp_size=1, enable_mixed_chunk=True)
+        assert ctl._requests_bound(bed.batch) == 1 + len(bed.batch.reqs) > 1  # the running decodes join a mixed prefill
+    finally:
+        bed.sched.server_args = sa
+    bed.sched.waiting_queue.clear()
+    # SGLang's estimate alone, by flag
     ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
     assert prefill(took=64 * MIB) == estimate and bed.alloc.lent_tokens == 0
-    # checked: a prefill above SGLang's estimate is counted and logged once
+    # checked: a pass above SGLang's estimate is counted and logged once
     with caplog.at_level("WARNING"):
-        ctl.activations.add(budget, estimate + 1, plain=True)
-        ctl.activations.add(budget, estimate + 2, plain=True)
+        ctl.activations.add(budget, 1, estimate + 1, plain=True)
+        ctl.activations.add(budget, 1, estimate + 2, plain=True)
     assert ctl.activations.over_estimate == 2 and sum("more than SGLang's estimate" in r.getMessage() for r in caplog.records) == 1
-    # and it contradicts the bound the half-budget prefill gave (96 MiB): the estimate again, never more
-    assert ctl.activations.need(budget, estimate) == estimate
-    assert ctl.activations.need(budget // 2, estimate) == int(48 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB
+    assert ctl.activations.need(budget, 1, estimate) == estimate  # never more than the estimate
     bed.check_ownership_and_accounting()
 
 
-def test_the_measured_bounds_keep_the_largest_token_counts():
-    from sglang_elastic.sched.controller import MEASURED_KEEP, EagerActivations
+def test_the_measured_bounds_keep_the_newest_shapes_and_scale_by_tokens_and_requests():
+    from sglang_elastic.sched.controller import MEASURED_KEEP, MEASURED_SAFETY, MEASURED_SLACK_MB, EagerActivations
 
     a = EagerActivations()
-    for t in range(1, MEASURED_KEEP + 6):
-        a.add(t * 100, t * MIB, plain=True)
-    assert len(a.peaks) == MEASURED_KEEP and min(a.peaks) == 600
-    assert a.need(0, 5 * MIB) == 5 * MIB and EagerActivations().need(8192, 5 * MIB) == 5 * MIB
+    est = 10 << 30
+    assert a.need(8192, 1, est) == est  # nothing measured
+    a.add(4096, 2, 100 * MIB, plain=True)
+    slack = MEASURED_SLACK_MB * MIB
+    assert a.need(8192, 2, est) == int(200 * MIB * MEASURED_SAFETY) + slack  # twice the tokens
+    assert a.need(4096, 8, est) == int(400 * MIB * MEASURED_SAFETY) + slack  # four times the requests
+    assert a.need(2048, 1, est) == int(100 * MIB * MEASURED_SAFETY) + slack  # a smaller pass: no less than the measured one
+    a.add(4096, 2, 90 * MIB, plain=True)
+    assert a.peaks[(4096, 2)] == 100 * MIB  # the most a shape took
+    a.add(4096, 2, 50 * MIB, plain=False)
+    assert a.peaks == {(4096, 2): 100 * MIB}  # a pass that is not plain does not enter the bound
+    for t in range(1, MEASURED_KEEP + 1):
+        a.add(10000 + t, 1, t * MIB, plain=True)
+    assert len(a.peaks) == MEASURED_KEEP and (4096, 2) not in a.peaks and (10001, 1) in a.peaks  # the oldest shape went
+    assert a.need(0, 1, est) == est and a.need(8192, 0, est) == est

@@ -279,12 +279,25 @@ def phase(args) -> None:
         res["reclaims_skipped"] = sum(e["op"] == "reclaim_skipped" for e in ev)
         res["reclaim_stops"] = sum(e["op"] == "reclaim_stopped" for e in ev)
         # issue 22: what each eager prefill allocated against SGLang's estimate (--elastic-kv-activation-rule measured)
-        res["eager_prefills"] = [{k: e.get(k) for k in ("tokens", "peak_bytes", "estimate_bytes", "plain")} for e in ev if e["op"] == "eager_prefill"]
+        res["eager_prefills"] = [{k: e.get(k) for k in ("tokens", "requests", "peak_bytes", "estimate_bytes", "need_bytes", "plain")}
+                                 for e in ev if e["op"] == "eager_prefill"]
         res["lent_tokens_max"] = max((e["tokens"] for e in res["lends"]), default=0)
         res["lent_bytes_max"] = max((e["bytes"] for e in res["lends"]), default=0)
         res["log_tail"] = srv.tail(25)
     Path(args.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")
     print(f"[{args.mode}] wrote {args.out}", flush=True)
+
+
+def eager_summary(evs: List[dict]) -> Dict[str, object]:
+    """What the eager prefill passes of a phase allocated (plain ones: those the measured rule bounds), against
+    SGLang's estimate and the need the pass was given (``peak_over_need`` above 1: the rule under-reserved)."""
+    plain = [e for e in evs if e.get("plain")]
+    with_need = [e for e in plain if e.get("need_bytes")]
+    return {"eager_prefill_peak_gib": stats([e["peak_bytes"] / 2**30 for e in plain]),
+            "eager_prefill_estimate_gib": stats([e["estimate_bytes"] / 2**30 for e in plain]),
+            "eager_prefill_tokens": stats([e["tokens"] for e in plain]),
+            "eager_prefill_peak_over_need": stats([e["peak_bytes"] / e["need_bytes"] for e in with_need]),
+            "eager_prefills_not_plain": len(evs) - len(plain)}
 
 
 def assemble(args) -> None:
@@ -363,9 +376,7 @@ def assemble(args) -> None:
         "reclaims_skipped": el.get("reclaims_skipped", 0) if el else None,
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
                              "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"]),
-                             **({"eager_prefill_peak_gib": stats([e["peak_bytes"] / 2**30 for e in d["eager_prefills"]]),
-                                 "eager_prefill_estimate_gib": stats([e["estimate_bytes"] / 2**30 for e in d["eager_prefills"]]),
-                                 "eager_prefill_tokens": stats([e["tokens"] for e in d["eager_prefills"]])} if d.get("eager_prefills") else {})}
+                             **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)
         "post_capture": None if not (epc or spc) else {

@@ -128,17 +128,18 @@ RECUT_GROW_DIV = 8
 EAGER_FIXED_MB, EAGER_MB_PER_TOKEN, EAGER_MIN_TOKENS, EAGER_MB_PER_RANK = 512, 1.5, 2048, 1024 / 8
 
 
-#: ``--elastic-kv-activation-rule measured``: an eager prefill needs at most MEASURED_SAFETY x the tightest bound
-#: the eager prefills measured so far give, plus MEASURED_SLACK_MB (never more than SGLang's estimate); at most
-#: MEASURED_KEEP token counts are kept (the smallest go first: they bound larger prefills loosely).
-MEASURED_SAFETY, MEASURED_SLACK_MB, MEASURED_KEEP = 1.25, 256, 64
+#: ``--elastic-kv-activation-rule measured``: a plain eager prefill needs at most MEASURED_SAFETY x the bound the
+#: measured passes give, plus MEASURED_SLACK_MB (never more than SGLang's estimate); the last MEASURED_KEEP
+#: (tokens, requests) shapes are kept.
+MEASURED_SAFETY, MEASURED_SLACK_MB, MEASURED_KEEP = 1.25, 256, 256
 
 
 class PeakMemory:
     """The caching allocator's allocated bytes and their peak since a reset
     (``torch.cuda.memory_allocated`` / ``max_memory_allocated`` /
-    ``reset_peak_memory_stats``). Without CUDA it measures nothing
-    (:attr:`available` False). Tests put a stand-in in its place."""
+    ``reset_peak_memory_stats``; nothing in SGLang 0.5.17 reads the peak on
+    CUDA after start-up). Without CUDA it measures nothing (:attr:`available`
+    False). Tests put a stand-in in its place."""
 
     @property
     def available(self) -> bool:
@@ -152,6 +153,22 @@ class PeakMemory:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated()
 
+    def cached_reusable(self) -> int:
+        """Torch's unused cached bytes less the split remainders of segments in use
+        (``inactive_split_bytes``), which a large allocation cannot take."""
+        st = torch.cuda.memory_stats()
+        return max(st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0)
+                   - st.get("inactive_split_bytes.all.current", 0), 0)
+
+
+def plain_request(r) -> bool:
+    """A request whose prefill allocates what the LLM forward and its sampling of one token
+    allocate: no logprobs, hidden states, input or override embeddings, multimodal inputs or
+    grammar (whose vocabulary mask and sampling may run after ``run_batch`` returns)."""
+    return not (getattr(r, "return_logprob", False) or getattr(r, "return_hidden_states", False)
+                or getattr(r, "input_embeds", None) is not None or getattr(r, "positional_embed_overrides", None) is not None
+                or getattr(r, "multimodal_inputs", None) is not None or getattr(r, "grammar", None) is not None)
+
 
 class EagerActivations:
     """What the eager prefills of this server really allocate, against SGLang's
@@ -163,29 +180,35 @@ class EagerActivations:
     eager prefill reclaimed the whole step (8.6 / 15.0 ms p50 / p99), whatever
     the prefill took and whatever torch's cache still held from the last one.
 
-    Measured: the peak of ``torch.cuda.max_memory_allocated`` over the
-    forward, above what was allocated before it (:class:`PeakMemory`). A
-    prefill of ``t_i`` tokens that took ``p_i`` bytes bounds one of ``T``
-    tokens by ``p_i * T / t_i`` when ``T >= t_i`` (activations grow at most in
-    proportion to the tokens: ``a + b t`` with a fixed part ``a >= 0``) and by
-    ``p_i`` when ``T <= t_i`` (they do not shrink with more tokens).
-    :meth:`need` is the tightest such bound times :data:`MEASURED_SAFETY`,
-    plus :data:`MEASURED_SLACK_MB`, and never more than SGLang's estimate,
-    which it is until a prefill was measured. Only plain prefills are
-    measured and bounded this way: one with logprobs, hidden states or input
-    embeddings allocates what the others do not (the logits of every token),
-    so it always takes SGLang's estimate. Checked: a prefill that took more
-    than SGLang's estimate is counted (:attr:`over_estimate`) and logged once.
+    Measured (always): the peak of ``torch.cuda.max_memory_allocated`` over a
+    whole scheduler pass that ran an eager prefill (from before the batch
+    forms to before the next one does: the forward, its sampling, the result
+    processing), above what was allocated at its start (:class:`PeakMemory`);
+    an ``eager_prefill`` event beside SGLang's estimate and the need taken.
+    Checked: a pass that took more than SGLang's estimate is counted
+    (:attr:`over_estimate`) and logged once.
+
+    Used only with ``--elastic-kv-activation-rule measured`` (the default is
+    SGLang's estimate until GPU runs show the rule safe): a pass of ``t_i``
+    tokens and ``r_i`` requests that took ``p_i`` bytes bounds one of up to
+    ``T`` tokens and ``R`` requests by ``p_i * max(T / t_i, R / r_i, 1)``
+    (activations ``a + b t + c r`` with ``a, b, c >= 0``: the forward's per
+    token, the logits and sampling per request); :meth:`need` takes the
+    tightest such bound, or the largest peak a smaller pass took where that
+    is more (the model was wrong there), times :data:`MEASURED_SAFETY`, plus
+    :data:`MEASURED_SLACK_MB`, never more than SGLang's estimate, which it is
+    until a pass was measured. Only plain passes (:func:`plain_request`) are
+    measured into the bound and bounded by it.
     """
 
     def __init__(self):
-        self.peaks: dict = {}  # tokens -> the most bytes a plain eager prefill of that many tokens took
+        self.peaks: dict = {}  # (tokens, requests) -> the most bytes a plain pass of that shape took; insertion order = age
         self.measured = 0
         self.over_estimate = 0
         self._warned = False
 
-    def add(self, tokens: int, peak: int, plain: bool, ranks: int = 1) -> dict:
-        """One eager prefill of ``tokens`` tokens that took ``peak`` bytes; returns its record."""
+    def add(self, tokens: int, requests: int, peak: int, plain: bool, ranks: int = 1) -> dict:
+        """One eager prefill pass of ``tokens`` tokens and ``requests`` requests that took ``peak`` bytes; returns its record."""
         est = eager_activation_bytes(tokens, ranks)
         self.measured += 1
         if peak > est:
@@ -194,22 +217,20 @@ class EagerActivations:
                 self._warned = True
                 logger.warning("sglang-elastic: an eager prefill of %d tokens took %.2f GiB, more than SGLang's estimate (%.2f GiB)",
                                tokens, peak / 2**30, est / 2**30)
-        if plain and tokens > 0:
-            self.peaks[tokens] = max(self.peaks.get(tokens, 0), peak)
-            if len(self.peaks) > MEASURED_KEEP:
-                del self.peaks[min(self.peaks)]
-        return {"tokens": tokens, "peak_bytes": peak, "estimate_bytes": est, "plain": plain}
+        if plain and tokens > 0 and requests > 0:
+            key = (tokens, requests)
+            self.peaks[key] = max(self.peaks.pop(key, 0), peak)  # re-inserted: the newest
+            while len(self.peaks) > MEASURED_KEEP:
+                del self.peaks[next(iter(self.peaks))]  # the oldest shape
+        return {"tokens": tokens, "requests": requests, "peak_bytes": peak, "estimate_bytes": est, "plain": plain}
 
-    def need(self, tokens: int, estimate: int) -> int:
-        """Bytes a plain eager prefill of up to ``tokens`` tokens is taken to need (``estimate`` at most).
-        A prefill of no more tokens that took more than the tightest bound contradicts the bound's model
-        (something else allocated during it): then the estimate."""
-        if not self.peaks or tokens <= 0:
+    def need(self, tokens: int, requests: int, estimate: int) -> int:
+        """Bytes a plain eager prefill of up to ``tokens`` tokens and ``requests`` requests is taken to need (``estimate`` at most)."""
+        if not self.peaks or tokens <= 0 or requests <= 0:
             return estimate
-        bound = min(p * max(tokens / t, 1.0) for t, p in self.peaks.items())
-        if max((p for t, p in self.peaks.items() if t <= tokens), default=0) > bound:
-            return estimate
-        return min(estimate, int(bound * MEASURED_SAFETY) + MEASURED_SLACK_MB * 2**20)
+        bound = min(p * max(tokens / t, requests / r, 1.0) for (t, r), p in self.peaks.items())
+        seen = max((p for (t, r), p in self.peaks.items() if t <= tokens and r <= requests), default=0)
+        return min(estimate, int(max(bound, seen) * MEASURED_SAFETY) + MEASURED_SLACK_MB * 2**20)
 
 
 class TorchCache:
@@ -420,11 +441,14 @@ class ElasticController:
         self.torch_cache = TorchCache()
         self.fences = DeviceFences(sched)
         #: The eager prefills' real peaks (``--elastic-kv-activation-rule``; :class:`EagerActivations`) and the
-        #: allocator's peak counter they are read from; ``_probe``: bytes allocated when this pass's measurement began.
+        #: allocator's peak counter they are read from; ``_probe``: bytes allocated when this pass's measurement
+        #: began; ``_measuring``: the last pass's eager prefill (its peak is read when the next pass begins).
         self.activations = EagerActivations()
         self.peak_memory = PeakMemory()
         self._probe: Optional[int] = None
+        self._measuring: Optional[dict] = None
         self._need = 0  # the bytes the last steps_needed took the next forward to need (in the reclaim events)
+        self._pass_need: Optional[int] = None  # this pass's, for the eager_prefill event
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -593,11 +617,20 @@ class ElasticController:
         mode = getattr(batch, "forward_mode", None)
         if base is None or mode is None or not mode.is_extend():
             return
-        tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
-        plain = not (getattr(batch, "return_logprob", False) or getattr(batch, "return_hidden_states", False)
-                     or getattr(batch, "input_embeds", None) is not None)
-        rec = self.activations.add(tokens, max(self.peak_memory.peak() - base, 0), plain, self._ranks())
-        self._event(op="eager_prefill", **rec)
+        reqs = list(getattr(batch, "reqs", None) or [])
+        plain = (bool(reqs) and all(plain_request(r) for r in reqs) and not getattr(batch, "return_logprob", False)
+                 and not getattr(batch, "return_hidden_states", False) and getattr(batch, "input_embeds", None) is None)
+        # read when the next pass begins: the sampling of a grammar batch, under the overlap scheduler, runs after run_batch
+        self._measuring = {"base": base, "tokens": int(getattr(batch, "extend_num_tokens", 0) or 0), "requests": len(reqs),
+                           "plain": plain, "need_bytes": self._pass_need}
+
+    def _finish_measuring(self) -> None:
+        """The last pass's eager prefill: its peak, an ``eager_prefill`` event (:class:`EagerActivations`)."""
+        m, self._measuring = self._measuring, None
+        if m is None:
+            return
+        rec = self.activations.add(m["tokens"], m["requests"], max(self.peak_memory.peak() - m["base"], 0), m["plain"], self._ranks())
+        self._event(op="eager_prefill", **rec, need_bytes=m["need_bytes"])
 
     def _ranks(self) -> int:
         sa = self.sched.server_args
@@ -688,7 +721,9 @@ class ElasticController:
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if self.cfg.mode != "dynamic":
             return
+        self._pass_need = None
         if not self.prefill_in_graphs and self.peak_memory.available:  # measure the eager prefill this pass may launch
+            self._finish_measuring()
             self._probe = self.peak_memory.reset()
         if not self.lent:
             # Handles made ahead of a lend hold device memory: an eager
@@ -701,23 +736,27 @@ class ElasticController:
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
             return
-        measured = why == EAGER_PREFILL and self.cfg.activation_rule == "measured" and self._pending_plain()
-        steps = self.steps_needed(tokens, measured) if why else 0
+        requests = self._requests_bound(running_batch) if why == EAGER_PREFILL and self.cfg.activation_rule == "measured" else 0
+        steps = self.steps_needed(tokens, requests) if why else 0
+        self._pass_need = self._need if why else None
         if steps == 0:  # counted in after_prefill, if a prefill forms
             self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens,
                           **({"need_bytes": self._need} if why else {})}
             return
         self.reclaim(running_batch, steps, why)
 
-    def _pending_plain(self) -> bool:
-        """No request the next prefill may take asks for logprobs or hidden states or brings input embeddings
-        (:class:`EagerActivations` bounds only such plain prefills)."""
-        s = self.sched
+    def _requests_bound(self, running_batch) -> int:
+        """The most requests the next eager prefill may hold, for :meth:`EagerActivations.need`; 0 (SGLang's
+        estimate) when a request it may take is not plain (:func:`plain_request`), without chunked prefill (a
+        first request is admitted whole, whatever its length) or with pipeline stages (their chunks may grow)."""
+        s, sa = self.sched, self.sched.server_args
+        if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 or int(getattr(sa, "pp_size", 1) or 1) > 1:
+            return 0
         grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
         pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
-        return not any(getattr(r, "return_logprob", False) or getattr(r, "return_hidden_states", False)
-                       or getattr(r, "input_embeds", None) is not None or getattr(r, "positional_embed_overrides", None) is not None
-                       for r in pending)
+        if getattr(sa, "enable_mixed_chunk", False):  # the running decodes join the prefill batch
+            pending += list(running_batch.reqs)
+        return len(pending) if pending and all(plain_request(r) for r in pending) else 0
 
     def reserve_needed(self, running_batch):
         """What the next forward may need outside the CUDA graphs: ``(why,
@@ -767,19 +806,24 @@ class ElasticController:
                 return "a request for logprobs (their logits run outside the prefill graphs)", budget
         return "", 0
 
-    def steps_needed(self, tokens: int, measured: bool = False) -> int:
+    def steps_needed(self, tokens: int, requests: int = 0) -> int:
         """Lent steps to reclaim so that the device has SGLang's activation
         estimate for ``tokens`` free (what is free now, with what torch's
-        cache holds unused, counts), or with ``measured`` (a plain eager
-        prefill, ``--elastic-kv-activation-rule measured``) the bound the
-        measured eager prefills give (:meth:`EagerActivations.need`); the
-        most any TP rank needs (a collective: every rank calls it at the same pass)."""
+        cache holds unused, counts), or with ``requests`` (a plain eager
+        prefill of at most that many, ``--elastic-kv-activation-rule
+        measured``) the bound the measured passes give
+        (:meth:`EagerActivations.need`; then torch's cache counts without the
+        split remainders a large allocation cannot take); the most any TP rank
+        needs (a collective: every rank calls it at the same pass)."""
         need = eager_activation_bytes(tokens, self._ranks())
+        measured = requests > 0 and self.activations.peaks
         if measured:
-            need = self.activations.need(tokens, need)
+            need = self.activations.need(tokens, requests, need)
         self._need = need
         free = self.arena.backend.free_bytes() or 0
-        if torch.cuda.is_available():
+        if measured and self.peak_memory.available:
+            free += self.peak_memory.cached_reusable()
+        elif torch.cuda.is_available():
             free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
