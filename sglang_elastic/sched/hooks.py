@@ -9,7 +9,7 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
 | ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form; lend after decode-only steps |
-| ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device); after an eager prefill, the bytes it allocated (``--elastic-kv-activation-rule measured``) |
+| ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device); notes an eager prefill, whose pass peak is read when the next pass begins (``EagerActivations``) |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
 
