@@ -73,3 +73,15 @@ def test_the_bdbbce1_eager_part_gives_its_committed_result_and_eager_prefill_pea
     assert pp["eager_prefill_peak_gib"]["p50"] == 2.0 and pp["eager_prefill_peak_gib"]["max"] == 2.5 and pp["eager_prefill_peak_gib"]["n"] == 3
     assert pp["eager_prefill_estimate_gib"]["max"] == 13 and pp["eager_prefill_tokens"]["p50"] == 8192 and pp["eager_prefills_not_plain"] == 1
     assert pp["eager_prefill_peak_over_need"]["max"] == 1.0 and pp["eager_prefill_peak_over_need"]["n"] == 2
+
+
+def test_elastic_extra_flags_reach_the_elastic_servers_only():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_elastic", ROOT / "scripts/gpu/bench_elastic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    extra = ["--elastic-kv-activation-rule", "measured"]
+    el = mod.server_cmd("elastic", 1, 30010, False, True, extra)
+    assert el[-2:] == extra and "--enable-elastic-kv" in el and "disabled" in el
+    assert not set(extra) & set(mod.server_cmd("stock", 1, 30020, False, True, extra))

@@ -49,6 +49,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -78,7 +79,7 @@ ID_ELASTIC = ["--elastic-kv-lend-bytes", "4GiB", "--elastic-kv-lend-after-steps"
 EAGER = ["--cuda-graph-backend-prefill", "disabled"]
 
 
-def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = False) -> List[str]:
+def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = False, extra: List[str] = ()) -> List[str]:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODEL), "--load-format", "dummy",
         "--skip-tokenizer-init", "--sampling-backend", "pytorch", "--grammar-backend", "none", "--random-seed", "0",
@@ -88,12 +89,15 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = Fals
     if mode != "stock":
         cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent"]
         cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
+        cmd += list(extra)  # e.g. --elastic-kv-activation-rule measured (the elastic servers only)
     return cmd
 
 
 class Server:
-    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False, post_capture: bool = False):
+    def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False, post_capture: bool = False,
+                 extra: List[str] = ()):
         self.mode, self.tp, self.port, self.workdir, self.identity, self.eager = mode, tp, port, workdir, identity, eager
+        self.extra = list(extra)
         self.post_capture = post_capture
         self.log = workdir / f"server_{mode}_tp{tp}.log"
         self.events = workdir / f"events_{mode}_tp{tp}.jsonl"
@@ -104,7 +108,7 @@ class Server:
         if self.post_capture:  # SGLang's post-capture KV sizing (issue 22, build 3: the pool lends on top of it)
             env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "1"
         self.events.unlink(missing_ok=True)
-        self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager)
+        self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager, self.extra)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         t0 = time.time()
         import urllib.request
@@ -251,7 +255,7 @@ def phase(args) -> None:
 
     res: Dict[str, Any] = {**results.header(), "mode": args.mode, "tp": args.tp, "identity": args.identity, "eager": args.eager,
                            "post_capture": args.post_capture}
-    with Server(args.mode, args.tp, args.port, work, args.identity, args.eager, args.post_capture) as srv:
+    with Server(args.mode, args.tp, args.port, work, args.identity, args.eager, args.post_capture, shlex.split(args.elastic_extra)) as srv:
         res["server_command"] = ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1 " if args.post_capture else "") + " ".join(srv.cmd)
         res["start_s"] = srv.start_s
         res["kv_tokens_base"] = srv.log_int(r"max_total_num_tokens=(\d+)")
@@ -437,6 +441,7 @@ def main() -> None:
     p.add_argument("--short-requests", type=int, default=110, help="short arrivals in the cycles workload (the first 64 are the identity set)")
     p.add_argument("--gap-s", type=float, default=0.25, help="seconds between short arrivals")
     p.add_argument("--workdir", default="/tmp/bench_elastic")
+    p.add_argument("--elastic-extra", default="", help="more flags for an elastic server (one string), e.g. '--elastic-kv-activation-rule measured'")
     p.add_argument("--out", required=True)
     a = sub.add_parser("assemble")
     a.add_argument("parts", nargs="+")

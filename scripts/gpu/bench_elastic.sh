@@ -17,6 +17,8 @@
 # then every part in OUTDIR is assembled into $RESULT
 # (default docs/results/elastic_h200.json). Parts from an earlier run in OUTDIR
 # are kept, so groups can run in separate calls and be assembled at the end.
+# Env: WORKLOADS, SHORT_REQUESTS, RESULT, and ELASTIC_EXTRA (more flags for the
+# elastic servers, e.g. "--elastic-kv-activation-rule measured").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-/tmp/bench_elastic/parts}; shift || true
@@ -39,7 +41,7 @@ for group in "${groups[@]}"; do
     if [[ $mode == *-eager ]]; then mode=${mode%-eager}; id+=(--eager); wl=burst; [ "$mode" = elastic ] && wl=burst,cycles; fi
     port=$((port + 10))
     CUDA_VISIBLE_DEVICES=$gpus python3 scripts/gpu/bench_elastic.py phase --mode "$mode" --tp "$tp" --port $port \
-      --workloads $wl --short-requests ${SHORT_REQUESTS:-110} "${id[@]}" "${pc[@]}" --workdir "$out/work_${name}" --out "$out/${name%-tp*}_tp${tp}.json" &
+      --workloads $wl --short-requests ${SHORT_REQUESTS:-110} --elastic-extra "${ELASTIC_EXTRA:-}" "${id[@]}" "${pc[@]}" --workdir "$out/work_${name}" --out "$out/${name%-tp*}_tp${tp}.json" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || echo "a phase of group '$group' failed (see $out/work_*)" >&2; done
