@@ -318,12 +318,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add the sglang-elastic flags to an argparse parser (SGLang's)."""
     g = parser.add_argument_group("sglang-elastic: elastic KV pool")
     g.add_argument("--enable-elastic-kv", action="store_true", help="Build the elastic (CUDA VMM) KV pool: lend the prefill reserve to the KV cache while only decodes run.")
-    g.add_argument("--elastic-kv-mode", choices=MODES, default="dynamic", help="dynamic: lend/reclaim as the batch needs; always-lent: lend at start, never reclaim (reproduces the OOM of a committed reserve); off: never lend.")
+    g.add_argument("--elastic-kv-mode", choices=MODES, default=None, help="dynamic (the default): lend/reclaim as the batch needs; always-lent: lend at start, never reclaim (reproduces the OOM of a committed reserve); off: never lend.")
     g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
-    g.add_argument("--elastic-kv-handle-mb", type=int, default=0, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (0: the whole reserve in one step).")
-    g.add_argument("--elastic-kv-lend-after-steps", type=int, default=32, help="Decode-only steps in a row before lending (hysteresis).")
-    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default="sglang", help="What a plain eager prefill is taken to need while lent: sglang (SGLang's estimate: 512 MiB + 1.5 MiB a token, 12.9 GiB for a chunk of 8192) or measured (experimental, not yet run on a GPU: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate). Every eager prefill's peak is logged as an event either way.")
-    g.add_argument("--elastic-kv-margin-mb", type=int, default=1024, help="MiB kept free for decode activations when measuring the lendable bytes; also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
+    g.add_argument("--elastic-kv-handle-mb", type=int, default=None, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (default 0: the whole reserve in one step).")
+    g.add_argument("--elastic-kv-lend-after-steps", type=int, default=None, help="Decode-only steps in a row before lending (hysteresis; default 32).")
+    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default=None, help="What a plain eager prefill is taken to need while lent: sglang (the default; SGLang's estimate: 512 MiB + 1.5 MiB a token, 12.9 GiB for a chunk of 8192) or measured (experimental, not yet run on a GPU: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate). Every eager prefill's peak is logged as an event either way.")
+    g.add_argument("--elastic-kv-margin-mb", type=int, default=None, help="MiB kept free for decode activations when measuring the lendable bytes (default 1024); also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
     o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")
     o.add_argument("--kv-offload-topk", type=int, default=None, help="Most selected V rows per request and layer besides sink and window (default 2048).")
@@ -378,14 +378,14 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         except CalibrationError as e:
             raise ConfigError(f"--decode-calibration: {e}") from None
         calibration = os.path.abspath(calibration)
+    # the --elastic-kv-* parser defaults are None: a flag given at its default value without --enable-elastic-kv is refused too
+    elastic = {f: getattr(ns, f"elastic_kv_{f}", None) for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule")}
+    elastic = {f: v for f, v in elastic.items() if v is not None}
+    if elastic and not getattr(ns, "enable_elastic_kv", False):
+        raise ConfigError(f"--elastic-kv-{next(iter(elastic)).replace('_', '-')} (and every --elastic-kv-* flag) needs --enable-elastic-kv")
     return ElasticKVConfig(
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
-        mode=getattr(ns, "elastic_kv_mode", "dynamic"),
-        lend_bytes=getattr(ns, "elastic_kv_lend_bytes", None),
-        handle_mb=getattr(ns, "elastic_kv_handle_mb", 0),
-        lend_after_steps=getattr(ns, "elastic_kv_lend_after_steps", 32),
-        margin_mb=getattr(ns, "elastic_kv_margin_mb", 1024),
-        activation_rule=getattr(ns, "elastic_kv_activation_rule", "sglang"),
+        **elastic,
         decode_policy=policy or "auto",
         decode_calibration=calibration,
         decode_calibration_cache=cache if cache in (None, "off") else os.path.abspath(cache),

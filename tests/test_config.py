@@ -114,7 +114,10 @@ def test_config_round_trips_through_the_environment():
 
 
 @pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-handle-mb", "64"),
-                                        ("--elastic-kv-activation-rule", "measured")])
+                                        ("--elastic-kv-activation-rule", "measured"),
+                                        # at their default values too (a new user's finding, as for the offload flags)
+                                        ("--elastic-kv-activation-rule", "sglang"), ("--elastic-kv-mode", "dynamic"),
+                                        ("--elastic-kv-margin-mb", "1024"), ("--elastic-kv-handle-mb", "0"), ("--elastic-kv-lend-after-steps", "32")])
 def test_every_elastic_flag_needs_the_enable_flag(flag, value):
     import argparse
 

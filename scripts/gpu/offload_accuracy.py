@@ -4,7 +4,7 @@ server and to an offload server, greedy, scored the same way.
 
     python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
         [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 50] \\
-        [--offload-args "--enable-kv-offload --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."] \\
+        [--offload-args "--enable-kv-offload --no-kv-offload-keep-v --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."] \\
         [--cache-dir DIR] [--per-sample FILE.json.xz] [--samples-file FILE.json.xz] [--exactness N]
     python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
 
