@@ -111,6 +111,8 @@ ENV = "SGLANG_ELASTIC_CONFIG"
 MODES = ("dynamic", "always-lent", "off")
 #: --elastic-kv-activation-rule: an eager prefill's need while lent (sglang_elastic.sched.controller.EagerActivations)
 ACTIVATION_RULES = ("sglang", "measured")
+#: ElasticKVConfig fields set by an ``--elastic-kv-*`` flag (each needs ``--enable-elastic-kv``)
+ELASTIC_FLAG_FIELDS = ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule")
 DECODE_POLICIES = ("auto", "flashinfer", "split", "compact")
 STARTUP_CALIBRATION = ("auto", "force", "off")
 ONLINE = ("on", "off")
@@ -201,8 +203,7 @@ class OffloadConfig:
         defaults = OffloadConfig.__dataclass_fields__
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
-            flag = ("no-" if getattr(self, given[0]) is False and given[0] in ON_OFF_FLAGS else "") + "kv-offload-" + given[0].replace("_", "-")
-            raise ConfigError(f"--{flag} (and every --kv-offload-* flag) needs --enable-kv-offload")
+            _refuse_without_enable("kv-offload", given[0], getattr(self, given[0]))
 
     @property
     def keep_v_wanted(self) -> bool:
@@ -283,10 +284,9 @@ class ElasticKVConfig:
         if self.activation_rule not in ACTIVATION_RULES:
             raise ConfigError(f"--elastic-kv-activation-rule must be one of {', '.join(ACTIVATION_RULES)}, not {self.activation_rule!r}")
         defaults = ElasticKVConfig.__dataclass_fields__
-        given = [f for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule")
-                 if getattr(self, f) != defaults[f].default]
+        given = [f for f in ELASTIC_FLAG_FIELDS if getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
-            raise ConfigError(f"--elastic-kv-{given[0].replace('_', '-')} (and every --elastic-kv-* flag) needs --enable-elastic-kv")
+            _refuse_without_enable("elastic-kv", given[0], getattr(self, given[0]))
         if self.enabled and self.offload.enabled:
             raise ConfigError("--enable-elastic-kv and --enable-kv-offload both replace SGLang's KV pool: use one")
 
@@ -379,10 +379,11 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
             raise ConfigError(f"--decode-calibration: {e}") from None
         calibration = os.path.abspath(calibration)
     # the --elastic-kv-* parser defaults are None: a flag given at its default value without --enable-elastic-kv is refused too
-    elastic = {f: getattr(ns, f"elastic_kv_{f}", None) for f in ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule")}
+    elastic = {f: getattr(ns, f"elastic_kv_{f}", None) for f in ELASTIC_FLAG_FIELDS}
     elastic = {f: v for f, v in elastic.items() if v is not None}
     if elastic and not getattr(ns, "enable_elastic_kv", False):
-        raise ConfigError(f"--elastic-kv-{next(iter(elastic)).replace('_', '-')} (and every --elastic-kv-* flag) needs --enable-elastic-kv")
+        first = next(iter(elastic))
+        _refuse_without_enable("elastic-kv", first, elastic[first])
     return ElasticKVConfig(
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
         **elastic,
@@ -399,6 +400,12 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
 ON_OFF_FLAGS = ("keep_v",)
 
 
+def _refuse_without_enable(prefix: str, field: str, value) -> None:
+    """Raise the one-line refusal of ``--PREFIX-FIELD`` (``--no-...`` for an on/off flag given off) without its enable flag."""
+    flag = ("no-" if value is False and field in ON_OFF_FLAGS else "") + f"{prefix}-{field.replace('_', '-')}"
+    raise ConfigError(f"--{flag} (and every --{prefix}-* flag) needs --enable-{prefix}")
+
+
 def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     """``OffloadConfig`` from the ``--kv-offload-*`` flags. Their parser
     defaults are None, so a flag given at its default value without
@@ -410,8 +417,7 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given and not enabled:
         first = next(iter(given))
-        flag = f"--{'no-' if given[first] is False else ''}kv-offload-{first.replace('_', '-')}"
-        raise ConfigError(f"{flag} (and every --kv-offload-* flag) needs --enable-kv-offload")
+        _refuse_without_enable("kv-offload", first, given[first])
     denominator = given.get("denominator", OffloadConfig.denominator)
     if "chunk" in given and denominator != "estimate":
         raise ConfigError(f"--kv-offload-chunk applies only with --kv-offload-denominator estimate (the chunk means it sizes), "

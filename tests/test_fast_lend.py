@@ -607,9 +607,6 @@ class Peaks:
     def peak(self) -> int:
         return self.top
 
-    def cached_reusable(self) -> int:  # torch's cache holds nothing here: the driver's free memory is all there is
-        return 0
-
 
 def _extend_batch(reqs, tokens, **kw):
     """SGLang's ``ScheduleBatch`` as ``run_batch`` gets it, the fields the measurement reads."""

@@ -124,10 +124,9 @@ def tail(path: str, n: int = 30) -> str:
 
 
 def offload_state(info: dict) -> Optional[dict]:
-    for st in info.get("internal_states", []) or []:
-        if isinstance(st, dict) and "sglang_elastic_offload" in st:
-            return st["sglang_elastic_offload"]
-    return None
+    from sglang_elastic.offload.hooks import state_from_server_info
+
+    return state_from_server_info(info)
 
 
 def log_value(log: str, key: str) -> Optional[str]:

@@ -376,15 +376,13 @@ def server_offload_state(url: str) -> Optional[Dict]:
     ``sglang_elastic_offload``: hit rate, prefetch rows, PCIe bytes, keep-v
     tokens and demotions; :meth:`sglang_elastic.offload.backend.OffloadAttnBackend.stats`),
     or None for a server without offload or one that does not answer."""
+    from sglang_elastic.offload.hooks import state_from_server_info
+
     try:
         with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
-            info = json.loads(r.read())
+            return state_from_server_info(json.loads(r.read()))
     except (OSError, ValueError):
         return None
-    for st in info.get("internal_states", []) or []:
-        if isinstance(st, dict) and "sglang_elastic_offload" in st:
-            return st["sglang_elastic_offload"]
-    return None
 
 
 def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, policy: OffloadPolicy) -> Dict:

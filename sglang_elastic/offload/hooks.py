@@ -34,6 +34,16 @@ _REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 DEFAULT_REQUESTS = 64
 #: What the sizing hook decided, for the pool builder and the server state (this process's target worker).
 _BUILT: dict = {}
+#: The key of the offload state in ``/server_info``'s ``internal_states`` entries.
+STATE_KEY = "sglang_elastic_offload"
+
+
+def state_from_server_info(info: dict):
+    """The offload state a server reports in ``/server_info`` (:func:`state`), or None (no offload)."""
+    for st in info.get("internal_states", []) or []:
+        if isinstance(st, dict) and STATE_KEY in st:
+            return st[STATE_KEY]
+    return None
 
 
 def register() -> None:
@@ -99,7 +109,7 @@ def _after_internal_state(result, sched, *args, **kwargs):
     if isinstance(getattr(result, "internal_state", None), dict):
         st = state(sched)
         if st:
-            result.internal_state["sglang_elastic_offload"] = st
+            result.internal_state[STATE_KEY] = st
     return result
 
 

@@ -153,13 +153,6 @@ class PeakMemory:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated()
 
-    def cached_reusable(self) -> int:
-        """Torch's unused cached bytes less the split remainders of segments in use
-        (``inactive_split_bytes``), which a large allocation cannot take."""
-        st = torch.cuda.memory_stats()
-        return max(st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0)
-                   - st.get("inactive_split_bytes.all.current", 0), 0)
-
 
 def plain_request(r) -> bool:
     """A request whose prefill allocates what the LLM forward and its sampling of one token
@@ -244,6 +237,15 @@ class TorchCache:
         if not torch.cuda.is_available():
             return 0
         return max(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), 0)
+
+    def reusable(self) -> int:
+        """:meth:`unused` less the split remainders of segments in use
+        (``inactive_split_bytes``), which a large allocation cannot take."""
+        if not torch.cuda.is_available():
+            return 0
+        st = torch.cuda.memory_stats()
+        return max(st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0)
+                   - st.get("inactive_split_bytes.all.current", 0), 0)
 
     def empty(self) -> None:
         if torch.cuda.is_available():
@@ -745,15 +747,20 @@ class ElasticController:
             return
         self.reclaim(running_batch, steps, why)
 
+    def _pending(self) -> list:
+        """The requests the next prefill may take: waiting, waiting for a grammar, and the chunked one."""
+        s = self.sched
+        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
+        return list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+
     def _requests_bound(self, running_batch) -> int:
         """The most requests the next eager prefill may hold, for :meth:`EagerActivations.need`; 0 (SGLang's
         estimate) when a request it may take is not plain (:func:`plain_request`), without chunked prefill (a
         first request is admitted whole, whatever its length) or with pipeline stages (their chunks may grow)."""
-        s, sa = self.sched, self.sched.server_args
+        sa = self.sched.server_args
         if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 or int(getattr(sa, "pp_size", 1) or 1) > 1:
             return 0
-        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
-        pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+        pending = self._pending()
         if getattr(sa, "enable_mixed_chunk", False):  # the running decodes join the prefill batch
             pending += list(running_batch.reqs)
         return len(pending) if pending and all(plain_request(r) for r in pending) else 0
@@ -790,8 +797,7 @@ class ElasticController:
             return None, 0
         if not self.prefill_in_graphs:
             return EAGER_PREFILL, budget
-        grammars = getattr(getattr(s, "grammar_manager", None), "grammar_queue", None) or []
-        pending = list(s.waiting_queue) + list(grammars) + ([s.chunked_req] if s.chunked_req is not None else [])
+        pending = self._pending()
         prefill = sa.cuda_graph_config.prefill
         if len(running_batch.reqs) + len(pending) > self.lend_max_bs:
             return "the decode batch after this prefill may outgrow the decode graphs", budget
@@ -821,8 +827,8 @@ class ElasticController:
             need = self.activations.need(tokens, requests, need)
         self._need = need
         free = self.arena.backend.free_bytes() or 0
-        if measured and self.peak_memory.available:
-            free += self.peak_memory.cached_reusable()
+        if measured:
+            free += self.torch_cache.reusable()
         elif torch.cuda.is_available():
             free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         step = max(self.arena.step_bytes(), 1)
@@ -974,6 +980,15 @@ class ElasticController:
         a = self.arena
         return not self.cfg.handle_mb and not a.lent_steps and a.max_steps <= 1 and self.lendable_tokens > 0
 
+    def _room(self, free: int, cached: int) -> int:
+        """Bytes a one-step lend may take: the step must be backed by ``free``
+        (the driver's free memory, with handles made ahead); the margin may sit
+        in torch's ``cached`` unused blocks (they serve the next eager forward,
+        which is what the margin is kept for), so a cut that fits that way stays
+        without emptying the cache at every lend (:meth:`_recut`) and its handles
+        are made ahead (:meth:`steps_that_fit`)."""
+        return min(free + cached - self.cfg.margin_mb * 2**20, free)
+
     def _recut(self, want: int, emptied: bool = False):
         """One-step lending (the default: no ``--elastic-kv-handle-mb``) with
         nothing lent: cut the step to what is free now less the margin, at
@@ -1022,11 +1037,8 @@ class ElasticController:
                 return 0
             return c if c < cur or c >= min(cur + grow, full) else cur
 
-        def room(free: int, unused: int) -> int:
-            """The step must be backed by the driver's free memory or the handles made ahead; the margin
-            may sit in torch's unused cached blocks (they serve the next eager forward, which is what the
-            margin is kept for), so a cut that fits that way stays without emptying the cache at every lend."""
-            return min(free + prep + unused - margin, free + prep)
+        def room(free: int, unused: int) -> int:  # the handles made ahead back the step as the driver's free memory does
+            return self._room(free + prep, unused)
 
         mine = 0
         if self._stop is None and not a.lending_disabled:
@@ -1095,8 +1107,7 @@ class ElasticController:
         one = self._one_step_unlent
 
         def fit(free: int) -> int:
-            cached = self.torch_cache.unused() if one else 0
-            return max(min(free + cached - margin, free), 0) // step
+            return max(self._room(free, self.torch_cache.unused()) if one else free - margin, 0) // step
 
         ms = 0.0
         if may_empty and fit(free) < new and self.torch_cache.unused() > 0:
