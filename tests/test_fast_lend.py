@@ -653,7 +653,7 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
                 setattr(r, k, v)
         bed.sched.waiting_queue.extend(reqs)
         ctl.before_prefill(bed.batch)  # reads the last pass's peak, starts this one's
-        need = ctl._need
+        need = ctl._pass_need
         bed.sched.waiting_queue.clear()
         ctl.after_prefill(_extend_batch(reqs, tokens), bed.batch)
         peaks.top = peaks.allocated + took

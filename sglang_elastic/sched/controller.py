@@ -449,8 +449,8 @@ class ElasticController:
         self.peak_memory = PeakMemory()
         self._probe: Optional[int] = None
         self._measuring: Optional[dict] = None
-        self._need = 0  # the bytes the last steps_needed took the next forward to need (in the reclaim events)
-        self._pass_need: Optional[int] = None  # this pass's, for the eager_prefill event
+        #: the bytes this pass's steps_needed took the next forward to need (None: not asked this pass), for the events
+        self._pass_need: Optional[int] = None
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -740,10 +740,9 @@ class ElasticController:
             return
         requests = self._requests_bound(running_batch) if why == EAGER_PREFILL and self.cfg.activation_rule == "measured" else 0
         steps = self.steps_needed(tokens, requests) if why else 0
-        self._pass_need = self._need if why else None
         if steps == 0:  # counted in after_prefill, if a prefill forms
             self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens,
-                          **({"need_bytes": self._need} if why else {})}
+                          **({"need_bytes": self._pass_need} if why else {})}
             return
         self.reclaim(running_batch, steps, why)
 
@@ -825,7 +824,7 @@ class ElasticController:
         measured = requests > 0 and self.activations.peaks
         if measured:
             need = self.activations.need(tokens, requests, need)
-        self._need = need
+        self._pass_need = need
         free = self.arena.backend.free_bytes() or 0
         if measured:
             free += self.torch_cache.reusable()
@@ -1225,7 +1224,7 @@ class ElasticController:
         wait_ms = sum(waited) * 1e3
         vacate_ms, unmap_ms = (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3 - wait_ms
         rec = dict(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
-                   dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._need)
+                   dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._pass_need)
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
             self._releasing = dict(rec, t_end=time.perf_counter())
         else:
