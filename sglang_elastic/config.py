@@ -62,6 +62,9 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
   no host tier: the exactness reference; capacity as stock).
 - ``--kv-offload-prefetch {off,speculative}`` (off): InfiniGen's prefetch of
   layer l+1's selected V rows while layer l runs.
+- ``--kv-offload-copy-timing``: CUDA events around a sampled decode step's V
+  copies and prefetch waits; the share of copy time hidden behind compute on
+  ``/metrics`` (:mod:`sglang_elastic.offload.copytime`).
 - ``--kv-offload-keep-v`` / ``--no-kv-offload-keep-v`` (on unless
   ``--kv-offload-resident-v``): dense while V fits: a request keeps its V in
   idle pool slots lent by SGLang's allocator and attends to every position,
@@ -146,7 +149,9 @@ class OffloadConfig:
     ``prefetch``; ``eviction`` (the hot buffer's victim rule); ``keep_v`` (a request
     keeps V in idle pool slots and attends densely while SGLang's allocator has
     them: :mod:`sglang_elastic.offload.keep`; None, the default: on unless
-    ``resident_v``, see :attr:`keep_v_wanted`).
+    ``resident_v``, see :attr:`keep_v_wanted`); ``copy_timing`` (CUDA events around
+    every V copy and prefetch wait of a sampled decode step: the share of copy time
+    hidden behind compute on ``/metrics``, :mod:`sglang_elastic.offload.copytime`).
 
     Raises:
         ConfigError: a value out of range, or a ``--kv-offload-*`` flag without
@@ -169,6 +174,7 @@ class OffloadConfig:
     prefetch: str = "off"
     eviction: str = "lru"
     keep_v: Optional[bool] = None
+    copy_timing: bool = False
 
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
@@ -200,6 +206,8 @@ class OffloadConfig:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
+        if self.copy_timing and self.resident_v:
+            raise ConfigError("--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v (V stays on the GPU)")
         defaults = OffloadConfig.__dataclass_fields__
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
@@ -340,6 +348,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-keep-v", action=argparse.BooleanOptionalAction, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +6.3 %% median ITL against stock on a load that fits in HBM (+31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
+    o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). Off by default.")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

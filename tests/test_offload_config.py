@@ -32,13 +32,14 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sgl
     r = sglang_python.run(PARSE, ["--model-path", MODEL, "--device", "cpu", "--enable-kv-offload", "--disable-radix-cache",
                                   "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "estimate",
                                   "--kv-offload-chunk", "32", "--kv-offload-host-gb", "80", "--kv-offload-eviction", "lfu",
-                                  "--kv-offload-hot-slack", "1.5", "--kv-offload-keep-v", "--kv-offload-hot-slack-max", "4"])
+                                  "--kv-offload-hot-slack", "1.5", "--kv-offload-keep-v", "--kv-offload-hot-slack-max", "4",
+                                  "--kv-offload-copy-timing"])
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
     assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "estimate",
                    "chunk": 32, "hot_tokens": 3000, "hot_slack": 1.5, "hot_slack_max": 4.0, "host_gb": 80.0, "resident_v": False, "prefetch": "off",
-                   "eviction": "lfu", "keep_v": True}
+                   "eviction": "lfu", "keep_v": True, "copy_timing": True}
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
     assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
 
@@ -69,6 +70,8 @@ def namespace(*flags, **sglang):
      "--kv-offload-hot-slack-max must be between --kv-offload-hot-slack (2.0) and 16, or 0 (off), not 1.5"),
     (["--kv-offload-hot-slack-max", "4", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
      "--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v"),
+    (["--kv-offload-copy-timing", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
+     "--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
     (["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "64"], dict(disable_radix_cache=True),
@@ -102,7 +105,7 @@ def test_offload_sets_its_attention_backend():
 
 
 @pytest.mark.parametrize("flags", [["--kv-offload-topk", "2048"], ["--kv-offload-denominator", "selected"], ["--kv-offload-resident-v"],
-                                   ["--kv-offload-host-gb", "40"]])
+                                   ["--kv-offload-host-gb", "40"], ["--kv-offload-copy-timing"]])
 def test_offload_flags_given_without_enable_are_refused_even_at_their_default(flags):
     """A flag at its default value was accepted silently without --enable-kv-offload (seen by a new user)."""
     with pytest.raises(config.ConfigError, match=f"{flags[0]} .*needs --enable-kv-offload"):

@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sglang_elastic.offload import copytime
 from sglang_elastic.offload.decode import OffloadDecoder, SplitConfig
 from sglang_elastic.offload.policy import OffloadPolicy, attend_reference
 from sglang_elastic.offload.pool import OffloadKVPool, OffloadLayout
@@ -126,6 +127,10 @@ class Sim:
         dec.grant_pages(pool)
         pool.set_summary_plan(dec.summary_plan(pool))
         outs, worst = [], 0.0
+        timer = getattr(self, "timer", None)  # --kv-offload-copy-timing's events, as the backend records them
+        if timer is not None:
+            timer.poll()
+            timer.begin("eager")
         step = [(torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(), torch.randn(len(reqs), HKV, D, generator=self.g).bfloat16(),
                  (2 * torch.randn(len(reqs), HQ, D, generator=self.g)).bfloat16()) for _ in range(L)]
         for l in range(L):
@@ -133,7 +138,8 @@ class Sim:
             nxt = l + 1
             if self.guess is not None and nxt < L and nxt in pool.sparse_layer_ids:  # before layer l runs: layer l+1's guessed rows
                 dec.prefetch(self.guess(step[nxt][2]), pool.get_key_buffer(nxt), pool.get_value_buffer(nxt), D ** -0.5, self.r2t, rp, seq,
-                             pool.hot_state(nxt), pool.host.view(nxt), record=pool.miss_record(nxt))
+                             pool.hot_state(nxt), pool.host.view(nxt), record=pool.miss_record(nxt),
+                             clock=timer and timer.clock(nxt, copytime.PREFETCH, main=False))
             pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
             pool.set_kv_buffer(layer(l), self.r2t[rp.long(), seq.long() - 1].long(), k, v)
             self.k[l, rp.long(), seq.long() - 1], self.v[l, rp.long(), seq.long() - 1] = k, v
@@ -147,7 +153,7 @@ class Sim:
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, v_summary=pool.summaries(l))
             else:  # as the backend: the first sparse layer records the step's misses for the adaptive hot pages
                 dec.sparse(q, kb, vb, o, D ** -0.5, self.r2t, rp, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l),
-                           record=pool.miss_record(l, add=self.guess is not None))
+                           record=pool.miss_record(l, add=self.guess is not None), clock=timer and timer.clock(l, copytime.CRIT))
             outs.append(o.clone())
             if check:
                 for b, r in enumerate(reqs):
@@ -160,7 +166,7 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru", slack_max=0.0):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru", slack_max=0.0, timer=None):
     """Three requests, one prefilled in two chunks; four decode steps; request
     row 4 finishes and a new request takes it (its hot buffer must start empty).
     ``guess``: prefetch each sparse layer before the layer ahead of it runs.
@@ -168,6 +174,7 @@ def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="se
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
     sim = Sim(make_pool(pol, resident, hot=hot, eviction=eviction, slack_max=slack_max), seed)
     sim.guess = guess
+    sim.timer = timer
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
     lens, outs, worst = sim.run([1, 2, 4], [30, 500, 5], 3 if short else 4)

@@ -308,7 +308,8 @@ def part_throughput(a) -> dict:
            "servers": {}}
     ps = prompts([ilen] * n, seed=2)
     for i, name in enumerate(a.servers.split(",")):
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + a.extra.split(), 30300 + i, a.work)
+        offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + a.extra.split() + offload_extra, 30300 + i, a.work)
         try:
             up = s.wait()
             # warm-up at the workload's size (a 256-token one left a first-use JIT in stock's measured prefill on fits)
@@ -327,7 +328,7 @@ def part_throughput(a) -> dict:
             after = offload_state(s.info())
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
                    "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
-                   "peak_running_reqs": peak["running"], "extra_flags": a.extra}
+                   "peak_running_reqs": peak["running"], "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
             if after is not None:
                 b = before or {k: 0 for k in after}
                 hits, misses = after["hits"] - b.get("hits", 0), after["misses"] - b.get("misses", 0)
@@ -336,6 +337,14 @@ def part_throughput(a) -> dict:
                 dur = rec["duration_s"] or 1
                 row.update({"hit_rate": hits / (hits + misses) if hits + misses else None, "pcie_read_gb": rd / 1e9, "pcie_write_gb": wr / 1e9,
                             "pcie_gb_per_s": (rd + wr) / dur / 1e9, "prefetched_rows": after.get("prefetched_rows", 0) - b.get("prefetched_rows", 0)})
+                if "copy_ms" in after:  # --kv-offload-copy-timing: the sampled steps' V copy time and the share prefetch hid
+                    from sglang_elastic.offload.copytime import interval
+
+                    timed = after["copy_timed_steps"] - b.get("copy_timed_steps", 0)
+                    row["copy_timing"] = {"timed_steps": timed, **interval(b, after),
+                                          **{k: (after[k] - b.get(k, 0)) / timed if timed else None
+                                             for k in ("copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")}}
+                    row["copy_hidden_share"] = row["copy_timing"]["copy_hidden_share"]
                 if "keep_granted_tokens" in after:  # --kv-offload-keep-v: how much ran dense, and how often HBM ran short
                     row["keep_v"] = {"peak_kept_tokens": peak["kept_tokens"], "peak_kept_requests": peak["kept_requests"],
                                      "granted_tokens": after["keep_granted_tokens"] - b.get("keep_granted_tokens", 0),
@@ -391,11 +400,11 @@ def part_assemble(a) -> dict:
             "offload_denominator": ((off.get("offload_pool") or {}).get("policy") or {}).get("denominator"), "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
             "stock_median_itl_ms": st.get("median_itl_ms"), "offload_median_itl_ms": off.get("median_itl_ms"),
             "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),
-            "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"),
+            "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"), "copy_hidden_share": off.get("copy_hidden_share"),
             "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
             **{f"{col}_{k}": p["servers"][name].get(k) for name, col in VARIANT_COLUMNS.items() if name in p["servers"]
-               for k in ("output_tok_s", "median_itl_ms", "median_ttft_ms")},
+               for k in ("output_tok_s", "median_itl_ms", "median_ttft_ms", "hit_rate", "copy_hidden_share")},
         })
     smoke = by.get("smoke")
     if smoke:
@@ -432,6 +441,8 @@ def main():
                     help="throughput: requests (default: the workload's; e.g. 8 x 130,560 of long128k, 1.04M tokens, still exceed stock's pool)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
+    ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
+                                                     "e.g. --kv-offload-copy-timing")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
     a = ap.parse_args()

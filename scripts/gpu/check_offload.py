@@ -16,7 +16,9 @@
    ``estimate`` pass (attended marks and chunk means, chunk 16); against
    split-KV over every position of the same layer (what a dense layer
    costs). CUDA-event timing, median of repeats, L2 not flushed (the
-   per-layer working set is many times the L2).
+   per-layer working set is many times the L2). With each shape,
+   ``--kv-offload-copy-timing``'s events inside a CUDA graph: the prefetch's
+   copy beside a dense layer, the wait, the residual copy; the hidden share.
 
     python scripts/gpu/check_offload.py --out docs/results/offload_check_h200.json
 
@@ -283,6 +285,7 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
                                                                    v_summary=(vsum, sum_table)))
     t["dense_split_kv_graph"] = graph_ms(lambda: dec.dense(q, kb, vfull, o, D ** -0.5))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
+    copy_timing = time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hview)
     out[key] = {
         "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
         "misses_cold": misses_cold, "misses_warm": misses_warm,
@@ -291,7 +294,68 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
         "sparse_layer_cold_ms": warm_layer - t["swap_in_warm"] + t["swap_in_cold"] + t["copy_cold"],
         "k_bytes_gb": bs * ctx * HKV * D * 2 / 1e9,
         "scores_gb_s": bs * ctx * HKV * D * 2 / t["scores"] / 1e6,
+        "copy_timing": copy_timing,
     }
+
+
+def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hview, replays=12):
+    """``--kv-offload-copy-timing``'s events inside a CUDA graph (external event-record nodes), as the
+    backend records them: the next sparse layer's prefetch (its own query as the guess, so it copies
+    every selected row) on a side stream while layer ``l`` (a dense split-KV layer here) runs on the
+    compute stream; then the sparse layer waits for the side stream and copies its residual misses.
+    Cold hot buffers before every replay. Returns the timer's totals per replay.
+
+    Raises:
+        RuntimeError: no replay gave a sample (the events did not time inside the graph).
+    """
+    from sglang_elastic.offload.copytime import CRIT, PREFETCH, STALL, CopyTimer
+
+    timer = CopyTimer(every=1)
+    side = torch.cuda.Stream()
+    o2 = torch.empty_like(o)
+
+    def step():
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            dec.prefetch(q, kb, vhot, D ** -0.5, r2t, reqs, seq, hot_state, hview, clock=timer.clock(1, PREFETCH, main=False))
+            ev = torch.cuda.Event()
+            ev.record(side)
+        dec.dense(q, kb, vfull, o2, D ** -0.5)  # layer l, overlapping the copy
+        timer.mark(1, STALL[0])
+        cur.wait_event(ev)
+        timer.mark(1, STALL[1])
+        dec.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview, clock=timer.clock(1, CRIT))
+
+    def cold():
+        hot_state.slot_pos.fill_(-1)
+        hot_state.slot_time.fill_(-1)
+        hot_state.loc_slot.fill_(-1)
+
+    timer.begin("graph", capture=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            cold()
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(replays):
+        cold()
+        timer.begin("graph")
+        g.replay()
+        torch.cuda.synchronize()
+        timer.poll()
+    st = timer.stats()
+    n = st["copy_timed_steps"]
+    if not n:
+        raise RuntimeError(f"copy timing: no replay gave a sample ({timer.dropped} dropped)")
+    return {"replays": replays, "timed": n, "dropped": timer.dropped, "copy_hidden_share": st["copy_hidden_share"],
+            **{k + "_per_step": st[k] / n for k in ("copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")}}
 
 
 def main():

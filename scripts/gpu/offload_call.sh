@@ -4,7 +4,8 @@
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
 # STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
-#   throughput: $EXTRA (SGLang flags for every server), $NUM_PROMPTS (requests, default the workload's)
+#   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
+#     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's)
 #   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
 #     after `accuracy` converted /tmp/smol/bf16: scripts/gpu/check_decode_e2e.sh with E2E_MODEL -> $OUT/decode_e2e_smollm2.json
 #   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF halves and
@@ -58,7 +59,7 @@ for step in "$@"; do
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --out "$out/smoke.json" > "$out/smoke.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --servers "${arg1:-stock,offload}" --out "$out/capacity.json" > "$out/capacity.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol

@@ -36,6 +36,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_elastic.offload import NAME
+from sglang_elastic.offload.copytime import CRIT, PREFETCH, STALL
 from sglang_elastic.offload.decode import OffloadDecoder
 from sglang_elastic.offload.pool import OffloadKVPool
 
@@ -93,6 +94,12 @@ class OffloadAttnBackend(AttentionBackend):
                                       token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device,
                                       prefetch=self.prefetch_on)
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
+        #: --kv-offload-copy-timing: events around the V copies and prefetch waits (sglang_elastic.offload.copytime)
+        self.copy_timer = None
+        if config.current().offload.copy_timing and torch.cuda.is_available() and not self.pool.layout.resident_v:
+            from sglang_elastic.offload.copytime import CopyTimer
+
+            self.copy_timer = CopyTimer()
         self._spec_pending = {}  # layer id -> event of its prefetch in this step
         self._spec_done = {}  # layer id -> True: prefetched in this step (its exact pass adds to the prefetch's miss record)
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
@@ -195,6 +202,7 @@ class OffloadAttnBackend(AttentionBackend):
 
             m = keep.current()
             self._all_dense = m is not None and m.all_kept and m.all_kept_bs == forward_batch.batch_size
+        self._time_step("eager" if self._mode == "decode" else None)
         if self._mode == "extend":
             self._init_extend(forward_batch)
         elif self._mode == "decode":
@@ -225,6 +233,33 @@ class OffloadAttnBackend(AttentionBackend):
         if not in_capture:
             self._count(forward_batch)
             self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
+        if self._mode == "decode":
+            self._time_step((forward_batch.batch_size, self._all_dense if in_capture else self._replays_dense()), in_capture)
+        else:
+            self._time_step(None)
+
+    def _replays_dense(self) -> bool:
+        """The decode graph about to replay is the all-dense variant (:func:`sglang_elastic.offload.keep.around_resolve_variant`)."""
+        if not self.graph_variants:
+            return False
+        from sglang_elastic.offload import keep
+
+        m = keep.current()
+        return bool(m is not None and m.all_kept)
+
+    def _time_step(self, key, capture: bool = False) -> None:
+        """--kv-offload-copy-timing: read a finished step's events, then time this forward (``key``: its graph, None: not a decode)."""
+        t = self.copy_timer
+        if t is None:
+            return
+        if capture:
+            t.begin(key, capture=True)
+            return
+        t.poll()
+        if key is None:
+            t.end()
+        else:
+            t.begin(key)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Recorded in the decode graph: the step's lists and plans (GPU ops only)."""
@@ -252,8 +287,13 @@ class OffloadAttnBackend(AttentionBackend):
         pool, dec = self.pool, self.decoder
         prefetched = self._spec_done.pop(layer.layer_id, False)
         ev = self._spec_pending.pop(layer.layer_id, None)
+        timer = self.copy_timer
         if ev is not None:  # this layer's prefetch ran on the side stream: its hot buffer is ready after it
+            if timer is not None:
+                timer.mark(layer.layer_id, STALL[0])
             torch.cuda.current_stream().wait_event(ev)
+            if timer is not None:
+                timer.mark(layer.layer_id, STALL[1])
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         H, D = layer.tp_q_head_num, layer.head_dim
@@ -272,7 +312,7 @@ class OffloadAttnBackend(AttentionBackend):
         else:
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                        pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid),
-                       record=pool.miss_record(lid, add=prefetched))
+                       record=pool.miss_record(lid, add=prefetched), clock=None if timer is None else timer.clock(lid, CRIT))
         return o.view(-1, H * D)
 
     # ---------------------------------------------------------------- prefetch
@@ -298,7 +338,8 @@ class OffloadAttnBackend(AttentionBackend):
         with ctx:
             dec.prefetch(q_spec.reshape(-1, self.q_heads, pool.head_dim), pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
                          sm_scale, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                         pool.hot_state(layer_id), pool.host.view(lid), record=pool.miss_record(layer_id))
+                         pool.hot_state(layer_id), pool.host.view(lid), record=pool.miss_record(layer_id),
+                         clock=None if self.copy_timer is None else self.copy_timer.clock(layer_id, PREFETCH, main=False))
             self._spec_done[layer_id] = True
             if cur is not None:
                 ev = torch.cuda.Event()
@@ -321,7 +362,9 @@ class OffloadAttnBackend(AttentionBackend):
         ``hot_pages_taken_back`` (pages grown requests gave back when the pool ran short); with ``--kv-offload-keep-v``,
         ``kept_tokens`` / ``kept_requests`` (V kept in pool slots now) and
         ``keep_granted_tokens`` / ``keep_demotions`` since start
-        (:meth:`sglang_elastic.offload.keep.KeepV.stats`)."""
+        (:meth:`sglang_elastic.offload.keep.KeepV.stats`); with ``--kv-offload-copy-timing``,
+        ``copy_timed_steps``, ``copy_ms``, ``copy_exposed_ms``, ``copy_prefetch_ms``, ``copy_stall_ms``
+        and ``copy_hidden_share`` (:meth:`sglang_elastic.offload.copytime.CopyTimer.stats`)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
@@ -340,6 +383,7 @@ class OffloadAttnBackend(AttentionBackend):
                 "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
             **({"hot_pages_taken_back": int(pool.page_taken)} if pool.adaptive else {}),
             **(self._keep_stats() if pool.keep_v else {}),
+            **(self.copy_timer.stats() if self.copy_timer is not None else {}),
         }
 
     @staticmethod

@@ -302,7 +302,7 @@ class OffloadDecoder:
                           sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
-                spec: bool, mark: bool = False, record: Optional[tuple] = None):
+                spec: bool, mark: bool = False, record: Optional[tuple] = None, clock=None):
         from sglang_elastic.kernels.offload import copy_rows_run, gather_selected_run, lse_merge, scores_run, select_run, swap_in_run
 
         bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
@@ -322,7 +322,11 @@ class OffloadDecoder:
                         h.loc_slot, h.slot_pos, h.slot_time, ws.scratch, att_kidx, att_vidx, ws.miss_src, ws.miss_dst,
                         ws.miss_cnt, ws.stats, pol.max_topk, h.table, h.count, h.base, h.page, spec=spec, eviction=lay.eviction,
                         spare_row=h.spare)
+            if clock is not None:  # --kv-offload-copy-timing: events around the copy (sglang_elastic.offload.copytime)
+                clock(0)
             copy_rows_run(host_v, v_buffer, ws.miss_src[:bs], ws.miss_dst[:bs], counts=ws.miss_cnt[:bs])
+            if clock is not None:
+                clock(1)
             if record is not None:  # this step's copies and selection per request row, for the adaptive hot pages
                 rows64 = rp.to(torch.int64)
                 miss = ws.miss_cnt[:bs].to(record[0].dtype)
@@ -336,7 +340,7 @@ class OffloadDecoder:
     def sparse(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                hot_state=None, host_v: Optional[torch.Tensor] = None, v_summary: Optional[tuple] = None,
-               record: Optional[tuple] = None) -> torch.Tensor:
+               record: Optional[tuple] = None, clock=None) -> torch.Tensor:
         """Attention of a sparse layer over sink, window and the top-k rows
         (``estimate``: plus the unattended rows' share through their chunks' mean V).
 
@@ -351,6 +355,8 @@ class OffloadDecoder:
             record: ``(row_miss, row_sel, add)`` ``[rows]`` int32: this step's misses (added to what the
                 layer's prefetch recorded when ``add``) and selected rows at each request's row
                 (:meth:`OffloadKVPool.miss_record`, the adaptive hot pages), or None.
+            clock: ``f(0)`` / ``f(1)`` called around the miss copy (records timing events:
+                :meth:`sglang_elastic.offload.copytime.CopyTimer.clock`), or None.
 
         Raises:
             ValueError: ``estimate`` without ``v_summary``.
@@ -362,7 +368,7 @@ class OffloadDecoder:
         if self.estimate and v_summary is None:
             raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
-                           self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record)
+                           self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record, clock=clock)
         est = None
         if self.estimate:  # the unattended share's per-split partials, added by the attention's merge (no launch of their own)
             vsum, table = v_summary
@@ -378,9 +384,10 @@ class OffloadDecoder:
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hot_state, host_v,
-                 record: Optional[tuple] = None) -> None:
+                 record: Optional[tuple] = None, clock=None) -> None:
         """Load the V rows a sparse layer will probably select, before its own pass runs
-        (``record``: as :meth:`sparse`'s; the prefetch's loads are written, the exact pass adds its misses).
+        (``record``: as :meth:`sparse`'s; the prefetch's loads are written, the exact pass adds its misses;
+        ``clock``: as :meth:`sparse`'s, around the prefetch's copy).
 
         The InfiniGen idea (arXiv 2406.19707): consecutive layers' attention
         inputs are nearly parallel, so layer ``l``'s input through layer
@@ -401,7 +408,7 @@ class OffloadDecoder:
         bs = self.bs
         self._select(self.spec, q_spec, k_buffer, v_buffer, sm_scale, req_to_token, req_pool_indices[:bs], seq_lens[:bs],
                      hot_state, host_v, self.spec.att_kidx, self.spec.att_vidx, spec=True,
-                     record=None if record is None else (record[0], record[1], False))
+                     record=None if record is None else (record[0], record[1], False), clock=clock)
 
 
 __all__ = ["OffloadDecoder", "SplitConfig"]

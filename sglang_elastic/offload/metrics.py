@@ -18,7 +18,9 @@ class OffloadMetrics:
     (over the interval's wall time), ``offload_pcie_bytes_per_step``,
     ``offload_host_pool_bytes`` (V bytes of the tokens in use),
     ``offload_hot_pages_used`` (hot-buffer pages held by running requests),
-    ``offload_kept_tokens`` / ``offload_kept_requests`` (``--kv-offload-keep-v``), counters
+    ``offload_kept_tokens`` / ``offload_kept_requests`` (``--kv-offload-keep-v``),
+    ``offload_copy_hidden_share`` / ``offload_copy_ms_per_step`` (``--kv-offload-copy-timing``:
+    the share of the timed steps' V copy time hidden behind compute, and their copy time), counters
     ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes``.
 
     Args:
@@ -51,6 +53,8 @@ class OffloadMetrics:
                 "hot_pages": gauge("offload_hot_pages_used", "Hot-buffer pages held by running requests."),
                 "kept_tokens": gauge("offload_kept_tokens", "Pool slots holding kept V (--kv-offload-keep-v): dense requests' tokens."),
                 "kept_requests": gauge("offload_kept_requests", "Requests attending densely from kept V (--kv-offload-keep-v)."),
+                "copy_hidden": gauge("offload_copy_hidden_share", "Share of the V copy time hidden behind compute over the last interval's timed steps (--kv-offload-copy-timing)."),
+                "copy_ms": gauge("offload_copy_ms_per_step", "V copy time (host -> GPU) per timed decode step, ms, over the last interval (--kv-offload-copy-timing)."),
                 "read": counter("offload_pcie_read_bytes", "V bytes copied host -> GPU."),
                 "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
             }
@@ -84,6 +88,15 @@ class OffloadMetrics:
                 self.g["kept_requests"].set(st["kept_requests"])
             self.g["read"].inc(d["pcie_read_bytes"])
             self.g["write"].inc(d["pcie_write_bytes"])
+        copy = None
+        if "copy_ms" in st:
+            from sglang_elastic.offload.copytime import interval
+
+            copy = interval(prev, st)
+            if self.g is not None and copy["copy_ms_per_step"] is not None:
+                self.g["copy_ms"].set(copy["copy_ms_per_step"])
+                if copy["copy_hidden_share"] is not None:
+                    self.g["copy_hidden"].set(copy["copy_hidden_share"])
         hit_s = "n/a" if hit is None else f"{hit:.3f}"
         lost = st.get("summary_overflow", 0) - prev.get("summary_overflow", 0)
         short = st.get("hot_page_overflow", 0) - prev.get("hot_page_overflow", 0)
@@ -91,6 +104,9 @@ class OffloadMetrics:
         if "kept_tokens" in st:
             demoted = st["keep_demotions"] - prev.get("keep_demotions", 0)
             pages += f", kept V {st['kept_requests']} requests / {st['kept_tokens']} tokens ({demoted} demoted)"
+        if copy is not None and copy["copy_ms_per_step"] is not None:
+            share = copy["copy_hidden_share"]
+            pages += f", copies {copy['copy_ms_per_step']:.2f} ms/step, {'n/a' if share is None else f'{share:.0%}'} hidden"
         return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
                 f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use{pages}"
                 + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else "")

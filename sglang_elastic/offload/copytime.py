@@ -1,0 +1,204 @@
+"""How much of the V copy time a decode step hides behind compute
+(``--kv-offload-copy-timing``).
+
+A sparse layer's misses are copied host -> GPU on the compute stream, on the
+step's critical path. With ``--kv-offload-prefetch speculative`` most copies
+run earlier, on a side stream, while the layer before computes; the layer then
+waits for that stream, and copies only the residual misses itself. Per timed
+step and sparse layer ``l``, CUDA events give:
+
+- ``crit_l``: the residual copy on the compute stream (``copy_rows_run`` in
+  :meth:`~sglang_elastic.offload.decode.OffloadDecoder.sparse`);
+- ``pf_l``: the prefetch's copy on the side stream (the same kernel in
+  :meth:`~sglang_elastic.offload.decode.OffloadDecoder.prefetch`);
+- ``stall_l``: how long the compute stream waited for the side stream before
+  the layer's own pass (a recorded event, the wait, a recorded event).
+
+    copy time    = sum_l (pf_l + crit_l)
+    exposed time = sum_l (crit_l + min(stall_l, pf_l))
+    hidden share = 1 - exposed / copy
+
+(a stall longer than the copy is the guess's selection, not copy time).
+Without prefetch every copy is exposed: the share is 0 and the copy time per
+step is still measured.
+
+The events are CUDA "external" events (``torch.cuda.Event(enable_timing=True,
+external=True)``), so they become event-record nodes of the decode CUDA
+graphs: one set per captured graph (per batch size), re-recorded by every
+replay, plus one set for eager steps. Reading never waits for the GPU: every
+``every``-th decode step, the set of the graph replayed last is read once the
+last event it recorded on the compute stream has completed (``query()``);
+a read that races a newer replay (an event not ready, a negative duration)
+is dropped. Pattern: SGLang's ``LayerDoneCounter`` events for the wait,
+this package's :class:`sglang_elastic.attention.online.ReplayTimer` for the
+read-back without a host sync.
+
+Cost: 4 event records per sparse layer and step (6 with prefetch), inside the
+graphs; off by default.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
+
+#: Event names: the residual copy (compute stream), the prefetch's copy (side stream), the wait on the side stream.
+CRIT, PREFETCH, STALL = ("c0", "c1"), ("p0", "p1"), ("w0", "w1")
+#: Keys of :meth:`CopyTimer.stats`.
+STATS = ("copy_timed_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")
+
+
+class _Set:
+    """The events of one captured graph (or of the eager steps)."""
+
+    __slots__ = ("events", "used", "last_main", "fresh", "captured")
+
+    def __init__(self, captured: bool):
+        self.events: Dict[Tuple[int, str], object] = {}  # made once, re-recorded
+        self.used: set = set()  # the events this set's step records (a graph's: fixed at capture; eager: per step)
+        self.last_main: Optional[object] = None  # the last event recorded on the compute stream
+        self.fresh = False  # recorded since it was last read
+        self.captured = captured
+
+
+class CopyTimer:
+    """CUDA events around a decode step's V copies; hidden share read without a host sync.
+
+    Args:
+        every: read one step's events every ``every`` decode steps (at least 1).
+        event_factory: makes one event (default ``torch.cuda.Event(enable_timing=True, external=True)``;
+            tests inject fakes with ``record()``, ``query()``, ``elapsed_time(other)`` in ms).
+
+    Raises:
+        ValueError: ``every`` < 1.
+    """
+
+    def __init__(self, every: int = 16, event_factory: Optional[Callable[[], object]] = None):
+        if every < 1:
+            raise ValueError(f"CopyTimer: every must be >= 1, not {every}")
+        if event_factory is None:
+            import torch
+
+            def event_factory():
+                return torch.cuda.Event(enable_timing=True, external=True)
+
+        self._make = event_factory
+        self.every = every
+        self._sets: Dict[Hashable, _Set] = {}
+        self._cur: Optional[_Set] = None
+        self._last: Optional[_Set] = None
+        self._since = 0
+        self.totals = dict.fromkeys(STATS, 0.0)
+        self.totals["copy_timed_steps"] = 0
+        self.dropped = 0
+
+    def begin(self, key: Hashable, capture: bool = False) -> None:
+        """A decode forward starts: ``key`` names its graph (e.g. ``(batch size, variant)``; ``"eager"``
+        for a step outside the graphs). ``capture``: SGLang is about to warm up and capture that graph,
+        whose event-record nodes take this set's events (made fresh)."""
+        if capture or key not in self._sets:
+            self._sets[key] = _Set(captured=capture)
+        self._cur = s = self._sets[key]
+        if not capture:
+            if not s.captured:  # an eager step records its own events now (the batch decides which layers copy)
+                s.used.clear()
+                s.last_main = None
+            s.fresh = True
+            self._last = self._cur
+            self._since += 1
+
+    def end(self) -> None:
+        """No decode forward is being recorded (a prefill, an idle batch)."""
+        self._cur = None
+
+    def mark(self, layer: int, name: str, main: bool = True) -> None:
+        """Record event ``name`` of ``layer`` on the current stream (``main``: the compute stream)."""
+        s = self._cur
+        if s is None:
+            return
+        ev = s.events.get((layer, name))
+        if ev is None:
+            ev = s.events[(layer, name)] = self._make()
+        ev.record()
+        s.used.add((layer, name))
+        if main:
+            s.last_main = ev
+
+    def clock(self, layer: int, names: Tuple[str, str], main: bool = True) -> Optional[Callable[[int], None]]:
+        """``f(i)`` recording ``names[i]`` of ``layer`` (the copy's start and end), or None outside a decode forward."""
+        if self._cur is None:
+            return None
+        return lambda i: self.mark(layer, names[i], main)
+
+    def poll(self) -> bool:
+        """Read the last replayed step's events if ``every`` steps passed and they completed; True when a sample was taken."""
+        s = self._last
+        if self._since < self.every or s is None or not s.fresh or s.last_main is None:
+            return False
+        try:
+            if not s.last_main.query():
+                return False
+            sample = self._read(s)
+        except RuntimeError:  # an event a newer replay re-recorded and the GPU has not passed yet
+            sample = None
+        s.fresh = False
+        self._since = 0
+        if sample is None:
+            self.dropped += 1
+            return False
+        copy, exposed, pf, stall = sample
+        t = self.totals
+        t["copy_timed_steps"] += 1
+        t["copy_ms"] += copy
+        t["copy_exposed_ms"] += exposed
+        t["copy_prefetch_ms"] += pf
+        t["copy_stall_ms"] += stall
+        return True
+
+    @staticmethod
+    def _read(s: _Set) -> Optional[Tuple[float, float, float, float]]:
+        ev, used = s.events, s.used
+
+        def span(layer, names):
+            if (layer, names[0]) not in used or (layer, names[1]) not in used:
+                return 0.0
+            a, b = ev[(layer, names[0])], ev[(layer, names[1])]
+            d = a.elapsed_time(b)
+            if d < 0:
+                raise RuntimeError("events of two replays")
+            return d
+
+        copy = exposed = pf_all = stall_all = 0.0
+        for layer in sorted({k[0] for k in used}):
+            crit, pf, stall = span(layer, CRIT), span(layer, PREFETCH), span(layer, STALL)
+            copy += pf + crit
+            exposed += crit + min(stall, pf)
+            pf_all += pf
+            stall_all += stall
+        return copy, exposed, pf_all, stall_all
+
+    def stats(self) -> dict:
+        """Since start, over the timed steps: ``copy_timed_steps``, ``copy_ms`` (all V copy time), ``copy_exposed_ms``
+        (on the critical path), ``copy_prefetch_ms`` (on the side stream), ``copy_stall_ms`` (the compute stream's waits
+        for it), and ``copy_hidden_share`` (1 - exposed / copy; None before a timed step copied anything)."""
+        t = dict(self.totals)
+        t["copy_hidden_share"] = hidden_share(t["copy_ms"], t["copy_exposed_ms"])
+        return t
+
+
+def hidden_share(copy_ms: float, exposed_ms: float) -> Optional[float]:
+    """``1 - exposed / copy`` (clipped to [0, 1]), None when nothing was copied."""
+    if not copy_ms > 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - exposed_ms / copy_ms))
+
+
+def interval(prev: Optional[dict], now: dict) -> Dict[str, Optional[float]]:
+    """Between two :meth:`CopyTimer.stats`: ``copy_hidden_share`` and ``copy_ms_per_step`` (None: no timed step)."""
+    keys = ("copy_timed_steps", "copy_ms", "copy_exposed_ms")
+    d = {k: now.get(k, 0) - (prev or {}).get(k, 0) for k in keys}
+    steps = d["copy_timed_steps"]
+    return {"copy_hidden_share": hidden_share(d["copy_ms"], d["copy_exposed_ms"]) if steps else None,
+            "copy_ms_per_step": d["copy_ms"] / steps if steps else None}
+
+
+__all__: List[str] = ["CopyTimer", "CRIT", "PREFETCH", "STALL", "STATS", "hidden_share", "interval"]
