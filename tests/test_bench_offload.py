@@ -88,11 +88,20 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     long = json.loads((parts / "throughput_long32k.json").read_text())["servers"]
     # by file name: the stock + selected run of 2026-12-02, the estimate-only run of 2026-12-03, keep-v beside stock
     # twice (2026-12-04 #2), stock + estimate in one run of 2026-12-04, the 64 x 32K load against stock and HiCache,
-    # and with keep-v
-    old_row, est_row, keep1, keep2, same_row, long_row, long_keep = out["throughput"]
-    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 5 + ["long32k"] * 2
+    # and with keep-v; 8 x 128K with stock and offload in two calls on one host (merged); prefetch beside the sparse rule
+    old_row, est_row, keep1, keep2, same_row, row128k, long_row, long_keep, long_prefetch = out["throughput"]
+    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 5 + ["long128k"] + ["long32k"] * 3
     # each row says its size (a shortened run, --num-prompts, is not taken for the workload's default)
-    assert [(r["num_prompts"], r["input_len"], r["output_len"]) for r in out["throughput"]] == [(64, 4096, 512)] * 5 + [(64, 32768, 512)] * 2
+    assert [(r["num_prompts"], r["input_len"], r["output_len"]) for r in out["throughput"]] == \
+        [(64, 4096, 512)] * 5 + [(8, 130560, 512)] + [(64, 32768, 512)] * 3
+    merged = json.loads((parts / "throughput_long128k_n8.json").read_text())
+    assert [m["servers"] for m in merged["merged_from"]] == [["stock"], ["offload"]]
+    assert row128k["stock_output_tok_s"] == merged["servers"]["stock"]["output_tok_s"] and row128k["offload_output_tok_s"] > 0
+    # prefetch on and off through SGLang on the 8B shape: the hit rate rises, the copy timing says how much it hid
+    pf = json.loads((parts / "throughput_long32k_prefetch.json").read_text())["servers"]
+    assert long_prefetch["prefetch_median_itl_ms"] == pf["offload-prefetch"]["median_itl_ms"]
+    assert long_prefetch["prefetch_hit_rate"] > long_prefetch["hit_rate"] > 0.99
+    assert long_prefetch["copy_hidden_share"] == 0.0 < long_prefetch["prefetch_copy_hidden_share"] < 1
     for i, row in ((1, keep1), (2, keep2)):
         kv = json.loads((parts / f"throughput_fits_keep_v_{i}.json").read_text())["servers"]
         assert row["keep_v_median_itl_ms"] == kv["offload-keep"]["median_itl_ms"] and row["stock_median_itl_ms"] == kv["stock"]["median_itl_ms"]
@@ -104,11 +113,11 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     assert est_row["offload_denominator"] == "estimate" and est_row["stock_median_itl_ms"] is None  # stock did not run in that call
     assert same_row["stock_median_itl_ms"] == same["stock"]["median_itl_ms"] < same_row["offload_median_itl_ms"]
     assert long_row["hicache_output_tok_s"] == long["hicache"]["output_tok_s"] and long_row["stock_output_tok_s"] == long["stock"]["output_tok_s"]
-    # capacity from the newest fits part that ran stock beside offload: both pools from one run
+    # capacity from the newest part that ran stock beside offload: both pools from one host (here: the merged 128K part)
     cap = out["capacity"]
-    assert cap["offload_tokens"] == same["offload"]["max_total_num_tokens"] > 1.6 * cap["stock_tokens"]
-    assert cap["stock_tokens"] == same["stock"]["max_total_num_tokens"] == 910_612
-    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same run" in cap["source"]
+    assert cap["offload_tokens"] == merged["servers"]["offload"]["max_total_num_tokens"] > 1.6 * cap["stock_tokens"]
+    assert cap["stock_tokens"] == merged["servers"]["stock"]["max_total_num_tokens"] == same["stock"]["max_total_num_tokens"] == 910_612
+    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same host" in cap["source"]
     # the SmolLM2 run through SGLang (bdbbce1): the first offload server's rows (estimate), its verdict, and the verdicts of
     # keep-v (with demotions), the prefetch and adaptive hot buffers beside it; each server's counters
     acc = json.loads((parts / "accuracy.json").read_text())
@@ -151,3 +160,24 @@ def test_throughput_refuses_a_count_below_one_in_one_line_and_writes_nothing(tmp
         mod.main()
     assert e.value.code == 2 and f"{flag} 0: give 1 or more" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "w").exists()
+
+
+def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workload(tmp_path):
+    mod = bench()
+    base = {"part": "throughput", "workload": "long128k", "input_len": 130560, "output_len": 512, "num_prompts": 8, "gpu": "NVIDIA H200",
+            "client": "c", "seconds": 10.0}
+    a = dict(base, date="2026-12-04T10:00:00", commit="abc", command="one", servers={"stock": {"output_tok_s": 29.0}})
+    b = dict(base, date="2026-12-04T10:06:00", commit="abc", command="two", servers={"offload": {"output_tok_s": 28.0}})
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    args = type("A", (), {"inputs": [str(fa), str(fb)]})()
+    m = mod.part_merge(args)
+    assert m["servers"] == {"stock": {"output_tok_s": 29.0}, "offload": {"output_tok_s": 28.0}} and m["commit"] == "abc"
+    assert m["command"] == "one; two" and m["date"] == b["date"] and m["seconds"] == 20.0 and m["num_prompts"] == 8
+    fb.write_text(json.dumps(dict(b, num_prompts=16)))
+    with pytest.raises(RuntimeError, match="num_prompts 16 against 8"):
+        mod.part_merge(args)
+    fb.write_text(json.dumps(dict(b, servers={"stock": {}})))
+    with pytest.raises(RuntimeError, match="server stock is in two parts"):
+        mod.part_merge(args)

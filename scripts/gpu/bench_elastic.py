@@ -301,6 +301,7 @@ def eager_summary(evs: List[dict]) -> Dict[str, object]:
             "eager_prefill_estimate_gib": stats([e["estimate_bytes"] / 2**30 for e in plain]),
             "eager_prefill_tokens": stats([e["tokens"] for e in plain]),
             "eager_prefill_peak_over_need": stats([e["peak_bytes"] / e["need_bytes"] for e in with_need]),
+            "eager_prefill_need_gib": stats([e["need_bytes"] / 2**30 for e in with_need]),
             "eager_prefills_not_plain": len(evs) - len(plain)}
 
 
@@ -380,6 +381,10 @@ def assemble(args) -> None:
         "reclaims_skipped": el.get("reclaims_skipped", 0) if el else None,
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
                              "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"]),
+                             "lends": len(d["lends"]), "lends_prepared": lends_prepared(d),
+                             "lend_breakdown_ms": breakdown(d["lends"], ["empty_cache_ms", "map_ms"]),
+                             "reclaim_ms": stats([e["ms"] for e in d["reclaims"]]),
+                             "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)

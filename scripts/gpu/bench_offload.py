@@ -359,6 +359,34 @@ def part_throughput(a) -> dict:
     return out
 
 
+def part_merge(a) -> dict:
+    """One throughput part from several of the same workload and size run in calls in a row on one host
+    (one server per call where two do not fit in a call's time): servers side by side, commands joined.
+
+    Raises:
+        RuntimeError: not throughput parts, another workload or size, one server twice, or another GPU.
+    """
+    parts = [json.load(open(p)) for p in a.inputs]
+    keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu")
+    first = parts[0]
+    for p, f in zip(parts, a.inputs):
+        if p.get("part") != "throughput":
+            raise RuntimeError(f"{f} is not a throughput part")
+        if any(p.get(k) != first.get(k) for k in keys):
+            raise RuntimeError(f"{f}: " + ", ".join(f"{k} {p.get(k)!r} against {first.get(k)!r}" for k in keys if p.get(k) != first.get(k)))
+    servers = {}
+    for p, f in zip(parts, a.inputs):
+        for name, row in p["servers"].items():
+            if name in servers:
+                raise RuntimeError(f"{f}: server {name} is in two parts")
+            servers[name] = row
+    commits = sorted({p.get("commit") for p in parts})
+    return {"date": max(p.get("date", "") for p in parts), "gpu": first.get("gpu"), "commit": commits[0] if len(commits) == 1 else "; ".join(commits),
+            "command": "; ".join(p.get("command", "?") for p in parts), **{k: first.get(k) for k in keys},
+            "seconds": round(sum(p.get("seconds", 0) for p in parts), 1), "client": first.get("client"), "servers": servers,
+            "merged_from": [{"file": os.path.basename(f), "date": p.get("date"), "servers": sorted(p["servers"])} for p, f in zip(parts, a.inputs)]}
+
+
 def part_assemble(a) -> dict:
     parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
     out = results.header(a.command)
@@ -374,15 +402,18 @@ def part_assemble(a) -> dict:
         out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
                            "stock_peak_used_tokens": st.get("peak_used_tokens"), "offload_peak_used_tokens": off.get("peak_used_tokens"),
                            "bound": ((off.get("offload") or {}).get("sizing") or {}).get("bound")}
-    if cap is None:  # no capacity part: the pool sizes of the newest throughput part's offload server (same defaults)
-        tps = sorted((p for p in parts if p.get("part") == "throughput" and "offload" in p["servers"]), key=lambda p: p.get("date", ""))
+    if cap is None:  # no capacity part: the pool sizes of the newest throughput part's offload server (same defaults),
+        # one that ran stock beside it first (both pools measured on one host)
+        tps = sorted((p for p in parts if p.get("part") == "throughput" and "offload" in p["servers"]),
+                     key=lambda p: ("stock" in p["servers"], p.get("date", "")))
         if tps:
             tp = tps[-1]
             off = tp["servers"]["offload"]
             st = tp["servers"].get("stock")
             sizing = (off.get("offload_pool") or {}).get("sizing") or {}
             if st is not None:  # stock's own pool in the same run
-                stock, how = st.get("max_total_num_tokens"), "stock server in the same run"
+                stock, how = st.get("max_total_num_tokens"), ("stock server on the same host, " + ", ".join(m["file"] for m in tp["merged_from"])
+                                                              if tp.get("merged_from") else "stock server in the same run")
             else:  # SGLang's own count for the same KV budget, computed by the offload server's sizing in the same run
                 stock, how = sizing.get("stock_tokens"), "SGLang's token count for the same KV budget, in the offload server's sizing"
             out["capacity"] = {"stock_tokens": stock, "offload_tokens": off.get("max_total_num_tokens"), "bound": sizing.get("bound"),
@@ -429,7 +460,7 @@ def part_assemble(a) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=("smoke", "capacity", "throughput", "assemble"))
+    ap.add_argument("part", choices=("smoke", "capacity", "throughput", "assemble", "merge"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/bench_offload")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long32k")
@@ -445,6 +476,7 @@ def main():
                                                      "e.g. --kv-offload-copy-timing")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
+    ap.add_argument("--inputs", nargs="+", default=None, help="merge: throughput parts of one workload and size (one server per call)")
     a = ap.parse_args()
     for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len)):
         if v is not None and v < 1:
@@ -452,10 +484,13 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:
-        res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble}[a.part](a)
+        if a.part == "merge" and not a.inputs:
+            ap.error("merge needs --inputs PART.json ...")
+        res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble,
+               "merge": part_merge}[a.part](a)
     except RuntimeError as e:
         sys.exit(f"bench_offload {a.part}: {e}")
-    if a.part != "assemble":
+    if a.part not in ("assemble", "merge"):
         res = {**results.header(), "part": a.part, "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
     print(json.dumps(res, indent=1)[:4000])
