@@ -710,6 +710,66 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     bed.check_ownership_and_accounting()
 
 
+def test_with_the_measured_rule_a_one_step_lend_leaves_the_eager_prefills_need_free_and_the_prefill_skips_the_reclaim(monkeypatch):
+    """Seen on the H200 (2085840): the measured rule gave an 8,192-token eager prefill 1.39 GiB (SGLang's
+    estimate: 12.6 GiB), above the 1 GiB margin, so each of 113 prefills still unmapped the whole one-handle
+    8.6 GiB step and waited for its release (9.3 / 15.8 ms) to take back 0.4 GiB. Now a one-step lend leaves
+    that need free (the step that much smaller) and the next plain eager prefill runs lent; a prefill of more
+    requests than were measured still reclaims; a need above half the lendable bytes keeps the plain margin;
+    SGLang's rule lends the whole step again."""
+    import dataclasses
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_elastic.sched import controller, hooks
+    from test_controller import _graph_args
+
+    monkeypatch.setattr(controller, "MEASURED_SLACK_MB", 0)  # the bed's step is 128 KiB: no room for 256 MiB of slack
+    kib = 1024
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + 8 * kib, margin_mb=0)
+    ctl, peaks = bed.ctl, Peaks()
+    ctl.peak_memory = peaks
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
+    budget = bed.sched.server_args.chunked_prefill_size
+    assert bed.admit(list(range(30)))
+
+    def prefill(took, n=1):  # as the measured rule's test: SGLang forms an eager prefill of n requests and runs it
+        reqs = [bed.request(list(range(1000 + 100 * j, 1100 + 100 * j))) for j in range(n)]
+        bed.sched.waiting_queue.extend(reqs)
+        ctl.before_prefill(bed.batch)
+        bed.sched.waiting_queue.clear()
+        ctl.after_prefill(_extend_batch(reqs, budget), bed.batch)
+        peaks.top = peaks.allocated + took
+        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, budget))
+
+    assert ctl._lend_margin() == 0  # nothing measured: --elastic-kv-margin-mb
+    prefill(took=20 * kib)  # nothing lent: measured, read when the next pass begins
+    ctl.before_prefill(bed.batch)
+    need = int(20 * kib * controller.MEASURED_SAFETY)
+    assert ctl.activations.peaks == {(budget, 1): 20 * kib} and ctl._lend_margin() == need
+    # the one step is cut (in quanta of 16 tokens) to leave the need free, where the plain margin lent all 128 tokens
+    lent = ctl.lend()
+    assert 0 < lent < ELASTIC and lent % 16 == 0 and lent == bed.alloc.lent_tokens
+    assert bed.be.free_bytes() >= need > bed.be.free_bytes() - 16 * sum(ctl.arena.row_bytes)  # the largest cut that leaves it
+    skipped, reclaims = ctl.reclaims_skipped, bed.be.calls.get("unmap", 0)
+    prefill(took=20 * kib)
+    assert ctl.reclaims_skipped == skipped + 1 and bed.alloc.lent_tokens == lent and bed.be.calls.get("unmap", 0) == reclaims
+    # four requests may share the next prefill: 4x the measured pass, more than is free: the step comes back
+    prefill(took=30 * kib, n=4)
+    assert bed.alloc.lent_tokens == 0
+    # SGLang's rule: the plain margin, the whole step
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
+    assert ctl._lend_margin() == 0 and ctl.lend() == ELASTIC
+    ctl.reclaim(bed.batch, 1, "test")
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
+    ctl.before_prefill(bed.batch)  # reads the 4-request pass: the margin takes the most requests a pass held
+    assert ctl.activations.peaks[(budget, 4)] == 30 * kib and ctl._lend_margin() == int(30 * kib * controller.MEASURED_SAFETY)
+    # a need above half the lendable bytes: lending that little would not pay, the plain margin stays
+    ctl.activations.peaks = {(budget, 1): ELASTIC * sum(ctl.arena.row_bytes)}  # need: 1.25x all the lendable bytes
+    assert ctl._lend_margin() == 0 and ctl.lend() == ELASTIC
+    bed.check_ownership_and_accounting()
+
+
 def test_the_measured_bounds_keep_the_newest_shapes_and_scale_by_tokens_and_requests():
     from sglang_elastic.sched.controller import MEASURED_KEEP, MEASURED_SAFETY, MEASURED_SLACK_MB, EagerActivations
 

@@ -981,12 +981,38 @@ class ElasticController:
 
     def _room(self, free: int, cached: int) -> int:
         """Bytes a one-step lend may take: the step must be backed by ``free``
-        (the driver's free memory, with handles made ahead); the margin may sit
-        in torch's ``cached`` unused blocks (they serve the next eager forward,
-        which is what the margin is kept for), so a cut that fits that way stays
-        without emptying the cache at every lend (:meth:`_recut`) and its handles
-        are made ahead (:meth:`steps_that_fit`)."""
-        return min(free + cached - self.cfg.margin_mb * 2**20, free)
+        (the driver's free memory, with handles made ahead); the margin
+        (:meth:`_lend_margin`) may sit in torch's ``cached`` unused blocks (they
+        serve the next eager forward, which is what the margin is kept for), so
+        a cut that fits that way stays without emptying the cache at every lend
+        (:meth:`_recut`) and its handles are made ahead (:meth:`steps_that_fit`)."""
+        return min(free + cached - self._lend_margin(), free)
+
+    def _lend_margin(self) -> int:
+        """Bytes a one-step lend leaves free: ``--elastic-kv-margin-mb``, or, with
+        ``--elastic-kv-activation-rule measured`` and eager prefills, the need the
+        measured passes give a chunk of as many requests as the most a measured
+        pass held (:meth:`EagerActivations.need`) when that is more and below half
+        the start-up measure: the next such prefill then finds its activations free
+        and skips the reclaim (:meth:`steps_needed`), for a step that much smaller.
+
+        Why: on the H200 (2085840) the rule gave an 8,192-token eager prefill
+        1.39 GiB against SGLang's 12.6 GiB, but the 1 GiB margin was short of it,
+        so each of 113 prefills still unmapped the whole 8.6 GiB step and waited
+        for the driver's release (9.3 / 15.8 ms p50 / p99) to take back 0.4 GiB."""
+        margin = self.cfg.margin_mb * 2**20
+        acts = self.activations
+        if self.cfg.activation_rule != "measured" or self.prefill_in_graphs or not acts.peaks:
+            return margin
+        sa = self.sched.server_args
+        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
+        if chunk <= 0 or int(getattr(sa, "pp_size", 1) or 1) > 1:  # as _requests_bound: SGLang's estimate there
+            return margin
+        estimate = eager_activation_bytes(chunk, self._ranks())
+        need = acts.need(chunk, max(r for _, r in acts.peaks), estimate)
+        if need >= estimate or need - margin > self.lendable_tokens * sum(self.arena.row_bytes) // 2:
+            return margin
+        return max(margin, need)
 
     def _recut(self, want: int, emptied: bool = False):
         """One-step lending (the default: no ``--elastic-kv-handle-mb``) with
@@ -1018,7 +1044,7 @@ class ElasticController:
         if free is None:
             return want, 0.0
         row = max(sum(a.row_bytes), 1)
-        margin = self.cfg.margin_mb * 2**20
+        margin = self._lend_margin()
         ms = 0.0
 
         cur = a.lendable_tokens
@@ -1055,9 +1081,10 @@ class ElasticController:
                 a.drop_prepared()  # sized for the old cut
             before = a.lendable_tokens
             a.set_steps(tokens)
-            self._event(op="recut", tokens=a.lendable_tokens, before=before, free_bytes=free)
-            self._log("sglang-elastic: the lend step is now %d tokens (%.2f GiB; it was %d): what is free less --elastic-kv-margin-mb",
-                      a.lendable_tokens, a.lendable_tokens * row / 2**30, before)
+            self._event(op="recut", tokens=a.lendable_tokens, before=before, free_bytes=free, margin_bytes=margin)
+            self._log("sglang-elastic: the lend step is now %d tokens (%.2f GiB; it was %d): what is free less the margin "
+                      "(%.2f GiB: --elastic-kv-margin-mb, or the measured eager prefill's need)", a.lendable_tokens,
+                      a.lendable_tokens * row / 2**30, before, margin / 2**30)
         return (a.max_steps if self._stop is None else 0), ms
 
     def steps_that_fit(self, may_empty: bool = True):
