@@ -117,7 +117,7 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     cap = out["capacity"]
     assert cap["offload_tokens"] == merged["servers"]["offload"]["max_total_num_tokens"] > 1.6 * cap["stock_tokens"]
     assert cap["stock_tokens"] == merged["servers"]["stock"]["max_total_num_tokens"] == same["stock"]["max_total_num_tokens"] == 910_612
-    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "same host" in cap["source"]
+    assert cap["policy"]["denominator"] == "estimate" and cap["bound"] == "hbm" and "another call of the same device session" in cap["source"]
     # the SmolLM2 run through SGLang (bdbbce1): the first offload server's rows (estimate), its verdict, and the verdicts of
     # keep-v (with demotions), the prefetch and adaptive hot buffers beside it; each server's counters
     acc = json.loads((parts / "accuracy.json").read_text())
@@ -180,4 +180,10 @@ def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workloa
         mod.part_merge(args)
     fb.write_text(json.dumps(dict(b, servers={"stock": {}})))
     with pytest.raises(RuntimeError, match="server stock is in two parts"):
+        mod.part_merge(args)
+    fb.write_text(json.dumps(dict(b, servers={"offload": {"extra_flags": "--max-running-requests 64"}})))
+    with pytest.raises(RuntimeError, match="other flags"):
+        mod.part_merge(args)
+    fb.write_text("{not json")
+    with pytest.raises(RuntimeError, match="b.json"):
         mod.part_merge(args)

@@ -136,6 +136,15 @@ def test_reading_waits_for_the_gpu_and_every_nth_step_and_drops_a_read_that_race
     ev = t._last.events
     ev[(2, CRIT[0])].t = 10.0  # c0 from a newer replay, c1 from the older one
     assert not t.poll() and t.dropped == 1 and t.totals["copy_timed_steps"] == 1
+    # due and not yet passed by the GPU when the same graph replays again (the overlap scheduler): counted as unread
+    unread = t.totals["copy_unread_steps"]
+    for _ in range(3):
+        step(t, gpu, lay)
+    gpu.done = 0.5
+    assert not t.poll()
+    step(t, gpu, lay)  # re-recorded before a read
+    step(t, gpu, lay)
+    assert t.totals["copy_unread_steps"] == unread + 2 and t.stats()["copy_unread_steps"] == unread + 2
 
 
 def test_a_capture_is_not_read_and_a_graph_whose_variant_copies_nothing_gives_no_sample():
@@ -204,6 +213,7 @@ def test_the_backend_times_each_graph_apart_reads_before_the_next_step_and_skips
     gpu = Gpu(tick=1.0)
     be = object.__new__(OffloadAttnBackend)
     be.copy_timer = CopyTimer(every=1, event_factory=gpu.event)
+    be._mode = "decode"
     be.graph_variants = True
     t = be.copy_timer
     be._time_step((4, False), capture=True)
@@ -221,12 +231,14 @@ def test_the_backend_times_each_graph_apart_reads_before_the_next_step_and_skips
     from sglang_elastic.offload import keep
 
     keep._STATE.clear()
-    assert be._replays_dense() is False  # no keep-v manager: the general graph
-    keep._STATE["keep"] = types.SimpleNamespace(all_kept=True)
+    view = types.SimpleNamespace(batch_size=4, num_padding=1)  # SGLang's replay view: 3 requests padded to the graph's 4
+    assert be._replays_dense(view) is False  # no keep-v manager: the general graph
+    keep._STATE["keep"] = types.SimpleNamespace(all_kept=True, all_kept_bs=3)
     try:
-        assert be._replays_dense() is True
+        assert be._replays_dense(view) is True  # as keep.around_resolve_variant picks it, on the raw batch
+        assert be._replays_dense(types.SimpleNamespace(batch_size=4, num_padding=0)) is False  # another batch than the one granted
         be.graph_variants = False
-        assert be._replays_dense() is False  # one graph per batch size (keep-v off, or LoRA)
+        assert be._replays_dense(view) is False  # one graph per batch size (keep-v off, or LoRA)
     finally:
         keep._STATE.clear()
     be.copy_timer = None
@@ -246,3 +258,33 @@ def test_the_metrics_line_and_gauges_report_the_intervals_copy_time_and_hidden_s
     assert "copies 2.00 ms/step, 75% hidden" in line
     line = m.update(dict(base, copy_timed_steps=5, copy_ms=10.0, copy_exposed_ms=4.0), used_tokens=0, host_token_bytes=2048)
     assert "copies" not in line  # no timed step in the interval
+
+
+def test_the_backends_prefetch_records_its_copy_on_the_side_stream_and_not_as_the_steps_last_event():
+    """``OffloadAttnBackend.prefetch`` hands the decoder a clock that records the prefetch's copy events as
+    side-stream events: the step's last compute-stream event (what a read waits for) stays the layer's own."""
+    import types
+
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    gpu = Gpu(tick=1.0)
+    t = CopyTimer(every=1, event_factory=gpu.event)
+    seen = {}
+
+    def fake_prefetch(q, kb, vb, scale, r2t, rows, lens, hot, host, record=None, clock=None):
+        seen["clock"] = clock
+        clock(0)
+        clock(1)
+
+    be = object.__new__(OffloadAttnBackend)
+    be.copy_timer, be._spec_stream, be._spec_done, be._spec_pending = t, None, {}, {}
+    be.q_heads, be.req_to_token = 2, None
+    be.decoder = types.SimpleNamespace(prefetch=fake_prefetch)
+    be.pool = types.SimpleNamespace(start_layer=0, head_dim=4, get_key_buffer=lambda l: None, get_value_buffer=lambda l: None,
+                                    hot_state=lambda l: None, host=types.SimpleNamespace(view=lambda l: None), miss_record=lambda l: None)
+    t.begin((8, False))
+    t.mark(2, CRIT[1])  # layer 2's own copy ended on the compute stream
+    last = t._cur.last_main
+    be.prefetch(3, torch.zeros(8, 8), types.SimpleNamespace(req_pool_indices=None, seq_lens=None), 0.5)
+    assert seen["clock"] is not None and {(3, PREFETCH[0]), (3, PREFETCH[1])} <= t._cur.used
+    assert t._cur.last_main is last and be._spec_done == {3: True}

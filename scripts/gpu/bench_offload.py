@@ -341,7 +341,8 @@ def part_throughput(a) -> dict:
                     from sglang_elastic.offload.copytime import interval
 
                     timed = after["copy_timed_steps"] - b.get("copy_timed_steps", 0)
-                    row["copy_timing"] = {"timed_steps": timed, **interval(b, after),
+                    row["copy_timing"] = {"timed_steps": timed, "unread_steps": after.get("copy_unread_steps", 0) - b.get("copy_unread_steps", 0),
+                                          **interval(b, after),
                                           **{k: (after[k] - b.get(k, 0)) / timed if timed else None
                                              for k in ("copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")}}
                     row["copy_hidden_share"] = row["copy_timing"]["copy_hidden_share"]
@@ -366,7 +367,12 @@ def part_merge(a) -> dict:
     Raises:
         RuntimeError: not throughput parts, another workload or size, one server twice, or another GPU.
     """
-    parts = [json.load(open(p)) for p in a.inputs]
+    parts = []
+    for f in a.inputs:
+        try:
+            parts.append(json.load(open(f)))
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"{f}: {e}") from None
     keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu")
     first = parts[0]
     for p, f in zip(parts, a.inputs):
@@ -380,7 +386,10 @@ def part_merge(a) -> dict:
             if name in servers:
                 raise RuntimeError(f"{f}: server {name} is in two parts")
             servers[name] = row
-    commits = sorted({p.get("commit") for p in parts})
+    flags = {row.get("extra_flags", "").replace("--kv-offload-copy-timing", "").strip() for p in parts for row in p["servers"].values()}
+    if len(flags) > 1:
+        raise RuntimeError("the parts ran with other flags: " + " / ".join(sorted(flags)))
+    commits = sorted({str(p.get("commit")) for p in parts})
     return {"date": max(p.get("date", "") for p in parts), "gpu": first.get("gpu"), "commit": commits[0] if len(commits) == 1 else "; ".join(commits),
             "command": "; ".join(p.get("command", "?") for p in parts), **{k: first.get(k) for k in keys},
             "seconds": round(sum(p.get("seconds", 0) for p in parts), 1), "client": first.get("client"), "servers": servers,
@@ -412,7 +421,8 @@ def part_assemble(a) -> dict:
             st = tp["servers"].get("stock")
             sizing = (off.get("offload_pool") or {}).get("sizing") or {}
             if st is not None:  # stock's own pool in the same run
-                stock, how = st.get("max_total_num_tokens"), ("stock server on the same host, " + ", ".join(m["file"] for m in tp["merged_from"])
+                stock, how = st.get("max_total_num_tokens"), ("stock server in another call of the same device session, "
+                                                              + ", ".join(m["file"] for m in tp["merged_from"])
                                                               if tp.get("merged_from") else "stock server in the same run")
             else:  # SGLang's own count for the same KV budget, computed by the offload server's sizing in the same run
                 stock, how = sizing.get("stock_tokens"), "SGLang's token count for the same KV budget, in the offload server's sizing"
@@ -486,6 +496,10 @@ def main():
     try:
         if a.part == "merge" and not a.inputs:
             ap.error("merge needs --inputs PART.json ...")
+        if a.part != "merge" and a.inputs:
+            ap.error(f"--inputs applies only to merge, not {a.part}")
+        if a.part != "throughput" and a.offload_extra:
+            ap.error(f"--offload-extra applies only to throughput, not {a.part}")
         res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble,
                "merge": part_merge}[a.part](a)
     except RuntimeError as e:

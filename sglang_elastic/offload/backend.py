@@ -96,10 +96,13 @@ class OffloadAttnBackend(AttentionBackend):
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
         #: --kv-offload-copy-timing: events around the V copies and prefetch waits (sglang_elastic.offload.copytime)
         self.copy_timer = None
-        if config.current().offload.copy_timing and torch.cuda.is_available() and not self.pool.layout.resident_v:
-            from sglang_elastic.offload.copytime import CopyTimer
+        if config.current().offload.copy_timing and not self.pool.layout.resident_v:
+            if torch.cuda.is_available():
+                from sglang_elastic.offload.copytime import CopyTimer
 
-            self.copy_timer = CopyTimer()
+                self.copy_timer = CopyTimer()
+            else:
+                logger.warning("sglang-elastic: --kv-offload-copy-timing times CUDA events; without a GPU it records nothing")
         self._spec_pending = {}  # layer id -> event of its prefetch in this step
         self._spec_done = {}  # layer id -> True: prefetched in this step (its exact pass adds to the prefetch's miss record)
         self._mode = None  # "decode" / "extend" / "idle" of the current forward
@@ -233,19 +236,22 @@ class OffloadAttnBackend(AttentionBackend):
         if not in_capture:
             self._count(forward_batch)
             self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
-        if self._mode == "decode":
-            self._time_step((forward_batch.batch_size, self._all_dense if in_capture else self._replays_dense()), in_capture)
-        else:
-            self._time_step(None)
+        if self.copy_timer is not None:
+            if self._mode == "decode":
+                self._time_step((forward_batch.batch_size, self._all_dense if in_capture else self._replays_dense(forward_batch)), in_capture)
+            else:
+                self._time_step(None)
 
-    def _replays_dense(self) -> bool:
-        """The decode graph about to replay is the all-dense variant (:func:`sglang_elastic.offload.keep.around_resolve_variant`)."""
+    def _replays_dense(self, fb) -> bool:
+        """The decode graph about to replay (``fb``: SGLang's replay view, padded to the graph's batch size) is the
+        all-dense variant: as :func:`sglang_elastic.offload.keep.around_resolve_variant` picks it, on the raw batch."""
         if not self.graph_variants:
             return False
         from sglang_elastic.offload import keep
 
         m = keep.current()
-        return bool(m is not None and m.all_kept)
+        raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
+        return bool(m is not None and m.all_kept and m.all_kept_bs == raw)
 
     def _time_step(self, key, capture: bool = False) -> None:
         """--kv-offload-copy-timing: read a finished step's events, then time this forward (``key``: its graph, None: not a decode)."""

@@ -33,6 +33,13 @@ is dropped. Pattern: SGLang's ``LayerDoneCounter`` events for the wait,
 this package's :class:`sglang_elastic.attention.online.ReplayTimer` for the
 read-back without a host sync.
 
+A step is lost when the same graph replays again before the GPU has passed
+it (``copy_unread_steps``): with SGLang's overlap scheduler the CPU forms the
+next step while the GPU runs this one, so at a steady batch size few steps are
+read (2 per run of 64 x 32K on the H200); with ``--disable-overlap-schedule``
+every ``every``-th step is. A layer's copy kernel runs even when nothing
+misses, and its span counts as copy time (a few microseconds a layer).
+
 Cost: 4 event records per sparse layer and step (6 with prefetch), inside the
 graphs; off by default.
 """
@@ -44,7 +51,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 #: Event names: the residual copy (compute stream), the prefetch's copy (side stream), the wait on the side stream.
 CRIT, PREFETCH, STALL = ("c0", "c1"), ("p0", "p1"), ("w0", "w1")
 #: Keys of :meth:`CopyTimer.stats`.
-STATS = ("copy_timed_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")
+STATS = ("copy_timed_steps", "copy_unread_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")
 
 
 class _Set:
@@ -88,7 +95,7 @@ class CopyTimer:
         self._last: Optional[_Set] = None
         self._since = 0
         self.totals = dict.fromkeys(STATS, 0.0)
-        self.totals["copy_timed_steps"] = 0
+        self.totals["copy_timed_steps"] = self.totals["copy_unread_steps"] = 0
         self.dropped = 0
 
     def begin(self, key: Hashable, capture: bool = False) -> None:
@@ -99,6 +106,9 @@ class CopyTimer:
             self._sets[key] = _Set(captured=capture)
         self._cur = s = self._sets[key]
         if not capture:
+            last = self._last
+            if last is s and s.fresh and s.last_main is not None and self._since >= self.every:  # due, not read, and now recorded again
+                self.totals["copy_unread_steps"] += 1
             if not s.captured:  # an eager step records its own events now (the batch decides which layers copy)
                 s.used.clear()
                 s.last_main = None
@@ -177,7 +187,9 @@ class CopyTimer:
         return copy, exposed, pf_all, stall_all
 
     def stats(self) -> dict:
-        """Since start, over the timed steps: ``copy_timed_steps``, ``copy_ms`` (all V copy time), ``copy_exposed_ms``
+        """Since start: ``copy_unread_steps`` (steps due for a read whose graph was replayed again before the GPU
+        had passed them: with SGLang's overlap scheduler, most), over the timed steps: ``copy_timed_steps``,
+        ``copy_ms`` (all V copy time; a layer's copy kernel runs, and counts, even when nothing misses), ``copy_exposed_ms``
         (on the critical path), ``copy_prefetch_ms`` (on the side stream), ``copy_stall_ms`` (the compute stream's waits
         for it), and ``copy_hidden_share`` (1 - exposed / copy; None before a timed step copied anything)."""
         t = dict(self.totals)
