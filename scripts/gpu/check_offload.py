@@ -170,20 +170,27 @@ def check_exact_case(name, HQ, HKV, D, denominator):
             "identical": identical, "max_rel_err_vs_float64": worst, "stats": stats}
 
 
-def graph_ms(fn, reps=50):
-    """Median CUDA-event time of one replay of ``fn`` captured in a CUDA graph
-    (what a serving step pays: no launch gaps from Python)."""
+def capture(fn, warm=3, before=None):
+    """``fn`` run ``warm`` times on a side stream (``before()`` ahead of each run), then captured in a CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warm):
+            if before is not None:
+                before()
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return time_ms(g.replay, reps=reps)
+    return g
+
+
+def graph_ms(fn, reps=50):
+    """Median CUDA-event time of one replay of ``fn`` captured in a CUDA graph
+    (what a serving step pays: no launch gaps from Python)."""
+    return time_ms(capture(fn).replay, reps=reps)
 
 
 def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
@@ -333,17 +340,7 @@ def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hvi
         hot_state.loc_slot.fill_(-1)
 
     timer.begin("graph", capture=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            cold()
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step, warm=2, before=cold)
     for _ in range(replays):
         cold()
         timer.begin("graph")
