@@ -203,8 +203,7 @@ class OffloadAttnBackend(AttentionBackend):
         if self._mode == "decode" and self.pool.keep_v:
             from sglang_elastic.offload import keep
 
-            m = keep.current()
-            self._all_dense = m is not None and m.all_kept and m.all_kept_bs == forward_batch.batch_size
+            self._all_dense = keep.dense_step(forward_batch.batch_size)
         self._time_step("eager" if self._mode == "decode" else None)
         if self._mode == "extend":
             self._init_extend(forward_batch)
@@ -249,9 +248,7 @@ class OffloadAttnBackend(AttentionBackend):
             return False
         from sglang_elastic.offload import keep
 
-        m = keep.current()
-        raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
-        return bool(m is not None and m.all_kept and m.all_kept_bs == raw)
+        return keep.dense_step(fb.batch_size - (getattr(fb, "num_padding", 0) or 0))
 
     def _time_step(self, key, capture: bool = False) -> None:
         """--kv-offload-copy-timing: read a finished step's events, then time this forward (``key``: its graph, None: not a decode)."""

@@ -285,14 +285,19 @@ def capturing_dense_variant() -> bool:
     return get_capture_lora_variant() == DENSE_VARIANT
 
 
+def dense_step(batch_size: int) -> bool:
+    """The decode batch of ``batch_size`` requests (unpadded) is the one the scheduler just granted kept
+    slots for every request of (:attr:`KeepV.all_kept`): its step is the all-dense one."""
+    m = current()
+    return bool(m is not None and m.all_kept and m.all_kept_bs == batch_size)
+
+
 def around_resolve_variant(orig, runner, forward_batch, *args, **kwargs):
     """AROUND ``DecodeCudaGraphRunner._resolve_lora_variant``: the all-dense graph for a batch whose
     every request the scheduler just granted a kept slot (:attr:`KeepV.all_kept`), else the general one."""
     if not getattr(runner, "_sglang_elastic_keep", False):
         return orig(runner, forward_batch, *args, **kwargs)
-    m = current()
-    dense = m is not None and m.all_kept and m.all_kept_bs == forward_batch.batch_size
-    return DENSE_VARIANT if dense else GENERAL_VARIANT
+    return DENSE_VARIANT if dense_step(forward_batch.batch_size) else GENERAL_VARIANT
 
 
 def manager_for(allocator) -> Optional[KeepV]:
@@ -345,5 +350,5 @@ def release_row(row: int) -> None:
         m.demote(row, finished=True)
 
 
-__all__ = ["DENSE_VARIANT", "GENERAL_VARIANT", "KeepV", "RESERVE_FRAC", "capturing_dense_variant", "current", "manager_for", "register",
+__all__ = ["DENSE_VARIANT", "GENERAL_VARIANT", "KeepV", "RESERVE_FRAC", "capturing_dense_variant", "current", "dense_step", "manager_for", "register",
            "release_row"]
