@@ -115,6 +115,11 @@ class Server:
                 pass
 
 
+def tp_args(a) -> List[str]:
+    """``--tp N`` for every server of a part run at TP > 1 (each rank offloads its own KV heads)."""
+    return ["--tp", str(a.tp)] if a.tp > 1 else []
+
+
 def tail(path: str, n: int = 30) -> str:
     try:
         with open(path) as f:
@@ -191,7 +196,7 @@ def part_smoke(a) -> dict:
     runs = {}
     for i, name in enumerate(("resident", "offload")):
         args = SERVERS[name] + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
-        s = Server(name, args, 30100 + i, a.work)
+        s = Server(name, args + tp_args(a), 30100 + i, a.work)
         try:
             up = s.wait()
             res = []
@@ -225,7 +230,7 @@ def part_capacity(a) -> dict:
     n_req, plen = a.requests, 32768
     ps = prompts([plen] * n_req, seed=1)
     for i, name in enumerate(a.servers.split(",")):
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"], 30200 + i, a.work)
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a), 30200 + i, a.work)
         try:
             up = s.wait()
             info = s.info()
@@ -309,7 +314,8 @@ def part_throughput(a) -> dict:
     ps = prompts([ilen] * n, seed=2)
     for i, name in enumerate(a.servers.split(",")):
         offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + a.extra.split() + offload_extra, 30300 + i, a.work)
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a) + a.extra.split() + offload_extra, 30300 + i,
+                   a.work)
         try:
             up = s.wait()
             # warm-up at the workload's size (a 256-token one left a first-use JIT in stock's measured prefill on fits)
@@ -481,6 +487,7 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="throughput: requests (default: the workload's; e.g. 8 x 130,560 of long128k, 1.04M tokens, still exceed stock's pool)")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--tp", type=int, default=1, help="smoke, capacity, throughput: tensor parallel size of every server (GPUs 0..N-1)")
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
@@ -488,7 +495,7 @@ def main():
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
     ap.add_argument("--inputs", nargs="+", default=None, help="merge: throughput parts of one workload and size (one server per call)")
     a = ap.parse_args()
-    for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len)):
+    for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len), ("--tp", a.tp)):
         if v is not None and v < 1:
             ap.error(f"{flag} {v}: give 1 or more")
     os.makedirs(a.work, exist_ok=True)
@@ -505,7 +512,7 @@ def main():
     except RuntimeError as e:
         sys.exit(f"bench_offload {a.part}: {e}")
     if a.part not in ("assemble", "merge"):
-        res = {**results.header(), "part": a.part, "seconds": round(time.time() - t0, 1), **res}
+        res = {**results.header(), "part": a.part, "tp": a.tp, "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
     print(json.dumps(res, indent=1)[:4000])
 

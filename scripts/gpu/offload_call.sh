@@ -4,6 +4,7 @@
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
 # STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
+#   smoke, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
 #     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's)
 #   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
@@ -52,14 +53,15 @@ free_gpu() {  # stop every SGLang process and wait (up to 60 s) until no process
   done
   pkill -9 -f "sglang::"; pkill -9 -f sglang.launch_server; sleep 3
 }
+tp=${TP:-1}; sfx=""; [ "$tp" -gt 1 ] && sfx="_tp$tp"  # TP=2: every server at --tp 2 (GPUs 0,1), parts named *_tp2.json
 for step in "$@"; do
   IFS=: read -r kind arg1 arg2 <<< "$step"
   t0=$(date +%s)
   case $kind in
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
-    smoke) python3 scripts/gpu/bench_offload.py smoke --out "$out/smoke.json" > "$out/smoke.log" 2>&1 ;;
-    capacity) python3 scripts/gpu/bench_offload.py capacity --servers "${arg1:-stock,offload}" --out "$out/capacity.json" > "$out/capacity.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}.json" > "$out/throughput_$arg1.log" 2>&1 ;;
+    smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke.log" 2>&1 ;;
+    capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1.log" 2>&1 ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol
