@@ -192,6 +192,9 @@ class HeldCache:
     def unused(self) -> int:
         return self.held
 
+    def reusable(self) -> int:  # whole blocks: a large allocation can take them all
+        return self.held
+
     def empty(self) -> None:
         self.emptied += 1
         if self.handle is not None:
@@ -767,6 +770,60 @@ def test_with_the_measured_rule_a_one_step_lend_leaves_the_eager_prefills_need_f
     # a need above half the lendable bytes: lending that little would not pay, the plain margin stays
     ctl.activations.peaks = {(budget, 1): ELASTIC * sum(ctl.arena.row_bytes)}  # need: 1.25x all the lendable bytes
     assert ctl._lend_margin() == 0 and ctl.lend() == ELASTIC
+    bed.check_ownership_and_accounting()
+
+
+def test_with_the_measured_rule_split_remainders_in_torchs_cache_do_not_count_towards_the_need_the_lend_leaves(monkeypatch):
+    """Seen on the H200 (1a4cb5f): the measured need was 1.38 GiB and the lend left it, counting 0.23 GiB of
+    torch's unused cached blocks; those were split remainders of live segments, which the next eager prefill
+    counts out (a large allocation cannot take them), so each of 112 prefills found 1.17 GiB and reclaimed
+    the whole step. The cut now counts the cache as the prefill will: the need stays free at the driver."""
+    import dataclasses
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_elastic.sched import controller, hooks
+    from test_controller import _graph_args
+
+    class SplitCache(HeldCache):  # unused bytes inside live segments: not handed back, not reusable by a large allocation
+        def reusable(self) -> int:
+            return 0
+
+        def empty(self) -> None:
+            self.emptied += 1
+
+    monkeypatch.setattr(controller, "MEASURED_SLACK_MB", 0)
+    kib = 1024
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + 8 * kib, margin_mb=0)
+    ctl, peaks = bed.ctl, Peaks()
+    ctl.peak_memory = peaks
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
+    budget = bed.sched.server_args.chunked_prefill_size
+    assert bed.admit(list(range(30)))
+
+    def prefill(took):
+        reqs = [bed.request(list(range(1000, 1100)))]
+        bed.sched.waiting_queue.extend(reqs)
+        ctl.before_prefill(bed.batch)
+        bed.sched.waiting_queue.clear()
+        ctl.after_prefill(_extend_batch(reqs, budget), bed.batch)
+        peaks.top = peaks.allocated + took
+        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, budget))
+
+    prefill(took=20 * kib)
+    ctl.before_prefill(bed.batch)
+    need = ctl._lend_margin()
+    assert need == int(20 * kib * controller.MEASURED_SAFETY)
+    ctl.torch_cache = cache = SplitCache(bed.be, need // 2 // 4096 * 4096)  # half the need sits in split remainders
+    assert cache.unused() > 0 and cache.reusable() == 0
+    lent = ctl.lend()
+    assert 0 < lent < ELASTIC and bed.be.free_bytes() >= need  # the need is left at the driver, the remainders not counted
+    skipped, unmaps = ctl.reclaims_skipped, bed.be.calls.get("unmap", 0)
+    prefill(took=20 * kib)
+    assert ctl.reclaims_skipped == skipped + 1 and bed.alloc.lent_tokens == lent and bed.be.calls.get("unmap", 0) == unmaps
+    # SGLang's rule counts every unused block (as its reclaim test does): the cache's bytes count towards the margin again
+    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
+    assert ctl._margin_cache() == cache.unused()
     bed.check_ownership_and_accounting()
 
 

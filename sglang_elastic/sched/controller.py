@@ -87,7 +87,7 @@ import json
 import logging
 import os
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -451,6 +451,7 @@ class ElasticController:
         self._measuring: Optional[dict] = None
         #: the bytes this pass's steps_needed took the next forward to need (None: not asked this pass), for the events
         self._pass_need: Optional[int] = None
+        self._pass_free: Optional[Tuple[int, int]] = None
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -723,7 +724,7 @@ class ElasticController:
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if self.cfg.mode != "dynamic":
             return
-        self._pass_need = None
+        self._pass_need = self._pass_free = None
         if not self.prefill_in_graphs and self.peak_memory.available:  # measure the eager prefill this pass may launch
             self._finish_measuring()
             self._probe = self.peak_memory.reset()
@@ -825,11 +826,12 @@ class ElasticController:
         if measured:
             need = self.activations.need(tokens, requests, need)
         self._pass_need = need
-        free = self.arena.backend.free_bytes() or 0
+        free = driver = self.arena.backend.free_bytes() or 0
         if measured:
             free += self.torch_cache.reusable()
         elif torch.cuda.is_available():
             free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        self._pass_free = (driver, free - driver)  # for the reclaim's event: what was free at the driver and in torch's cache
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
         return -agree_min(self.sched, -steps)
@@ -968,7 +970,8 @@ class ElasticController:
         if not self._quiet and used_prepared == steps:
             self.lends_prepared += 1
         self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
-                    steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None)
+                    steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None,
+                    free_after_bytes=self.arena.backend.free_bytes(), margin_bytes=self._lend_margin())
         self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms (%d of %d step(s) made ahead)", self.alloc.lent_tokens,
                   self.arena.lent_bytes / 2**30, ms, used_prepared, steps)
         return self.alloc.lent_tokens
@@ -982,11 +985,27 @@ class ElasticController:
     def _room(self, free: int, cached: int) -> int:
         """Bytes a one-step lend may take: the step must be backed by ``free``
         (the driver's free memory, with handles made ahead); the margin
-        (:meth:`_lend_margin`) may sit in torch's ``cached`` unused blocks (they
-        serve the next eager forward, which is what the margin is kept for), so
-        a cut that fits that way stays without emptying the cache at every lend
-        (:meth:`_recut`) and its handles are made ahead (:meth:`steps_that_fit`)."""
+        (:meth:`_lend_margin`) may sit in torch's ``cached`` unused blocks
+        (counted by :meth:`_margin_cache`: they serve the next eager forward, which is
+        what the margin is kept for), so a cut that fits that way stays without
+        emptying the cache at every lend (:meth:`_recut`) and its handles are
+        made ahead (:meth:`steps_that_fit`)."""
         return min(free + cached - self._lend_margin(), free)
+
+    def _margin_cache(self) -> int:
+        """torch's cached bytes that count towards the margin, as :meth:`steps_needed`
+        will count them at the next eager prefill: with ``--elastic-kv-activation-rule
+        measured`` (eager prefills, a pass measured) only what a large allocation can
+        take (:meth:`TorchCache.reusable`), otherwise every unused block.
+
+        Why: on the H200 (1a4cb5f) the measured margin was 1.38 GiB, but the cut
+        counted 0.23 GiB of split remainders in torch's cache towards it (after
+        emptying the cache, they were what it could not give back); the prefill
+        counted them out, found 1.17 GiB, and each of 112 reclaimed the whole step."""
+        acts = self.activations
+        if self.cfg.activation_rule == "measured" and not self.prefill_in_graphs and acts.peaks:
+            return self.torch_cache.reusable()
+        return self.torch_cache.unused()
 
     def _lend_margin(self) -> int:
         """Bytes a one-step lend leaves free: ``--elastic-kv-margin-mb``, or, with
@@ -1062,19 +1081,19 @@ class ElasticController:
                 return 0
             return c if c < cur or c >= min(cur + grow, full) else cur
 
-        def room(free: int, unused: int) -> int:  # the handles made ahead back the step as the driver's free memory does
-            return self._room(free + prep, unused)
+        def room(free: int, cached: int) -> int:  # the handles made ahead back the step as the driver's free memory does
+            return self._room(free + prep, cached)
 
         mine = 0
         if self._stop is None and not a.lending_disabled:
             unused = 0 if emptied else self.torch_cache.unused()
-            mine = cut(room(free, unused))
+            mine = cut(room(free, 0 if emptied else self._margin_cache()))
             if unused and cut(free + prep + unused - margin) > mine:  # the cache's blocks, back at the driver, would back more
                 t = time.perf_counter()
                 self.torch_cache.empty()
                 ms = (time.perf_counter() - t) * 1e3
                 free = a.backend.free_bytes() or 0
-                mine = max(mine, cut(room(free, self.torch_cache.unused())))  # what it could not give back still counts as margin
+                mine = max(mine, cut(room(free, self._margin_cache())))  # what it could not give back still counts as margin
         tokens = agree_min(self.sched, mine)  # whole token quanta on every rank (cut)
         if tokens != a.lendable_tokens:
             if a.prepared_steps:
@@ -1133,7 +1152,7 @@ class ElasticController:
         one = self._one_step_unlent
 
         def fit(free: int) -> int:
-            return max(self._room(free, self.torch_cache.unused()) if one else free - margin, 0) // step
+            return max(self._room(free, self._margin_cache()) if one else free - margin, 0) // step
 
         ms = 0.0
         if may_empty and fit(free) < new and self.torch_cache.unused() > 0:
@@ -1251,7 +1270,8 @@ class ElasticController:
         wait_ms = sum(waited) * 1e3
         vacate_ms, unmap_ms = (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3 - wait_ms
         rec = dict(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
-                   dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._pass_need)
+                   dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._pass_need,
+                   **({"free_bytes": self._pass_free[0], "cache_bytes": self._pass_free[1]} if self._pass_free else {}))
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
             self._releasing = dict(rec, t_end=time.perf_counter())
         else:
