@@ -98,6 +98,24 @@ def test_the_measured_rule_part_gives_its_committed_result():
     assert pp["lends_prepared"] > 0.9 * pp["lends"]
 
 
+def test_the_lend_that_leaves_the_measured_need_free_skips_the_eager_prefills_reclaims():
+    """The same run at 3eac9db (docs/results/elastic_issue22_lend_margin_h200.json): the one-step lend leaves the
+    measured need free (counting torch's reusable cache only), so of ~113 eager prefills while lent only the first
+    (before any pass was measured: SGLang's estimate) and one of more requests reclaimed; 2085840 reclaimed at each."""
+    import tempfile
+
+    part = PARTS / "issue22" / "3eac9db" / "elastic-eager_tp1.json.gz"
+    committed = json.loads((ROOT / "docs/results/elastic_issue22_lend_margin_h200.json").read_text())
+    with tempfile.TemporaryDirectory() as t:
+        again = _assemble([part], Path(t) / "m.json")
+    assert again["per_phase"] == committed["per_phase"]
+    pp = committed["per_phase"]["elastic_eager"]
+    before = json.loads((ROOT / "docs/results/elastic_issue22_measured_h200.json").read_text())["per_phase"]["elastic_eager"]
+    assert before["reclaims"] >= 100 and before["reclaims_skipped"] == 0
+    assert pp["reclaims_skipped"] >= 100 and pp["reclaims"] <= 2 and pp["lends"] <= 3
+    assert committed["burst_eager_prefill"]["elastic"]["failed_requests"] == 0 and not committed["burst_eager_prefill"]["elastic"]["oom"]
+
+
 def test_elastic_extra_flags_reach_the_elastic_servers_only():
     import importlib.util
 

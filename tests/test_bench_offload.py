@@ -80,20 +80,27 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     want = json.loads((ROOT / "docs" / "results" / "offload_h200.json").read_text())
     assert {"date", "gpu", "commit", "command", "capacity", "throughput", "exactness"} <= set(out)
     assert "H200" in out["gpu"]  # the parts' GPU, not the assembling machine's
-    for key in ("capacity", "throughput", "exactness", "part_commits"):
+    for key in ("capacity", "throughput", "exactness", "part_commits", "tp"):
         assert out[key] == want[key], key
     assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
+    assert out["part_commits"]["smoke.json"] != out["part_commits"]["smoke_tp2.json"]  # the TP 2 smoke is not the TP 1 exactness
+    # TP 2 (two H200s, 1a4cb5f): each rank offloads its own 4 KV heads; the same greedy tokens and logprobs as resident V,
+    # and 1.75x the tokens SGLang's own sizing gives the same per-rank budget
+    tp2 = out["tp"]["2"]
+    assert tp2["exactness"]["compared"] == tp2["exactness"]["identical"] == 6 and tp2["exactness"]["max_abs_logprob_diff"] == 0.0
+    assert tp2["offload_tokens"] > 1.6 * tp2["stock_tokens_same_budget"] and tp2["bound"] == "hbm" and tp2["batched_equals_sequential"]
     src = json.loads((parts / "throughput_fits.json").read_text())["servers"]
     same = json.loads((parts / "throughput_fits_same_run.json").read_text())["servers"]
     long = json.loads((parts / "throughput_long32k.json").read_text())["servers"]
     # by file name: the stock + selected run of 2026-12-02, the estimate-only run of 2026-12-03, keep-v beside stock
     # twice (2026-12-04 #2), stock + estimate in one run of 2026-12-04, the 64 x 32K load against stock and HiCache,
-    # and with keep-v; 8 x 128K with stock and offload in two calls on one host (merged); prefetch beside the sparse rule
-    old_row, est_row, keep1, keep2, same_row, row128k, long_row, long_keep, long_prefetch = out["throughput"]
-    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 5 + ["long128k"] + ["long32k"] * 3
+    # and with keep-v; 8 x 128K with stock and offload in two calls on one host (merged); prefetch beside the sparse rule;
+    # keep-v beside stock a third time (1a4cb5f, both servers at --max-running-requests 64, no prefill graphs)
+    old_row, est_row, keep1, keep2, keep3, same_row, row128k, long_row, long_keep, long_prefetch = out["throughput"]
+    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 6 + ["long128k"] + ["long32k"] * 3
     # each row says its size (a shortened run, --num-prompts, is not taken for the workload's default)
     assert [(r["num_prompts"], r["input_len"], r["output_len"]) for r in out["throughput"]] == \
-        [(64, 4096, 512)] * 5 + [(8, 130560, 512)] + [(64, 32768, 512)] * 3
+        [(64, 4096, 512)] * 6 + [(8, 130560, 512)] + [(64, 32768, 512)] * 3
     merged = json.loads((parts / "throughput_long128k_n8.json").read_text())
     assert [m["servers"] for m in merged["merged_from"]] == [["stock"], ["offload"]]
     assert row128k["stock_output_tok_s"] == merged["servers"]["stock"]["output_tok_s"] and row128k["offload_output_tok_s"] > 0
@@ -102,7 +109,7 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     assert long_prefetch["prefetch_median_itl_ms"] == pf["offload-prefetch"]["median_itl_ms"]
     assert long_prefetch["prefetch_hit_rate"] > long_prefetch["hit_rate"] > 0.99
     assert long_prefetch["copy_hidden_share"] == 0.0 < long_prefetch["prefetch_copy_hidden_share"] < 1
-    for i, row in ((1, keep1), (2, keep2)):
+    for i, row in ((1, keep1), (2, keep2), (3, keep3)):
         kv = json.loads((parts / f"throughput_fits_keep_v_{i}.json").read_text())["servers"]
         assert row["keep_v_median_itl_ms"] == kv["offload-keep"]["median_itl_ms"] and row["stock_median_itl_ms"] == kv["stock"]["median_itl_ms"]
         assert 1.0 < row["keep_v_median_itl_ms"] / row["stock_median_itl_ms"] < 1.07 and row["offload_median_itl_ms"] is None

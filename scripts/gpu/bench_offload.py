@@ -403,7 +403,8 @@ def part_merge(a) -> dict:
 
 
 def part_assemble(a) -> dict:
-    parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    every = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    parts = [p for p in every if p.get("tp", 1) == 1]  # the issue's keys are TP 1; parts at TP > 1 go under "tp"
     out = results.header(a.command)
     by = {p.get("part"): p for p in parts}
     out["parts"] = sorted(k for k in by if k)
@@ -470,7 +471,26 @@ def part_assemble(a) -> dict:
             out["accuracy_server_stats"] = acc["server_stats"]
         if acc.get("exactness"):
             out.setdefault("exactness_smollm2", acc["exactness"])
+    out["tp"] = tp_summary([p for p in every if p.get("tp", 1) > 1])
     out["part_files"] = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    return out
+
+
+def tp_summary(parts: List[dict]) -> dict:
+    """Per TP degree above 1 (key ``"2"``, ...): the smoke part's exactness (offload against resident V, greedy
+    tokens and logprobs) and the offload server's pool against SGLang's count for the same KV budget per rank."""
+    out: dict = {}
+    for p in sorted(parts, key=lambda p: p.get("date", "")):
+        row = out.setdefault(str(p["tp"]), {})
+        if p.get("part") == "smoke":
+            off = p["servers"].get("offload", {})
+            sizing = (off.get("offload") or {}).get("sizing") or {}
+            row.update({"date": p.get("date"), "commit": p.get("commit"), "gpu": p.get("gpu"),
+                        "exactness": {k: p["exactness"][k] for k in ("compared", "identical", "max_abs_logprob_diff", "tokens_compared")},
+                        "offload_tokens": off.get("max_total_num_tokens"), "stock_tokens_same_budget": sizing.get("stock_tokens"),
+                        "bound": sizing.get("bound"), "host_pool_gb_per_rank": (off.get("offload") or {}).get("host_pool_bytes", 0) / 1e9,
+                        "batched_equals_sequential": all(all(v.get("batched_equals_sequential") or [False]) for v in p["servers"].values()),
+                        "flags": "smoke: --disable-prefill-cuda-graph --cuda-graph-max-bs 16 --max-running-requests 16"})
     return out
 
 
