@@ -169,6 +169,33 @@ def test_throughput_refuses_a_count_below_one_in_one_line_and_writes_nothing(tmp
     assert not out.exists() and not (tmp_path / "w").exists()
 
 
+def test_parts_at_tp_2_stay_out_of_the_tp_1_keys_and_are_summarised_under_tp(tmp_path):
+    import shutil
+
+    mod = bench()
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    src = ROOT / "docs" / "results" / "offload_h200_parts"
+    for f in ("smoke.json", "smoke_tp2.json", "throughput_fits_same_run.json"):
+        shutil.copy(src / f, parts / f)
+    cap = {"part": "capacity", "tp": 2, "date": "2026-12-05T00:00:00", "commit": "x", "gpu": "NVIDIA H200; NVIDIA H200",
+           "servers": {"stock": {"max_total_num_tokens": 1_900_000, "peak_used_tokens": 1_800_000, "peak_running_reqs": 55},
+                       "offload": {"max_total_num_tokens": 3_300_000, "peak_used_tokens": 2_100_000, "peak_running_reqs": 64}}}
+    tput = {"part": "throughput", "tp": 2, "workload": "long32k", "num_prompts": 64, "date": "2026-12-05T00:10:00", "commit": "x",
+            "gpu": "NVIDIA H200; NVIDIA H200", "servers": {"offload": {"output_tok_s": 400.0, "median_itl_ms": 30.0}}}
+    (parts / "capacity_tp2.json").write_text(json.dumps(cap))
+    (parts / "throughput_long32k_tp2.json").write_text(json.dumps(tput))
+    out = mod.part_assemble(type("A", (), {"parts": str(parts), "command": "assemble"})())
+    one = json.loads((src / "smoke.json").read_text())
+    assert out["exactness"]["max_abs_logprob_diff"] == one["exactness"]["max_abs_logprob_diff"] and "capacity" in out
+    # the TP-2 capacity part is not the TP-1 capacity, and the TP-2 throughput is no TP-1 row
+    assert out["capacity"]["stock_tokens"] == 910_612 and [r["workload"] for r in out["throughput"]] == ["fits"]
+    tp2 = out["tp"]["2"]
+    assert tp2["capacity"]["offload"]["max_total_num_tokens"] == 3_300_000 and tp2["throughput"][0]["offload"]["output_tok_s"] == 400.0
+    assert tp2["exactness"]["identical"] == 6 and tp2["offload_tokens"] == 3_377_469
+    assert out["gpu"] == "NVIDIA H200; NVIDIA H200, 143771 MiB, 580.159.04"  # each GPU name once, a two-GPU host's too, TP-2 parts too
+
+
 def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workload(tmp_path):
     mod = bench()
     base = {"part": "throughput", "workload": "long128k", "input_len": 130560, "output_len": 512, "num_prompts": 8, "gpu": "NVIDIA H200",
@@ -182,9 +209,16 @@ def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workloa
     m = mod.part_merge(args)
     assert m["servers"] == {"stock": {"output_tok_s": 29.0}, "offload": {"output_tok_s": 28.0}} and m["commit"] == "abc"
     assert m["command"] == "one; two" and m["date"] == b["date"] and m["seconds"] == 20.0 and m["num_prompts"] == 8
+    assert m["tp"] == 1  # parts from before --tp ran at TP 1
     fb.write_text(json.dumps(dict(b, num_prompts=16)))
     with pytest.raises(RuntimeError, match="num_prompts 16 against 8"):
         mod.part_merge(args)
+    fb.write_text(json.dumps(dict(b, tp=2)))  # a TP-2 server beside a TP-1 one is no comparison
+    with pytest.raises(RuntimeError, match="tp 2 against 1"):
+        mod.part_merge(args)
+    fa.write_text(json.dumps(dict(a, tp=2)))
+    assert mod.part_merge(args)["tp"] == 2  # and a merged TP-2 part stays TP 2 (assemble keeps it out of the TP-1 rows)
+    fa.write_text(json.dumps(a))
     fb.write_text(json.dumps(dict(b, servers={"stock": {}})))
     with pytest.raises(RuntimeError, match="server stock is in two parts"):
         mod.part_merge(args)

@@ -379,7 +379,9 @@ def part_merge(a) -> dict:
             parts.append(json.load(open(f)))
         except (OSError, ValueError) as e:
             raise RuntimeError(f"{f}: {e}") from None
-    keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu")
+    keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu", "tp")
+    for p in parts:  # parts from before --tp ran at TP 1
+        p.setdefault("tp", 1)
     first = parts[0]
     for p, f in zip(parts, a.inputs):
         if p.get("part") != "throughput":
@@ -408,7 +410,7 @@ def part_assemble(a) -> dict:
     out = results.header(a.command)
     by = {p.get("part"): p for p in parts}
     out["parts"] = sorted(k for k in by if k)
-    gpus = sorted({p["gpu"] for p in parts if p.get("gpu") and p["gpu"] != "unknown"})
+    gpus = sorted({g for p in every if p.get("gpu") and p["gpu"] != "unknown" for g in p["gpu"].split("; ")})  # a host's GPUs, once each
     if gpus:  # assembled on any machine: the GPU the parts ran on
         out["gpu"] = "; ".join(gpus)
     out["part_commits"] = {os.path.basename(f): json.load(open(f)).get("commit") for f in sorted(glob.glob(os.path.join(a.parts, "*.json")))}
@@ -478,17 +480,26 @@ def part_assemble(a) -> dict:
 
 def tp_summary(parts: List[dict]) -> dict:
     """Per TP degree above 1 (key ``"2"``, ...): the smoke part's exactness (offload against resident V, greedy
-    tokens and logprobs) and the offload server's pool against SGLang's count for the same KV budget per rank."""
+    tokens and logprobs) and the offload server's pool against SGLang's count for the same KV budget per rank;
+    each server's pool and peak of a capacity part, and each throughput part's rows as the TP-1 parts give them."""
     out: dict = {}
     for p in sorted(parts, key=lambda p: p.get("date", "")):
         row = out.setdefault(str(p["tp"]), {})
-        if p.get("part") == "smoke":
+        if p.get("part") == "capacity":
+            row["capacity"] = {name: {k: v.get(k) for k in ("max_total_num_tokens", "peak_used_tokens", "peak_running_reqs")}
+                               for name, v in p["servers"].items()} | {"date": p.get("date"), "commit": p.get("commit")}
+        elif p.get("part") == "throughput":
+            row.setdefault("throughput", []).append({"workload": p["workload"], "num_prompts": p.get("num_prompts"), "date": p.get("date"),
+                                                     "commit": p.get("commit"),
+                                                     **{name: {k: v.get(k) for k in ("output_tok_s", "median_itl_ms", "median_ttft_ms", "hit_rate")}
+                                                        for name, v in p["servers"].items()}})
+        elif p.get("part") == "smoke":
             off = p["servers"].get("offload", {})
             sizing = (off.get("offload") or {}).get("sizing") or {}
             row.update({"date": p.get("date"), "commit": p.get("commit"), "gpu": p.get("gpu"),
                         "exactness": {k: p["exactness"][k] for k in ("compared", "identical", "max_abs_logprob_diff", "tokens_compared")},
                         "offload_tokens": off.get("max_total_num_tokens"), "stock_tokens_same_budget": sizing.get("stock_tokens"),
-                        "bound": sizing.get("bound"), "host_pool_gb_per_rank": (off.get("offload") or {}).get("host_pool_bytes", 0) / 1e9,
+                        "bound": sizing.get("bound"), "host_pool_gb_per_rank": ((off.get("offload") or {}).get("host_pool_bytes") or 0) / 1e9,
                         "batched_equals_sequential": all(all(v.get("batched_equals_sequential") or [False]) for v in p["servers"].values()),
                         "flags": "smoke: --disable-prefill-cuda-graph --cuda-graph-max-bs 16 --max-running-requests 16"})
     return out

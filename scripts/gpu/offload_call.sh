@@ -59,9 +59,9 @@ for step in "$@"; do
   t0=$(date +%s)
   case $kind in
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
-    smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke.log" 2>&1 ;;
-    capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1.log" 2>&1 ;;
+    smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
+    capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol

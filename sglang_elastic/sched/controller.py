@@ -826,12 +826,13 @@ class ElasticController:
         if measured:
             need = self.activations.need(tokens, requests, need)
         self._pass_need = need
-        free = driver = self.arena.backend.free_bytes() or 0
+        driver = self.arena.backend.free_bytes()
+        free = driver or 0
         if measured:
             free += self.torch_cache.reusable()
         elif torch.cuda.is_available():
             free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        self._pass_free = (driver, free - driver)  # for the reclaim's event: what was free at the driver and in torch's cache
+        self._pass_free = (driver, free - (driver or 0))  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
         return -agree_min(self.sched, -steps)
@@ -971,7 +972,7 @@ class ElasticController:
             self.lends_prepared += 1
         self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
                     steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None,
-                    free_after_bytes=self.arena.backend.free_bytes(), margin_bytes=self._lend_margin())
+                    **({"free_after_bytes": self.arena.backend.free_bytes()} if self._events is not None else {}))
         self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms (%d of %d step(s) made ahead)", self.alloc.lent_tokens,
                   self.arena.lent_bytes / 2**30, ms, used_prepared, steps)
         return self.alloc.lent_tokens
@@ -1086,9 +1087,11 @@ class ElasticController:
 
         mine = 0
         if self._stop is None and not a.lending_disabled:
-            unused = 0 if emptied else self.torch_cache.unused()
-            mine = cut(room(free, 0 if emptied else self._margin_cache()))
-            if unused and cut(free + prep + unused - margin) > mine:  # the cache's blocks, back at the driver, would back more
+            # what emptying torch's cache could give back, as the margin counts it (without split remainders under the
+            # measured rule: emptying cannot return those, and a 34 ms empty_cache for nothing is a slow lend)
+            cached = 0 if emptied else self._margin_cache()
+            mine = cut(room(free, cached))
+            if cached and cut(free + prep + cached - margin) > mine:  # the cache's blocks, back at the driver, would back more
                 t = time.perf_counter()
                 self.torch_cache.empty()
                 ms = (time.perf_counter() - t) * 1e3
