@@ -82,16 +82,22 @@ def test_the_bdbbce1_eager_part_gives_its_committed_result_and_eager_prefill_pea
     assert pp["eager_prefill_need_gib"]["max"] == 2.0 and pp["lends"] == len(d["lends"]) and pp["lends_prepared"] is not None
 
 
+def _committed_part_result(commit: str, result: str) -> dict:
+    """The committed ``docs/results/RESULT`` of issue 22's eager phase run at ``commit``, after checking that its
+    part (``elastic_h200_parts/issue22/COMMIT/``) assembles to the same per-phase summary."""
+    import tempfile
+
+    committed = json.loads((ROOT / "docs/results" / result).read_text())
+    with tempfile.TemporaryDirectory() as t:
+        again = _assemble([PARTS / "issue22" / commit / "elastic-eager_tp1.json.gz"], Path(t) / "m.json")
+    assert again["per_phase"] == committed["per_phase"]
+    return committed
+
+
 def test_the_measured_rule_part_gives_its_committed_result():
     """The run with --elastic-kv-activation-rule measured at 2085840 (docs/results/elastic_issue22_measured_h200.json):
     every eager pass's peak stayed below the need the rule gave it, and the rule's need was far below SGLang's estimate."""
-    import tempfile
-
-    part = PARTS / "issue22" / "2085840" / "elastic-eager_tp1.json.gz"
-    committed = json.loads((ROOT / "docs/results/elastic_issue22_measured_h200.json").read_text())
-    with tempfile.TemporaryDirectory() as t:
-        again = _assemble([part], Path(t) / "m.json")
-    assert again["per_phase"] == committed["per_phase"]
+    committed = _committed_part_result("2085840", "elastic_issue22_measured_h200.json")
     pp = committed["per_phase"]["elastic_eager"]
     assert pp["eager_prefill_peak_over_need"]["max"] < 1 and pp["reclaims"] >= 100
     assert pp["eager_prefill_need_gib"]["p50"] < pp["eager_prefill_estimate_gib"]["max"] / 4
@@ -102,13 +108,7 @@ def test_the_lend_that_leaves_the_measured_need_free_skips_the_eager_prefills_re
     """The same run at 3eac9db (docs/results/elastic_issue22_lend_margin_h200.json): the one-step lend leaves the
     measured need free (counting torch's reusable cache only), so of ~113 eager prefills while lent only the first
     (before any pass was measured: SGLang's estimate) and one of more requests reclaimed; 2085840 reclaimed at each."""
-    import tempfile
-
-    part = PARTS / "issue22" / "3eac9db" / "elastic-eager_tp1.json.gz"
-    committed = json.loads((ROOT / "docs/results/elastic_issue22_lend_margin_h200.json").read_text())
-    with tempfile.TemporaryDirectory() as t:
-        again = _assemble([part], Path(t) / "m.json")
-    assert again["per_phase"] == committed["per_phase"]
+    committed = _committed_part_result("3eac9db", "elastic_issue22_lend_margin_h200.json")
     pp = committed["per_phase"]["elastic_eager"]
     before = json.loads((ROOT / "docs/results/elastic_issue22_measured_h200.json").read_text())["per_phase"]["elastic_eager"]
     assert before["reclaims"] >= 100 and before["reclaims_skipped"] == 0

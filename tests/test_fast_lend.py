@@ -621,6 +621,47 @@ def _extend_batch(reqs, tokens, **kw):
                               "return_hidden_states": False, "input_embeds": None, **kw})
 
 
+def eager_prefill(bed, peaks, took, n=1, tokens=None, **attrs):
+    """One eager prefill pass on ``bed`` as SGLang runs it: ``n`` waiting requests (``attrs`` set on each) form a
+    prefill of ``tokens`` (default: the chunk) that takes ``took`` bytes at its peak; returns the need
+    ``before_prefill`` gave the pass (None: not asked)."""
+    from sglang_elastic.sched import hooks
+
+    ctl = bed.ctl
+    tokens = tokens or bed.sched.server_args.chunked_prefill_size
+    reqs = [bed.request(list(range(1000 + 100 * j, 1100 + 100 * j))) for j in range(n)]
+    for r in reqs:
+        for k, v in attrs.items():
+            setattr(r, k, v)
+    bed.sched.waiting_queue.extend(reqs)
+    ctl.before_prefill(bed.batch)  # reads the last pass's peak, starts this one's
+    need = ctl._pass_need
+    bed.sched.waiting_queue.clear()
+    ctl.after_prefill(_extend_batch(reqs, tokens), bed.batch)
+    peaks.top = peaks.allocated + took
+    hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, tokens))  # SGLang's run_batch(batch) AFTER hook
+    return need
+
+
+def measured_eager_bed(monkeypatch, free_bytes):
+    """A bed whose prefills run eagerly (no prefill graphs) under ``--elastic-kv-activation-rule measured``, no
+    margin, 30 tokens admitted, a :class:`Peaks` as its peak-memory probe; the rule's 256 MiB slack off (the
+    bed's step is 128 KiB). Returns ``(bed, peaks)``."""
+    import dataclasses
+
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_elastic.sched import controller
+    from test_controller import _graph_args
+
+    monkeypatch.setattr(controller, "MEASURED_SLACK_MB", 0)
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=free_bytes, margin_mb=0)
+    bed.ctl.peak_memory = peaks = Peaks()
+    bed.ctl.cfg = dataclasses.replace(bed.ctl.cfg, activation_rule="measured")
+    assert bed.admit(list(range(30)))
+    return bed, peaks
+
+
 def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_measured_rule(caplog):
     """Seen on the H200: SGLang's estimate for a chunk of 8,192 tokens (12.9 GiB)
     is more than the 8.6 GiB lent, so every eager prefill reclaimed the whole
@@ -634,7 +675,6 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
 
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    from sglang_elastic.sched import hooks
     from sglang_elastic.sched.controller import MEASURED_SAFETY, MEASURED_SLACK_MB, eager_activation_bytes
     from test_controller import _graph_args
 
@@ -650,18 +690,7 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     assert bed.admit(list(range(30)))
 
     def prefill(took, n=1, tokens=budget, **kw):  # one pass: SGLang forms an eager prefill of n requests and runs it
-        reqs = [bed.request(list(range(1000 + 100 * j, 1100 + 100 * j))) for j in range(n)]
-        for r in reqs:
-            for k, v in kw.items():
-                setattr(r, k, v)
-        bed.sched.waiting_queue.extend(reqs)
-        ctl.before_prefill(bed.batch)  # reads the last pass's peak, starts this one's
-        need = ctl._pass_need
-        bed.sched.waiting_queue.clear()
-        ctl.after_prefill(_extend_batch(reqs, tokens), bed.batch)
-        peaks.top = peaks.allocated + took
-        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, tokens))  # SGLang's run_batch(batch) AFTER hook
-        return need
+        return eager_prefill(bed, peaks, took, n, tokens, **kw)
 
     # measured while nothing is lent too; a pass's peak is read when the next pass begins
     prefill(took=60 * MIB)  # nothing lent: nothing to reclaim, but measured
@@ -722,28 +751,14 @@ def test_with_the_measured_rule_a_one_step_lend_leaves_the_eager_prefills_need_f
     SGLang's rule lends the whole step again."""
     import dataclasses
 
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang_elastic.sched import controller
 
-    from sglang_elastic.sched import controller, hooks
-    from test_controller import _graph_args
-
-    monkeypatch.setattr(controller, "MEASURED_SLACK_MB", 0)  # the bed's step is 128 KiB: no room for 256 MiB of slack
     kib = 1024
-    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + 8 * kib, margin_mb=0)
-    ctl, peaks = bed.ctl, Peaks()
-    ctl.peak_memory = peaks
-    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
-    budget = bed.sched.server_args.chunked_prefill_size
-    assert bed.admit(list(range(30)))
+    bed, peaks = measured_eager_bed(monkeypatch, ELASTIC * ROW + 8 * kib)
+    ctl, budget = bed.ctl, bed.sched.server_args.chunked_prefill_size
 
     def prefill(took, n=1):  # as the measured rule's test: SGLang forms an eager prefill of n requests and runs it
-        reqs = [bed.request(list(range(1000 + 100 * j, 1100 + 100 * j))) for j in range(n)]
-        bed.sched.waiting_queue.extend(reqs)
-        ctl.before_prefill(bed.batch)
-        bed.sched.waiting_queue.clear()
-        ctl.after_prefill(_extend_batch(reqs, budget), bed.batch)
-        peaks.top = peaks.allocated + took
-        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, budget))
+        eager_prefill(bed, peaks, took, n)
 
     assert ctl._lend_margin() == 0  # nothing measured: --elastic-kv-margin-mb
     prefill(took=20 * kib)  # nothing lent: measured, read when the next pass begins
@@ -780,10 +795,7 @@ def test_with_the_measured_rule_split_remainders_in_torchs_cache_do_not_count_to
     the whole step. The cut now counts the cache as the prefill will: the need stays free at the driver."""
     import dataclasses
 
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
-    from sglang_elastic.sched import controller, hooks
-    from test_controller import _graph_args
+    from sglang_elastic.sched import controller
 
     class SplitCache(HeldCache):  # unused bytes inside live segments: not handed back, not reusable by a large allocation
         def reusable(self) -> int:
@@ -792,23 +804,12 @@ def test_with_the_measured_rule_split_remainders_in_torchs_cache_do_not_count_to
         def empty(self) -> None:
             self.emptied += 1
 
-    monkeypatch.setattr(controller, "MEASURED_SLACK_MB", 0)
     kib = 1024
-    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + 8 * kib, margin_mb=0)
-    ctl, peaks = bed.ctl, Peaks()
-    ctl.peak_memory = peaks
-    ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
-    budget = bed.sched.server_args.chunked_prefill_size
-    assert bed.admit(list(range(30)))
+    bed, peaks = measured_eager_bed(monkeypatch, ELASTIC * ROW + 8 * kib)
+    ctl = bed.ctl
 
     def prefill(took):
-        reqs = [bed.request(list(range(1000, 1100)))]
-        bed.sched.waiting_queue.extend(reqs)
-        ctl.before_prefill(bed.batch)
-        bed.sched.waiting_queue.clear()
-        ctl.after_prefill(_extend_batch(reqs, budget), bed.batch)
-        peaks.top = peaks.allocated + took
-        hooks._after_run_batch(None, bed.sched, _extend_batch(reqs, budget))
+        eager_prefill(bed, peaks, took)
 
     prefill(took=20 * kib)
     ctl.before_prefill(bed.batch)

@@ -405,7 +405,8 @@ def part_merge(a) -> dict:
 
 
 def part_assemble(a) -> dict:
-    every = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    files = sorted(glob.glob(os.path.join(a.parts, "*.json")))
+    every = [json.load(open(f)) for f in files]
     parts = [p for p in every if p.get("tp", 1) == 1]  # the keys are TP 1; parts at TP > 1 go under "tp"
     out = results.header(a.command)
     by = {p.get("part"): p for p in parts}
@@ -413,7 +414,7 @@ def part_assemble(a) -> dict:
     gpus = sorted({g for p in every if p.get("gpu") and p["gpu"] != "unknown" for g in p["gpu"].split("; ")})  # a host's GPUs, once each
     if gpus:  # assembled on any machine: the GPU the parts ran on
         out["gpu"] = "; ".join(gpus)
-    out["part_commits"] = {os.path.basename(f): json.load(open(f)).get("commit") for f in sorted(glob.glob(os.path.join(a.parts, "*.json")))}
+    out["part_commits"] = {os.path.basename(f): p.get("commit") for f, p in zip(files, every)}
     cap = next((p for p in parts if p.get("part") == "capacity"), None)
     if cap:
         st, off = cap["servers"].get("stock", {}), cap["servers"].get("offload", {})
@@ -474,7 +475,7 @@ def part_assemble(a) -> dict:
         if acc.get("exactness"):
             out.setdefault("exactness_smollm2", acc["exactness"])
     out["tp"] = tp_summary([p for p in every if p.get("tp", 1) > 1])
-    out["part_files"] = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(a.parts, "*.json")))]
+    out["part_files"] = [os.path.basename(f) for f in files]
     return out
 
 

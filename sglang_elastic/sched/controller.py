@@ -827,12 +827,9 @@ class ElasticController:
             need = self.activations.need(tokens, requests, need)
         self._pass_need = need
         driver = self.arena.backend.free_bytes()
-        free = driver or 0
-        if measured:
-            free += self.torch_cache.reusable()
-        elif torch.cuda.is_available():
-            free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        self._pass_free = (driver, free - (driver or 0))  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache
+        cached = self.torch_cache.reusable() if measured else self.torch_cache.unused()
+        free = (driver or 0) + cached
+        self._pass_free = (driver, cached)  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
         return -agree_min(self.sched, -steps)
