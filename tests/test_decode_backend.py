@@ -247,6 +247,10 @@ def test_registered_in_sglangs_registry_and_choices():
     attention.register()  # idempotent
     assert ATTENTION_BACKEND_CHOICES.count("persistentkv") == 1
     assert ATTENTION_BACKENDS["persistentkv"] is attention.create_persistentkv_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    hooks = [h for _, h, _ in HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler.get_internal_state"]]
+    assert hooks.count(attention.after_internal_state) == 1  # /server_info's persistentkv state, registered once
 
 
 def test_graph_hooks_capture_one_graph_per_path_and_key_replays_by_the_chosen_path():
@@ -407,3 +411,56 @@ def test_hybrid_attn_backend_routes_decode_to_persistentkv_and_prefill_to_the_ot
 
     hybrid.init_cuda_graph_state(4, 4)
     assert ours.cuda_graph_kv_indices is not None and hybrid.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_a_path_file_forces_every_step_onto_the_named_path_and_auto_hands_back_to_the_policy(monkeypatch, tmp_path):
+    """SGLANG_ELASTIC_DECODE_PATH_FILE (forced-path A/B on one live server): a
+    path name forces it from the next read on, ``auto`` and a missing file give
+    the policy back, a name the server has no graphs of is ignored (logged);
+    the steps per path land in ``state()``, which ``/server_info`` shows."""
+    f = tmp_path / "path"
+    monkeypatch.setenv(backend_mod.PATH_FILE_ENV, str(f))
+    monkeypatch.setattr(backend_mod, "PATH_FILE_POLL_S", 0.0)  # read every step
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), mode="auto", choose=lambda lens: "compact" if max(lens) > 100 else "split")
+    be.init_cuda_graph_state(2, 2)
+    g = torch.Generator().manual_seed(3)
+
+    def step(lens):
+        be.init_forward_metadata_out_graph(make_batch(runner, lens, g, fill_pool=False))
+        return be.graph_path
+
+    assert step([300, 2]) == "compact" and be.forced is None  # no file: the policy
+    f.write_text("split\n")
+    assert step([300, 2]) == "split" and be.forced == "split"
+    f.write_text("flashinfer")  # no graphs of it here: ignored
+    assert step([300, 2]) == "compact" and be.forced is None
+    f.write_text("auto")
+    assert step([30, 2]) == "split" and step([300, 2]) == "compact"
+    f.write_text("compact")
+    assert step([30, 2]) == "compact"
+    f.unlink()
+    assert step([30, 2]) == "split"
+    st = be.state()
+    assert st["steps"] == {"replay:compact": 4, "replay:split": 3} and st["forced"] is None
+    assert st["paths"] == ["split", "compact"] and st["policy"] == "auto"
+
+
+def test_server_info_shows_the_decode_backends_state_through_the_get_internal_state_hook():
+    """The AFTER hook on SGLang's Scheduler.get_internal_state adds ``persistentkv``
+    (the backend's state) and leaves a server on another decode backend alone."""
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+    from sglang_elastic import attention
+
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    runner.attn_backend = types.SimpleNamespace(decode_backend=be)  # behind SGLang's HybridAttnBackend
+    sched = types.SimpleNamespace(tp_worker=types.SimpleNamespace(model_runner=runner))
+    out = attention.after_internal_state(GetInternalStateReqOutput(internal_state={"x": 1}), sched)
+    assert out.internal_state["x"] == 1 and out.internal_state["persistentkv"]["paths"] == ["split"]
+    assert out.internal_state["persistentkv"]["online"] is None  # a forced policy corrects nothing
+    runner.attn_backend = object()
+    out = attention.after_internal_state(GetInternalStateReqOutput(internal_state={"x": 1}), sched)
+    assert out.internal_state == {"x": 1}

@@ -13,6 +13,8 @@ The plugin calls :func:`register` in every SGLang process; the backend module
 from __future__ import annotations
 
 NAME = "persistentkv"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_state_hook_registered = False
 
 
 def create_persistentkv_backend(model_runner):
@@ -32,3 +34,26 @@ def register() -> None:
         register_attention_backend(NAME)(create_persistentkv_backend)
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
+    global _state_hook_registered
+    if not _state_hook_registered:  # applied by SGLang's HookRegistry.apply_hooks after the plugins load
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(f"{_SCHEDULER}.get_internal_state", after_internal_state, HookType.AFTER)
+        _state_hook_registered = True
+
+
+def after_internal_state(result, sched, *args, **kwargs):
+    """AFTER hook on ``Scheduler.get_internal_state``: the decode backend's
+    :meth:`~sglang_elastic.attention.backend.PersistentKVAttnBackend.state`
+    under ``persistentkv`` in ``/server_info``'s ``internal_states`` (nothing
+    when the server runs another decode backend)."""
+    runner = getattr(getattr(sched, "tp_worker", None), "model_runner", None)
+    state = getattr(result, "internal_state", None)
+    if runner is None or not isinstance(state, dict):
+        return result
+    from sglang_elastic.attention.backend import find_backend
+
+    be = find_backend(runner)
+    if be is not None:
+        state[NAME] = be.state()
+    return result

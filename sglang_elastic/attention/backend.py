@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Dict, Optional, Set
@@ -79,6 +80,13 @@ TRACE_ENV = "SGLANG_ELASTIC_DECODE_TRACE"
 #: wrong kernel that the end-to-end check (``scripts/gpu/check_decode_e2e.py``,
 #: mode ``mutant-split``) must fail.
 FAULT_ENV = "SGLANG_ELASTIC_TEST_DECODE_FAULT"
+#: A file naming the path every decode step replays (``split``, ``compact``,
+#: ``flashinfer``; ``auto``, empty or no file: the policy decides), read at most
+#: every :data:`PATH_FILE_POLL_S` seconds: forced-path A/B runs on one live
+#: ``--decode-policy auto`` server, every path's graphs already captured
+#: (``scripts/gpu/bench_decode_serving.py``). Each TP rank reads it on its own.
+PATH_FILE_ENV = "SGLANG_ELASTIC_DECODE_PATH_FILE"
+PATH_FILE_POLL_S = 0.5
 
 
 def fault_scale(value: Optional[str]) -> float:
@@ -289,7 +297,53 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._trace_written = 0.0
         #: seconds between rewrites of the trace file (0: every step, exact counts; a live server sets 1)
         self._trace_every_s = float(os.environ.get(TRACE_ENV + "_EVERY_S", "0") or 0)
+        #: decode steps per ``kind:path`` (``replay`` / ``eager``), for ``/server_info`` (:meth:`state`)
+        self.steps: Dict[str, int] = {}
+        #: the path forced through :data:`PATH_FILE_ENV` (None: the policy decides)
+        self.forced: Optional[str] = None
+        self._path_file = os.environ.get(PATH_FILE_ENV) or None
+        self._path_read = -math.inf
+        self._path_warned: Optional[str] = None
         install_graph_hooks()
+
+    def _forced_path(self) -> Optional[str]:
+        """The path named in :data:`PATH_FILE_ENV`'s file (re-read every
+        :data:`PATH_FILE_POLL_S` s); ``None`` for ``auto``, an empty or missing
+        file, or a name this server has no graphs of (logged once)."""
+        if self._path_file is None:
+            return None
+        now = time.monotonic()
+        if now - self._path_read < PATH_FILE_POLL_S:
+            return self.forced
+        self._path_read = now
+        try:
+            with open(self._path_file) as f:
+                name = f.read().strip()
+        except OSError:
+            name = ""
+        if name in ("", "auto") or name in self.policy.paths:
+            self.forced = name if name in self.policy.paths else None
+        elif name != self._path_warned:
+            self._path_warned = name
+            logger.warning("persistentkv: %s names %r, not one of this server's paths %s: the policy decides",
+                           self._path_file, name, "/".join(self.policy.paths))
+            self.forced = None
+        return self.forced
+
+    def state(self) -> dict:
+        """What ``/server_info`` shows under ``internal_states[i]["persistentkv"]``:
+        ``{policy, paths, forced, calibration_source, shape, steps: {kind:path: n},
+        online: {buckets, switches, choices: {path: buckets}} | None}``."""
+        online = None
+        if self.online is not None:
+            choices: Dict[str, int] = {}
+            for b in self.online.buckets.values():
+                if b.choice is not None:
+                    choices[b.choice] = choices.get(b.choice, 0) + 1
+            online = {"buckets": len(self.online.buckets), "switches": self.online.switches, "choices": choices}
+        return {"policy": self.policy.mode, "paths": list(self.policy.paths), "forced": self.forced,
+                "calibration_source": self.calibration_source, "shape": self.shape_key.file_name(), "steps": dict(self.steps),
+                "online": online}
 
     def _trace(self, kind: str, path: str, bs: int) -> None:
         """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE.<pid>`` (debug only).
@@ -344,6 +398,9 @@ class PersistentKVAttnBackend(AttentionBackend):
         """
         if len(self.policy.paths) == 1:
             return self.policy.paths[0]
+        forced = self._forced_path()
+        if forced is not None:
+            return forced
         bs = forward_batch.batch_size
         lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if lens_cpu is not None and bs > 0:
@@ -376,6 +433,7 @@ class PersistentKVAttnBackend(AttentionBackend):
             return
         self._require_decode(forward_batch)
         path = self.choose(forward_batch)
+        self._count("eager", path)
         self._trace("eager", path, bs)
         if path == "flashinfer":
             self.flashinfer.init_forward_metadata(forward_batch)
@@ -511,6 +569,8 @@ class PersistentKVAttnBackend(AttentionBackend):
                     self._warned_fallback = True
                 path = next(p for p in self.policy.paths if p in captured)
                 self.online = None  # one graph per bs: nothing to explore or correct
+        if not in_capture:
+            self._count("replay", path)
         self._trace("capture" if in_capture else "replay", path, bs)
         self.graph_path = path
         if path == "flashinfer":
@@ -524,6 +584,10 @@ class PersistentKVAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         if meta is not None and meta.path in ("split", "compact"):
             self._plan(forward_batch)
+
+    def _count(self, kind: str, path: str) -> None:
+        key = f"{kind}:{path}"
+        self.steps[key] = self.steps.get(key, 0) + 1
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1

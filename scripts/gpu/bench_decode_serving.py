@@ -1,0 +1,296 @@
+"""The decode policy through SGLang: ``auto`` against every forced path on one live server.
+
+Issue 23's serving acceptance: on each workload, ``auto``'s median ITL within
+2 % of the best forced path and never more than 1 % behind FlashInfer, on the
+Llama-3.1-8B and Qwen2.5-7B shapes (dummy weights).
+
+    python scripts/gpu/bench_decode_serving.py run --model llama-3.1-8b --out PART.json
+    python scripts/gpu/bench_decode_serving.py assemble --parts DIR --out docs/results/decode_serving_h200.json
+
+``run`` starts ONE server (``--attention-backend flashinfer
+--decode-attention-backend persistentkv --decode-policy auto``, SGLang's
+defaults otherwise: radix cache, decode CUDA graphs, prefill graphs), so
+every path runs on the same pool, graphs and host. Per workload:
+
+1. **cold** passes (``--cold``, default ``auto,flashinfer``, on
+   ``--cold-workloads``, default ``loguniform``; ``auto`` alone elsewhere):
+   the radix cache flushed (``/flush_cache``), the prompts sent at once:
+   prefill included, so their TTFT is the serving TTFT; they fill the cache;
+2. **warm** passes, one per path (``--paths``; the order rotates with the
+   workload, ``--rounds`` times): the path forced through
+   ``SGLANG_ELASTIC_DECODE_PATH_FILE`` (``auto``: the policy with its online
+   correction), the same prompts again. Every prompt is in the radix cache, so
+   a pass is one short extend and ``output_len`` decode steps of the whole
+   batch: the decode path is all that differs.
+
+Each pass: every prompt sent at once, streamed (``bench_offload.load``: TTFT,
+ITL and output throughput as ``sglang.bench_serving`` computes them) and the
+steps each path replayed (``/server_info``'s ``persistentkv`` state). The part
+is rewritten after every pass, so a call cut off by the device's time limit
+keeps what it measured; ``--budget-s`` stops starting passes after that many
+seconds. A part that measured nothing writes nothing and exits 1.
+
+Workloads (random ids, greedy, ``ignore_eos``; lengths from ``--seed``):
+``loguniform`` (24 requests, prompts log-uniform in 1K-100K, 256 out: the
+workload where ``auto`` ran FlashInfer in 491 of 500 replays),
+``zipf`` (32 requests, 1024 + 61440 / rank^1.1: the kernel bench's Zipf case, 256 out),
+``bimodal`` (8 x 32K + 56 x 2K, 256 out), ``uniform8k`` (64 x 8K, 256 out),
+``short`` (128 x 2K, 256 out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import sys
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sglang_elastic import results  # noqa: E402
+
+PATHS = ("auto", "flashinfer", "split", "compact")
+MODELS = {"llama-3.1-8b": [], "qwen2.5-7b": []}  # extra server flags per model shape
+K = 1024
+#: name: (requests, output tokens, description)
+WORKLOADS = {
+    "loguniform": (24, 256, "24 requests, prompts log-uniform in 1K-100K"),
+    "zipf": (32, 256, "32 requests, 1024 + 61440 / rank^1.1 (2.4K-61K)"),
+    "bimodal": (64, 256, "8 x 32K + 56 x 2K"),
+    "uniform8k": (64, 256, "64 x 8K"),
+    "short": (128, 256, "128 x 2K"),
+}
+#: acceptance: auto within this of the best forced path's median ITL, and of FlashInfer's
+WITHIN_BEST, WITHIN_FLASHINFER = 0.02, 0.01
+
+
+def workload_lengths(name: str, seed: int = 1) -> List[int]:
+    """Prompt lengths (tokens) of a workload.
+
+    Raises:
+        ValueError: an unknown workload.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+    n = WORKLOADS[name][0]
+    if name == "loguniform":
+        rnd = random.Random(seed)
+        return [int(round(math.exp(rnd.uniform(math.log(1 * K), math.log(100 * K))))) for _ in range(n)]
+    if name == "zipf":
+        from sglang_elastic.attention.bench import zipf_lengths
+
+        return list(zipf_lengths())
+    if name == "bimodal":
+        return [32 * K] * 8 + [2 * K] * 56
+    return [8 * K] * n if name == "uniform8k" else [2 * K] * n
+
+
+def path_order(paths: List[str], index: int) -> List[str]:
+    """``paths`` rotated by ``index`` (workload i starts at path i: no path always runs first)."""
+    i = index % len(paths)
+    return paths[i:] + paths[:i]
+
+
+def verdict(paths: Dict[str, dict]) -> Optional[dict]:
+    """The acceptance figures of one workload from its warm passes
+    (``{path: {median_itl_ms, ...}}``): the best forced path, ``auto`` against
+    it and against FlashInfer (ratios of median ITL, >1 slower), and whether
+    both bounds hold. ``None`` unless ``auto`` and a forced path were measured."""
+    itl = {p: r.get("median_itl_ms") for p, r in paths.items() if r and r.get("median_itl_ms")}
+    forced = {p: v for p, v in itl.items() if p != "auto"}
+    if "auto" not in itl or not forced:
+        return None
+    best = min(forced, key=forced.get)
+    out = {"best_forced": best, "auto_over_best": itl["auto"] / forced[best],
+           "auto_over_flashinfer": itl["auto"] / forced["flashinfer"] if "flashinfer" in forced else None}
+    out["within_2pct_of_best"] = out["auto_over_best"] <= 1 + WITHIN_BEST
+    out["within_1pct_of_flashinfer"] = None if out["auto_over_flashinfer"] is None else out["auto_over_flashinfer"] <= 1 + WITHIN_FLASHINFER
+    return out
+
+
+def decode_state(info: dict) -> Optional[dict]:
+    """The ``persistentkv`` state of rank 0 in ``/server_info``, or ``None``."""
+    for st in info.get("internal_states") or []:
+        if isinstance(st, dict) and "persistentkv" in st:
+            return st["persistentkv"]
+    return None
+
+
+def steps_between(before: Optional[dict], after: Optional[dict]) -> Dict[str, int]:
+    """Decode steps per ``kind:path`` a pass ran (``state()["steps"]`` after minus before)."""
+    a, b = (after or {}).get("steps") or {}, (before or {}).get("steps") or {}
+    return {k: v - b.get(k, 0) for k, v in sorted(a.items()) if v - b.get(k, 0)}
+
+
+def force(path_file: str, server, path: str, timeout: float = 30) -> None:
+    """Write ``path`` to the path file and wait until the server reports it
+    (the backend reads the file at most every 0.5 s, at a decode step: one
+    1-token request makes a step)."""
+    with open(path_file + ".tmp", "w") as f:
+        f.write(path)
+    os.replace(path_file + ".tmp", path_file)
+    want = None if path == "auto" else path
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        time.sleep(0.6)
+        server.generate({"input_ids": [1000, 1001], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+        if (decode_state(server.info()) or {}).get("forced", "?") == want:
+            return
+    raise RuntimeError(f"the server did not take path {path} within {timeout:.0f} s")
+
+
+def flush(server) -> None:
+    req = urllib.request.Request(server.url("/flush_cache"), data=b"", method="POST")
+    urllib.request.urlopen(req, timeout=60).read()
+
+
+def part_run(a) -> dict:
+    import bench_offload as bo
+
+    paths = a.paths.split(",")
+    cold = [p for p in a.cold.split(",") if p] or ["auto"]
+    cold_workloads = set(a.cold_workloads.split(","))
+    for p in paths + cold:
+        if p not in PATHS:
+            raise RuntimeError(f"unknown path {p!r}; one of {', '.join(PATHS)}")
+    names = a.workloads.split(",")
+    for w in names:
+        workload_lengths(w)  # refuses an unknown name before the server starts
+    model = os.path.join(ROOT, "sglang_elastic", "models", a.model)
+    path_file = os.path.join(a.work, "decode_path")
+    if os.path.exists(path_file):
+        os.remove(path_file)
+    # after bench_offload's COMMON flags: the last --model-path wins in SGLang's parser
+    args = ["--model-path", model, "--attention-backend", "flashinfer", "--decode-attention-backend", "persistentkv",
+            "--decode-policy", "auto", "--skip-tokenizer-init", *MODELS[a.model], *a.extra.split()]
+    t_start = time.time()
+    s = bo.Server(a.model, args, a.port, a.work, env={"SGLANG_ELASTIC_DECODE_PATH_FILE": path_file})
+    out = {"part": "run", "model": a.model, "server_flags": " ".join(args[2:]), "workloads": [], "budget_s": a.budget_s}
+    measured = 0
+    try:
+        up = s.wait()
+        info = s.info()
+        out["server"] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
+                         "decode": decode_state(info)}
+        s.generate({"input_ids": list(range(1000, 1256)), "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})  # warm-up
+        for wi, w in enumerate(names):
+            n, olen, desc = WORKLOADS[w]
+            lens = workload_lengths(w, a.seed)
+            ps = bo.prompts(lens, seed=a.seed + 7 * wi)
+            row = {"name": w, "model": a.model, "requests": n, "output_len": olen, "desc": desc, "prompt_tokens": sum(lens),
+                   "cold": {}, "paths": {}, "rounds": []}
+            out["workloads"].append(row)
+
+            def one(path: str) -> Optional[dict]:
+                if time.time() - t_start > a.budget_s:
+                    return None
+                force(path_file, s, path)
+                before = decode_state(s.info())
+                rec = bo.load(s.url(""), ps, olen, a.timeout)
+                if rec["completed"] < n:
+                    raise RuntimeError(f"{w} {path}: {rec['completed']} of {n} requests completed: " + bo.tail(s.log))
+                after = decode_state(s.info())
+                return {**{k: rec[k] for k in ("median_itl_ms", "p99_itl_ms", "output_tok_s", "median_ttft_ms", "duration_s")},
+                        "steps": steps_between(before, after), "online": (after or {}).get("online")}
+
+            for p in (cold if w in cold_workloads else ["auto"]):
+                flush(s)
+                r = one(p)
+                if r is None:
+                    break
+                row["cold"][p] = r
+                measured += 1
+                results.write(a.out, {**results.header(), "incomplete": True, **out})
+            for rnd in range(a.rounds):
+                got = {}
+                for p in path_order(paths, wi + rnd):
+                    r = one(p)
+                    if r is None:
+                        break
+                    got[p] = r
+                    measured += 1
+                    row["rounds"].append({"round": rnd, "path": p, **r})
+                    results.write(a.out, {**results.header(), "incomplete": True, **out})
+            # per path the median over rounds of the warm passes' figures
+            for p in paths:
+                rs = [x for x in row["rounds"] if x["path"] == p]
+                if rs:
+                    row["paths"][p] = {k: sorted(x[k] for x in rs)[len(rs) // 2] for k in ("median_itl_ms", "output_tok_s", "median_ttft_ms")}
+            row["verdict"] = verdict(row["paths"])
+            results.write(a.out, {**results.header(), "incomplete": True, **out})
+        out["server"]["decode_end"] = decode_state(s.info())
+    finally:
+        s.stop()
+    if not measured:
+        raise RuntimeError("no pass measured")
+    return out
+
+
+def part_assemble(a) -> dict:
+    """Join ``run`` parts (one per model) into ``{date, gpu, commit, command, servers, workloads, summary}``."""
+    files = sorted(glob.glob(os.path.join(a.parts, "*.json")))
+    parts = []
+    for f in files:
+        with open(f) as fh:
+            p = json.load(fh)
+        if p.get("part") == "run":
+            parts.append(p)
+    if not parts:
+        raise RuntimeError(f"no run parts in {a.parts}")
+    wl = [w for p in parts for w in p["workloads"] if w.get("paths")]
+    verdicts = [w["verdict"] for w in wl if w.get("verdict")]
+    summary = {"workloads": len(wl), "with_verdict": len(verdicts),
+               "auto_within_2pct_of_best": sum(bool(v["within_2pct_of_best"]) for v in verdicts),
+               "auto_within_1pct_of_flashinfer": sum(bool(v["within_1pct_of_flashinfer"]) for v in verdicts),
+               "worst_auto_over_best": max((v["auto_over_best"] for v in verdicts), default=None)}
+    return {"date": max(p["date"] for p in parts), "gpu": " / ".join(sorted({p["gpu"] for p in parts})),
+            "commit": " / ".join(dict.fromkeys(p["commit"] for p in parts)), "command": a.command or " ; ".join(p["command"] for p in parts),
+            "method": __doc__.split("\n\n")[2].strip(), "servers": {p["model"]: {**p["server"], "flags": p["server_flags"]} for p in parts},
+            "workloads": wl, "summary": summary, "parts": [os.path.relpath(f, ROOT) for f in files]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=("run", "assemble"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
+    ap.add_argument("--workloads", default="loguniform,zipf,bimodal,uniform8k")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--cold", default="auto,flashinfer", help="paths run cold (cache flushed, prefill included) on --cold-workloads")
+    ap.add_argument("--cold-workloads", default="loguniform", help="workloads with a cold pass of every --cold path (others: auto only)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no pass after this many seconds (a device call's limit)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--port", type=int, default=30400)
+    ap.add_argument("--extra", default="", help="extra SGLang flags for the server (one string)")
+    ap.add_argument("--work", default="/tmp/bench_decode_serving")
+    ap.add_argument("--parts", default=None)
+    ap.add_argument("--command", default=None)
+    a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: give 1 or more")
+    os.makedirs(a.work, exist_ok=True)
+    t0 = time.time()
+    try:
+        if a.part == "assemble" and not a.parts:
+            ap.error("assemble needs --parts DIR")
+        res = part_run(a) if a.part == "run" else part_assemble(a)
+    except (RuntimeError, ValueError) as e:
+        sys.exit(f"bench_decode_serving {a.part}: {e}")
+    if a.part == "run":
+        res = {**results.header(), "seconds": round(time.time() - t0, 1), **res}
+    results.write(a.out, res)
+    print(json.dumps(res, indent=1)[:3000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The decode serving benchmark's CPU half: its workloads, path order, the
+acceptance verdict per workload and the assembly of the result file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode_serving", ROOT / "scripts" / "gpu" / "bench_decode_serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_workloads_have_the_named_sizes_and_the_loguniform_spread():
+    b = bench()
+    lens = b.workload_lengths("loguniform", seed=1)
+    assert len(lens) == 24 and min(lens) >= 1024 and max(lens) <= 100 * 1024
+    logs = [math.log(x) for x in lens]
+    # log-uniform: the logs spread over the whole range, not bunched at one end
+    assert max(lens) / min(lens) > 10 and abs(sum(logs) / 24 - (math.log(1024) + math.log(102400)) / 2) < 1.0
+    assert lens == b.workload_lengths("loguniform", seed=1) and lens != b.workload_lengths("loguniform", seed=2)
+    assert b.workload_lengths("bimodal") == [32768] * 8 + [2048] * 56
+    assert len(b.workload_lengths("zipf")) == 32 and max(b.workload_lengths("zipf")) == 62464
+    assert b.workload_lengths("uniform8k") == [8192] * 64 and b.workload_lengths("short") == [2048] * 128
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        b.workload_lengths("nope")
+
+
+def test_path_order_rotates_so_no_path_always_runs_first():
+    b = bench()
+    firsts = {b.path_order(list(b.PATHS), i)[0] for i in range(4)}
+    assert firsts == set(b.PATHS)
+    assert sorted(b.path_order(list(b.PATHS), 5)) == sorted(b.PATHS)
+
+
+def test_verdict_holds_auto_to_two_percent_of_the_best_forced_path_and_one_of_flashinfer():
+    b = bench()
+
+    def paths(auto, fi, split, compact):
+        return {"auto": {"median_itl_ms": auto}, "flashinfer": {"median_itl_ms": fi}, "split": {"median_itl_ms": split},
+                "compact": {"median_itl_ms": compact}}
+
+    v = b.verdict(paths(18.5, 19.54, 18.40, 18.9))
+    assert v["best_forced"] == "split" and v["auto_over_best"] == pytest.approx(18.5 / 18.40)
+    assert v["within_2pct_of_best"] and v["within_1pct_of_flashinfer"]
+    v = b.verdict(paths(19.54, 19.54, 18.40, 18.9))  # the issue's run: auto ran FlashInfer, split 1.062x faster
+    assert not v["within_2pct_of_best"] and v["within_1pct_of_flashinfer"]
+    v = b.verdict(paths(20.0, 19.7, 21.0, 21.0))  # auto 1.5 % behind FlashInfer, the best
+    assert v["best_forced"] == "flashinfer" and v["within_2pct_of_best"] and not v["within_1pct_of_flashinfer"]
+    assert b.verdict({"auto": {"median_itl_ms": 1.0}}) is None and b.verdict({"split": {"median_itl_ms": 1.0}}) is None
+
+
+def test_steps_between_and_the_servers_decode_state():
+    b = bench()
+    info = {"internal_states": [{"other": 1, "persistentkv": {"steps": {"replay:split": 10, "replay:flashinfer": 3}}}]}
+    before = b.decode_state(info)
+    after = {"steps": {"replay:split": 266, "replay:flashinfer": 3, "eager:compact": 2}}
+    assert b.steps_between(before, after) == {"eager:compact": 2, "replay:split": 256}
+    assert b.decode_state({"internal_states": [{}]}) is None and b.decode_state({}) is None
+
+
+def test_assemble_joins_model_parts_and_counts_the_verdicts(tmp_path, monkeypatch):
+    b = bench()
+    for model, auto in (("llama-3.1-8b", 18.5), ("qwen2.5-7b", 21.0)):
+        paths = {"auto": {"median_itl_ms": auto}, "flashinfer": {"median_itl_ms": 20.0}, "split": {"median_itl_ms": 18.4},
+                 "compact": {"median_itl_ms": 19.0}}
+        part = {"date": "2026-12-04T00:00:00+00:00", "gpu": "NVIDIA H200", "commit": "abc", "command": f"run {model}", "part": "run",
+                "model": model, "server_flags": "--decode-policy auto", "server": {"startup_s": 60},
+                "workloads": [{"name": "loguniform", "model": model, "paths": paths, "verdict": b.verdict(paths)},
+                              {"name": "zipf", "model": model, "paths": {}, "verdict": None}]}
+        (tmp_path / f"{model}.json").write_text(json.dumps(part))
+    (tmp_path / "other.json").write_text(json.dumps({"part": "something else"}))
+    ns = type("A", (), {"parts": str(tmp_path), "command": None})()
+    res = b.part_assemble(ns)
+    assert [w["model"] for w in res["workloads"]] == ["llama-3.1-8b", "qwen2.5-7b"]  # the unmeasured zipf rows left out
+    assert res["summary"] == {"workloads": 2, "with_verdict": 2, "auto_within_2pct_of_best": 1, "auto_within_1pct_of_flashinfer": 1,
+                              "worst_auto_over_best": pytest.approx(21.0 / 18.4)}
+    assert set(res["servers"]) == {"llama-3.1-8b", "qwen2.5-7b"} and res["gpu"] == "NVIDIA H200"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="no run parts"):
+        b.part_assemble(type("A", (), {"parts": str(empty), "command": None})())
