@@ -68,23 +68,40 @@ def test_steps_between_and_the_servers_decode_state():
     assert b.decode_state({"internal_states": [{}]}) is None and b.decode_state({}) is None
 
 
-def test_assemble_joins_model_parts_and_counts_the_verdicts(tmp_path, monkeypatch):
+def test_assemble_takes_each_rows_newest_verdict_keeps_the_rest_as_repeats_and_reads_xz_parts(tmp_path):
+    import lzma
+
     b = bench()
-    for model, auto in (("llama-3.1-8b", 18.5), ("qwen2.5-7b", 21.0)):
-        paths = {"auto": {"median_itl_ms": auto}, "flashinfer": {"median_itl_ms": 20.0}, "split": {"median_itl_ms": 18.4},
-                 "compact": {"median_itl_ms": 19.0}}
-        part = {"date": "2026-12-04T00:00:00+00:00", "gpu": "NVIDIA H200", "commit": "abc", "command": f"run {model}", "part": "run",
-                "model": model, "server_flags": "--decode-policy auto", "server": {"startup_s": 60},
-                "workloads": [{"name": "loguniform", "model": model, "paths": paths, "verdict": b.verdict(paths)},
-                              {"name": "zipf", "model": model, "paths": {}, "verdict": None}]}
-        (tmp_path / f"{model}.json").write_text(json.dumps(part))
+
+    def paths(auto, fi=20.0):
+        p = {"auto": {"median_itl_ms": auto}, "split": {"median_itl_ms": 18.4}, "compact": {"median_itl_ms": 19.0}}
+        if fi:
+            p["flashinfer"] = {"median_itl_ms": fi}
+        return p
+
+    def part(model, date, rows):
+        return {"date": date, "gpu": "NVIDIA H200", "commit": date[-2:], "command": f"run {model}", "part": "run", "model": model,
+                "server_flags": "--decode-policy auto", "server": {"startup_s": 60},
+                "workloads": [{"name": n, "model": model, "paths": ps, "cold": {}, "rounds": [1], "verdict": b.verdict(ps) if ps else None}
+                              for n, ps in rows]}
+
+    (tmp_path / "llama_1.json").write_text(json.dumps(part("llama-3.1-8b", "2026-12-04T01", [("loguniform", paths(18.5)),
+                                                                                           ("bimodal", paths(17.0, fi=None))])))
+    with lzma.open(tmp_path / "llama_2.json.xz", "wt") as f:  # the newer call: bimodal complete, uniform8k cut off, zipf not reached
+        json.dump(part("llama-3.1-8b", "2026-12-04T02", [("loguniform", paths(18.6)), ("bimodal", paths(17.1)),
+                                                        ("uniform8k", {"split": {"median_itl_ms": 21.0}}), ("zipf", {})]), f)
+    (tmp_path / "qwen.json").write_text(json.dumps(part("qwen2.5-7b", "2026-12-04T03", [("loguniform", paths(21.0))])))
     (tmp_path / "other.json").write_text(json.dumps({"part": "something else"}))
-    ns = type("A", (), {"parts": str(tmp_path), "command": None})()
-    res = b.part_assemble(ns)
-    assert [w["model"] for w in res["workloads"]] == ["llama-3.1-8b", "qwen2.5-7b"]  # the unmeasured zipf rows left out
-    assert res["summary"] == {"workloads": 2, "with_verdict": 2, "auto_within_2pct_of_best": 1, "auto_within_1pct_of_flashinfer": 1,
-                              "worst_auto_over_best": pytest.approx(21.0 / 18.4)}
-    assert set(res["servers"]) == {"llama-3.1-8b", "qwen2.5-7b"} and res["gpu"] == "NVIDIA H200"
+    res = b.part_assemble(type("A", (), {"parts": str(tmp_path), "command": None})())
+    got = [(w["model"], w["name"], w["commit"], len(w["repeats"])) for w in res["workloads"]]
+    assert got == [("llama-3.1-8b", "loguniform", "02", 1), ("llama-3.1-8b", "bimodal", "02", 1), ("llama-3.1-8b", "uniform8k", "02", 0),
+                   ("qwen2.5-7b", "loguniform", "03", 0)]
+    assert res["workloads"][0]["paths"]["auto"]["median_itl_ms"] == 18.6 and res["workloads"][0]["repeats"][0]["median_itl_ms"]["auto"] == 18.5
+    assert res["workloads"][2]["verdict"] is None and "rounds" not in res["workloads"][0]
+    assert res["summary"] == {"workloads": 4, "with_verdict": 3, "auto_within_2pct_of_best": 2, "auto_within_1pct_of_flashinfer": 2,
+                              "worst_auto_over_best": pytest.approx(21.0 / 18.4, abs=1e-4), "worst_auto_over_flashinfer": 1.05}  # rounded to 4 decimals
+    assert set(res["servers"]) == {"llama-3.1-8b", "qwen2.5-7b"} and len(res["servers"]["llama-3.1-8b"]) == 2
+    assert res["date"] == "2026-12-04T03" and res["gpu"] == "NVIDIA H200"
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RuntimeError, match="no run parts"):

@@ -237,27 +237,78 @@ def part_run(a) -> dict:
     return out
 
 
+def read_part(path: str) -> dict:
+    """A part file, ``.json`` or ``.json.xz``."""
+    import lzma
+
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
+        return json.load(f)
+
+
 def part_assemble(a) -> dict:
-    """Join ``run`` parts (one per model) into ``{date, gpu, commit, command, servers, workloads, summary}``."""
-    files = sorted(glob.glob(os.path.join(a.parts, "*.json")))
+    """Join ``run`` parts (``.json`` or ``.json.xz``; several per model allowed)
+    into ``{date, gpu, commit, command, method, servers, workloads, summary}``.
+
+    Per (model, workload) the row is the newest part's with a verdict (else the
+    newest with any path measured, ``verdict: null``); the other parts' figures
+    of the same row are kept under ``repeats``. Rows are ordered by model, then
+    workload as first run.
+
+    Raises:
+        RuntimeError: no ``run`` part in the folder.
+    """
+    files = sorted(glob.glob(os.path.join(a.parts, "*.json")) + glob.glob(os.path.join(a.parts, "*.json.xz")))
     parts = []
     for f in files:
-        with open(f) as fh:
-            p = json.load(fh)
+        p = read_part(f)
         if p.get("part") == "run":
-            parts.append(p)
+            parts.append((f, p))
     if not parts:
         raise RuntimeError(f"no run parts in {a.parts}")
-    wl = [w for p in parts for w in p["workloads"] if w.get("paths")]
+    parts.sort(key=lambda fp: fp[1]["date"])
+    rows: Dict[tuple, List[tuple]] = {}
+    for f, p in parts:
+        for w in p["workloads"]:
+            if w.get("paths"):
+                rows.setdefault((p["model"], w["name"]), []).append((f, p, w))
+    wl = []
+    for key in sorted(rows, key=lambda k: (k[0], list(WORKLOADS).index(k[1]) if k[1] in WORKLOADS else 99)):
+        cands = rows[key]
+        with_v = [c for c in cands if c[2].get("verdict")]
+        f, p, w = (with_v or cands)[-1]
+        row = {k: v for k, v in w.items() if k != "rounds"}  # every pass stays in the part
+        row["cold"] = {c: {k: v for k, v in r.items() if k != "online"} for c, r in w["cold"].items()}
+        row.update(commit=p["commit"], date=p["date"], part=os.path.relpath(f, ROOT))
+        row["repeats"] = [{"part": os.path.relpath(g, ROOT), "median_itl_ms": {c: r["median_itl_ms"] for c, r in x["paths"].items()},
+                           "auto_over_best": (x.get("verdict") or {}).get("auto_over_best")} for g, q, x in cands if x is not w]
+        wl.append(row)
     verdicts = [w["verdict"] for w in wl if w.get("verdict")]
     summary = {"workloads": len(wl), "with_verdict": len(verdicts),
                "auto_within_2pct_of_best": sum(bool(v["within_2pct_of_best"]) for v in verdicts),
                "auto_within_1pct_of_flashinfer": sum(bool(v["within_1pct_of_flashinfer"]) for v in verdicts),
-               "worst_auto_over_best": max((v["auto_over_best"] for v in verdicts), default=None)}
-    return {"date": max(p["date"] for p in parts), "gpu": " / ".join(sorted({p["gpu"] for p in parts})),
-            "commit": " / ".join(dict.fromkeys(p["commit"] for p in parts)), "command": a.command or " ; ".join(p["command"] for p in parts),
-            "method": __doc__.split("\n\n")[2].strip(), "servers": {p["model"]: {**p["server"], "flags": p["server_flags"]} for p in parts},
-            "workloads": wl, "summary": summary, "parts": [os.path.relpath(f, ROOT) for f in files]}
+               "worst_auto_over_best": max((v["auto_over_best"] for v in verdicts), default=None),
+               "worst_auto_over_flashinfer": max((v["auto_over_flashinfer"] for v in verdicts if v["auto_over_flashinfer"]), default=None)}
+    servers = {}
+    for f, p in parts:
+        end = p["server"].get("decode_end") or {}
+        servers.setdefault(p["model"], []).append({"startup_s": p["server"].get("startup_s"), "max_total_num_tokens": p["server"].get("max_total_num_tokens"),
+                                                   "calibration_source": end.get("calibration_source"), "steps": end.get("steps"),
+                                                   "online": end.get("online"), "flags": p["server_flags"], "part": os.path.relpath(f, ROOT)})
+    return _rounded({"date": parts[-1][1]["date"], "gpu": " / ".join(sorted({p["gpu"] for _, p in parts})),
+            "commit": " / ".join(dict.fromkeys(p["commit"] for _, p in parts)),
+            "command": a.command or " ; ".join(dict.fromkeys(p["command"] for _, p in parts)),
+            "method": " ".join(__doc__.split("\n\n")[2].split()), "servers": servers, "workloads": wl, "summary": summary})
+
+
+def _rounded(obj, nd: int = 4):
+    """``obj`` with every float rounded to ``nd`` decimals (the parts keep full precision)."""
+    if isinstance(obj, float):
+        return round(obj, nd)
+    if isinstance(obj, dict):
+        return {k: _rounded(v, nd) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v, nd) for v in obj]
+    return obj
 
 
 def main():

@@ -4,7 +4,7 @@
 # FlashInfer decode and with `--decode-attention-backend persistentkv
 # --decode-policy auto`, each under sglang.bench_serving's long-context,
 # decode-heavy random-ids workloads; ITL, TTFT and output throughput go to
-# docs/results/decode_serving_h200.json and into docs/results/decode_h200.json's
+# docs/results/decode_serving_2servers_h200.json and into docs/results/decode_h200.json's
 # "serving" key.
 #
 #   bash .gpu/install_bundle.sh .gpu/bundle && export PYTHONPATH=/tmp/site
@@ -17,7 +17,7 @@
 # Needs the wheels of scripts/gpu/fetch_wheels.sh in .whl/ (datasets).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-result=${1:-docs/results/decode_serving_h200.json}
+result=${1:-docs/results/decode_serving_2servers_h200.json}
 work=${WORK:-/tmp/decode_serving}
 site=${SITE:-/tmp/site}
 rm -rf "$work"; mkdir -p "$work"   # nothing of an earlier run may reach the result

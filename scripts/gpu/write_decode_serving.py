@@ -1,4 +1,4 @@
-"""Assemble docs/results/decode_serving_h200.json from bench_decode_serving.sh's
+"""Assemble docs/results/decode_serving_2servers_h200.json from bench_decode_serving.sh's
 work directory (bench_serving JSONL per server and workload, /server_info,
 the persistentkv server's decode trace) and copy its summary into
 docs/results/decode_h200.json under ``serving``."""
