@@ -293,7 +293,7 @@ def part_assemble(a) -> dict:
         end = p["server"].get("decode_end") or {}
         servers.setdefault(p["model"], []).append({"startup_s": p["server"].get("startup_s"), "max_total_num_tokens": p["server"].get("max_total_num_tokens"),
                                                    "calibration_source": end.get("calibration_source"), "steps": end.get("steps"),
-                                                   "online": end.get("online"), "flags": p["server_flags"], "part": os.path.relpath(f, ROOT)})
+                                                   "online": {k: v for k, v in (end.get("online") or {}).items() if k != "top"} or None, "flags": p["server_flags"], "part": os.path.relpath(f, ROOT)})
     return _rounded({"date": parts[-1][1]["date"], "gpu": " / ".join(sorted({p["gpu"] for _, p in parts})),
             "commit": " / ".join(dict.fromkeys(p["commit"] for _, p in parts)),
             "command": a.command or " ; ".join(dict.fromkeys(p["command"] for _, p in parts)),

@@ -333,14 +333,16 @@ class PersistentKVAttnBackend(AttentionBackend):
     def state(self) -> dict:
         """What ``/server_info`` shows under ``internal_states[i]["persistentkv"]``:
         ``{policy, paths, forced, calibration_source, shape, steps: {kind:path: n},
-        online: {buckets, switches, choices: {path: buckets}} | None}``."""
+        online: {buckets, switches, choices: {path: buckets}, top: the 8 most visited
+        buckets' means (:meth:`OnlineCorrector.summary`)} | None}``."""
         online = None
         if self.online is not None:
             choices: Dict[str, int] = {}
             for b in self.online.buckets.values():
                 if b.choice is not None:
                     choices[b.choice] = choices.get(b.choice, 0) + 1
-            online = {"buckets": len(self.online.buckets), "switches": self.online.switches, "choices": choices}
+            online = {"buckets": len(self.online.buckets), "switches": self.online.switches, "choices": choices,
+                      "top": self.online.summary(top=8)}
         return {"policy": self.policy.mode, "paths": list(self.policy.paths), "forced": self.forced,
                 "calibration_source": self.calibration_source, "shape": self.shape_key.file_name(), "steps": dict(self.steps),
                 "online": online}

@@ -22,8 +22,12 @@ timed step in ``refresh_every`` re-times another path, so drift is seen (a
 re-timed path that beats the choice is timed again on the next timed steps
 until its mean crosses or it stops winning). With every path measured, the
 bucket's choice is the fastest; it moves from the current one only when
-another is ``margin`` faster (hysteresis: no flapping on noise). Consecutive samples of a bucket are a few steps apart, so the
-paths are compared at nearly the same lengths.
+another is ``margin`` faster and the gap exceeds ``z`` standard errors of
+the two means (hysteresis: no flapping on noise; a step's time varies with
+the rest of the step, and on a near-tie a few noisy samples moved a bucket of
+a 128 x 2K batch to a path 0.9 % slower on the H200, 2026-12-04).
+Consecutive samples of a bucket are a few steps apart, so the paths are
+compared at nearly the same lengths.
 
 Ideas: online autotuning of kernel choices in FlashInfer's and PyTorch's
 tuners (``torch._inductor`` benchmarking) done here on live replays instead of
@@ -51,8 +55,31 @@ def bucket_key(batch: int, mean: int, longest: int) -> BucketKey:
 
 @dataclasses.dataclass
 class PathStat:
+    """A path's step time in one bucket: exponentially weighted mean and
+    variance of the samples (West's incremental form) and ``w``, the sum of the
+    squared sample weights, so ``unbiased_var * w`` is the variance of the mean."""
+
     ewma_us: float = 0.0
     n: int = 0
+    var: float = 0.0
+    w: float = 0.0
+
+    def add(self, us: float, alpha: float) -> None:
+        if self.n == 0:
+            self.ewma_us, self.var, self.w = us, 0.0, 1.0
+        else:
+            diff = us - self.ewma_us
+            incr = alpha * diff
+            self.ewma_us += incr
+            self.var = (1 - alpha) * (self.var + diff * incr)
+            self.w = (1 - alpha) ** 2 * self.w + alpha ** 2
+        self.n += 1
+
+    @property
+    def unbiased_var(self) -> float:
+        """:attr:`var` corrected for the few samples behind it (``/ (1 - w)``, as
+        for any weighted variance whose weights sum to 1); 0 before a second sample."""
+        return self.var / (1 - self.w) if self.n > 1 and self.w < 1 else 0.0
 
 
 @dataclasses.dataclass
@@ -74,20 +101,21 @@ class OnlineCorrector:
         refresh_every: a bucket's timed steps between re-timings of another path.
         alpha: weight of a new sample in the running mean.
         margin: how much faster (fraction) another path must measure to replace the choice.
+        z: how many standard errors of the two running means the gap must exceed as well.
 
     Raises:
         ValueError: fewer than two paths, or a parameter out of range.
     """
 
     def __init__(self, paths: Sequence[str], sample_every: int = 16, min_samples: int = 3, refresh_every: int = 32,
-                 alpha: float = 0.25, margin: float = 0.01, max_buckets: int = 4096):
+                 alpha: float = 0.25, margin: float = 0.01, max_buckets: int = 4096, z: float = 3.0):
         if len(paths) < 2:
             raise ValueError(f"online correction needs two or more paths, not {tuple(paths)}")
-        if sample_every < 1 or min_samples < 1 or refresh_every < 1 or not 0 < alpha <= 1 or not 0 <= margin < 1:
-            raise ValueError("online correction: sample_every, min_samples, refresh_every >= 1, 0 < alpha <= 1, 0 <= margin < 1")
+        if sample_every < 1 or min_samples < 1 or refresh_every < 1 or not 0 < alpha <= 1 or not 0 <= margin < 1 or not z >= 0:
+            raise ValueError("online correction: sample_every, min_samples, refresh_every >= 1, 0 < alpha <= 1, 0 <= margin < 1, z >= 0")
         self.paths = tuple(paths)
         self.sample_every, self.min_samples, self.refresh_every = sample_every, min_samples, refresh_every
-        self.alpha, self.margin, self.max_buckets = alpha, margin, max_buckets
+        self.alpha, self.margin, self.max_buckets, self.z = alpha, margin, max_buckets, z
         self.buckets: Dict[BucketKey, _Bucket] = {}
         #: set for the step being timed (by :meth:`begin_step`); ``choose`` explores only then
         self.sampling = False
@@ -141,9 +169,7 @@ class OnlineCorrector:
         if not (us > 0 and math.isfinite(us)) or path not in self.paths:
             return
         b = self._bucket(key)
-        st = b.stats[path]
-        st.ewma_us = us if st.n == 0 else (1 - self.alpha) * st.ewma_us + self.alpha * us
-        st.n += 1
+        b.stats[path].add(us, self.alpha)
         if any(b.stats[p].n < self.min_samples for p in self.paths):
             return
         inc = b.choice or b.prior or path
@@ -151,15 +177,30 @@ class OnlineCorrector:
         # steps (not refresh_every later) until its mean crosses, or a sample does not beat it
         b.recheck = path if path != inc and us < (1 - self.margin) * b.stats[inc].ewma_us else None
         best = min(self.paths, key=lambda p: b.stats[p].ewma_us)
-        new = best if b.stats[best].ewma_us < (1 - self.margin) * b.stats[inc].ewma_us else inc
+        new = best if self._beats(b, best, inc) else inc
         if b.choice is not None and new != b.choice:
             self.switches += 1
         b.choice = new
 
-    def summary(self) -> dict:
-        """``{bucket: {choice, prior, paths: {path: [ewma_us, n]}}}`` (logs, the trace file)."""
-        return {str(k): {"choice": b.choice, "prior": b.prior, "paths": {p: [round(s.ewma_us, 2), s.n] for p, s in b.stats.items()}}
-                for k, b in self.buckets.items()}
+    def _beats(self, b: _Bucket, cand: str, inc: str) -> bool:
+        """``cand`` measured faster than ``inc`` by the margin and by ``z`` standard
+        errors of the two means. The variance is pooled over the bucket's paths
+        (a step's noise comes mostly from the rest of the step, the same for
+        every path; one path's few samples can look quiet by chance)."""
+        c, i = b.stats[cand], b.stats[inc]
+        gap = i.ewma_us - c.ewma_us
+        if not c.ewma_us < (1 - self.margin) * i.ewma_us:
+            return False
+        var = sum(s.unbiased_var for s in b.stats.values()) / len(b.stats)
+        return gap > self.z * math.sqrt(var * (c.w + i.w))
+
+    def summary(self, top: Optional[int] = None) -> dict:
+        """``{bucket: {choice, prior, visits, paths: {path: [ewma_us, n, sd_us]}}}`` (logs, ``/server_info``);
+        ``top``: only the most visited buckets."""
+        items = sorted(self.buckets.items(), key=lambda kb: -kb[1].visits)[:top] if top else self.buckets.items()
+        return {str(k): {"choice": b.choice, "prior": b.prior, "visits": b.visits,
+                         "paths": {p: [round(s.ewma_us, 2), s.n, round(math.sqrt(max(0.0, s.var)), 2)] for p, s in b.stats.items()}}
+                for k, b in items}
 
 
 class ReplayTimer:
