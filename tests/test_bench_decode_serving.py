@@ -57,6 +57,30 @@ def test_verdict_holds_auto_to_two_percent_of_the_best_forced_path_and_one_of_fl
     v = b.verdict(paths(20.0, 19.7, 21.0, 21.0))  # auto 1.5 % behind FlashInfer, the best
     assert v["best_forced"] == "flashinfer" and v["within_2pct_of_best"] and not v["within_1pct_of_flashinfer"]
     assert b.verdict({"auto": {"median_itl_ms": 1.0}}) is None and b.verdict({"split": {"median_itl_ms": 1.0}}) is None
+    partial = paths(18.5, 19.54, 18.40, 18.9)
+    del partial["flashinfer"]  # a call cut off before FlashInfer's pass: no best of three, no verdict
+    assert b.verdict(partial) is None and b.verdict(partial, required=("auto", "split", "compact"))["best_forced"] == "split"
+
+
+def test_path_figures_take_every_figure_from_the_median_pass_and_irregular_passes_are_named():
+    b = bench()
+    rounds = [{"path": "split", "median_itl_ms": 10.0, "output_tok_s": 900.0, "median_ttft_ms": 5.0, "steps": {"replay:split": 256}},
+              {"path": "split", "median_itl_ms": 12.0, "output_tok_s": 1000.0, "median_ttft_ms": 1.0, "steps": {"replay:split": 257}},
+              {"path": "split", "median_itl_ms": 11.0, "output_tok_s": 950.0, "median_ttft_ms": 3.0, "steps": {"replay:split": 256}},
+              {"path": "auto", "median_itl_ms": 9.0, "output_tok_s": 800.0, "median_ttft_ms": 650.0,
+               "steps": {"replay:split": 300, "replay:flashinfer": 8}}]
+    assert b.path_figures(rounds, ["auto", "split", "compact"]) == {
+        "auto": {"median_itl_ms": 9.0, "output_tok_s": 800.0, "median_ttft_ms": 650.0},
+        "split": {"median_itl_ms": 11.0, "output_tok_s": 950.0, "median_ttft_ms": 3.0}}  # one pass's figures, not three medians
+    two = rounds[:2]
+    assert b.path_figures(two, ["split"])["split"]["median_itl_ms"] == 10.0  # even count: the lower middle
+    assert b.irregular(rounds, 256) == ["auto"]  # 308 steps for 256 tokens: part of its batch decoded alone
+
+
+def test_the_result_names_how_it_measured():
+    b = bench()
+    method = " ".join(" ".join(b.__doc__.split("\n\n")[b.METHOD_PARAGRAPHS]).split())
+    assert method.startswith("``run`` starts ONE server") and "**warm** passes" in method and "Each pass:" in method
 
 
 def test_steps_between_and_the_servers_decode_state():
@@ -82,7 +106,8 @@ def test_assemble_takes_each_rows_newest_verdict_keeps_the_rest_as_repeats_and_r
     def part(model, date, rows):
         return {"date": date, "gpu": "NVIDIA H200", "commit": date[-2:], "command": f"run {model}", "part": "run", "model": model,
                 "server_flags": "--decode-policy auto", "server": {"startup_s": 60},
-                "workloads": [{"name": n, "model": model, "paths": ps, "cold": {}, "rounds": [1], "verdict": b.verdict(ps) if ps else None}
+                "workloads": [{"name": n, "model": model, "paths": ps, "cold": {}, "rounds": [], "output_len": 256,
+                               "verdict": b.verdict(ps) if ps else None}
                               for n, ps in rows]}
 
     (tmp_path / "llama_1.json").write_text(json.dumps(part("llama-3.1-8b", "2026-12-04T01", [("loguniform", paths(18.5)),
@@ -99,7 +124,10 @@ def test_assemble_takes_each_rows_newest_verdict_keeps_the_rest_as_repeats_and_r
     assert res["workloads"][0]["paths"]["auto"]["median_itl_ms"] == 18.6 and res["workloads"][0]["repeats"][0]["median_itl_ms"]["auto"] == 18.5
     assert res["workloads"][2]["verdict"] is None and "rounds" not in res["workloads"][0]
     assert res["summary"] == {"workloads": 4, "with_verdict": 3, "auto_within_2pct_of_best": 2, "auto_within_1pct_of_flashinfer": 2,
-                              "worst_auto_over_best": pytest.approx(21.0 / 18.4, abs=1e-4), "worst_auto_over_flashinfer": 1.05}  # rounded to 4 decimals
+                              "worst_auto_over_best": pytest.approx(21.0 / 18.4, abs=1e-4), "worst_auto_over_flashinfer": 1.05,  # rounded
+                              "rows_with_irregular_passes": []}
+    assert res["method"].startswith("``run`` starts ONE server")
+    assert res["workloads"][1]["repeats"][0]["auto_over_best"] is None  # the older bimodal pass had no FlashInfer: no verdict
     assert set(res["servers"]) == {"llama-3.1-8b", "qwen2.5-7b"} and len(res["servers"]["llama-3.1-8b"]) == 2
     assert res["date"] == "2026-12-04T03" and res["gpu"] == "NVIDIA H200"
     empty = tmp_path / "empty"

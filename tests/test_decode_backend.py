@@ -15,6 +15,7 @@ on the same buffers.
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -445,6 +446,54 @@ def test_a_path_file_forces_every_step_onto_the_named_path_and_auto_hands_back_t
     st = be.state()
     assert st["steps"] == {"replay:compact": 4, "replay:split": 3} and st["forced"] is None
     assert st["paths"] == ["split", "compact"] and st["policy"] == "auto"
+    json.dumps(st)  # /server_info serialises it
+
+
+def test_the_path_file_is_read_at_most_every_poll_interval_and_a_bad_name_is_logged_once(monkeypatch, tmp_path, caplog):
+    f = tmp_path / "path"
+    f.write_text("compact")
+    monkeypatch.setenv(backend_mod.PATH_FILE_ENV, str(f))
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), mode="auto", choose=lambda lens: "split")
+    now = [100.0]
+    monkeypatch.setattr(backend_mod.time, "monotonic", lambda: now[0])
+    batch = types.SimpleNamespace(batch_size=2, seq_lens_cpu=torch.tensor([30, 2]), seq_lens_sum=32)
+    assert be.choose(batch) == "compact"
+    f.write_text("split")
+    now[0] += 0.4  # inside the interval: the file is not read again
+    assert be.choose(batch) == "compact"
+    now[0] += 0.2
+    assert be.choose(batch) == "split" and be.forced == "split"
+    f.write_text("nope")
+    with caplog.at_level("WARNING", logger=backend_mod.__name__):
+        for _ in range(3):
+            now[0] += 1.0
+            assert be.choose(batch) == "split" and be.forced is None  # the policy's pick
+    assert sum("names 'nope'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_forced_path_without_a_graph_for_the_batch_size_keeps_the_online_correction(monkeypatch, tmp_path):
+    """Forcing a path the graphs of some batch size lack replays the captured one,
+    and leaves auto's online correction on for when the file says auto again."""
+    from sglang_elastic.attention.online import OnlineCorrector
+
+    f = tmp_path / "path"
+    f.write_text("compact")
+    monkeypatch.setenv(backend_mod.PATH_FILE_ENV, str(f))
+    monkeypatch.setattr(backend_mod, "PATH_FILE_POLL_S", 0.0)
+    runner = make_runner(1, torch.float16)
+    be = backend_mod.PersistentKVAttnBackend(runner, policy="split", calibration=small_calibration())
+    be.policy = types.SimpleNamespace(paths=("split", "compact"), mode="auto", choose=lambda lens: "split")
+    be.online = OnlineCorrector(be.policy.paths)
+    be.init_cuda_graph_state(2, 2)
+    g = torch.Generator().manual_seed(5)
+    be.init_forward_metadata_out_graph(make_batch(runner, [1, 1], g, fill_pool=False), in_capture=True)  # split only for bs 2
+    be.init_forward_metadata_out_graph(make_batch(runner, [30, 2], g, fill_pool=False))
+    assert be.graph_path == "split" and be.online is not None
+    f.write_text("auto")
+    be.init_forward_metadata_out_graph(make_batch(runner, [30, 2], g, fill_pool=False))
+    assert be.graph_path == "split" and be.online is not None
 
 
 def test_server_info_shows_the_decode_backends_state_through_the_get_internal_state_hook():

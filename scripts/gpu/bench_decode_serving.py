@@ -21,7 +21,11 @@ every path runs on the same pool, graphs and host. Per workload:
    ``SGLANG_ELASTIC_DECODE_PATH_FILE`` (``auto``: the policy with its online
    correction), the same prompts again. Every prompt is in the radix cache, so
    a pass is one short extend and ``output_len`` decode steps of the whole
-   batch: the decode path is all that differs.
+   batch: the decode path is all that differs. ``auto``'s online buckets
+   are not reset between passes: its warm pass starts from what the cold
+   pass (run with ``auto``) and its earlier passes measured, as a live server
+   would; a pass that ran more than ``output_len`` + 8 steps (its requests
+   did not all decode together) is named under ``irregular``.
 
 Each pass: every prompt sent at once, streamed (``bench_offload.load``: TTFT,
 ITL and output throughput as ``sglang.bench_serving`` computes them) and the
@@ -49,7 +53,7 @@ import random
 import sys
 import time
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -58,6 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_elastic import results  # noqa: E402
 
 PATHS = ("auto", "flashinfer", "split", "compact")
+#: the module docstring's paragraphs that say how a run measures (the result's ``method``)
+METHOD_PARAGRAPHS = slice(3, 6)
 MODELS = {"llama-3.1-8b": [], "qwen2.5-7b": []}  # extra server flags per model shape
 K = 1024
 #: name: (requests, output tokens, description)
@@ -99,20 +105,40 @@ def path_order(paths: List[str], index: int) -> List[str]:
     return paths[i:] + paths[:i]
 
 
-def verdict(paths: Dict[str, dict]) -> Optional[dict]:
+def verdict(paths: Dict[str, dict], required: Sequence[str] = PATHS) -> Optional[dict]:
     """The acceptance figures of one workload from its warm passes
     (``{path: {median_itl_ms, ...}}``): the best forced path, ``auto`` against
     it and against FlashInfer (ratios of median ITL, >1 slower), and whether
-    both bounds hold. ``None`` unless ``auto`` and a forced path were measured."""
+    both bounds hold. ``None`` unless every path of ``required`` was measured
+    (a best of some forced paths is no best)."""
     itl = {p: r.get("median_itl_ms") for p, r in paths.items() if r and r.get("median_itl_ms")}
     forced = {p: v for p, v in itl.items() if p != "auto"}
-    if "auto" not in itl or not forced:
+    if any(p not in itl for p in required) or "auto" not in itl or not forced:
         return None
     best = min(forced, key=forced.get)
     out = {"best_forced": best, "auto_over_best": itl["auto"] / forced[best],
            "auto_over_flashinfer": itl["auto"] / forced["flashinfer"] if "flashinfer" in forced else None}
     out["within_2pct_of_best"] = out["auto_over_best"] <= 1 + WITHIN_BEST
     out["within_1pct_of_flashinfer"] = None if out["auto_over_flashinfer"] is None else out["auto_over_flashinfer"] <= 1 + WITHIN_FLASHINFER
+    return out
+
+
+def irregular(rounds: List[dict], output_len: int, slack: int = 8) -> List[str]:
+    """Paths with a warm pass that ran more decode steps than ``output_len`` (+ ``slack``):
+    its requests did not all decode together, so part of its steps ran on a partial batch
+    (a lower ITL per step, a lower throughput)."""
+    return sorted({r["path"] for r in rounds if sum((r.get("steps") or {}).values()) > output_len + slack})
+
+
+def path_figures(rounds: List[dict], paths: Sequence[str]) -> Dict[str, dict]:
+    """Per path, the figures of its warm pass with the median ITL (the lower
+    middle of an even count): every figure from the same pass."""
+    out = {}
+    for p in paths:
+        rs = sorted((x for x in rounds if x["path"] == p), key=lambda x: x["median_itl_ms"])
+        if rs:
+            r = rs[(len(rs) - 1) // 2]
+            out[p] = {k: r[k] for k in ("median_itl_ms", "output_tok_s", "median_ttft_ms")}
     return out
 
 
@@ -222,13 +248,11 @@ def part_run(a) -> dict:
                     measured += 1
                     row["rounds"].append({"round": rnd, "path": p, **r})
                     results.write(a.out, {**results.header(), "incomplete": True, **out})
-            # per path the median over rounds of the warm passes' figures
-            for p in paths:
-                rs = [x for x in row["rounds"] if x["path"] == p]
-                if rs:
-                    row["paths"][p] = {k: sorted(x[k] for x in rs)[len(rs) // 2] for k in ("median_itl_ms", "output_tok_s", "median_ttft_ms")}
-            row["verdict"] = verdict(row["paths"])
-            results.write(a.out, {**results.header(), "incomplete": True, **out})
+            row["paths"] = path_figures(row["rounds"], paths)
+            row["verdict"] = verdict(row["paths"], paths)
+            row["irregular"] = irregular(row["rounds"], olen)
+            if measured:
+                results.write(a.out, {**results.header(), "incomplete": True, **out})
         out["server"]["decode_end"] = decode_state(s.info())
     finally:
         s.stop()
@@ -274,20 +298,23 @@ def part_assemble(a) -> dict:
     wl = []
     for key in sorted(rows, key=lambda k: (k[0], list(WORKLOADS).index(k[1]) if k[1] in WORKLOADS else 99)):
         cands = rows[key]
-        with_v = [c for c in cands if c[2].get("verdict")]
+        with_v = [c for c in cands if verdict(c[2]["paths"])]
         f, p, w = (with_v or cands)[-1]
         row = {k: v for k, v in w.items() if k != "rounds"}  # every pass stays in the part
+        row["verdict"] = verdict(w["paths"])  # every forced path required, whatever the part's run asked
+        row["irregular"] = irregular(w.get("rounds") or [], w["output_len"])
         row["cold"] = {c: {k: v for k, v in r.items() if k != "online"} for c, r in w["cold"].items()}
         row.update(commit=p["commit"], date=p["date"], part=os.path.relpath(f, ROOT))
         row["repeats"] = [{"part": os.path.relpath(g, ROOT), "median_itl_ms": {c: r["median_itl_ms"] for c, r in x["paths"].items()},
-                           "auto_over_best": (x.get("verdict") or {}).get("auto_over_best")} for g, q, x in cands if x is not w]
+                           "auto_over_best": (verdict(x["paths"]) or {}).get("auto_over_best")} for g, q, x in cands if x is not w]
         wl.append(row)
     verdicts = [w["verdict"] for w in wl if w.get("verdict")]
     summary = {"workloads": len(wl), "with_verdict": len(verdicts),
                "auto_within_2pct_of_best": sum(bool(v["within_2pct_of_best"]) for v in verdicts),
                "auto_within_1pct_of_flashinfer": sum(bool(v["within_1pct_of_flashinfer"]) for v in verdicts),
                "worst_auto_over_best": max((v["auto_over_best"] for v in verdicts), default=None),
-               "worst_auto_over_flashinfer": max((v["auto_over_flashinfer"] for v in verdicts if v["auto_over_flashinfer"]), default=None)}
+               "worst_auto_over_flashinfer": max((v["auto_over_flashinfer"] for v in verdicts if v["auto_over_flashinfer"]), default=None),
+               "rows_with_irregular_passes": [f"{w['model']}/{w['name']}: {','.join(w['irregular'])}" for w in wl if w.get("irregular")]}
     servers = {}
     for f, p in parts:
         end = p["server"].get("decode_end") or {}
@@ -297,7 +324,7 @@ def part_assemble(a) -> dict:
     return _rounded({"date": parts[-1][1]["date"], "gpu": " / ".join(sorted({p["gpu"] for _, p in parts})),
             "commit": " / ".join(dict.fromkeys(p["commit"] for _, p in parts)),
             "command": a.command or " ; ".join(dict.fromkeys(p["command"] for _, p in parts)),
-            "method": " ".join(__doc__.split("\n\n")[2].split()), "servers": servers, "workloads": wl, "summary": summary})
+            "method": " ".join(" ".join(__doc__.split("\n\n")[METHOD_PARAGRAPHS]).split()), "servers": servers, "workloads": wl, "summary": summary})
 
 
 def _rounded(obj, nd: int = 4):
@@ -338,8 +365,8 @@ def main():
         if a.part == "assemble" and not a.parts:
             ap.error("assemble needs --parts DIR")
         res = part_run(a) if a.part == "run" else part_assemble(a)
-    except (RuntimeError, ValueError) as e:
-        sys.exit(f"bench_decode_serving {a.part}: {e}")
+    except (RuntimeError, ValueError, OSError) as e:  # OSError: the server's HTTP endpoints (flush, server_info, generate)
+        sys.exit(f"bench_decode_serving {a.part}: {type(e).__name__}: {e}" if isinstance(e, OSError) else f"bench_decode_serving {a.part}: {e}")
     if a.part == "run":
         res = {**results.header(), "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)

@@ -84,7 +84,10 @@ FAULT_ENV = "SGLANG_ELASTIC_TEST_DECODE_FAULT"
 #: ``flashinfer``; ``auto``, empty or no file: the policy decides), read at most
 #: every :data:`PATH_FILE_POLL_S` seconds: forced-path A/B runs on one live
 #: ``--decode-policy auto`` server, every path's graphs already captured
-#: (``scripts/gpu/bench_decode_serving.py``). Each TP rank reads it on its own.
+#: (``scripts/gpu/bench_decode_serving.py``). Each TP rank reads it on its own
+#: clock, so for a step after a write the ranks may run different paths (every
+#: path holds the same collectives: correct, only not yet all forced);
+#: ``/server_info`` shows the first rank's state.
 PATH_FILE_ENV = "SGLANG_ELASTIC_DECODE_PATH_FILE"
 PATH_FILE_POLL_S = 0.5
 
@@ -247,6 +250,8 @@ class PersistentKVAttnBackend(AttentionBackend):
         self._needs_startup = (mode == "auto" and len(self.policy.paths) > 1 and str(self.device).startswith("cuda")
                                and (startup == "force" or (startup == "auto" and self.calibration_source == "prior")))
         self._startup_timer = None  # None: calibrate.graph_timer() (tests inject theirs)
+        #: the startup measurement's ``{seconds, batches, fit_rms_rel_err}`` once it ran (:meth:`state`)
+        self.startup_info: Optional[dict] = None
         logger.info("persistentkv: %s calibration for %s%s", self.calibration_source, self.shape_key.file_name(),
                     "; measuring at CUDA-graph capture" if self._needs_startup else "")
         # online correction from timed graph replays (online.py)
@@ -332,7 +337,7 @@ class PersistentKVAttnBackend(AttentionBackend):
 
     def state(self) -> dict:
         """What ``/server_info`` shows under ``internal_states[i]["persistentkv"]``:
-        ``{policy, paths, forced, calibration_source, shape, steps: {kind:path: n},
+        ``{policy, paths, forced, calibration_source, startup, shape, steps: {kind:path: n},
         online: {buckets, switches, choices: {path: buckets}, top: the 8 most visited
         buckets' means (:meth:`OnlineCorrector.summary`)} | None}``."""
         online = None
@@ -344,8 +349,8 @@ class PersistentKVAttnBackend(AttentionBackend):
             online = {"buckets": len(self.online.buckets), "switches": self.online.switches, "choices": choices,
                       "top": self.online.summary(top=8)}
         return {"policy": self.policy.mode, "paths": list(self.policy.paths), "forced": self.forced,
-                "calibration_source": self.calibration_source, "shape": self.shape_key.file_name(), "steps": dict(self.steps),
-                "online": online}
+                "calibration_source": self.calibration_source, "startup": self.startup_info, "shape": self.shape_key.file_name(),
+                "steps": dict(self.steps), "online": online}
 
     def _trace(self, kind: str, path: str, bs: int) -> None:
         """Count steps per (kind, path) into ``$SGLANG_ELASTIC_DECODE_TRACE.<pid>`` (debug only).
@@ -498,6 +503,8 @@ class PersistentKVAttnBackend(AttentionBackend):
                            type(e).__name__, str(e)[:200], self.calibration_source)
             return None
         self.set_calibration(calib, "measured")
+        self.startup_info = {"seconds": round(time.monotonic() - t0, 2), "batches": len(cases),
+                             "fit_rms_rel_err": {p: round(x, 4) for p, x in errs.items()}}
         where = None
         if self.calibration_cache is not None:
             try:
@@ -570,7 +577,8 @@ class PersistentKVAttnBackend(AttentionBackend):
                                    path, bs, sorted(captured))
                     self._warned_fallback = True
                 path = next(p for p in self.policy.paths if p in captured)
-                self.online = None  # one graph per bs: nothing to explore or correct
+                if self.forced is None:  # one graph per bs: nothing to explore or correct (a forced path says nothing of that)
+                    self.online = None
         if not in_capture:
             self._count("replay", path)
         self._trace("capture" if in_capture else "replay", path, bs)

@@ -22,8 +22,9 @@ timed step in ``refresh_every`` re-times another path, so drift is seen (a
 re-timed path that beats the choice is timed again on the next timed steps
 until its mean crosses or it stops winning). With every path measured, the
 bucket's choice is the fastest; it moves from the current one only when
-another is ``margin`` faster and the gap exceeds ``z`` standard errors of
-the two means (hysteresis: no flapping on noise; a step's time varies with
+another is ``margin`` faster and, over the paths' last :data:`WINDOW`
+samples, by ``z`` standard errors of the difference of the means too
+(hysteresis: no flapping on noise; a step's time varies with
 the rest of the step, and on a near-tie a few noisy samples moved a bucket of
 a 128 x 2K batch to a path 0.9 % slower on the H200, 2026-12-04).
 Consecutive samples of a bucket are a few steps apart, so the paths are
@@ -53,33 +54,33 @@ def bucket_key(batch: int, mean: int, longest: int) -> BucketKey:
     return bs, int(STEPS_PER_OCTAVE * math.log2(m)), min(3, int(math.log2(max(1, int(longest)) / m)) if longest > m else 0)
 
 
+#: Samples per path kept for the switch test (the last ``WINDOW``): its standard
+#: error shrinks with them, and follows drift after ``WINDOW`` samples.
+WINDOW = 32
+
+
 @dataclasses.dataclass
 class PathStat:
-    """A path's step time in one bucket: exponentially weighted mean and
-    variance of the samples (West's incremental form) and ``w``, the sum of the
-    squared sample weights, so ``unbiased_var * w`` is the variance of the mean."""
+    """A path's step time in one bucket: the exponentially weighted mean
+    (:attr:`ewma_us`, what the choice ranks by) and the last :data:`WINDOW`
+    samples (:attr:`recent`, what the switch test reads)."""
 
     ewma_us: float = 0.0
     n: int = 0
-    var: float = 0.0
-    w: float = 0.0
+    recent: Deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
 
     def add(self, us: float, alpha: float) -> None:
-        if self.n == 0:
-            self.ewma_us, self.var, self.w = us, 0.0, 1.0
-        else:
-            diff = us - self.ewma_us
-            incr = alpha * diff
-            self.ewma_us += incr
-            self.var = (1 - alpha) * (self.var + diff * incr)
-            self.w = (1 - alpha) ** 2 * self.w + alpha ** 2
+        self.ewma_us = us if self.n == 0 else (1 - alpha) * self.ewma_us + alpha * us
         self.n += 1
+        self.recent.append(us)
 
-    @property
-    def unbiased_var(self) -> float:
-        """:attr:`var` corrected for the few samples behind it (``/ (1 - w)``, as
-        for any weighted variance whose weights sum to 1); 0 before a second sample."""
-        return self.var / (1 - self.w) if self.n > 1 and self.w < 1 else 0.0
+    def window(self) -> Tuple[int, float, float]:
+        """``(samples, mean, sum of squared deviations)`` of :attr:`recent`."""
+        k = len(self.recent)
+        if not k:
+            return 0, 0.0, 0.0
+        m = sum(self.recent) / k
+        return k, m, sum((x - m) ** 2 for x in self.recent)
 
 
 @dataclasses.dataclass
@@ -101,7 +102,7 @@ class OnlineCorrector:
         refresh_every: a bucket's timed steps between re-timings of another path.
         alpha: weight of a new sample in the running mean.
         margin: how much faster (fraction) another path must measure to replace the choice.
-        z: how many standard errors of the two running means the gap must exceed as well.
+        z: how many standard errors of the difference of the windowed means the gap must exceed as well.
 
     Raises:
         ValueError: fewer than two paths, or a parameter out of range.
@@ -183,24 +184,36 @@ class OnlineCorrector:
         b.choice = new
 
     def _beats(self, b: _Bucket, cand: str, inc: str) -> bool:
-        """``cand`` measured faster than ``inc`` by the margin and by ``z`` standard
-        errors of the two means. The variance is pooled over the bucket's paths
-        (a step's noise comes mostly from the rest of the step, the same for
-        every path; one path's few samples can look quiet by chance)."""
+        """``cand`` beats ``inc``: faster by the margin in the running means,
+        and over the two paths' last :data:`WINDOW` samples faster by ``z``
+        standard errors of the difference of the means (a two-sample t
+        statistic; the variance pooled over all the bucket's paths: a step's
+        noise comes mostly from the rest of the step, the same for every path,
+        and one path's few samples can look quiet by chance)."""
         c, i = b.stats[cand], b.stats[inc]
-        gap = i.ewma_us - c.ewma_us
         if not c.ewma_us < (1 - self.margin) * i.ewma_us:
             return False
-        var = sum(s.unbiased_var for s in b.stats.values()) / len(b.stats)
-        return gap > self.z * math.sqrt(var * (c.w + i.w))
+        wins = [s.window() for s in b.stats.values()]
+        dof = sum(k - 1 for k, _, _ in wins if k > 1)
+        if dof < 1:
+            return False
+        var = sum(ss for _, _, ss in wins) / dof
+        kc, mc, _ = c.window()
+        ki, mi, _ = i.window()
+        return mi - mc > self.z * math.sqrt(var * (1 / kc + 1 / ki))
 
     def summary(self, top: Optional[int] = None) -> dict:
         """``{bucket: {choice, prior, visits, paths: {path: [ewma_us, n, sd_us]}}}`` (logs, ``/server_info``);
         ``top``: only the most visited buckets."""
         items = sorted(self.buckets.items(), key=lambda kb: -kb[1].visits)[:top] if top else self.buckets.items()
         return {str(k): {"choice": b.choice, "prior": b.prior, "visits": b.visits,
-                         "paths": {p: [round(s.ewma_us, 2), s.n, round(math.sqrt(max(0.0, s.var)), 2)] for p, s in b.stats.items()}}
+                         "paths": {p: [round(s.ewma_us, 2), s.n, _sd(s)] for p, s in b.stats.items()}}
                 for k, b in items}
+
+
+def _sd(s: PathStat) -> float:
+    k, _, ss = s.window()
+    return round(math.sqrt(ss / (k - 1)), 2) if k > 1 else 0.0
 
 
 class ReplayTimer:
