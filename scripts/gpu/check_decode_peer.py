@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import importlib
 import importlib.machinery
 import json
@@ -116,6 +117,9 @@ LIMITATIONS = [
     "persistentkv's capture_one_shape hook does under SGLang's DecodeCudaGraphRunner.",
     "assert_cg_metadata_well_formed reads backend.forward_metadata, which HybridAttnBackend lacks (the check would "
     "pass vacuously); the hybrid here exposes the decode backend's.",
+    "The kit's tolerance (torch.testing.assert_close, atol = rtol = 3e-2 on the o_proj output) is loose for a "
+    "decode kernel: on the CPU our outputs were 1e-4 to 2.5e-4 off, and a softmax scale 1.5x wrong was off by only "
+    "0.04-0.07 (caught, barely); read max_abs_err, not only passed.",
     "The kit builds backends with ATTENTION_BACKENDS[case.backend](runner); a decode-only backend serves only its "
     "DECODE cases, so EXTEND goes through SGLang's HybridAttnBackend (replace_backend), as SGLang's test_hybrid_attn.py does.",
 ]
@@ -775,6 +779,9 @@ def main(argv=None, *, runner_factory: Optional[Callable[[Options, List[str]], A
             print(f"[{i + 1}/{len(cases)}] {'PASS' if r['passed'] else 'FAIL'} {r['name']} max_abs_err={r['max_abs_err']}"
                   + ("" if r["passed"] else f"  {str(r['error'])[:300]}"), flush=True)
             finish(a.out, dict(doc), done, [c.name for c in cases[i + 1:]])  # a killed run leaves what it did
+            if a.device.startswith("cuda") and (i + 1) % 25 == 0:  # fixtures hold FlashInfer workspaces
+                gc.collect()
+                torch.cuda.empty_cache()
     finally:
         tmp.cleanup()
     return finish(a.out, doc, done, not_run)
