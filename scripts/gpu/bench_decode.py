@@ -166,6 +166,16 @@ def read_floor_us(nbytes: int, buf: torch.Tensor, out: torch.Tensor, cfg: dict) 
     return graph_us_both(lambda: bench.stream_read(x, out, cfg["programs"], cfg["block"], cfg["num_warps"]))
 
 
+_XQA_WS = []
+
+
+def _xqa_workspace():
+    """XQA's workspace: zeroed once before its first use (FlashInfer's requirement), then reused."""
+    if not _XQA_WS:
+        _XQA_WS.append(torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda"))
+    return _XQA_WS[0]
+
+
 def fa3_fn(fa3, q, k, v, lens, page_size, page_idx, page_indptr):
     """FA3's paged decode (``flash_attn_with_kvcache``, ``num_splits=0``: its own split heuristic) over the same pages."""
     B = len(lens)
@@ -303,6 +313,26 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
         notes.setdefault("persistent_failed", []).append(f"{case['name']} p{page_size}: {type(e).__name__}: {str(e)[:200]}")
         t["flashinfer_persistent_us"] = None
 
+    # FlashInfer's XQA decode (issue 23 build 3: plan-free, one kernel; a policy-path candidate): block tables of the case's pages
+    try:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+        n_pages = [int(page_indptr[i + 1] - page_indptr[i]) for i in range(B)]
+        table = torch.zeros(B, max(n_pages), dtype=torch.int32, device="cuda")
+        for i in range(B):
+            table[i, : n_pages[i]] = page_idx[int(page_indptr[i]): int(page_indptr[i + 1])]
+        xo = torch.empty_like(q)
+        xlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        kvx = (k.view(-1, page_size, HKV, D), v.view(-1, page_size, HKV, D))
+        xws = _xqa_workspace()
+        fn = lambda: xqa_batch_decode_with_kv_cache(q, kvx, xws, table, xlens, max(lens), bmm1_scale=SCALE, bmm2_scale=1.0, out=xo)  # noqa: E731
+        fn()
+        both("flashinfer_xqa_us", fn)
+        outs["flashinfer_xqa"] = xo
+    except Exception as e:  # noqa: BLE001 - a page size / group it has no kernel for: recorded, no column
+        torch.cuda.synchronize()
+        notes.setdefault("xqa_failed", []).append(f"{case['name']} p{page_size}: {type(e).__name__}: {str(e)[:200]}")
+
     # SGLang's Triton decode (max_kv_splits 8, splits from get_num_kv_splits_triton as the backend computes them)
     max_kv_splits = 8
     logits = torch.empty(B, HQ, max_kv_splits, D, dtype=torch.float32, device="cuda")
@@ -352,6 +382,8 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
     row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
     if "ours_split_fused_us" in t:
         row["ours_split_fused_us"], row["ours_split_fused_read_us"] = t["ours_split_fused_us"], tr["ours_split_fused_us"]
+    if "flashinfer_xqa_us" in t:  # build 3: FlashInfer's XQA decode beside the policy's paths (not one of them yet)
+        row["flashinfer_xqa_us"], row["flashinfer_xqa_read_us"] = t["flashinfer_xqa_us"], tr["flashinfer_xqa_us"]
     if "ours_split_small_chunk_us" in t:  # min_chunk_large off, same host and case: settles whether the large-batch chunk pays
         row["ours_split_small_chunk_us"], row["ours_split_small_chunk_read_us"] = t["ours_split_small_chunk_us"], tr["ours_split_small_chunk_us"]
     row["max_abs_err_vs_flashinfer"] = {name: (o.float() - ref.float()).abs().max().item() for name, o in outs.items() if name != "flashinfer"}
@@ -464,6 +496,8 @@ def main():
     notes = {"timing": "us per layer, CUDA-graph replay, do_bench's loop (bench.bench_us) median, 256 MB L2 flush between replays (write: *_us; read: read_flush_us); plans outside the graph",
              "flashinfer_us": "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, use_cuda_graph=True), page_size 1 token ids as SGLang plans it",
              "flashinfer_persistent_us": "flashinfer.BatchAttention at the case's page size",
+             "flashinfer_xqa_us": ("flashinfer.decode.xqa_batch_decode_with_kv_cache (plan-free XQA) at the case's page size, block "
+                                   "tables of its pages; a row without it: notes.xqa_failed says why"),
              "sglang_triton_us": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, max_kv_splits 8",
              "policy": "policy_* from the calibration fitted to this run (in-sample); policy_shipped_* from the calibration shipped before it"}
     read, read_info = stream_read_tbps()
