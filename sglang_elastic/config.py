@@ -526,6 +526,14 @@ def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         flag = "--prefill-attention-backend" if getattr(ns, "prefill_attention_backend", None) else "--attention-backend"
         raise ConfigError(f"{flag} {DECODE_BACKEND}: it is a decode-only backend; pass --decode-attention-backend {DECODE_BACKEND} "
                           "(prefill stays on SGLang's)")
+    if getattr(ns, "decode_attention_backend", None) == DECODE_BACKEND:  # as the backend's start refuses them (_check_supported), before it
+        fix = f"drop --decode-attention-backend {DECODE_BACKEND} (FlashInfer or Triton decode them)"
+        kv = str(getattr(ns, "kv_cache_dtype", None) or "auto")
+        if kv.startswith(("fp8", "fp4")):
+            raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} reads bf16/fp16 KV caches, not --kv-cache-dtype {kv}; {fix}")
+        if getattr(ns, "speculative_algorithm", None):
+            raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} has no target-verify path for "
+                              f"--speculative-algorithm {ns.speculative_algorithm}; {fix}")
     if not cfg.offload.enabled:
         for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             if getattr(ns, flag, None) == OFFLOAD_BACKEND:

@@ -134,3 +134,18 @@ def test_assemble_takes_each_rows_newest_verdict_keeps_the_rest_as_repeats_and_r
     empty.mkdir()
     with pytest.raises(RuntimeError, match="no run parts"):
         b.part_assemble(type("A", (), {"parts": str(empty), "command": None})())
+
+
+def test_run_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """New-user finding: ``run`` on a CPU machine ended in SGLang's 20-line traceback."""
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = bench()
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench_decode_serving.py", "run", "--out", str(out), "--work", str(tmp_path / "w")])
+    with pytest.raises(SystemExit) as e:
+        b.main()
+    assert "no CUDA GPU here" in str(e.value) and "\n" not in str(e.value) and not out.exists()

@@ -488,13 +488,28 @@ def test_cli_writes_the_accuracy_rows_of_each_denominator(model_dir, tmp_path, c
                  "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert {"date", "gpu", "machine", "commit", "command", "policy", "accuracy", "acceptance", "variants", "per_sample"} <= set(d) and d["complete"]
-    assert d["policy"]["denominator"] == "selected" and [v["policy"]["denominator"] for v in d["variants"]] == ["full"]
+    # by default the server's rule (estimate) and selected
+    assert d["policy"]["denominator"] == "estimate" and [v["policy"]["denominator"] for v in d["variants"]] == ["selected"]
     assert [(r["task"], r["context"], r["samples"]) for r in d["accuracy"]] == [("passkey", 512, 1), ("natural", 512, 1)]
     assert set(d["accuracy"][0]) == {"task", "context", "samples", "dense", "offload", "kept", "kl", "budget_frac"}
-    assert d["per_sample"][0]["dense"]["solved"] is not None and "full" in d["per_sample"][0]
-    assert "denominator=full" in capsys.readouterr().out
+    assert d["per_sample"][0]["dense"]["solved"] is not None and "selected" in d["per_sample"][0]
+    assert "denominator=selected" in capsys.readouterr().out
     assert main(["--model", model_dir, "--tasks", "passkey,qa_1"]) == 2
     assert "unknown qa_1" in capsys.readouterr().err
+    # refused before the model loads, one line, nothing written (new-user findings: --samples 0 reported a PASS over no
+    # cell, a missing --out folder failed after the sweep with a traceback, a missing model spoke of the haystack)
+    for bad, says in ((["--samples", "0"], "nothing to run"), (["--tasks", "", "--natural", "0"], "nothing to run"),
+                      (["--lengths", "abc"], "--lengths 'abc': give comma-separated token counts"),
+                      (["--lengths", "-5"], "token counts must be > 0"),
+                      (["--out", str(tmp_path / "missing" / "o.json")], "--out"),
+                      (["--model", str(tmp_path / "nomodel"), "--haystack", str(tmp_path / "nohay.tar.gz")], "no config.json there")):
+        argv = ["--model", model_dir, "--tasks", "passkey", "--lengths", "512", "--samples", "1"] + bad
+        if "--out" not in bad:
+            argv += ["--out", str(tmp_path / "z.json")]
+        assert main(argv) == 2, bad
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and says in err[0], (bad, err)
+        assert not (tmp_path / "z.json").exists() and not (tmp_path / "missing").exists()
     # --per-sample: the records go to an xz file the result names (the tracked results stay small)
     out2, xz = tmp_path / "oracle2.json", tmp_path / "oracle2_per_sample.json.xz"
     assert main(["--model", model_dir, "--tasks", "passkey", "--lengths", "512", "--samples", "1", "--natural", "0",

@@ -78,6 +78,11 @@ def test_dry_run_refuses_what_the_server_start_would_refuse():
     (["--attention-backend", "persistentkv"], "--attention-backend persistentkv: it is a decode-only backend"),
     (["--prefill-attention-backend", "persistentkv"], "--prefill-attention-backend persistentkv: it is a decode-only backend"),
     (["--attention-backend", "kvoffload"], "--attention-backend kvoffload runs over the offload pool: pass --enable-kv-offload"),
+    # refused by the backend at its start, after the weights load; now by the flags (new-user finding: --dry-run passed them)
+    (["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "fp8_e4m3"],
+     "--decode-attention-backend persistentkv reads bf16/fp16 KV caches, not --kv-cache-dtype fp8_e4m3"),
+    (["--decode-attention-backend", "persistentkv", "--speculative-algorithm", "EAGLE"],
+     "--decode-attention-backend persistentkv has no target-verify path for --speculative-algorithm EAGLE"),
 ])
 def test_check_flags_names_the_first_refusal(flags, message):
     argv = serve.build_command("llama-3.1-8b", flags)[3:]
@@ -86,5 +91,6 @@ def test_check_flags_names_the_first_refusal(flags, message):
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--port", "31000"])[3:]) is None
     # the project's own backends are choices there, as at a server start (the first version refused them)
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv"])[3:]) is None
+    assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "bf16"])[3:]) is None
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--disable-radix-cache", "--attention-backend",
                                                                   "kvoffload"])[3:]) is None

@@ -339,12 +339,13 @@ def _rounded(obj, nd: int = 4):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=("run", "assemble"))
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
-    ap.add_argument("--workloads", default="loguniform,zipf,bimodal,uniform8k")
-    ap.add_argument("--paths", default=",".join(PATHS))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("part", choices=("run", "assemble"), help="run: one server on this GPU, every path forced in turn; "
+                                                              "assemble: the parts in --parts into one result (CPU)")
+    ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b", help="run: the embedded shape (dummy weights)")
+    ap.add_argument("--workloads", default="loguniform,zipf,bimodal,uniform8k", help=f"run: from {', '.join(sorted(WORKLOADS))}")
+    ap.add_argument("--paths", default=",".join(PATHS), help="run: the paths forced in turn")
     ap.add_argument("--cold", default="auto,flashinfer", help="paths run cold (cache flushed, prefill included) on --cold-workloads")
     ap.add_argument("--cold-workloads", default="loguniform", help="workloads with a cold pass of every --cold path (others: auto only)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -354,11 +355,16 @@ def main():
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--extra", default="", help="extra SGLang flags for the server (one string)")
     ap.add_argument("--work", default="/tmp/bench_decode_serving")
-    ap.add_argument("--parts", default=None)
-    ap.add_argument("--command", default=None)
+    ap.add_argument("--parts", default=None, help="assemble: the folder of part files (*.json, *.json.xz)")
+    ap.add_argument("--command", default=None, help="assemble: the command recorded in the result (default: this one)")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: give 1 or more")
+    if a.part == "run":
+        import torch
+
+        if not torch.cuda.is_available():  # before SGLang starts (its own failure is a 20-line traceback)
+            sys.exit("bench_decode_serving run: no CUDA GPU here (it starts an SGLang server on one); 'assemble' runs on a CPU")
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:
@@ -370,7 +376,10 @@ def main():
     if a.part == "run":
         res = {**results.header(), "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
-    print(json.dumps(res, indent=1)[:3000])
+    if a.part == "assemble":
+        print(f"{a.out}: {len(res.get('workloads', []))} workloads; summary {json.dumps(res.get('summary'))}")
+    else:
+        print(json.dumps(res, indent=1)[:3000])
 
 
 if __name__ == "__main__":

