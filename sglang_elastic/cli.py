@@ -60,14 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         "serve", allow_abbrev=False, help="start the patched SGLang server on an embedded model shape (extra flags go to SGLang)",
         description="Start python -m sglang.launch_server on the patched SGLang. Every flag not listed here is passed to SGLang unchanged and overrides our defaults (see the README).",
     )
-    sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config: llama-3.1-8b (default), qwen2.5-32b, llama-3.1-70b (needs --tp >= 2 on an H200)")
+    sv.add_argument("--embedded-model", default="llama-3.1-8b", help="embedded model config: llama-3.1-8b (default), qwen2.5-7b, qwen2.5-32b, llama-3.1-70b (needs --tp >= 2 on an H200)")
     sv.add_argument("--dry-run", action="store_true", help="print the launch_server command and exit")
     sv.add_argument("--allow-unpatched", action="store_true", help="serve even if the series is not applied")
     ad = sub.add_parser(
         "advise", allow_abbrev=False, help="predict SGLang's prefill reserve, the lendable bytes and the extra KV tokens; recommend post-capture sizing / elastic / smaller chunk / neither",
         description="Sizing as SGLang 0.5.17's own ServerArgs computes it (mem_fraction_static, chunked_prefill_size) on a GPU of the given memory, restated without importing SGLang or torch (a CPU test checks it against SGLang), plus measured factors (sglang_elastic/eval/calibration.json). No GPU needed; answers in well under a second.",
     )
-    ad.add_argument("--model-config", required=True, help="a model directory, its config.json (HF layout, any file name), or an embedded name: llama-3.1-8b, qwen2.5-32b, llama-3.1-70b")
+    ad.add_argument("--model-config", required=True, help="a model directory, its config.json (HF layout, any file name), or an embedded name: llama-3.1-8b, qwen2.5-7b, qwen2.5-32b, llama-3.1-70b")
     ad.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB as nvidia-smi reports it / 1024 (H200: 140.4 = 143,771 MiB)")
     ad.add_argument("--tp", type=int, required=True, help="tensor-parallel degree: 1, 2, 4, 8")
     ad.add_argument("--chunked-prefill-size", type=int, default=None, help="default: SGLang's choice for this GPU size")

@@ -324,6 +324,13 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
     assert cli.main(["advise", "--model-config", str(tmp_path / "llama.json"), *args]) == 0
     out = capsys.readouterr().out
     assert "mem_fraction_static 0.903" in out and "recommendation: elastic:" in out  # the same answer as the embedded shape's
+    assert "lacks" not in out
+    # a config without the sizing keys is answered on transformers' defaults, as SGLang would load it, and says so
+    (tmp_path / "thin.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096}))
+    assert cli.main(["advise", "--model-config", str(tmp_path / "thin.json"), *args]) == 0
+    out = capsys.readouterr().out
+    assert ("caveat: config.json lacks vocab_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads: "
+            "transformers' llama defaults stand in, as SGLang would take them (no num_key_value_heads: as many KV heads as attention heads)") in out
     (tmp_path / "bad.json").write_text('{"model_type": "llama",\n')
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "config.json").write_text("{oops")
@@ -347,7 +354,7 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
         assert capsys.readouterr().err == "sglang-elastic: " + says.format(d=tmp_path) + "\n"
     assert cli.main(["advise", "--model-config", "llama-3.1-9b", *args]) == 2
     assert capsys.readouterr().err == ("sglang-elastic: --model-config llama-3.1-9b: no such file or directory, nor an embedded model; "
-                                       "pass the model's directory or its config.json, or one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b\n")
+                                       "pass the model's directory or its config.json, or one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b, qwen2.5-7b\n")
 
 
 def test_heads_that_do_not_split_over_the_tp_ranks_are_refused(tmp_path, capsys):

@@ -70,6 +70,7 @@ class ModelFacts:
     tie_word_embeddings: bool
     attention_bias: bool
     context_len: int  # ModelConfig.context_len
+    defaulted: Tuple[str, ...] = ()  # the sizing keys config.json lacks, taken from transformers' config-class defaults
 
 
 def read_config(model: str, embedded: Mapping[str, Path]) -> Tuple[str, Dict[str, Any]]:
@@ -177,7 +178,8 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
     return ModelFacts(path=path, model_type=mt, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, v_head_dim=vhd, vocab_size=d["vocab_size"],
                       tie_word_embeddings=bool(d.get("tie_word_embeddings")), attention_bias=bool(d.get("attention_bias")),
-                      context_len=_context_length(cfg, _DEFAULTS[mt]["max_position_embeddings"]))
+                      context_len=_context_length(cfg, _DEFAULTS[mt]["max_position_embeddings"]),
+                      defaulted=tuple(k for k in _INT_KEYS + ("num_key_value_heads",) if k not in cfg))
 
 
 # ----------------------------------------------------------------------------
