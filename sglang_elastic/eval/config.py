@@ -275,8 +275,11 @@ def _read_yaml(path: Path) -> Any:
         raise EvalConfigError(f"{path}: cannot read: {e.strerror}") from None
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise EvalConfigError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's own text spans several, with the line quoted)
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise EvalConfigError(f"{path}: not valid YAML{where}: {what}") from None
 
 
 def check_reuse_targets(exp: Experiment, path: Path) -> None:
