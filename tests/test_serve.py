@@ -41,7 +41,7 @@ def test_a_real_model_path_drops_the_dummy_weights_and_tokenizer_skip():
 def test_unknown_embedded_model_is_a_clear_error():
     r = cli("serve", "--embedded-model", "gpt-7", "--dry-run")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == ("sglang-elastic serve: --embedded-model gpt-7: no such embedded model; use one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b, "
+    assert r.stderr == ("sglang-elastic serve: --embedded-model gpt-7: no such embedded model; use one of llama-3.1-70b, llama-3.1-8b, qwen2.5-32b, qwen2.5-7b, "
                         "or --model-path DIR for a real model\n")  # one line, no ValueError
 
 
