@@ -492,6 +492,22 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-streaming-session", bool, "a session slot keeps a finished turn's rows outside the running batch"),
     ("--kv-cache-dtype", lambda v: v not in (None, "auto", "bfloat16", "bf16", "float16", "fp16"), "the kernels read bf16/fp16 KV"),
     ("--page-size", lambda v: (v or 1) != 1, "validated at page size 1 only"),
+    # a review of SGLang 0.5.17's other features (2026-12-04): each below runs KV writes or graph replays the pool does not plan
+    ("--enable-pdmux", bool, "PD-multiplexing runs a split prefill beside decodes over one pool whose per-forward V-row plan is single"),
+    ("--radix-cache-backend", lambda v: v is not None, "SGLang takes a registered cache even with --disable-radix-cache, and a "
+                                                       "shared cached prefix would give one request's hot buffer to several"),
+    ("--enable-prefill-cp", bool, "context-parallel prefill reorders the tokens each rank writes, past the prefill's V-row plan"),
+    ("--attn-cp-size", lambda v: (v or 1) > 1, "context parallelism splits the KV the selection scores"),
+    ("--dllm-algorithm", lambda v: v is not None, "a diffusion step is an extend inside the decode graphs, which plan decodes only"),
+    ("--cuda-graph-backend-decode", lambda v: v not in (None, "full", "disabled"),
+     "validated with SGLang's full decode graphs (keep-v's two graph variants are chosen per replay)"),
+    ("--cuda-graph-backend-prefill", lambda v: v not in (None, "breakable", "disabled"),
+     "a full prefill graph prepares its metadata without the prefill's V-row plan and staging"),
+    ("--debug-cuda-graph", bool, "validated with SGLang's full decode graphs (a debug replay reruns the step's Python)"),
+    ("--enable-torch-compile", bool, "not validated under torch.compile (the decode step updates the pool's hot-buffer state in place)"),
+    ("--enable-deterministic-inference", bool, "it needs one of SGLang's own attention backends, and a sparse decode is not batch-invariant"),
+    ("--enable-flexkv", bool, "FlexKV moves whole prefixes (and SGLang ignores it without the radix cache)"),
+    ("--enable-session-radix-cache", bool, "it needs the radix cache"),
 )
 
 

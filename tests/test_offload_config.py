@@ -96,6 +96,33 @@ def test_unsupported_combinations_are_refused_with_one_line(flags, sglang, messa
     assert text.startswith("sglang-elastic: ") and message in text and "\n" not in text
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--enable-pdmux", "--chunked-prefill-size", "-1", "--disable-overlap-schedule"], "does not support --enable-pdmux True: PD-multiplexing"),
+    (["--radix-cache-backend", "mine"], "does not support --radix-cache-backend 'mine': SGLang takes a registered cache even with --disable-radix-cache"),
+    (["--enable-prefill-cp"], "does not support --enable-prefill-cp True: context-parallel prefill"),
+    (["--attn-cp-size", "2", "--tp", "2"], "does not support --attn-cp-size 2"),
+    (["--dllm-algorithm", "LowConfidence"], "does not support --dllm-algorithm 'LowConfidence'"),
+    (["--cuda-graph-backend-decode", "breakable"], "does not support --cuda-graph-backend-decode 'breakable'"),
+    (["--cuda-graph-backend-prefill", "full"], "does not support --cuda-graph-backend-prefill 'full'"),
+    (["--debug-cuda-graph"], "does not support --debug-cuda-graph True"),
+    (["--enable-torch-compile"], "does not support --enable-torch-compile True"),
+    (["--enable-deterministic-inference"], "does not support --enable-deterministic-inference True"),
+    (["--enable-flexkv"], "does not support --enable-flexkv True"),
+    (["--enable-session-radix-cache"], "does not support --enable-session-radix-cache True"),
+])
+def test_sglang_features_the_pool_does_not_plan_are_refused_through_sglangs_own_parser(flags, message):
+    """A review of SGLang 0.5.17's flags (2026-12-04) found these accepted: each runs KV writes or graph replays
+    the offload pool does not plan. Through SGLang's real parser (the flag names are SGLang's), one line each;
+    the defaults of the graph backends stay accepted."""
+    from sglang_elastic import serve
+
+    base = ["--enable-kv-offload", "--disable-radix-cache"]
+    err = serve.check_flags(serve.build_command("llama-3.1-8b", base + flags)[3:])
+    assert err is not None and err.startswith("--enable-kv-offload ") and message in err and "\n" not in err, err
+    for ok in (["--cuda-graph-backend-decode", "full"], ["--cuda-graph-backend-prefill", "breakable"], ["--disable-cuda-graph"]):
+        assert serve.check_flags(serve.build_command("llama-3.1-8b", base + ok)[3:]) is None, ok
+
+
 def test_offload_sets_its_attention_backend():
     ns = namespace("--enable-kv-offload", disable_radix_cache=True)
     cfg = config.from_namespace(ns)
@@ -297,3 +324,22 @@ def test_the_help_of_every_flag_formats():
     config.add_cli_args(p)
     text = " ".join(p.format_help().split())  # argparse wraps the lines
     assert "--no-kv-offload-keep-v" in text and "+6.3 % median ITL" in text and "--elastic-kv-activation-rule" in text
+
+
+def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
+    """``hooks._unsupported_model`` on SGLang's KV-cache configurator: soft-capped attention (Grok's default 30, Gemma-2's
+    config key) was not refused and raised NotImplementedError at capture, or mid-serving without CUDA graphs."""
+    import types
+
+    from sglang_elastic.offload import hooks
+
+    def kvc(hf=None, **kw):
+        base = dict(use_mla_backend=False, is_hybrid_swa=False, mambaish_config=None, is_draft_worker=False, sliding_window_size=None,
+                    model_config=types.SimpleNamespace(is_multimodal=False, hf_config=hf or types.SimpleNamespace(architectures=["LlamaForCausalLM"])))
+        return types.SimpleNamespace(**{**base, **kw})
+
+    assert hooks._unsupported_model(kvc()) == ""
+    assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["Grok1ForCausalLM"]))).startswith("attention logit soft-capping")
+    assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["X"], attn_logit_softcapping=50.0))).startswith("attention logit")
+    assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["X"], attn_logit_softcapping=None))) == ""
+    assert hooks._unsupported_model(kvc(use_mla_backend=True)) == "an MLA model"

@@ -288,3 +288,29 @@ def test_the_backends_prefetch_records_its_copy_on_the_side_stream_and_not_as_th
     be.prefetch(3, torch.zeros(8, 8), types.SimpleNamespace(req_pool_indices=None, seq_lens=None), 0.5)
     assert seen["clock"] is not None and {(3, PREFETCH[0]), (3, PREFETCH[1])} <= t._cur.used
     assert t._cur.last_main is last and be._spec_done == {3: True}
+
+
+def test_a_replay_sets_the_variant_it_runs_instead_of_keeping_the_last_captured_one():
+    """Review finding: ``_all_dense`` was set only while capturing, so after capture it stayed at the last
+    variant captured (the all-dense one); a replay that reruns the step's Python (SGLang's debug graphs)
+    would then attend only to kept V for requests that keep none."""
+    import types
+
+    from sglang_elastic.offload import keep
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+
+    be = object.__new__(OffloadAttnBackend)
+    be.pool = types.SimpleNamespace(flush_releases=lambda: None)
+    be._count = lambda fb: None
+    be._require = lambda fb: "decode"
+    be.copy_timer, be.graph_variants, be._all_dense = None, True, True  # as capture leaves it
+    view = types.SimpleNamespace(batch_size=4, num_padding=1)
+    keep._STATE.clear()
+    try:
+        be.init_forward_metadata_out_graph(view)
+        assert be._all_dense is False  # no request keeps V: the general variant
+        keep._STATE["keep"] = types.SimpleNamespace(all_kept=True, all_kept_bs=3)
+        be.init_forward_metadata_out_graph(view)
+        assert be._all_dense is True
+    finally:
+        keep._STATE.clear()

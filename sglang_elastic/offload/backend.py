@@ -235,6 +235,8 @@ class OffloadAttnBackend(AttentionBackend):
         if not in_capture:
             self._count(forward_batch)
             self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
+            if self._mode == "decode":  # the variant this replay runs (a full graph ignores the flag; a step that reruns the plan reads it)
+                self._all_dense = self._replays_dense(forward_batch)
         if self.copy_timer is not None:
             if self._mode == "decode":
                 self._time_step((forward_batch.batch_size, self._all_dense if in_capture else self._replays_dense(forward_batch)), in_capture)

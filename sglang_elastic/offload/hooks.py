@@ -148,6 +148,10 @@ def _unsupported_model(kvc) -> str:
         return "a multimodal model"
     if kvc.sliding_window_size is not None:
         return "sliding-window attention"
+    hf = getattr(kvc.model_config, "hf_config", None)
+    archs = getattr(hf, "architectures", None) or []
+    if (getattr(hf, "attn_logit_softcapping", None) or 0) > 0 or any("Grok" in a for a in archs):  # grok.py caps at 30 by default
+        return "attention logit soft-capping (not in these kernels)"
     return ""
 
 
