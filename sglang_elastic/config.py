@@ -508,6 +508,7 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-deterministic-inference", bool, "it needs one of SGLang's own attention backends, and a sparse decode is not batch-invariant"),
     ("--enable-flexkv", bool, "FlexKV moves whole prefixes (and SGLang ignores it without the radix cache)"),
     ("--enable-session-radix-cache", bool, "it needs the radix cache"),
+    ("--kv-canary", lambda v: v not in (None, "none"), "the KV canary attaches only to SGLang's own pool classes"),
 )
 
 

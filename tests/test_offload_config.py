@@ -109,6 +109,7 @@ def test_unsupported_combinations_are_refused_with_one_line(flags, sglang, messa
     (["--enable-deterministic-inference"], "does not support --enable-deterministic-inference True"),
     (["--enable-flexkv"], "does not support --enable-flexkv True"),
     (["--enable-session-radix-cache"], "does not support --enable-session-radix-cache True"),
+    (["--kv-canary", "log"], "does not support --kv-canary 'log'"),
 ])
 def test_sglang_features_the_pool_does_not_plan_are_refused_through_sglangs_own_parser(flags, message):
     """A review of SGLang 0.5.17's flags (2026-12-04) found these accepted: each runs KV writes or graph replays
