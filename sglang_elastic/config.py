@@ -474,6 +474,15 @@ _UNSUPPORTED_ENV = (
 )
 
 
+#: CUDA-graph backends the offload pool is validated with, per phase (None: SGLang's default, full decode and breakable
+#: prefill graphs), for --cuda-graph-backend-{decode,prefill} and the same phases of --cuda-graph-config.
+_OFFLOAD_GRAPHS = {"decode": (None, "full", "disabled"), "prefill": (None, "breakable", "disabled")}
+_OFFLOAD_GRAPHS_WHY = {
+    "decode": "validated with SGLang's full decode graphs (keep-v's two graph variants are chosen per replay)",
+    "prefill": "validated with SGLang's breakable prefill graphs (a full or piecewise prefill graph prepares its metadata "
+               "without the prefill's V-row plan and staging)",
+}
+
 #: SGLang features the offload pool does not support: (flag, test on its value, why).
 _OFFLOAD_UNSUPPORTED = (
     ("--speculative-algorithm", lambda v: v is not None, "no target-verify path over a host V tier"),
@@ -499,13 +508,13 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-prefill-cp", bool, "context-parallel prefill reorders the tokens each rank writes, past the prefill's V-row plan"),
     ("--attn-cp-size", lambda v: (v or 1) > 1, "context parallelism splits the KV the selection scores"),
     ("--dllm-algorithm", lambda v: v is not None, "a diffusion step is an extend inside the decode graphs, which plan decodes only"),
-    ("--cuda-graph-backend-decode", lambda v: v not in (None, "full", "disabled"),
-     "validated with SGLang's full decode graphs (keep-v's two graph variants are chosen per replay)"),
-    ("--cuda-graph-backend-prefill", lambda v: v not in (None, "breakable", "disabled"),
-     "a full prefill graph prepares its metadata without the prefill's V-row plan and staging"),
+    ("--cuda-graph-backend-decode", lambda v: v not in _OFFLOAD_GRAPHS["decode"], _OFFLOAD_GRAPHS_WHY["decode"]),
+    ("--cuda-graph-backend-prefill", lambda v: v not in _OFFLOAD_GRAPHS["prefill"], _OFFLOAD_GRAPHS_WHY["prefill"]),
     ("--debug-cuda-graph", bool, "validated with SGLang's full decode graphs (a debug replay reruns the step's Python)"),
     ("--enable-torch-compile", bool, "not validated under torch.compile (the decode step updates the pool's hot-buffer state in place)"),
     ("--enable-deterministic-inference", bool, "it needs one of SGLang's own attention backends, and a sparse decode is not batch-invariant"),
+    ("--rl-on-policy-target", lambda v: v is not None, "SGLang turns on deterministic inference for it, which needs one of its own "
+                                                        "attention backends (and a sparse decode is not batch-invariant)"),
     ("--enable-flexkv", bool, "FlexKV moves whole prefixes (and SGLang ignores it without the radix cache)"),
     ("--enable-session-radix-cache", bool, "it needs the radix cache"),
     ("--kv-canary", lambda v: v not in (None, "none"), "the KV canary attaches only to SGLang's own pool classes"),
@@ -520,6 +529,15 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         v = getattr(ns, flag[2:].replace("-", "_"), None)
         if bad(v):
             raise ConfigError(f"--enable-kv-offload does not support {flag} {v!r}: {why}")
+    graphs = getattr(ns, "cuda_graph_config", None)  # SGLang's JSON form, which takes precedence over the flags above
+    for phase, ok in _OFFLOAD_GRAPHS.items():
+        phase_cfg = (graphs.get(phase) if isinstance(graphs, dict) else getattr(graphs, phase, None)) if graphs is not None else None
+        backend = phase_cfg.get("backend") if isinstance(phase_cfg, dict) else getattr(phase_cfg, "backend", None)
+        if backend not in ok:
+            raise ConfigError(f"--enable-kv-offload does not support --cuda-graph-config {phase} backend {backend!r}: {_OFFLOAD_GRAPHS_WHY[phase]}")
+    if os.environ.get("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "").lower() in ("1", "true", "yes"):
+        raise ConfigError("--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1: it needs one of SGLang's own "
+                          "attention backends, and a sparse decode is not batch-invariant")
     if not getattr(ns, "disable_radix_cache", False):
         raise ConfigError("--enable-kv-offload needs --disable-radix-cache: a hot buffer belongs to one request and is keyed by "
                           "its token ids, which a shared cached prefix would give to several requests")
@@ -546,7 +564,7 @@ def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     if getattr(ns, "decode_attention_backend", None) == DECODE_BACKEND:  # as the backend's start refuses them (_check_supported), before it
         fix = f"drop --decode-attention-backend {DECODE_BACKEND} (FlashInfer or Triton decode them)"
         kv = str(getattr(ns, "kv_cache_dtype", None) or "auto")
-        if kv.startswith(("fp8", "fp4")):
+        if kv not in ("auto", "bfloat16", "bf16", "float16", "fp16"):  # (fp8_*, fp4_e2m1, mxfp8, nvfp4, ...)
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} reads bf16/fp16 KV caches, not --kv-cache-dtype {kv}; {fix}")
         if getattr(ns, "speculative_algorithm", None):
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} has no target-verify path for "

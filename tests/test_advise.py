@@ -330,7 +330,14 @@ def test_model_config_messages_say_what_is_wrong_and_what_to_pass(tmp_path, caps
     assert cli.main(["advise", "--model-config", str(tmp_path / "thin.json"), *args]) == 0
     out = capsys.readouterr().out
     assert ("caveat: config.json lacks vocab_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads: "
-            "transformers' llama defaults stand in, as SGLang would take them (no num_key_value_heads: as many KV heads as attention heads)") in out
+            "transformers' llama defaults stand in, as SGLang would take them (32 KV heads of 32 attention heads)") in out
+    # mistral's class default is 8 KV heads; a key given as null is a default too
+    (tmp_path / "thin.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 4096,
+                                                    "intermediate_size": None}))
+    assert cli.main(["advise", "--model-config", str(tmp_path / "thin.json"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "lacks vocab_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads: " in out
+    assert "transformers' mistral defaults stand in, as SGLang would take them (8 KV heads of 32 attention heads)" in out
     (tmp_path / "bad.json").write_text('{"model_type": "llama",\n')
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "config.json").write_text("{oops")

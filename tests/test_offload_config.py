@@ -110,6 +110,10 @@ def test_unsupported_combinations_are_refused_with_one_line(flags, sglang, messa
     (["--enable-flexkv"], "does not support --enable-flexkv True"),
     (["--enable-session-radix-cache"], "does not support --enable-session-radix-cache True"),
     (["--kv-canary", "log"], "does not support --kv-canary 'log'"),
+    (["--cuda-graph-backend-prefill", "tc_piecewise"], "validated with SGLang's breakable prefill graphs"),
+    (["--cuda-graph-config", '{"decode": {"backend": "breakable"}}'], "does not support --cuda-graph-config decode backend 'breakable'"),
+    (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "does not support --cuda-graph-config prefill backend 'full'"),
+    (["--rl-on-policy-target", "fsdp"], "does not support --rl-on-policy-target 'fsdp': SGLang turns on deterministic inference"),
 ])
 def test_sglang_features_the_pool_does_not_plan_are_refused_through_sglangs_own_parser(flags, message):
     """A review of SGLang 0.5.17's flags (2026-12-04) found these accepted: each runs KV writes or graph replays
@@ -120,7 +124,8 @@ def test_sglang_features_the_pool_does_not_plan_are_refused_through_sglangs_own_
     base = ["--enable-kv-offload", "--disable-radix-cache"]
     err = serve.check_flags(serve.build_command("llama-3.1-8b", base + flags)[3:])
     assert err is not None and err.startswith("--enable-kv-offload ") and message in err and "\n" not in err, err
-    for ok in (["--cuda-graph-backend-decode", "full"], ["--cuda-graph-backend-prefill", "breakable"], ["--disable-cuda-graph"]):
+    for ok in (["--cuda-graph-backend-decode", "full"], ["--cuda-graph-backend-prefill", "breakable"], ["--disable-cuda-graph"],
+               ["--cuda-graph-config", '{"decode": {"backend": "full"}, "prefill": {"backend": "breakable"}}']):
         assert serve.check_flags(serve.build_command("llama-3.1-8b", base + ok)[3:]) is None, ok
 
 
@@ -343,4 +348,5 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
     assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["Grok1ForCausalLM"]))).startswith("attention logit soft-capping")
     assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["X"], attn_logit_softcapping=50.0))).startswith("attention logit")
     assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["X"], attn_logit_softcapping=None))) == ""
+    assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["Grok1ForCausalLM"], attn_logit_softcapping=0.0))) == ""  # no cap
     assert hooks._unsupported_model(kvc(use_mla_backend=True)) == "an MLA model"

@@ -319,6 +319,24 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert (c["compared"], c["identical_texts"], c["lost"], c["gained"], c["errors"]) == (5, 5, [], [], 0)
     assert c["acceptance"]["passed"] is False and "samples 2 < 50" in c["acceptance"]["failing"][0]["reasons"]
     assert "control: dense (--attention-backend triton) against dense (FlashInfer)" in capsys.readouterr().out
+    # a control server that does not come up costs nothing measured (it runs last, and its failure is caught)
+    orig = gpu.run_server
+
+    def control_fails(name, *args, **kw):
+        if name == "control":
+            raise gpu.Failure("control server: exited with 1 (log: x)")
+        return orig(name, *args, **kw)
+
+    gpu.run_server = control_fails
+    try:
+        assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "vt", "--lengths", "1024", "--samples", "1", "--natural", "0",
+                         "--out", str(out)]) == 0
+    finally:
+        gpu.run_server = orig
+    d = json.loads(out.read_text())
+    assert d["control"] == {"server": "control", "control_args": "--attention-backend triton", "failed": "control server: exited with 1 (log: x)"}
+    assert d["accuracy"][0]["samples"] == 1 and "offload_2" in d["server_stats"] and list(d["servers"])[-1] == "control"
+    assert "control only" in capsys.readouterr().err
     # --control-args none: no control server and no block
     assert gpu.main(["--model", model_dir, "--dry-run", "--tasks", "vt", "--lengths", "1024", "--samples", "1", "--natural", "0",
                      "--control-args", "none", "--out", str(out)]) == 0
@@ -377,7 +395,7 @@ def test_gpu_script_server_commands_pass_sglangs_parse_with_the_plugin(sglang_py
     assert list(cmds) == ["dense", "offload", "offload_2"]
     cmds = gpu.server_commands(MODEL, ["--chunked-prefill-size", "512", "--disable-prefill-cuda-graph"], sets,
                                gpu.control_flags(gpu.DEFAULT_CONTROL_ARGS))
-    assert list(cmds) == ["dense", "control", "offload", "offload_2"]
+    assert list(cmds) == ["dense", "offload", "offload_2", "control"]
     want = {"dense": (["flashinfer", "flashinfer"], False), "control": (["triton", "triton"], False),
             "offload": (["kvoffload", "kvoffload"], "estimate"),
             "offload_2": (["kvoffload", "kvoffload"], "selected")}

@@ -81,6 +81,8 @@ def test_dry_run_refuses_what_the_server_start_would_refuse():
     # refused by the backend at its start, after the weights load; now by the flags (new-user finding: --dry-run passed them)
     (["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "fp8_e4m3"],
      "--decode-attention-backend persistentkv reads bf16/fp16 KV caches, not --kv-cache-dtype fp8_e4m3"),
+    (["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "mxfp8"],
+     "--decode-attention-backend persistentkv reads bf16/fp16 KV caches, not --kv-cache-dtype mxfp8"),
     (["--decode-attention-backend", "persistentkv", "--speculative-algorithm", "EAGLE"],
      "--decode-attention-backend persistentkv has no target-verify path for --speculative-algorithm EAGLE"),
 ])

@@ -380,7 +380,7 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_untested": None if pc_capped is None or risk else post_capture_untested(cal, tp, sa.chunked_prefill_size),
         "caveats": caveats(cal, gpu_mem_gib, tp, graph_bs, f) + chunk_caveats(cal, f, shape, sa.chunked_prefill_size)
                    + ([f"config.json lacks {', '.join(m.defaulted)}: transformers' {m.model_type} defaults stand in, as SGLang would take them"
-                       + (" (no num_key_value_heads: as many KV heads as attention heads)" if "num_key_value_heads" in m.defaulted else "")]
+                       + (f" ({m.num_key_value_heads} KV heads of {m.num_attention_heads} attention heads)" if "num_key_value_heads" in m.defaulted else "")]
                       if m.defaulted else []),
         "factors": f,
         "calibration": cal["source"],

@@ -179,7 +179,7 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, v_head_dim=vhd, vocab_size=d["vocab_size"],
                       tie_word_embeddings=bool(d.get("tie_word_embeddings")), attention_bias=bool(d.get("attention_bias")),
                       context_len=_context_length(cfg, _DEFAULTS[mt]["max_position_embeddings"]),
-                      defaulted=tuple(k for k in _INT_KEYS + ("num_key_value_heads",) if k not in cfg))
+                      defaulted=tuple(k for k in _INT_KEYS + ("num_key_value_heads",) if cfg.get(k) is None))
 
 
 # ----------------------------------------------------------------------------

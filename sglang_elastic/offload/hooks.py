@@ -149,8 +149,11 @@ def _unsupported_model(kvc) -> str:
     if kvc.sliding_window_size is not None:
         return "sliding-window attention"
     hf = getattr(kvc.model_config, "hf_config", None)
-    archs = getattr(hf, "architectures", None) or []
-    if (getattr(hf, "attn_logit_softcapping", None) or 0) > 0 or any("Grok" in a for a in archs):  # grok.py caps at 30 by default
+    grok = any("Grok" in a for a in (getattr(hf, "architectures", None) or []))
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap is None and grok:
+        cap = 30.0  # grok.py: max(config.attn_logit_softcapping (default 30), 0)
+    if (cap or 0) > 0:
         return "attention logit soft-capping (not in these kernels)"
     return ""
 
