@@ -207,7 +207,10 @@ def test_no_kv_pool_points_at_what_gives_one_and_warnings_say_where_the_fit_is_t
     odd = advisor.predict("llama-3.1-8b", h200, 1, 10000)
     assert odd["post_capture_kv_tokens"] is None and "(--chunked-prefill-size 8,192 fits)" in odd["post_capture_unavailable_reason"]
     # calibration files of the wrong shape fail with the file's name, no traceback
-    for text, says in (("[1, 2]", "not a calibration file"), ('{"points": [{"label": "x"}]}', "point 0 lacks model")):
+    for text, says in (("[1, 2]", r"not a calibration file \(a JSON object with a 'points' list is expected"),
+                       ('{"points": [{"label": "x"}]}', "point 0 lacks model"),
+                       ('{"pts": []}', r"not a calibration file \(no 'points' key"),
+                       ('{"points": ', r"not a calibration file \(not valid JSON")):
         bad = tmp_path / "cal.json"
         bad.write_text(text)
         with pytest.raises(advisor.AdviseError, match=f"{bad}: .*{says}"):
@@ -227,6 +230,11 @@ def test_cli(capsys):
     assert "--max-running-requests must be positive, not 0" in capsys.readouterr().err
     assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "3"]) == 2
     assert "--tp must be 1, 2, 4 or 8, not 3" in capsys.readouterr().err
+    # new-user findings: a MiB figure given as GiB answered 8,191,999,866,356 tokens; a margin above the GPU was accepted
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "143771", "--tp", "1"]) == 2
+    assert "--gpu-mem-gb 143771: more than 1024 GiB for one GPU" in capsys.readouterr().err
+    assert cli.main(["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1", "--margin-mb", "1e9"]) == 2
+    assert "--margin-mb 1e+09: at least the GPU's whole memory (140.4 GiB)" in capsys.readouterr().err
 
 
 def test_a_shape_outside_the_weight_count_is_refused(tmp_path):

@@ -90,6 +90,8 @@ SMALL_CHUNK = 2048
 #: it gives at least this many tokens (a few long requests); else raise the TP degree.
 MIN_POOL_TOKENS = 32768
 DEFAULT_MARGIN_MIB = 1024  # sglang_elastic.config.ElasticKVConfig.margin_mb
+#: The largest --gpu-mem-gb taken (GiB): above any GPU SGLang 0.5.17 runs on (B300: 288 GB), below a MiB figure given as GiB.
+MAX_GPU_MEM_GIB = 1024
 #: CUDA VMM's minimum allocation granularity on NVIDIA data-centre GPUs
 #: (cuMemGetAllocationGranularity on the H200): the elastic pool maps whole granules.
 VMM_GRANULARITY = 2 << 20
@@ -191,7 +193,14 @@ def load_calibration(path: Optional[Path] = None) -> Dict[str, Any]:
             for i, rec in enumerate(recs):
                 bad = [k for k, t in keys.items() if not isinstance(rec, dict) or not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
                 assert not bad, f"{section}[{i}]: {', '.join(bad)} missing or of the wrong type"
-    except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+    except json.JSONDecodeError as e:
+        raise AdviseError(f"{source}: not a calibration file (not valid JSON: {e.msg} at line {e.lineno})") from None
+    except KeyError as e:
+        raise AdviseError(f"{source}: not a calibration file (no {e.args[0]!r} key; sglang_elastic/eval/calibration.json shows the form)") from None
+    except TypeError:
+        raise AdviseError(f"{source}: not a calibration file (a JSON object with a 'points' list is expected; "
+                          "sglang_elastic/eval/calibration.json shows the form)") from None
+    except AssertionError as e:
         raise AdviseError(f"{source}: not a calibration file ({e})") from None
     cal["source"] = source
     return cal
@@ -293,8 +302,12 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     """
     if not math.isfinite(gpu_mem_gib) or gpu_mem_gib <= 0:
         raise AdviseError(f"--gpu-mem-gb must be a positive number, not {gpu_mem_gib}")
+    if gpu_mem_gib > MAX_GPU_MEM_GIB:  # a typo (MiB for GiB) more likely than such a GPU; the fit is extrapolated far past the H200 anyway
+        raise AdviseError(f"--gpu-mem-gb {gpu_mem_gib:g}: more than {MAX_GPU_MEM_GIB} GiB for one GPU; give one GPU's memory in GiB (an H200: 140.4)")
     if not math.isfinite(margin_mib) or margin_mib < 0:
         raise AdviseError(f"--margin-mb must be >= 0, not {margin_mib}")
+    if margin_mib > DEFAULT_MARGIN_MIB and margin_mib >= gpu_mem_gib * 1024:  # (a GPU too small for the default: the reserve's message)
+        raise AdviseError(f"--margin-mb {margin_mib:g}: at least the GPU's whole memory ({gpu_mem_gib:g} GiB)")
     if tp not in (1, 2, 4, 8):
         raise AdviseError(f"--tp must be 1, 2, 4 or 8, not {tp}")
     if chunked_prefill_size is not None and chunked_prefill_size < 1:
