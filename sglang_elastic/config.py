@@ -474,6 +474,9 @@ _UNSUPPORTED_ENV = (
 )
 
 
+#: --kv-cache-dtype values that keep the KV cache bf16/fp16, what the project's kernels read ("auto": the model's dtype).
+_BF16_FP16_KV = ("auto", "bfloat16", "bf16", "float16", "fp16")
+
 #: CUDA-graph backends the offload pool is validated with, per phase (None: SGLang's default, full decode and breakable
 #: prefill graphs), for --cuda-graph-backend-{decode,prefill} and the same phases of --cuda-graph-config.
 _OFFLOAD_GRAPHS = {"decode": (None, "full", "disabled"), "prefill": (None, "breakable", "disabled")}
@@ -499,7 +502,7 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-mixed-chunk", bool, "a mixed batch would run decode rows through the prefill path, which reads V from staging"),
     ("--enable-two-batch-overlap", bool, "not built for two-batch overlap"),
     ("--enable-streaming-session", bool, "a session slot keeps a finished turn's rows outside the running batch"),
-    ("--kv-cache-dtype", lambda v: v not in (None, "auto", "bfloat16", "bf16", "float16", "fp16"), "the kernels read bf16/fp16 KV"),
+    ("--kv-cache-dtype", lambda v: v is not None and v not in _BF16_FP16_KV, "the kernels read bf16/fp16 KV"),
     ("--page-size", lambda v: (v or 1) != 1, "validated at page size 1 only"),
     # a review of SGLang 0.5.17's other features (2026-12-04): each below runs KV writes or graph replays the pool does not plan
     ("--enable-pdmux", bool, "PD-multiplexing runs a split prefill beside decodes over one pool whose per-forward V-row plan is single"),
@@ -508,8 +511,6 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-prefill-cp", bool, "context-parallel prefill reorders the tokens each rank writes, past the prefill's V-row plan"),
     ("--attn-cp-size", lambda v: (v or 1) > 1, "context parallelism splits the KV the selection scores"),
     ("--dllm-algorithm", lambda v: v is not None, "a diffusion step is an extend inside the decode graphs, which plan decodes only"),
-    ("--cuda-graph-backend-decode", lambda v: v not in _OFFLOAD_GRAPHS["decode"], _OFFLOAD_GRAPHS_WHY["decode"]),
-    ("--cuda-graph-backend-prefill", lambda v: v not in _OFFLOAD_GRAPHS["prefill"], _OFFLOAD_GRAPHS_WHY["prefill"]),
     ("--debug-cuda-graph", bool, "validated with SGLang's full decode graphs (a debug replay reruns the step's Python)"),
     ("--enable-torch-compile", bool, "not validated under torch.compile (the decode step updates the pool's hot-buffer state in place)"),
     ("--enable-deterministic-inference", bool, "it needs one of SGLang's own attention backends, and a sparse decode is not batch-invariant"),
@@ -529,12 +530,14 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         v = getattr(ns, flag[2:].replace("-", "_"), None)
         if bad(v):
             raise ConfigError(f"--enable-kv-offload does not support {flag} {v!r}: {why}")
-    graphs = getattr(ns, "cuda_graph_config", None)  # SGLang's JSON form, which takes precedence over the flags above
+    graphs = getattr(ns, "cuda_graph_config", None)  # SGLang's JSON form, which takes precedence over the per-phase flags
     for phase, ok in _OFFLOAD_GRAPHS.items():
         phase_cfg = (graphs.get(phase) if isinstance(graphs, dict) else getattr(graphs, phase, None)) if graphs is not None else None
-        backend = phase_cfg.get("backend") if isinstance(phase_cfg, dict) else getattr(phase_cfg, "backend", None)
-        if backend not in ok:
-            raise ConfigError(f"--enable-kv-offload does not support --cuda-graph-config {phase} backend {backend!r}: {_OFFLOAD_GRAPHS_WHY[phase]}")
+        json_backend = phase_cfg.get("backend") if isinstance(phase_cfg, dict) else getattr(phase_cfg, "backend", None)
+        for where, backend in ((f"--cuda-graph-backend-{phase}", getattr(ns, f"cuda_graph_backend_{phase}", None)),
+                               (f"--cuda-graph-config {phase} backend", json_backend)):
+            if backend not in ok:
+                raise ConfigError(f"--enable-kv-offload does not support {where} {backend!r}: {_OFFLOAD_GRAPHS_WHY[phase]}")
     if os.environ.get("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "").lower() in ("1", "true", "yes"):
         raise ConfigError("--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1: it needs one of SGLang's own "
                           "attention backends, and a sparse decode is not batch-invariant")
@@ -564,7 +567,7 @@ def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     if getattr(ns, "decode_attention_backend", None) == DECODE_BACKEND:  # as the backend's start refuses them (_check_supported), before it
         fix = f"drop --decode-attention-backend {DECODE_BACKEND} (FlashInfer or Triton decode them)"
         kv = str(getattr(ns, "kv_cache_dtype", None) or "auto")
-        if kv not in ("auto", "bfloat16", "bf16", "float16", "fp16"):  # (fp8_*, fp4_e2m1, mxfp8, nvfp4, ...)
+        if kv not in _BF16_FP16_KV:  # (fp8_*, fp4_e2m1, mxfp8, nvfp4, ...)
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} reads bf16/fp16 KV caches, not --kv-cache-dtype {kv}; {fix}")
         if getattr(ns, "speculative_algorithm", None):
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} has no target-verify path for "

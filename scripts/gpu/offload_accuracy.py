@@ -698,19 +698,21 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         print(f"offload_accuracy: {e}", file=sys.stderr)
         if not got:
             return 1
-    runs = []  # per offload server: (per-sample records, errors)
-    for name, policy in zip(names, policies):
-        per_sample, errors = [], []
+    def against_dense(name: str, policy: Optional[OffloadPolicy]):
+        """(per-sample records of server ``name`` against the dense one, errors)."""
+        recs, errs = [], []
         for i, s in enumerate(samples):
             d, o = got.get("dense", {}).get(i, {"error": "not run"}), got.get(name, {}).get(i, {"error": "not run"})
             if "error" in d or "error" in o:
-                errors.append({"task": s.task, "context": s.context, "index": s.index, "dense": d.get("error"), "offload": o.get("error")})
+                errs.append({"task": s.task, "context": s.context, "index": s.index, "dense": d.get("error"), "offload": o.get("error")})
                 continue
             try:
-                per_sample.append(compare(s, d, o, model, policy))
+                recs.append(compare(s, d, o, model, policy))
             except (IndexError, RuntimeError) as e:  # a hidden-state row count that does not match the tokens
-                errors.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
-        runs.append((per_sample, errors))
+                errs.append({"task": s.task, "context": s.context, "index": s.index, "compare": f"{type(e).__name__}: {e}"})
+        return recs, errs
+
+    runs = [against_dense(name, policy) for name, policy in zip(names, policies)]  # per offload server
     per_sample, errors = runs[0]
     if not per_sample:
         first = errors[0] if errors else {}
@@ -728,19 +730,10 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     if "failed" in got.get("control", {}):
         control_block = {"server": "control", "control_args": a.control_args, "failed": got["control"]["failed"]}
     elif "control" in servers:  # the same gate between two dense servers: the noise the gate sees when only the kernel changes
-        c_recs, c_errs = [], 0
-        for i, s in enumerate(samples):
-            d, c = got.get("dense", {}).get(i, {"error": "not run"}), got.get("control", {}).get(i, {"error": "not run"})
-            if "error" in d or "error" in c:
-                c_errs += 1
-                continue
-            try:
-                c_recs.append(compare(s, d, c, model, None))
-            except (IndexError, RuntimeError):
-                c_errs += 1
+        c_recs, c_errs = against_dense("control", None)
         c_rows, c_passed, c_failing = judged(c_recs) if c_recs else ([], False, [])
         control_block = {"server": "control", "control_args": a.control_args, "accuracy": c_rows,
-                         "acceptance": {"passed": c_passed, "failing": c_failing}, "errors": c_errs,
+                         "acceptance": {"passed": c_passed, "failing": c_failing}, "errors": len(c_errs),
                          "identical_texts": sum(r["dense"]["text"] == r["offload"]["text"] for r in c_recs), "compared": len(c_recs),
                          # samples one dense server solves and the other does not: (task, context, index)
                          "lost": [[r["task"], r["context"], r["index"]] for r in c_recs if r["dense"]["solved"] and not r["offload"]["solved"]],

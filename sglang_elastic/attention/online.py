@@ -193,13 +193,12 @@ class OnlineCorrector:
         c, i = b.stats[cand], b.stats[inc]
         if not c.ewma_us < (1 - self.margin) * i.ewma_us:
             return False
-        wins = [s.window() for s in b.stats.values()]
-        dof = sum(k - 1 for k, _, _ in wins if k > 1)
+        wins = {p: s.window() for p, s in b.stats.items()}
+        dof = sum(k - 1 for k, _, _ in wins.values() if k > 1)
         if dof < 1:
             return False
-        var = sum(ss for _, _, ss in wins) / dof
-        kc, mc, _ = c.window()
-        ki, mi, _ = i.window()
+        var = sum(ss for _, _, ss in wins.values()) / dof
+        (kc, mc, _), (ki, mi, _) = wins[cand], wins[inc]
         return mi - mc > self.z * math.sqrt(var * (1 / kc + 1 / ki))
 
     def summary(self, top: Optional[int] = None) -> dict:

@@ -239,7 +239,7 @@ class OffloadAttnBackend(AttentionBackend):
                 self._all_dense = self._replays_dense(forward_batch)
         if self.copy_timer is not None:
             if self._mode == "decode":
-                self._time_step((forward_batch.batch_size, self._all_dense if in_capture else self._replays_dense(forward_batch)), in_capture)
+                self._time_step((forward_batch.batch_size, self._all_dense), in_capture)  # (set above for a capture and a replay)
             else:
                 self._time_step(None)
 
