@@ -3,21 +3,15 @@ acceptance verdict per workload and the assembly of the result file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from gpu_scripts import load_script
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_serving", ROOT / "scripts" / "gpu" / "bench_decode_serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode_serving")
 
 
 def test_workloads_have_the_named_sizes_and_the_loguniform_spread():

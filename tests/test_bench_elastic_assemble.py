@@ -117,11 +117,9 @@ def test_the_lend_that_leaves_the_measured_need_free_skips_the_eager_prefills_re
 
 
 def test_elastic_extra_flags_reach_the_elastic_servers_only():
-    import importlib.util
+    from gpu_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_elastic", ROOT / "scripts/gpu/bench_elastic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_elastic")
     extra = ["--elastic-kv-activation-rule", "measured"]
     el = mod.server_cmd("elastic", 1, 30010, False, True, extra)
     assert el[-2:] == extra and "--enable-elastic-kv" in el and "disabled" in el

@@ -4,22 +4,19 @@ of SGLang's ``/generate`` stream, and the assembly of the result file."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from gpu_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_offload", ROOT / "scripts" / "gpu" / "bench_offload.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_offload")
 
 
 class Stub(http.server.BaseHTTPRequestHandler):

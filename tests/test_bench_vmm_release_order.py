@@ -5,19 +5,13 @@ cuMemRelease of a mapped handle)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from gpu_scripts import load_script
 
 from sglang_elastic.vmm import HostBackend
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vmm", ROOT / "scripts/gpu/bench_vmm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_vmm")
 
 
 def test_both_orders_run_and_give_the_memory_back():

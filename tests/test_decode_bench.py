@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from gpu_scripts import load_script
 
 from sglang_elastic.attention import bench, calibrate
 from sglang_elastic.attention.policy import Calibration, DecodePolicy, PathCost
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cases_are_the_issues():
@@ -71,17 +68,11 @@ def test_a_row_needs_positive_times_for_every_policy_path():
 
 def test_gpu_scripts_import_on_the_cpu():
     for name in ("bench_decode", "bench_decode_ab", "check_decode_e2e"):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "gpu" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        assert callable(mod.main)
+        assert callable(load_script(name).main)
 
 
 def _e2e():
-    spec = importlib.util.spec_from_file_location("check_decode_e2e", ROOT / "scripts" / "gpu" / "check_decode_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("check_decode_e2e")
 
 
 def test_e2e_comparison_and_trace_checks():
@@ -123,9 +114,7 @@ def test_e2e_engine_kwargs_are_sglang_server_args():
 
 
 def test_the_sweep_grid_is_centred_on_the_shipped_configs_and_clipped():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "gpu" / "bench_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_decode")
     assert mod.around(1024, 64, 8192) == (512, 1024, 2048)
     assert mod.around(256, 16, 256) == (128, 256)  # double clipped to the top
     assert mod.around(16, 16, 256) == (16, 32)  # half clipped to the bottom

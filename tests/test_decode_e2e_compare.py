@@ -4,15 +4,13 @@ divergence accepted only as a near-tie. Pure Python, no GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from gpu_scripts import load_script
 
-_spec = importlib.util.spec_from_file_location("check_decode_e2e", Path(__file__).parents[1] / "scripts/gpu/check_decode_e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
+e2e = load_script("check_decode_e2e")
 
 
 def _req(ids, lps, tops):

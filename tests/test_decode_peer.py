@@ -22,10 +22,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 import types
 from pathlib import Path
 
+import gpu_scripts
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,11 +33,7 @@ SCRIPT = ROOT / "scripts" / "gpu" / "check_decode_peer.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("check_decode_peer", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return gpu_scripts.load_script("check_decode_peer")
 
 
 peer = load_script()

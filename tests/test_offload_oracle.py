@@ -7,7 +7,6 @@ GPU script's client against its stand-in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_scripts import load_script
 
 from sglang_elastic.offload.oracle import reuse, score, tasks
 from sglang_elastic.offload.oracle.reference import DENSE, Reference, Stream, dense_attention, run_sample
@@ -27,10 +27,7 @@ MODEL_ENV = "SGLANG_ELASTIC_SMOLLM2"
 
 
 def _load_script(rel: str):
-    spec = importlib.util.spec_from_file_location(Path(rel).stem, ROOT / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(Path(rel).stem, str(Path(rel).parent))
 
 
 @pytest.fixture(scope="module")
