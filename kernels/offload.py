@@ -937,11 +937,15 @@ def copy_rows_run(
 def _store_sparse_kernel(
     k_ptr, v_ptr, kdst_ptr, host_ptr, vdst_ptr, loc_ptr, vrow_ptr, keep_ptr, n,
     stride_k, stride_v, stride_kdst, stride_host, stride_vdst,
+    ssrc_ptr, sdst_ptr, vsum_ptr, stride_ssrc, stride_vsum, skip,
     KROW: tl.constexpr, VROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    VROWS: tl.constexpr, KEEP: tl.constexpr,
+    VROWS: tl.constexpr, KEEP: tl.constexpr, SUM: tl.constexpr = False, SUM_KEPT: tl.constexpr = False, C: tl.constexpr = 16,
+    HOST: tl.constexpr = True,
 ):
     """Row ``i < n``: ``kdst[loc[i]] = k[i]``, ``host[loc[i]] = v[i]`` and, where the
-    index is ``>= 0``, ``vdst[vrow[i]] = v[i]`` and ``vdst[keep[i]] = v[i]``."""
+    index is ``>= 0``, ``vdst[vrow[i]] = v[i]`` and ``vdst[keep[i]] = v[i]``; ``SUM``:
+    ``vsum[sdst[i]] = mean(rows ssrc[i, :C - 1] of vdst (SUM_KEPT) or host, and v[i])``
+    where ``sdst[i] != skip`` (the chunk row ``i``'s token completes). ``HOST`` off: no host write."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     ok_k = tl.arange(0, BLOCK_K)
@@ -957,22 +961,38 @@ def _store_sparse_kernel(
         x = tl.load(k_ptr + r64[:, None] * stride_k + ok_k[None, :], mask=ok[:, None] & mk[None, :])
         tl.store(kdst_ptr + loc[:, None] * stride_kdst + ok_k[None, :], x, mask=ok[:, None] & mk[None, :])
         y = tl.load(v_ptr + r64[:, None] * stride_v + ok_v[None, :], mask=m[:, None] & mv[None, :])
-        tl.store(host_ptr + loc[:, None] * stride_host + ok_v[None, :], y, mask=ok[:, None] & mv[None, :])
+        if HOST:
+            tl.store(host_ptr + loc[:, None] * stride_host + ok_v[None, :], y, mask=ok[:, None] & mv[None, :])
         if VROWS:
             vr = tl.load(vrow_ptr + rows, mask=m, other=-1).to(tl.int64)
             tl.store(vdst_ptr + vr[:, None] * stride_vdst + ok_v[None, :], y, mask=(m & (vr >= 0))[:, None] & mv[None, :])
         if KEEP:
             kr = tl.load(keep_ptr + rows, mask=m, other=-1).to(tl.int64)
             tl.store(vdst_ptr + kr[:, None] * stride_vdst + ok_v[None, :], y, mask=(m & (kr >= 0))[:, None] & mv[None, :])
+    if SUM:  # the completed chunks' means: the first C - 1 rows from where they are stored, the new token's from v
+        for i in range(pid, n, P):
+            d = tl.load(sdst_ptr + i).to(tl.int64)
+            if d != skip:  # row by row in position order, in float32, as _chunk_mean_kernel sums
+                acc = tl.zeros([BLOCK_V], tl.float32)
+                for c in tl.static_range(C - 1):
+                    r = tl.load(ssrc_ptr + i * stride_ssrc + c).to(tl.int64)
+                    if SUM_KEPT:
+                        acc += tl.load(vdst_ptr + r * stride_vdst + ok_v, mask=mv, other=0.0).to(tl.float32)
+                    else:
+                        acc += tl.load(host_ptr + r * stride_host + ok_v, mask=mv, other=0.0).to(tl.float32)
+                acc += tl.load(v_ptr + i * stride_v + ok_v, mask=mv, other=0.0).to(tl.float32)
+                tl.store(vsum_ptr + d * stride_vsum + ok_v, (acc / C).to(vsum_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
 
 
 def store_sparse_run(
     cache_k: torch.Tensor, cache_v: torch.Tensor, k_dst: torch.Tensor, host_v: torch.Tensor, v_dst: torch.Tensor,
     loc: torch.Tensor, v_rows: Optional[torch.Tensor] = None, keep_rows: Optional[torch.Tensor] = None,
-    block_r: int = 4, num_warps: Optional[int] = None,
+    block_r: int = 4, num_warps: Optional[int] = None, summary: Optional[tuple] = None, host: bool = True,
 ) -> None:
     """A sparse layer's KV write in one launch (what four :func:`copy_rows_run` did):
-    K to the pool, V to the host pool and to up to two device rows.
+    K to the pool, V to the host pool and to up to two device rows, and (``summary``)
+    the V means of the chunks this decode step completes (what :func:`chunk_mean_run`
+    did in a launch of its own, with the same sums: bit-equal).
 
     For each new token ``i``: ``k_dst[loc[i]] = cache_k[i]`` and ``host_v[loc[i]] =
     cache_v[i]`` (a negative ``loc`` skips both); ``v_dst[v_rows[i]] = cache_v[i]``
@@ -989,10 +1009,17 @@ def store_sparse_run(
         v_dst: ``[rows, kv_heads, v_head_dim]`` the layer's device V rows (hot rows, kept rows).
         loc: ``[n]`` int32/int64 token ids (SGLang's ``out_cache_loc``).
         v_rows, keep_rows: ``[n]`` int32/int64 device rows (``-1``: none), or None.
+        summary: a decode step's ``(src, dst, out, skip, kept)``: ``src`` ``[n, C]`` int64, token ``i``'s
+            chunk (its last entry is token ``i`` itself, read from ``cache_v``, not from where it is
+            being written); ``dst`` ``[n]`` rows of ``out`` (``[slots, kv_heads, v_head_dim]``), ``skip``
+            the row that takes nothing (a chunk not completed: no row read); ``kept``: ``src`` are rows
+            of ``v_dst`` (an all-dense step's kept V), else of ``host_v``. Or None.
+        host: write V to ``host_v`` (off: the caller copies it there itself, e.g. from the ring rows
+            on a side stream, :meth:`~sglang_elastic.offload.pool.OffloadKVPool.join_host_writes`).
 
     Raises:
-        ValueError: row sizes or dtypes of a source and its destinations differ, or an index list
-            is shorter than ``n``.
+        ValueError: row sizes or dtypes of a source and its destinations differ, an index list
+            is shorter than ``n``, or ``summary``'s chunk is not a power of two.
     """
     n = cache_k.shape[0]
     krow = int(torch.Size(cache_k.shape[1:]).numel())
@@ -1003,14 +1030,24 @@ def store_sparse_run(
     for name, t in (("cache_v", cache_v), ("loc", loc), ("v_rows", v_rows), ("keep_rows", keep_rows)):
         if t is not None and t.shape[0] < n:
             raise ValueError(f"store_sparse: {name} has {t.shape[0]} rows for {n} tokens")
+    sargs, C, kept = (None, None, None, 0, 0, -1), 16, False
+    if summary is not None:
+        src, dst, out, skip, kept = summary
+        C = src.shape[1]
+        if C & (C - 1) or C < 2:
+            raise ValueError(f"store_sparse: chunk {C} is not a power of two")
+        if src.shape[0] < n or dst.shape[0] < n or int(torch.Size(out.shape[1:]).numel()) != vrow:
+            raise ValueError(f"store_sparse: summary {tuple(src.shape)} / {tuple(dst.shape)} / {tuple(out.shape)} for {n} tokens")
+        sargs = (src, dst, out, src.stride(0), out.stride(0), int(skip))
     if n == 0:
         return
     programs = min(triton.cdiv(n, block_r), 4 if triton.knobs.runtime.interpret else 1024)
     _store_sparse_kernel[(programs,)](
         cache_k, cache_v, k_dst, host_v, v_dst, loc, v_rows, keep_rows, n,
-        cache_k.stride(0), cache_v.stride(0), k_dst.stride(0), host_v.stride(0), v_dst.stride(0),
+        cache_k.stride(0), cache_v.stride(0), k_dst.stride(0), host_v.stride(0), v_dst.stride(0), *sargs,
         KROW=krow, VROW=vrow, BLOCK_K=triton.next_power_of_2(krow), BLOCK_V=triton.next_power_of_2(vrow), BLOCK_R=block_r,
-        VROWS=v_rows is not None, KEEP=keep_rows is not None, **_launch_opts(num_warps, None),
+        VROWS=v_rows is not None, KEEP=keep_rows is not None, SUM=summary is not None, SUM_KEPT=bool(kept), C=C,
+        HOST=bool(host), **_launch_opts(num_warps, None),
     )
 
 
@@ -1154,28 +1191,38 @@ def _estimate_kernel(
 
 
 @triton.jit
-def _chunk_mean_kernel(src_ptr, ids_ptr, dst_ptr, out_ptr, stride_src, stride_ids, stride_out,
+def _chunk_mean_kernel(src_ptr, ids_ptr, dst_ptr, out_ptr, stride_src, stride_ids, stride_out, skip,
                        C: tl.constexpr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):
-    """Item ``i``: ``out[dst[i]] = mean(src[ids[i, :C]])`` over whole rows, summed in float32, one cast."""
+    """Item ``i``: ``out[dst[i]] = mean(src[ids[i, :C]])`` over whole rows, summed in float32, one cast;
+    an item with ``dst[i] == skip`` reads and writes nothing."""
     i = tl.program_id(0)
-    offs_c = tl.arange(0, C)
-    offs_r = tl.arange(0, BLOCK_ROW)
-    mr = offs_r < ROW
-    ids = tl.load(ids_ptr + i * stride_ids + offs_c).to(tl.int64)
-    x = tl.load(src_ptr + ids[:, None] * stride_src + offs_r[None, :], mask=mr[None, :], other=0.0).to(tl.float32)
     d = tl.load(dst_ptr + i).to(tl.int64)
-    tl.store(out_ptr + d * stride_out + offs_r, (tl.sum(x, 0) / C).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mr)
+    if d != skip:
+        offs_r = tl.arange(0, BLOCK_ROW)
+        mr = offs_r < ROW
+        # row by row in position order, in float32: the sum store_sparse_run's fused means make (bit-equal
+        # whatever either kernel's layout; a tile reduction's order may differ between two kernels)
+        acc = tl.zeros([BLOCK_ROW], tl.float32)
+        for c in tl.static_range(C):
+            r = tl.load(ids_ptr + i * stride_ids + c).to(tl.int64)
+            acc += tl.load(src_ptr + r * stride_src + offs_r, mask=mr, other=0.0).to(tl.float32)
+        tl.store(out_ptr + d * stride_out + offs_r, (acc / C).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mr)
 
 
-def chunk_mean_run(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def chunk_mean_run(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, skip: Optional[int] = None) -> torch.Tensor:
     """The V summaries a decode step completes, in one launch: ``out[dst[i]] =
     mean over j of src[ids[i, j]]`` (whole rows, float32 sum, one cast to
     ``out``'s dtype; what ``src[ids].float().mean(1)`` gives up to the sum's order).
 
     Args:
         src: ``[rows, ...]`` V rows (the host pool's device view, or the pool's V); ids: ``[n, C]``
-            int32/int64 rows of ``src`` (C a power of two); dst: ``[n]`` rows of ``out`` (a spare row
-            for an item that completes nothing); out: ``[slots, ...]``, rows as wide as ``src``'s.
+            int32/int64 rows of ``src`` (C a power of two); dst: ``[n]`` rows of ``out``; out:
+            ``[slots, ...]``, rows as wide as ``src``'s.
+        skip: a row of ``out`` that takes nothing (the pool's spare summary slot, given to every
+            request whose new token completes no chunk): those items read no row of ``src``.
+            A decode step completes a chunk for about one request in ``C``, and ``src`` is
+            host memory read over PCIe on a sparse step, so the others must not read
+            (before 2026-12-05 each read its ``C`` rows and wrote the spare slot).
 
     Returns:
         ``out``.
@@ -1190,8 +1237,8 @@ def chunk_mean_run(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, out:
     if C & (C - 1):
         raise ValueError(f"chunk_mean_run: chunk {C} is not a power of two")
     if n:
-        _chunk_mean_kernel[(n,)](src, ids, dst, out, src.stride(0), ids.stride(0), out.stride(0), C=C, ROW=row,
-                                 BLOCK_ROW=triton.next_power_of_2(row))
+        _chunk_mean_kernel[(n,)](src, ids, dst, out, src.stride(0), ids.stride(0), out.stride(0), -1 if skip is None else int(skip),
+                                 C=C, ROW=row, BLOCK_ROW=triton.next_power_of_2(row))
     return out
 
 

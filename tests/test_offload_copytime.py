@@ -300,7 +300,7 @@ def test_a_replay_sets_the_variant_it_runs_instead_of_keeping_the_last_captured_
     from sglang_elastic.offload.backend import OffloadAttnBackend
 
     be = object.__new__(OffloadAttnBackend)
-    be.pool = types.SimpleNamespace(flush_releases=lambda: None)
+    be.pool = types.SimpleNamespace(flush_releases=lambda: None, join_host_writes=lambda: None)
     be._count = lambda fb: None
     be._require = lambda fb: "decode"
     be.copy_timer, be.graph_variants, be._all_dense = None, True, True  # as capture leaves it

@@ -577,7 +577,8 @@ def test_summary_slots_come_from_one_free_stack_and_go_back_per_row():
 def test_chunk_mean_writes_the_mean_of_each_items_rows_to_its_slot_and_nothing_else():
     """``chunk_mean_run`` (a decode step's V summaries, one launch): each item's
     ``C`` rows averaged in float32 into its slot; the spare slot takes what
-    completes nothing; other slots untouched; a width mismatch refused."""
+    completes nothing, or nothing at all when named as ``skip``; other slots
+    untouched; a width mismatch refused."""
     g = torch.Generator().manual_seed(9)
     src = torch.randn(300, 3, 40, generator=g).bfloat16()  # a 120-element row (not a power of two)
     ids = torch.randint(0, 300, (5, 8), generator=g)
@@ -591,6 +592,11 @@ def test_chunk_mean_writes_the_mean_of_each_items_rows_to_its_slot_and_nothing_e
             assert ((out[int(dst[i])].double() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
             assert (out[int(dst[i])].double() - want).abs().max() > 0  # a real mean, rounded
     assert torch.isnan(out[[1, 3, 5, 6, 7, 8]].float()).all() and not torch.isnan(out[[0, 2, 4, 9]].float()).any()
+    # skip: the pool's spare slot; items given it (no chunk completed) write nothing, the others as before
+    out2 = torch.full((10, 3, 40), NAN).bfloat16()
+    ko.chunk_mean_run(src, ids, dst, out2, skip=9)
+    assert torch.isnan(out2[[1, 3, 5, 6, 7, 8, 9]].float()).all()
+    assert torch.equal(out2[[0, 2, 4]], out[[0, 2, 4]])
     with pytest.raises(ValueError, match="rows of 120 elements"):
         ko.chunk_mean_run(src, ids, dst, torch.zeros(10, 3, 41).bfloat16())
 
@@ -638,7 +644,15 @@ cases = [
     (ko._page_shrink_kernel, {}, dict(HN=4096, PAGE=64, BASE64=128, BLOCK=64, BLOCK_S=1024)),
     (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
                                "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64"},
-     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True)),
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=False, SUM_KEPT=False, C=16, HOST=True)),
+    (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
+                               "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64", "ssrc_ptr": "*i64", "sdst_ptr": "*i64",
+                               "vsum_ptr": "*bf16"},
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=True, SUM_KEPT=True, C=16, HOST=False)),
+    (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
+                               "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64", "ssrc_ptr": "*i64", "sdst_ptr": "*i64",
+                               "vsum_ptr": "*bf16"},
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, SUM_KEPT=False, C=16, HOST=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
@@ -657,7 +671,8 @@ for fn, ptrs, cx in cases:
 
 def test_the_new_offload_kernels_compile_for_sm90():
     """The page grant (its compare-and-swap loop), the adaptive pages' demand and
-    give-back, the one-launch KV write, the paged swap-in, the chunk
+    give-back, the one-launch KV write (also with the chunk means fused, from the
+    kept rows or the host, and without its host write), the paged swap-in, the chunk
     means, the stamping lse merge and top-k, the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
@@ -718,6 +733,40 @@ def test_store_sparse_writes_k_host_v_and_the_device_rows_of_each_token(keep):
         ko.store_sparse_run(ck, cv, kd, torch.zeros(4, 2, 32).bfloat16(), vd, loc)
     with pytest.raises(ValueError, match="v_rows has 3 rows"):
         ko.store_sparse_run(ck, cv, kd, host, vd, loc, vr[:3])
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_run(kept):
+    """``store_sparse_run(summary=...)`` (a decode step's V write and its completed chunk means in
+    one launch): each completing token's mean is its chunk's first C - 1 rows from where they are
+    stored (host V, or the kept rows) and its own V, bit-equal to ``chunk_mean_run`` over the same
+    rows once stored, within a bf16 step of the float64 mean; a token that completes nothing (the
+    spare row) writes nothing; a chunk that is not a power of two is refused."""
+    g = torch.Generator().manual_seed(12)
+    n, slots, rows, C, S = 5, 80, 90, 8, 6  # S: the spare summary row
+    ck, cv = torch.randn(n, 2, 32, generator=g).bfloat16(), torch.randn(n, 2, 32, generator=g).bfloat16()
+    kd = torch.zeros(slots, 2, 32).bfloat16()
+    host = torch.randn(slots, 2, 32, generator=g).bfloat16()
+    vd = torch.randn(rows, 2, 32, generator=g).bfloat16()
+    loc = torch.tensor([3, 50, 7, 19, 44], dtype=torch.int64)
+    keep = torch.tensor([60, 61, 62, 63, 64], dtype=torch.int64)
+    # each token's chunk: C - 1 older rows (distinct, not this step's), then the token's own row
+    older = torch.randperm(40, generator=g)[: n * (C - 1)].view(n, C - 1) + (0 if not kept else 20)
+    own = keep if kept else loc
+    src = torch.cat([older, own[:, None]], 1)
+    dst = torch.tensor([2, S, 0, S, 4])
+    out = torch.full((S + 1, 2, 32), NAN).bfloat16()
+    ko.store_sparse_run(ck, cv, kd, host, vd, loc, None, keep if kept else None, summary=(src, dst, out, S, kept))
+    ref = torch.full_like(out, NAN)
+    ko.chunk_mean_run(vd if kept else host, src, dst, ref, skip=S)  # the same rows, now stored
+    base = vd if kept else host
+    for i in (0, 2, 4):
+        assert torch.equal(out[int(dst[i])], ref[int(dst[i])])
+        want = base[src[i]].double().mean(0)
+        assert ((out[int(dst[i])].double() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
+    assert torch.isnan(out[[1, 3, 5, 6]].float()).all()  # the spare row and the rows no chunk names
+    with pytest.raises(ValueError, match="chunk 6 is not a power of two"):
+        ko.store_sparse_run(ck, cv, kd, host, vd, loc, summary=(src[:, :6], dst, out, S, kept))
 
 
 class _Adapt:

@@ -65,6 +65,7 @@ class Sim:
         self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT, prefetch=True)
         self.guess = None  # prefetch: f(q of the next layer) -> the guessed query, or None: no prefetch
         self.keep = set()  # keep_v: rows whose V goes to pool slots too (taken from the free ids, as SGLang's allocator lends them)
+        self.async_host = True  # decode steps write host V from the ring rows after the store (the backend's way); False: in the store
 
     def _keep(self, r, start, n):
         if r in self.keep:
@@ -92,6 +93,7 @@ class Sim:
             pool.reset_requests(torch.tensor(new))
         for r, (a, b) in zip(reqs, spans):
             self._keep(r, a, b - a)
+        pool.set_host_writes_async(False)
         vrows = pool.extend_v_rows(rows, pre, ext)
         keep_rows = pool.extend_keep_rows(rows, pre, ext)
         pool.set_summary_plan(pool.plan_extend_summaries(rows, pre, ext, self.r2t))
@@ -126,6 +128,7 @@ class Sim:
         dec.plan(self.r2t, rp, seq, len(reqs), keep=pool.keep_tables(), all_dense=all_dense)
         dec.grant_pages(pool)
         pool.set_summary_plan(dec.summary_plan(pool))
+        pool.set_host_writes_async(self.async_host)  # as the backend: a decode step's host V copied from the ring rows
         outs, worst = [], 0.0
         timer = getattr(self, "timer", None)  # --kv-offload-copy-timing's events, as the backend records them
         if timer is not None:
@@ -166,7 +169,8 @@ class Sim:
         return outs, worst
 
 
-def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru", slack_max=0.0, timer=None):
+def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="selected", eviction="lru", slack_max=0.0, timer=None,
+              async_host=True):
     """Three requests, one prefilled in two chunks; four decode steps; request
     row 4 finishes and a new request takes it (its hot buffer must start empty).
     ``guess``: prefetch each sparse layer before the layer ahead of it runs.
@@ -175,6 +179,7 @@ def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="se
     sim = Sim(make_pool(pol, resident, hot=hot, eviction=eviction, slack_max=slack_max), seed)
     sim.guess = guess
     sim.timer = timer
+    sim.async_host = async_host
     sim.extend([1, 2, 4], [(0, 30), (0, 300), (0, 5)])
     sim.extend([2], [(300, 500)])
     lens, outs, worst = sim.run([1, 2, 4], [30, 500, 5], 3 if short else 4)
@@ -185,6 +190,26 @@ def lifecycle(resident, seed=1, guess=None, hot=32, short=False, denominator="se
     sim.extend([4], [(0, 400)])
     _, o, w = sim.run([1, 2, 4], [lens[0], lens[1], 400], 2)
     return outs + o, max(worst, w), sim
+
+
+def test_a_decode_steps_host_v_copied_from_the_ring_rows_equals_the_store_writing_it_bit_for_bit():
+    """The decode step's host V writes taken off the store (``set_host_writes_async``: copied from
+    the new tokens' ring rows after the store, on a side stream on a GPU, inline here): the host
+    tier ends holding every token's V of every sparse layer, bit-equal to the run whose store wrote
+    the host itself, and the outputs and chunk means are the same bits."""
+    outs_a, _, sim_a = lifecycle(resident=False, denominator="estimate", async_host=True)
+    outs_s, _, sim_s = lifecycle(resident=False, denominator="estimate", async_host=False)
+    assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_s))
+    pa, ps = sim_a.pool, sim_s.pool
+    checked = 0
+    for l in pa.sparse_layer_ids:
+        for r, n in ((1, 36), (2, 506), (4, 402)):  # every position each request holds now, prompt and decoded
+            ids = sim_a.r2t[r, :n].long()
+            assert torch.equal(pa.host.view(l)[ids], sim_a.v[l, r, :n]) and torch.equal(ps.host.view(l)[ids], sim_s.v[l, r, :n])
+            checked += n
+        slots = pa.chunk_slot[[1, 2, 4]].flatten().long()  # the summaries the live requests own
+        assert torch.equal(pa.vsum[l][slots], ps.vsum[l][slots])
+    assert checked == 2 * (36 + 506 + 402)
 
 
 @pytest.mark.parametrize("denominator", ["selected", "estimate"])
@@ -748,3 +773,36 @@ def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_wit
     assert sum(sim.dec.stats.tolist()) > 0
     with pytest.raises(RuntimeError, match="all_dense=True"):
         sim.dec.dense_kept(torch.zeros(2, HQ, D).bfloat16(), pool.get_key_buffer(1), pool.get_value_buffer(1), torch.empty(2, HQ, D).bfloat16(), 1.0)
+
+
+def test_the_keep_v_step_breakdown_of_check_offload_runs_its_pieces_on_a_small_shape():
+    """``scripts/gpu/check_offload.py``'s all-dense step breakdown (the fitting workload's ITL
+    question) on the CPU at a small shape, with wall-clock timers in place of CUDA events and
+    graphs: every piece runs (pool, plan, stores, chunk means, both attentions, SGLang's own pool
+    as the stock store) and the step adds up from its pieces: the first GPU call of it must not be
+    its first run."""
+    import time
+
+    from gpu_scripts import load_script
+
+    mod = load_script("check_offload")
+    calls = []
+
+    def wall(fn):
+        t0 = time.perf_counter()
+        fn()
+        calls.append(fn)
+        return (time.perf_counter() - t0) * 1e3
+
+    out = {}
+    mod.time_keep_v_step(out, bs=3, ctx=80, layers=6, hq=4, hkv=2, d=32, device="cpu", timed=wall, graphed=wall)
+    r = out["keep_v_step"]
+    ms, step = r["ms"], r["step_ms"]
+    for name in ("plan", "store", "store_no_summary", "store_no_host", "chunk_mean", "dense_kept", "dense_split_kv", "store_stock",
+                 "layer", "layer_host_async"):
+        assert ms[name] > 0, name
+    assert "flashinfer_tc" not in ms and step["stock"] is None  # FlashInfer only on a GPU
+    want = ms["plan"] + 4 * ms["layer_host_async"] + 2 * (ms["store_stock"] + ms["dense_split_kv"])
+    assert step["offload_keep_v"] == pytest.approx(want) and r["dense_layers"] == 2 and r["layers"] == 6
+    lens = 80 - torch.randint(0, 16, (3,), generator=torch.Generator().manual_seed(5))  # the function's own draw
+    assert r["completing_chunk"] == int((lens % 16 == 0).sum()) and len(calls) == 13

@@ -125,6 +125,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
         pool.reset_requests(reqs)
         own = torch.cat([torch.full((n,), int(r)) for r, n in zip(reqs.tolist(), lens0)]).cuda()
         pos = torch.cat([torch.arange(n) for n in lens0]).cuda()
+        pool.set_host_writes_async(False)
         vrows = pool.extend_v_rows(reqs, [0] * 4, lens0)
         pool.set_summary_plan(pool.plan_extend_summaries(reqs, [0] * 4, lens0, r2t))
         for l in range(layers):
@@ -142,6 +143,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
             dec.plan(r2t, reqs, seq, 4)
             dec.grant_pages(pool)
             pool.set_summary_plan(dec.summary_plan(pool))
+            pool.set_host_writes_async(True)  # as the backend: host V from the ring rows on a side stream, joined after the last layer
             for l in range(layers):
                 k = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
                 v = torch.randn(4, HKV, D, device="cuda", generator=gen).bfloat16()
@@ -157,6 +159,8 @@ def check_exact_case(name, HQ, HKV, D, denominator):
                     dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, v_summary=pool.summaries(l))
                 else:
                     dec.sparse(q, kb, vb, o, D ** -0.5, r2t, reqs, seq, pool.hot_state(l), pool.host.view(l), v_summary=pool.summaries(l))
+                if l == layers - 1:
+                    pool.join_host_writes()
                 res.append(o.clone())
                 for b in range(4):
                     ref = attend_reference(q[b].cpu(), hk[l, int(reqs[b]), : lens[b]].cpu(), hv[l, int(reqs[b]), : lens[b]].cpu(), pol, l)
@@ -355,6 +359,159 @@ def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hvi
             **{k + "_per_step": st[k] / n for k in ("copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")}}
 
 
+def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, device="cuda", timed=None, graphed=None,
+                      key="keep_v_step"):
+    """Where the fitting workload's median ITL goes with ``--kv-offload-keep-v`` (every request keeps V,
+    so every step replays the all-dense variant): each per-layer piece of that step at ``bs``
+    requests of about ``ctx`` tokens (lengths ``ctx - 0..15``: about one request in 16 completes a
+    chunk, as in serving), against stock SGLang's decode layer at the same shape:
+
+    - ``plan``: the all-dense step's plan and summary-slot grant (once per step);
+    - ``store``: a sparse layer's KV write (``OffloadKVPool.set_kv_buffer``: K, V to the host, to its
+      ring row and kept row, the completed chunks' means), and the same ``store_no_summary``
+      (no chunk means) and ``store_no_host`` (V to a device tensor in place of the pinned host pool:
+      the price of the PCIe stores);
+    - ``chunk_mean``: the chunk-mean launch alone;
+    - ``dense_kept``: a sparse layer's attention (K at the token ids, V at the kept rows);
+    - ``dense_split_kv``: a dense layer's (one id list for K and V);
+    - ``layer`` / ``layer_host_async``: a sparse layer as the backend runs it (store, attention), its
+      host V written by the store, or copied from the ring rows on a side stream beside the attention
+      and joined after it (the default since 2026-12-05; a step joins once, after its last layer, so
+      this single layer's join is an upper bound);
+    - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
+      paged decode (``BatchDecodeWithPagedKVCacheWrapper``, tensor cores and not; eager, planned once).
+
+    ``step_ms`` adds them up for a ``layers``-layer model (the policy's dense layers, the rest sparse);
+    weights, MLPs and sampling are the same on both sides and left out. Times of CUDA-graph replays
+    (``graphed``; the attention also eagerly, ``timed``). ``timed``/``graphed``: ``fn -> ms`` (a CPU
+    test passes wall-clock ones; FlashInfer is then skipped).
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    timed = timed or time_ms
+    graphed = graphed or graph_ms
+    from sglang_elastic.config import OffloadConfig
+
+    pol = OffloadConfig(enabled=True).policy()  # the shipped defaults (estimate, two dense layers)
+    dl = pol.dense_layers
+    nl = dl + 1  # the dense layers and one sparse layer
+    sl = dl
+    g = torch.Generator(device=device).manual_seed(5)
+    lens = ctx - torch.randint(0, 16, (bs,), device=device, generator=g)
+    size = 2 * bs * ctx + 64  # every token's K slot, and one lent slot per token for its kept V
+    lay = OffloadLayout(pol, hot_tokens=4096, request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
+    pool = OffloadKVPool(size, 1, torch.bfloat16, hkv, d, nl, device, False, enable_alt_stream=False, layout=lay,
+                         pin_memory=device == "cuda")
+    assert pool.keep_v, "keep_v did not take (shared K/V buffers)"
+    for l in range(nl):
+        pool.k_buffer[l].normal_(generator=g)
+        pool.v_buffer[l].normal_(generator=g)
+    pool.host.view(sl).copy_(torch.randn(pool.host.view(sl).shape, generator=g, device=device).bfloat16())
+    ids = (torch.randperm(size - 1, device=device, generator=g) + 1).to(torch.int32)  # 0: SGLang's padding slot
+    r2t = torch.zeros(bs + 1, ctx, dtype=torch.int32, device=device)
+    r2t[1:] = ids[: bs * ctx].view(bs, ctx)
+    lent = ids[bs * ctx: 2 * bs * ctx].view(bs, ctx).to(torch.int64)
+    for r in range(1, bs + 1):
+        pool.set_keep(r, 0, lent[r - 1])
+    rp = torch.arange(1, bs + 1, dtype=torch.int32, device=device)
+    seq = lens.to(torch.int32)
+    dec = OffloadDecoder(lay, hq, hkv, d, max_bs=bs, token_capacity=int(lens.sum()) + 64, device=device)
+    dec.plan(r2t, rp, seq, bs, keep=pool.keep_tables(), all_dense=True)
+    summary = dec.summary_plan(pool)
+    pool.set_summary_plan(summary)
+    pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
+    loc = r2t[rp.long(), seq.long() - 1].long()
+    k = torch.randn(bs, hkv, d, device=device, generator=g).bfloat16()
+    v = torch.randn(bs, hkv, d, device=device, generator=g).bfloat16()
+    q = (2 * torch.randn(bs, hq, d, device=device, generator=g)).bfloat16()
+    o = torch.empty_like(q)
+    lay_s = types.SimpleNamespace(layer_id=sl, k_scale=None, v_scale=None)
+    scale = d ** -0.5
+    kb, vb = pool.get_key_buffer(sl), pool.get_value_buffer(sl)
+    t = {}
+
+    def plan():
+        dec.plan(r2t, rp, seq, bs, keep=pool.keep_tables(), all_dense=True)
+        dec.summary_plan(pool)
+
+    t["plan"] = graphed(plan)
+    pool.set_summary_plan(summary)  # the plan's slots as the timed step's own (the replays above granted more)
+    t["store"] = graphed(lambda: pool.set_kv_buffer(lay_s, loc, k, v))
+    pool.set_summary_plan(None)
+    t["store_no_summary"] = graphed(lambda: pool.set_kv_buffer(lay_s, loc, k, v))
+    pool.set_summary_plan(summary)
+    dev_v = torch.empty_like(pool.host.view(sl), device=device)
+    t["store_no_host"] = graphed(lambda: ko.store_sparse_run(k, v, kb, dev_v, vb, loc, dec.new_token_rows(), dec.new_token_keep_rows()))
+    del dev_v
+    src, dst = summary[0], summary[1]
+    t["chunk_mean"] = graphed(lambda: ko.chunk_mean_run(vb, src, dst, pool.vsum[sl], skip=pool.SPARE))
+    t["chunk_mean_every_item"] = graphed(lambda: ko.chunk_mean_run(vb, src, dst, pool.vsum[sl]))  # before 2026-12-05
+    t["dense_kept"] = graphed(lambda: dec.dense_kept(q, kb, vb, o, scale))
+
+    def layer_step(async_host):  # a sparse layer as the backend runs it: store, attention, and (async) the join
+        pool.set_host_writes_async(async_host)
+        pool.set_kv_buffer(lay_s, loc, k, v)
+        dec.dense_kept(q, kb, vb, o, scale)
+        pool.join_host_writes()
+
+    t["layer"] = graphed(lambda: layer_step(False))  # the host V written by the store
+    t["layer_host_async"] = graphed(lambda: layer_step(True))  # copied from the ring rows beside the attention (the default)
+    pool.set_host_writes_async(False)
+    t["dense_kept_eager"] = timed(lambda: dec.dense_kept(q, kb, vb, o, scale))
+    t["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
+    t["dense_split_kv_eager"] = timed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
+    stock = MHATokenToKVPool(size, 1, torch.bfloat16, hkv, d, 1, device, False, enable_alt_stream=False)
+    lay_0 = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None)
+    t["store_stock"] = graphed(lambda: stock.set_kv_buffer(lay_0, loc, k, v))
+    notes = {}
+    if device == "cuda":
+        try:
+            import flashinfer
+
+            total = int(lens.sum())
+            ks, vs = stock.get_key_buffer(0), stock.get_value_buffer(0)
+            ks.normal_(generator=g)
+            vs.normal_(generator=g)
+            kv1 = (ks.view(-1, 1, hkv, d), vs.view(-1, 1, hkv, d))
+            fo = torch.empty_like(q)
+            ind = dec.kv_indices[:total]
+            for tc in (True, False):  # as SGLang's FlashInfer backend plans a decode graph (bench_decode.py's column)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                    paged_kv_indptr_buffer=torch.empty_like(dec.kv_indptr[: bs + 1]), paged_kv_indices_buffer=torch.empty_like(ind),
+                    paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=device))
+                w.plan(dec.kv_indptr[: bs + 1], ind, torch.ones(bs, dtype=torch.int32, device=device), hq, hkv, d, 1,
+                       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=scale)
+                name = "flashinfer_tc" if tc else "flashinfer_cuda_cores"
+                t[name] = graphed(lambda: w.run(q, kv1, out=fo))
+                t[name + "_eager"] = timed(lambda: w.run(q, kv1, out=fo))
+        except Exception as e:  # a column, never fatal
+            notes["flashinfer_failed"] = f"{type(e).__name__}: {e}"[:400]
+    # SGLang picks tensor cores for this GQA group (flashinfer_backend.should_use_tensor_core); the faster of the two is the bar
+    fi = min((t[c] for c in ("flashinfer_tc", "flashinfer_cuda_cores") if c in t), default=None)
+    fi_eager = min((t[c] for c in ("flashinfer_tc_eager", "flashinfer_cuda_cores_eager") if c in t), default=None)
+    ns = layers - dl
+    ours = t["plan"] + ns * t["layer_host_async"] + dl * (t["store_stock"] + t["dense_split_kv"])
+    ours_attn = ns * t["dense_kept"] + dl * t["dense_split_kv"]
+    out[key] = {
+        "batch": bs, "context": ctx, "layers": layers, "dense_layers": dl, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+        "completing_chunk": int(((lens % pol.chunk) == 0).sum()), "ms": t, **notes,
+        "step_ms": {
+            "offload_keep_v": ours,
+            "offload_keep_v_host_in_store": ours + ns * (t["layer"] - t["layer_host_async"]),
+            "stock": None if fi is None else layers * (t["store_stock"] + fi),
+            "attention": {"offload_keep_v": ours_attn, "stock_flashinfer": None if fi is None else layers * fi},
+            "attention_eager": {"offload_keep_v": ns * t["dense_kept_eager"] + dl * t["dense_split_kv_eager"],
+                                "stock_flashinfer": None if fi_eager is None else layers * fi_eager},
+            "writes": {"offload_keep_v": ns * t["store"] + dl * t["store_stock"], "stock": layers * t["store_stock"],
+                       "of_which_host_stores": ns * (t["store_no_summary"] - t["store_no_host"]),
+                       "of_which_chunk_means": ns * (t["store"] - t["store_no_summary"])},
+            "plan": t["plan"],
+        },
+    }
+    del pool, stock
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -372,6 +529,12 @@ def main():
     # the fitting workload's shape (64 x 4,096 + 512: offload costs +12.3 % median ITL there): where a sparse layer's time goes
     time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")
     print("layer fits", out["layer_timing_fits"], flush=True)
+    try:  # informational timings: a failure here is recorded, the checks above stand
+        time_keep_v_step(out)
+        print("keep-v step", out["keep_v_step"], flush=True)
+    except Exception as e:
+        out["keep_v_step_failed"] = f"{type(e).__name__}: {e}"[:600]
+        print("keep-v step failed:", out["keep_v_step_failed"], flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     results.write(a.out, out)
     print("wrote", a.out)

@@ -146,6 +146,7 @@ class OffloadAttnBackend(AttentionBackend):
         new = [i for i, p in enumerate(prefix_cpu) if p == 0]
         if new:
             pool.reset_requests(rows[torch.tensor(new, device=rows.device)] if len(new) < bs else rows)
+        pool.set_host_writes_async(False)  # a prefill's middle tokens have no device row: its store writes the host itself
         pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu), pool.extend_keep_rows(rows, prefix_cpu, ext_cpu))
         pool.set_summary_plan(pool.plan_extend_summaries(rows, prefix_cpu, ext_cpu, self.req_to_token))
         total_prefix = sum(prefix_cpu)
@@ -197,6 +198,7 @@ class OffloadAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch):
         """Eager step: plan the decode, or set up the prefill (staging, hot-buffer writes)."""
         self._mode = self._require(forward_batch)
+        self.pool.join_host_writes()  # (a step cut short before its last layer left them pending)
         self.pool.flush_releases()
         self._count(forward_batch)
         self._all_dense = False
@@ -217,6 +219,7 @@ class OffloadAttnBackend(AttentionBackend):
         self.decoder.grant_pages(self.pool)
         self.pool.set_v_rows(self.decoder.new_token_rows(), self.decoder.new_token_keep_rows())
         self.pool.set_summary_plan(self.decoder.summary_plan(self.pool))
+        self.pool.set_host_writes_async(True)  # the new tokens' V to the host beside the attention, joined after the last layer
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """The decoder's buffers are address-stable already; grow them if the graphs' batch is larger."""
@@ -234,6 +237,7 @@ class OffloadAttnBackend(AttentionBackend):
             self._all_dense = self.graph_variants and keep.capturing_dense_variant()
         if not in_capture:
             self._count(forward_batch)
+            self.pool.join_host_writes()
             self.pool.flush_releases()  # before the graph's plan pops slots: rows SGLang freed give theirs back
             if self._mode == "decode":  # the variant this replay runs (a full graph ignores the flag; a step that reruns the plan reads it)
                 self._all_dense = self._replays_dense(forward_batch)
@@ -318,6 +322,8 @@ class OffloadAttnBackend(AttentionBackend):
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                        pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid),
                        record=pool.miss_record(lid, add=prefetched), clock=None if timer is None else timer.clock(lid, CRIT))
+        if lid == pool.layer_num - 1:  # the step's last layer: its host V writes (side stream) join the step here
+            pool.join_host_writes()
         return o.view(-1, H * D)
 
     # ---------------------------------------------------------------- prefetch

@@ -250,6 +250,12 @@ class OffloadKVPool(MHATokenToKVPool):
         self.keep_len = torch.zeros(rows, dtype=torch.int32, device=dev) if self.keep_v else None
         self.keep_len_cpu = [0] * rows
         self._v_keep_rows: Optional[torch.Tensor] = None
+        # a decode step's host V writes, off the critical path (set_host_writes_async): copied from the new
+        # tokens' ring rows on a side stream while the layer's attention runs, joined once per step
+        self._host_async = False
+        self._host_async_ok = layout.policy.window > 0  # every new decode token then has a ring row to copy from
+        self._host_stream = torch.cuda.Stream(device=dev) if torch.device(dev).type == "cuda" and self.sparse_layer_ids else None
+        self._host_pending = False
 
     # --------------------------------------------------------------- buffers
 
@@ -359,15 +365,61 @@ class OffloadKVPool(MHATokenToKVPool):
         self._v_rows = rows
         self._v_keep_rows = keep_rows
 
+    def set_host_writes_async(self, on: bool) -> None:
+        """A decode step's V goes to the host off the critical path (the backend sets it per forward:
+        on for a decode step, off for a prefill, whose middle tokens have no device row). The layer's
+        store writes K, the ring / sink row and the kept row; a side stream then copies the new
+        tokens' ring rows to the host pool while the layer's attention runs (GPU-initiated PCIe
+        stores, ~2 KiB a token and sparse layer), and :meth:`join_host_writes` makes the step's
+        stream wait for them once, after its last layer. Nothing reads a token's host row before
+        that: the step attends to its newest tokens through the ring, and later steps come after
+        the join. Off without a ring (``window`` 0) or a GPU (then the store writes the host itself)."""
+        self._host_async = bool(on) and self._host_async_ok
+
+    def join_host_writes(self) -> None:
+        """The current stream waits for the step's side-stream host writes (:meth:`set_host_writes_async`);
+        nothing to wait for: nothing done. Inside a CUDA-graph capture this is the join of the fork."""
+        if self._host_pending:
+            torch.cuda.current_stream(self._host_stream.device).wait_stream(self._host_stream)
+            self._host_pending = False
+
+    def _host_write_async(self, layer_idx: int, loc: torch.Tensor) -> None:
+        """V of this step's new tokens from their ring rows to the host pool, on the side stream (inline without one)."""
+        from sglang_elastic.kernels.offload import copy_rows_run
+
+        n = int(loc.shape[0])
+        src, dst = self.v_buffer[layer_idx], self.host.view(layer_idx)
+        side = self._host_stream
+        if side is None:
+            copy_rows_run(src, dst, self._v_rows, loc, n=n)
+            return
+        cur = torch.cuda.current_stream(side.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            copy_rows_run(src, dst, self._v_rows, loc, n=n)
+        if not torch.cuda.is_current_stream_capturing():  # an eager step's loc is a temporary of the current stream
+            loc.record_stream(side)
+        self._host_pending = True
+
     def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
         if layer_idx not in self._sparse:
             super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
         else:
             from sglang_elastic.kernels.offload import store_sparse_run
 
-            # one launch: K to the pool, V to the host pool, to the ring/sink row and to the kept row
+            # one launch: K to the pool, V to the host pool (or, a decode step, later from the ring row on a side
+            # stream), to the ring/sink row and to the kept row, and a decode step's completed chunk means
+            # ((src, dst) or (src, dst, "kept"); a prefill's plan has more)
+            plan = self._summary_plan
+            fused = plan is not None and len(plan) <= 3 and layer_idx in self.vsum
+            summary = (plan[0], plan[1], self.vsum[layer_idx], self.SPARE, len(plan) == 3) if fused else None
+            async_host = self._host_async and self._v_rows is not None
             store_sparse_run(cache_k, cache_v, self.k_buffer[layer_idx], self.host.view(layer_idx), self.v_buffer[layer_idx],
-                             loc, self._v_rows, self._v_keep_rows)
+                             loc, self._v_rows, self._v_keep_rows, summary=summary, host=not async_host)
+            if async_host:
+                self._host_write_async(layer_idx, loc)
+            if fused:
+                return
         if self._summary_plan is not None and layer_idx in self.vsum:
             self._write_summaries(layer_idx, cache_v)
 
@@ -389,32 +441,28 @@ class OffloadKVPool(MHATokenToKVPool):
         """Each planned chunk's mean V into its slot. A prefill's chunks that
         lie inside this forward's new tokens are averaged from ``cache_v``
         (still on the GPU, the same bf16 values as stored); the others (a
-        decode step's chunk, a chunk straddling a prompt chunk's start) read
-        their rows back from where they are stored (the host pool)."""
+        chunk straddling a prompt chunk's start; a decode step's chunk of a
+        layer whose V is in the pool, ``resident_v``) read their rows back from
+        where they are stored. A sparse layer's decode step makes its means in
+        its store launch (:meth:`_store_kv_layer`), with the same sums."""
         plan = self._summary_plan
         src, dst = plan[0], plan[1]
         if src.shape[0] == 0:
             return
         H, D = self.head_num, self.v_head_dim
         out = self.vsum[layer_idx]
-        if len(plan) == 3:  # a decode step's (src, dst, "kept"): src are kept rows of the layer's shared K/V buffer
+        if len(plan) <= 3:  # a decode step (inside the CUDA graph) of a layer whose V is in the pool: one launch
             from sglang_elastic.kernels.offload import chunk_mean_run
 
-            chunk_mean_run(self.v_buffer[layer_idx], src, dst, out)
+            chunk_mean_run(self.v_buffer[layer_idx], src, dst, out, skip=self.SPARE)
             return
-        if len(plan) > 2:  # a prefill: (src, dst, new_items, new_rows, old_items)
-            new_items, new_rows, old_items = plan[2:]
-            if new_items.shape[0]:
-                out[dst[new_items]] = cache_v[new_rows.reshape(-1)].view(new_rows.shape[0], new_rows.shape[1], H, D).float().mean(1).to(self.store_dtype)
-            if old_items.shape[0] == 0:
-                return
-            src, dst = src[old_items], dst[old_items]
+        new_items, new_rows, old_items = plan[2:]  # a prefill: (src, dst, new_items, new_rows, old_items)
+        if new_items.shape[0]:
+            out[dst[new_items]] = cache_v[new_rows.reshape(-1)].view(new_rows.shape[0], new_rows.shape[1], H, D).float().mean(1).to(self.store_dtype)
+        if old_items.shape[0] == 0:
+            return
+        src, dst = src[old_items], dst[old_items]
         v = self.host.view(layer_idx) if layer_idx in self._sparse else self.v_buffer[layer_idx]
-        if len(plan) == 2:  # a decode step (inside the CUDA graph): one launch per layer
-            from sglang_elastic.kernels.offload import chunk_mean_run
-
-            chunk_mean_run(v, src, dst, out)
-            return
         rows = v[src.reshape(-1)].view(src.shape[0], src.shape[1], H, D)
         out[dst] = rows.float().mean(1).to(self.store_dtype)
 
