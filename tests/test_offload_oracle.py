@@ -245,6 +245,53 @@ def test_accuracy_rows_and_the_acceptance_gate():
 # ---- the converter ------------------------------------------------------------------------------------------------
 
 
+def test_two_way_counts_lost_and_gained_answers_and_the_exact_sign_test():
+    """``score.two_way``: natural text and ungraded samples left out; the sign test's p against
+    hand-computed binomial tails (6 lost / 5 gained: 1.0; 10 / 0: 2 / 1024; 7 / 1: 2 * 9 / 256)."""
+    R = score.Record
+
+    def recs(both, lost, gained, neither=3):
+        return ([R("vt", 2048, True, True, 0.1, 0.05)] * both + [R("vt", 2048, True, False, 0.1, 0.05)] * lost
+                + [R("vt", 2048, False, True, 0.1, 0.05)] * gained + [R("vt", 2048, False, False, 0.1, 0.05)] * neither
+                + [R("natural", 2048, None, None, 0.1, 0.05)] * 4)
+
+    assert score.two_way(recs(346, 6, 5)) == {"both": 346, "lost": 6, "gained": 5, "sign_test_p": 1.0}
+    assert score.two_way(recs(3, 10, 0))["sign_test_p"] == pytest.approx(2 / 1024)
+    assert score.two_way(recs(3, 7, 1))["sign_test_p"] == pytest.approx(2 * 9 / 256)
+    assert score.two_way(recs(3, 1, 7))["sign_test_p"] == pytest.approx(2 * 9 / 256)
+    assert score.two_way(recs(5, 0, 0)) == {"both": 5, "lost": 0, "gained": 0, "sign_test_p": 1.0}
+
+
+def test_accuracy_two_way_script_counts_each_servers_lost_and_gained_answers(tmp_path, capsys):
+    """``scripts/offload/accuracy_two_way.py`` on a run's files (the compact per-sample form the GPU
+    script writes: variants carry only their own ``solved``): per server the totals and the cells with a
+    lost or gained sample by index; a run without per-sample records writes nothing."""
+    import lzma
+
+    mod = _load_script("scripts/offload/accuracy_two_way.py")
+    rows = [{"task": "vt", "context": 2048, "index": i, "dense": {"solved": d}, "offload": {"solved": o}}
+            for i, (d, o) in enumerate([(True, True), (True, False), (False, True), (False, True), (False, False)])]
+    rows.append({"task": "natural", "context": 2048, "index": 0, "dense": {"solved": None}, "offload": {"solved": None}})
+    var = [{"task": "vt", "context": 2048, "index": i, "solved": o} for i, o in enumerate([False, False, False, True, True])]
+    with lzma.open(tmp_path / "ps.json.xz", "wt") as f:
+        json.dump({"per_sample": rows, "variants": {"offload_2": var}}, f)
+    res = tmp_path / "acc.json"
+    res.write_text(json.dumps({"date": "d", "gpu": "g", "commit": "c", "command": "x", "per_sample_file": "ps.json.xz",
+                               "servers": {"offload_2": "python -m sglang.launch_server --host 127.0.0.1 --kv-offload-keep-v"}}))
+    out = tmp_path / "two.json"
+    assert mod.main(["--result", str(res), "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["source"]["gpu"] == "g" and {"date", "gpu", "commit", "command"} <= set(d)
+    assert d["servers"]["offload"]["two_way"] == {"both": 1, "lost": 1, "gained": 2, "sign_test_p": 1.0}
+    assert d["servers"]["offload"]["cells"] == [{"task": "vt", "context": 2048, "lost": [1], "gained": [2, 3]}]
+    v = d["servers"]["offload_2"]
+    assert v["two_way"] == {"both": 0, "lost": 2, "gained": 2, "sign_test_p": 1.0} and v["offload_args"] == "--kv-offload-keep-v"
+    assert v["cells"] == [{"task": "vt", "context": 2048, "lost": [0, 1], "gained": [3, 4]}]
+    res.write_text(json.dumps({"servers": {}}))
+    assert mod.main(["--result", str(res), "--out", str(tmp_path / "none.json")]) == 1
+    assert not (tmp_path / "none.json").exists() and "no per-sample records" in capsys.readouterr().err
+
+
 def test_converted_checkpoint_is_a_plain_llama_config_sglang_reads(model_dir):
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
@@ -314,6 +361,8 @@ def test_gpu_script_builds_requests_reads_hidden_states_and_writes_rows(model_di
     assert set(c_rows) == {"niah_single", "vt", "natural"} and all(r["budget_frac"] == 1.0 for r in c["accuracy"])
     assert c_rows["vt"]["kl"] > 0 and c_rows["vt"]["kl"] != rows["vt"]["kl"]  # its own streams (the stand-in's noise 0.25, offload's 0.5)
     assert (c["compared"], c["identical_texts"], c["lost"], c["gained"], c["errors"]) == (5, 5, [], [], 0)
+    # lost against gained answers, with the sign test, for the shipped rule, each variant and the control
+    assert d["two_way"] == v["two_way"] == c["two_way"] == {"both": 4, "lost": 0, "gained": 0, "sign_test_p": 1.0}
     assert c["acceptance"]["passed"] is False and "samples 2 < 50" in c["acceptance"]["failing"][0]["reasons"]
     assert "control: dense (--attention-backend triton) against dense (FlashInfer)" in capsys.readouterr().out
     # a control server that does not come up costs nothing measured (it runs last, and its failure is caught)

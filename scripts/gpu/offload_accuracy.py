@@ -725,6 +725,9 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         passed, failing = score.acceptance(rows, a.min_samples)
         return rows, passed, failing
 
+    def two(recs):  # lost against gained dense-solved answers, with the sign test (score.two_way)
+        return score.two_way(score.Record(r["task"], r["context"], r["dense"]["solved"], r["offload"]["solved"], None, None) for r in recs)
+
     rows, passed, failing = judged(per_sample)
     control_block = None
     if "failed" in got.get("control", {}):
@@ -733,7 +736,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         c_recs, c_errs = against_dense("control", None)
         c_rows, c_passed, c_failing = judged(c_recs) if c_recs else ([], False, [])
         control_block = {"server": "control", "control_args": a.control_args, "accuracy": c_rows,
-                         "acceptance": {"passed": c_passed, "failing": c_failing}, "errors": len(c_errs),
+                         "acceptance": {"passed": c_passed, "failing": c_failing}, "errors": len(c_errs), "two_way": two(c_recs),
                          "identical_texts": sum(r["dense"]["text"] == r["offload"]["text"] for r in c_recs), "compared": len(c_recs),
                          # samples one dense server solves and the other does not: (task, context, index)
                          "lost": [[r["task"], r["context"], r["index"]] for r in c_recs if r["dense"]["solved"] and not r["offload"]["solved"]],
@@ -742,7 +745,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
     for name, x, policy, (recs, errs) in list(zip(names, offload_sets, policies, runs))[1:]:
         v_rows, v_passed, v_failing = judged(recs) if recs else ([], False, [])
         variants.append({"server": name, "offload_args": " ".join(x), "offload_policy": dataclasses.asdict(policy), "accuracy": v_rows,
-                         "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs),
+                         "acceptance": {"passed": v_passed, "failing": v_failing}, "errors": len(errs), "two_way": two(recs),
                          "per_sample": [{k: r[k] for k in ("task", "context", "index", "kl")} | {"solved": r["offload"]["solved"]} for r in recs]})
     floor = [r["prefill_kl"] for r in per_sample if r["prefill_kl"] is not None]
     missing = {"kl_steps_missing": sum(r["kl_steps_missing"] for r in per_sample), "kl_steps": sum(len(r["kl_steps"]) for r in per_sample),
@@ -754,7 +757,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                # what each offload server ran, as this code reads its flags (keep-v's default changed on 2026-12-04)
                offload_configs={n: server_config(v) for n, v in servers.items() if n not in ("dense", "control")},
                offload_policy=dataclasses.asdict(policies[0]), server_stats={n: compact_stats(got[n].get(STATS)) for n in servers if n in got},
-               accuracy=rows, acceptance={"passed": passed, "failing": failing},
+               accuracy=rows, acceptance={"passed": passed, "failing": failing}, two_way=two(per_sample),
                variants=variants, control=control_block, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
                exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
@@ -768,8 +771,10 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
         out["per_sample_file"] = os.path.basename(a.per_sample)
     results.write(a.out, out)
     why = "; ".join(f"{f['task']} {f['context']}: {', '.join(f['reasons'])}" for f in failing[:3]) + ("; ..." if len(failing) > 3 else "")
+    tw = out["two_way"]
     print(score.table(rows, f"offload vs dense through SGLang: acceptance {'PASSED' if passed else 'FAILED'} "
-                            f"({len(failing)} failing cells{': ' + why if why else ''}; {len(errors)} samples failed); {a.out}"))
+                            f"({len(failing)} failing cells{': ' + why if why else ''}; {len(errors)} samples failed; "
+                            f"{tw['lost']} dense-solved answers lost, {tw['gained']} gained, sign test p {tw['sign_test_p']:.2f}); {a.out}"))
     if serial:
         print(f"exactness (host tier vs resident V, one request at a time): {out['exactness']}")
     for v in variants:

@@ -19,6 +19,7 @@ samples; a cell nobody solved densely cannot be judged and fails.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 KEPT_MIN = 0.98
@@ -101,6 +102,25 @@ def acceptance(rows: Iterable[Dict], min_samples: int = MIN_SAMPLES, kept_min: f
     return not failing, failing
 
 
+def two_way(records: Iterable[Record]) -> Dict:
+    """Over every graded sample (natural text left out): ``both`` solved, ``lost`` (dense solved,
+    offload not), ``gained`` (offload solved, dense not), and ``sign_test_p``, the exact two-sided
+    sign test (McNemar's exact test) of "offload loses answers more often than it gains them":
+    ``min(1, 2 * P[X <= min(lost, gained)])`` for ``X ~ Binomial(lost + gained, 1/2)`` (1.0 with
+    no discordant sample). A selection that really drops what the answer needs loses far more than
+    it gains; two kernels that differ only in rounding lose and gain alike (McNemar 1947)."""
+    both = lost = gained = 0
+    for r in records:
+        if r.dense_solved is None or r.offload_solved is None:
+            continue
+        both += bool(r.dense_solved and r.offload_solved)
+        lost += bool(r.dense_solved and not r.offload_solved)
+        gained += bool(r.offload_solved and not r.dense_solved)
+    n, m = lost + gained, min(lost, gained)
+    tail = sum(math.comb(n, i) for i in range(m + 1)) / 2 ** n if n else 0.5
+    return {"both": both, "lost": lost, "gained": gained, "sign_test_p": min(1.0, 2 * tail)}
+
+
 def table(rows: Iterable[Dict], title: str = "") -> str:
     """A fixed-width text table of accuracy rows (one screen)."""
     def f(x, fmt):
@@ -114,4 +134,4 @@ def table(rows: Iterable[Dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GAP_MAX", "KEPT_MIN", "KL_MAX", "MIN_SAMPLES", "Record", "acceptance", "accuracy_rows", "table"]
+__all__ = ["GAP_MAX", "KEPT_MIN", "KL_MAX", "MIN_SAMPLES", "Record", "acceptance", "accuracy_rows", "table", "two_way"]
