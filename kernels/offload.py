@@ -791,6 +791,53 @@ def _fixed_entries_kernel(
     tl.store(v_rows_ptr + b, newest.to(v_rows_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _row_plan_kernel(lens_ptr, rp_ptr, vrow_ptr, stride_vrow, table_ptr, stride_table, s_ptr, w_ptr, k_ptr, dl_ptr, keep_rows_ptr,
+                     sum_src_ptr, sum_chunk_ptr, sum_valid_ptr, C: tl.constexpr, DENSE: tl.constexpr, SUMMARY: tl.constexpr):
+    """Request ``b``'s per-row entries of a decode plan (see :func:`row_plan_run`)."""
+    b = tl.program_id(0)
+    L = tl.load(lens_ptr + b).to(tl.int64)
+    r = tl.load(rp_ptr + b).to(tl.int64)
+    if DENSE:
+        tl.store(s_ptr + b, 0)
+        tl.store(w_ptr + b, 0)
+        tl.store(k_ptr + b, 0)
+        tl.store(dl_ptr + b, L.to(tl.int32))
+        tl.store(keep_rows_ptr + b, tl.load(vrow_ptr + r * stride_vrow + tl.maximum(L - 1, 0)).to(tl.int64))
+    if SUMMARY:
+        offs = tl.arange(0, C)
+        pos = tl.maximum(L - C + offs, 0)
+        tl.store(sum_src_ptr + b * C + offs, tl.load(table_ptr + r * stride_table + pos).to(tl.int64))
+        tl.store(sum_chunk_ptr + b, tl.maximum(L // C - 1, 0))
+        tl.store(sum_valid_ptr + b, ((L % C == 0) & (L >= C)).to(tl.int32))
+
+
+def row_plan_run(lens: torch.Tensor, rp: torch.Tensor, dense: Optional[tuple] = None, summary: Optional[tuple] = None) -> None:
+    """The per-request entries of a decode step's plan in one launch (what about twenty small
+    PyTorch ops did: indexing, clamps, casts), GPU ops only (CUDA-graph safe).
+
+    Args:
+        lens: ``[bs]`` int32 lengths with the new token; rp: ``[bs]`` request rows.
+        dense: an all-dense step (``--kv-offload-keep-v``): ``(req_to_vrow, s_eff, w_eff, k, dense_lens,
+            keep_rows)``: ``s_eff = w_eff = k = 0``, ``dense_lens = lens`` (int32 ``[bs]`` each) and
+            ``keep_rows[b] = req_to_vrow[rp[b], max(lens[b] - 1, 0)]`` (int64 ``[bs]``), or None.
+        summary: ``estimate``'s chunk each new token completes: ``(table, sum_src, sum_chunk, sum_valid)``:
+            ``sum_src[b, j] = table[rp[b], max(lens[b] - C + j, 0)]`` (int64 ``[bs, C]``, contiguous rows),
+            ``sum_chunk[b] = max(lens[b] // C - 1, 0)`` (int64), ``sum_valid[b] = lens[b] % C == 0 and
+            lens[b] >= C`` (int32), or None.
+    """
+    B = lens.shape[0]
+    if B == 0 or (dense is None and summary is None):
+        return
+    vrow, s_eff, w_eff, k, dl, keep_rows = dense if dense is not None else (None,) * 6
+    table, src, chunk, valid = summary if summary is not None else (None,) * 4
+    C = src.shape[1] if summary is not None else 16
+    if summary is not None and (C & (C - 1) or src.stride(1) != 1 or src.stride(0) != C):
+        raise ValueError(f"row_plan: sum_src must be contiguous [bs, C] rows with C a power of two, not {tuple(src.shape)}")
+    _row_plan_kernel[(B,)](lens, rp, vrow, vrow.stride(0) if vrow is not None else 0, table, table.stride(0) if table is not None else 0,
+                           s_eff, w_eff, k, dl, keep_rows, src, chunk, valid, C=C, DENSE=dense is not None, SUMMARY=summary is not None)
+
+
 def fixed_entries_run(
     seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, s_eff: torch.Tensor,
     w_eff: torch.Tensor, att_indptr: torch.Tensor, att_kidx: torch.Tensor, att_vidx: torch.Tensor, v_rows: torch.Tensor,

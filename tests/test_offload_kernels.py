@@ -655,6 +655,7 @@ cases = [
      dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, SUM_KEPT=False, C=16, HOST=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
+    (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"}, dict(C=16, DENSE=True, SUMMARY=True)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
     (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=False, BLOCK_N=512, PARTS=16, MARK=True)),
     (ko._estimate_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "vsum_ptr": "*bf16", "out_ptr": "*fp32"},
@@ -673,7 +674,7 @@ def test_the_new_offload_kernels_compile_for_sm90():
     """The page grant (its compare-and-swap loop), the adaptive pages' demand and
     give-back, the one-launch KV write (also with the chunk means fused, from the
     kept rows or the host, and without its host write), the paged swap-in, the chunk
-    means, the stamping lse merge and top-k, the estimate and the merge that
+    means, the decode plan's per-request entries, the stamping lse merge and top-k, the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
     would meet first."""
@@ -689,7 +690,8 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert rows["_page_grant_kernel"] == ["True", "True"]  # the CAS is there, and the stack loads
     assert rows["_page_shrink_kernel"][0] == "True" and rows["_page_adapt_kernel"][0] == "True"  # the pushes and the demand
     assert set(rows) == {"_page_grant_kernel", "_page_adapt_kernel", "_page_shrink_kernel", "_store_sparse_kernel", "_swap_in_kernel",
-                         "_chunk_mean_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel", "_merge_kernel"}
+                         "_chunk_mean_kernel", "_row_plan_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel",
+                         "_merge_kernel"}
 
 
 def test_the_mark_stamp_wraps_without_ever_being_zero():
@@ -767,6 +769,42 @@ def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_ru
     assert torch.isnan(out[[1, 3, 5, 6]].float()).all()  # the spare row and the rows no chunk names
     with pytest.raises(ValueError, match="chunk 6 is not a power of two"):
         ko.store_sparse_run(ck, cv, kd, host, vd, loc, summary=(src[:, :6], dst, out, S, kept))
+
+
+def test_row_plan_writes_the_dense_entries_and_the_completed_chunks_as_the_torch_ops_did():
+    """``row_plan_run`` (one launch for a decode plan's per-request entries) against the PyTorch
+    ops it replaced, on lengths 1 (a CUDA-graph padding entry), below the chunk, at and past
+    multiples of it: the all-dense entries and ``estimate``'s chunk rows, bit-equal; rows past the
+    batch untouched; a non-contiguous ``sum_src`` refused."""
+    g = torch.Generator().manual_seed(13)
+    C, rows, ctx = 8, 6, 70
+    lens = torch.tensor([1, 5, 8, 16, 23, 64, 70], dtype=torch.int32)
+    rp = torch.tensor([0, 3, 1, 5, 2, 4, 1], dtype=torch.int32)
+    B = lens.shape[0]
+    table = torch.randint(0, 10_000, (rows, ctx), generator=g, dtype=torch.int32)
+    vrow = torch.randint(0, 10_000, (rows, ctx), generator=g, dtype=torch.int32)
+    i32 = dict(dtype=torch.int32)
+    s_eff, w_eff, k, dl = (torch.full((B + 2,), 7, **i32) for _ in range(4))
+    keep_rows = torch.full((B + 2,), -9, dtype=torch.int64)
+    src, chunk = torch.full((B + 2, C), -9, dtype=torch.int64), torch.full((B + 2,), -9, dtype=torch.int64)
+    valid = torch.full((B + 2,), -9, **i32)
+    ko.row_plan_run(lens, rp, dense=(vrow, s_eff, w_eff, k, dl, keep_rows), summary=(table, src, chunk, valid))
+    L64, r64 = lens.to(torch.int64), rp.to(torch.int64)
+    assert (s_eff[:B] == 0).all() and (w_eff[:B] == 0).all() and (k[:B] == 0).all() and torch.equal(dl[:B], lens)
+    assert torch.equal(keep_rows[:B], vrow[r64, torch.clamp(L64 - 1, min=0)].to(torch.int64))
+    pos = torch.clamp(L64[:, None] - C + torch.arange(C)[None, :], min=0)
+    assert torch.equal(src[:B], table[r64[:, None], pos].to(torch.int64))
+    assert torch.equal(chunk[:B], torch.clamp(L64 // C - 1, min=0))
+    assert valid[:B].tolist() == [0, 0, 1, 1, 0, 1, 0]
+    for t, fill in ((s_eff, 7), (dl, 7), (keep_rows, -9), (chunk, -9), (valid, -9)):
+        assert (t[B:] == fill).all()
+    assert (src[B:] == -9).all()
+    src2 = torch.full((B, C), -9, dtype=torch.int64)  # the summary alone (a general step): the dense entries untouched
+    s_eff.fill_(7)
+    ko.row_plan_run(lens, rp, summary=(table, src2, chunk, valid))
+    assert torch.equal(src2, src[:B]) and (s_eff == 7).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        ko.row_plan_run(lens, rp, summary=(table, torch.zeros(C, B, dtype=torch.int64).t(), chunk, valid))
 
 
 class _Adapt:

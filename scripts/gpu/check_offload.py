@@ -379,7 +379,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       and joined after it (the default since 2026-12-05; a step joins once, after its last layer, so
       this single layer's join is an upper bound);
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
-      paged decode (``BatchDecodeWithPagedKVCacheWrapper``, tensor cores and not; eager, planned once).
+      paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
+      this GQA group; planned once, replayed from a graph and eagerly).
 
     ``step_ms`` adds them up for a ``layers``-layer model (the policy's dense layers, the rest sparse);
     weights, MLPs and sampling are the same on both sides and left out. Times of CUDA-graph replays
@@ -475,7 +476,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
             kv1 = (ks.view(-1, 1, hkv, d), vs.view(-1, 1, hkv, d))
             fo = torch.empty_like(q)
             ind = dec.kv_indices[:total]
-            for tc in (True, False):  # as SGLang's FlashInfer backend plans a decode graph (bench_decode.py's column)
+            for tc in (True,):  # as SGLang's FlashInfer backend plans a decode graph (bench_decode.py's column): tensor
+                # cores, which flashinfer_backend.should_use_tensor_core picks for a bf16 GQA group of 4 or more
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD", use_cuda_graph=True, use_tensor_cores=tc,
                     paged_kv_indptr_buffer=torch.empty_like(dec.kv_indptr[: bs + 1]), paged_kv_indices_buffer=torch.empty_like(ind),
@@ -487,9 +489,7 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
                 t[name + "_eager"] = timed(lambda: w.run(q, kv1, out=fo))
         except Exception as e:  # a column, never fatal
             notes["flashinfer_failed"] = f"{type(e).__name__}: {e}"[:400]
-    # SGLang picks tensor cores for this GQA group (flashinfer_backend.should_use_tensor_core); the faster of the two is the bar
-    fi = min((t[c] for c in ("flashinfer_tc", "flashinfer_cuda_cores") if c in t), default=None)
-    fi_eager = min((t[c] for c in ("flashinfer_tc_eager", "flashinfer_cuda_cores_eager") if c in t), default=None)
+    fi, fi_eager = t.get("flashinfer_tc"), t.get("flashinfer_tc_eager")
     ns = layers - dl
     ours = t["plan"] + ns * t["layer_host_async"] + dl * (t["store_stock"] + t["dense_split_kv"])
     ours_attn = ns * t["dense_kept"] + dl * t["dense_split_kv"]

@@ -176,7 +176,7 @@ class OffloadDecoder:
         from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
 
         from sglang_elastic.kernels.decode_attention import split_kv_plan
-        from sglang_elastic.kernels.offload import fixed_entries_run
+        from sglang_elastic.kernels.offload import fixed_entries_run, row_plan_run
 
         if bs > self.max_bs:
             raise ValueError(f"decode batch of {bs} requests exceeds the offload workspace's {self.max_bs}")
@@ -196,15 +196,12 @@ class OffloadDecoder:
             req_to_vrow, _ = keep
             # every position, K at kv_indices and V at the kept rows: the dense layers' lists and split plan
             create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, lens, self.kv_indptr, None, self.att_vidx, req_to_vrow.stride(0))
-            self.s_eff[:bs].zero_()  # (not ``= 0``: a Python scalar becomes a fresh CPU tensor, which a graph cannot capture)
-            self.w_eff[:bs].zero_()
-            self.k[:bs].zero_()
-            self.dense_lens[:bs] = lens
+            # s_eff = w_eff = k = 0, dense_lens = lens, each new token's kept row, and the completed chunks' kept rows
+            # (their means read no PCIe): one launch
+            row_plan_run(lens, rp, dense=(req_to_vrow, self.s_eff, self.w_eff, self.k, self.dense_lens, self.keep_rows),
+                         summary=self._summary_bufs(req_to_vrow))
             fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.kv_indptr, self.att_kidx, self.att_vidx,
                               self.v_rows, pol.sink, pol.window, lay.region_rows, resident=False)  # only the new tokens' ring rows
-            last = torch.clamp(lens.to(torch.int64) - 1, min=0)
-            self.keep_rows[:bs] = req_to_vrow[rp.to(torch.int64), last].to(torch.int64)
-            self._plan_summaries(req_to_vrow, rp, lens, bs)  # the completed chunks' kept rows: their means read no PCIe
             self._rp = rp
             return
         s, w, k = pol.counts_tensor(lens)
@@ -235,19 +232,14 @@ class OffloadDecoder:
             create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, self.att_indptr, None, self.att_vidx, req_to_vrow.stride(0))
             last = torch.clamp(lens.to(torch.int64) - 1, min=0)
             self.keep_rows[:bs] = torch.where(dl > 0, req_to_vrow[rp.to(torch.int64), last].to(torch.int64), -1)
-        self._plan_summaries(req_to_token, rp, lens, bs)
+        row_plan_run(lens, rp, summary=self._summary_bufs(req_to_token))
         self._rp = rp
 
-    def _plan_summaries(self, table, rp, lens, bs) -> None:
-        """The chunk each request's new token completes (``estimate``): its positions' entries of
-        ``table`` (``req_to_token``: host rows; an all-dense step's ``req_to_vrow``: kept rows)."""
-        if self.estimate:  # the chunk a request's new token completes: positions [L - C, L) when L % C == 0
-            C = self.policy.chunk
-            L64 = lens.to(torch.int64)
-            pos = torch.clamp(L64[:, None] - C + torch.arange(C, device=lens.device)[None, :], min=0)
-            self.sum_src[:bs] = table[rp.to(torch.int64)[:, None], pos].to(torch.int64)
-            self.sum_chunk[:bs] = torch.clamp(L64 // C - 1, min=0)
-            self.sum_valid[:bs] = ((L64 % C == 0) & (L64 >= C)).to(torch.int32)
+    def _summary_bufs(self, table) -> Optional[tuple]:
+        """``estimate``: the chunk each request's new token completes (positions ``[L - C, L)`` when ``L % C
+        == 0``), its entries of ``table`` (``req_to_token``: host rows; an all-dense step's ``req_to_vrow``:
+        kept rows), as :func:`~sglang_elastic.kernels.offload.row_plan_run` writes them; else None."""
+        return (table, self.sum_src, self.sum_chunk, self.sum_valid) if self.estimate else None
 
     def summary_plan(self, pool):
         """This step's ``(src, dst)`` for :meth:`OffloadKVPool.set_summary_plan`
