@@ -793,7 +793,8 @@ def _fixed_entries_kernel(
 
 @triton.jit
 def _row_plan_kernel(lens_ptr, rp_ptr, vrow_ptr, stride_vrow, table_ptr, stride_table, s_ptr, w_ptr, k_ptr, dl_ptr, keep_rows_ptr,
-                     sum_src_ptr, sum_chunk_ptr, sum_valid_ptr, C: tl.constexpr, DENSE: tl.constexpr, SUMMARY: tl.constexpr):
+                     sum_src_ptr, sum_chunk_ptr, sum_valid_ptr, C: tl.constexpr, DENSE: tl.constexpr, SUMMARY: tl.constexpr,
+                     RING: tl.constexpr = False, SINK: tl.constexpr = 0, WINDOW: tl.constexpr = 1, REGION: tl.constexpr = 1):
     """Request ``b``'s per-row entries of a decode plan (see :func:`row_plan_run`)."""
     b = tl.program_id(0)
     L = tl.load(lens_ptr + b).to(tl.int64)
@@ -807,12 +808,16 @@ def _row_plan_kernel(lens_ptr, rp_ptr, vrow_ptr, stride_vrow, table_ptr, stride_
     if SUMMARY:
         offs = tl.arange(0, C)
         pos = tl.maximum(L - C + offs, 0)
-        tl.store(sum_src_ptr + b * C + offs, tl.load(table_ptr + r * stride_table + pos).to(tl.int64))
+        if RING:  # the request's sink or ring row of each position (fixed_entries_run's rows)
+            tl.store(sum_src_ptr + b * C + offs, r * REGION + tl.where(pos < SINK, pos, SINK + pos % WINDOW))
+        else:
+            tl.store(sum_src_ptr + b * C + offs, tl.load(table_ptr + r * stride_table + pos).to(tl.int64))
         tl.store(sum_chunk_ptr + b, tl.maximum(L // C - 1, 0))
         tl.store(sum_valid_ptr + b, ((L % C == 0) & (L >= C)).to(tl.int32))
 
 
-def row_plan_run(lens: torch.Tensor, rp: torch.Tensor, dense: Optional[tuple] = None, summary: Optional[tuple] = None) -> None:
+def row_plan_run(lens: torch.Tensor, rp: torch.Tensor, dense: Optional[tuple] = None, summary: Optional[tuple] = None,
+                 ring: Optional[tuple] = None) -> None:
     """The per-request entries of a decode step's plan in one launch (what about twenty small
     PyTorch ops did: indexing, clamps, casts), GPU ops only (CUDA-graph safe).
 
@@ -825,6 +830,10 @@ def row_plan_run(lens: torch.Tensor, rp: torch.Tensor, dense: Optional[tuple] = 
             ``sum_src[b, j] = table[rp[b], max(lens[b] - C + j, 0)]`` (int64 ``[bs, C]``, contiguous rows),
             ``sum_chunk[b] = max(lens[b] // C - 1, 0)`` (int64), ``sum_valid[b] = lens[b] % C == 0 and
             lens[b] >= C`` (int32), or None.
+        ring: ``(sink, window, region_rows)``: ``sum_src`` gets each position's device sink / ring row
+            (``rp[b] * region_rows + (p if p < sink else sink + p % window)``, as
+            :func:`fixed_entries_run` places V) in place of ``table``'s entry (``table`` unused; the
+            chunk lies in the window when ``chunk <= window``, which ``estimate`` requires).
     """
     B = lens.shape[0]
     if B == 0 or (dense is None and summary is None):
@@ -834,8 +843,14 @@ def row_plan_run(lens: torch.Tensor, rp: torch.Tensor, dense: Optional[tuple] = 
     C = src.shape[1] if summary is not None else 16
     if summary is not None and (C & (C - 1) or src.stride(1) != 1 or src.stride(0) != C):
         raise ValueError(f"row_plan: sum_src must be contiguous [bs, C] rows with C a power of two, not {tuple(src.shape)}")
+    sink, window, region = ring if ring is not None else (0, 1, 1)
+    if ring is not None:
+        table = None
+        if window < 1:
+            raise ValueError("row_plan: a ring needs a window of at least one position")
     _row_plan_kernel[(B,)](lens, rp, vrow, vrow.stride(0) if vrow is not None else 0, table, table.stride(0) if table is not None else 0,
-                           s_eff, w_eff, k, dl, keep_rows, src, chunk, valid, C=C, DENSE=dense is not None, SUMMARY=summary is not None)
+                           s_eff, w_eff, k, dl, keep_rows, src, chunk, valid, C=C, DENSE=dense is not None, SUMMARY=summary is not None,
+                           RING=ring is not None, SINK=int(sink), WINDOW=int(window), REGION=int(region))
 
 
 def fixed_entries_run(

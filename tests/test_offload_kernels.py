@@ -655,7 +655,10 @@ cases = [
      dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, SUM_KEPT=False, C=16, HOST=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
-    (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"}, dict(C=16, DENSE=True, SUMMARY=True)),
+    (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"},
+     dict(C=16, DENSE=True, SUMMARY=True, RING=False, SINK=0, WINDOW=1, REGION=1)),
+    (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"},
+     dict(C=16, DENSE=False, SUMMARY=True, RING=True, SINK=4, WINDOW=32, REGION=36)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
     (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=False, BLOCK_N=512, PARTS=16, MARK=True)),
     (ko._estimate_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "vsum_ptr": "*bf16", "out_ptr": "*fp32"},
@@ -745,15 +748,15 @@ def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_ru
     rows once stored, within a bf16 step of the float64 mean; a token that completes nothing (the
     spare row) writes nothing; a chunk that is not a power of two is refused."""
     g = torch.Generator().manual_seed(12)
-    n, slots, rows, C, S = 5, 80, 90, 8, 6  # S: the spare summary row
+    n, slots, rows, C, S = 5, 120, 120, 8, 6  # S: the spare summary row
     ck, cv = torch.randn(n, 2, 32, generator=g).bfloat16(), torch.randn(n, 2, 32, generator=g).bfloat16()
     kd = torch.zeros(slots, 2, 32).bfloat16()
     host = torch.randn(slots, 2, 32, generator=g).bfloat16()
     vd = torch.randn(rows, 2, 32, generator=g).bfloat16()
     loc = torch.tensor([3, 50, 7, 19, 44], dtype=torch.int64)
-    keep = torch.tensor([60, 61, 62, 63, 64], dtype=torch.int64)
+    keep = torch.tensor([50, 51, 52, 53, 54], dtype=torch.int64)
     # each token's chunk: C - 1 older rows (distinct, not this step's), then the token's own row
-    older = torch.randperm(40, generator=g)[: n * (C - 1)].view(n, C - 1) + (0 if not kept else 20)
+    older = torch.randperm(35, generator=g)[: n * (C - 1)].view(n, C - 1) + 55  # rows 55..89: none the launch's stores write
     own = keep if kept else loc
     src = torch.cat([older, own[:, None]], 1)
     dst = torch.tensor([2, S, 0, S, 4])
@@ -803,8 +806,16 @@ def test_row_plan_writes_the_dense_entries_and_the_completed_chunks_as_the_torch
     s_eff.fill_(7)
     ko.row_plan_run(lens, rp, summary=(table, src2, chunk, valid))
     assert torch.equal(src2, src[:B]) and (s_eff == 7).all()
+    # a sparse step's chunk rows on the device: each position's sink row, or its ring row (fixed_entries_run's)
+    sink, window, region = 4, 16, 40
+    src3 = torch.full((B, C), -9, dtype=torch.int64)
+    ko.row_plan_run(lens, rp, summary=(None, src3, chunk, valid), ring=(sink, window, region))
+    assert torch.equal(src3, r64[:, None] * region + torch.where(pos < sink, pos, sink + pos % window))
+    assert src3[1].tolist() == [3 * 40 + p for p in (0, 0, 0, 0, 1, 2, 3)] + [3 * 40 + 4 + 4]  # length 5: positions 0..4
     with pytest.raises(ValueError, match="contiguous"):
         ko.row_plan_run(lens, rp, summary=(table, torch.zeros(C, B, dtype=torch.int64).t(), chunk, valid))
+    with pytest.raises(ValueError, match="window of at least one"):
+        ko.row_plan_run(lens, rp, summary=(None, src3, chunk, valid), ring=(4, 0, region))
 
 
 class _Adapt:

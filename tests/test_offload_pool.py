@@ -212,6 +212,71 @@ def test_a_decode_steps_host_v_copied_from_the_ring_rows_equals_the_store_writin
     assert checked == 2 * (36 + 506 + 402)
 
 
+def test_a_decode_step_forks_one_host_copy_per_sparse_layer_on_the_side_stream_and_joins_once(monkeypatch):
+    """The GPU path of ``set_host_writes_async`` with recording stand-ins for CUDA streams: each
+    sparse layer's store forks its host copy onto the pool's side stream (the side stream waits for
+    the step's stream, the copy runs inside ``torch.cuda.stream(side)``, an eager ``loc`` is kept
+    alive for it), the step's stream waits for the side stream once in ``join_host_writes`` and a
+    second join does nothing; inside a capture no ``record_stream``; a prefill forks nothing."""
+    import contextlib
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.device = name, "cpu"
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits", other.name))
+
+    cur, side = Stream("step"), Stream("side")
+    active = [cur]
+
+    @contextlib.contextmanager
+    def on(stream):
+        active.append(stream)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cur)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, st: log.append(("record", st.name)))
+    import sglang_elastic.kernels.offload as kmod
+
+    real_copy = kmod.copy_rows_run
+
+    def copy(*a, **kw):
+        if active[-1] is side:  # (the sparse layers' miss copies run on the step's stream)
+            log.append(("copy on", "side"))
+        return real_copy(*a, **kw)
+
+    monkeypatch.setattr(kmod, "copy_rows_run", copy)
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    sim = Sim(make_pool(pol), 3)
+    sim.pool._host_stream = side
+    sim.extend([1, 2], [(0, 40), (0, 90)])
+    assert not [e for e in log if e[0] == "copy on"] and not sim.pool._host_pending  # a prefill writes the host in its store
+    sim.decode([1, 2], [41, 91])
+    fork = [("side", "waits", "step"), ("copy on", "side"), ("record", "side")]
+    assert log == fork * len(sim.pool.sparse_layer_ids) and sim.pool._host_pending
+    log.clear()
+    sim.pool.join_host_writes()
+    sim.pool.join_host_writes()
+    assert log == [("step", "waits", "side")] and not sim.pool._host_pending
+    log.clear()
+    capturing[0] = True
+    sim.decode([1, 2], [42, 92])
+    assert ("record", "side") not in log and log.count(("copy on", "side")) == len(sim.pool.sparse_layer_ids)
+    sim.pool.join_host_writes()
+    for l in sim.pool.sparse_layer_ids:  # and the host holds the decoded tokens' V
+        for r, n in ((1, 42), (2, 92)):
+            assert torch.equal(sim.pool.host.view(l)[sim.r2t[r, :n].long()], sim.v[l, r, :n])
+
+
 @pytest.mark.parametrize("denominator", ["selected", "estimate"])
 def test_decode_through_the_host_tier_equals_the_resident_reference_bit_for_bit_and_the_policy(denominator):
     outs_off, worst_off, sim = lifecycle(resident=False, denominator=denominator)

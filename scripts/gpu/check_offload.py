@@ -113,7 +113,7 @@ def check_exact_case(name, HQ, HKV, D, denominator):
     pol = OffloadPolicy(sink=4, window=32, budget_frac=0.05, max_topk=256, dense_layers=1, denominator=denominator)
     lens0 = [700, 5000, 36, 2100]
     ctx, rows, size, layers = 6000, 5, 40000, 2
-    outs = {}
+    outs, sums = {}, {}
     worst = 0.0
     for resident in (False, True):
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -166,12 +166,20 @@ def check_exact_case(name, HQ, HKV, D, denominator):
                     ref = attend_reference(q[b].cpu(), hk[l, int(reqs[b]), : lens[b]].cpu(), hv[l, int(reqs[b]), : lens[b]].cpu(), pol, l)
                     worst = max(worst, float((o[b].double().cpu() - ref).abs().max() / ref.abs().max()))
         outs[resident] = res
+        torch.cuda.synchronize()
+        # estimate's chunk means the requests own: the host run's (made in the store from the ring rows) against the resident run's
+        sums[resident] = {l: pool.vsum[l][pool.chunk_slot[reqs.long()].flatten().long()].clone() for l in pool.summary_layer_ids}
         if not resident:
             stats = dec.stats.tolist()
+            # the host tier holds every position's V of every sparse layer (decode steps: copied from the ring rows on the side stream)
+            host_ok = all(torch.equal(pool.host.view(l)[r2t[int(r), :n].long()], hv[l, int(r), :n])
+                          for l in pool.sparse_layer_ids for r, n in zip(reqs.tolist(), lens))
         pool._clear_buffers()
     identical = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    sums_ok = all(torch.equal(sums[False][l], sums[True][l]) for l in sums[False])
     return {"model": name, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "denominator": denominator, "compared": len(outs[False]),
-            "identical": identical, "max_rel_err_vs_float64": worst, "stats": stats}
+            "identical": identical and host_ok and sums_ok, "outputs_identical": identical, "host_tier_exact": host_ok,
+            "summaries_identical": sums_ok, "max_rel_err_vs_float64": worst, "stats": stats}
 
 
 def capture(fn, warm=3, before=None):

@@ -322,7 +322,7 @@ class OffloadAttnBackend(AttentionBackend):
             dec.sparse(q3, kb, vb, o, layer.scaling, self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                        pool.hot_state(lid), pool.host.view(lid - pool.start_layer), v_summary=pool.summaries(lid),
                        record=pool.miss_record(lid, add=prefetched), clock=None if timer is None else timer.clock(lid, CRIT))
-        if lid == pool.layer_num - 1:  # the step's last layer: its host V writes (side stream) join the step here
+        if pool.sparse_layer_ids and lid == pool.sparse_layer_ids[-1]:  # the last layer that forks host V writes: they join here
             pool.join_host_writes()
         return o.view(-1, H * D)
 

@@ -232,7 +232,10 @@ class OffloadDecoder:
             create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, self.att_indptr, None, self.att_vidx, req_to_vrow.stride(0))
             last = torch.clamp(lens.to(torch.int64) - 1, min=0)
             self.keep_rows[:bs] = torch.where(dl > 0, req_to_vrow[rp.to(torch.int64), last].to(torch.int64), -1)
-        row_plan_run(lens, rp, summary=self._summary_bufs(req_to_token))
+        # estimate's chunk rows on the GPU: the ring / sink rows (the chunk lies in the window), or the token ids
+        # when V is resident; never the host (a read over PCIe in every sparse layer of the step)
+        row_plan_run(lens, rp, summary=self._summary_bufs(req_to_token),
+                     ring=None if lay.resident_v else (pol.sink, pol.window, lay.region_rows))
         self._rp = rp
 
     def _summary_bufs(self, table) -> Optional[tuple]:
@@ -250,8 +253,6 @@ class OffloadDecoder:
             return None
         bs = self.bs
         dst = pool.assign_summary_slots(self._rp, self.sum_chunk[:bs], self.sum_valid[:bs], dst=self.sum_dst[:bs])
-        if self.all_dense:  # src: kept rows of the shared K/V buffers, not token ids
-            return self.sum_src[:bs], dst, "kept"
         return self.sum_src[:bs], dst
 
     def grant_pages(self, pool) -> None:

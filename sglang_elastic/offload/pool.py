@@ -373,7 +373,8 @@ class OffloadKVPool(MHATokenToKVPool):
         stores, ~2 KiB a token and sparse layer), and :meth:`join_host_writes` makes the step's
         stream wait for them once, after its last layer. Nothing reads a token's host row before
         that: the step attends to its newest tokens through the ring, and later steps come after
-        the join. Off without a ring (``window`` 0) or a GPU (then the store writes the host itself)."""
+        the join. Without a GPU the copy runs inline; without a ring (``window`` 0, which the flags refuse)
+        the store writes the host itself."""
         self._host_async = bool(on) and self._host_async_ok
 
     def join_host_writes(self) -> None:
@@ -383,11 +384,10 @@ class OffloadKVPool(MHATokenToKVPool):
             torch.cuda.current_stream(self._host_stream.device).wait_stream(self._host_stream)
             self._host_pending = False
 
-    def _host_write_async(self, layer_idx: int, loc: torch.Tensor) -> None:
-        """V of this step's new tokens from their ring rows to the host pool, on the side stream (inline without one)."""
+    def _host_write_async(self, layer_idx: int, loc: torch.Tensor, n: int) -> None:
+        """V of this step's ``n`` new tokens from their ring rows to the host pool, on the side stream (inline without one)."""
         from sglang_elastic.kernels.offload import copy_rows_run
 
-        n = int(loc.shape[0])
         src, dst = self.v_buffer[layer_idx], self.host.view(layer_idx)
         side = self._host_stream
         if side is None:
@@ -409,15 +409,16 @@ class OffloadKVPool(MHATokenToKVPool):
 
             # one launch: K to the pool, V to the host pool (or, a decode step, later from the ring row on a side
             # stream), to the ring/sink row and to the kept row, and a decode step's completed chunk means
-            # ((src, dst) or (src, dst, "kept"); a prefill's plan has more)
+            # ((src, dst) of device rows; a prefill's plan has more)
             plan = self._summary_plan
-            fused = plan is not None and len(plan) <= 3 and layer_idx in self.vsum
-            summary = (plan[0], plan[1], self.vsum[layer_idx], self.SPARE, len(plan) == 3) if fused else None
+            fused = plan is not None and len(plan) == 2 and layer_idx in self.vsum
+            # a decode step's chunk rows are device rows of the layer's V (ring / sink rows, or an all-dense step's kept rows)
+            summary = (plan[0], plan[1], self.vsum[layer_idx], self.SPARE, True) if fused else None
             async_host = self._host_async and self._v_rows is not None
             store_sparse_run(cache_k, cache_v, self.k_buffer[layer_idx], self.host.view(layer_idx), self.v_buffer[layer_idx],
                              loc, self._v_rows, self._v_keep_rows, summary=summary, host=not async_host)
             if async_host:
-                self._host_write_async(layer_idx, loc)
+                self._host_write_async(layer_idx, loc, int(cache_k.shape[0]))
             if fused:
                 return
         if self._summary_plan is not None and layer_idx in self.vsum:
@@ -426,13 +427,14 @@ class OffloadKVPool(MHATokenToKVPool):
     # ------------------------------------------------------------- summaries
 
     def set_summary_plan(self, plan) -> None:
-        """The chunks whose V summary this forward completes: ``(src, dst)``
-        with ``src`` ``[n, chunk]`` int64 token ids (a chunk's positions, in
-        order) and ``dst`` ``[n]`` int64 summary rows (the spare last row for
-        an entry that completes nothing) — a prefill's plan adds which items
-        to average from the forward's own V (:meth:`plan_extend_summaries`);
-        ``(src, dst, "kept")``: ``src`` are rows of the sparse layers' shared
-        K/V buffers (an all-dense step's kept V, read without PCIe) — or ``None``. Written by every
+        """The chunks whose V summary this forward completes: a decode step's
+        ``(src, dst)`` with ``src`` ``[n, chunk]`` int64 rows of the layer's
+        device V (a chunk's positions, in order: sink / ring rows, an all-dense
+        step's kept rows, or token ids when V is resident; never host rows)
+        and ``dst`` ``[n]`` int64 summary rows (the spare last row for an entry
+        that completes nothing); a prefill's ``(src, dst, new_items, new_rows,
+        old_items)`` has token ids and says which items to average from the
+        forward's own V (:meth:`plan_extend_summaries`) — or ``None``. Written by every
         ``set_kv_buffer`` of a sparse layer after its V is stored
         (:meth:`plan_extend_summaries`, :meth:`OffloadDecoder.summary_plan`)."""
         self._summary_plan = plan
@@ -451,7 +453,7 @@ class OffloadKVPool(MHATokenToKVPool):
             return
         H, D = self.head_num, self.v_head_dim
         out = self.vsum[layer_idx]
-        if len(plan) <= 3:  # a decode step (inside the CUDA graph) of a layer whose V is in the pool: one launch
+        if len(plan) == 2:  # a decode step (inside the CUDA graph) of a layer whose V is in the pool: one launch
             from sglang_elastic.kernels.offload import chunk_mean_run
 
             chunk_mean_run(self.v_buffer[layer_idx], src, dst, out, skip=self.SPARE)
