@@ -1,0 +1,118 @@
+"""The all-dense (keep-v) attention's launch shape on the H200: ``attend_run`` over every position (K at
+token ids, V at kept rows, two id lists) at the fitting workload's batch, for each split plan and
+launch configuration, against FlashInfer's tensor-core decode (SGLang's pick for this GQA group) and our
+one-list split-KV on the same bytes. CUDA-graph replays, median of 50 (``check_offload.graph_ms``).
+
+    python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
+
+Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
+``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). Writes the result only when
+every configuration ran or failed to compile (failures listed); each output is checked against the
+shipped configuration's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import torch
+
+from sglang_elastic import results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4608)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_dense_kept: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    sys.path.insert(0, "scripts/gpu")
+    from check_offload import graph_ms
+
+    from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run
+    from sglang_elastic.kernels.offload import attend_run
+    from sglang_elastic.offload.decode import SplitConfig
+
+    HQ, HKV, D, bs, ctx = 32, 8, 128, a.batch, a.context
+    t0 = time.time()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lens = ctx - torch.randint(0, 16, (bs,), device="cuda", generator=g)
+    total = int(lens.sum())
+    size = 2 * total + 64
+    kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(size - 1, device="cuda", generator=g) + 1
+    kidx, vidx = perm[:total].to(torch.int32), perm[total: 2 * total].to(torch.int32)
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(lens, 0)
+    q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=g)).bfloat16()
+    scale = D ** -0.5
+    mid_o = torch.empty(bs * 64, HQ, D, device="cuda", dtype=torch.float32)
+    mid_lse = torch.empty(bs * 64, HQ, device="cuda", dtype=torch.float32)
+    chunk, nsplit = torch.zeros(bs, dtype=torch.int32, device="cuda"), torch.zeros(bs, dtype=torch.int32, device="cuda")
+    sp = SplitConfig()
+    ref = torch.empty_like(q)
+    split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
+    attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
+    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None)
+    rows, failed = [], []
+    grid = itertools.product((16, 32, 64), (256, 512, 1024), (32, 64, 128), (None, 4, 8), (None, 2, 3))
+    for ms, mc, bn, nw, ns in grid:
+        cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns)
+        o = torch.empty_like(q)
+        try:
+            split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
+
+            def fn():
+                attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw, num_stages=ns)
+
+            fn()
+            err = float((o.float() - ref.float()).abs().max())
+            rows.append({**cfg, "ms": graph_ms(fn), "max_abs_diff_vs_shipped": err})
+        except Exception as e:  # a configuration the compiler or the shared memory refuses
+            failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+        if time.time() - t0 > 420:
+            failed.append({"stopped": "time budget (420 s) reached; later configurations not run"})
+            break
+    ok = [r for r in rows if r["max_abs_diff_vs_shipped"] < 2e-2]
+    base = {}
+    split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
+    o2 = torch.empty_like(q)
+    base["split_kv_one_list_shipped_ms"] = graph_ms(lambda: split_kv_run(q, kb, vb, indptr, kidx, chunk, nsplit, sp.scores_max_splits,
+                                                                         mid_o, mid_lse, o2, scale, sp.scores_block_n))
+    try:
+        import flashinfer
+
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.empty_like(indptr), paged_kv_indices_buffer=torch.empty_like(kidx),
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device="cuda"))
+        w.plan(indptr, kidx, torch.ones(bs, dtype=torch.int32, device="cuda"), HQ, HKV, D, 1, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16, sm_scale=scale)
+        fo = torch.empty_like(q)
+        base["flashinfer_tc_ms"] = graph_ms(lambda: w.run(q, (kb.view(-1, 1, HKV, D), vb.view(-1, 1, HKV, D)), out=fo))
+    except Exception as e:
+        base["flashinfer_failed"] = f"{type(e).__name__}: {e}"[:300]
+    if not rows:
+        print("sweep_dense_kept: no configuration ran; nothing written", file=sys.stderr)
+        return 1
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    shipped_row = next((r for r in rows if all(r[k] == v for k, v in shipped.items())), None)
+    out = results.header()
+    out.update(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D, seconds=round(time.time() - t0, 1), shipped=shipped_row,
+               best=best, baselines=base, rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)
+    results.write(a.out, out)
+    print("shipped", shipped_row, "\nbest", best, "\nbaselines", base, "\nfailed", len(failed))
+    for r in sorted(rows, key=lambda r: r["ms"])[:12]:
+        print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
