@@ -184,10 +184,13 @@ def test_the_auto_capture_runs_once_per_policy_path():
 class StandIn:
     """A runner that returns canned results (``fail``: names that fail)."""
 
-    def __init__(self, fail=(), delay=0.0):
-        self.fail, self.delay, self.seen = set(fail), delay, []
+    def __init__(self, fail=(), delay=0.0, build_delay=0.0):
+        self.fail, self.delay, self.build_delay, self.seen = set(fail), delay, build_delay, []
 
     def __call__(self, opts, stubs):
+        import time
+
+        time.sleep(self.build_delay)  # as the real runner's kit import and registration
         self.opts = opts
         return self
 
@@ -235,7 +238,7 @@ def test_the_result_file_and_exit_status_with_a_stand_in_runner(tmp_path, capsys
     assert c["passed"] is False and c["max_abs_err"] == 0.5 and "Tensor-likes are not close!" in c["error"]
 
     # the budget: cases left unrun are listed and the run exits 1
-    assert peer.main(argv + ["--max-seconds", "0.05"], runner_factory=StandIn(delay=0.1), cases=fake_cases()) == 1
+    assert peer.main(argv + ["--max-seconds", "0.5"], runner_factory=StandIn(delay=1.0), cases=fake_cases()) == 1
     d = json.loads(out.read_text())
     assert d["summary"]["cases"] == 1 and d["summary"]["complete"] is False and d["not_run"] == [c.name for c in fake_cases()[1:]]
 
@@ -245,6 +248,72 @@ def test_the_result_file_and_exit_status_with_a_stand_in_runner(tmp_path, capsys
     assert peer.main(argv + ["--only", "no-such-case"], runner_factory=StandIn(), cases=fake_cases()) == 1
     err = capsys.readouterr().err.strip()
     assert not out.exists() and len(err.splitlines()) == 1 and "ran no case" in err
+
+    # the budget counts from the start: a runner that takes longer to build than the budget runs nothing
+    capsys.readouterr()
+    assert peer.main(argv + ["--max-seconds", "0.3"], runner_factory=StandIn(build_delay=0.6), cases=fake_cases()) == 1
+    err = capsys.readouterr().err
+    assert not out.exists() and "--max-seconds 0.3 reached: 3 cases not run" in err and "ran no case (3 selected, none started)" in err
+
+    # --out in a folder that does not exist yet: made, not a crash after the first case
+    nested = tmp_path / "new" / "dir" / "peer.json"
+    assert peer.main(["--device", "cpu", "--out", str(nested)], runner_factory=StandIn(), cases=fake_cases()) == 0
+    assert json.loads(nested.read_text())["summary"]["cases"] == 3
+
+
+def test_a_kit_error_in_the_cuda_graph_runner_fails_the_case_with_its_traceback():
+    """An exception inside the kit's CUDA-graph runner (not one of its assert_close
+    verdicts) fails the case and keeps the traceback: a one-shot GPU run must say where."""
+    r = peer.Runner.__new__(peer.Runner)  # no kit import: D and R stand in
+    r.opts = peer.Options(device="cpu")
+    r.D = types.SimpleNamespace(DENSE_ATOL=3e-2, DENSE_RTOL=3e-2, DEFAULT_MAX_CONTEXT_LEN=64, _make_forward_batch=None,
+                                prepare_dense_runner_inputs=None, make_dense_case_with_prefix_lens=None,
+                                dense_fixture_inputs=None, make_dense_random_inputs=None, make_dense_padded_replay_inputs=None)
+
+    def kit_runner_that_breaks(*_a, **_k):
+        raise TypeError("init_cuda_graph_state() got an unexpected keyword argument 'max_bs'")
+
+    r._R = types.SimpleNamespace(CudaGraphDecodeAdapter=lambda **kw: kw, _run_cuda_graph_decode_case=kit_runner_that_breaks,
+                                 DENSE_CUDA_GRAPH_CAPTURE_BATCH_SIZE=4)
+    spec = peer.PeerCase("cuda_graph", types.SimpleNamespace(name="runner_cuda_graph_mqa_decode_bsz1", num_input_tokens=1),
+                         "kit_default", "split", "fine")
+    res = r.run(spec)
+    assert res["passed"] is False and res["checks"] == []
+    assert res["error"] == "TypeError: init_cuda_graph_state() got an unexpected keyword argument 'max_bs'"
+    assert "in kit_runner_that_breaks" in res["traceback"]
+
+
+PIN_CHILD = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("check_decode_peer", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+sys.modules["check_decode_peer"] = m
+spec.loader.exec_module(m)
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils.common import get_cuda_graph_max_batch_size
+
+fields = ("tp_size", "tp_rank", "attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank")
+r = m.Runner(m.Options(device="cpu"))
+case = next(c for c in r.D.make_dense_cases("torch_native") if c.name == "mha_decode_page_boundary")
+fixture = r.D.build_dense_attention_fixture(m._TestCase(), case, device="cpu")
+before = {f: getattr(get_parallel(), f) for f in fields}
+max_bs = get_cuda_graph_max_batch_size(fixture.runner.server_args, fixture.runner.req_to_token_pool.size)
+m.import_kit_runner([])
+after = {f: getattr(get_parallel(), f) for f in fields}
+print(json.dumps({"before": before, "after": after, "max_bs": max_bs}))
+"""
+
+
+def test_the_runner_pins_the_single_rank_state_flashinfer_needs_before_any_case(kit_python):
+    """Before the kit's CUDA-graph runner is imported, SGLang's FlashInferAttnBackend()
+    (the prefill backend of every case, the peer, auto's delegate) dies in
+    get_cuda_graph_max_batch_size: attn_cp_size has no distributed group. The runner
+    pins the kit's single-rank state at once, the same before and after that import."""
+    r = kit_python.run(PIN_CHILD, [str(SCRIPT)], cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    single = {"tp_size": 1, "tp_rank": 0, "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0}
+    assert d == {"before": single, "after": single, "max_bs": 3}
 
 
 def test_the_fine_calibration_splits_the_kits_short_requests():

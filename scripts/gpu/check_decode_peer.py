@@ -61,6 +61,9 @@ hooks and runs eager forwards): real capture and replay are
 ``scripts/gpu/check_decode_e2e.py``'s. ``assert_cg_metadata_well_formed``
 reads ``backend.forward_metadata``, which ``HybridAttnBackend`` lacks (the
 check would pass vacuously): the wrapper here shows the decode backend's.
+The kit runs without distributed init: the single-rank parallel state its
+modules pin at import is pinned up front (:data:`SINGLE_RANK`), or SGLang's
+FlashInfer backend could not be built before a ``cuda_graph`` case ran.
 
 Writes ``--out`` (``results.header()`` plus ``settings``, ``summary``,
 ``limitations``, ``cases``: per case ``name, kind, kit_case, layout, path,
@@ -379,6 +382,25 @@ def summarize(name: str, spec_fields: Dict[str, Any], checks: List[Dict[str, Any
 
 _HYBRID = None
 
+#: The single-rank parallel state the kit's modules pin at import (``dense_attention``:
+#: attn_tp; the CUDA-graph runner's imports ``dsa`` / ``dsv4`` / ``mamba2`` /
+#: ``dual_chunk``: attn_cp, tp). Without attn_cp, SGLang's ``FlashInferAttnBackend()``
+#: (prefill, peer, ``auto``'s delegate) raises "attention context model parallel group
+#: is not initialized" (``get_cuda_graph_max_batch_size``) until a ``cuda_graph`` case
+#: has imported the runner: pinned here once, so no case depends on the ones before it.
+SINGLE_RANK = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0)
+_SINGLE_RANK_OVERRIDE = None  # entered for the process's life (collecting it would restore the old state)
+
+
+def pin_single_rank() -> None:
+    """Enter :data:`SINGLE_RANK` through SGLang's ``get_parallel().override`` (idempotent)."""
+    global _SINGLE_RANK_OVERRIDE
+    if _SINGLE_RANK_OVERRIDE is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        _SINGLE_RANK_OVERRIDE = get_parallel().override(**SINGLE_RANK)
+        _SINGLE_RANK_OVERRIDE.__enter__()
+
 
 def peer_hybrid_cls():
     """SGLang's ``HybridAttnBackend`` showing its decode backend's ``forward_metadata``
@@ -405,6 +427,7 @@ class Runner:
         self.torch = torch
         self.opts = opts
         self.D = _kit()
+        pin_single_rank()
         self.stubs = stubs if stubs is not None else []
         self._R = None
         from sglang_elastic import attention
@@ -614,6 +637,7 @@ class Runner:
             raise
         except Exception as e:  # noqa: BLE001 - the kit's own assertion: recorded with the numbers below
             error = f"{type(e).__name__}: {str(e)[:2000]}"
+            extra["traceback"] = traceback.format_exc()[-4000:]  # where in the kit (or below it) it raised
         n = case.num_input_tokens
         if seen["eager"] and seen["expected"]:
             checks.check("eager decode vs the kit's reference", seen["eager"][0], seen["expected"][0])
@@ -691,7 +715,7 @@ def parse_args(argv=None):
     ap.add_argument("--hidden-size", type=int, default=HIDDEN_SIZE)
     ap.add_argument("--prefill-backend", default="flashinfer", help="the hybrid's prefill backend (torch_native on a CPU)")
     ap.add_argument("--peer", default="flashinfer", help="second reference run alone on eager cases (none: off)")
-    ap.add_argument("--max-seconds", type=float, default=540.0, help="start no case after this many seconds (0: no limit)")
+    ap.add_argument("--max-seconds", type=float, default=540.0, help="start no case once this many seconds have passed since the script started (0: no limit)")
     ap.add_argument("--list", action="store_true", help="print the selected cases' names and exit")
     a = ap.parse_args(argv)
     for flag, allowed in (("paths", PATHS), ("kinds", KINDS), ("calibrations", CALIBRATIONS)):
@@ -724,6 +748,7 @@ def finish(out: str, doc: Dict[str, Any], results_list: List[Dict[str, Any]], no
 def main(argv=None, *, runner_factory: Optional[Callable[[Options, List[str]], Any]] = None,
          cases: Optional[List[PeerCase]] = None) -> int:
     """Run the selected cases; ``runner_factory`` / ``cases`` stand in for the kit in tests."""
+    t0 = time.monotonic()  # --max-seconds counts from here: importing the kit and building the runner take time too
     a = parse_args(argv)
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
@@ -745,6 +770,7 @@ def main(argv=None, *, runner_factory: Optional[Callable[[Options, List[str]], A
         return 1
     from sglang_elastic import results
 
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)  # not a crash after the first case
     tmp = tempfile.TemporaryDirectory(prefix="check_decode_peer-")
     opts = Options(device=a.device, dtype=getattr(torch, a.dtype), head_dim=a.head_dim, hidden_size=a.hidden_size,
                    prefill_backend=a.prefill_backend, peer=a.peer,
@@ -766,7 +792,6 @@ def main(argv=None, *, runner_factory: Optional[Callable[[Options, List[str]], A
         "limitations": LIMITATIONS,
     }
     done: List[Dict[str, Any]] = []
-    t0 = time.monotonic()
     not_run: List[str] = []
     try:
         for i, spec in enumerate(cases):
