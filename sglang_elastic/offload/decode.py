@@ -240,14 +240,15 @@ class OffloadDecoder:
 
     def _summary_bufs(self, table) -> Optional[tuple]:
         """``estimate``: the chunk each request's new token completes (positions ``[L - C, L)`` when ``L % C
-        == 0``), its entries of ``table`` (``req_to_token``: host rows; an all-dense step's ``req_to_vrow``:
-        kept rows), as :func:`~sglang_elastic.kernels.offload.row_plan_run` writes them; else None."""
+        == 0``), as :func:`~sglang_elastic.kernels.offload.row_plan_run` writes it: ``table``'s entries (an
+        all-dense step's ``req_to_vrow``: kept rows; ``req_to_token``: token ids, read only with resident V,
+        else the ring / sink rows are computed); else None."""
         return (table, self.sum_src, self.sum_chunk, self.sum_valid) if self.estimate else None
 
     def summary_plan(self, pool):
         """This step's ``(src, dst)`` for :meth:`OffloadKVPool.set_summary_plan`
         (``estimate``; ``None`` otherwise), after :meth:`plan`: each request's
-        last ``chunk`` token ids, and the slot its completed chunk fills
+        last ``chunk`` positions as rows of the layer's device V, and the slot its completed chunk fills
         (given here by ``pool.assign_summary_slots``; GPU ops only)."""
         if not self.estimate:
             return None
