@@ -67,6 +67,58 @@ def test_load_times_ttft_itl_and_throughput_from_the_stream():
     assert rec["output_tok_s"] == pytest.approx(48 / rec["duration_s"])
 
 
+class ProfilingStub(Stub):
+    """The stream above, plus SGLang's ``/start_profile``: it writes the trace (graph launches
+    and kernels as CUPTI records them) to ``{output_dir}/{profile_id}-TP-0.trace.json.gz``
+    shortly after, as SGLang's profiler does after its ``num_steps`` forwards."""
+
+    seen: dict = {}
+
+    def do_POST(self):
+        if self.path != "/start_profile":
+            if self.path == "/generate":
+                type(self).seen.setdefault("generate_at", []).append(time.perf_counter())
+            return super().do_POST()
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen["start_profile"] = (time.perf_counter(), body)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+        def write():
+            import gzip
+
+            time.sleep(0.3)
+            ev = []
+            for i in range(body["num_steps"] + 1):  # one graph launch a step, 1000 us apart; 600 us of attention, 300 of GEMM
+                t = 1000.0 * i
+                ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t - 10, "dur": 4, "args": {"correlation": i}},
+                       {"ph": "X", "cat": "kernel", "name": "_attend_kernel", "ts": t, "dur": 600, "args": {"correlation": i}},
+                       {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": t + 600, "dur": 300, "args": {"correlation": i}}]
+            with gzip.open(f"{body['output_dir']}/{body['profile_id']}-TP-0.trace.json.gz", "wt") as f:
+                json.dump({"traceEvents": ev}, f)
+
+        threading.Thread(target=write, daemon=True).start()
+
+
+def test_profile_decode_starts_the_profiler_once_every_request_decodes_and_reads_its_trace(tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ProfilingStub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    log = tmp_path / "server.log"
+    log.write_text("")
+    server = type("S", (), {"name": "stock", "log": str(log), "url": lambda self, p: f"http://127.0.0.1:{srv.server_address[1]}{p}"})()
+    try:
+        prof = bench().profile_decode(server, [[5] * 10] * 4, steps=6, work=str(tmp_path), timeout=60)
+    finally:
+        srv.shutdown()
+    at, body = ProfilingStub.seen["start_profile"]
+    assert body["num_steps"] == 6 and body["activities"] == ["GPU"] and body["with_stack"] is False
+    # every request had streamed its first token (50 ms after its /generate) before the profiler was asked for
+    assert len(ProfilingStub.seen["generate_at"]) == 4 and at >= max(ProfilingStub.seen["generate_at"]) + 0.05
+    assert prof["steps"] == 6 and prof["steps_asked"] == 6 and prof["trace"].startswith("stock-")
+    assert prof["per_step_us"] == {"span": 1000.0, "busy": 900.0, "idle": 100.0, "kernels": {"attention": 600.0, "gemm": 300.0}}
+
+
 def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     """The committed H200 parts give the committed ``offload_h200.json`` rows;
     with no capacity part the pool sizes come from a throughput part's servers."""
@@ -163,6 +215,16 @@ def test_throughput_refuses_a_count_below_one_in_one_line_and_writes_nothing(tmp
     with pytest.raises(SystemExit) as e:
         mod.main()
     assert e.value.code == 2 and f"{flag} 0: give 1 or more" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("argv", [["throughput", "--profile-steps", "-1"], ["capacity", "--profile-steps", "20"]])
+def test_profile_steps_is_refused_below_zero_and_outside_throughput(tmp_path, monkeypatch, capsys, argv):
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["bench_offload.py", *argv, "--out", str(out), "--work", str(tmp_path / "w")])
+    with pytest.raises(SystemExit) as e:
+        bench().main()
+    assert e.value.code == 2 and f"--profile-steps {argv[-1]}: give 0 or more, with the throughput part only" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "w").exists()
 
 

@@ -251,7 +251,7 @@ def part_capacity(a) -> dict:
     return out
 
 
-def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
+def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_started=None) -> dict:
     """Send every prompt at once to ``/generate`` (streaming, greedy, ``ignore_eos``)
     and time it as ``sglang.bench_serving`` does: TTFT = first streamed chunk,
     ITL = the gaps between chunks divided by the tokens each brings, output
@@ -260,11 +260,15 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
     Returns:
         ``{completed, output_tokens, duration_s, output_tok_s, median_ttft_ms,
         median_itl_ms, p99_itl_ms}``; requests that fail are counted out of ``completed``.
+        ``when_all_started``: an ``async`` callable given the session, awaited once every request has
+        its first token (every prefill done: the decode phase; :func:`profile_decode`).
     """
     import asyncio
     import statistics
 
     import aiohttp
+
+    started = [0]
 
     async def one(session, p):
         t0 = time.perf_counter()
@@ -284,6 +288,9 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
                     continue
                 if ttft is None:
                     ttft = now - t0
+                    started[0] += 1
+                    if started[0] == len(ps) and when_all_started is not None:
+                        await when_all_started(session)
                 else:
                     itl += [(now - last) / (got - n)] * (got - n)
                 last, n = now, got
@@ -304,6 +311,50 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float) -> dict:
             "median_ttft_ms": 1e3 * statistics.median(r[0] for r in ok) if ok else None,
             "median_itl_ms": 1e3 * statistics.median(itl) if itl else None,
             "p99_itl_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None}
+
+
+def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float) -> dict:
+    """A second load of ``ps`` (new prompts: no prefix cache hit) with SGLang's torch profiler
+    (``/start_profile``, GPU activity only) over ``steps`` decode steps once every request decodes;
+    the trace's per-step GPU time by kernel category and the GPU's idle time
+    (:func:`sglang_elastic.eval.steptrace.summarize`). Not the measured load: the profiler's
+    own cost stays out of the ITL reported.
+
+    Raises:
+        RuntimeError: no trace came (the profiler did not start or stop) or it holds no GPU work.
+    """
+    from sglang_elastic.eval import steptrace
+
+    out_dir = os.path.join(work, "profile")
+    os.makedirs(out_dir, exist_ok=True)
+    pid = f"{s.name}-{int(time.time())}"
+    path = os.path.join(out_dir, f"{pid}-TP-0.trace.json.gz")
+    asked = {}
+
+    async def start(session):
+        async with session.post(s.url("/start_profile"), json={"output_dir": out_dir, "num_steps": steps, "activities": ["GPU"],
+                                                               "profile_id": pid, "with_stack": False, "record_shapes": False}) as r:
+            asked["status"] = r.status
+
+    rec = load(s.url(""), ps, steps + 64, timeout, when_all_started=start)
+    if asked.get("status") != 200:
+        raise RuntimeError(f"{s.name}: /start_profile answered {asked.get('status')} (completed {rec['completed']} of {len(ps)})")
+    for stop_asked in (False, True):
+        if stop_asked:  # fewer forward steps ran than asked for: stop it by hand
+            try:
+                urllib.request.urlopen(urllib.request.Request(s.url("/stop_profile"), data=b"", method="POST"), timeout=120).read()
+            except Exception:
+                pass
+        for _ in range(90):
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                time.sleep(2)  # written by export_chrome_trace: let it finish
+                try:
+                    summary = steptrace.summarize(steptrace.load(path), steps=steps)
+                except (OSError, EOFError, ValueError) as e:
+                    raise RuntimeError(f"{s.name}: {path}: {e}") from None
+                return {"steps_asked": steps, "trace": os.path.basename(path), "activities": ["GPU"], **summary}
+            time.sleep(1)
+    raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
 def part_throughput(a) -> dict:
@@ -359,6 +410,11 @@ def part_throughput(a) -> dict:
                 # the pool as built and its overflow counters (both should stay 0), the rule that ran
                 row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
                                                                  "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
+            if a.profile_steps:
+                try:
+                    row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout)
+                except RuntimeError as e:  # the measured load stands; the profile's failure is named
+                    row["profile"] = {"error": str(e)[:2000]}
             out["servers"][name] = row
             results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:
@@ -523,6 +579,9 @@ def main():
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="throughput: after the measured load, a second one profiled over this many decode steps (SGLang's "
+                         "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
     ap.add_argument("--inputs", nargs="+", default=None, help="merge: throughput parts of one workload and size (one server per call)")
@@ -530,6 +589,8 @@ def main():
     for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len), ("--tp", a.tp)):
         if v is not None and v < 1:
             ap.error(f"{flag} {v}: give 1 or more")
+    if a.profile_steps < 0 or (a.profile_steps and a.part != "throughput"):
+        ap.error(f"--profile-steps {a.profile_steps}: give 0 or more, with the throughput part only")
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:

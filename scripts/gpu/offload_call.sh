@@ -12,7 +12,9 @@
 #     (a fresh host's first server start: ~4 min with the compiles, ~1 min without)
 #   smoke, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
-#     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's)
+#     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's), $PROFILE_STEPS (after the measured load, a
+#     second one with SGLang's torch profiler over that many decode steps: each server's per-step kernel time by category and GPU
+#     idle time, in its row's "profile"; traces in /tmp/bench_offload/profile)
 #   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
 #     after `accuracy` converted /tmp/smol/bf16: scripts/gpu/check_decode_e2e.sh with E2E_MODEL -> $OUT/decode_e2e_smollm2.json
 #   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF halves and
@@ -67,7 +69,7 @@ for step in "$@"; do
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol
