@@ -163,7 +163,7 @@ def _split_fused_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
     max_splits, num_kv_heads, order_ptr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr,
+    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr, vidx_ptr=None, SEP_V: tl.constexpr = False,
 ):
     """Split-KV in one launch. Program ``(b, h, s)`` computes chunk ``s`` of
     request ``b`` for KV head ``h``'s query heads; a request of one chunk
@@ -174,7 +174,8 @@ def _split_fused_kernel(
     the next launch (CUDA-graph replays). The serial split-K fix-up of
     CUTLASS's semaphore / Stream-K, applied to decode attention.
     ``ORDERED``: program row ``i`` takes request ``order[i]`` (longest
-    requests first, so their chunks do not start last and set the tail)."""
+    requests first, so their chunks do not start last and set the tail).
+    ``SEP_V``: V row ``i`` is ``vidx[i]`` (two id lists, as ``_partial_attn``)."""
     if ORDERED:
         b = tl.load(order_ptr + tl.program_id(0))
     else:
@@ -195,7 +196,8 @@ def _split_fused_kernel(
     elif start < end:
         _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,
-                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32, o_ptr=o_ptr, stride_ob=stride_ob, stride_oh=stride_oh, DIRECT=n == 1)
+                      G, BLOCK_G, D, BLOCK_D, BLOCK_N, DOT_F32, vidx_ptr, SEP_V, o_ptr=o_ptr, stride_ob=stride_ob, stride_oh=stride_oh,
+                      DIRECT=n == 1)
         if n > 1:
             tl.debug_barrier()  # every thread's partial stores precede the release below
             arrived = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
@@ -572,7 +574,7 @@ def split_kv_fused_run(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     chunk: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
     sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    order: Optional[torch.Tensor] = None,
+    order: Optional[torch.Tensor] = None, v_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Split-KV decode of one layer in **one launch** (issue 23's "kernel at
     the floor"): :func:`split_kv_run`'s partials, with the merge done by the
@@ -585,18 +587,25 @@ def split_kv_fused_run(
         ``chunk``), and ``counters``: ``[>= batch * kv_heads]`` int32;
         ``order``: optional ``[batch]`` int32 permutation of the requests in
         launch order (:func:`longest_first`); the output does not depend on it.
+        ``v_indices``: optional, as ``kv_indices``: V of entry ``i`` at row ``v_indices[i]`` of
+        ``v_buffer`` (K at ``kv_indices[i]``; the KV offload's all-dense step, whose kept V rows
+        are not its K slots: ``sglang_elastic.offload.keep``).
 
     Returns:
         ``out``; requests of length 0 get zeros.
 
     Raises:
-        ValueError: as :func:`split_kv_run`, or ``counters`` too small or not int32.
+        ValueError: as :func:`split_kv_run`, or ``counters`` too small or not int32, or ``v_indices``
+            of another dtype or device than ``kv_indices``.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
     _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B * max_splits)
     if counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
         raise ValueError(f"counters must be int32 with >= batch * kv_heads = {B * Hkv} entries on {q.device}, "
                          f"not {counters.dtype} with {counters.numel()} on {counters.device}")
+    if v_indices is not None and (v_indices.dtype != kv_indices.dtype or v_indices.device != kv_indices.device):
+        raise ValueError(f"v_indices must match kv_indices ({kv_indices.dtype} on {kv_indices.device}), "
+                         f"not {v_indices.dtype} on {v_indices.device}")
     if B == 0:
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
@@ -606,7 +615,7 @@ def split_kv_fused_run(
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits, Hkv,
         order if order is not None else chunk,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S, ORDERED=order is not None,
-        **_launch_opts(num_warps, num_stages),
+        vidx_ptr=v_indices, SEP_V=v_indices is not None, **_launch_opts(num_warps, num_stages),
     )
     return out
 

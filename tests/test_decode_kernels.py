@@ -252,6 +252,41 @@ def test_fused_split_equals_the_two_launch_split_and_replays_with_the_same_count
         split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, mid_o, mid_lse, out, torch.zeros(9, dtype=torch.int32))
 
 
+def test_fused_split_with_v_at_its_own_ids_matches_float64_and_the_offload_two_launch_kernel():
+    """``v_indices`` (the KV offload's all-dense step: K at token ids, V at kept rows that are
+    other slots): against the float64 reference of the same rows, and against the offload's
+    two-launch ``attend_run`` on the same plan, on an empty, a one-chunk (written directly) and
+    several-chunk requests, twice with one counter buffer."""
+    from sglang_elastic.kernels.offload import attend_run
+
+    lens = [0, 40, 700, 1, 257]
+    seed = int(torch.randint(0, 2**31, ()))
+    q, k, v, indptr, idx = make_case(lens, 8, 2, 64, torch.float16, 1, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    vrows = torch.randn(3 * k.shape[0], 2, 64, generator=g).to(torch.float16)  # V lives elsewhere, at rows of its own
+    vidx = torch.randperm(vrows.shape[0], generator=g)[: idx.numel()].to(torch.int32)
+    v_at_k = torch.zeros_like(k)
+    v_at_k[idx.long()] = vrows[vidx.long()]  # the same attention with V moved to the K slots: the reference's layout
+    ref = reference(q, k, v_at_k, indptr, idx, 64 ** -0.5)
+    chunk, nsplit = split_kv_plan(indptr, 8, 64)
+    assert sorted(set(nsplit.tolist())) == [0, 1, 5, 8]
+    mid_o, mid_lse = torch.empty(len(lens) * 8, 8, 64), torch.empty(len(lens) * 8, 8)
+    counters = split_kv_fused_counters(len(lens), 2, "cpu")
+    two = attend_run(q, k, vrows, indptr, idx, vidx, chunk, nsplit, 8, mid_o.clone(), mid_lse.clone(), torch.empty_like(q))
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, out, counters, v_indices=vidx)
+        assert not counters.any() and torch.equal(out[0], torch.zeros_like(out[0]))
+        assert ((out[1:].double() - ref[1:]).norm() / ref[1:].norm()).item() < TOL[torch.float16], f"seed {seed}"
+        assert torch.allclose(out[1:].float(), two[1:].float(), atol=2e-3, rtol=0)
+    # the V ids are read: with V at the K ids instead, the output changes
+    wrong = torch.empty_like(q)
+    split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, wrong, counters)
+    assert not torch.allclose(wrong[1:].float(), out[1:].float(), atol=1e-1)
+    with pytest.raises(ValueError, match="v_indices must match kv_indices"):
+        split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, out, counters, v_indices=vidx.long())
+
+
 _FUSED_PTX = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -263,15 +298,16 @@ from sglang_elastic.kernels import decode_attention as da
 fn = da._split_fused_kernel
 types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
 types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
-types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr", "vidx_ptr")})
 types["sm_scale"] = "fp32"
-cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S, ORDERED=True)
-sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx}
-k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = k.asm["ptx"]
-print("acq_rel_atomic", any(("atom" in l and ".acq_rel" in l and ".gpu" in l) for l in ptx.splitlines()))
-print("cg_loads", "ld.global.cg" in ptx)
-print("bar_sync", "bar.sync" in ptx)
+for tag, extra in (("", dict(ORDERED=True, SEP_V=False)), ("sep_v_", dict(ORDERED=False, SEP_V=True))):
+    cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S, **extra)
+    sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    print(tag + "acq_rel_atomic", any(("atom" in l and ".acq_rel" in l and ".gpu" in l) for l in ptx.splitlines()))
+    print(tag + "cg_loads", "ld.global.cg" in ptx)
+    print(tag + "bar_sync", "bar.sync" in ptx)
 """
 
 
@@ -279,7 +315,8 @@ def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_l
     """The one-launch kernel as the H200 gets it (PTX for sm_90, no GPU
     needed): the arrival counter is an acquire-release atomic at GPU scope
     after a CTA barrier, and the last program reads the partials from L2
-    (``ld.global.cg``: other SMs wrote them), which the interpreter cannot show."""
+    (``ld.global.cg``: other SMs wrote them), which the interpreter cannot show;
+    also with V at its own ids (``SEP_V``: the KV offload's all-dense step)."""
     import os
     import subprocess
     import sys
@@ -288,4 +325,5 @@ def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_l
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-c", _FUSED_PTX, str(Path(__file__).parents[1])], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert dict(line.split() for line in out.stdout.splitlines()) == {"acq_rel_atomic": "True", "cg_loads": "True", "bar_sync": "True"}
+    got = dict(line.split() for line in out.stdout.splitlines())
+    assert got == {f"{t}{k}": "True" for t in ("", "sep_v_") for k in ("acq_rel_atomic", "cg_loads", "bar_sync")}

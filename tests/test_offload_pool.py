@@ -51,7 +51,7 @@ class Sim:
     """A scheduler's view: request rows, their token ids (req_to_token), and
     every K/V ever written (the reference's history)."""
 
-    def __init__(self, pool, seed, ctx=1200):
+    def __init__(self, pool, seed, ctx=1200, split=SPLIT):
         g = torch.Generator().manual_seed(seed)
         self.g = g
         self.pool = pool
@@ -62,7 +62,7 @@ class Sim:
         self.ctx = ctx
         self.k = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)  # history by (layer, row, position)
         self.v = torch.zeros(L, rows, ctx, HKV, D, dtype=torch.bfloat16)
-        self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=SPLIT, prefetch=True)
+        self.dec = OffloadDecoder(pool.layout, HQ, HKV, D, max_bs=4, token_capacity=4 * ctx, device="cpu", split=split, prefetch=True)
         self.guess = None  # prefetch: f(q of the next layer) -> the guessed query, or None: no prefetch
         self.keep = set()  # keep_v: rows whose V goes to pool slots too (taken from the free ids, as SGLang's allocator lends them)
         self.async_host = True  # decode steps write host V from the ring rows after the store (the backend's way); False: in the store
@@ -804,14 +804,19 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
     assert int(sim.dec.dense_lens[0]) == 0 and int(sim.dec.sc_indptr[1]) == 201
 
 
-def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry():
+@pytest.mark.parametrize("split,chunks", [(SPLIT, [2, 4]), (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=1024), [1, 1]),
+                                          (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=64), [4, 4])],
+                         ids=["two_launch", "fused_one_chunk", "fused_split"])
+def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry(split, chunks):
     """The all-dense plan (every request keeps V; the CUDA-graph variant of such batches): the sparse
     layers run one split-KV pass over K and the kept V, no scores, top-k or copy (no hot page granted,
     no hit or miss counted); SGLang's padding row 0 (length 1) rides along and writes nothing a
-    request reads; the next general step and a demotion continue from the same state."""
+    request reads; the next general step and a demotion continue from the same state. Also with the
+    one-launch kernel (``dense_fused``) on the all-dense step's own plan: one chunk a request
+    (written directly) and several (merged by the last chunk)."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
     pool = make_pool(pol, keep_v=True)
-    sim = Sim(pool, 11)
+    sim = Sim(pool, 11, split=split)
     sim.keep = {1, 2}
     sim.extend([1, 2], [(0, 230), (0, 600)])
     lens = [230, 600]
@@ -821,6 +826,7 @@ def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_wit
         lens = [x + 1 for x in lens]
         _, w = sim.decode([1, 2, 0], lens + [1], all_dense=True)  # a padded graph batch: row 0, length 1
         worst = max(worst, w)
+        assert sim.dec.nsplit[:2].tolist() == chunks and (not split.dense_fused or not sim.dec.counters.any())
     assert worst < 2e-2, worst
     assert sim.dec.stats.tolist() == [0, 0] and int(pool.hot_count[1]) == int(pool.hot_count[2]) == 0
     # row 1 reached 232 = 29 chunks of 8 in an all-dense step: that chunk's mean was read from the kept rows

@@ -1,14 +1,17 @@
-"""The all-dense (keep-v) attention's launch shape on the H200: ``attend_run`` over every position (K at
-token ids, V at kept rows, two id lists) at the fitting workload's batch, for each split plan and
-launch configuration, against FlashInfer's tensor-core decode (SGLang's pick for this GQA group) and our
-one-list split-KV on the same bytes. CUDA-graph replays, median of 50 (``check_offload.graph_ms``).
+"""The all-dense (keep-v) attention's launch shape on the H200: every position (K at token ids, V at
+kept rows, two id lists) at the fitting workload's batch, for each split plan (1 to 18 chunks a
+request) and launch configuration, in two launches (``attend_run``: partials, merge) or one
+(``split_kv_fused_run`` with the V ids), against FlashInfer's tensor-core decode (SGLang's pick for
+this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays, median of 50
+(``check_offload.graph_ms``). The winner goes into ``SplitConfig`` (``dense_min_chunk``,
+``dense_fused``, ``scores_block_n``) of ``sglang_elastic/offload/decode.py``.
 
     python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
 
 Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
-``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). Writes the result only when
-every configuration ran or failed to compile (failures listed); each output is checked against the
-shipped configuration's.
+``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). Stops after 420 s (said
+under ``failed``); writes nothing when no configuration ran. Each output is checked against the
+shipped configuration's (``max_abs_diff_vs_shipped``; the best is taken among those under 2e-2).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, "scripts/gpu")
     from check_offload import graph_ms
 
-    from sglang_elastic.kernels.decode_attention import split_kv_plan, split_kv_run
+    from sglang_elastic.kernels.decode_attention import split_kv_fused_counters, split_kv_fused_run, split_kv_plan, split_kv_run
     from sglang_elastic.kernels.offload import attend_run
     from sglang_elastic.offload.decode import SplitConfig
 
@@ -60,17 +63,32 @@ def main(argv=None) -> int:
     ref = torch.empty_like(q)
     split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
     attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
-    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None)
-    rows, failed = [], []
-    grid = itertools.product((16, 32, 64), (256, 512, 1024), (32, 64, 128), (None, 4, 8), (None, 2, 3))
-    for ms, mc, bn, nw, ns in grid:
-        cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns)
+    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
+                   fused=False)
+    counters = split_kv_fused_counters(bs, HKV, "cuda")
+    rows, failed, plans = [], [], set()
+    # min_chunk up to 8192: 1 to 18 chunks a request at 4.6K (SplitConfig.dense_min_chunk); fused: the one-launch kernel with
+    # the V ids (SplitConfig.dense_fused: no merge launch, a one-chunk request written directly). Plans that give the same
+    # chunks as one already listed are skipped (max_splits above the chunk count changes nothing but the grid).
+    grid = itertools.product((False, True), (32, 64, 128), (8192, 4096, 2048, 1024, 512, 256), (16, 32, 64), (None, 4, 8), (None, 2, 3))
+    for fused, bn, mc, ms, nw, ns in grid:
+        cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
+        split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
+        key = (fused, bn, nw, ns, tuple(chunk.tolist()))
+        if key in plans:
+            continue
+        plans.add(key)
+        cfg["chunks"] = int(nsplit.max())
         o = torch.empty_like(q)
         try:
-            split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
-
-            def fn():
-                attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw, num_stages=ns)
+            if fused:
+                def fn():
+                    split_kv_fused_run(q, kb, vb, indptr, kidx, chunk, ms, mid_o, mid_lse, o, counters, scale, bn, num_warps=nw, num_stages=ns,
+                                       v_indices=vidx)
+            else:
+                def fn():
+                    attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
+                               num_stages=ns)
 
             fn()
             err = float((o.float() - ref.float()).abs().max())
@@ -104,6 +122,11 @@ def main(argv=None) -> int:
         return 1
     best = min(ok, key=lambda r: r["ms"]) if ok else None
     shipped_row = next((r for r in rows if all(r[k] == v for k, v in shipped.items())), None)
+    if shipped_row is None:  # the shipped plan's row may stand under another max_splits giving the same chunks
+        split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
+        n = int(nsplit.max())
+        shipped_row = next((r for r in rows if not r["fused"] and r["block_n"] == sp.scores_block_n and r["num_warps"] is None
+                            and r["num_stages"] is None and r["chunks"] == n and r["min_chunk"] == sp.scores_min_chunk), None)
     out = results.header()
     out.update(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D, seconds=round(time.time() - t0, 1), shipped=shipped_row,
                best=best, baselines=base, rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)

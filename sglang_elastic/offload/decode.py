@@ -31,7 +31,16 @@ from sglang_elastic.offload.pool import OffloadLayout
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
     """Split-KV shapes of the two passes: ``scores_*`` for the all-positions
-    passes (scores, dense layers), ``attend_*`` for the attended lists."""
+    passes (scores, dense layers), ``attend_*`` for the attended lists.
+
+    ``dense_min_chunk`` (0: ``scores_min_chunk``): the smallest chunk of the all-dense
+    step's plan (``plan(all_dense=True)``: the dense layers and :meth:`OffloadDecoder.dense_kept`
+    read every position and run no scores pass, so fewer, longer chunks may pay);
+    ``dense_fused``: the dense layers and ``dense_kept`` run the one-launch split-KV
+    (:func:`~sglang_elastic.kernels.decode_attention.split_kv_fused_run`: the merge done by
+    the last chunk to finish, a one-chunk request written directly) instead of partials and
+    a merge launch. Both are for ``scripts/gpu/sweep_dense_kept.py`` to settle on the H200
+    (the fitting load's step: issue 24); the defaults keep the measured plan."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -41,6 +50,8 @@ class SplitConfig:
     attend_block_n: int = 32
     select_block_n: int = 512
     select_parts: int = 16
+    dense_min_chunk: int = 0
+    dense_fused: bool = False
 
 
 class _Selection:
@@ -125,6 +136,10 @@ class OffloadDecoder:
         rows = max_bs * max(split.scores_max_splits, split.attend_max_splits)
         self.mid_o = torch.zeros((rows, q_heads, head_dim), **f32)
         self.mid_lse = torch.zeros((rows, q_heads), **f32)
+        if split.dense_fused:  # the one-launch kernel's arrival counters (each launch leaves them at zero)
+            from sglang_elastic.kernels.decode_attention import split_kv_fused_counters
+
+            self.counters = split_kv_fused_counters(max_bs, kv_heads, device)
         self.sel = _Selection(layout, q_heads, max_bs, token_capacity, split, device)
         # ``estimate``: the decode step's summary plan (the chunk each request's new token completes)
         # and the estimate's buffers (attended-position marks, per-split partial sums)
@@ -188,7 +203,8 @@ class OffloadDecoder:
         create_flashinfer_kv_indices_triton[(bs,)](
             req_to_token, rp, lens, self.kv_indptr, None, self.kv_indices, req_to_token.stride(0),
         )
-        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
+        min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if all_dense else sp.scores_min_chunk
+        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
             if not self.keep_v:
@@ -273,25 +289,33 @@ class OffloadDecoder:
 
     def dense(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention over every position (a dense layer; V in the pool)."""
-        from sglang_elastic.kernels.decode_attention import split_kv_run
+        from sglang_elastic.kernels.decode_attention import split_kv_fused_run, split_kv_run
 
         bs, sp = self.bs, self.split
+        if sp.dense_fused:
+            return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
+                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n)
         return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
                             sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
 
     def dense_kept(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """A sparse layer of an all-dense step (:meth:`plan` with ``all_dense``): attention over every
         position, K at its token id, V at its kept row of ``v_buffer`` (the layer's shared K/V buffer),
-        in one split-KV launch and its merge, as :meth:`dense` runs a dense layer.
+        in one split-KV launch and its merge (one launch with ``split.dense_fused``), as :meth:`dense`
+        runs a dense layer.
 
         Raises:
             RuntimeError: the step was not planned ``all_dense``.
         """
+        from sglang_elastic.kernels.decode_attention import split_kv_fused_run
         from sglang_elastic.kernels.offload import attend_run
 
         if not self.all_dense:
             raise RuntimeError("OffloadDecoder.dense_kept runs a step planned with all_dense=True")
         bs, sp = self.bs, self.split
+        if sp.dense_fused:
+            return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
+                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, v_indices=self.att_vidx)
         return attend_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.att_vidx, self.chunk[:bs], self.nsplit[:bs],
                           sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n)
 
