@@ -163,7 +163,7 @@ def _split_fused_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
     max_splits, num_kv_heads, order_ptr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr, vidx_ptr=None, SEP_V: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr, vidx_ptr=None, SEP_V: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Split-KV in one launch. Program ``(b, h, s)`` computes chunk ``s`` of
     request ``b`` for KV head ``h``'s query heads; a request of one chunk
@@ -175,7 +175,11 @@ def _split_fused_kernel(
     CUTLASS's semaphore / Stream-K, applied to decode attention.
     ``ORDERED``: program row ``i`` takes request ``order[i]`` (longest
     requests first, so their chunks do not start last and set the tail).
-    ``SEP_V``: V row ``i`` is ``vidx[i]`` (two id lists, as ``_partial_attn``)."""
+    ``SEP_V``: V row ``i`` is ``vidx[i]`` (two id lists, as ``_partial_attn``).
+    ``PDL``: launched while the kernel before it (the layer's KV store) still runs; waits
+    for it before any load, triggers nothing (the next kernel is not ours)."""
+    if PDL:
+        gdc_wait()
     if ORDERED:
         b = tl.load(order_ptr + tl.program_id(0))
     else:
@@ -574,7 +578,7 @@ def split_kv_fused_run(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     chunk: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
     sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    order: Optional[torch.Tensor] = None, v_indices: Optional[torch.Tensor] = None,
+    order: Optional[torch.Tensor] = None, v_indices: Optional[torch.Tensor] = None, pdl: bool = False,
 ) -> torch.Tensor:
     """Split-KV decode of one layer in **one launch** (issue 23's "kernel at
     the floor"): :func:`split_kv_run`'s partials, with the merge done by the
@@ -589,7 +593,8 @@ def split_kv_fused_run(
         launch order (:func:`longest_first`); the output does not depend on it.
         ``v_indices``: optional, as ``kv_indices``: V of entry ``i`` at row ``v_indices[i]`` of
         ``v_buffer`` (K at ``kv_indices[i]``; the KV offload's all-dense step, whose kept V rows
-        are not its K slots: ``sglang_elastic.offload.keep``).
+        are not its K slots: ``sglang_elastic.offload.keep``). ``pdl``: programmatic dependent
+        launch where supported (:func:`pdl_supported`): the launch overlaps the kernel before it.
 
     Returns:
         ``out``; requests of length 0 get zeros.
@@ -615,7 +620,7 @@ def split_kv_fused_run(
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits, Hkv,
         order if order is not None else chunk,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S, ORDERED=order is not None,
-        vidx_ptr=v_indices, SEP_V=v_indices is not None, **_launch_opts(num_warps, num_stages),
+        vidx_ptr=v_indices, SEP_V=v_indices is not None, **_launch_opts(num_warps, num_stages), **_pdl_opts(pdl, q.device),
     )
     return out
 

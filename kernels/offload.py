@@ -48,9 +48,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sglang_elastic.kernels.decode_attention import (
-    MERGE_BLOCK_S, _chunk_span, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _shape_args,
+    MERGE_BLOCK_S, _chunk_span, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _pdl_opts, _shape_args,
 )
 
 
@@ -1001,12 +1002,12 @@ def _store_sparse_kernel(
     stride_k, stride_v, stride_kdst, stride_host, stride_vdst,
     ssrc_ptr, sdst_ptr, vsum_ptr, stride_ssrc, stride_vsum, skip,
     KROW: tl.constexpr, VROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    VROWS: tl.constexpr, KEEP: tl.constexpr, SUM: tl.constexpr = False, SUM_KEPT: tl.constexpr = False, C: tl.constexpr = 16,
+    VROWS: tl.constexpr, KEEP: tl.constexpr, SUM: tl.constexpr = False, C: tl.constexpr = 16,
     HOST: tl.constexpr = True,
 ):
     """Row ``i < n``: ``kdst[loc[i]] = k[i]``, ``host[loc[i]] = v[i]`` and, where the
     index is ``>= 0``, ``vdst[vrow[i]] = v[i]`` and ``vdst[keep[i]] = v[i]``; ``SUM``:
-    ``vsum[sdst[i]] = mean(rows ssrc[i, :C - 1] of vdst (SUM_KEPT) or host, and v[i])``
+    ``vsum[sdst[i]] = mean(rows ssrc[i, :C - 1] of vdst, and v[i])``
     where ``sdst[i] != skip`` (the chunk row ``i``'s token completes). ``HOST`` off: no host write."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -1038,10 +1039,7 @@ def _store_sparse_kernel(
                 acc = tl.zeros([BLOCK_V], tl.float32)
                 for c in tl.static_range(C - 1):
                     r = tl.load(ssrc_ptr + i * stride_ssrc + c).to(tl.int64)
-                    if SUM_KEPT:
-                        acc += tl.load(vdst_ptr + r * stride_vdst + ok_v, mask=mv, other=0.0).to(tl.float32)
-                    else:
-                        acc += tl.load(host_ptr + r * stride_host + ok_v, mask=mv, other=0.0).to(tl.float32)
+                    acc += tl.load(vdst_ptr + r * stride_vdst + ok_v, mask=mv, other=0.0).to(tl.float32)
                 acc += tl.load(v_ptr + i * stride_v + ok_v, mask=mv, other=0.0).to(tl.float32)
                 tl.store(vsum_ptr + d * stride_vsum + ok_v, (acc / C).to(vsum_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mv)
 
@@ -1071,11 +1069,12 @@ def store_sparse_run(
         v_dst: ``[rows, kv_heads, v_head_dim]`` the layer's device V rows (hot rows, kept rows).
         loc: ``[n]`` int32/int64 token ids (SGLang's ``out_cache_loc``).
         v_rows, keep_rows: ``[n]`` int32/int64 device rows (``-1``: none), or None.
-        summary: a decode step's ``(src, dst, out, skip, kept)``: ``src`` ``[n, C]`` int64, token ``i``'s
-            chunk (its last entry is token ``i`` itself, read from ``cache_v``, not from where it is
-            being written); ``dst`` ``[n]`` rows of ``out`` (``[slots, kv_heads, v_head_dim]``), ``skip``
-            the row that takes nothing (a chunk not completed: no row read); ``kept``: ``src`` are rows
-            of ``v_dst`` (an all-dense step's kept V), else of ``host_v``. Or None.
+        summary: a decode step's ``(src, dst, out, skip)``: ``src`` ``[n, C]`` int64 rows of ``v_dst``,
+            token ``i``'s chunk (its sink / ring rows, or an all-dense step's kept rows; never host
+            rows, a read over PCIe; its last entry is token ``i`` itself, read from ``cache_v``, not
+            from where it is being written); ``dst`` ``[n]`` rows of ``out`` (``[slots, kv_heads,
+            v_head_dim]``), ``skip`` the row that takes nothing (a chunk not completed: no row read).
+            Or None.
         host: write V to ``host_v`` (off: the caller copies it there itself, e.g. from the ring rows
             on a side stream, :meth:`~sglang_elastic.offload.pool.OffloadKVPool.join_host_writes`).
 
@@ -1092,9 +1091,9 @@ def store_sparse_run(
     for name, t in (("cache_v", cache_v), ("loc", loc), ("v_rows", v_rows), ("keep_rows", keep_rows)):
         if t is not None and t.shape[0] < n:
             raise ValueError(f"store_sparse: {name} has {t.shape[0]} rows for {n} tokens")
-    sargs, C, kept = (None, None, None, 0, 0, -1), 16, False
+    sargs, C = (None, None, None, 0, 0, -1), 16
     if summary is not None:
-        src, dst, out, skip, kept = summary
+        src, dst, out, skip = summary
         C = src.shape[1]
         if C & (C - 1) or C < 2:
             raise ValueError(f"store_sparse: chunk {C} is not a power of two")
@@ -1108,7 +1107,7 @@ def store_sparse_run(
         cache_k, cache_v, k_dst, host_v, v_dst, loc, v_rows, keep_rows, n,
         cache_k.stride(0), cache_v.stride(0), k_dst.stride(0), host_v.stride(0), v_dst.stride(0), *sargs,
         KROW=krow, VROW=vrow, BLOCK_K=triton.next_power_of_2(krow), BLOCK_V=triton.next_power_of_2(vrow), BLOCK_R=block_r,
-        VROWS=v_rows is not None, KEEP=keep_rows is not None, SUM=summary is not None, SUM_KEPT=bool(kept), C=C,
+        VROWS=v_rows is not None, KEEP=keep_rows is not None, SUM=summary is not None, C=C,
         HOST=bool(host), **_launch_opts(num_warps, None),
     )
 
@@ -1126,7 +1125,11 @@ def _attend_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s,
     max_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: wait for the kernel before (q, the new K/V), let the merge launch
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -1143,6 +1146,7 @@ def attend_run(
     mid_lse: torch.Tensor, out: torch.Tensor, lse_full: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
     block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     extra: Optional[torch.Tensor] = None, extra_splits: int = 0, extra_count: Optional[torch.Tensor] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one layer over each request's attended list.
 
@@ -1164,6 +1168,8 @@ def attend_run(
             unattended share, :func:`estimate_run` with ``reduce=False``), before the cast to ``out``'s dtype;
             ``extra_count`` (``[batch]`` int32, optional): only the first ``extra_count[b]`` of
             request ``b``'s rows (the scores' split count: the estimate writes no other).
+        pdl: both launches with programmatic dependent launch where supported
+            (:func:`~sglang_elastic.kernels.decode_attention.split_kv_run`'s ``pdl``).
 
     Returns:
         ``out``.
@@ -1172,17 +1178,19 @@ def attend_run(
     if B == 0:
         return out
     sm_scale = sm_scale if sm_scale is not None else D ** -0.5
+    pdl_opts = _pdl_opts(pdl, q.device)
     _attend_kernel[(B, Hkv, max_splits)](
         q, k_buffer, v_buffer, att_indptr, att_kidx, att_vidx, chunk, mid_o, mid_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), max_splits,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), **_launch_opts(num_warps, num_stages),
+        **pdl_opts,
     )
     full = lse_full is not None
     _merge_kernel[(B, Hq)](
         mid_o, mid_lse, nsplit, nsplit, out,
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits,
-        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S,
+        D=D, BLOCK_D=BLOCK_D, SEGMENTED=False, BLOCK_S=MERGE_BLOCK_S, **pdl_opts,
         lse_full_ptr=lse_full, stride_lf_b=lse_full.stride(0) if full else 0, FULL_LSE=full,
         extra_ptr=extra, stride_ex_s=extra.stride(0) if extra is not None else 0, stride_ex_h=extra.stride(1) if extra is not None else 0,
         extra_n=extra_splits, extra_cnt_ptr=extra_count, EXTRA=extra is not None, EXTRA_CNT=extra_count is not None,

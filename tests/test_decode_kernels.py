@@ -148,7 +148,7 @@ def test_pdl_flag_and_launch_option_come_together_and_only_where_supported(monke
     assert da._pdl_opts(True, gpu) == {}
 
 
-@pytest.mark.parametrize("kernel", ["split", "queue"])
+@pytest.mark.parametrize("kernel", ["split", "queue", "fused", "attend"])
 def test_pdl_true_runs_plain_under_the_interpreter_with_the_same_output(kernel):
     seed = int(torch.randint(0, 2**31, ()))
     q, k, v, indptr, idx = make_case([300, 7, 130], 8, 2, 64, torch.float16, 1, seed=seed)
@@ -157,8 +157,18 @@ def test_pdl_true_runs_plain_under_the_interpreter_with_the_same_output(kernel):
     for pdl in (False, True):
         if kernel == "split":
             outs.append(split_kv_decode(q, k, v, indptr, idx, max_splits=4, min_chunk=64, pdl=pdl))
-        else:
+        elif kernel == "queue":
             outs.append(work_queue_decode(q, k, v, indptr, idx, chunk=64, programs=3, pdl=pdl))
+        else:  # the KV offload's all-dense step: K and V at two id lists (here the same ids)
+            from sglang_elastic.kernels.offload import attend_run
+
+            chunk, nsplit = split_kv_plan(indptr, 4, 64)
+            mid_o, mid_lse, o = torch.empty(12, 8, 64), torch.empty(12, 8), torch.empty_like(q)
+            if kernel == "fused":
+                split_kv_fused_run(q, k, v, indptr, idx, chunk, 4, mid_o, mid_lse, o, split_kv_fused_counters(3, 2, "cpu"), v_indices=idx, pdl=pdl)
+            else:
+                attend_run(q, k, v, indptr, idx, idx, chunk, nsplit, 4, mid_o, mid_lse, o, pdl=pdl)
+            outs.append(o)
         assert ((outs[-1].double() - ref).norm() / ref.norm()).item() <= 2e-3, f"seed {seed}"
     assert torch.equal(outs[0], outs[1])
 
@@ -170,13 +180,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sglang_elastic.kernels import decode_attention as da
+from sglang_elastic.kernels import offload as ko
 
 types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
 types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr", "lse_full_ptr", "extra_ptr")})
-types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "item_offsets_ptr", "num_items_ptr", "seg_start_ptr", "seg_count_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "item_offsets_ptr", "num_items_ptr", "seg_start_ptr", "seg_count_ptr",
+                                  "kidx_ptr", "vidx_ptr", "count_ptr", "order_ptr")})
 types["sm_scale"] = "fp32"
 attn = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False)
-for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32, FULL_LSE=False, GUARD_ROWS=False, EXTRA=False))):
+for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32, FULL_LSE=False, GUARD_ROWS=False, EXTRA=False)),
+               (ko._attend_kernel, attn), (da._split_fused_kernel, {**attn, "BLOCK_S": da.FUSED_BLOCK_S, "ORDERED": False, "SEP_V": True})):
     for pdl in (False, True):
         sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx and n != "PDL"}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**cx, "PDL": pdl}), target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
@@ -190,8 +203,10 @@ for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH
 def test_pdl_kernels_wait_before_their_first_global_access_in_the_sm90_ptx(tmp_path):
     """Compiled for sm_90 (no GPU needed): with PDL every kernel's
     ``griddepcontrol.wait`` comes before its first global load or store, the
-    partials kernels trigger the merge, the merge triggers nothing, and the
-    launch option is in the compiled metadata; without PDL neither appears."""
+    partials kernels (ours and the KV offload's two-list ``_attend_kernel``)
+    trigger the merge, the merge and the one-launch kernel (whose next kernel
+    is not ours) trigger nothing, and the launch option is in the compiled
+    metadata; without PDL neither appears."""
     import os
     import subprocess
     import sys
@@ -205,6 +220,8 @@ def test_pdl_kernels_wait_before_their_first_global_access_in_the_sm90_ptx(tmp_p
         ["_split_kernel", "False", "False", "False", "False"], ["_split_kernel", "True", "True", "True", "True"],
         ["_queue_kernel", "False", "False", "False", "False"], ["_queue_kernel", "True", "True", "True", "True"],
         ["_merge_kernel", "False", "False", "False", "False"], ["_merge_kernel", "True", "True", "True", "False"],
+        ["_attend_kernel", "False", "False", "False", "False"], ["_attend_kernel", "True", "True", "True", "True"],
+        ["_split_fused_kernel", "False", "False", "False", "False"], ["_split_fused_kernel", "True", "True", "True", "False"],
     ]
 
 

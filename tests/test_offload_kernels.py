@@ -644,15 +644,15 @@ cases = [
     (ko._page_shrink_kernel, {}, dict(HN=4096, PAGE=64, BASE64=128, BLOCK=64, BLOCK_S=1024)),
     (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
                                "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64"},
-     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=False, SUM_KEPT=False, C=16, HOST=True)),
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=False, C=16, HOST=True)),
     (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
                                "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64", "ssrc_ptr": "*i64", "sdst_ptr": "*i64",
                                "vsum_ptr": "*bf16"},
-     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=True, SUM_KEPT=True, C=16, HOST=False)),
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=True, SUM=True, C=16, HOST=False)),
     (ko._store_sparse_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kdst_ptr": "*bf16", "host_ptr": "*bf16", "vdst_ptr": "*bf16",
                                "loc_ptr": "*i64", "vrow_ptr": "*i64", "keep_ptr": "*i64", "ssrc_ptr": "*i64", "sdst_ptr": "*i64",
                                "vsum_ptr": "*bf16"},
-     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, SUM_KEPT=False, C=16, HOST=True)),
+     dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, C=16, HOST=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
     (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"},
@@ -676,7 +676,7 @@ for fn, ptrs, cx in cases:
 def test_the_new_offload_kernels_compile_for_sm90():
     """The page grant (its compare-and-swap loop), the adaptive pages' demand and
     give-back, the one-launch KV write (also with the chunk means fused, from the
-    kept rows or the host, and without its host write), the paged swap-in, the chunk
+    kept or ring rows, and without its host write), the paged swap-in, the chunk
     means, the decode plan's per-request entries, the stamping lse merge and top-k, the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
@@ -740,11 +740,10 @@ def test_store_sparse_writes_k_host_v_and_the_device_rows_of_each_token(keep):
         ko.store_sparse_run(ck, cv, kd, host, vd, loc, vr[:3])
 
 
-@pytest.mark.parametrize("kept", [False, True])
-def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_run(kept):
+def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_run():
     """``store_sparse_run(summary=...)`` (a decode step's V write and its completed chunk means in
     one launch): each completing token's mean is its chunk's first C - 1 rows from where they are
-    stored (host V, or the kept rows) and its own V, bit-equal to ``chunk_mean_run`` over the same
+    stored on the GPU (here kept rows) and its own V, bit-equal to ``chunk_mean_run`` over the same
     rows once stored, within a bf16 step of the float64 mean; a token that completes nothing (the
     spare row) writes nothing; a chunk that is not a power of two is refused."""
     g = torch.Generator().manual_seed(12)
@@ -757,21 +756,20 @@ def test_store_sparse_fuses_the_completed_chunk_means_bit_equal_to_chunk_mean_ru
     keep = torch.tensor([50, 51, 52, 53, 54], dtype=torch.int64)
     # each token's chunk: C - 1 older rows (distinct, not this step's), then the token's own row
     older = torch.randperm(35, generator=g)[: n * (C - 1)].view(n, C - 1) + 55  # rows 55..89: none the launch's stores write
-    own = keep if kept else loc
-    src = torch.cat([older, own[:, None]], 1)
+    src = torch.cat([older, keep[:, None]], 1)
     dst = torch.tensor([2, S, 0, S, 4])
     out = torch.full((S + 1, 2, 32), NAN).bfloat16()
-    ko.store_sparse_run(ck, cv, kd, host, vd, loc, None, keep if kept else None, summary=(src, dst, out, S, kept))
+    ko.store_sparse_run(ck, cv, kd, host, vd, loc, None, keep, summary=(src, dst, out, S))
     ref = torch.full_like(out, NAN)
-    ko.chunk_mean_run(vd if kept else host, src, dst, ref, skip=S)  # the same rows, now stored
-    base = vd if kept else host
+    ko.chunk_mean_run(vd, src, dst, ref, skip=S)  # the same rows, now stored
+    base = vd
     for i in (0, 2, 4):
         assert torch.equal(out[int(dst[i])], ref[int(dst[i])])
         want = base[src[i]].double().mean(0)
         assert ((out[int(dst[i])].double() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
     assert torch.isnan(out[[1, 3, 5, 6]].float()).all()  # the spare row and the rows no chunk names
     with pytest.raises(ValueError, match="chunk 6 is not a power of two"):
-        ko.store_sparse_run(ck, cv, kd, host, vd, loc, summary=(src[:, :6], dst, out, S, kept))
+        ko.store_sparse_run(ck, cv, kd, host, vd, loc, summary=(src[:, :6], dst, out, S))
 
 
 def test_row_plan_writes_the_dense_entries_and_the_completed_chunks_as_the_torch_ops_did():

@@ -3,15 +3,19 @@ kept rows, two id lists) at the fitting workload's batch, for each split plan (1
 request) and launch configuration, in two launches (``attend_run``: partials, merge) or one
 (``split_kv_fused_run`` with the V ids), against FlashInfer's tensor-core decode (SGLang's pick for
 this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays, median of 50
-(``check_offload.graph_ms``). The winner goes into ``SplitConfig`` (``dense_min_chunk``,
-``dense_fused``, ``scores_block_n``) of ``sglang_elastic/offload/decode.py``.
+(``check_offload.graph_ms``). Then the fastest configurations again behind the layer's KV store
+kernel, in one graph, with and without programmatic dependent launch (PDL only shows with a kernel
+before it; FlashInfer behind the same store for reference). The winner goes into ``SplitConfig``
+(``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``scores_block_n``) of
+``sglang_elastic/offload/decode.py``.
 
     python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
 
 Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
-``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). Stops after 420 s (said
-under ``failed``); writes nothing when no configuration ran. Each output is checked against the
-shipped configuration's (``max_abs_diff_vs_shipped``; the best is taken among those under 2e-2).
+``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). The baselines run first;
+the grid stops at ``--budget-s`` (said under ``failed``); writes nothing when no configuration ran.
+Each output is checked against the shipped configuration's (``max_abs_diff_vs_shipped``; the best is
+taken among those under 2e-2).
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ import torch
 
 from sglang_elastic import results
 
+#: how many of the fastest configurations are timed again behind the KV store, PDL off and on
+BEHIND_STORE = 6
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4608)
+    ap.add_argument("--budget-s", type=float, default=330.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
+    if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
+        ap.error(f"--batch {a.batch} / --context {a.context} / --budget-s {a.budget_s}: give >= 1 / >= 16 / > 0")
     if not torch.cuda.is_available():
         print("sweep_dense_kept: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -39,7 +49,7 @@ def main(argv=None) -> int:
     from check_offload import graph_ms
 
     from sglang_elastic.kernels.decode_attention import split_kv_fused_counters, split_kv_fused_run, split_kv_plan, split_kv_run
-    from sglang_elastic.kernels.offload import attend_run
+    from sglang_elastic.kernels.offload import attend_run, store_sparse_run
     from sglang_elastic.offload.decode import SplitConfig
 
     HQ, HKV, D, bs, ctx = 32, 8, 128, a.batch, a.context
@@ -47,11 +57,14 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(7)
     lens = ctx - torch.randint(0, 16, (bs,), device="cuda", generator=g)
     total = int(lens.sum())
-    size = 2 * total + 64
+    size = 2 * total + 2 * bs + 64
     kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     vb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(size - 1, device="cuda", generator=g) + 1
     kidx, vidx = perm[:total].to(torch.int32), perm[total: 2 * total].to(torch.int32)
+    # the store before the attention (PDL pass): this step's K / V rows into slots nobody attends to
+    loc, keep_rows = perm[2 * total: 2 * total + bs].to(torch.int64), perm[2 * total + bs: 2 * total + 2 * bs].to(torch.int64)
+    new_k, new_v = (torch.randn(bs, HKV, D, device="cuda", generator=g).bfloat16() for _ in range(2))
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     indptr[1:] = torch.cumsum(lens, 0)
     q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=g)).bfloat16()
@@ -59,51 +72,21 @@ def main(argv=None) -> int:
     mid_o = torch.empty(bs * 64, HQ, D, device="cuda", dtype=torch.float32)
     mid_lse = torch.empty(bs * 64, HQ, device="cuda", dtype=torch.float32)
     chunk, nsplit = torch.zeros(bs, dtype=torch.int32, device="cuda"), torch.zeros(bs, dtype=torch.int32, device="cuda")
-    sp = SplitConfig()
-    ref = torch.empty_like(q)
-    split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
-    attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
-    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
-                   fused=False)
     counters = split_kv_fused_counters(bs, HKV, "cuda")
-    rows, failed, plans = [], [], set()
-    # min_chunk up to 8192: 1 to 18 chunks a request at 4.6K (SplitConfig.dense_min_chunk); fused: the one-launch kernel with
-    # the V ids (SplitConfig.dense_fused: no merge launch, a one-chunk request written directly). Plans that give the same
-    # chunks as one already listed are skipped (max_splits above the chunk count changes nothing but the grid).
-    grid = itertools.product((False, True), (32, 64, 128), (8192, 4096, 2048, 1024, 512, 256), (16, 32, 64), (None, 4, 8), (None, 2, 3))
-    for fused, bn, mc, ms, nw, ns in grid:
-        cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
-        split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
-        key = (fused, bn, nw, ns, tuple(chunk.tolist()))
-        if key in plans:
-            continue
-        plans.add(key)
-        cfg["chunks"] = int(nsplit.max())
-        o = torch.empty_like(q)
-        try:
-            if fused:
-                def fn():
-                    split_kv_fused_run(q, kb, vb, indptr, kidx, chunk, ms, mid_o, mid_lse, o, counters, scale, bn, num_warps=nw, num_stages=ns,
-                                       v_indices=vidx)
-            else:
-                def fn():
-                    attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
-                               num_stages=ns)
+    sp = SplitConfig()
 
-            fn()
-            err = float((o.float() - ref.float()).abs().max())
-            rows.append({**cfg, "ms": graph_ms(fn), "max_abs_diff_vs_shipped": err})
-        except Exception as e:  # a configuration the compiler or the shared memory refuses
-            failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
-        if time.time() - t0 > 420:
-            failed.append({"stopped": "time budget (420 s) reached; later configurations not run"})
-            break
-    ok = [r for r in rows if r["max_abs_diff_vs_shipped"] < 2e-2]
+    def store():
+        store_sparse_run(new_k, new_v, kb, vb, vb, loc, None, keep_rows, host=False)
+
+    # baselines first (FlashInfer's first use compiles: it must not be what the budget cuts)
     base = {}
     split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
+    ref = torch.empty_like(q)
+    attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
     o2 = torch.empty_like(q)
     base["split_kv_one_list_shipped_ms"] = graph_ms(lambda: split_kv_run(q, kb, vb, indptr, kidx, chunk, nsplit, sp.scores_max_splits,
                                                                          mid_o, mid_lse, o2, scale, sp.scores_block_n))
+    fi_run = None
     try:
         import flashinfer
 
@@ -114,24 +97,86 @@ def main(argv=None) -> int:
         w.plan(indptr, kidx, torch.ones(bs, dtype=torch.int32, device="cuda"), HQ, HKV, D, 1, q_data_type=torch.bfloat16,
                kv_data_type=torch.bfloat16, sm_scale=scale)
         fo = torch.empty_like(q)
-        base["flashinfer_tc_ms"] = graph_ms(lambda: w.run(q, (kb.view(-1, 1, HKV, D), vb.view(-1, 1, HKV, D)), out=fo))
+
+        def fi_run():
+            w.run(q, (kb.view(-1, 1, HKV, D), vb.view(-1, 1, HKV, D)), out=fo)
+
+        base["flashinfer_tc_ms"] = graph_ms(fi_run)
     except Exception as e:
         base["flashinfer_failed"] = f"{type(e).__name__}: {e}"[:300]
+        fi_run = None
+    base["store_ms"] = graph_ms(store)
+
+    def attention(cfg, o, pdl=False):
+        """The launch of configuration ``cfg`` (its plan must be in ``chunk`` / ``nsplit``)."""
+        ms, bn, nw, ns = cfg["max_splits"], cfg["block_n"], cfg["num_warps"], cfg["num_stages"]
+        if cfg["fused"]:
+            return lambda: split_kv_fused_run(q, kb, vb, indptr, kidx, chunk, ms, mid_o, mid_lse, o, counters, scale, bn, num_warps=nw,
+                                              num_stages=ns, v_indices=vidx, pdl=pdl)
+        return lambda: attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
+                                  num_stages=ns, pdl=pdl)
+
+    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
+                   fused=False)
+    rows, failed, plans = [], [], set()
+    # min_chunk up to 8192: 1 to 18 chunks a request at 4.6K (SplitConfig.dense_min_chunk); fused: the one-launch kernel with
+    # the V ids (SplitConfig.dense_fused: no merge launch, a one-chunk request written directly). Plans that give the same
+    # chunks as one already listed are skipped (max_splits above the chunk count changes nothing but the grid).
+    grid = itertools.product((False, True), (32, 64, 128), (8192, 4096, 2048, 1024, 512, 256), (16, 32, 64), (None, 4, 8), (None, 2, 3))
+    for fused, bn, mc, ms, nw, ns in grid:
+        if time.time() - t0 > a.budget_s:
+            failed.append({"stopped": f"time budget ({a.budget_s:.0f} s) reached; later configurations not run"})
+            break
+        cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
+        split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
+        key = (fused, bn, nw, ns, tuple(chunk.tolist()))
+        if key in plans:
+            continue
+        plans.add(key)
+        cfg["chunks"] = int(nsplit.max())
+        o = torch.empty_like(q)
+        try:
+            fn = attention(cfg, o)
+            fn()
+            err = float((o.float() - ref.float()).abs().max())
+            rows.append({**cfg, "ms": graph_ms(fn), "max_abs_diff_vs_shipped": err})
+        except Exception as e:  # a configuration the compiler or the shared memory refuses
+            failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
     if not rows:
         print("sweep_dense_kept: no configuration ran; nothing written", file=sys.stderr)
         return 1
-    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    ok = [r for r in rows if r["max_abs_diff_vs_shipped"] < 2e-2]
     shipped_row = next((r for r in rows if all(r[k] == v for k, v in shipped.items())), None)
     if shipped_row is None:  # the shipped plan's row may stand under another max_splits giving the same chunks
         split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
         n = int(nsplit.max())
         shipped_row = next((r for r in rows if not r["fused"] and r["block_n"] == sp.scores_block_n and r["num_warps"] is None
                             and r["num_stages"] is None and r["chunks"] == n and r["min_chunk"] == sp.scores_min_chunk), None)
+    # behind the store: the fastest configurations and the shipped one, PDL off and on, in one graph with the store
+    behind = []
+    picks = sorted(ok, key=lambda r: r["ms"])[:BEHIND_STORE] + ([shipped_row] if shipped_row is not None else [])
+    for r in {id(r): r for r in picks}.values():
+        split_kv_plan(indptr, r["max_splits"], r["min_chunk"], r["block_n"], chunk, nsplit)
+        o = torch.empty_like(q)
+        row = {k: r[k] for k in ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused", "chunks")}
+        for pdl in (False, True):
+            fn = attention(r, o, pdl=pdl)
+            try:
+                row["ms_pdl" if pdl else "ms"] = graph_ms(lambda fn=fn: (store(), fn()))
+            except Exception as e:
+                row["error_pdl" if pdl else "error"] = f"{type(e).__name__}: {e}"[:200]
+        behind.append(row)
+    if fi_run is not None:
+        base["flashinfer_tc_behind_store_ms"] = graph_ms(lambda: (store(), fi_run()))
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
     out = results.header()
     out.update(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D, seconds=round(time.time() - t0, 1), shipped=shipped_row,
-               best=best, baselines=base, rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)
+               best=best, baselines=base, behind_store=sorted(behind, key=lambda r: min(r.get("ms", 9e9), r.get("ms_pdl", 9e9))),
+               rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)
     results.write(a.out, out)
     print("shipped", shipped_row, "\nbest", best, "\nbaselines", base, "\nfailed", len(failed))
+    for r in out["behind_store"]:
+        print("behind store", r)
     for r in sorted(rows, key=lambda r: r["ms"])[:12]:
         print(r)
     return 0

@@ -39,8 +39,10 @@ class SplitConfig:
     ``dense_fused``: the dense layers and ``dense_kept`` run the one-launch split-KV
     (:func:`~sglang_elastic.kernels.decode_attention.split_kv_fused_run`: the merge done by
     the last chunk to finish, a one-chunk request written directly) instead of partials and
-    a merge launch. Both are for ``scripts/gpu/sweep_dense_kept.py`` to settle on the H200
-    (the fitting load's step: issue 24); the defaults keep the measured plan."""
+    a merge launch; ``dense_pdl``: those launches with programmatic dependent launch (each
+    starts while the layer's KV store before it finishes, and waits for it on the GPU). All
+    three are for ``scripts/gpu/sweep_dense_kept.py`` to settle on the H200 (the fitting load's
+    step: issue 24); the defaults keep the measured plan."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -52,6 +54,7 @@ class SplitConfig:
     select_parts: int = 16
     dense_min_chunk: int = 0
     dense_fused: bool = False
+    dense_pdl: bool = False
 
 
 class _Selection:
@@ -294,9 +297,9 @@ class OffloadDecoder:
         bs, sp = self.bs, self.split
         if sp.dense_fused:
             return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
-                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n)
+                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
         return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
-                            sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n)
+                            sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
 
     def dense_kept(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """A sparse layer of an all-dense step (:meth:`plan` with ``all_dense``): attention over every
@@ -315,9 +318,10 @@ class OffloadDecoder:
         bs, sp = self.bs, self.split
         if sp.dense_fused:
             return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
-                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, v_indices=self.att_vidx)
+                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, v_indices=self.att_vidx,
+                                      pdl=sp.dense_pdl)
         return attend_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.att_vidx, self.chunk[:bs], self.nsplit[:bs],
-                          sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n)
+                          sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
                 spec: bool, mark: bool = False, record: Optional[tuple] = None, clock=None):

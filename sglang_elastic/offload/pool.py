@@ -413,7 +413,7 @@ class OffloadKVPool(MHATokenToKVPool):
             plan = self._summary_plan
             fused = plan is not None and len(plan) == 2 and layer_idx in self.vsum
             # a decode step's chunk rows are device rows of the layer's V (ring / sink rows, or an all-dense step's kept rows)
-            summary = (plan[0], plan[1], self.vsum[layer_idx], self.SPARE, True) if fused else None
+            summary = (plan[0], plan[1], self.vsum[layer_idx], self.SPARE) if fused else None
             async_host = self._host_async and self._v_rows is not None
             store_sparse_run(cache_k, cache_v, self.k_buffer[layer_idx], self.host.view(layer_idx), self.v_buffer[layer_idx],
                              loc, self._v_rows, self._v_keep_rows, summary=summary, host=not async_host)
