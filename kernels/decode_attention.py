@@ -193,10 +193,14 @@ def _split_fused_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < D
     qh = h * G + offs_g
-    if n == 0:
-        if s == 0:  # an empty request: zeros, as the merge kernel writes
-            tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :],
-                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    if n == 0 or n > max_splits:
+        # an empty request: zeros, as the merge kernel writes; a plan of more chunks than the grid has (a caller's
+        # max_splits below its plan's): NaN, visibly wrong, and no counter touched (a counter left above zero
+        # would merge every later launch early)
+        if s == 0:
+            fill = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + tl.where(n == 0, 0.0, float("nan"))
+            tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :], fill.to(o_ptr.dtype.element_ty),
+                     mask=mask_g[:, None] & mask_d[None, :])
     elif start < end:
         _partial_attn(q_ptr, k_ptr, v_ptr, idx_ptr, mid_o_ptr, mid_lse_ptr, b, h, start, end, b * max_splits + s, sm_scale,
                       stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_mo_s, stride_mo_h, stride_ml_s,

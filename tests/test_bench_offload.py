@@ -90,7 +90,7 @@ class ProfilingStub(Stub):
 
             time.sleep(0.3)
             ev = []
-            for i in range(body["num_steps"] + 1):  # one graph launch a step, 1000 us apart; 600 us of attention, 300 of GEMM
+            for i in range(body["num_steps"]):  # SGLang's num_steps forwards: one graph launch each, 1000 us apart; 600 us attention, 300 GEMM
                 t = 1000.0 * i
                 ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t - 10, "dur": 4, "args": {"correlation": i}},
                        {"ph": "X", "cat": "kernel", "name": "_attend_kernel", "ts": t, "dur": 600, "args": {"correlation": i}},
@@ -108,14 +108,16 @@ def test_profile_decode_starts_the_profiler_once_every_request_decodes_and_reads
     log.write_text("")
     server = type("S", (), {"name": "stock", "log": str(log), "url": lambda self, p: f"http://127.0.0.1:{srv.server_address[1]}{p}"})()
     try:
-        prof = bench().profile_decode(server, [[5] * 10] * 4, steps=6, work=str(tmp_path), timeout=60)
+        prof = bench().profile_decode(server, [[5] * 10] * 6, steps=6, work=str(tmp_path), timeout=60, running=4)
     finally:
         srv.shutdown()
     at, body = ProfilingStub.seen["start_profile"]
     assert body["num_steps"] == 6 and body["activities"] == ["GPU"] and body["with_stack"] is False
     # every request had streamed its first token (50 ms after its /generate) before the profiler was asked for
     assert len(ProfilingStub.seen["generate_at"]) == 4 and at >= max(ProfilingStub.seen["generate_at"]) + 0.05
-    assert prof["steps"] == 6 and prof["steps_asked"] == 6 and prof["trace"].startswith("stock-")
+    # 6 forwards profiled: the 5 whole steps between the first and the last launch; only the 4 the server runs at once sent
+    assert prof["steps"] == 5 and prof["steps_asked"] == 6 and prof["requests"] == 4 and prof["warnings"] == []
+    assert prof["trace"].startswith("stock-")
     assert prof["per_step_us"] == {"span": 1000.0, "busy": 900.0, "idle": 100.0, "kernels": {"attention": 600.0, "gemm": 300.0}}
 
 
@@ -218,13 +220,14 @@ def test_throughput_refuses_a_count_below_one_in_one_line_and_writes_nothing(tmp
     assert not out.exists() and not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("argv", [["throughput", "--profile-steps", "-1"], ["capacity", "--profile-steps", "20"]])
+@pytest.mark.parametrize("argv", [["throughput", "--profile-steps", "-1"], ["throughput", "--profile-steps", "1"],
+                                  ["capacity", "--profile-steps", "20"]])
 def test_profile_steps_is_refused_below_zero_and_outside_throughput(tmp_path, monkeypatch, capsys, argv):
     out = tmp_path / "t.json"
     monkeypatch.setattr("sys.argv", ["bench_offload.py", *argv, "--out", str(out), "--work", str(tmp_path / "w")])
     with pytest.raises(SystemExit) as e:
         bench().main()
-    assert e.value.code == 2 and f"--profile-steps {argv[-1]}: give 0 or more, with the throughput part only" in capsys.readouterr().err
+    assert e.value.code == 2 and f"--profile-steps {argv[-1]}: give 0 (none) or 2 or more, with the throughput part only" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "w").exists()
 
 

@@ -300,6 +300,15 @@ def test_fused_split_with_v_at_its_own_ids_matches_float64_and_the_offload_two_l
     wrong = torch.empty_like(q)
     split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, wrong, counters)
     assert not torch.allclose(wrong[1:].float(), out[1:].float(), atol=1e-1)
+    # a grid of fewer splits than the plan's chunks: those requests come out NaN and the counters stay at zero,
+    # so the next launch with the right grid is exact again
+    bad = torch.zeros_like(q)
+    split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 4, mid_o, mid_lse, bad, counters, v_indices=vidx)
+    assert not counters.any() and torch.isnan(bad[2].float()).all() and torch.isnan(bad[4].float()).all()  # 8 and 5 chunks
+    assert torch.equal(bad[1], out[1]) and torch.equal(bad[3], out[3])  # one chunk each: unaffected
+    again = torch.empty_like(q)
+    split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, again, counters, v_indices=vidx)
+    assert torch.equal(again, out)
     with pytest.raises(ValueError, match="v_indices must match kv_indices"):
         split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, out, counters, v_indices=vidx.long())
 

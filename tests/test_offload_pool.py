@@ -805,7 +805,8 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
 
 
 @pytest.mark.parametrize("split,chunks", [(SPLIT, [2, 4]), (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=1024), [1, 1]),
-                                          (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=64, dense_pdl=True), [4, 4]),
+                                          (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=64, dense_pdl=True, dense_block_n=32,
+                                                               dense_num_warps=2), [4, 4]),
                                           (dataclasses.replace(SPLIT, dense_pdl=True, dense_min_chunk=256), [1, 3])],
                          ids=["two_launch", "fused_one_chunk", "fused_split_pdl", "two_launch_pdl"])
 def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry(split, chunks):

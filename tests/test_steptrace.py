@@ -51,8 +51,8 @@ def test_steps_busy_idle_and_categories_are_exact_on_a_synthetic_graph_trace():
         steps, step_us, gap = rng.randint(2, 9), rng.uniform(900, 1500), rng.uniform(0, 300)
         ev, (busy, idle, cats) = _trace(steps, step_us, gap, rng)
         rng.shuffle(ev)  # a trace's order is not time order
-        s = steptrace.summarize(ev, steps=999)  # graph launches win over the caller's count
-        assert s["steps"] == steps and s["graph_launches"] == steps + 1
+        s = steptrace.summarize(ev, steps=steps)
+        assert s["steps"] == steps and s["graph_launches"] == steps + 1 and s["warnings"] == []
         per = s["per_step_us"]
         assert per["span"] == pytest.approx(step_us + gap, abs=0.01)
         assert per["busy"] == pytest.approx(busy, abs=0.01)
@@ -103,3 +103,31 @@ def test_load_reads_gzip_traces_and_refuses_other_json(tmp_path):
     q.write_text(json.dumps({"events": []}))
     with pytest.raises(ValueError, match="not a Chrome trace"):
         steptrace.load(str(q))
+
+
+def test_a_launch_recorded_twice_counts_once_and_a_step_count_that_disagrees_is_named():
+    """A runtime and a driver record of one launch share its correlation id: one step. Two graph
+    launches a step (a breakable graph) are counted as launches, and the expected step count
+    given by the caller makes the summary say so."""
+    rng = random.Random(5)
+    ev, (busy, idle, _) = _trace(4, 1000, 100, rng)
+    driver = [dict(e, name="cuGraphLaunch", cat="cuda_driver") for e in ev if e.get("name") == "cudaGraphLaunch"]
+    s = steptrace.summarize(ev + driver, steps=4)
+    assert s["steps"] == 4 and s["warnings"] == [] and s["per_step_us"]["busy"] == pytest.approx(busy, abs=0.01)
+    s = steptrace.summarize(ev, steps=2)  # the caller expected 2 whole steps: the 4 found are flagged, not hidden
+    assert s["steps"] == 4 and "5 graph launches in the window, 2 steps expected" in s["warnings"][0]
+
+
+def test_events_crossing_the_window_edges_are_cut_there_in_busy_time_and_categories_alike():
+    """A kernel that starts before the first step and runs into it, and one that starts in the
+    last step and runs past the window: both count only their microseconds inside it, in busy time
+    and in their category, so the categories never add up to more than the window."""
+    ev = [_launch(-5, 1), _kernel("_attend_kernel", 0, 600, 1), _launch(995, 2), _kernel("_attend_kernel", 1000, 600, 2),
+          _launch(1995, 3), _kernel("_attend_kernel", 2000, 100, 3),
+          _kernel("nvjet_gemm", -200, 250, 99),  # 50 us inside the window
+          _kernel("nvjet_gemm", 1900, 300, 98)]  # 100 us inside (the window ends at 2000)
+    s = steptrace.summarize(ev, steps=2)
+    per = s["per_step_us"]
+    assert per["span"] == 1000 and per["kernels"] == {"attention": 600.0, "gemm": 75.0}
+    assert per["busy"] == pytest.approx((600 + 600 + 100) / 2) and per["idle"] == pytest.approx(1000 - 650)
+    assert sum(per["kernels"].values()) <= per["span"]

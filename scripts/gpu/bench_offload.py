@@ -313,12 +313,14 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
             "p99_itl_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None}
 
 
-def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float) -> dict:
-    """A second load of ``ps`` (new prompts: no prefix cache hit) with SGLang's torch profiler
-    (``/start_profile``, GPU activity only) over ``steps`` decode steps once every request decodes;
+def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float, running: Optional[int] = None) -> dict:
+    """A second load (new prompts: no prefix cache hit) with SGLang's torch profiler
+    (``/start_profile``, GPU activity only) over ``steps`` forward steps once every request decodes;
     the trace's per-step GPU time by kernel category and the GPU's idle time
-    (:func:`sglang_elastic.eval.steptrace.summarize`). Not the measured load: the profiler's
-    own cost stays out of the ITL reported.
+    (:func:`sglang_elastic.eval.steptrace.summarize`: ``steps - 1`` whole steps between the first and
+    the last graph launch). Only as many of ``ps`` as the server runs at once (``running``, its
+    ``max_running_requests``) are sent, so that the profiled steps are a full batch of them, not the
+    tail of a queue. Not the measured load: the profiler's own cost stays out of the ITL reported.
 
     Raises:
         RuntimeError: no trace came (the profiler did not start or stop) or it holds no GPU work.
@@ -330,6 +332,8 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     pid = f"{s.name}-{int(time.time())}"
     path = os.path.join(out_dir, f"{pid}-TP-0.trace.json.gz")
     asked = {}
+    if running:
+        ps = ps[:running]
 
     async def start(session):
         async with session.post(s.url("/start_profile"), json={"output_dir": out_dir, "num_steps": steps, "activities": ["GPU"],
@@ -345,15 +349,19 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
                 urllib.request.urlopen(urllib.request.Request(s.url("/stop_profile"), data=b"", method="POST"), timeout=120).read()
             except Exception:
                 pass
+        err = None
         for _ in range(90):
             if os.path.exists(path) and os.path.getsize(path) > 0:
-                time.sleep(2)  # written by export_chrome_trace: let it finish
+                time.sleep(2)  # written by export_chrome_trace: read it once it parses (a partial gzip does not)
                 try:
-                    summary = steptrace.summarize(steptrace.load(path), steps=steps)
+                    summary = steptrace.summarize(steptrace.load(path), steps=steps - 1)
                 except (OSError, EOFError, ValueError) as e:
-                    raise RuntimeError(f"{s.name}: {path}: {e}") from None
-                return {"steps_asked": steps, "trace": os.path.basename(path), "activities": ["GPU"], **summary}
+                    err = e
+                    continue
+                return {"steps_asked": steps, "requests": len(ps), "trace": os.path.basename(path), "activities": ["GPU"], **summary}
             time.sleep(1)
+        if err is not None:
+            raise RuntimeError(f"{s.name}: {path}: {err}")
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
@@ -412,7 +420,8 @@ def part_throughput(a) -> dict:
                                                                  "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
             if a.profile_steps:
                 try:
-                    row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout)
+                    row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout,
+                                                    running=s.info().get("max_running_requests"))
                 except RuntimeError as e:  # the measured load stands; the profile's failure is named
                     row["profile"] = {"error": str(e)[:2000]}
             out["servers"][name] = row
@@ -580,7 +589,7 @@ def main():
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="throughput: after the measured load, a second one profiled over this many decode steps (SGLang's "
+                    help="throughput: after the measured load, a second one profiled over this many forward steps (SGLang's "
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
@@ -589,8 +598,8 @@ def main():
     for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len), ("--tp", a.tp)):
         if v is not None and v < 1:
             ap.error(f"{flag} {v}: give 1 or more")
-    if a.profile_steps < 0 or (a.profile_steps and a.part != "throughput"):
-        ap.error(f"--profile-steps {a.profile_steps}: give 0 or more, with the throughput part only")
+    if a.profile_steps < 0 or a.profile_steps == 1 or (a.profile_steps and a.part != "throughput"):
+        ap.error(f"--profile-steps {a.profile_steps}: give 0 (none) or 2 or more, with the throughput part only")
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:

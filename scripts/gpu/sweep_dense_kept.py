@@ -6,8 +6,9 @@ this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays,
 (``check_offload.graph_ms``). Then the fastest configurations again behind the layer's KV store
 kernel, in one graph, with and without programmatic dependent launch (PDL only shows with a kernel
 before it; FlashInfer behind the same store for reference). The winner goes into ``SplitConfig``
-(``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``scores_block_n``) of
-``sglang_elastic/offload/decode.py``.
+(``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``dense_block_n``, ``dense_num_warps``,
+``dense_num_stages``: the all-dense step's own settings) of ``sglang_elastic/offload/decode.py``;
+``max_splits`` stays ``scores_max_splits``, as the decoder plans.
 
     python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4608)
-    ap.add_argument("--budget-s", type=float, default=330.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
         ap.error(f"--batch {a.batch} / --context {a.context} / --budget-s {a.budget_s}: give >= 1 / >= 16 / > 0")
@@ -57,16 +58,17 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(7)
     lens = ctx - torch.randint(0, 16, (bs,), device="cuda", generator=g)
     total = int(lens.sum())
-    size = 2 * total + 2 * bs + 64
+    size = 2 * total + 64
     kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     vb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(size - 1, device="cuda", generator=g) + 1
     kidx, vidx = perm[:total].to(torch.int32), perm[total: 2 * total].to(torch.int32)
-    # the store before the attention (PDL pass): this step's K / V rows into slots nobody attends to
-    loc, keep_rows = perm[2 * total: 2 * total + bs].to(torch.int64), perm[2 * total + bs: 2 * total + 2 * bs].to(torch.int64)
-    new_k, new_v = (torch.randn(bs, HKV, D, device="cuda", generator=g).bfloat16() for _ in range(2))
     indptr = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     indptr[1:] = torch.cumsum(lens, 0)
+    # the store before the attention (PDL pass), as a decode step's: each request's newest K / V row, which its attention reads
+    last = (indptr[1:] - 1).to(torch.int64)
+    loc, keep_rows = kidx[last].to(torch.int64), vidx[last].to(torch.int64)
+    new_k, new_v = (torch.randn(bs, HKV, D, device="cuda", generator=g).bfloat16() for _ in range(2))
     q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=g)).bfloat16()
     scale = D ** -0.5
     mid_o = torch.empty(bs * 64, HQ, D, device="cuda", dtype=torch.float32)
@@ -78,8 +80,16 @@ def main(argv=None) -> int:
     def store():
         store_sparse_run(new_k, new_v, kb, vb, vb, loc, None, keep_rows, host=False)
 
+    old_k, old_v = kb[loc].clone(), vb[keep_rows].clone()
+
+    def stale():  # the rows as they were before the store: an attention that did not wait for the store reads these
+        kb.index_copy_(0, loc, old_k)
+        vb.index_copy_(0, keep_rows, old_v)
+
+    store()  # the step's newest rows in place (every later store writes the same): ref is the step's true output
     # baselines first (FlashInfer's first use compiles: it must not be what the budget cuts)
     base = {}
+    head = dict(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D)
     split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
     ref = torch.empty_like(q)
     attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
@@ -119,12 +129,18 @@ def main(argv=None) -> int:
     shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
                    fused=False)
     rows, failed, plans = [], [], set()
-    # min_chunk up to 8192: 1 to 18 chunks a request at 4.6K (SplitConfig.dense_min_chunk); fused: the one-launch kernel with
-    # the V ids (SplitConfig.dense_fused: no merge launch, a one-chunk request written directly). Plans that give the same
-    # chunks as one already listed are skipped (max_splits above the chunk count changes nothing but the grid).
-    grid = itertools.product((False, True), (32, 64, 128), (8192, 4096, 2048, 1024, 512, 256), (16, 32, 64), (None, 4, 8), (None, 2, 3))
-    for fused, bn, mc, ms, nw, ns in grid:
-        if time.time() - t0 > a.budget_s:
+    t_grid = time.time()
+
+    def partial():  # what a call cut off by its time limit still leaves
+        results.write(a.out, {**results.header(), **head, "incomplete": True, "baselines": base, "rows": rows, "failed": failed})
+    # only what SplitConfig can set for the all-dense step: dense_min_chunk up to 8192 (1 to 18 chunks a request at 4.6K),
+    # dense_fused (the one-launch kernel with the V ids: no merge launch, a one-chunk request written directly), dense_block_n,
+    # dense_num_warps / dense_num_stages; max_splits is scores_max_splits, as the decoder plans. Plans that give the same chunks
+    # as one already timed are skipped.
+    ms = sp.scores_max_splits
+    grid = itertools.product((False, True), (32, 64, 128), (8192, 4096, 2048, 1024, 512, 256), (None, 4, 8), (None, 2, 3))
+    for fused, bn, mc, nw, ns in grid:
+        if time.time() - t_grid > a.budget_s:
             failed.append({"stopped": f"time budget ({a.budget_s:.0f} s) reached; later configurations not run"})
             break
         cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
@@ -139,9 +155,13 @@ def main(argv=None) -> int:
             fn = attention(cfg, o)
             fn()
             err = float((o.float() - ref.float()).abs().max())
-            rows.append({**cfg, "ms": graph_ms(fn), "max_abs_diff_vs_shipped": err})
+            t = graph_ms(fn)
+            err = max(err, float((o.float() - ref.float()).abs().max()))  # also after the graph's replays (the fused counters)
+            rows.append({**cfg, "ms": t, "max_abs_diff_vs_shipped": err})
         except Exception as e:  # a configuration the compiler or the shared memory refuses
             failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+        if len(rows) % 20 == 0:
+            partial()
     if not rows:
         print("sweep_dense_kept: no configuration ran; nothing written", file=sys.stderr)
         return 1
@@ -152,17 +172,23 @@ def main(argv=None) -> int:
         n = int(nsplit.max())
         shipped_row = next((r for r in rows if not r["fused"] and r["block_n"] == sp.scores_block_n and r["num_warps"] is None
                             and r["num_stages"] is None and r["chunks"] == n and r["min_chunk"] == sp.scores_min_chunk), None)
-    # behind the store: the fastest configurations and the shipped one, PDL off and on, in one graph with the store
+    # behind the store: the fastest configurations and the shipped one, PDL off and on, in one graph with the store; the
+    # store writes each request's newest row, so an attention that did not wait for it reads stale rows (checked)
     behind = []
     picks = sorted(ok, key=lambda r: r["ms"])[:BEHIND_STORE] + ([shipped_row] if shipped_row is not None else [])
     for r in {id(r): r for r in picks}.values():
         split_kv_plan(indptr, r["max_splits"], r["min_chunk"], r["block_n"], chunk, nsplit)
         o = torch.empty_like(q)
         row = {k: r[k] for k in ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused", "chunks")}
+        # (each replay writes the same rows again: the output must equal ref whichever way the launches overlap)
         for pdl in (False, True):
             fn = attention(r, o, pdl=pdl)
             try:
+                o.fill_(float("nan"))
                 row["ms_pdl" if pdl else "ms"] = graph_ms(lambda fn=fn: (store(), fn()))
+                o.fill_(float("nan"))  # checked in a graph that first puts the stale rows back: the store must land before the reads
+                graph_ms(lambda fn=fn: (stale(), store(), fn()), reps=3)
+                row["max_abs_diff_pdl" if pdl else "max_abs_diff"] = float((o.float() - ref.float()).abs().max())
             except Exception as e:
                 row["error_pdl" if pdl else "error"] = f"{type(e).__name__}: {e}"[:200]
         behind.append(row)
@@ -170,7 +196,7 @@ def main(argv=None) -> int:
         base["flashinfer_tc_behind_store_ms"] = graph_ms(lambda: (store(), fi_run()))
     best = min(ok, key=lambda r: r["ms"]) if ok else None
     out = results.header()
-    out.update(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D, seconds=round(time.time() - t0, 1), shipped=shipped_row,
+    out.update(**head, seconds=round(time.time() - t0, 1), shipped=shipped_row,
                best=best, baselines=base, behind_store=sorted(behind, key=lambda r: min(r.get("ms", 9e9), r.get("ms_pdl", 9e9))),
                rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)
     results.write(a.out, out)

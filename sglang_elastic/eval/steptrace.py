@@ -12,13 +12,15 @@ scheduler, a host sync)?
 - **Steps.** A decode step under SGLang's CUDA graphs is one ``cudaGraphLaunch``
   (CUPTI's runtime record; every kernel of the graph carries its correlation
   id). The window runs from the first kernel of the first graph launch to the
-  first kernel of the last one: ``launches - 1`` whole steps, with whatever
+  first kernel of the last one: ``launches - 1`` whole steps (SGLang's profiler
+  records ``num_steps`` forwards: ``num_steps - 1`` whole steps), with whatever
   else the step launched outside the graph (the scheduler's ``req_to_token``
   writes, metadata copies) in it. A trace without graph launches (eager
   decode) is read whole and divided by the ``steps`` the caller gives.
 - **Busy and idle.** ``busy`` is the union of all kernel, memcpy and memset
-  intervals over every stream (concurrent streams count once); ``idle`` is the
-  window minus ``busy``: time with nothing running on the GPU.
+  intervals over every stream (concurrent streams count once), each cut at the
+  window's edges; ``idle`` is the window minus ``busy``: time with nothing
+  running on the GPU.
 - **Categories.** Kernel time (summed, not unioned) per :data:`CATEGORIES`
   entry, matched on the kernel name in order; the rest is ``other``.
 
@@ -94,11 +96,12 @@ def summarize(events: List[dict], steps: Optional[int] = None, top: int = 25,
 
     Args:
         events: a trace's events (:func:`load`).
-        steps: the steps the trace holds, used only when it has no graph launch to count.
+        steps: the whole steps the trace should hold: used when it has no graph launch to count, else
+            checked against the launches (a ``warnings`` entry when they differ).
         top: how many kernels to list by total time.
 
     Returns:
-        ``{"steps", "graph_launches", "window_us", "per_step_us": {"span", "busy", "idle", "kernels":
+        ``{"steps", "graph_launches", "window_us", "warnings", "per_step_us": {"span", "busy", "idle", "kernels":
         {category: us}}, "kernels": [{"name", "category", "count_per_step", "us_per_step"}...]}``;
         kernel names cut to 160 characters.
 
@@ -108,38 +111,43 @@ def summarize(events: List[dict], steps: Optional[int] = None, top: int = 25,
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
     if not gpu:
         raise ValueError("the trace holds no GPU kernel, memcpy or memset (was the profile started with GPU activity?)")
-    launches = [e for e in events if e.get("ph") == "X" and e.get("name") in GRAPH_LAUNCH]
+    launches = {(e.get("args") or {}).get("correlation") for e in events if e.get("ph") == "X" and e.get("name") in GRAPH_LAUNCH}
     corr_start: Dict[int, float] = {}
     for e in gpu:
         c = (e.get("args") or {}).get("correlation")
         if c is not None:
             corr_start[c] = min(corr_start.get(c, float("inf")), float(e["ts"]))
-    starts = sorted(corr_start[c] for c in ((l.get("args") or {}).get("correlation") for l in launches) if c in corr_start)
+    # one entry per launch: a runtime and a driver record of one launch share its correlation id
+    starts = sorted(corr_start[c] for c in launches if c in corr_start)
     if len(starts) >= 2:
         lo, hi, n = starts[0], starts[-1], len(starts) - 1
-        inside = [e for e in gpu if lo <= float(e["ts"]) < hi]
-        ivs = [(max(float(e["ts"]), lo), min(float(e["ts"]) + float(e["dur"]), hi)) for e in inside]
     else:
         if not steps:
             raise ValueError("the trace holds fewer than two graph launches: give the steps it covers")
         lo = min(float(e["ts"]) for e in gpu)
         hi = max(float(e["ts"]) + float(e["dur"]) for e in gpu)
-        n, inside = steps, gpu
-        ivs = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in inside]
+        n = steps
+    # every event that overlaps the window, cut at its edges (busy time and categories count the same microseconds)
+    clipped = [(e, max(float(e["ts"]), lo), min(float(e["ts"]) + float(e["dur"]), hi)) for e in gpu]
+    clipped = [(e, a, b) for e, a, b in clipped if b > a]
     window = hi - lo
-    busy = _union(ivs)
+    busy = _union((a, b) for _, a, b in clipped)
     per_cat: Dict[str, float] = {}
     per_name: Dict[str, List[float]] = {}
-    for e in inside:
+    for e, a, b in clipped:
         name = e["name"] if e.get("cat") == "kernel" else e.get("cat")
         cat = category(name, categories) if e.get("cat") == "kernel" else "memcpy_memset"
-        per_cat[cat] = per_cat.get(cat, 0.0) + float(e["dur"])
+        per_cat[cat] = per_cat.get(cat, 0.0) + (b - a)
         acc = per_name.setdefault(name, [0, 0.0])
         acc[0] += 1
-        acc[1] += float(e["dur"])
+        acc[1] += b - a
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    out_warn = []
+    if len(starts) >= 2 and steps and n != steps:
+        out_warn.append(f"{len(starts)} graph launches in the window, {steps} steps expected: a step that is not exactly one graph "
+                        "launch (an eager step, a breakable graph) makes the per-step figures wrong")
     return {
-        "steps": n, "graph_launches": len(starts), "window_us": round(window, 1),
+        "steps": n, "graph_launches": len(starts), "window_us": round(window, 1), "warnings": out_warn,
         "per_step_us": {"span": round(window / n, 2), "busy": round(busy / n, 2), "idle": round((window - busy) / n, 2),
                         "kernels": {k: round(v / n, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])}},
         "kernels": [{"name": k[:160], "category": category(k, categories) if k not in GPU_CATS else "memcpy_memset",

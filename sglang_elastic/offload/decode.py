@@ -36,13 +36,16 @@ class SplitConfig:
     ``dense_min_chunk`` (0: ``scores_min_chunk``): the smallest chunk of the all-dense
     step's plan (``plan(all_dense=True)``: the dense layers and :meth:`OffloadDecoder.dense_kept`
     read every position and run no scores pass, so fewer, longer chunks may pay);
-    ``dense_fused``: the dense layers and ``dense_kept`` run the one-launch split-KV
+    ``dense_fused``: the all-dense step's dense layers and ``dense_kept`` run the one-launch split-KV
     (:func:`~sglang_elastic.kernels.decode_attention.split_kv_fused_run`: the merge done by
     the last chunk to finish, a one-chunk request written directly) instead of partials and
     a merge launch; ``dense_pdl``: those launches with programmatic dependent launch (each
-    starts while the layer's KV store before it finishes, and waits for it on the GPU). All
-    three are for ``scripts/gpu/sweep_dense_kept.py`` to settle on the H200 (the fitting load's
-    step: issue 24); the defaults keep the measured plan."""
+    starts while the layer's KV store before it finishes, and waits for it on the GPU);
+    ``dense_block_n`` (0: ``scores_block_n``), ``dense_num_warps`` / ``dense_num_stages``
+    (None: Triton's default): their tile and launch shape (the plan's chunks rounded to the
+    block). These apply to the all-dense step only; a general step's dense layers keep the
+    scores plan and two launches. All are for ``scripts/gpu/sweep_dense_kept.py`` to settle on
+    the H200 (the fitting load's step: issue 24); the defaults keep the measured plan."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -55,6 +58,9 @@ class SplitConfig:
     dense_min_chunk: int = 0
     dense_fused: bool = False
     dense_pdl: bool = False
+    dense_block_n: int = 0
+    dense_num_warps: Optional[int] = None
+    dense_num_stages: Optional[int] = None
 
 
 class _Selection:
@@ -207,7 +213,8 @@ class OffloadDecoder:
             req_to_token, rp, lens, self.kv_indptr, None, self.kv_indices, req_to_token.stride(0),
         )
         min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if all_dense else sp.scores_min_chunk
-        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, sp.scores_block_n, self.chunk, self.nsplit)
+        block_n = (sp.dense_block_n or sp.scores_block_n) if all_dense else sp.scores_block_n
+        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
             if not self.keep_v:
@@ -292,14 +299,7 @@ class OffloadDecoder:
 
     def dense(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention over every position (a dense layer; V in the pool)."""
-        from sglang_elastic.kernels.decode_attention import split_kv_fused_run, split_kv_run
-
-        bs, sp = self.bs, self.split
-        if sp.dense_fused:
-            return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
-                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
-        return split_kv_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], self.nsplit[:bs],
-                            sp.scores_max_splits, self.mid_o, self.mid_lse, out, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
+        return self._every_position(q, k_buffer, v_buffer, out, sm_scale, None)
 
     def dense_kept(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """A sparse layer of an all-dense step (:meth:`plan` with ``all_dense``): attention over every
@@ -310,18 +310,30 @@ class OffloadDecoder:
         Raises:
             RuntimeError: the step was not planned ``all_dense``.
         """
-        from sglang_elastic.kernels.decode_attention import split_kv_fused_run
-        from sglang_elastic.kernels.offload import attend_run
-
         if not self.all_dense:
             raise RuntimeError("OffloadDecoder.dense_kept runs a step planned with all_dense=True")
+        return self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.att_vidx)
+
+    def _every_position(self, q, k_buffer, v_buffer, out, sm_scale, v_ids) -> torch.Tensor:
+        """Split-KV over the step's all-positions lists (V at ``v_ids`` when given, else at the K ids). An all-dense
+        step launches as ``SplitConfig.dense_*`` say; a general step's dense layers as the scores plan (two launches)."""
+        from sglang_elastic.kernels.decode_attention import split_kv_fused_run, split_kv_run
+        from sglang_elastic.kernels.offload import attend_run
+
         bs, sp = self.bs, self.split
-        if sp.dense_fused:
-            return split_kv_fused_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.chunk[:bs], sp.scores_max_splits,
-                                      self.mid_o, self.mid_lse, out, self.counters, sm_scale, sp.scores_block_n, v_indices=self.att_vidx,
-                                      pdl=sp.dense_pdl)
-        return attend_run(q, k_buffer, v_buffer, self.kv_indptr[: bs + 1], self.kv_indices, self.att_vidx, self.chunk[:bs], self.nsplit[:bs],
-                          sp.scores_max_splits, self.mid_o, self.mid_lse, out, None, sm_scale, sp.scores_block_n, pdl=sp.dense_pdl)
+        tuned = self.all_dense
+        bn = (sp.dense_block_n or sp.scores_block_n) if tuned else sp.scores_block_n
+        launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
+        pdl = sp.dense_pdl and tuned
+        indptr, chunk, nsplit, ms = self.kv_indptr[: bs + 1], self.chunk[:bs], self.nsplit[:bs], sp.scores_max_splits
+        if sp.dense_fused and tuned:
+            return split_kv_fused_run(q, k_buffer, v_buffer, indptr, self.kv_indices, chunk, ms, self.mid_o, self.mid_lse, out, self.counters,
+                                      sm_scale, bn, v_indices=v_ids, pdl=pdl, **launch)
+        if v_ids is None:
+            return split_kv_run(q, k_buffer, v_buffer, indptr, self.kv_indices, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, sm_scale, bn,
+                                pdl=pdl, **launch)
+        return attend_run(q, k_buffer, v_buffer, indptr, self.kv_indices, v_ids, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, None,
+                          sm_scale, bn, pdl=pdl, **launch)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
                 spec: bool, mark: bool = False, record: Optional[tuple] = None, clock=None):
