@@ -196,8 +196,8 @@ class OffloadConfig:
                               f"or 0 (off), not {self.hot_slack_max}")
         if self.hot_slack_max and self.resident_v:
             raise ConfigError("--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v (V stays on the GPU)")
-        if self.host_gb is not None and not self.host_gb > 0:
-            raise ConfigError(f"--kv-offload-host-gb must be positive, not {self.host_gb}")
+        if self.host_gb is not None and not 0 < self.host_gb < float("inf"):
+            raise ConfigError(f"--kv-offload-host-gb must be a positive number of GB (omit it for free host RAM), not {self.host_gb}")
         if self.prefetch not in PREFETCH:
             raise ConfigError(f"--kv-offload-prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
         if self.eviction not in EVICTIONS:

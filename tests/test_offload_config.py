@@ -74,6 +74,8 @@ def namespace(*flags, **sglang):
      "--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
+    (["--kv-offload-host-gb", "inf"], dict(disable_radix_cache=True), "--kv-offload-host-gb must be a positive number of GB (omit it for free host RAM), not inf"),
+    (["--kv-offload-host-gb", "nan"], dict(disable_radix_cache=True), "--kv-offload-host-gb must be a positive number of GB"),
     (["--kv-offload-denominator", "estimate", "--kv-offload-chunk", "64"], dict(disable_radix_cache=True),
      "--kv-offload-chunk 64 must be at most --kv-offload-window 32"),
     (["--kv-offload-denominator", "selected", "--kv-offload-chunk", "16"], dict(disable_radix_cache=True),

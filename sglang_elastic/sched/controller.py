@@ -168,7 +168,7 @@ class EagerActivations:
     estimate (:func:`eager_activation_bytes`): issue 22's "SGLang's own
     estimate, measured and checked".
 
-    Why: SGLang's estimate is 512 MiB + 1.5 MiB a token (12.9 GiB for a chunk
+    Why: SGLang's estimate is 512 MiB + 1.5 MiB a token + 128 MiB a rank (12.6 GiB for a chunk
     of 8,192 tokens), more than the 8.6 GiB step lent on the H200, so every
     eager prefill reclaimed the whole step (8.6 / 15.0 ms p50 / p99), whatever
     the prefill took and whatever torch's cache still held from the last one.
