@@ -160,8 +160,9 @@ def main(argv=None) -> int:
             rows.append({**cfg, "ms": t, "max_abs_diff_vs_shipped": err})
         except Exception as e:  # a configuration the compiler or the shared memory refuses
             failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
-        if len(rows) % 20 == 0:
-            partial()
+        else:
+            if len(rows) % 20 == 0:
+                partial()
     if not rows:
         print("sweep_dense_kept: no configuration ran; nothing written", file=sys.stderr)
         return 1

@@ -133,15 +133,17 @@ def summarize(events: List[dict], steps: Optional[int] = None, top: int = 25,
     window = hi - lo
     busy = _union((a, b) for _, a, b in clipped)
     per_cat: Dict[str, float] = {}
-    per_name: Dict[str, List[float]] = {}
+    per_name: Dict[str, list] = {}  # name: [category, count, us]; a name's category is matched once
     for e, a, b in clipped:
-        name = e["name"] if e.get("cat") == "kernel" else e.get("cat")
-        cat = category(name, categories) if e.get("cat") == "kernel" else "memcpy_memset"
-        per_cat[cat] = per_cat.get(cat, 0.0) + (b - a)
-        acc = per_name.setdefault(name, [0, 0.0])
-        acc[0] += 1
-        acc[1] += b - a
-    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+        kernel = e.get("cat") == "kernel"
+        name = e["name"] if kernel else e.get("cat")
+        acc = per_name.get(name)
+        if acc is None:
+            acc = per_name[name] = [category(name, categories) if kernel else "memcpy_memset", 0, 0.0]
+        acc[1] += 1
+        acc[2] += b - a
+        per_cat[acc[0]] = per_cat.get(acc[0], 0.0) + (b - a)
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][2])[:top]
     out_warn = []
     if len(starts) >= 2 and steps and n != steps:
         out_warn.append(f"{len(starts)} graph launches in the window, {steps} steps expected: a step that is not exactly one graph "
@@ -150,8 +152,8 @@ def summarize(events: List[dict], steps: Optional[int] = None, top: int = 25,
         "steps": n, "graph_launches": len(starts), "window_us": round(window, 1), "warnings": out_warn,
         "per_step_us": {"span": round(window / n, 2), "busy": round(busy / n, 2), "idle": round((window - busy) / n, 2),
                         "kernels": {k: round(v / n, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])}},
-        "kernels": [{"name": k[:160], "category": category(k, categories) if k not in GPU_CATS else "memcpy_memset",
-                     "count_per_step": round(c / n, 3), "us_per_step": round(t / n, 2)} for k, (c, t) in rows],
+        "kernels": [{"name": k[:160], "category": cat, "count_per_step": round(c / n, 3), "us_per_step": round(t / n, 2)}
+                    for k, (cat, c, t) in rows],
     }
 
 
