@@ -151,7 +151,9 @@ class OffloadConfig:
     them: :mod:`sglang_elastic.offload.keep`; None, the default: on unless
     ``resident_v``, see :attr:`keep_v_wanted`); ``copy_timing`` (CUDA events around
     every V copy and prefetch wait of a sampled decode step: the share of copy time
-    hidden behind compute on ``/metrics``, :mod:`sglang_elastic.offload.copytime`).
+    hidden behind compute on ``/metrics``, :mod:`sglang_elastic.offload.copytime`);
+    ``dense_launch`` (the all-dense step's attention launch, ``key=value,...``:
+    :meth:`split_config`).
 
     Raises:
         ConfigError: a value out of range, or a ``--kv-offload-*`` flag without
@@ -175,6 +177,7 @@ class OffloadConfig:
     eviction: str = "lru"
     keep_v: Optional[bool] = None
     copy_timing: bool = False
+    dense_launch: str = ""
 
     def __post_init__(self):
         from sglang_elastic.offload.policy import PolicyError
@@ -208,6 +211,13 @@ class OffloadConfig:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
         if self.copy_timing and self.resident_v:
             raise ConfigError("--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v (V stays on the GPU)")
+        if self.dense_launch:
+            if not self.keep_v_wanted:
+                raise ConfigError("--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off")
+            try:
+                self.split_config()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         defaults = OffloadConfig.__dataclass_fields__
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
@@ -225,6 +235,13 @@ class OffloadConfig:
         if self.keep_v is not None:
             return self.keep_v
         return self.enabled and not self.resident_v
+
+    def split_config(self):
+        """The decoder's launch settings (:class:`~sglang_elastic.offload.decode.SplitConfig`), with the all-dense
+        step's from ``--kv-offload-dense-launch`` (:meth:`~sglang_elastic.offload.decode.SplitConfig.with_dense_launch`)."""
+        from sglang_elastic.offload.decode import SplitConfig
+
+        return SplitConfig.with_dense_launch(self.dense_launch)
 
     def policy(self):
         """The attended-set rule (:class:`~sglang_elastic.offload.policy.OffloadPolicy`)."""
@@ -349,6 +366,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-keep-v", action=argparse.BooleanOptionalAction, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +6.3 %% median ITL against stock on a load that fits in HBM (+31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
     o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). A step is read only once the GPU has passed it before its graph replays again: with SGLang's overlap scheduler few are (copy_unread_steps counts the others); --disable-overlap-schedule for every 16th. Off by default.")
+    o.add_argument("--kv-offload-dense-launch", default=None, metavar="KEY=VALUE,...", help="The all-dense step's attention launch (with --kv-offload-keep-v, while every request keeps its V): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n, num_warps, num_stages; e.g. fused=1,min_chunk=2048,pdl=1. scripts/gpu/sweep_dense_kept.py times them on a GPU and prints its pick as dense_launch (default: the shipped settings, docs/offload.md).")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer: +57 %% median ITL on the Llama-3.1-8B shape at 64 x 32K on the H200 (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

@@ -3,6 +3,7 @@ start-up, and the pool's sizing arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_elastic import config
+from sglang_elastic.offload.decode import SplitConfig
 from sglang_elastic.offload.policy import OffloadPolicy
 from sglang_elastic.offload.sizing import HOST_RESERVE_BYTES, ModelShape, SizingError, device_fixed_bytes, size_pool
 
@@ -33,15 +35,17 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sgl
                                   "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "estimate",
                                   "--kv-offload-chunk", "32", "--kv-offload-host-gb", "80", "--kv-offload-eviction", "lfu",
                                   "--kv-offload-hot-slack", "1.5", "--kv-offload-keep-v", "--kv-offload-hot-slack-max", "4",
-                                  "--kv-offload-copy-timing"])
+                                  "--kv-offload-copy-timing", "--kv-offload-dense-launch", "fused=1,min_chunk=2048,pdl=on"])
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
     assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "estimate",
                    "chunk": 32, "hot_tokens": 3000, "hot_slack": 1.5, "hot_slack_max": 4.0, "host_gb": 80.0, "resident_v": False, "prefetch": "off",
-                   "eviction": "lfu", "keep_v": True, "copy_timing": True}
+                   "eviction": "lfu", "keep_v": True, "copy_timing": True, "dense_launch": "fused=1,min_chunk=2048,pdl=on"}
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
-    assert config.ElasticKVConfig.from_env(out["CONFIG"]).offload.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
+    got = config.ElasticKVConfig.from_env(out["CONFIG"]).offload
+    assert got.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
+    assert got.split_config() == dataclasses.replace(SplitConfig(), dense_fused=True, dense_min_chunk=2048, dense_pdl=True)
 
 
 def namespace(*flags, **sglang):
@@ -72,6 +76,16 @@ def namespace(*flags, **sglang):
      "--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v"),
     (["--kv-offload-copy-timing", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
      "--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v"),
+    (["--kv-offload-dense-launch", "fused=1", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
+     "--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off"),
+    (["--kv-offload-dense-launch", "fused=1", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
+     "--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off"),
+    (["--kv-offload-dense-launch", "fuse=1"], dict(disable_radix_cache=True), "'fuse=1' is not key=value with a key of min_chunk, fused"),
+    (["--kv-offload-dense-launch", "block_n=48"], dict(disable_radix_cache=True), "block_n takes one of 0, 16, 32, 64, 128, not '48'"),
+    (["--kv-offload-dense-launch", "num_warps=3"], dict(disable_radix_cache=True), "num_warps takes one of none, 1, 2, 4, 8, 16, not '3'"),
+    (["--kv-offload-dense-launch", "pdl=yes"], dict(disable_radix_cache=True), "pdl takes 0/1, true/false or on/off, not 'yes'"),
+    (["--kv-offload-dense-launch", "min_chunk=-1"], dict(disable_radix_cache=True), "min_chunk takes 0 to 1048576 positions, not '-1'"),
+    (["--kv-offload-dense-launch", "pdl=1,pdl=0"], dict(disable_radix_cache=True), "pdl given twice"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
     (["--kv-offload-host-gb", "inf"], dict(disable_radix_cache=True), "--kv-offload-host-gb must be a positive number of GB (omit it for free host RAM), not inf"),
@@ -140,7 +154,7 @@ def test_offload_sets_its_attention_backend():
 
 
 @pytest.mark.parametrize("flags", [["--kv-offload-topk", "2048"], ["--kv-offload-denominator", "selected"], ["--kv-offload-resident-v"],
-                                   ["--kv-offload-host-gb", "40"], ["--kv-offload-copy-timing"]])
+                                   ["--kv-offload-host-gb", "40"], ["--kv-offload-copy-timing"], ["--kv-offload-dense-launch", "pdl=1"]])
 def test_offload_flags_given_without_enable_are_refused_even_at_their_default(flags):
     """A flag at its default value was accepted silently without --enable-kv-offload (seen by a new user)."""
     with pytest.raises(config.ConfigError, match=f"{flags[0]} .*needs --enable-kv-offload"):
@@ -352,3 +366,18 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
     assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["X"], attn_logit_softcapping=None))) == ""
     assert hooks._unsupported_model(kvc(types.SimpleNamespace(architectures=["Grok1ForCausalLM"], attn_logit_softcapping=0.0))) == ""  # no cap
     assert hooks._unsupported_model(kvc(use_mla_backend=True)) == "an MLA model"
+
+
+@pytest.mark.parametrize("text,want", [
+    ("", {}),
+    ("fused=1,min_chunk=2048,pdl=true", dict(dense_fused=True, dense_min_chunk=2048, dense_pdl=True)),
+    (" block_n = 128 , num_warps=none,num_stages=3 ,", dict(dense_block_n=128, dense_num_warps=None, dense_num_stages=3)),
+    ("fused=off,pdl=0,min_chunk=0,block_n=0,num_warps=8,num_stages=none", dict(dense_num_warps=8)),
+])
+def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, want):
+    """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else; ``dense_launch()``
+    prints a text that reads back to the same configuration (the sweep reports its pick that way)."""
+    got = SplitConfig.with_dense_launch(text)
+    assert got == dataclasses.replace(SplitConfig(), **want)
+    assert SplitConfig.with_dense_launch(got.dense_launch()) == got
+    assert got.scores_min_chunk == SplitConfig().scores_min_chunk and got.attend_block_n == SplitConfig().attend_block_n

@@ -373,6 +373,8 @@ def part_throughput(a) -> dict:
     ps = prompts([ilen] * n, seed=2)
     for i, name in enumerate(a.servers.split(",")):
         offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
+        if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
+            offload_extra.append(f"--kv-offload-dense-launch={a.dense_launch}")
         s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a) + a.extra.split() + offload_extra, 30300 + i,
                    a.work)
         try:
@@ -588,6 +590,8 @@ def main():
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
+    ap.add_argument("--dense-launch", default="", help="throughput: --kv-offload-dense-launch for the keep-v servers only (e.g. the "
+                                                     "dense_launch that scripts/gpu/sweep_dense_kept.py picked)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="throughput: after the measured load, a second one profiled over this many forward steps (SGLang's "
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
@@ -607,8 +611,15 @@ def main():
             ap.error("merge needs --inputs PART.json ...")
         if a.part != "merge" and a.inputs:
             ap.error(f"--inputs applies only to merge, not {a.part}")
-        if a.part != "throughput" and a.offload_extra:
-            ap.error(f"--offload-extra applies only to throughput, not {a.part}")
+        if a.part != "throughput" and (a.offload_extra or a.dense_launch):
+            ap.error(f"--offload-extra / --dense-launch apply only to throughput, not {a.part}")
+        if a.dense_launch:
+            from sglang_elastic.offload.decode import SplitConfig
+
+            try:
+                SplitConfig.with_dense_launch(a.dense_launch)
+            except ValueError as e:
+                ap.error(str(e))
         res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble,
                "merge": part_merge}[a.part](a)
     except RuntimeError as e:

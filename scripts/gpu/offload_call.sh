@@ -6,7 +6,8 @@
 # STEP: check | sweep | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
 #       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore
 #   sweep: scripts/gpu/sweep_dense_kept.py (the all-dense step's attention configurations, PDL behind the store) -> $OUT/sweep_dense_kept.json;
-#     $SWEEP_BUDGET_S (default 300) bounds its grid
+#     $SWEEP_BUDGET_S (default 300) bounds its grid; its pick (--kv-offload-dense-launch text) stays in /tmp/dense_launch.txt
+#     for a later call on the same host: DENSE_LAUNCH=sweep
 #   decode_serving: scripts/gpu/bench_decode_serving.py run --model MODEL (issue 23's serving A/B; $SERVING_ARGS: more of its flags,
 #     e.g. "--budget-s 400") -> $OUT/serving_MODEL.json
 #   jit_save: FlashInfer's and Triton's JIT caches of this host -> $OUT/jit.tgz.00, .01, ... (scripts/eval/jit_cache.sh);
@@ -14,7 +15,7 @@
 #     (a fresh host's first server start: ~4 min with the compiles, ~1 min without)
 #   smoke, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
-#     --kv-offload-copy-timing), $NUM_PROMPTS (requests, default the workload's), $PROFILE_STEPS (after the measured load, a
+#     --kv-offload-copy-timing), $DENSE_LAUNCH (--kv-offload-dense-launch for the keep-v servers; "sweep": the sweep's pick), $NUM_PROMPTS (requests, default the workload's), $PROFILE_STEPS (after the measured load, a
 #     second one with SGLang's torch profiler over that many decode steps: each server's per-step kernel time by category and GPU
 #     idle time, in its row's "profile"; traces in /tmp/bench_offload/profile)
 #   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
@@ -63,16 +64,20 @@ free_gpu() {  # stop every SGLang process and wait (up to 60 s) until no process
   done
   pkill -9 -f "sglang::"; pkill -9 -f sglang.launch_server; sleep 3
 }
+dense_launch() {  # $DENSE_LAUNCH: --kv-offload-dense-launch text, or "sweep": the pick of an earlier sweep step on this host
+  if [ "$DENSE_LAUNCH" = sweep ]; then cat /tmp/dense_launch.txt 2>/dev/null || echo no-sweep-pick-on-this-host; else echo "$DENSE_LAUNCH"; fi
+}
 tp=${TP:-1}; sfx=""; [ "$tp" -gt 1 ] && sfx="_tp$tp"  # TP=2: every server at --tp 2 (GPUs 0,1), parts named *_tp2.json
 for step in "$@"; do
   IFS=: read -r kind arg1 arg2 <<< "$step"
   t0=$(date +%s)
   case $kind in
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
-    sweep) python3 scripts/gpu/sweep_dense_kept.py --budget-s "${SWEEP_BUDGET_S:-300}" --out "$out/sweep_dense_kept.json" > "$out/sweep.log" 2>&1 ;;
+    sweep) python3 scripts/gpu/sweep_dense_kept.py --budget-s "${SWEEP_BUDGET_S:-300}" --out "$out/sweep_dense_kept.json" \
+             --pick-file /tmp/dense_launch.txt > "$out/sweep.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol

@@ -7,7 +7,8 @@ this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays,
 kernel, in one graph, with and without programmatic dependent launch (PDL only shows with a kernel
 before it; FlashInfer behind the same store for reference). The winner goes into ``SplitConfig``
 (``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``dense_block_n``, ``dense_num_warps``,
-``dense_num_stages``: the all-dense step's own settings) of ``sglang_elastic/offload/decode.py``;
+``dense_num_stages``: the all-dense step's own settings) of ``sglang_elastic/offload/decode.py``, or a server
+runs it first as ``--kv-offload-dense-launch`` (the result's ``dense_launch``: the fastest exact row behind the store);
 ``max_splits`` stays ``scores_max_splits``, as the decoder plans.
 
     python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
@@ -34,11 +35,34 @@ from sglang_elastic import results
 BEHIND_STORE = 6
 
 
+def dense_pick(behind: list) -> "dict | None":
+    """The fastest behind-the-store row whose output matched (PDL on or off, whichever was faster and exact), as
+    ``--kv-offload-dense-launch`` text (``text``), its time (``ms``) and the shipped row's (``shipped_ms``; None when
+    the shipped row was not timed); None when no row qualifies."""
+    from sglang_elastic.offload.decode import SplitConfig
+
+    cands = []
+    for r in behind:
+        for pdl, ms_key, err_key in ((False, "ms", "max_abs_diff"), (True, "ms_pdl", "max_abs_diff_pdl")):
+            if ms_key in r and r.get(err_key, 1.0) < 2e-2:
+                cands.append((r[ms_key], pdl, r))
+    if not cands:
+        return None
+    ms, pdl, r = min(cands, key=lambda c: c[0])
+    sp = SplitConfig()
+    cfg = SplitConfig(dense_min_chunk=r["min_chunk"], dense_fused=r["fused"], dense_pdl=pdl, dense_block_n=r["block_n"],
+                      dense_num_warps=r["num_warps"], dense_num_stages=r["num_stages"])
+    shipped = next((x for x in behind if not x["fused"] and x["min_chunk"] == sp.scores_min_chunk and x["block_n"] == sp.scores_block_n
+                    and x["num_warps"] is None and x["num_stages"] is None), None)
+    return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4608)
+    ap.add_argument("--pick-file", default=None, help="also write the pick's --kv-offload-dense-launch text here")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
@@ -196,12 +220,18 @@ def main(argv=None) -> int:
     if fi_run is not None:
         base["flashinfer_tc_behind_store_ms"] = graph_ms(lambda: (store(), fi_run()))
     best = min(ok, key=lambda r: r["ms"]) if ok else None
+    pick = dense_pick(behind)
     out = results.header()
     out.update(**head, seconds=round(time.time() - t0, 1), shipped=shipped_row,
-               best=best, baselines=base, behind_store=sorted(behind, key=lambda r: min(r.get("ms", 9e9), r.get("ms_pdl", 9e9))),
+               best=best, dense_launch=pick, baselines=base, behind_store=sorted(behind, key=lambda r: min(r.get("ms", 9e9), r.get("ms_pdl", 9e9))),
                rows=sorted(rows, key=lambda r: r["ms"]), failed=failed)
     results.write(a.out, out)
     print("shipped", shipped_row, "\nbest", best, "\nbaselines", base, "\nfailed", len(failed))
+    if pick is not None:
+        print(f"dense_launch {pick['text']}  ({pick['ms']:.4f} ms behind the store; shipped {pick['shipped_ms']} ms)")
+        if a.pick_file:
+            with open(a.pick_file, "w") as f:
+                f.write(pick["text"] + "\n")
     for r in out["behind_store"]:
         print("behind store", r)
     for r in sorted(rows, key=lambda r: r["ms"])[:12]:

@@ -92,7 +92,7 @@ class OffloadAttnBackend(AttentionBackend):
             layout = dataclasses.replace(layout, keep_v=False)
         self.decoder = OffloadDecoder(layout, self.q_heads, self.pool.head_num, self.pool.head_dim, max_bs=rows,
                                       token_capacity=self.pool.size + self.pool.page_size + rows, device=self.device,
-                                      prefetch=self.prefetch_on)
+                                      split=config.current().offload.split_config(), prefetch=self.prefetch_on)
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
         #: --kv-offload-copy-timing: events around the V copies and prefetch waits (sglang_elastic.offload.copytime)
         self.copy_timer = None

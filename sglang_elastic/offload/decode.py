@@ -62,6 +62,67 @@ class SplitConfig:
     dense_num_warps: Optional[int] = None
     dense_num_stages: Optional[int] = None
 
+    @classmethod
+    def with_dense_launch(cls, text: str) -> "SplitConfig":
+        """The shipped configuration with the all-dense step's settings of ``--kv-offload-dense-launch``.
+
+        Args:
+            text: ``key=value`` pairs separated by commas, keys of :data:`DENSE_LAUNCH_KEYS` (the ``dense_*``
+                fields without the prefix): ``min_chunk`` (positions, >= 0; 0: ``scores_min_chunk``),
+                ``fused`` / ``pdl`` (0/1, true/false, on/off), ``block_n`` (0: ``scores_block_n``, or 16, 32, 64,
+                128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6); e.g.
+                ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
+                ``dense_launch``). Empty: the defaults.
+
+        Raises:
+            ValueError: an unknown key, a repeated key, or a value out of range; the message names it.
+        """
+        values = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, raw = item.partition("=")
+            key, raw = key.strip(), raw.strip().lower()
+            if not eq or key not in DENSE_LAUNCH_KEYS:
+                raise ValueError(f"--kv-offload-dense-launch: {item!r} is not key=value with a key of {', '.join(DENSE_LAUNCH_KEYS)}")
+            if "dense_" + key in values:
+                raise ValueError(f"--kv-offload-dense-launch: {key} given twice")
+            values["dense_" + key] = _dense_value(key, raw)
+        return dataclasses.replace(cls(), **values)
+
+    def dense_launch(self) -> str:
+        """The ``--kv-offload-dense-launch`` text of this configuration's ``dense_*`` fields (inverse of
+        :meth:`with_dense_launch`)."""
+        def text(v):
+            return "none" if v is None else str(int(v))
+        return ",".join(f"{k}={text(getattr(self, 'dense_' + k))}" for k in DENSE_LAUNCH_KEYS)
+
+
+#: ``--kv-offload-dense-launch`` keys: :class:`SplitConfig`'s ``dense_*`` fields without the prefix
+DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages")
+_DENSE_ALLOWED = {"block_n": (0, 16, 32, 64, 128), "num_warps": (None, 1, 2, 4, 8, 16), "num_stages": (None, 1, 2, 3, 4, 5, 6)}
+
+
+def _dense_value(key: str, raw: str):
+    """One ``--kv-offload-dense-launch`` value, checked (ValueError names the key)."""
+    if key in ("fused", "pdl"):
+        flags = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+        if raw not in flags:
+            raise ValueError(f"--kv-offload-dense-launch: {key} takes 0/1, true/false or on/off, not {raw!r}")
+        return flags[raw]
+    if raw == "none" and None in _DENSE_ALLOWED.get(key, ()):
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        v = None
+    if key == "min_chunk":
+        if v is None or not 0 <= v <= 1 << 20:
+            raise ValueError(f"--kv-offload-dense-launch: min_chunk takes 0 to {1 << 20} positions, not {raw!r}")
+        return v
+    if v not in _DENSE_ALLOWED[key]:
+        allowed = ", ".join("none" if a is None else str(a) for a in _DENSE_ALLOWED[key])
+        raise ValueError(f"--kv-offload-dense-launch: {key} takes one of {allowed}, not {raw!r}")
+    return v
+
 
 class _Selection:
     """Buffers of one layer's selection: scores, log-sum-exps, top-k, swap-in
@@ -445,4 +506,4 @@ class OffloadDecoder:
                      record=None if record is None else (record[0], record[1], False), clock=clock)
 
 
-__all__ = ["OffloadDecoder", "SplitConfig"]
+__all__ = ["DENSE_LAUNCH_KEYS", "OffloadDecoder", "SplitConfig"]

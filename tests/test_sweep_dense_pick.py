@@ -1,0 +1,40 @@
+"""``scripts/gpu/sweep_dense_kept.py``'s pick: the fastest exact row behind the KV store, as the
+``--kv-offload-dense-launch`` text a server reads back to the same settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from sglang_elastic.offload.decode import SplitConfig
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu", "sweep_dense_kept.py")
+_spec = importlib.util.spec_from_file_location("sweep_dense_kept", _PATH)
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+
+def row(**kw):
+    base = dict(max_splits=32, min_chunk=512, block_n=64, num_warps=None, num_stages=None, fused=False, chunks=9)
+    return {**base, **kw}
+
+
+def test_pick_skips_a_faster_row_whose_output_did_not_match_and_round_trips():
+    shipped = row(ms=0.300, ms_pdl=0.296, max_abs_diff=1e-3, max_abs_diff_pdl=1e-3)
+    fused = row(min_chunk=2048, fused=True, block_n=128, num_warps=8, num_stages=3, chunks=3,
+                ms=0.281, ms_pdl=0.270, max_abs_diff=2e-3, max_abs_diff_pdl=0.5)  # PDL read stale rows: not taken
+    broken = row(min_chunk=4096, fused=True, chunks=2, ms=0.100, max_abs_diff=float("nan"), error_pdl="OutOfResources")
+    pick = sweep.dense_pick([shipped, fused, broken])
+    assert pick == {"text": "min_chunk=2048,fused=1,pdl=0,block_n=128,num_warps=8,num_stages=3", "ms": 0.281, "pdl": False,
+                    "shipped_ms": 0.300}
+    got = SplitConfig.with_dense_launch(pick["text"])
+    assert (got.dense_min_chunk, got.dense_fused, got.dense_pdl, got.dense_block_n, got.dense_num_warps, got.dense_num_stages) == \
+        (2048, True, False, 128, 8, 3)
+
+
+def test_pick_takes_pdl_when_faster_and_exact_and_none_without_an_exact_row():
+    shipped = row(ms=0.300, ms_pdl=0.290, max_abs_diff=1e-3, max_abs_diff_pdl=1e-3)
+    pick = sweep.dense_pick([shipped])
+    assert pick["pdl"] and pick["ms"] == 0.290 and SplitConfig.with_dense_launch(pick["text"]) == SplitConfig(dense_min_chunk=512, dense_pdl=True, dense_block_n=64)
+    assert sweep.dense_pick([row(ms=0.2, max_abs_diff=0.3)]) is None
+    assert sweep.dense_pick([]) is None
