@@ -147,11 +147,12 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     # twice (2026-12-04 #2), stock + estimate in one run of 2026-12-04, the 64 x 32K load against stock and HiCache,
     # and with keep-v; 8 x 128K with stock and offload in two calls on one host (merged); prefetch beside the sparse rule;
     # keep-v beside stock a third time (1a4cb5f, both servers at --max-running-requests 64, no prefill graphs)
-    old_row, est_row, keep1, keep2, keep3, same_row, row128k, long_row, long_keep, long_prefetch = out["throughput"]
-    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 6 + ["long128k"] + ["long32k"] * 3
+    # and (throughput_fits_dense_launch.json, 0031723) keep-v beside stock with the all-dense launch the sweep picked
+    old_row, dense_row, est_row, keep1, keep2, keep3, same_row, row128k, long_row, long_keep, long_prefetch = out["throughput"]
+    assert [r["workload"] for r in out["throughput"]] == ["fits"] * 7 + ["long128k"] + ["long32k"] * 3
     # each row says its size (a shortened run, --num-prompts, is not taken for the workload's default)
     assert [(r["num_prompts"], r["input_len"], r["output_len"]) for r in out["throughput"]] == \
-        [(64, 4096, 512)] * 6 + [(8, 130560, 512)] + [(64, 32768, 512)] * 3
+        [(64, 4096, 512)] * 7 + [(8, 130560, 512)] + [(64, 32768, 512)] * 3
     merged = json.loads((parts / "throughput_long128k_n8.json").read_text())
     assert [m["servers"] for m in merged["merged_from"]] == [["stock"], ["offload"]]
     assert row128k["stock_output_tok_s"] == merged["servers"]["stock"]["output_tok_s"] and row128k["offload_output_tok_s"] > 0
@@ -165,6 +166,11 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
         assert row["keep_v_median_itl_ms"] == kv["offload-keep"]["median_itl_ms"] and row["stock_median_itl_ms"] == kv["stock"]["median_itl_ms"]
         assert 1.0 < row["keep_v_median_itl_ms"] / row["stock_median_itl_ms"] < 1.07 and row["offload_median_itl_ms"] is None
         assert kv["offload-keep"]["completed"] == 64
+    dl = json.loads((parts / "throughput_fits_dense_launch.json").read_text())["servers"]
+    assert dense_row["keep_v_median_itl_ms"] == dl["offload-keep"]["median_itl_ms"] and dense_row["stock_median_itl_ms"] == dl["stock"]["median_itl_ms"]
+    assert 1.0 < dense_row["keep_v_median_itl_ms"] / dense_row["stock_median_itl_ms"] < 1.05  # issue 24's bound on a fitting load
+    assert "--kv-offload-dense-launch=min_chunk=8192,fused=1,pdl=1" in dl["offload-keep"]["extra_flags"] and dl["offload-keep"]["completed"] == 64
+    assert dl["offload-keep"]["keep_v"]["demotions"] == 0 and dl["offload-keep"]["profile"]["steps"] == dl["stock"]["profile"]["steps"] == 29
     assert long_keep["keep_v_output_tok_s"] > 0 and long_keep["stock_output_tok_s"] is None
     assert old_row["stock_median_itl_ms"] == src["stock"]["median_itl_ms"]
     assert old_row["offload_output_tok_s"] == src["offload"]["output_tok_s"] and old_row["hicache_output_tok_s"] is None  # not run: null

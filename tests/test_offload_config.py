@@ -345,7 +345,7 @@ def test_the_help_of_every_flag_formats():
     p = argparse.ArgumentParser()
     config.add_cli_args(p)
     text = " ".join(p.format_help().split())  # argparse wraps the lines
-    assert "--no-kv-offload-keep-v" in text and "+6.3 % median ITL" in text and "--elastic-kv-activation-rule" in text
+    assert "--no-kv-offload-keep-v" in text and "+0.5 % median ITL" in text and "--elastic-kv-activation-rule" in text
 
 
 def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
@@ -372,7 +372,8 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
     ("", {}),
     ("fused=1,min_chunk=2048,pdl=true", dict(dense_fused=True, dense_min_chunk=2048, dense_pdl=True)),
     (" block_n = 128 , num_warps=none,num_stages=3 ,", dict(dense_block_n=128, dense_num_warps=None, dense_num_stages=3)),
-    ("fused=off,pdl=0,min_chunk=0,block_n=0,num_warps=8,num_stages=none", dict(dense_num_warps=8)),
+    ("fused=off,pdl=0,min_chunk=0,block_n=0,num_warps=8,num_stages=none,min_ctas=0",
+     dict(dense_fused=False, dense_pdl=False, dense_min_chunk=0, dense_block_n=0, dense_num_warps=8, dense_num_stages=None, dense_min_ctas=0)),
 ])
 def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, want):
     """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else; ``dense_launch()``

@@ -804,11 +804,15 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
     assert int(sim.dec.dense_lens[0]) == 0 and int(sim.dec.sc_indptr[1]) == 201
 
 
-@pytest.mark.parametrize("split,chunks", [(SPLIT, [2, 4]), (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=1024), [1, 1]),
-                                          (dataclasses.replace(SPLIT, dense_fused=True, dense_min_chunk=64, dense_pdl=True, dense_block_n=32,
-                                                               dense_num_warps=2), [4, 4]),
-                                          (dataclasses.replace(SPLIT, dense_pdl=True, dense_min_chunk=256), [1, 3])],
-                         ids=["two_launch", "fused_one_chunk", "fused_split_pdl", "two_launch_pdl"])
+@pytest.mark.parametrize("split,chunks", [(SPLIT, [2, 4]),  # the shipped dense_* settings, below dense_min_ctas: the scores plan
+                                          (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=False, dense_pdl=False, dense_block_n=0,
+                                                               dense_num_stages=None, dense_min_chunk=0), [2, 4]),
+                                          (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=1024), [1, 1]),
+                                          (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=64, dense_pdl=True,
+                                                               dense_block_n=32, dense_num_warps=2, dense_num_stages=None), [4, 4]),
+                                          (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=False, dense_pdl=True, dense_min_chunk=256,
+                                                               dense_block_n=0, dense_num_stages=None), [1, 3])],
+                         ids=["below_min_ctas", "two_launch", "fused_one_chunk", "fused_split_pdl", "two_launch_pdl"])
 def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry(split, chunks):
     """The all-dense plan (every request keeps V; the CUDA-graph variant of such batches): the sparse
     layers run one split-KV pass over K and the kept V, no scores, top-k or copy (no hot page granted,
@@ -828,7 +832,8 @@ def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_wit
         lens = [x + 1 for x in lens]
         _, w = sim.decode([1, 2, 0], lens + [1], all_dense=True)  # a padded graph batch: row 0, length 1
         worst = max(worst, w)
-        assert sim.dec.nsplit[:2].tolist() == chunks and (not split.dense_fused or not sim.dec.counters.any())
+        assert sim.dec.dense_tuned == (split.dense_min_ctas == 0)  # 3 graph rows x the pool's KV heads are below 256 programs
+        assert sim.dec.nsplit[:2].tolist() == chunks and (not sim.dec.dense_tuned or not split.dense_fused or not sim.dec.counters.any())
     assert worst < 2e-2, worst
     assert sim.dec.stats.tolist() == [0, 0] and int(pool.hot_count[1]) == int(pool.hot_count[2]) == 0
     # row 1 reached 232 = 29 chunks of 8 in an all-dense step: that chunk's mean was read from the kept rows

@@ -91,6 +91,13 @@ def test_categories_tell_offload_kernels_from_attention_merges():
     assert steptrace.category("_row_plan_kernel") == "plan"
     assert steptrace.category("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert steptrace.category("something_else") == "other"
+    # seen in the H200 profile of 2026-12-05: FlashInfer's norm was counted as attention, the host V writes as selection
+    assert steptrace.category("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)") == "norm_rope_act"
+    assert steptrace.category("void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits<>>") == "attention"
+    assert steptrace.category("void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 16u>") == "attention"
+    assert steptrace.category("_copy_rows_kernel") == "offload_copy"
+    assert steptrace.category("void (anonymous namespace)::fused_rope_kernel<true, 128l>") == "norm_rope_act"
+    assert steptrace.category("_split_fused_kernel") == "attention"
 
 
 def test_load_reads_gzip_traces_and_refuses_other_json(tmp_path):

@@ -37,14 +37,17 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 #: (category, regex on the kernel name), first match wins. ``offload_*`` are this project's KV offload
 #: kernels (``sglang_elastic.kernels.offload``); ``attention`` covers FlashInfer's, SGLang's Triton and ours.
 CATEGORIES: Tuple[Tuple[str, str], ...] = (
-    ("offload_select", r"_scores_kernel|_select_hist|_select_write|_lse_merge|_swap_in|_gather_selected|_copy_rows|_estimate_kernel"
+    ("offload_select", r"_scores_kernel|_select_hist|_select_write|_lse_merge|_swap_in|_gather_selected|_estimate_kernel"
                        r"|_chunk_mean|_page_grant|_page_adapt|_page_shrink|_slot_assign|_slot_release"),
+    # row copies: a decode step's new V to the host (side stream) and the hot buffers' misses
+    ("offload_copy", r"_copy_rows"),
+    # before attention: FlashInfer's norms are named flashinfer::norm::...
+    ("norm_rope_act", r"rms_?norm|layer_?norm|norm::|silu|gelu|act_and_mul|rotary|rope"),
     ("plan", r"_row_plan|_fixed_entries|create_flashinfer_kv_indices|_plan_kernel|split_kv_plan|longest_first"),
     ("kv_store", r"_store_sparse|store_kv|set_kv_buffer|store_cache|_kv_store"),
     ("attention", r"flashinfer|BatchDecode|BatchPrefill|PrefillWithKVCache|DecodeWithKVCache|_attend_kernel|_split_kernel|_split_fused"
                   r"|_merge_kernel|_queue_kernel|_fwd_kernel|decode_attention|fmha|flash_fwd|xqa"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm100_|Kernel2"),
-    ("norm_rope_act", r"rms|norm|silu|gelu|act_and_mul|rotary|rope"),
     ("sampling", r"sampl|argmax|softmax|topk|top_k|multinomial"),
 )
 #: Trace categories of GPU work.

@@ -43,9 +43,16 @@ class SplitConfig:
     starts while the layer's KV store before it finishes, and waits for it on the GPU);
     ``dense_block_n`` (0: ``scores_block_n``), ``dense_num_warps`` / ``dense_num_stages``
     (None: Triton's default): their tile and launch shape (the plan's chunks rounded to the
-    block). These apply to the all-dense step only; a general step's dense layers keep the
-    scores plan and two launches. All are for ``scripts/gpu/sweep_dense_kept.py`` to settle on
-    the H200 (the fitting load's step: issue 24); the defaults keep the measured plan."""
+    block). These apply to the all-dense step only, and only when its batch launches at least
+    ``dense_min_ctas`` programs a chunk (requests x KV heads); a smaller all-dense batch and a
+    general step's dense layers keep the scores plan and two launches. The defaults are
+    ``scripts/gpu/sweep_dense_kept.py``'s pick on the H200 at 64 x 4.6K x 8 KV heads
+    (``docs/results/offload_dense_kept_sweep_h200.json``, 2026-12-05): one chunk a request up to
+    8,192 positions, one launch, PDL, block 128, 3 stages: 0.301 ms a layer behind the KV store
+    against FlashInfer's 0.303 and the earlier plan's 0.318. The one launch is slower than two once
+    requests split (0.321 against 0.300 ms at 2 chunks each, 0.365 against 0.306 at 9): contexts
+    past 8,192 positions in an all-dense batch pay that; below 256 programs a chunk (e.g. 8 requests
+    of 8 KV heads) one chunk a request would leave most SMs idle."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -55,12 +62,13 @@ class SplitConfig:
     attend_block_n: int = 32
     select_block_n: int = 512
     select_parts: int = 16
-    dense_min_chunk: int = 0
-    dense_fused: bool = False
-    dense_pdl: bool = False
-    dense_block_n: int = 0
+    dense_min_chunk: int = 8192
+    dense_fused: bool = True
+    dense_pdl: bool = True
+    dense_block_n: int = 128
     dense_num_warps: Optional[int] = None
-    dense_num_stages: Optional[int] = None
+    dense_num_stages: Optional[int] = 3
+    dense_min_ctas: int = 256
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
@@ -70,7 +78,8 @@ class SplitConfig:
             text: ``key=value`` pairs separated by commas, keys of :data:`DENSE_LAUNCH_KEYS` (the ``dense_*``
                 fields without the prefix): ``min_chunk`` (positions, >= 0; 0: ``scores_min_chunk``),
                 ``fused`` / ``pdl`` (0/1, true/false, on/off), ``block_n`` (0: ``scores_block_n``, or 16, 32, 64,
-                128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6); e.g.
+                128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6), ``min_ctas``
+                (programs a chunk, requests x KV heads, from which these apply; 0: always); e.g.
                 ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
                 ``dense_launch``). Empty: the defaults.
 
@@ -97,7 +106,7 @@ class SplitConfig:
 
 
 #: ``--kv-offload-dense-launch`` keys: :class:`SplitConfig`'s ``dense_*`` fields without the prefix
-DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages")
+DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages", "min_ctas")
 _DENSE_ALLOWED = {"block_n": (0, 16, 32, 64, 128), "num_warps": (None, 1, 2, 4, 8, 16), "num_stages": (None, 1, 2, 3, 4, 5, 6)}
 
 
@@ -114,9 +123,10 @@ def _dense_value(key: str, raw: str):
         v = int(raw)
     except ValueError:
         v = None
-    if key == "min_chunk":
+    if key in ("min_chunk", "min_ctas"):
         if v is None or not 0 <= v <= 1 << 20:
-            raise ValueError(f"--kv-offload-dense-launch: min_chunk takes 0 to {1 << 20} positions, not {raw!r}")
+            what = "positions" if key == "min_chunk" else "programs"
+            raise ValueError(f"--kv-offload-dense-launch: {key} takes 0 to {1 << 20} {what}, not {raw!r}")
         return v
     if v not in _DENSE_ALLOWED[key]:
         allowed = ", ".join("none" if a is None else str(a) for a in _DENSE_ALLOWED[key])
@@ -232,6 +242,7 @@ class OffloadDecoder:
         self.stats = self.sel.stats
         self.bs = 0
         self.all_dense = False
+        self.dense_tuned = False
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int,
              keep: Optional[tuple] = None, all_dense: bool = False) -> None:
@@ -273,8 +284,10 @@ class OffloadDecoder:
         create_flashinfer_kv_indices_triton[(bs,)](
             req_to_token, rp, lens, self.kv_indptr, None, self.kv_indices, req_to_token.stride(0),
         )
-        min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if all_dense else sp.scores_min_chunk
-        block_n = (sp.dense_block_n or sp.scores_block_n) if all_dense else sp.scores_block_n
+        # the all-dense step's own launch only where the batch fills the GPU without small chunks (dense_min_ctas)
+        self.dense_tuned = bool(all_dense) and bs * self.kv_heads >= sp.dense_min_ctas
+        min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if self.dense_tuned else sp.scores_min_chunk
+        block_n = (sp.dense_block_n or sp.scores_block_n) if self.dense_tuned else sp.scores_block_n
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
@@ -382,7 +395,7 @@ class OffloadDecoder:
         from sglang_elastic.kernels.offload import attend_run
 
         bs, sp = self.bs, self.split
-        tuned = self.all_dense
+        tuned = self.all_dense and self.dense_tuned
         bn = (sp.dense_block_n or sp.scores_block_n) if tuned else sp.scores_block_n
         launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
         pdl = sp.dense_pdl and tuned
