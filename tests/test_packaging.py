@@ -18,16 +18,14 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert "kernels" not in listed  # never a top-level `kernels` (SGLang depends on a PyPI package of that name)
 
 
-def test_the_tree_leaves_room_for_the_gpu_bundle_in_one_device_transfer():
-    """A device call carries the tracked tree plus the carried GPU bundle
-    (`.gpu/bundle`, 63,392,517 and 63,399,246 B in two builds: SGLang 0.5.17 and
-    its dependencies, and `.gpu/install_bundle.sh`) within 64 MiB, which leaves the
-    tree 3.54 MiB; results must stay small (raw e2e outputs are kept xz-compressed)
-    or the bundle no longer travels. The cap, 3.4 MiB, keeps 0.14 MiB of that for
-    the bundle's variation between builds (3.2 MiB until issue 23's serving results
-    of 2026-12-04, 3.3 MiB until 2026-12-05's step profiler and one-launch all-dense
-    kernel: the tree is mostly code now); where the bundle is built (`.gpu/`,
-    git-ignored), the sum itself is checked."""
+def test_the_tree_leaves_room_for_each_half_of_the_gpu_bundle_in_a_device_transfer():
+    """A device call carries the tracked tree plus what it names in carry within 64 MiB. The
+    whole GPU bundle (`.gpu/bundle`, 63,392,517 B) with the tree was refused on 2026-12-05
+    although the bytes summed to 66.9 MB (the device counts more than file bytes), so it now
+    travels in two calls on one host (`scripts/gpu/split_bundle.sh`: parts 1 and 3, 37.1 MB;
+    part 2, 26.3 MB). The tree stays under 4 MiB (results small, raw outputs xz-compressed), so
+    the larger half leaves the tree and the device's own count over 20 MiB; where the halves are
+    built (`.gpu/`, git-ignored), each is checked with the tree, 8 MiB to spare."""
     import shutil
     import subprocess
 
@@ -39,7 +37,8 @@ def test_the_tree_leaves_room_for_the_gpu_bundle_in_one_device_transfer():
     sizes = {f: (ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file()}
     total = sum(sizes.values())
     biggest = sorted(sizes, key=sizes.get)[-3:]
-    assert 100_000 < total < int(3.4 * 2**20), f"tracked files: {total:,} B; biggest: {[(f, sizes[f]) for f in biggest]}"
-    carried = [p for p in (ROOT / ".gpu" / "bundle").glob("*") if p.is_file()] + [ROOT / ".gpu" / "install_bundle.sh"]
-    if all(p.is_file() for p in carried[-1:]) and len(carried) > 1:
-        assert total + sum(p.stat().st_size for p in carried) < 64 << 20, "the tree and the GPU bundle no longer fit one device call"
+    assert 100_000 < total < 4 << 20, f"tracked files: {total:,} B; biggest: {[(f, sizes[f]) for f in biggest]}"
+    for half in ("b1", "b2"):
+        carried = [p for p in (ROOT / ".gpu" / half).glob("*") if p.is_file()]
+        if carried:
+            assert total + sum(p.stat().st_size for p in carried) < 56 << 20, f"the tree and .gpu/{half} no longer fit one device call"

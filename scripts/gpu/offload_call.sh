@@ -29,6 +29,9 @@
 #     per server are cached in /tmp/offload_accuracy/cache, so a run cut off by
 #     the call's time limit resumes in the next call ($ACC_TIMEOUT_S, 480 s by
 #     default, bounds it inside the device's 600 s so that the logs still come back).
+# A fresh host takes the bundle in two calls (scripts/gpu/split_bundle.sh: the tree and the whole bundle exceed one carry):
+#   carry .gpu/b1, .gpu/install_bundle.sh: `bash .gpu/install_bundle.sh .gpu/b1`; then at once
+#   carry .gpu/b2, .gpu/install_bundle.sh: `bash .gpu/install_bundle.sh .gpu/b2 && bash scripts/gpu/offload_call.sh STEP...`
 # The accuracy run on a fresh host, calls in a row (the host is released 30 s
 # after a call; docs/gpu.md makes .gpu/bundle). carry takes paths, no globs:
 #   (1) .gpu/bundle, .gpu/install_bundle.sh                       -> `check`
