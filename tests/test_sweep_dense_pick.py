@@ -24,7 +24,7 @@ def test_pick_skips_a_faster_row_whose_output_did_not_match_and_round_trips():
     fused = row(min_chunk=2048, fused=True, block_n=128, num_warps=8, num_stages=3, chunks=3,
                 ms=0.281, ms_pdl=0.270, max_abs_diff=2e-3, max_abs_diff_pdl=0.5)  # PDL read stale rows: not taken
     broken = row(min_chunk=4096, fused=True, chunks=2, ms=0.100, max_abs_diff=float("nan"), error_pdl="OutOfResources")
-    pick = sweep.dense_pick([shipped, fused, broken])
+    pick = sweep.dense_pick([shipped, fused, broken], row(ms=0.312))  # the grid's row of the same configuration
     assert pick == {"text": "min_chunk=2048,fused=1,pdl=0,block_n=128,num_warps=8,num_stages=3,min_ctas=256", "ms": 0.281, "pdl": False,
                     "shipped_ms": 0.300}
     got = SplitConfig.with_dense_launch(pick["text"])
@@ -34,7 +34,8 @@ def test_pick_skips_a_faster_row_whose_output_did_not_match_and_round_trips():
 
 def test_pick_takes_pdl_when_faster_and_exact_and_none_without_an_exact_row():
     shipped = row(ms=0.300, ms_pdl=0.290, max_abs_diff=1e-3, max_abs_diff_pdl=1e-3)
-    pick = sweep.dense_pick([shipped])
+    pick = sweep.dense_pick([shipped], shipped)
     assert pick["pdl"] and pick["ms"] == 0.290 and SplitConfig.with_dense_launch(pick["text"]) == SplitConfig(dense_min_chunk=512, dense_fused=False, dense_pdl=True, dense_block_n=64, dense_num_stages=None)
-    assert sweep.dense_pick([row(ms=0.2, max_abs_diff=0.3)]) is None
-    assert sweep.dense_pick([]) is None
+    assert pick["shipped_ms"] == 0.300
+    assert sweep.dense_pick([row(ms=0.2, max_abs_diff=0.3)], None) is None
+    assert sweep.dense_pick([], None) is None

@@ -35,10 +35,10 @@ from sglang_elastic import results
 BEHIND_STORE = 6
 
 
-def dense_pick(behind: list) -> "dict | None":
+def dense_pick(behind: list, shipped_row: "dict | None") -> "dict | None":
     """The fastest behind-the-store row whose output matched (PDL on or off, whichever was faster and exact), as
-    ``--kv-offload-dense-launch`` text (``text``), its time (``ms``) and the shipped row's (``shipped_ms``; None when
-    the shipped row was not timed); None when no row qualifies."""
+    ``--kv-offload-dense-launch`` text (``text``), its time (``ms``) and that of ``shipped_row``'s configuration behind
+    the store (``shipped_ms``; None when it was not timed there); None when no row qualifies."""
     from sglang_elastic.offload.decode import SplitConfig
 
     cands = []
@@ -49,11 +49,10 @@ def dense_pick(behind: list) -> "dict | None":
     if not cands:
         return None
     ms, pdl, r = min(cands, key=lambda c: c[0])
-    sp = SplitConfig()
     cfg = SplitConfig(dense_min_chunk=r["min_chunk"], dense_fused=r["fused"], dense_pdl=pdl, dense_block_n=r["block_n"],
                       dense_num_warps=r["num_warps"], dense_num_stages=r["num_stages"])
-    shipped = next((x for x in behind if not x["fused"] and x["min_chunk"] == sp.scores_min_chunk and x["block_n"] == sp.scores_block_n
-                    and x["num_warps"] is None and x["num_stages"] is None), None)
+    keys = ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused")
+    shipped = None if shipped_row is None else next((x for x in behind if all(x[k] == shipped_row[k] for k in keys)), None)
     return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}
 
 
@@ -223,7 +222,7 @@ def main(argv=None) -> int:
     if fi_run is not None:
         base["flashinfer_tc_behind_store_ms"] = graph_ms(lambda: (store(), fi_run()))
     best = min(ok, key=lambda r: r["ms"]) if ok else None
-    pick = dense_pick(behind)
+    pick = dense_pick(behind, shipped_row)
     out = results.header()
     out.update(**head, seconds=round(time.time() - t0, 1), shipped=shipped_row,
                best=best, dense_launch=pick, baselines=base, behind_store=sorted(behind, key=lambda r: min(r.get("ms", 9e9), r.get("ms_pdl", 9e9))),

@@ -243,6 +243,7 @@ class OffloadDecoder:
         self.bs = 0
         self.all_dense = False
         self.dense_tuned = False
+        self.plan_block_n = self.split.scores_block_n
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int,
              keep: Optional[tuple] = None, all_dense: bool = False) -> None:
@@ -287,8 +288,9 @@ class OffloadDecoder:
         # the all-dense step's own launch only where the batch fills the GPU without small chunks (dense_min_ctas)
         self.dense_tuned = bool(all_dense) and bs * self.kv_heads >= sp.dense_min_ctas
         min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if self.dense_tuned else sp.scores_min_chunk
-        block_n = (sp.dense_block_n or sp.scores_block_n) if self.dense_tuned else sp.scores_block_n
-        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, block_n, self.chunk, self.nsplit)
+        #: the block the chunks are rounded to, which the all-positions launch must tile by (:meth:`_every_position`)
+        self.plan_block_n = (sp.dense_block_n or sp.scores_block_n) if self.dense_tuned else sp.scores_block_n
+        split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, self.plan_block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
             if not self.keep_v:
@@ -395,8 +397,7 @@ class OffloadDecoder:
         from sglang_elastic.kernels.offload import attend_run
 
         bs, sp = self.bs, self.split
-        tuned = self.all_dense and self.dense_tuned
-        bn = (sp.dense_block_n or sp.scores_block_n) if tuned else sp.scores_block_n
+        tuned, bn = self.dense_tuned, self.plan_block_n  # (dense_tuned: an all-dense step)
         launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
         pdl = sp.dense_pdl and tuned
         indptr, chunk, nsplit, ms = self.kv_indptr[: bs + 1], self.chunk[:bs], self.nsplit[:bs], sp.scores_max_splits
