@@ -19,7 +19,8 @@ Parts (each writes its own JSON; ``assemble`` joins them into the issue's
         computes them, without its tokenizer round trip, which took 150 s to
         draw 64 x 32K ids): output throughput, median ITL / TTFT, peak tokens
         held, and for offload its hit rate and PCIe traffic. Workloads: ``long32k`` (64 x 32,768 in, 512 out),
-        ``long128k`` (16 x 130,560 in, 512 out), ``fits`` (64 x 4,096 in, 512 out).
+        ``long128k`` (16 x 130,560 in, 512 out), ``fits`` (64 x 4,096 in, 512 out),
+        ``mid16k`` (32 x 16,384 in, 512 out; fits in HBM).
     python scripts/gpu/bench_offload.py assemble --parts DIR --out docs/results/offload_h200.json
 
 Needs the bundle in /tmp/site (``../shared/gpu-host``) and this package
@@ -68,6 +69,8 @@ WORKLOADS = {  # name: (input_len, output_len, num_prompts)
     "long32k": (32768, 512, 64),
     "long128k": (130560, 512, 16),
     "fits": (4096, 512, 64),
+    # fits in HBM too; each request's 16K context is two chunks of the all-dense launch (dense_min_chunk 8,192): its merge
+    "mid16k": (16384, 512, 32),
 }
 
 
