@@ -20,7 +20,7 @@ Parts (each writes its own JSON; ``assemble`` joins them into the issue's
         draw 64 x 32K ids): output throughput, median ITL / TTFT, peak tokens
         held, and for offload its hit rate and PCIe traffic. Workloads: ``long32k`` (64 x 32,768 in, 512 out),
         ``long128k`` (16 x 130,560 in, 512 out), ``fits`` (64 x 4,096 in, 512 out),
-        ``mid16k`` (32 x 16,384 in, 512 out; fits in HBM).
+        ``over8k`` (32 x 8,448 in, 512 out; fits in HBM, two chunks a request).
     python scripts/gpu/bench_offload.py assemble --parts DIR --out docs/results/offload_h200.json
 
 Needs the bundle in /tmp/site (``../shared/gpu-host``) and this package
@@ -69,8 +69,9 @@ WORKLOADS = {  # name: (input_len, output_len, num_prompts)
     "long32k": (32768, 512, 64),
     "long128k": (130560, 512, 16),
     "fits": (4096, 512, 64),
-    # fits in HBM too; each request's 16K context is two chunks of the all-dense launch (dense_min_chunk 8,192): its merge
-    "mid16k": (16384, 512, 32),
+    # fits in HBM (an H100's keep-v holds ~290K tokens of V); every context passes dense_min_chunk (8,192), so each request
+    # is two chunks of the all-dense launch, which then merges them
+    "over8k": (8448, 512, 32),
 }
 
 
