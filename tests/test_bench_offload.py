@@ -121,6 +121,24 @@ def test_profile_decode_starts_the_profiler_once_every_request_decodes_and_reads
     assert prof["per_step_us"] == {"span": 1000.0, "busy": 900.0, "idle": 100.0, "kernels": {"attention": 600.0, "gemm": 300.0}}
 
 
+def test_the_committed_h100_parts_give_the_committed_h100_rows():
+    """The H100 fitting loads of 2026-12-05 (the default keep-v beside stock in one call each): the assembled file
+    matches its parts, each row names its size, and every load's median ITL is within the issue's 5 % of stock's."""
+    parts = ROOT / "docs" / "results" / "offload_h100_parts"
+    args = type("A", (), {"parts": str(parts), "command": "python scripts/gpu/bench_offload.py assemble --parts ..."})()
+    out = bench().part_assemble(args)
+    want = json.loads((ROOT / "docs" / "results" / "offload_h100.json").read_text())
+    assert "H100" in out["gpu"] and out["throughput"] == want["throughput"] and out["part_commits"] == want["part_commits"]
+    assert [(r["workload"], r["num_prompts"], r["input_len"]) for r in out["throughput"]] == \
+        [("fits", 64, 4096), ("fits", 8, 4096), ("over8k", 32, 8448)]
+    for r, name in zip(out["throughput"], ("throughput_fits_keep_v.json", "throughput_fits_n8_keep_v.json", "throughput_over8k_keep_v.json")):
+        src = json.loads((parts / name).read_text())
+        assert (src["commit"], src["num_prompts"]) == (r["commit"], r["num_prompts"])
+        assert r["keep_v_median_itl_ms"] == src["servers"]["offload-keep"]["median_itl_ms"]
+        assert r["stock_median_itl_ms"] == src["servers"]["stock"]["median_itl_ms"]
+        assert r["keep_v_median_itl_ms"] <= 1.05 * r["stock_median_itl_ms"], r["workload"]
+
+
 def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     """The committed H200 parts give the committed ``offload_h200.json`` rows;
     with no capacity part the pool sizes come from a throughput part's servers."""
