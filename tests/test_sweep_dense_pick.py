@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
+
 from sglang_elastic.offload.decode import SplitConfig
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu", "sweep_dense_kept.py")
@@ -39,3 +41,15 @@ def test_pick_takes_pdl_when_faster_and_exact_and_none_without_an_exact_row():
     assert pick["shipped_ms"] == 0.300
     assert sweep.dense_pick([row(ms=0.2, max_abs_diff=0.3)], None) is None
     assert sweep.dense_pick([], None) is None
+
+
+def test_contexts_groups_give_one_context_a_request_and_bad_groups_one_line_refusals(capsys):
+    assert sweep.parse_contexts("3x4608,1x65536") == [4608] * 3 + [65536]
+    assert sweep.parse_contexts(" 2x16 ") == [16, 16]
+    for bad in ("0x4096", "4x15", "4096", "x4096", "2x", "2x4096,", "2*4096"):
+        with pytest.raises(ValueError, match="COUNTxLENGTH"):
+            sweep.parse_contexts(bad)
+    # refused by the parser before anything needs a GPU, with the group named, and nothing written
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--out", "/nonexistent/x.json", "--contexts", "31x4608,1xlong"])
+    assert e.value.code == 2 and "'1xlong'" in capsys.readouterr().err

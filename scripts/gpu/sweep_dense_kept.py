@@ -12,6 +12,12 @@ runs it first as ``--kv-offload-dense-launch`` (the result's ``dense_launch``: t
 ``max_splits`` stays ``scores_max_splits``, as the decoder plans.
 
     python scripts/gpu/sweep_dense_kept.py --out docs/results/offload_dense_kept_sweep_h200.json [--batch 64 --context 4608]
+    python scripts/gpu/sweep_dense_kept.py --out ... --contexts 31x4608,1x65536   # a mix: one long request among short ones
+
+``--contexts`` (``COUNTxLENGTH`` groups) gives each group's requests that context instead of ``--batch`` x ``--context``:
+past ``dense_min_chunk`` a request splits and the one launch merges its chunks (+3.5 % median ITL against stock at
+32 x 8,448 on an H100, fc8598c), while one long unsplit request leaves every other program waiting for it; the grid's
+minimum chunks reach 131,072 (one chunk a request up to that) so both sides of that trade are timed.
 
 Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
 ``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). The baselines run first;
@@ -56,16 +62,36 @@ def dense_pick(behind: list, shipped_row: "dict | None") -> "dict | None":
     return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}
 
 
+def parse_contexts(text: str) -> list:
+    """``--contexts`` text (``COUNTxLENGTH`` groups, comma-separated, e.g. ``31x4608,1x65536``) as one context a request.
+
+    Raises:
+        ValueError: a group not ``COUNTxLENGTH`` with COUNT >= 1 and LENGTH >= 16 (the one-line reason)."""
+    lens = []
+    for group in text.split(","):
+        count, sep, length = group.strip().partition("x")
+        if not sep or not count.isdigit() or not length.isdigit() or int(count) < 1 or int(length) < 16:
+            raise ValueError(f"--contexts {text!r}: group {group!r} is not COUNTxLENGTH with COUNT >= 1 and LENGTH >= 16")
+        lens += [int(length)] * int(count)
+    return lens
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4608)
+    ap.add_argument("--contexts", default=None, help="COUNTxLENGTH groups, comma-separated (e.g. 31x4608,1x65536): "
+                    "each group's requests get that context, in place of --batch x --context")
     ap.add_argument("--pick-file", default=None, help="also write the pick's --kv-offload-dense-launch text here")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
     if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
         ap.error(f"--batch {a.batch} / --context {a.context} / --budget-s {a.budget_s}: give >= 1 / >= 16 / > 0")
+    try:
+        contexts = parse_contexts(a.contexts) if a.contexts else [a.context] * a.batch
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         print("sweep_dense_kept: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -76,10 +102,10 @@ def main(argv=None) -> int:
     from sglang_elastic.kernels.offload import attend_run, store_sparse_run
     from sglang_elastic.offload.decode import SplitConfig
 
-    HQ, HKV, D, bs, ctx = 32, 8, 128, a.batch, a.context
+    HQ, HKV, D, bs, ctx = 32, 8, 128, len(contexts), max(contexts)
     t0 = time.time()
     g = torch.Generator(device="cuda").manual_seed(7)
-    lens = ctx - torch.randint(0, 16, (bs,), device="cuda", generator=g)
+    lens = torch.tensor(contexts, device="cuda") - torch.randint(0, 16, (bs,), device="cuda", generator=g)
     total = int(lens.sum())
     size = 2 * total + 64
     kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -112,7 +138,7 @@ def main(argv=None) -> int:
     store()  # the step's newest rows in place (every later store writes the same): ref is the step's true output
     # baselines first (FlashInfer's first use compiles: it must not be what the budget cuts)
     base = {}
-    head = dict(batch=bs, context=ctx, q_heads=HQ, kv_heads=HKV, head_dim=D)
+    head = dict(batch=bs, context=ctx, contexts=a.contexts, q_heads=HQ, kv_heads=HKV, head_dim=D)
     split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
     ref = torch.empty_like(q)
     attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
@@ -156,7 +182,8 @@ def main(argv=None) -> int:
 
     def partial():  # what a call cut off by its time limit still leaves
         results.write(a.out, {**results.header(), **head, "incomplete": True, "baselines": base, "rows": rows, "failed": failed})
-    # only what SplitConfig can set for the all-dense step: dense_min_chunk up to 8192 (1 to 18 chunks a request at 4.6K),
+    # only what SplitConfig can set for the all-dense step: dense_min_chunk up to 131072 (1 to 18 chunks a request at 4.6K;
+    # a larger one that gives a plan already timed is skipped, so 8192 keeps its row where it already means one chunk),
     # dense_fused (the one-launch kernel with the V ids: no merge launch, a one-chunk request written directly), dense_block_n,
     # dense_num_warps / dense_num_stages; max_splits is scores_max_splits, as the decoder plans. Plans that give the same chunks
     # as one already timed are skipped.
@@ -164,14 +191,15 @@ def main(argv=None) -> int:
     # Triton's default warps and stages first over every plan, block and launch count, so a budget that runs out
     # leaves the launch-shape variations out rather than the one-launch kernel
     grid = itertools.product(((None, None), (4, None), (8, None), (None, 2), (None, 3), (4, 2), (4, 3), (8, 2), (8, 3)),
-                             (64, 32, 128), (8192, 4096, 2048, 1024, 512, 256), (True, False))
+                             (64, 32, 128), (8192, 16384, 131072, 4096, 2048, 1024, 512, 256), (True, False))
     for (nw, ns), bn, mc, fused in grid:
         if time.time() - t_grid > a.budget_s:
             failed.append({"stopped": f"time budget ({a.budget_s:.0f} s) reached; later configurations not run"})
             break
         cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
         split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
-        key = (fused, bn, nw, ns, tuple(chunk.tolist()))
+        # (a one-chunk request's chunk length changes nothing it reads)
+        key = (fused, bn, nw, ns, tuple(c if n > 1 else 0 for c, n in zip(chunk.tolist(), nsplit.tolist())))
         if key in plans:
             continue
         plans.add(key)
