@@ -137,6 +137,13 @@ def test_the_committed_h100_parts_give_the_committed_h100_rows():
         assert r["keep_v_median_itl_ms"] == src["servers"]["offload-keep"]["median_itl_ms"]
         assert r["stock_median_itl_ms"] == src["servers"]["stock"]["median_itl_ms"]
         assert r["keep_v_median_itl_ms"] <= 1.05 * r["stock_median_itl_ms"], r["workload"]
+    # the numbers docs/offload.md quotes are these parts' (median ITL keep-v against stock, the change in %)
+    doc = " ".join((ROOT / "docs" / "offload.md").read_text().split())
+    for r in out["throughput"]:
+        k, st = r["keep_v_median_itl_ms"], r["stock_median_itl_ms"]
+        pct = round((k / st - 1) * 100, 1)
+        quoted = f"{k:.2f} against {st:.2f} ms ({'+' if pct > 0 else '−'}{abs(pct)} %)"
+        assert quoted in doc, quoted
 
 
 def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):

@@ -884,3 +884,18 @@ def test_the_keep_v_step_breakdown_of_check_offload_runs_its_pieces_on_a_small_s
     assert step["offload_keep_v"] == pytest.approx(want) and r["dense_layers"] == 2 and r["layers"] == 6
     lens = 80 - torch.randint(0, 16, (3,), generator=torch.Generator().manual_seed(5))  # the function's own draw
     assert r["completing_chunk"] == int((lens % 16 == 0).sum()) and len(calls) == 13
+
+
+def test_an_all_dense_plan_without_kept_v_is_refused_before_the_step_changes():
+    """``plan(all_dense=True)`` on a pool without ``--kv-offload-keep-v``: a ValueError, and the decoder's step state
+    (the last plan's all-dense flag, launch choice and block) stays the previous step's."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    sim = Sim(make_pool(pol), 5)
+    sim.extend([1, 2], [(0, 40), (0, 90)])
+    dec = sim.dec
+    rp, seq = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([41, 91], dtype=torch.int32)
+    dec.plan(sim.r2t, rp, seq, 2)
+    before = (dec.all_dense, dec.dense_tuned, dec.plan_block_n, dec.bs, torch.cat([dec.nsplit[:2], dec.kv_indptr[:3]]).clone())
+    with pytest.raises(ValueError, match="all_dense needs layout.keep_v"):
+        dec.plan(sim.r2t, rp, seq + 700, 2, all_dense=True)  # (longer: a plan that ran would change the chunks and offsets)
+    assert (dec.all_dense, dec.dense_tuned, dec.plan_block_n, dec.bs) == before[:4] and torch.equal(torch.cat([dec.nsplit[:2], dec.kv_indptr[:3]]), before[4])

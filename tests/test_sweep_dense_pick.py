@@ -53,3 +53,29 @@ def test_contexts_groups_give_one_context_a_request_and_bad_groups_one_line_refu
     with pytest.raises(SystemExit) as e:
         sweep.main(["--out", "/nonexistent/x.json", "--contexts", "31x4608,1xlong"])
     assert e.value.code == 2 and "'1xlong'" in capsys.readouterr().err
+
+
+def test_plan_key_merges_minimum_chunks_that_give_one_launch_and_nothing_else():
+    import torch
+
+    from sglang_elastic.kernels.decode_attention import split_kv_plan
+
+    def key(lens, min_chunk, fused=False, block_n=64, warps=None):
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+        chunk, nsplit = split_kv_plan(indptr, 32, min_chunk, block_n)
+        return sweep.plan_key(fused, block_n, warps, None, chunk.tolist(), nsplit.tolist())
+
+    short = [40, 40, 40, 300]  # every context under 512: the shipped 512 plan is the 8192 plan (one chunk a request)
+    assert key(short, 512) == key(short, 8192) == key(short, 131072)
+    assert key(short, 256) != key(short, 512)  # the 300-position request splits in two
+    mix = [4608, 4600, 8448, 65536]
+    assert key(mix, 8192) != key(mix, 16384) != key(mix, 131072)  # 65,536 splits under the first two, 8,448 under 8192 only
+    assert key(mix, 8192) != key(mix, 8192, fused=True) and key(mix, 8192) != key(mix, 8192, warps=4)
+    assert key(mix, 8192) != key(mix, 8192, block_n=128)
+
+
+def test_contexts_refuses_batch_or_context_beside_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--out", "/nonexistent/x.json", "--contexts", "32x8960", "--batch", "32"])
+    assert e.value.code == 2 and "leave out --batch and --context" in capsys.readouterr().err

@@ -8,7 +8,8 @@
 #   sweep: scripts/gpu/sweep_dense_kept.py (the all-dense step's attention configurations, PDL behind the store) -> $OUT/sweep_dense_kept.json;
 #     $SWEEP_BUDGET_S (default 300) bounds its grid; its pick (--kv-offload-dense-launch text) stays in /tmp/dense_launch.txt
 #     for a later call on the same host: DENSE_LAUNCH=sweep; $SWEEP_ARGS: more of its flags (e.g. "--contexts 32x8960");
-#     sweep:NAME writes sweep_dense_kept_NAME.json (several shapes in one call)
+#     sweep:NAME writes sweep_dense_kept_NAME.json and its pick to /tmp/dense_launch_NAME.txt (several shapes in one call;
+#     DENSE_LAUNCH=sweep takes only the unnamed sweep's pick)
 #   decode_serving: scripts/gpu/bench_decode_serving.py run --model MODEL (issue 23's serving A/B; $SERVING_ARGS: more of its flags,
 #     e.g. "--budget-s 400") -> $OUT/serving_MODEL.json
 #   jit_save: FlashInfer's and Triton's JIT caches of this host -> $OUT/jit.tgz.00, .01, ... (scripts/eval/jit_cache.sh);
@@ -79,7 +80,7 @@ for step in "$@"; do
     check) python3 scripts/gpu/check_offload.py --out "$out/check.json" > "$out/check.log" 2>&1 ;;
     sweep) eval "swargs=(${SWEEP_ARGS:-})"
            python3 scripts/gpu/sweep_dense_kept.py --budget-s "${SWEEP_BUDGET_S:-300}" "${swargs[@]}" --out "$out/sweep_dense_kept${arg1:+_$arg1}.json" \
-             --pick-file /tmp/dense_launch.txt > "$out/sweep${arg1:+_$arg1}.log" 2>&1 ;;
+             --pick-file "/tmp/dense_launch${arg1:+_$arg1}.txt" > "$out/sweep${arg1:+_$arg1}.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
     throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;

@@ -62,6 +62,14 @@ def dense_pick(behind: list, shipped_row: "dict | None") -> "dict | None":
     return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}
 
 
+def plan_key(fused: bool, block_n: int, num_warps, num_stages, chunk: list, nsplit: list) -> tuple:
+    """What a configuration launches (the kernel, its launch shape and its split plan: ``chunk`` / ``nsplit`` per request,
+    as ``split_kv_plan`` gives them), so that configurations giving the same launch are timed once; two minimum chunks
+    at or above every context give the same one-chunk plan (``split_kv_plan`` rounds a one-chunk request's chunk to its
+    length)."""
+    return (bool(fused), int(block_n), num_warps, num_stages, tuple(int(c) for c in chunk), tuple(int(n) for n in nsplit))
+
+
 def parse_contexts(text: str) -> list:
     """``--contexts`` text (``COUNTxLENGTH`` groups, comma-separated, e.g. ``31x4608,1x65536``) as one context a request.
 
@@ -79,13 +87,16 @@ def parse_contexts(text: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=4608)
+    ap.add_argument("--batch", type=int, default=None, help="requests (default 64)")
+    ap.add_argument("--context", type=int, default=None, help="positions a request (default 4608)")
     ap.add_argument("--contexts", default=None, help="COUNTxLENGTH groups, comma-separated (e.g. 31x4608,1x65536): "
                     "each group's requests get that context, in place of --batch x --context")
     ap.add_argument("--pick-file", default=None, help="also write the pick's --kv-offload-dense-launch text here")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
+    if a.contexts and (a.batch is not None or a.context is not None):
+        ap.error("--contexts gives every request's context: leave out --batch and --context")
+    a.batch, a.context = 64 if a.batch is None else a.batch, 4608 if a.context is None else a.context
     if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
         ap.error(f"--batch {a.batch} / --context {a.context} / --budget-s {a.budget_s}: give >= 1 / >= 16 / > 0")
     try:
@@ -138,7 +149,13 @@ def main(argv=None) -> int:
     store()  # the step's newest rows in place (every later store writes the same): ref is the step's true output
     # baselines first (FlashInfer's first use compiles: it must not be what the budget cuts)
     base = {}
-    head = dict(batch=bs, context=ctx, contexts=a.contexts, q_heads=HQ, kv_heads=HKV, head_dim=D)
+    # a server takes the all-dense launch settings only at bs x kv_heads >= dense_min_ctas (OffloadDecoder.plan); below,
+    # the sweep still times them, but the pick does not apply to this shape
+    head = dict(batch=bs, context=ctx, contexts=a.contexts, q_heads=HQ, kv_heads=HKV, head_dim=D,
+                dense_launch_applies=bs * HKV >= sp.dense_min_ctas)
+    if not head["dense_launch_applies"]:
+        print(f"sweep_dense_kept: {bs} x {HKV} KV heads < dense_min_ctas {sp.dense_min_ctas}: a server plans this batch the "
+              "earlier way, so the pick does not apply to it", file=sys.stderr)
     split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
     ref = torch.empty_like(q)
     attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, sp.scores_max_splits, mid_o, mid_lse, ref, None, scale, sp.scores_block_n)
@@ -177,7 +194,7 @@ def main(argv=None) -> int:
 
     shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
                    fused=False)
-    rows, failed, plans = [], [], set()
+    rows, failed, timed = [], [], {}  # timed: plan_key -> its row (None: it failed)
     t_grid = time.time()
 
     def partial():  # what a call cut off by its time limit still leaves
@@ -198,11 +215,10 @@ def main(argv=None) -> int:
             break
         cfg = dict(max_splits=ms, min_chunk=mc, block_n=bn, num_warps=nw, num_stages=ns, fused=fused)
         split_kv_plan(indptr, ms, mc, bn, chunk, nsplit)
-        # (a one-chunk request's chunk length changes nothing it reads)
-        key = (fused, bn, nw, ns, tuple(c if n > 1 else 0 for c, n in zip(chunk.tolist(), nsplit.tolist())))
-        if key in plans:
+        key = plan_key(fused, bn, nw, ns, chunk.tolist(), nsplit.tolist())
+        if key in timed:
             continue
-        plans.add(key)
+        timed[key] = None
         cfg["chunks"] = int(nsplit.max())
         o = torch.empty_like(q)
         try:
@@ -212,6 +228,7 @@ def main(argv=None) -> int:
             t = graph_ms(fn)
             err = max(err, float((o.float() - ref.float()).abs().max()))  # also after the graph's replays (the fused counters)
             rows.append({**cfg, "ms": t, "max_abs_diff_vs_shipped": err})
+            timed[key] = rows[-1]
         except Exception as e:  # a configuration the compiler or the shared memory refuses
             failed.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
         else:
@@ -221,12 +238,9 @@ def main(argv=None) -> int:
         print("sweep_dense_kept: no configuration ran; nothing written", file=sys.stderr)
         return 1
     ok = [r for r in rows if r["max_abs_diff_vs_shipped"] < 2e-2]
-    shipped_row = next((r for r in rows if all(r[k] == v for k, v in shipped.items())), None)
-    if shipped_row is None:  # the shipped plan's row may stand under another max_splits giving the same chunks
-        split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
-        n = int(nsplit.max())
-        shipped_row = next((r for r in rows if not r["fused"] and r["block_n"] == sp.scores_block_n and r["num_warps"] is None
-                            and r["num_stages"] is None and r["chunks"] == n and r["min_chunk"] == sp.scores_min_chunk), None)
+    # the shipped configuration's row: the row of the same launch (another minimum chunk may have given its plan first)
+    split_kv_plan(indptr, sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, chunk, nsplit)
+    shipped_row = timed.get(plan_key(False, sp.scores_block_n, None, None, chunk.tolist(), nsplit.tolist()))
     # behind the store: the fastest configurations and the shipped one, PDL off and on, in one graph with the store; the
     # store writes each request's newest row, so an attention that did not wait for it reads stale rows (checked)
     behind = []

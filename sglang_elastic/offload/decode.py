@@ -266,10 +266,12 @@ class OffloadDecoder:
 
         Raises:
             ValueError: a batch larger than the workspace; ``keep`` given without ``layout.keep_v``
-                or missing with it.
+                or missing with it; ``all_dense`` without ``layout.keep_v``. Each leaves the last step's plan as it was.
         """
         if (keep is not None) != self.keep_v:
             raise ValueError("OffloadDecoder.plan: keep=(req_to_vrow, keep_len) goes with layout.keep_v, and only with it")
+        if all_dense and not self.keep_v:  # (refused, as the above, before any of the step's state changes)
+            raise ValueError("OffloadDecoder.plan: all_dense needs layout.keep_v")
         from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
 
         from sglang_elastic.kernels.decode_attention import split_kv_plan
@@ -293,8 +295,6 @@ class OffloadDecoder:
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, self.plan_block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
-            if not self.keep_v:
-                raise ValueError("OffloadDecoder.plan: all_dense needs layout.keep_v")
             req_to_vrow, _ = keep
             # every position, K at kv_indices and V at the kept rows: the dense layers' lists and split plan
             create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, lens, self.kv_indptr, None, self.att_vidx, req_to_vrow.stride(0))
