@@ -321,3 +321,22 @@ def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workloa
     fb.write_text("{not json")
     with pytest.raises(RuntimeError, match="b.json"):
         mod.part_merge(args)
+
+
+def test_prefill_log_sums_sglangs_prefill_lines_and_ignores_the_rest():
+    """The load's prefill batches from the server log, in SGLang 0.5.17's format (``metrics_reporter.py``; a TP rank's
+    prefix in the brackets): count, tokens, span, queue; decode lines and other text do not count."""
+    mod = bench()
+    line = ("[2026-12-05 16:05:{s:02d}{tp}] Prefill batch, #new-seq: {n}, #new-token: {t}, #cached-token: 0, token usage: 0.10, "
+            "#running-req: {r}, #queue-req: {q}, #pending-token: 0, cuda graph: False, input throughput (token/s): {x}")
+    text = "\n".join([
+        line.format(s=30, tp="", n=4, t=16384, r=0, q=60, x="0.00"),
+        "[2026-12-05 16:05:31] Decode batch, #running-req: 4, #token: 16400, token usage: 0.04, cuda graph: True, gen throughput (token/s): 300.00, #queue-req: 60",
+        line.format(s=31, tp=" TP0", n=3, t=13824, r=4, q=57, x="38609.06"),
+        "Prefill batch without a timestamp: not SGLang's line",
+        line.format(s=43, tp=" TP0", n=1, t=4608, r=63, q=0, x="9000.5"),
+    ])
+    assert mod.prefill_log(text) == {"batches": 3, "new_seqs": 8, "new_tokens": 34816, "max_batch_tokens": 16384, "span_s": 13.0,
+                                     "max_queue": 60, "max_running": 63,
+                                     "median_input_tok_s": 9000.5}
+    assert mod.prefill_log("[2026-12-05 16:05:31] Decode batch, #running-req: 4") is None and mod.prefill_log("") is None

@@ -34,6 +34,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,30 @@ def tail(path: str, n: int = 30) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return ""
+
+
+_PREFILL_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\].*Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),"
+                           r".*?#running-req: (\d+), #queue-req: (\d+),.*?input throughput \(token/s\): ([\d.]+)")
+
+
+def prefill_log(text: str) -> Optional[dict]:
+    """SGLang's "Prefill batch" log lines (one a prefill forward, ``scheduler_components/metrics_reporter.py``) in
+    ``text``, the server log written during a load: how many prefill batches ran, their new tokens, the seconds from
+    the first to the last line (the log's timestamps: 1 s resolution), the longest queue and the most running
+    requests seen at a prefill, and the median of SGLang's "input throughput" (new tokens over the time since the
+    previous prefill line, so decode steps between prefills count against it). Says whether a slow TTFT came from the prefills themselves or from waiting
+    to be admitted. None when the text has no such line."""
+    import datetime
+
+    rows = [m.groups() for m in map(_PREFILL_LINE.search, text.splitlines()) if m]
+    if not rows:
+        return None
+    stamps = [datetime.datetime.strptime(r[0], "%Y-%m-%d %H:%M:%S") for r in rows]
+    seqs, toks, running, queue = ([int(r[i]) for r in rows] for i in (1, 2, 3, 4))
+    rate = sorted(float(r[5]) for r in rows)
+    return {"batches": len(rows), "new_seqs": sum(seqs), "new_tokens": sum(toks), "max_batch_tokens": max(toks),
+            "span_s": (stamps[-1] - stamps[0]).total_seconds(), "max_queue": max(queue), "max_running": max(running),
+            "median_input_tok_s": rate[len(rate) // 2]}
 
 
 def offload_state(info: dict) -> Optional[dict]:
@@ -391,6 +416,7 @@ def part_throughput(a) -> dict:
                             [ps[0][:256]] + [p[::-1] for p in ps[:3]]))
             before = offload_state(s.info())
             poller = PeakPoller(s)
+            log_at = os.path.getsize(s.log) if os.path.exists(s.log) else 0
             t0 = time.time()
             rec = load(s.url(""), ps, olen, a.timeout)
             peak = poller.stop()
@@ -400,6 +426,12 @@ def part_throughput(a) -> dict:
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
                    "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
                    "peak_running_reqs": peak["running"], "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
+            try:  # the load's prefill batches, from the server's own log (what a TTFT is made of)
+                with open(s.log, errors="replace") as f:
+                    f.seek(log_at)
+                    row["prefill_log"] = prefill_log(f.read())
+            except OSError as e:
+                row["prefill_log"] = {"error": str(e)[:200]}
             if after is not None:
                 b = before or {k: 0 for k in after}
                 hits, misses = after["hits"] - b.get("hits", 0), after["misses"] - b.get("misses", 0)
