@@ -64,6 +64,10 @@ def test_load_times_ttft_itl_and_throughput_from_the_stream():
     assert 40 <= rec["median_ttft_ms"] <= 400
     # 11 chunks a request, 20 ms apart; the two-token chunk counts as two gaps of 10 ms
     assert 15 <= rec["median_itl_ms"] <= 60
+    # 11 tokens after the first a request: 44 samples; the percentiles in order up to the largest gap
+    it = rec["itl"]
+    assert it["samples"] == 44 and rec["median_itl_ms"] <= it["p90_ms"] <= it["p95_ms"] <= rec["p99_itl_ms"] <= it["max_ms"]
+    assert 0 <= it["spikes"] < 44 / 2
     assert rec["output_tok_s"] == pytest.approx(48 / rec["duration_s"])
 
 

@@ -288,7 +288,9 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
 
     Returns:
         ``{completed, output_tokens, duration_s, output_tok_s, median_ttft_ms,
-        median_itl_ms, p99_itl_ms}``; requests that fail are counted out of ``completed``.
+        median_itl_ms, p99_itl_ms, itl}``; ``itl``: the ITL samples' count, their p90 / p95 / max (ms) and
+        how many exceed twice the median (``spikes``: a step held up by a prefill or a stall, which p99
+        alone does not separate from a slower step); requests that fail are counted out of ``completed``.
         ``when_all_started``: an ``async`` callable given the session, awaited once every request has
         its first token (every prefill done: the decode phase; :func:`profile_decode`).
     """
@@ -336,10 +338,17 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
     ok = [r for r in res if isinstance(r, tuple)]
     itl = sorted(x for r in ok for x in r[1])
     toks = sum(r[2] for r in ok)
+
+    def pct(q):
+        return 1e3 * itl[min(len(itl) - 1, int(q * len(itl)))]
+
+    med = statistics.median(itl) if itl else None
     return {"completed": len(ok), "output_tokens": toks, "duration_s": dur, "output_tok_s": toks / dur if dur else None,
             "median_ttft_ms": 1e3 * statistics.median(r[0] for r in ok) if ok else None,
-            "median_itl_ms": 1e3 * statistics.median(itl) if itl else None,
-            "p99_itl_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None}
+            "median_itl_ms": 1e3 * med if itl else None,
+            "p99_itl_ms": pct(0.99) if itl else None,
+            "itl": {"samples": len(itl), "p90_ms": pct(0.90), "p95_ms": pct(0.95), "max_ms": 1e3 * itl[-1],
+                    "spikes": sum(x > 2 * med for x in itl)} if itl else None}
 
 
 def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float, running: Optional[int] = None) -> dict:
