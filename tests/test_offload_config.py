@@ -85,6 +85,7 @@ def namespace(*flags, **sglang):
     (["--kv-offload-dense-launch", "num_warps=3"], dict(disable_radix_cache=True), "num_warps takes one of none, 1, 2, 4, 8, 16, not '3'"),
     (["--kv-offload-dense-launch", "pdl=yes"], dict(disable_radix_cache=True), "pdl takes 0/1, true/false or on/off, not 'yes'"),
     (["--kv-offload-dense-launch", "min_chunk=-1"], dict(disable_radix_cache=True), "min_chunk takes 0 to 1048576 positions, not '-1'"),
+    (["--kv-offload-dense-launch", "chunk_mean=1001"], dict(disable_radix_cache=True), "chunk_mean takes 0 to 1000 percent, not '1001'"),
     (["--kv-offload-dense-launch", "pdl=1,pdl=0"], dict(disable_radix_cache=True), "pdl given twice"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
@@ -374,6 +375,7 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
     (" block_n = 128 , num_warps=none,num_stages=3 ,", dict(dense_block_n=128, dense_num_warps=None, dense_num_stages=3)),
     ("fused=off,pdl=0,min_chunk=0,block_n=0,num_warps=8,num_stages=none,min_ctas=0",
      dict(dense_fused=False, dense_pdl=False, dense_min_chunk=0, dense_block_n=0, dense_num_warps=8, dense_num_stages=None, dense_min_ctas=0)),
+    ("chunk_mean=125", dict(dense_chunk_mean=125)),
 ])
 def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, want):
     """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else; ``dense_launch()``

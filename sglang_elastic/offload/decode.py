@@ -52,7 +52,15 @@ class SplitConfig:
     against FlashInfer's 0.303 and the earlier plan's 0.318. The one launch is slower than two once
     requests split (0.321 against 0.300 ms at 2 chunks each, 0.365 against 0.306 at 9): contexts
     past 8,192 positions in an all-dense batch pay that; below 256 programs a chunk (e.g. 8 requests
-    of 8 KV heads) one chunk a request would leave most SMs idle."""
+    of 8 KV heads) one chunk a request would leave most SMs idle.
+
+    ``dense_chunk_mean`` (percent; 0: off, the default): the all-dense step's minimum chunk is at
+    least that share of the batch's mean context (CUDA-graph padding rows, length 1, count in the
+    mean), computed on the GPU each step: a batch of similar long contexts then runs one chunk a
+    request (no merge: +3.5 % median ITL against stock with two chunks a request at 32 x 8,448 on an
+    H100), while a request much longer than the others still splits into chunks near the mean, so
+    its programs do not set the tail. Not measured yet: ``sweep_dense_kept.py --contexts`` times the
+    plans it gives (its rows at the minimum chunk equal to them)."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -69,6 +77,7 @@ class SplitConfig:
     dense_num_warps: Optional[int] = None
     dense_num_stages: Optional[int] = 3
     dense_min_ctas: int = 256
+    dense_chunk_mean: int = 0
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
@@ -79,7 +88,8 @@ class SplitConfig:
                 fields without the prefix): ``min_chunk`` (positions, >= 0; 0: ``scores_min_chunk``),
                 ``fused`` / ``pdl`` (0/1, true/false, on/off), ``block_n`` (0: ``scores_block_n``, or 16, 32, 64,
                 128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6), ``min_ctas``
-                (programs a chunk, requests x KV heads, from which these apply; 0: always); e.g.
+                (programs a chunk, requests x KV heads, from which these apply; 0: always), ``chunk_mean``
+                (percent of the batch's mean context the minimum chunk is raised to, 0 to 1000; 0: off); e.g.
                 ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
                 ``dense_launch``). Empty: the defaults.
 
@@ -106,7 +116,7 @@ class SplitConfig:
 
 
 #: ``--kv-offload-dense-launch`` keys: :class:`SplitConfig`'s ``dense_*`` fields without the prefix
-DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages", "min_ctas")
+DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages", "min_ctas", "chunk_mean")
 _DENSE_ALLOWED = {"block_n": (0, 16, 32, 64, 128), "num_warps": (None, 1, 2, 4, 8, 16), "num_stages": (None, 1, 2, 3, 4, 5, 6)}
 
 
@@ -123,15 +133,27 @@ def _dense_value(key: str, raw: str):
         v = int(raw)
     except ValueError:
         v = None
-    if key in ("min_chunk", "min_ctas"):
-        if v is None or not 0 <= v <= 1 << 20:
-            what = "positions" if key == "min_chunk" else "programs"
-            raise ValueError(f"--kv-offload-dense-launch: {key} takes 0 to {1 << 20} {what}, not {raw!r}")
+    if key in ("min_chunk", "min_ctas", "chunk_mean"):
+        top, what = {"min_chunk": (1 << 20, "positions"), "min_ctas": (1 << 20, "programs"), "chunk_mean": (1000, "percent")}[key]
+        if v is None or not 0 <= v <= top:
+            raise ValueError(f"--kv-offload-dense-launch: {key} takes 0 to {top} {what}, not {raw!r}")
         return v
     if v not in _DENSE_ALLOWED[key]:
         allowed = ", ".join("none" if a is None else str(a) for a in _DENSE_ALLOWED[key])
         raise ValueError(f"--kv-offload-dense-launch: {key} takes one of {allowed}, not {raw!r}")
     return v
+
+
+def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> torch.Tensor:
+    """``max(floor, ceil(percent / 100 x mean(lens[:bs])))`` as a 0-d int64 tensor, by GPU ops only (no host read:
+    a CUDA graph replays it with the step's lengths); the minimum chunk :attr:`SplitConfig.dense_chunk_mean` asks for.
+
+    Args:
+        lens: ``[>= bs]`` int32 context lengths; bs: requests (> 0); floor: positions (the minimum chunk without the
+            mean); percent: > 0."""
+    total = lens[:bs].sum(dtype=torch.int64) * percent
+    den = 100 * bs
+    return torch.clamp((total + den - 1) // den, min=floor)
 
 
 class _Selection:
@@ -290,6 +312,8 @@ class OffloadDecoder:
         # the all-dense step's own launch only where the batch fills the GPU without small chunks (dense_min_ctas)
         self.dense_tuned = bool(all_dense) and bs * self.kv_heads >= sp.dense_min_ctas
         min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if self.dense_tuned else sp.scores_min_chunk
+        if self.dense_tuned and sp.dense_chunk_mean:
+            min_chunk = dense_mean_chunk(lens, bs, min_chunk, sp.dense_chunk_mean)
         #: the block the chunks are rounded to, which the all-positions launch must tile by (:meth:`_every_position`)
         self.plan_block_n = (sp.dense_block_n or sp.scores_block_n) if self.dense_tuned else sp.scores_block_n
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, self.plan_block_n, self.chunk, self.nsplit)
