@@ -340,7 +340,7 @@ def test_prefill_log_sums_sglangs_prefill_lines_and_ignores_the_rest():
         "Prefill batch without a timestamp: not SGLang's line",
         line.format(s=43, tp=" TP0", n=1, t=4608, r=63, q=0, x="9000.5"),
     ])
-    assert mod.prefill_log(text) == {"batches": 3, "new_seqs": 8, "new_tokens": 34816, "max_batch_tokens": 16384, "span_s": 13.0,
+    assert mod.prefill_log(text) == {"batches": 3, "seq_entries": 8, "new_tokens": 34816, "max_batch_tokens": 16384, "span_s": 13.0,
                                      "max_queue": 60, "max_running": 63,
                                      "median_input_tok_s": 9000.5}
     assert mod.prefill_log("[2026-12-05 16:05:31] Decode batch, #running-req: 4") is None and mod.prefill_log("") is None

@@ -812,10 +812,10 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
                                                                dense_block_n=32, dense_num_warps=2, dense_num_stages=None), [4, 4]),
                                           (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=False, dense_pdl=True, dense_min_chunk=256,
                                                                dense_block_n=0, dense_num_stages=None), [1, 3]),
-                                          # the minimum chunk raised to the mean context (232, 602 and the padding row's 1: 279):
-                                          # the shorter request one chunk, the longer three (chunks of 201 rounded to block 128)
+                                          # the minimum chunk raised to the real requests' mean context (231 and 601: 416; the
+                                          # padding row left out): the shorter request one chunk, the longer two (301 -> block 128: 384)
                                           (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=64,
-                                                               dense_chunk_mean=100), [1, 3])],
+                                                               dense_chunk_mean=100), [1, 2])],
                          ids=["below_min_ctas", "two_launch", "fused_one_chunk", "fused_split_pdl", "two_launch_pdl", "fused_chunk_mean"])
 def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry(split, chunks):
     """The all-dense plan (every request keeps V; the CUDA-graph variant of such batches): the sparse
@@ -909,10 +909,13 @@ def test_dense_mean_chunk_is_the_share_of_the_mean_context_rounded_up_and_never_
     from sglang_elastic.offload.decode import dense_mean_chunk
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
-    lens = torch.randint(1, 70000, (9,), generator=g, dtype=torch.int32)
+    lens = torch.randint(2, 70000, (9,), generator=g, dtype=torch.int32)
     for bs, floor, pct in ((9, 8192, 100), (5, 512, 125), (9, 1 << 20, 100), (1, 16, 37)):
-        want = max(floor, -(-int(lens[:bs].to(torch.int64).sum()) * pct // (100 * bs)))  # exact integer ceil
+        want = max(floor, -(-int(lens[:bs].to(torch.int64).sum()) * pct // (100 * bs)))  # exact integer ceil (no length-1 row)
         got = dense_mean_chunk(lens, bs, floor, pct)
         assert got.dim() == 0 and got.dtype == torch.int64 and int(got) == want, (bs, floor, pct)
-    # a CUDA-graph batch: the padding rows' length 1 lowers the mean (3 x 9,000 and 1 x 1 -> 6,751 at 100 %)
-    assert int(dense_mean_chunk(torch.tensor([9000, 9000, 9000, 1], dtype=torch.int32), 4, 16, 100)) == 6751
+    # a CUDA-graph batch: padding rows (length 1) are left out of the mean, so 3 real requests of 9,000 in a 5-row graph
+    # get 9,000 (not 5,401), and a batch of padding alone the floor
+    assert int(dense_mean_chunk(torch.tensor([9000, 9000, 9000, 1, 1], dtype=torch.int32), 5, 16, 100)) == 9000
+    assert int(dense_mean_chunk(torch.tensor([9000, 1, 9001], dtype=torch.int32), 3, 16, 125)) == 11251
+    assert int(dense_mean_chunk(torch.ones(4, dtype=torch.int32), 4, 16, 100)) == 16

@@ -141,8 +141,10 @@ def prefill_log(text: str) -> Optional[dict]:
     """SGLang's "Prefill batch" log lines (one a prefill forward, ``scheduler_components/metrics_reporter.py``) in
     ``text``, the server log written during a load: how many prefill batches ran, their new tokens, the seconds from
     the first to the last line (the log's timestamps: 1 s resolution), the longest queue and the most running
-    requests seen at a prefill, and the median of SGLang's "input throughput" (new tokens over the time since the
-    previous prefill line, so decode steps between prefills count against it). Says whether a slow TTFT came from the prefills themselves or from waiting
+    requests seen at a prefill, and the median (the upper middle one) of SGLang's "input throughput" (new tokens
+    over the time since the previous prefill line, so decode steps between prefills count against it).
+    ``seq_entries`` sums "#new-seq", which counts a chunked prefill's request again for each chunk. With DP
+    attention each DP rank logs its own lines: the queue and running maxima are then per rank. Says whether a slow TTFT came from the prefills themselves or from waiting
     to be admitted. None when the text has no such line."""
     import datetime
 
@@ -152,7 +154,7 @@ def prefill_log(text: str) -> Optional[dict]:
     stamps = [datetime.datetime.strptime(r[0], "%Y-%m-%d %H:%M:%S") for r in rows]
     seqs, toks, running, queue = ([int(r[i]) for r in rows] for i in (1, 2, 3, 4))
     rate = sorted(float(r[5]) for r in rows)
-    return {"batches": len(rows), "new_seqs": sum(seqs), "new_tokens": sum(toks), "max_batch_tokens": max(toks),
+    return {"batches": len(rows), "seq_entries": sum(seqs), "new_tokens": sum(toks), "max_batch_tokens": max(toks),
             "span_s": (stamps[-1] - stamps[0]).total_seconds(), "max_queue": max(queue), "max_running": max(running),
             "median_input_tok_s": rate[len(rate) // 2]}
 

@@ -55,12 +55,14 @@ class SplitConfig:
     of 8 KV heads) one chunk a request would leave most SMs idle.
 
     ``dense_chunk_mean`` (percent; 0: off, the default): the all-dense step's minimum chunk is at
-    least that share of the batch's mean context (CUDA-graph padding rows, length 1, count in the
-    mean), computed on the GPU each step: a batch of similar long contexts then runs one chunk a
-    request (no merge: +3.5 % median ITL against stock with two chunks a request at 32 x 8,448 on an
-    H100), while a request much longer than the others still splits into chunks near the mean, so
-    its programs do not set the tail. Not measured yet: ``sweep_dense_kept.py --contexts`` times the
-    plans it gives (its rows at the minimum chunk equal to them)."""
+    least that share of the mean context of the batch's real requests (CUDA-graph padding rows,
+    length 1, left out), computed on the GPU each step: a request up to that share of the mean runs
+    one chunk (no merge: likely most of the +3.5 % median ITL against stock with two chunks a request
+    at 32 x 8,448 on an H100), so a batch of similar long contexts wants somewhat above 100 (at 100
+    every request above the mean splits in two; e.g. 125), while a request much longer than the
+    others still splits into chunks near the mean, so its programs do not set the tail. Not measured
+    yet: ``sweep_dense_kept.py --contexts`` times the plans it gives (its rows at the minimum chunk
+    equal to them)."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -145,14 +147,17 @@ def _dense_value(key: str, raw: str):
 
 
 def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> torch.Tensor:
-    """``max(floor, ceil(percent / 100 x mean(lens[:bs])))`` as a 0-d int64 tensor, by GPU ops only (no host read:
-    a CUDA graph replays it with the step's lengths); the minimum chunk :attr:`SplitConfig.dense_chunk_mean` asks for.
+    """``max(floor, ceil(percent / 100 x the mean of lens[:bs] over its real requests))`` as a 0-d int64 tensor, by
+    GPU ops only (no host read: a CUDA graph replays it with the step's lengths); the minimum chunk
+    :attr:`SplitConfig.dense_chunk_mean` asks for. A CUDA-graph padding row (length 1; a real decode step has at
+    least 2 positions) is left out of the mean, so a batch below its captured size gets the same chunk as at it.
 
     Args:
-        lens: ``[>= bs]`` int32 context lengths; bs: requests (> 0); floor: positions (the minimum chunk without the
+        lens: ``[>= bs]`` int32 context lengths; bs: rows (> 0); floor: positions (the minimum chunk without the
             mean); percent: > 0."""
-    total = lens[:bs].sum(dtype=torch.int64) * percent
-    den = 100 * bs
+    real = lens[:bs] > 1
+    total = (lens[:bs].to(torch.int64) * real).sum() * percent
+    den = 100 * torch.clamp(real.sum(), min=1)
     return torch.clamp((total + den - 1) // den, min=floor)
 
 
