@@ -213,7 +213,8 @@ class OffloadConfig:
             raise ConfigError("--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v (V stays on the GPU)")
         if self.dense_launch:
             if not self.keep_v_wanted:
-                raise ConfigError("--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off")
+                why = " (off with --kv-offload-resident-v)" if self.resident_v else ""
+                raise ConfigError(f"--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off{why}")
             try:
                 self.split_config()
             except ValueError as e:
@@ -366,7 +367,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-keep-v", action=argparse.BooleanOptionalAction, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
     o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). A step is read only once the GPU has passed it before its graph replays again: with SGLang's overlap scheduler few are (copy_unread_steps counts the others); --disable-overlap-schedule for every 16th. Off by default.")
-    o.add_argument("--kv-offload-dense-launch", default=None, metavar="KEY=VALUE,...", help="The all-dense step's attention launch (with --kv-offload-keep-v, while every request keeps its V): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n, num_warps, num_stages, min_ctas (these apply from this many programs a chunk, requests x KV heads), chunk_mean (percent, 0-1000: the minimum chunk raised to that share of the batch's mean context, so similar long contexts run one chunk a request; e.g. 125; not measured). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, docs/offload.md); the keys given replace those.")
+    o.add_argument("--kv-offload-dense-launch", default=None, action="append", metavar="KEY=VALUE,...", help="The all-dense step's attention launch (with --kv-offload-keep-v, while every request keeps its V; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000: the minimum chunk raised to that share of the real requests' mean context; it changes the plan only where that exceeds min_chunk; a request above the mean still splits at 100, so similar long contexts want e.g. 125; not measured). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, docs/offload.md); the keys given replace those.")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer: +57 %% median ITL on the Llama-3.1-8B shape at 64 x 32K on the H200 (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
@@ -441,6 +442,10 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     given = {f: getattr(ns, f"kv_offload_{f}", None) for f in fields if f != "enabled"}
     # a store_true flag not given reads False; --no-kv-offload-keep-v (an on/off flag, None when not given) is a value
     given = {f: v for f, v in given.items() if v is not None and (v is not False or f in ON_OFF_FLAGS)}
+    if isinstance(given.get("dense_launch"), list):  # (action="append": argparse would keep only the last silently)
+        if len(given["dense_launch"]) > 1:
+            raise ConfigError("--kv-offload-dense-launch given more than once: put every key in one KEY=VALUE,... value")
+        given["dense_launch"] = given["dense_launch"][0]
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given and not enabled:
         first = next(iter(given))

@@ -75,6 +75,13 @@ def test_plan_key_merges_minimum_chunks_that_give_one_launch_and_nothing_else():
     assert key(mix, 8192) != key(mix, 8192, block_n=128)
 
 
+def test_contexts_refuses_an_empty_value_and_more_positions_than_the_buffers_hold(capsys):
+    for bad, said in (("", "group ''"), ("1000x5000", "at most 4,194,304")):
+        with pytest.raises(SystemExit) as e:
+            sweep.main(["--out", "/nonexistent/x.json", "--contexts", bad])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_contexts_refuses_batch_or_context_beside_it(capsys):
     with pytest.raises(SystemExit) as e:
         sweep.main(["--out", "/nonexistent/x.json", "--contexts", "32x8960", "--batch", "32"])

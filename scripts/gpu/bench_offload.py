@@ -64,7 +64,8 @@ SERVERS = {
     "hicache": ["--attention-backend", "flashinfer", "--enable-hierarchical-cache", "--hicache-size", "90",
                 "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "kernel"],
 }
-#: the offload variants' columns in the assembled throughput rows (``{column}_output_tok_s``, ``_median_itl_ms``, ``_median_ttft_ms``)
+#: the offload variants' columns in the assembled throughput rows (``{column}_output_tok_s``, ``_median_itl_ms``, ``_p99_itl_ms``,
+#: ``_median_ttft_ms``)
 VARIANT_COLUMNS = {"offload-keep": "keep_v", "offload-prefetch": "prefetch", "offload-adaptive": "adaptive"}
 WORKLOADS = {  # name: (input_len, output_len, num_prompts)
     "long32k": (32768, 512, 64),
@@ -564,12 +565,13 @@ def part_assemble(a) -> dict:
             "date": p.get("date"), "commit": p.get("commit"),
             "offload_denominator": ((off.get("offload_pool") or {}).get("policy") or {}).get("denominator"), "stock_output_tok_s": st.get("output_tok_s"), "offload_output_tok_s": off.get("output_tok_s"),
             "stock_median_itl_ms": st.get("median_itl_ms"), "offload_median_itl_ms": off.get("median_itl_ms"),
+            "stock_p99_itl_ms": st.get("p99_itl_ms"), "offload_p99_itl_ms": off.get("p99_itl_ms"),
             "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),
             "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"), "copy_hidden_share": off.get("copy_hidden_share"),
             "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
             **{f"{col}_{k}": p["servers"][name].get(k) for name, col in VARIANT_COLUMNS.items() if name in p["servers"]
-               for k in ("output_tok_s", "median_itl_ms", "median_ttft_ms", "hit_rate", "copy_hidden_share")},
+               for k in ("output_tok_s", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "hit_rate", "copy_hidden_share")},
         })
     smoke = by.get("smoke")
     if smoke:

@@ -7,7 +7,9 @@ this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays,
 kernel, in one graph, with and without programmatic dependent launch (PDL only shows with a kernel
 before it; FlashInfer behind the same store for reference). The winner goes into ``SplitConfig``
 (``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``dense_block_n``, ``dense_num_warps``,
-``dense_num_stages``: the all-dense step's own settings) of ``sglang_elastic/offload/decode.py``, or a server
+``dense_num_stages``: the all-dense step's own settings; ``dense_min_ctas`` and ``dense_chunk_mean`` are not swept: the
+pick carries the defaults', so ``DENSE_LAUNCH=sweep`` replaces a ``chunk_mean`` given otherwise) of
+``sglang_elastic/offload/decode.py``, or a server
 runs it first as ``--kv-offload-dense-launch`` (the result's ``dense_launch``: the fastest exact row behind the store);
 ``max_splits`` stays ``scores_max_splits``, as the decoder plans.
 
@@ -86,7 +88,7 @@ def parse_contexts(text: str) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="the result JSON (written only when a configuration ran)")
     ap.add_argument("--batch", type=int, default=None, help="requests (default 64)")
     ap.add_argument("--context", type=int, default=None, help="positions a request (default 4608)")
     ap.add_argument("--contexts", default=None, help="COUNTxLENGTH groups, comma-separated (e.g. 31x4608,1x65536): "
@@ -94,15 +96,17 @@ def main(argv=None) -> int:
     ap.add_argument("--pick-file", default=None, help="also write the pick's --kv-offload-dense-launch text here")
     ap.add_argument("--budget-s", type=float, default=300.0, help="seconds for the grid (the baselines and the PDL pass come on top)")
     a = ap.parse_args(argv)
-    if a.contexts and (a.batch is not None or a.context is not None):
+    if a.contexts is not None and (a.batch is not None or a.context is not None):
         ap.error("--contexts gives every request's context: leave out --batch and --context")
     a.batch, a.context = 64 if a.batch is None else a.batch, 4608 if a.context is None else a.context
     if a.batch < 1 or a.context < 16 or a.budget_s <= 0:
         ap.error(f"--batch {a.batch} / --context {a.context} / --budget-s {a.budget_s}: give >= 1 / >= 16 / > 0")
     try:
-        contexts = parse_contexts(a.contexts) if a.contexts else [a.context] * a.batch
+        contexts = parse_contexts(a.contexts) if a.contexts is not None else [a.context] * a.batch
     except ValueError as e:
         ap.error(str(e))
+    if sum(contexts) > 1 << 22:  # K and V buffers of twice the positions at 8 x 128 bf16: 8 KiB a position, 32 GiB at this cap
+        ap.error(f"{len(contexts)} requests of {sum(contexts):,} positions in all: at most {1 << 22:,} (8 KiB of buffers a position)")
     if not torch.cuda.is_available():
         print("sweep_dense_kept: needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -138,7 +138,7 @@ def _dense_value(key: str, raw: str):
     if key in ("min_chunk", "min_ctas", "chunk_mean"):
         top, what = {"min_chunk": (1 << 20, "positions"), "min_ctas": (1 << 20, "programs"), "chunk_mean": (1000, "percent")}[key]
         if v is None or not 0 <= v <= top:
-            raise ValueError(f"--kv-offload-dense-launch: {key} takes 0 to {top} {what}, not {raw!r}")
+            raise ValueError(f"--kv-offload-dense-launch: {key} takes an integer 0 to {top} ({what}), not {raw!r}")
         return v
     if v not in _DENSE_ALLOWED[key]:
         allowed = ", ".join("none" if a is None else str(a) for a in _DENSE_ALLOWED[key])
@@ -147,14 +147,24 @@ def _dense_value(key: str, raw: str):
 
 
 def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> torch.Tensor:
-    """``max(floor, ceil(percent / 100 x the mean of lens[:bs] over its real requests))`` as a 0-d int64 tensor, by
-    GPU ops only (no host read: a CUDA graph replays it with the step's lengths); the minimum chunk
-    :attr:`SplitConfig.dense_chunk_mean` asks for. A CUDA-graph padding row (length 1; a real decode step has at
-    least 2 positions) is left out of the mean, so a batch below its captured size gets the same chunk as at it.
+    """The minimum chunk :attr:`SplitConfig.dense_chunk_mean` asks for, by GPU ops only (no host read: a CUDA graph
+    replays it with the step's lengths). A CUDA-graph padding row (length 1; a real decode step has at least 2
+    positions) is left out of the mean, so a batch below its captured size gets the same chunk as at it.
 
     Args:
-        lens: ``[>= bs]`` int32 context lengths; bs: rows (> 0); floor: positions (the minimum chunk without the
-            mean); percent: > 0."""
+        lens: ``[>= bs]`` int32 context lengths (positions), on the decode's device.
+        bs: rows of ``lens`` to read (> 0).
+        floor: positions, the minimum chunk without the mean.
+        percent: the share of the mean, in percent (1 to 1000, as ``--kv-offload-dense-launch chunk_mean`` allows).
+
+    Returns:
+        A 0-d int64 tensor on ``lens``' device: ``max(floor, ceil(percent / 100 x the mean of the rows longer than
+        1))``, ``floor`` when every row is padding.
+
+    Raises:
+        ValueError: ``bs`` or ``percent`` out of range."""
+    if bs < 1 or not 1 <= percent <= 1000:
+        raise ValueError(f"dense_mean_chunk: bs {bs} must be >= 1 and percent {percent} in 1..1000")
     real = lens[:bs] > 1
     total = (lens[:bs].to(torch.int64) * real).sum() * percent
     den = 100 * torch.clamp(real.sum(), min=1)
