@@ -30,6 +30,7 @@ installed there. A part that measured nothing writes nothing and exits 1.
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -145,10 +146,9 @@ def prefill_log(text: str) -> Optional[dict]:
     requests seen at a prefill, and the median (the upper middle one) of SGLang's "input throughput" (new tokens
     over the time since the previous prefill line, so decode steps between prefills count against it).
     ``seq_entries`` sums "#new-seq", which counts a chunked prefill's request again for each chunk. With DP
-    attention each DP rank logs its own lines: the queue and running maxima are then per rank. Says whether a slow TTFT came from the prefills themselves or from waiting
-    to be admitted. None when the text has no such line."""
-    import datetime
-
+    attention each DP rank logs its own lines: the queue and running maxima are then per rank. Says whether a
+    slow TTFT came from the prefills themselves or from waiting to be admitted. None when the text has no such
+    line."""
     rows = [m.groups() for m in map(_PREFILL_LINE.search, text.splitlines()) if m]
     if not rows:
         return None

@@ -196,8 +196,6 @@ def main(argv=None) -> int:
         return lambda: attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
                                   num_stages=ns, pdl=pdl)
 
-    shipped = dict(max_splits=sp.scores_max_splits, min_chunk=sp.scores_min_chunk, block_n=sp.scores_block_n, num_warps=None, num_stages=None,
-                   fused=False)
     rows, failed, timed = [], [], {}  # timed: plan_key -> its row (None: it failed)
     t_grid = time.time()
 

@@ -326,11 +326,13 @@ class OffloadDecoder:
         )
         # the all-dense step's own launch only where the batch fills the GPU without small chunks (dense_min_ctas)
         self.dense_tuned = bool(all_dense) and bs * self.kv_heads >= sp.dense_min_ctas
-        min_chunk = (sp.dense_min_chunk or sp.scores_min_chunk) if self.dense_tuned else sp.scores_min_chunk
-        if self.dense_tuned and sp.dense_chunk_mean:
-            min_chunk = dense_mean_chunk(lens, bs, min_chunk, sp.dense_chunk_mean)
-        #: the block the chunks are rounded to, which the all-positions launch must tile by (:meth:`_every_position`)
-        self.plan_block_n = (sp.dense_block_n or sp.scores_block_n) if self.dense_tuned else sp.scores_block_n
+        #: plan_block_n: the block the chunks are rounded to, which the all-positions launch must tile by (:meth:`_every_position`)
+        if self.dense_tuned:
+            min_chunk, self.plan_block_n = sp.dense_min_chunk or sp.scores_min_chunk, sp.dense_block_n or sp.scores_block_n
+            if sp.dense_chunk_mean:
+                min_chunk = dense_mean_chunk(lens, bs, min_chunk, sp.dense_chunk_mean)
+        else:
+            min_chunk, self.plan_block_n = sp.scores_min_chunk, sp.scores_block_n
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, self.plan_block_n, self.chunk, self.nsplit)
         self.all_dense = bool(all_dense)
         if all_dense:
