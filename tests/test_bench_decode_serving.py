@@ -143,3 +143,28 @@ def test_run_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path, monk
     with pytest.raises(SystemExit) as e:
         b.main()
     assert "no CUDA GPU here" in str(e.value) and "\n" not in str(e.value) and not out.exists()
+
+
+def test_the_committed_h100_serving_result_is_its_parts_assembled_and_docs_quote_it():
+    """``docs/results/decode_serving_h100.json`` (2026-12-05, dd653f0) is what ``assemble`` makes of its parts: three
+    workloads, ``auto`` within 2 % of the best forced path and 1 % of FlashInfer on each, both shapes on their own
+    startup calibration (no shipped one covers an H100), uniform8k's passes named irregular (the pool could not cache
+    its prompts); docs/decode.md's table carries these medians."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = type("A", (), {"parts": str(root / "docs/results/decode_serving_h100_parts"), "command": "x"})()
+    out = bench().part_assemble(args)
+    want = json.loads((root / "docs/results/decode_serving_h100.json").read_text())
+    assert "H100" in out["gpu"] and out["workloads"] == want["workloads"] and out["summary"] == want["summary"]
+    assert [(w["model"], w["name"]) for w in out["workloads"]] == [("llama-3.1-8b", "uniform8k"), ("llama-3.1-8b", "short"),
+                                                                   ("qwen2.5-7b", "short")]
+    s = out["summary"]
+    assert s["auto_within_2pct_of_best"] == s["auto_within_1pct_of_flashinfer"] == s["with_verdict"] == 3
+    assert all(v[0]["calibration_source"] == "measured" for v in out["servers"].values())
+    assert out["workloads"][0]["irregular"] == ["auto", "compact", "flashinfer", "split"]
+    doc = " ".join((root / "docs/decode.md").read_text().split())
+    for w in out["workloads"]:
+        p = w["paths"]
+        cells = " | ".join(f"{p[k]['median_itl_ms']:.2f}" for k in ("auto", "flashinfer", "split", "compact"))
+        assert cells.replace(f"{p['auto']['median_itl_ms']:.2f}", f"**{p['auto']['median_itl_ms']:.2f}**", 1) in doc, w["name"]

@@ -57,8 +57,8 @@ def host(tmp_path):
     """A built FlashInfer-like module and a Triton kernel under a fake HOME."""
     home, site = tmp_path / "home", tmp_path / "site"
     env = {**os.environ, "HOME": str(home)}
-    env.pop("FLASHINFER_WORKSPACE_BASE", None)
-    env.pop("TRITON_CACHE_DIR", None)
+    for k in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR"):
+        env.pop(k, None)
     build = home / ".cache/flashinfer/0.6.15.post1/90a/cached_ops/op"
     triton = home / ".triton/cache/abc123/kernel.cubin"
     _install(site, BUNDLE_MTIME)
@@ -67,12 +67,18 @@ def host(tmp_path):
     assert "no work to do" in _ninja(build)
     triton.parent.mkdir(parents=True)
     triton.write_bytes(os.urandom(200_000))  # incompressible: several parts at a small part size
+    # SGLang's own JIT module (sglang/kernels/jit/utils/compile.py: TVM-FFI's cache, reused when its .so exists)
+    tvm = home / ".cache/tvm-ffi/sgl_kernel_jit_norm_0123abcd/sgl_kernel_jit_norm.so"
+    tvm.parent.mkdir(parents=True)
+    tvm.write_bytes(os.urandom(5000))
     return env, home, site, build, triton
 
 
 def test_a_restored_cache_is_used_as_is_and_a_newer_install_rebuilds(host, tmp_path):
     env, home, site, build, triton = host
     blob = triton.read_bytes()
+    tvm = next((home / ".cache/tvm-ffi").rglob("*.so"))
+    tvm_blob = tvm.read_bytes()
     saved = tmp_path / "out" / "jit-cache.tgz"
     saved.parent.mkdir()
     r = _script({**env, "JIT_CACHE_PART_BYTES": "65536"}, "save", str(saved))
@@ -86,7 +92,7 @@ def test_a_restored_cache_is_used_as_is_and_a_newer_install_rebuilds(host, tmp_p
     _install(site, BUNDLE_MTIME)
     assert "restored" in _script(env, "restore", str(saved)).stdout
     assert "no work to do" in _ninja(build)
-    assert triton.read_bytes() == blob
+    assert triton.read_bytes() == blob and tvm.read_bytes() == tvm_blob
 
     # a bundle rebuilt after the cache: ninja's own check rebuilds, nothing hides it
     shutil.rmtree(home)
@@ -114,8 +120,8 @@ def test_a_damaged_archive_restores_nothing(host, tmp_path):
 
 def test_nothing_to_save_or_restore_is_a_warning_and_bad_usage_an_error(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path / "empty")}
-    env.pop("FLASHINFER_WORKSPACE_BASE", None)
-    env.pop("TRITON_CACHE_DIR", None)
+    for k in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR"):
+        env.pop(k, None)
     r = _script(env, "restore", str(tmp_path / "none.tgz"), check=False)
     assert r.returncode == 0 and "a fresh host compiles its kernels" in r.stderr
     r = _script(env, "save", str(tmp_path / "x.tgz"), check=False)

@@ -37,7 +37,8 @@ def test_pick_skips_a_faster_row_whose_output_did_not_match_and_round_trips():
 def test_pick_takes_pdl_when_faster_and_exact_and_none_without_an_exact_row():
     shipped = row(ms=0.300, ms_pdl=0.290, max_abs_diff=1e-3, max_abs_diff_pdl=1e-3)
     pick = sweep.dense_pick([shipped], shipped)
-    assert pick["pdl"] and pick["ms"] == 0.290 and SplitConfig.with_dense_launch(pick["text"]) == SplitConfig(dense_min_chunk=512, dense_fused=False, dense_pdl=True, dense_block_n=64, dense_num_stages=None)
+    assert pick["pdl"] and pick["ms"] == 0.290 and SplitConfig.with_dense_launch(pick["text"]) == SplitConfig(dense_min_chunk=512, dense_fused=False, dense_pdl=True, dense_block_n=64, dense_num_stages=None,
+                                                                                                                  dense_chunk_mean=0)  # the timed plan: chunk_mean off
     assert pick["shipped_ms"] == 0.300
     assert sweep.dense_pick([row(ms=0.2, max_abs_diff=0.3)], None) is None
     assert sweep.dense_pick([], None) is None

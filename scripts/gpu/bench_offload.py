@@ -572,6 +572,11 @@ def part_assemble(a) -> dict:
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
             **{f"{col}_{k}": p["servers"][name].get(k) for name, col in VARIANT_COLUMNS.items() if name in p["servers"]
                for k in ("output_tok_s", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "hit_rate", "copy_hidden_share")},
+            # per server: requests completed of those sent (none lost), its flags beyond its kind's, the pool it ran on
+            "runs": {name: {"completed": r.get("completed"), "extra_flags": r.get("extra_flags") or "",
+                            "max_total_num_tokens": r.get("max_total_num_tokens"), "peak_running_reqs": r.get("peak_running_reqs"),
+                            "bound": (((r.get("offload_pool") or {}).get("sizing")) or {}).get("bound")}
+                     for name, r in p["servers"].items()},
         })
     smoke = by.get("smoke")
     if smoke:

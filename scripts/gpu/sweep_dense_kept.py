@@ -7,8 +7,9 @@ this GQA group) and our one-list split-KV on the same bytes. CUDA-graph replays,
 kernel, in one graph, with and without programmatic dependent launch (PDL only shows with a kernel
 before it; FlashInfer behind the same store for reference). The winner goes into ``SplitConfig``
 (``dense_min_chunk``, ``dense_fused``, ``dense_pdl``, ``dense_block_n``, ``dense_num_warps``,
-``dense_num_stages``: the all-dense step's own settings; ``dense_min_ctas`` and ``dense_chunk_mean`` are not swept: the
-pick carries the defaults', so ``DENSE_LAUNCH=sweep`` replaces a ``chunk_mean`` given otherwise) of
+``dense_num_stages``: the all-dense step's own settings; ``dense_min_ctas`` is not swept and the pick carries its default;
+the pick carries ``chunk_mean=0``, the fixed minimum chunk that was timed, so ``DENSE_LAUNCH=sweep`` turns the default's
+``chunk_mean`` off) of
 ``sglang_elastic/offload/decode.py``, or a server
 runs it first as ``--kv-offload-dense-launch`` (the result's ``dense_launch``: the fastest exact row behind the store);
 ``max_splits`` stays ``scores_max_splits``, as the decoder plans.
@@ -57,8 +58,9 @@ def dense_pick(behind: list, shipped_row: "dict | None") -> "dict | None":
     if not cands:
         return None
     ms, pdl, r = min(cands, key=lambda c: c[0])
+    # chunk_mean=0: the row's fixed minimum chunk is the plan that was timed (the default's chunk_mean would raise it)
     cfg = SplitConfig(dense_min_chunk=r["min_chunk"], dense_fused=r["fused"], dense_pdl=pdl, dense_block_n=r["block_n"],
-                      dense_num_warps=r["num_warps"], dense_num_stages=r["num_stages"])
+                      dense_num_warps=r["num_warps"], dense_num_stages=r["num_stages"], dense_chunk_mean=0)
     keys = ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused")
     shipped = None if shipped_row is None else next((x for x in behind if all(x[k] == shipped_row[k] for k in keys)), None)
     return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}

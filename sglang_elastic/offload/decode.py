@@ -54,15 +54,17 @@ class SplitConfig:
     past 8,192 positions in an all-dense batch pay that; below 256 programs a chunk (e.g. 8 requests
     of 8 KV heads) one chunk a request would leave most SMs idle.
 
-    ``dense_chunk_mean`` (percent; 0: off, the default): the all-dense step's minimum chunk is at
+    ``dense_chunk_mean`` (percent; 0: off; default 125): the all-dense step's minimum chunk is at
     least that share of the mean context of the batch's real requests (CUDA-graph padding rows,
     length 1, left out), computed on the GPU each step: a request up to that share of the mean runs
-    one chunk (no merge: likely most of the +3.5 % median ITL against stock with two chunks a request
-    at 32 x 8,448 on an H100), so a batch of similar long contexts wants somewhat above 100 (at 100
-    every request above the mean splits in two; e.g. 125), while a request much longer than the
-    others still splits into chunks near the mean, so its programs do not set the tail. Not measured
-    yet: ``sweep_dense_kept.py --contexts`` times the plans it gives (its rows at the minimum chunk
-    equal to them)."""
+    one chunk (no merge), so a batch of similar long contexts runs one launch without merges (at 100
+    every request above the mean would split in two), while a request much longer than the others
+    still splits into chunks near the mean, so its programs do not set the tail. It changes the plan
+    only where that share exceeds ``dense_min_chunk`` (contexts past ~6,550 positions). Measured on an
+    H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``): median ITL 18.55 against
+    18.98 ms without it on one host (-2.3 %), 18.56 against stock's 18.42 ms (+0.8 %) on another,
+    where the plan without it had given +3.5 % against stock. Not measured on mixed lengths.
+    ``sweep_dense_kept.py --contexts`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -79,7 +81,7 @@ class SplitConfig:
     dense_num_warps: Optional[int] = None
     dense_num_stages: Optional[int] = 3
     dense_min_ctas: int = 256
-    dense_chunk_mean: int = 0
+    dense_chunk_mean: int = 125
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
