@@ -45,7 +45,8 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sgl
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
     got = config.ElasticKVConfig.from_env(out["CONFIG"]).offload
     assert got.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
-    assert got.split_config() == dataclasses.replace(SplitConfig(), dense_fused=True, dense_min_chunk=2048, dense_pdl=True)
+    # min_chunk given without chunk_mean: the chunk named is the plan's (the default chunk_mean off with it)
+    assert got.split_config() == dataclasses.replace(SplitConfig(), dense_fused=True, dense_min_chunk=2048, dense_pdl=True, dense_chunk_mean=0)
 
 
 def namespace(*flags, **sglang):
@@ -373,15 +374,21 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
 
 @pytest.mark.parametrize("text,want", [
     ("", {}),
-    ("fused=1,min_chunk=2048,pdl=true", dict(dense_fused=True, dense_min_chunk=2048, dense_pdl=True)),
+    # a min_chunk given alone is the plan's chunk: the default chunk_mean (a floor under the mean) goes off with it
+    ("fused=1,min_chunk=2048,pdl=true", dict(dense_fused=True, dense_min_chunk=2048, dense_pdl=True, dense_chunk_mean=0)),
+    ("min_chunk=2048,chunk_mean=150", dict(dense_min_chunk=2048, dense_chunk_mean=150)),
     (" block_n = 128 , num_warps=none,num_stages=3 ,", dict(dense_block_n=128, dense_num_warps=None, dense_num_stages=3)),
     ("fused=off,pdl=0,min_chunk=0,block_n=0,num_warps=8,num_stages=none,min_ctas=0",
-     dict(dense_fused=False, dense_pdl=False, dense_min_chunk=0, dense_block_n=0, dense_num_warps=8, dense_num_stages=None, dense_min_ctas=0)),
-    ("chunk_mean=125", dict(dense_chunk_mean=125)),
+     dict(dense_fused=False, dense_pdl=False, dense_min_chunk=0, dense_block_n=0, dense_num_warps=8, dense_num_stages=None, dense_min_ctas=0,
+          dense_chunk_mean=0)),
+    ("chunk_mean=0", dict(dense_chunk_mean=0)),
+    ("pdl=0", dict(dense_pdl=False)),  # the default chunk_mean stays
 ])
 def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, want):
-    """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else; ``dense_launch()``
-    prints a text that reads back to the same configuration (the sweep reports its pick that way)."""
+    """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else (a ``min_chunk`` without
+    ``chunk_mean`` also turns the default ``chunk_mean`` off); ``dense_launch()`` prints a text that reads back to the
+    same configuration (the sweep reports its pick that way)."""
+    assert SplitConfig().dense_chunk_mean == 125
     got = SplitConfig.with_dense_launch(text)
     assert got == dataclasses.replace(SplitConfig(), **want)
     assert SplitConfig.with_dense_launch(got.dense_launch()) == got

@@ -633,17 +633,21 @@ def test_the_op_recorder_sees_what_a_graph_cannot_capture():
     assert torch.Tensor.tolist is orig_tolist and t.tolist() == orig_tolist(t)  # the patches are gone after the block
 
 
-@pytest.mark.parametrize("denominator,resident,prefetch,keep_v,all_dense,slack_max", [
-    ("selected", False, False, False, False, 0.0), ("estimate", False, True, False, False, 4.0), ("full", True, False, False, False, 0.0),
-    ("estimate", False, True, True, False, 0.0), ("estimate", False, False, True, True, 0.0)])
-def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense, slack_max):
+@pytest.mark.parametrize("denominator,resident,prefetch,keep_v,all_dense,slack_max,tuned", [
+    ("selected", False, False, False, False, 0.0, False), ("estimate", False, True, False, False, 4.0, False),
+    ("full", True, False, False, False, 0.0, False), ("estimate", False, True, True, False, 0.0, False),
+    ("estimate", False, False, True, True, 0.0, False),
+    # the all-dense step's own plan as shipped (one launch, PDL, chunk_mean's mean on the GPU), from 2 programs a chunk
+    ("estimate", False, False, True, True, 0.0, True)])
+def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense, slack_max, tuned):
     """What the backend runs inside SGLang's decode CUDA graph (the plan, then
     per layer: the prefetch, the KV write, the attention) makes no tensor from
     a Python value and reads no device value on the host. On the H200, with
     ``estimate`` ``attended[idx] = 1`` (a Python 1 made a CPU tensor) failed
     the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    sim = Sim(make_pool(pol, resident, keep_v=keep_v, slack_max=slack_max), seed=3)
+    split = dataclasses.replace(SPLIT, dense_min_ctas=0, dense_chunk_mean=SplitConfig().dense_chunk_mean, dense_min_chunk=64) if tuned else SPLIT
+    sim = Sim(make_pool(pol, resident, keep_v=keep_v, slack_max=slack_max), seed=3, split=split)
     sim.keep = ({1, 2} if all_dense else {2}) if keep_v else set()  # keep_v: one dense and one sparse request (or both dense)
     sim.extend([1, 2], [(0, 40), (0, 300)])
     sim.decode([1, 2], [41, 301], check=False)
@@ -681,6 +685,9 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
+    assert dec.dense_tuned == tuned
+    if tuned:  # the mean of 42 and 302 (172) x 1.25 = 215 > 64: the short request one chunk, the long one two
+        assert dec.nsplit[:2].tolist() == [1, 2]
     if keep_v:
         assert dec.dense_lens[:2].tolist() == ([42, 302] if all_dense else [0, 302])  # row 2 (and 1) dense in the recorded step
     if slack_max:
@@ -908,10 +915,12 @@ def test_an_all_dense_plan_without_kept_v_is_refused_before_the_step_changes():
 
 
 def test_the_default_all_dense_plan_runs_similar_long_contexts_as_one_chunk_and_splits_an_outlier_near_the_mean():
-    """The shipped ``chunk_mean=125`` (measured -2.3 % median ITL at 32 x 8,448 on an H100), through the plan the
-    decoder makes (``dense_mean_chunk`` then ``split_kv_plan``): at that shape every request is one chunk, where
+    """The shipped ``chunk_mean=125`` (measured -2.3 % median ITL at 32 x 8,448 on an H100), as
+    ``OffloadDecoder.plan`` chains ``dense_mean_chunk`` and ``split_kv_plan`` (the decoder itself runs it in the
+    all-dense step test's ``fused_chunk_mean`` case): at that shape every request is one chunk, where
     ``chunk_mean=0`` splits each in two (the merge the measurement paid); at 64 x 4K nothing changes (8,192 already
-    holds each request); one 65,536-token request among 31 of 4,608 still splits into chunks near 1.25x the mean."""
+    holds each request); one 65,536-token request among 31 of 9,000 splits into chunks near 1.25x the mean (5 of
+    13,184 positions, 8 of 8,192 without it), not one chunk that would set the tail."""
     from sglang_elastic.kernels.decode_attention import split_kv_plan
     from sglang_elastic.offload.decode import dense_mean_chunk
 
@@ -926,14 +935,15 @@ def test_the_default_all_dense_plan_runs_similar_long_contexts_as_one_chunk_and_
         chunk, nsplit = split_kv_plan(indptr, sp.scores_max_splits, mc, sp.dense_block_n)
         return chunk.tolist(), nsplit.tolist()
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
-    ctx = (8448 + torch.randint(0, 512, (32,), generator=g)).tolist()  # over8k's decode: 8,448 + up to 512 generated
-    assert plan(ctx, sp.dense_chunk_mean)[1] == [1] * 32 and plan(ctx, 0)[1] == [2] * 32
-    short = (4096 + torch.randint(0, 512, (64,), generator=g)).tolist()
-    assert plan(short, sp.dense_chunk_mean) == plan(short, 0) and plan(short, 0)[1] == [1] * 64
-    chunk, nsplit = plan([4608] * 31 + [65536], sp.dense_chunk_mean)
-    mean = (31 * 4608 + 65536) / 32
-    assert nsplit[:31] == [1] * 31 and nsplit[31] == -(-65536 // 8192) and chunk[31] <= 1.25 * mean + sp.dense_block_n
+    for ctx in ([8448] * 32, [8959] * 32, [8448] * 16 + [8959] * 16):  # over8k's decode: 8,448 to 8,959 positions
+        assert plan(ctx, sp.dense_chunk_mean)[1] == [1] * 32 and plan(ctx, 0)[1] == [2] * 32
+    for short in ([4096] * 64, [4607] * 64):  # the fitting load: the mean's 1.25x stays under the 8,192 floor
+        assert plan(short, sp.dense_chunk_mean) == plan(short, 0) and plan(short, 0)[1] == [1] * 64
+    chunk, nsplit = plan([9000] * 31 + [65536], sp.dense_chunk_mean)
+    mean = (31 * 9000 + 65536) / 32
+    # ceil(65,536 / (1.25 x 10,766.75)) = 5 chunks of 65,536 / 5 rounded up to the block: 13,184
+    assert nsplit == [1] * 31 + [5] and chunk[31] == 13184 and 0.9 * 1.25 * mean < chunk[31] <= 1.25 * mean
+    assert plan([9000] * 31 + [65536], 0)[1] == [2] * 31 + [8]
 
 
 def test_dense_mean_chunk_is_the_share_of_the_mean_context_rounded_up_and_never_below_the_floor():

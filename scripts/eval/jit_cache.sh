@@ -9,7 +9,8 @@
 # Caches: FlashInfer's ninja builds (${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer,
 # flashinfer/jit/env.py), Triton's kernels (${TRITON_CACHE_DIR:-$HOME/.triton/cache}) and SGLang's
 # own JIT kernels (${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}: sglang/kernels/jit/utils/compile.py
-# loads a module's .so from there when present, its directory named by a hash of the sources).
+# loads a module's .so from there when present; the directory names the module, GPU arch and TVM-FFI
+# version, and the module name carries a hash of its sources).
 # With the first two alone a restored host's first offload server still started in 147 s
 # against 84 s for a second start (H100, 2026-12-05).
 # The archive keeps the files' mtimes. FlashInfer runs ninja before every load

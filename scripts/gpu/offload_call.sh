@@ -7,7 +7,7 @@
 #       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore
 #   sweep: scripts/gpu/sweep_dense_kept.py (the all-dense step's attention configurations, PDL behind the store) -> $OUT/sweep_dense_kept.json;
 #     $SWEEP_BUDGET_S (default 300) bounds its grid; its pick (--kv-offload-dense-launch text) stays in /tmp/dense_launch.txt
-#     for a later call on the same host: DENSE_LAUNCH=sweep; $SWEEP_ARGS: more of its flags (e.g. "--contexts 32x8960");
+#     for a later call on the same host: DENSE_LAUNCH=sweep (the pick carries chunk_mean=0, the plan it timed); $SWEEP_ARGS: more of its flags (e.g. "--contexts 32x8960");
 #     sweep:NAME writes sweep_dense_kept_NAME.json and its pick to /tmp/dense_launch_NAME.txt (several shapes in one call;
 #     DENSE_LAUNCH=sweep takes only the unnamed sweep's pick)
 #   decode_serving: scripts/gpu/bench_decode_serving.py run --model MODEL (issue 23's serving A/B; $SERVING_ARGS: more of its flags,

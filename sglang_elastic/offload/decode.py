@@ -51,20 +51,22 @@ class SplitConfig:
     8,192 positions, one launch, PDL, block 128, 3 stages: 0.301 ms a layer behind the KV store
     against FlashInfer's 0.303 and the earlier plan's 0.318. The one launch is slower than two once
     requests split (0.321 against 0.300 ms at 2 chunks each, 0.365 against 0.306 at 9): contexts
-    past 8,192 positions in an all-dense batch pay that; below 256 programs a chunk (e.g. 8 requests
-    of 8 KV heads) one chunk a request would leave most SMs idle.
+    past 8,192 positions in an all-dense batch paid that before ``dense_chunk_mean`` (below); below 256
+    programs a chunk (e.g. 8 requests of 8 KV heads) one chunk a request would leave most SMs idle.
 
     ``dense_chunk_mean`` (percent; 0: off; default 125): the all-dense step's minimum chunk is at
     least that share of the mean context of the batch's real requests (CUDA-graph padding rows,
     length 1, left out), computed on the GPU each step: a request up to that share of the mean runs
-    one chunk (no merge), so a batch of similar long contexts runs one launch without merges (at 100
-    every request above the mean would split in two), while a request much longer than the others
-    still splits into chunks near the mean, so its programs do not set the tail. It changes the plan
-    only where that share exceeds ``dense_min_chunk`` (contexts past ~6,550 positions). Measured on an
-    H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``): median ITL 18.55 against
-    18.98 ms without it on one host (-2.3 %), 18.56 against stock's 18.42 ms (+0.8 %) on another,
-    where the plan without it had given +3.5 % against stock. Not measured on mixed lengths.
-    ``sweep_dense_kept.py --contexts`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``."""
+    one chunk, so a batch of similar long contexts needs no merge (at 100 every request above the
+    mean would split in two), while a request much longer than the others still splits into chunks
+    near the mean, so its programs do not set the tail. ``dense_min_chunk`` stays the floor: the plan
+    changes only where the mean context exceeds ``dense_min_chunk`` / 1.25 (6,554 positions with
+    8,192). Measured on an H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``):
+    median ITL 18.55 against 18.98 ms without it in one call (-2.3 %), and 18.56 against stock's
+    18.42 ms (+0.8 %) in another, where the plan without it had given +3.5 % against stock (fc8598c,
+    a third host). Not measured on mixed lengths, past ~9K contexts, or on the H200.
+    ``sweep_dense_kept.py`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``.
+    ``--kv-offload-dense-launch min_chunk=N`` alone turns it off (:meth:`with_dense_launch`)."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -95,7 +97,9 @@ class SplitConfig:
                 (programs a chunk, requests x KV heads, from which these apply; 0: always), ``chunk_mean``
                 (percent of the batch's mean context the minimum chunk is raised to, 0 to 1000; 0: off); e.g.
                 ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
-                ``dense_launch``). Empty: the defaults.
+                ``dense_launch``). Empty: the defaults. A ``min_chunk`` given without ``chunk_mean`` turns the
+                default ``chunk_mean`` off, so the chunk given is the plan's (with ``chunk_mean`` on, ``min_chunk`` is
+                only its floor).
 
         Raises:
             ValueError: an unknown key, a repeated key, or a value out of range; the message names it.
@@ -109,6 +113,8 @@ class SplitConfig:
             if "dense_" + key in values:
                 raise ValueError(f"--kv-offload-dense-launch: {key} given twice")
             values["dense_" + key] = _dense_value(key, raw)
+        if "dense_min_chunk" in values and "dense_chunk_mean" not in values:
+            values["dense_chunk_mean"] = 0  # the minimum chunk the user named is the plan's, not a floor under the mean's
         return dataclasses.replace(cls(), **values)
 
     def dense_launch(self) -> str:
