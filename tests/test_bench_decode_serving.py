@@ -168,3 +168,18 @@ def test_the_committed_h100_serving_result_is_its_parts_assembled_and_docs_quote
         p = w["paths"]
         cells = " | ".join(f"{p[k]['median_itl_ms']:.2f}" for k in ("auto", "flashinfer", "split", "compact"))
         assert cells.replace(f"{p['auto']['median_itl_ms']:.2f}", f"**{p['auto']['median_itl_ms']:.2f}**", 1) in doc, w["name"]
+
+
+def test_fit_to_pool_keeps_the_first_requests_whose_prompts_and_outputs_fit_and_never_none():
+    """A warm pass must come from the radix cache: 64 x 8K + 256 on an H100's pool (410,620 tokens) left every pass
+    prefilling again (2026-12-05); the first 43 fit in 90 % of it (369,558: (8,192 + 256) x 43 = 363,264)."""
+    b = bench()
+    lens = b.workload_lengths("uniform8k")
+    got = b.fit_to_pool(lens, 256, 410620)
+    assert got == lens[:43] and sum(got) + 256 * 43 <= 0.9 * 410620 < sum(lens[:44]) + 256 * 44
+    assert b.fit_to_pool(lens, 256, 906051) == lens  # an H200's pool holds it whole
+    assert b.fit_to_pool(lens, 256, None) == lens and b.fit_to_pool(lens, 256, 0) == lens  # no pool size known
+    assert b.fit_to_pool([100000, 5], 256, 1000) == [100000]  # one request at least, even past the pool
+    lu = b.workload_lengths("loguniform")
+    got = b.fit_to_pool(lu, 256, 400000)
+    assert got == lu[: len(got)] and sum(got) + 256 * len(got) <= 360000 and (len(got) == len(lu) or sum(lu[: len(got) + 1]) + 256 * (len(got) + 1) > 360000)

@@ -32,7 +32,10 @@ ITL and output throughput as ``sglang.bench_serving`` computes them) and the
 steps each path replayed (``/server_info``'s ``persistentkv`` state). The part
 is rewritten after every pass, so a call cut off by the device's time limit
 keeps what it measured; ``--budget-s`` stops starting passes after that many
-seconds. A part that measured nothing writes nothing and exits 1.
+seconds. A part that measured nothing writes nothing and exits 1. A workload
+whose prompts and outputs exceed 90 % of the server's KV pool runs only its
+first requests that fit, so that its warm passes stay decode-only (the row's
+``fit_to_pool`` says how many; ``--no-fit-pool`` sends them all).
 
 Workloads (random ids, greedy, ``ignore_eos``; lengths from ``--seed``):
 ``loguniform`` (24 requests, prompts log-uniform in 1K-100K, 256 out: the
@@ -97,6 +100,32 @@ def workload_lengths(name: str, seed: int = 1) -> List[int]:
     if name == "bimodal":
         return [32 * K] * 8 + [2 * K] * 56
     return [8 * K] * n if name == "uniform8k" else [2 * K] * n
+
+
+def fit_to_pool(lens: List[int], output_len: int, pool_tokens: Optional[int], share: float = 0.9) -> List[int]:
+    """The workload's prompts, the last ones left out until every request's prompt and output fit in ``share`` of
+    the server's KV pool (``max_total_num_tokens``): a warm pass is then one short extend and ``output_len``
+    decode steps of the whole batch from the radix cache, as the method asks. Without it a workload larger than
+    the pool (64 x 8K on an H100's 410,620 tokens) prefills again in every warm pass and decodes in waves.
+
+    Args:
+        lens: prompt lengths in tokens.
+        output_len: tokens generated per request.
+        pool_tokens: the server's KV tokens; None or 0: no limit known, ``lens`` as given.
+        share: the part of the pool the batch may take (SGLang keeps some free for the decode's growth).
+
+    Returns:
+        A prefix of ``lens`` (at least one request).
+    """
+    if not pool_tokens:
+        return list(lens)
+    out, used = [], 0
+    for n in lens:
+        if out and used + n + output_len > share * pool_tokens:
+            break
+        out.append(n)
+        used += n + output_len
+    return out
 
 
 def path_order(paths: List[str], index: int) -> List[str]:
@@ -212,10 +241,14 @@ def part_run(a) -> dict:
             s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
         for wi, w in enumerate(names):
             n, olen, desc = WORKLOADS[w]
-            lens = workload_lengths(w, a.seed)
-            ps = bo.prompts(lens, seed=a.seed + 7 * wi)
+            named = workload_lengths(w, a.seed)
+            lens = named if a.no_fit_pool else fit_to_pool(named, olen, out["server"]["max_total_num_tokens"])
+            ps = bo.prompts(lens, seed=a.seed + 7 * wi)  # a prefix of the named workload's prompts (one generator, in order)
+            n = len(lens)
             row = {"name": w, "model": a.model, "requests": n, "output_len": olen, "desc": desc, "prompt_tokens": sum(lens),
                    "cold": {}, "paths": {}, "rounds": []}
+            if n < len(named):  # the named workload exceeds the pool: its first n requests, so that the warm passes stay decode-only
+                row["fit_to_pool"] = {"named_requests": len(named), "requests": n, "pool_tokens": out["server"]["max_total_num_tokens"]}
             out["workloads"].append(row)
 
             def one(path: str) -> Optional[dict]:
@@ -351,6 +384,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no pass after this many seconds (a device call's limit)")
+    ap.add_argument("--no-fit-pool", action="store_true",
+                    help="run: send every request of a workload even when prompts and outputs exceed 90 %% of the KV pool "
+                         "(by default its last requests are left out, so a warm pass stays decode-only; the row's fit_to_pool says so)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--extra", default="", help="extra SGLang flags for the server (one string)")
