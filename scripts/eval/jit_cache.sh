@@ -11,8 +11,8 @@
 # own JIT kernels (${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}: sglang/kernels/jit/utils/compile.py
 # loads a module's .so from there when present; the directory names the module, GPU arch and TVM-FFI
 # version, and the module name carries a hash of its sources).
-# With the first two alone a restored host's first offload server still started in 147 s
-# against 84 s for a second start (H100, 2026-12-05).
+# With the first two alone a restored host's first offload server still started in 147 s,
+# its next start (another flag) in 84 s (H100, 2026-12-05).
 # The archive keeps the files' mtimes. FlashInfer runs ninja before every load
 # (JitSpec.build_and_load), and ninja keeps an object only while its inputs
 # are older than the mtime its build log recorded: the bundle's install

@@ -77,6 +77,8 @@ WORKLOADS = {
     "uniform8k": (64, 256, "64 x 8K"),
     "short": (128, 256, "128 x 2K"),
 }
+#: the share of the server's KV pool a workload's prompts and outputs may take (:func:`fit_to_pool`)
+FIT_POOL_SHARE = 0.9
 #: acceptance: auto within this of the best forced path's median ITL, and of FlashInfer's
 WITHIN_BEST, WITHIN_FLASHINFER = 0.02, 0.01
 
@@ -102,7 +104,7 @@ def workload_lengths(name: str, seed: int = 1) -> List[int]:
     return [8 * K] * n if name == "uniform8k" else [2 * K] * n
 
 
-def fit_to_pool(lens: List[int], output_len: int, pool_tokens: Optional[int], share: float = 0.9) -> List[int]:
+def fit_to_pool(lens: List[int], output_len: int, pool_tokens: Optional[int], share: float = FIT_POOL_SHARE) -> List[int]:
     """The workload's prompts, the last ones left out until every request's prompt and output fit in ``share`` of
     the server's KV pool (``max_total_num_tokens``): a warm pass is then one short extend and ``output_len``
     decode steps of the whole batch from the radix cache, as the method asks. Without it a workload larger than
@@ -240,15 +242,15 @@ def part_run(a) -> dict:
         for p in bo.prompts([256, 12000], seed=a.seed + 1000):
             s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
         for wi, w in enumerate(names):
-            n, olen, desc = WORKLOADS[w]
-            named = workload_lengths(w, a.seed)
-            lens = named if a.no_fit_pool else fit_to_pool(named, olen, out["server"]["max_total_num_tokens"])
+            _, olen, desc = WORKLOADS[w]
+            named, pool = workload_lengths(w, a.seed), out["server"]["max_total_num_tokens"]
+            lens = named if a.no_fit_pool else fit_to_pool(named, olen, pool)
             ps = bo.prompts(lens, seed=a.seed + 7 * wi)  # a prefix of the named workload's prompts (one generator, in order)
             n = len(lens)
             row = {"name": w, "model": a.model, "requests": n, "output_len": olen, "desc": desc, "prompt_tokens": sum(lens),
                    "cold": {}, "paths": {}, "rounds": []}
             if n < len(named):  # the named workload exceeds the pool: its first n requests, so that the warm passes stay decode-only
-                row["fit_to_pool"] = {"named_requests": len(named), "requests": n, "pool_tokens": out["server"]["max_total_num_tokens"]}
+                row["fit_to_pool"] = {"named_requests": len(named), "requests": n, "pool_tokens": pool}
             out["workloads"].append(row)
 
             def one(path: str) -> Optional[dict]:
@@ -385,7 +387,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no pass after this many seconds (a device call's limit)")
     ap.add_argument("--no-fit-pool", action="store_true",
-                    help="run: send every request of a workload even when prompts and outputs exceed 90 %% of the KV pool "
+                    help=f"run: send every request of a workload even when prompts and outputs exceed {FIT_POOL_SHARE * 100:.0f} %% of the KV pool "
                          "(by default its last requests are left out, so a warm pass stays decode-only; the row's fit_to_pool says so)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--port", type=int, default=30400)

@@ -519,6 +519,13 @@ def part_merge(a) -> dict:
             "merged_from": [{"file": os.path.basename(f), "date": p.get("date"), "servers": sorted(p["servers"])} for p, f in zip(parts, a.inputs)]}
 
 
+def pool_sizing(server: dict, key: str = "offload_pool") -> dict:
+    """An offload server's pool sizing (``sglang_elastic.offload.sizing``: tokens, bound, stock_tokens, ...) from its
+    row in a part: under ``offload_pool`` in throughput rows, under ``offload`` in capacity and smoke rows; ``{}`` for
+    a server without one (stock)."""
+    return (server.get(key) or {}).get("sizing") or {}
+
+
 def part_assemble(a) -> dict:
     files = sorted(glob.glob(os.path.join(a.parts, "*.json")))
     every = [json.load(open(f)) for f in files]
@@ -535,7 +542,7 @@ def part_assemble(a) -> dict:
         st, off = cap["servers"].get("stock", {}), cap["servers"].get("offload", {})
         out["capacity"] = {"stock_tokens": st.get("max_total_num_tokens"), "offload_tokens": off.get("max_total_num_tokens"),
                            "stock_peak_used_tokens": st.get("peak_used_tokens"), "offload_peak_used_tokens": off.get("peak_used_tokens"),
-                           "bound": ((off.get("offload") or {}).get("sizing") or {}).get("bound")}
+                           "bound": pool_sizing(off, "offload").get("bound")}
     if cap is None:  # no capacity part: the pool sizes of the newest throughput part's offload server (same defaults),
         # one that ran stock beside it first (both pools measured on one host)
         tps = sorted((p for p in parts if p.get("part") == "throughput" and "offload" in p["servers"]),
@@ -544,7 +551,7 @@ def part_assemble(a) -> dict:
             tp = tps[-1]
             off = tp["servers"]["offload"]
             st = tp["servers"].get("stock")
-            sizing = (off.get("offload_pool") or {}).get("sizing") or {}
+            sizing = pool_sizing(off)
             if st is not None:  # stock's own pool in the same run
                 stock, how = st.get("max_total_num_tokens"), ("stock server in another call of the same device session, "
                                                               + ", ".join(m["file"] for m in tp["merged_from"])
@@ -575,7 +582,7 @@ def part_assemble(a) -> dict:
             # per server: requests completed of those sent (none lost), its flags beyond its kind's, the pool it ran on
             "runs": {name: {"completed": r.get("completed"), "extra_flags": r.get("extra_flags") or "",
                             "max_total_num_tokens": r.get("max_total_num_tokens"), "peak_running_reqs": r.get("peak_running_reqs"),
-                            "bound": (((r.get("offload_pool") or {}).get("sizing")) or {}).get("bound")}
+                            "bound": pool_sizing(r).get("bound")}
                      for name, r in p["servers"].items()},
         })
     smoke = by.get("smoke")
@@ -617,7 +624,7 @@ def tp_summary(parts: List[dict]) -> dict:
                                                         for name, v in p["servers"].items()}})
         elif p.get("part") == "smoke":
             off = p["servers"].get("offload", {})
-            sizing = (off.get("offload") or {}).get("sizing") or {}
+            sizing = pool_sizing(off, "offload")
             row.update({"date": p.get("date"), "commit": p.get("commit"), "gpu": p.get("gpu"),
                         "exactness": {k: p["exactness"][k] for k in ("compared", "identical", "max_abs_logprob_diff", "tokens_compared")},
                         "offload_tokens": off.get("max_total_num_tokens"), "stock_tokens_same_budget": sizing.get("stock_tokens"),
