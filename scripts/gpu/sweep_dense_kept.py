@@ -20,7 +20,10 @@ runs it first as ``--kv-offload-dense-launch`` (the result's ``dense_launch``: t
 ``--contexts`` (``COUNTxLENGTH`` groups) gives each group's requests that context instead of ``--batch`` x ``--context``:
 past ``dense_min_chunk`` a request splits and the one launch merges its chunks (+3.5 % median ITL against stock at
 32 x 8,448 on an H100, fc8598c), while one long unsplit request leaves every other program waiting for it; the grid's
-minimum chunks reach 131,072 (one chunk a request up to that) so both sides of that trade are timed.
+minimum chunks reach 131,072 (one chunk a request up to that) so both sides of that trade are timed. Before the grid,
+the shipped all-dense launch runs behind the store with its ``chunk_mean`` and without it (``baselines``'
+``dense_default_behind_store``: each plan's minimum chunk, chunks, time and output check; ``same_plan`` where the mean
+context leaves the minimum chunk as it is): on a mix this is the on/off comparison the fixed chunks of the grid do not give.
 
 Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
 ``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). The baselines run first;
@@ -64,6 +67,30 @@ def dense_pick(behind: list, shipped_row: "dict | None") -> "dict | None":
     keys = ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused")
     shipped = None if shipped_row is None else next((x for x in behind if all(x[k] == shipped_row[k] for k in keys)), None)
     return {"text": cfg.dense_launch(), "ms": ms, "pdl": pdl, "shipped_ms": shipped.get("ms") if shipped else None}
+
+
+def default_dense_configs(lens, sp) -> dict:
+    """The all-dense step as a server with ``sp`` launches it (``OffloadDecoder.plan``'s ``dense_tuned`` branch), with its
+    ``dense_chunk_mean`` (``chunk_mean``) and without it (``chunk_mean0``): the direct on/off comparison that the grid's
+    fixed minimum chunks do not give on a batch of mixed lengths (issue 24: ``chunk_mean=125`` was made the default on one
+    uniform shape).
+
+    Args:
+        lens: ``[bs]`` int32 context lengths (positions), on any device.
+        sp: a :class:`~sglang_elastic.offload.decode.SplitConfig`.
+
+    Returns:
+        ``{"chunk_mean": cfg, "chunk_mean0": cfg}``, each a grid row's keys (``max_splits``, ``min_chunk``, ``block_n``,
+        ``num_warps``, ``num_stages``, ``fused``) plus ``pdl``; ``chunk_mean`` is ``chunk_mean0`` with the minimum chunk
+        raised to ``dense_mean_chunk``'s (equal where the mean context is at most ``dense_min_chunk`` / 1.25 or
+        ``dense_chunk_mean`` is 0)."""
+    from sglang_elastic.offload.decode import dense_mean_chunk
+
+    floor = sp.dense_min_chunk or sp.scores_min_chunk
+    base = dict(max_splits=sp.scores_max_splits, min_chunk=int(floor), block_n=sp.dense_block_n or sp.scores_block_n,
+                num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages, fused=bool(sp.dense_fused), pdl=bool(sp.dense_pdl))
+    mean = int(dense_mean_chunk(lens, len(lens), floor, sp.dense_chunk_mean)) if sp.dense_chunk_mean else int(floor)
+    return {"chunk_mean": {**base, "min_chunk": mean}, "chunk_mean0": base}
 
 
 def plan_key(fused: bool, block_n: int, num_warps, num_stages, chunk: list, nsplit: list) -> tuple:
@@ -198,6 +225,23 @@ def main(argv=None) -> int:
         return lambda: attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
                                   num_stages=ns, pdl=pdl)
 
+    # the shipped all-dense launch with and without its chunk_mean, behind the store (before the grid: no budget cuts it)
+    defaults = {}
+    for name, cfg in default_dense_configs(lens.to(torch.int32), sp).items():
+        split_kv_plan(indptr, cfg["max_splits"], cfg["min_chunk"], cfg["block_n"], chunk, nsplit)
+        o = torch.empty_like(q)
+        d = {**cfg, "chunks": int(nsplit.max())}
+        try:
+            fn = attention(cfg, o, pdl=cfg["pdl"])
+            d["ms"] = graph_ms(lambda fn=fn: (store(), fn()))
+            o.fill_(float("nan"))
+            graph_ms(lambda fn=fn: (stale(), store(), fn()), reps=3)
+            d["max_abs_diff"] = float((o.float() - ref.float()).abs().max())
+        except Exception as e:
+            d["error"] = f"{type(e).__name__}: {e}"[:200]
+        defaults[name] = d
+    same = defaults["chunk_mean"]["min_chunk"] == defaults["chunk_mean0"]["min_chunk"]
+    base["dense_default_behind_store"] = {**defaults, "same_plan": same}
     rows, failed, timed = [], [], {}  # timed: plan_key -> its row (None: it failed)
     t_grid = time.time()
 
