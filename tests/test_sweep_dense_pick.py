@@ -89,19 +89,21 @@ def test_contexts_refuses_batch_or_context_beside_it(capsys):
     assert e.value.code == 2 and "leave out --batch and --context" in capsys.readouterr().err
 
 
-def test_default_dense_configs_raise_the_minimum_chunk_to_the_mean_share_only_where_the_mean_is_long():
+def test_default_dense_configs_raise_the_minimum_chunk_to_the_mean_share_only_where_every_request_fits_it():
     import torch
 
     sp = SplitConfig()
-    mix = torch.tensor([8448] * 28 + [32768] * 4, dtype=torch.int32)  # mean 11,488: 125 % of it is 14,360
+    mix = torch.tensor([10000] * 24 + [3000] * 8, dtype=torch.int32)  # mean 8,250: 125 % of it is 10,313, past every request
     got = sweep.default_dense_configs(mix, sp)
     assert got["chunk_mean0"]["min_chunk"] == sp.dense_min_chunk == 8192
-    assert got["chunk_mean"]["min_chunk"] == -(-(28 * 8448 + 4 * 32768) * 125 // (32 * 100)) == 14360
+    assert got["chunk_mean"]["min_chunk"] == -(-(24 * 10000 + 8 * 3000) * 125 // (32 * 100)) == 10313
     want = dict(max_splits=sp.scores_max_splits, block_n=128, num_warps=None, num_stages=3, fused=True, pdl=True)
     for cfg in got.values():
         assert {k: cfg[k] for k in want} == want
-    short = torch.tensor([4608] * 31 + [65536], dtype=torch.int32)  # mean 6,512: 125 % of it (8,140) is under the floor
-    got = sweep.default_dense_configs(short, sp)
-    assert got["chunk_mean"] == got["chunk_mean0"] and got["chunk_mean"]["min_chunk"] == 8192
+    # 28 x 8,448 + 4 x 32,768: the long ones past 125 % of the mean (14,360): the floor; 31 x 4,608 + 65,536: the mean's
+    # 125 % (8,140) is under the floor anyway
+    for lens in ([8448] * 28 + [32768] * 4, [4608] * 31 + [65536]):
+        got = sweep.default_dense_configs(torch.tensor(lens, dtype=torch.int32), sp)
+        assert got["chunk_mean"] == got["chunk_mean0"] and got["chunk_mean"]["min_chunk"] == 8192
     off = sweep.default_dense_configs(mix, SplitConfig(dense_chunk_mean=0))
     assert off["chunk_mean"] == off["chunk_mean0"]

@@ -589,19 +589,31 @@ def part_assemble(a) -> dict:
     if smoke:
         out["exactness"] = {"compared": smoke["exactness"]["compared"], "identical": smoke["exactness"]["identical"],
                             "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
-    acc = by.get("accuracy")
-    if acc:
+    # accuracy parts (offload_accuracy.py), oldest first: the newest gives the issue's rows; every one is listed
+    accs = sorted(((os.path.basename(f), p) for f, p in zip(files, every) if p.get("part") == "accuracy"), key=lambda fp: fp[1].get("date", ""))
+    if accs:
+        name, acc = accs[-1]
         out["accuracy"] = acc["accuracy"]
         # whose rows these are (the first offload server's flags), the gate's verdict, the other servers' rows
+        out["accuracy_part"] = name
         out["accuracy_policy"] = acc.get("offload_policy")
         out["accuracy_acceptance"] = acc.get("acceptance")
-        # the other servers' verdicts; their rows per cell are in the accuracy part (the tracked results stay small)
+        # the other servers' verdicts, of every run; their rows per cell are in the accuracy parts (the tracked results stay small)
         out["accuracy_variants"] = [{k: v.get(k) for k in ("server", "offload_args", "offload_policy", "acceptance")}
-                                    | {"rows_in": "offload_h200_parts/accuracy.json"} for v in acc.get("variants", [])]
+                                    | {"rows_in": f"offload_h200_parts/{n}"} for n, p in accs for v in p.get("variants", [])]
         if acc.get("server_stats"):  # per server name: its hit rate, prefetch rows, keep-v demotions over the samples (SmolLM2's real weights)
             out["accuracy_server_stats"] = acc["server_stats"]
-        if acc.get("exactness"):
-            out.setdefault("exactness_smollm2", acc["exactness"])
+        ex = next((p["exactness"] for _, p in reversed(accs) if p.get("exactness")), None)
+        if ex:
+            out.setdefault("exactness_smollm2", ex)
+        ctl = next(((n, p["control"]) for n, p in reversed(accs) if p.get("control")), None)
+        if ctl:  # dense against dense on another attention kernel, by the same gate: the gate's own noise
+            out["accuracy_control"] = {k: ctl[1].get(k) for k in ("server", "control_args", "acceptance", "two_way", "identical_texts",
+                                                                 "compared", "lost", "gained", "failed")} | {"rows_in": f"offload_h200_parts/{ctl[0]}"}
+        out["accuracy_runs"] = [{"part": n, "date": p.get("date"), "commit": p.get("commit"), "passed": (p.get("acceptance") or {}).get("passed"),
+                                 "failing": [f"{c['task']} {c['context']}: {'; '.join(c['reasons'])}" for c in (p.get("acceptance") or {}).get("failing", [])],
+                                 "two_way": p.get("two_way"),
+                                 "control_passed": ((p.get("control") or {}).get("acceptance") or {}).get("passed")} for n, p in accs]
     out["tp"] = tp_summary([p for p in every if p.get("tp", 1) > 1])
     out["part_files"] = [os.path.basename(f) for f in files]
     return out

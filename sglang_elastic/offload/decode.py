@@ -54,17 +54,19 @@ class SplitConfig:
     past 8,192 positions in an all-dense batch paid that before ``dense_chunk_mean`` (below); below 256
     programs a chunk (e.g. 8 requests of 8 KV heads) one chunk a request would leave most SMs idle.
 
-    ``dense_chunk_mean`` (percent; 0: off; default 125): the all-dense step's minimum chunk is at
-    least that share of the mean context of the batch's real requests (CUDA-graph padding rows,
-    length 1, left out), computed on the GPU each step: a request up to that share of the mean runs
-    one chunk, so a batch of similar long contexts needs no merge (at 100 every request above the
-    mean would split in two), while a request much longer than the others still splits into chunks
-    near the mean, so its programs do not set the tail. ``dense_min_chunk`` stays the floor: the plan
-    changes only where the mean context exceeds ``dense_min_chunk`` / 1.25 (6,554 positions with
-    8,192). Measured on an H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``):
+    ``dense_chunk_mean`` (percent; 0: off; default 125): where every real request of the batch
+    (CUDA-graph padding rows, length 1, left out) fits in that share of the mean context, the
+    all-dense step's minimum chunk is raised to it, computed on the GPU each step (:func:`dense_mean_chunk`):
+    a batch of similar long contexts runs one chunk a request, no merge (at 100 every request above
+    the mean would split in two). A batch with a request past that share keeps ``dense_min_chunk``:
+    its long requests split anyway, and chunks near the mean would make them the tail (H200, 28 x
+    8,448 + 4 x 32,768: 0.501 ms a layer with the mean's chunk against 0.459 with the floor; 24 x
+    10,000 + 8 x 3,000, all within the share: 0.280 against 0.297). ``dense_min_chunk`` stays the
+    floor: the plan changes only where the mean context exceeds ``dense_min_chunk`` / 1.25 (6,554
+    positions with 8,192). Measured on an H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``):
     median ITL 18.55 against 18.98 ms without it in one call (-2.3 %), and 18.56 against stock's
     18.42 ms (+0.8 %) in another, where the plan without it had given +3.5 % against stock (fc8598c,
-    a third host). Not measured on mixed lengths, past ~9K contexts, or on the H200.
+    a third host). Through a server not measured on mixed lengths, past ~9K contexts, or on the H200.
     ``sweep_dense_kept.py`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``.
     ``--kv-offload-dense-launch min_chunk=N`` alone turns it off (:meth:`with_dense_launch`)."""
 
@@ -156,8 +158,17 @@ def _dense_value(key: str, raw: str):
 
 def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> torch.Tensor:
     """The minimum chunk :attr:`SplitConfig.dense_chunk_mean` asks for, by GPU ops only (no host read: a CUDA graph
-    replays it with the step's lengths). A CUDA-graph padding row (length 1; a real decode step has at least 2
-    positions) is left out of the mean, so a batch below its captured size gets the same chunk as at it.
+    replays it with the step's lengths): ``percent`` of the mean context of the batch's real requests when every one of
+    them fits in that many positions (similar contexts: one chunk each, no merge), else ``floor`` (a request that splits
+    anyway runs chunks of the floor, so it does not set the tail with chunks longer than the others' requests). A
+    CUDA-graph padding row (length 1; a real decode step has at least 2 positions) is left out of the mean and the
+    longest, so a batch below its captured size gets the same chunk as at it.
+
+    Measured on the H200 (``sweep_dense_kept.py``'s ``dense_default_behind_store``, 54e28d5, the all-dense step's one
+    launch behind the KV store): 24 x 10,000 + 8 x 3,000 positions, every request under 125 % of the mean: one chunk
+    each, 0.280 against 0.297 ms with the 8,192 floor; 28 x 8,448 + 4 x 32,768, the long ones over it: 0.501 ms with
+    the mean's chunk (the short requests one chunk, the long three of ~10.9K) against 0.459 with the floor, which this
+    rule now takes there.
 
     Args:
         lens: ``[>= bs]`` int32 context lengths (positions), on the decode's device.
@@ -166,17 +177,19 @@ def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> t
         percent: the share of the mean, in percent (1 to 1000, as ``--kv-offload-dense-launch chunk_mean`` allows).
 
     Returns:
-        A 0-d int64 tensor on ``lens``' device: ``max(floor, ceil(percent / 100 x the mean of the rows longer than
-        1))``, ``floor`` when every row is padding.
+        A 0-d int64 tensor on ``lens``' device: ``max(floor, c)`` with ``c = ceil(percent / 100 x the mean of the rows
+        longer than 1)`` when no such row is longer than ``c``, else ``floor``; ``floor`` when every row is padding.
 
     Raises:
         ValueError: ``bs`` or ``percent`` out of range."""
     if bs < 1 or not 1 <= percent <= 1000:
         raise ValueError(f"dense_mean_chunk: bs {bs} must be >= 1 and percent {percent} in 1..1000")
     real = lens[:bs] > 1
-    total = (lens[:bs].to(torch.int64) * real).sum() * percent
+    real_lens = lens[:bs].to(torch.int64) * real
+    total = real_lens.sum() * percent
     den = 100 * torch.clamp(real.sum(), min=1)
-    return torch.clamp((total + den - 1) // den, min=floor)
+    share = (total + den - 1) // den
+    return torch.clamp(share * (real_lens.max() <= share), min=floor)
 
 
 class _Selection:
