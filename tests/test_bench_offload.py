@@ -380,3 +380,21 @@ def test_prefill_log_sums_sglangs_prefill_lines_and_ignores_the_rest():
                                      "max_queue": 60, "max_running": 63,
                                      "median_input_tok_s": 9000.5}
     assert mod.prefill_log("[2026-12-05 16:05:31] Decode batch, #running-req: 4") is None and mod.prefill_log("") is None
+
+
+def test_an_accuracy_part_at_tp2_does_not_become_the_issue_rows_and_rows_in_names_the_folder(tmp_path):
+    """The issue's accuracy rows are TP 1 (as every other key): a newer accuracy part run at TP 2 is not taken for
+    them, and ``rows_in`` names the parts' own folder."""
+    import shutil
+
+    parts = tmp_path / "my_parts"
+    shutil.copytree(ROOT / "docs" / "results" / "offload_h200_parts", parts)
+    tp2 = json.loads((parts / "accuracy_control.json").read_text())
+    tp2.update(tp=2, date="2099-01-01T00:00:00+00:00", accuracy=[dict(r, offload=0.0) for r in tp2["accuracy"]])
+    (parts / "accuracy_tp2.json").write_text(json.dumps(tp2))
+    out = bench().part_assemble(type("A", (), {"parts": str(parts), "command": "assemble"})())
+    want = json.loads((ROOT / "docs" / "results" / "offload_h200_parts" / "accuracy_control.json").read_text())
+    assert out["accuracy_part"] == "accuracy_control.json" and out["accuracy"] == want["accuracy"]
+    assert [r["part"] for r in out["accuracy_runs"]] == ["accuracy.json", "accuracy_control.json"]
+    assert out["accuracy_control"]["rows_in"] == "my_parts/accuracy_control.json"
+    assert {v["rows_in"] for v in out["accuracy_variants"]} == {"my_parts/accuracy.json"}

@@ -822,15 +822,19 @@ def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length(
                                           (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=False, dense_pdl=True, dense_min_chunk=256,
                                                                dense_block_n=0, dense_num_stages=None), [1, 3]),
                                           # the minimum chunk raised to 150 % of the real requests' mean context (231 and 601: 624,
-                                          # which holds both; the padding row left out, else 417 and the floor): one chunk each
+                                          # which holds both; the padding row left out, else 417): one chunk each
                                           (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=64,
                                                                dense_chunk_mean=150), [1, 1]),
-                                          # at 100 % (416) the longer request is past the mean's chunk: the floor, 64, at most 4
+                                          # at 100 % (416, the padding row left out; with it 278, and 601 past twice that): the
+                                          # shorter request one chunk, the longer two (301 -> block 128: 384)
+                                          (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=64,
+                                                               dense_chunk_mean=100), [1, 2]),
+                                          # at 50 % (208) the longer request is past twice the chunk: the floor, 64, at most 4
                                           # splits, chunks rounded up to the 128 block: 231 -> 2 of 128, 601 -> 151 -> 256: 3
                                           (dataclasses.replace(SPLIT, dense_min_ctas=0, dense_fused=True, dense_min_chunk=64,
-                                                               dense_chunk_mean=100), [2, 3])],
+                                                               dense_chunk_mean=50), [2, 3])],
                          ids=["below_min_ctas", "two_launch", "fused_one_chunk", "fused_split_pdl", "two_launch_pdl", "fused_chunk_mean",
-                              "fused_chunk_mean_past_share"])
+                              "fused_chunk_mean_split_two", "fused_chunk_mean_past_twice"])
 def test_an_all_dense_step_runs_no_selection_and_matches_the_dense_reference_with_a_padding_entry(split, chunks):
     """The all-dense plan (every request keeps V; the CUDA-graph variant of such batches): the sparse
     layers run one split-KV pass over K and the kept V, no scores, top-k or copy (no hot page granted,
@@ -919,15 +923,16 @@ def test_an_all_dense_plan_without_kept_v_is_refused_before_the_step_changes():
     assert (dec.all_dense, dec.dense_tuned, dec.plan_block_n, dec.bs) == before[:4] and torch.equal(torch.cat([dec.nsplit[:2], dec.kv_indptr[:3]]), before[4])
 
 
-def test_the_default_all_dense_plan_runs_similar_long_contexts_as_one_chunk_and_keeps_the_floor_past_the_share():
+def test_the_default_all_dense_plan_runs_similar_long_contexts_as_one_chunk_and_keeps_the_floor_past_twice_the_share():
     """The shipped ``chunk_mean=125`` (measured -2.3 % median ITL at 32 x 8,448 on an H100), as
     ``OffloadDecoder.plan`` chains ``dense_mean_chunk`` and ``split_kv_plan`` (the decoder itself runs it in the
     all-dense step test's ``fused_chunk_mean`` cases): at that shape every request is one chunk, where
     ``chunk_mean=0`` splits each in two (the merge the measurement paid); at 64 x 4K nothing changes (8,192 already
     holds each request); 24 x 10,000 + 8 x 3,000 (every request within 125 % of the mean) runs one chunk a request
-    (0.280 against 0.297 ms on the H200); a batch with a request past 125 % of the mean (31 x 9,000 + 65,536, or the
-    H200's 28 x 8,448 + 4 x 32,768: 0.459 ms with the floor against 0.501 with chunks near the mean) keeps the floor's
-    plan, the one ``chunk_mean=0`` gives."""
+    (0.280 against 0.297 ms on the H200); one somewhat longer request (31 x 8,448 + 10,700) splits in two and the
+    others stay one chunk; a batch with a request past twice 125 % of the mean (31 x 9,000 + 65,536, or the H200's
+    28 x 8,448 + 4 x 32,768: 0.459 ms with the floor against 0.501 with chunks near the mean) keeps the floor's plan,
+    the one ``chunk_mean=0`` gives."""
     from sglang_elastic.kernels.decode_attention import split_kv_plan
     from sglang_elastic.offload.decode import dense_mean_chunk
 
@@ -949,6 +954,10 @@ def test_the_default_all_dense_plan_runs_similar_long_contexts_as_one_chunk_and_
     # 125 % of the mean (8,250) is 10,313 >= 10,000: one chunk each; the floor splits the 10,000s in two
     mix = [10000] * 24 + [3000] * 8
     assert plan(mix, sp.dense_chunk_mean)[1] == [1] * 32 and plan(mix, 0)[1] == [2] * 24 + [1] * 8
+    # 125 % of the mean (8,518.4) is 10,648: 10,700 is within twice that, so it splits in two and the rest stay whole
+    # (the floor would split all 32 in two)
+    near = [8448] * 31 + [10700]
+    assert plan(near, sp.dense_chunk_mean)[1] == [1] * 31 + [2] and plan(near, 0)[1] == [2] * 32
     for outlier, want in (([9000] * 31 + [65536], [2] * 31 + [8]), ([8448] * 28 + [32768] * 4, [2] * 28 + [4] * 4)):
         assert plan(outlier, sp.dense_chunk_mean) == plan(outlier, 0) and plan(outlier, 0)[1] == want
 
@@ -958,22 +967,27 @@ def test_dense_mean_chunk_is_the_share_of_the_mean_context_rounded_up_and_never_
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     lens = torch.randint(2, 70000, (9,), generator=g, dtype=torch.int32)
+    # the last row far past the others: 100 % of the mean (at most ~111,000) is under half of it
+    outlier = torch.cat([torch.randint(2, 100, (8,), generator=g, dtype=torch.int32), torch.tensor([1_000_000], dtype=torch.int32)])
     branches = set()
-    # 1000 % of the mean of 9 rows holds the longest (sum >= longest), and of 1 row always; 100 % of 9 random rows
-    # is past the longest only if they are all equal; 1 << 20 is a floor above every share
-    for bs, floor, pct in ((9, 8192, 100), (5, 512, 125), (9, 1 << 20, 100), (1, 16, 37), (9, 512, 1000), (9, 1 << 20, 1000), (1, 16, 100)):
-        share = -(-int(lens[:bs].to(torch.int64).sum()) * pct // (100 * bs))  # exact integer ceil (no length-1 row)
-        holds = int(lens[:bs].max()) <= share
+    # twice 1000 % of the mean of 9 rows holds the longest (sum >= longest), and of 1 row always; 1 << 20 is a floor
+    # above every share
+    for t, bs, floor, pct in ((lens, 9, 8192, 100), (lens, 5, 512, 125), (lens, 9, 1 << 20, 100), (lens, 1, 16, 37), (lens, 9, 512, 1000),
+                              (lens, 9, 1 << 20, 1000), (lens, 1, 16, 100), (outlier, 9, 16, 100), (outlier, 9, 16, 1000)):
+        share = -(-int(t[:bs].to(torch.int64).sum()) * pct // (100 * bs))  # exact integer ceil (no length-1 row)
+        holds = int(t[:bs].max()) <= 2 * share
         branches.add(holds)
         want = max(floor, share) if holds else floor
-        got = dense_mean_chunk(lens, bs, floor, pct)
+        got = dense_mean_chunk(t, bs, floor, pct)
         assert got.dim() == 0 and got.dtype == torch.int64 and int(got) == want, (bs, floor, pct)
     assert branches == {True, False}
     # a CUDA-graph batch: padding rows (length 1) are left out of the mean, so 3 real requests of 9,000 in a 5-row graph
     # get 9,000 (not 5,401, which they would be past: the floor), and a batch of padding alone the floor
     assert int(dense_mean_chunk(torch.tensor([9000, 9000, 9000, 1, 1], dtype=torch.int32), 5, 16, 100)) == 9000
     assert int(dense_mean_chunk(torch.tensor([1, 1, 1], dtype=torch.int32), 3, 16, 100)) == 16
-    # one request past the share: the floor, however long the mean
-    assert int(dense_mean_chunk(torch.tensor([9000, 9000, 9001], dtype=torch.int32), 3, 16, 100)) == 16
+    # 100 % of the mean of (9,000, 9,000, 18,002) is 12,001: the longest within twice it; (9,000, 9,000, 36,008): 18,003,
+    # the longest past twice it: the floor, however long the mean
+    assert int(dense_mean_chunk(torch.tensor([9000, 9000, 18002], dtype=torch.int32), 3, 16, 100)) == 12001
+    assert int(dense_mean_chunk(torch.tensor([9000, 9000, 36008], dtype=torch.int32), 3, 16, 100)) == 16
     assert int(dense_mean_chunk(torch.tensor([9000, 1, 9001], dtype=torch.int32), 3, 16, 125)) == 11251
     assert int(dense_mean_chunk(torch.ones(4, dtype=torch.int32), 4, 16, 100)) == 16

@@ -89,7 +89,7 @@ def test_contexts_refuses_batch_or_context_beside_it(capsys):
     assert e.value.code == 2 and "leave out --batch and --context" in capsys.readouterr().err
 
 
-def test_default_dense_configs_raise_the_minimum_chunk_to_the_mean_share_only_where_every_request_fits_it():
+def test_default_dense_configs_raise_the_minimum_chunk_to_the_mean_share_only_where_no_request_is_past_twice_it():
     import torch
 
     sp = SplitConfig()
@@ -100,8 +100,8 @@ def test_default_dense_configs_raise_the_minimum_chunk_to_the_mean_share_only_wh
     want = dict(max_splits=sp.scores_max_splits, block_n=128, num_warps=None, num_stages=3, fused=True, pdl=True)
     for cfg in got.values():
         assert {k: cfg[k] for k in want} == want
-    # 28 x 8,448 + 4 x 32,768: the long ones past 125 % of the mean (14,360): the floor; 31 x 4,608 + 65,536: the mean's
-    # 125 % (8,140) is under the floor anyway
+    # 28 x 8,448 + 4 x 32,768: the long ones past twice 125 % of the mean (14,360): the floor; 31 x 4,608 + 65,536: the
+    # mean's 125 % (8,140) is under the floor anyway
     for lens in ([8448] * 28 + [32768] * 4, [4608] * 31 + [65536]):
         got = sweep.default_dense_configs(torch.tensor(lens, dtype=torch.int32), sp)
         assert got["chunk_mean"] == got["chunk_mean0"] and got["chunk_mean"]["min_chunk"] == 8192

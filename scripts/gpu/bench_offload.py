@@ -590,7 +590,10 @@ def part_assemble(a) -> dict:
         out["exactness"] = {"compared": smoke["exactness"]["compared"], "identical": smoke["exactness"]["identical"],
                             "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
     # accuracy parts (offload_accuracy.py), oldest first: the newest gives the issue's rows; every one is listed
-    accs = sorted(((os.path.basename(f), p) for f, p in zip(files, every) if p.get("part") == "accuracy"), key=lambda fp: fp[1].get("date", ""))
+    # (TP 1 only, as the other keys; rows_in names the parts' folder as given, e.g. offload_h200_parts/accuracy.json)
+    folder = os.path.basename(os.path.normpath(a.parts))
+    accs = sorted(((os.path.basename(f), p) for f, p in zip(files, every) if p.get("part") == "accuracy" and p.get("tp", 1) == 1),
+                  key=lambda fp: fp[1].get("date", ""))
     if accs:
         name, acc = accs[-1]
         out["accuracy"] = acc["accuracy"]
@@ -600,7 +603,7 @@ def part_assemble(a) -> dict:
         out["accuracy_acceptance"] = acc.get("acceptance")
         # the other servers' verdicts, of every run; their rows per cell are in the accuracy parts (the tracked results stay small)
         out["accuracy_variants"] = [{k: v.get(k) for k in ("server", "offload_args", "offload_policy", "acceptance")}
-                                    | {"rows_in": f"offload_h200_parts/{n}"} for n, p in accs for v in p.get("variants", [])]
+                                    | {"rows_in": f"{folder}/{n}"} for n, p in accs for v in p.get("variants", [])]
         if acc.get("server_stats"):  # per server name: its hit rate, prefetch rows, keep-v demotions over the samples (SmolLM2's real weights)
             out["accuracy_server_stats"] = acc["server_stats"]
         ex = next((p["exactness"] for _, p in reversed(accs) if p.get("exactness")), None)
@@ -609,7 +612,7 @@ def part_assemble(a) -> dict:
         ctl = next(((n, p["control"]) for n, p in reversed(accs) if p.get("control")), None)
         if ctl:  # dense against dense on another attention kernel, by the same gate: the gate's own noise
             out["accuracy_control"] = {k: ctl[1].get(k) for k in ("server", "control_args", "acceptance", "two_way", "identical_texts",
-                                                                 "compared", "lost", "gained", "failed")} | {"rows_in": f"offload_h200_parts/{ctl[0]}"}
+                                                                 "compared", "lost", "gained", "failed")} | {"rows_in": f"{folder}/{ctl[0]}"}
         out["accuracy_runs"] = [{"part": n, "date": p.get("date"), "commit": p.get("commit"), "passed": (p.get("acceptance") or {}).get("passed"),
                                  "failing": [f"{c['task']} {c['context']}: {'; '.join(c['reasons'])}" for c in (p.get("acceptance") or {}).get("failing", [])],
                                  "two_way": p.get("two_way"),

@@ -82,8 +82,8 @@ def default_dense_configs(lens, sp) -> dict:
     Returns:
         ``{"chunk_mean": cfg, "chunk_mean0": cfg}``, each a grid row's keys (``max_splits``, ``min_chunk``, ``block_n``,
         ``num_warps``, ``num_stages``, ``fused``) plus ``pdl``; ``chunk_mean`` is ``chunk_mean0`` with the minimum chunk
-        raised to ``dense_mean_chunk``'s (equal where the mean context is at most ``dense_min_chunk`` / 1.25 or
-        ``dense_chunk_mean`` is 0)."""
+        raised to ``dense_mean_chunk``'s (equal where the mean context is at most ``dense_min_chunk`` / 1.25, where a
+        request is longer than twice the mean's chunk, or where ``dense_chunk_mean`` is 0)."""
     from sglang_elastic.offload.decode import dense_mean_chunk
 
     floor = sp.dense_min_chunk or sp.scores_min_chunk

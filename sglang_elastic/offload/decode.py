@@ -54,14 +54,16 @@ class SplitConfig:
     past 8,192 positions in an all-dense batch paid that before ``dense_chunk_mean`` (below); below 256
     programs a chunk (e.g. 8 requests of 8 KV heads) one chunk a request would leave most SMs idle.
 
-    ``dense_chunk_mean`` (percent; 0: off; default 125): where every real request of the batch
-    (CUDA-graph padding rows, length 1, left out) fits in that share of the mean context, the
-    all-dense step's minimum chunk is raised to it, computed on the GPU each step (:func:`dense_mean_chunk`):
-    a batch of similar long contexts runs one chunk a request, no merge (at 100 every request above
-    the mean would split in two). A batch with a request past that share keeps ``dense_min_chunk``:
-    its long requests split anyway, and chunks near the mean would make them the tail (H200, 28 x
-    8,448 + 4 x 32,768: 0.501 ms a layer with the mean's chunk against 0.459 with the floor; 24 x
-    10,000 + 8 x 3,000, all within the share: 0.280 against 0.297). ``dense_min_chunk`` stays the
+    ``dense_chunk_mean`` (percent; 0: off; default 125): the all-dense step's minimum chunk is
+    raised to that share of the mean context of the batch's real requests (CUDA-graph padding rows,
+    length 1, left out), computed on the GPU each step (:func:`dense_mean_chunk`), where no real
+    request is longer than twice that chunk: a batch of similar long contexts runs one chunk a
+    request, no merge, and a request somewhat longer splits in two chunks no longer than the others'
+    (below 100 even a batch of equal lengths would split). A batch with a request past twice the
+    share keeps ``dense_min_chunk``: with chunks near the mean its long requests become the tail
+    (H200, 28 x 8,448 + 4 x 32,768, three chunks of ~10.9K each: 0.501 ms a layer with the mean's
+    chunk against 0.459 with the floor; 24 x 10,000 + 8 x 3,000, all within the share: 0.280
+    against 0.297; the bound at twice the share between those two points is not measured). ``dense_min_chunk`` stays the
     floor: the plan changes only where the mean context exceeds ``dense_min_chunk`` / 1.25 (6,554
     positions with 8,192). Measured on an H100 at 32 x 8,448 + 512 (dd653f0, ``docs/results/offload_h100.json``):
     median ITL 18.55 against 18.98 ms without it in one call (-2.3 %), and 18.56 against stock's
@@ -97,7 +99,8 @@ class SplitConfig:
                 ``fused`` / ``pdl`` (0/1, true/false, on/off), ``block_n`` (0: ``scores_block_n``, or 16, 32, 64,
                 128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6), ``min_ctas``
                 (programs a chunk, requests x KV heads, from which these apply; 0: always), ``chunk_mean``
-                (percent of the batch's mean context the minimum chunk is raised to, 0 to 1000; 0: off); e.g.
+                (percent of the batch's mean context the minimum chunk is raised to where no request is past twice
+                that, 0 to 1000; 0: off; :func:`dense_mean_chunk`); e.g.
                 ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
                 ``dense_launch``). Empty: the defaults. A ``min_chunk`` given without ``chunk_mean`` turns the
                 default ``chunk_mean`` off, so the chunk given is the plan's (with ``chunk_mean`` on, ``min_chunk`` is
@@ -158,17 +161,18 @@ def _dense_value(key: str, raw: str):
 
 def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> torch.Tensor:
     """The minimum chunk :attr:`SplitConfig.dense_chunk_mean` asks for, by GPU ops only (no host read: a CUDA graph
-    replays it with the step's lengths): ``percent`` of the mean context of the batch's real requests when every one of
-    them fits in that many positions (similar contexts: one chunk each, no merge), else ``floor`` (a request that splits
-    anyway runs chunks of the floor, so it does not set the tail with chunks longer than the others' requests). A
-    CUDA-graph padding row (length 1; a real decode step has at least 2 positions) is left out of the mean and the
-    longest, so a batch below its captured size gets the same chunk as at it.
+    replays it with the step's lengths): ``c``, ``percent`` of the mean context of the batch's real requests, when no
+    real request is longer than ``2 c`` (similar contexts run one chunk each, no merge; a somewhat longer one two chunks
+    no longer than ``c``), else ``floor`` (requests that would split into three or more chunks near the mean set the
+    tail; the floor's smaller chunks measured faster there). Never below ``floor``. A CUDA-graph padding row (length 1;
+    a real decode step has at least 2 positions) is left out of the mean and the longest, so a batch below its captured
+    size gets the same chunk as at it.
 
     Measured on the H200 (``sweep_dense_kept.py``'s ``dense_default_behind_store``, 54e28d5, the all-dense step's one
-    launch behind the KV store): 24 x 10,000 + 8 x 3,000 positions, every request under 125 % of the mean: one chunk
-    each, 0.280 against 0.297 ms with the 8,192 floor; 28 x 8,448 + 4 x 32,768, the long ones over it: 0.501 ms with
-    the mean's chunk (the short requests one chunk, the long three of ~10.9K) against 0.459 with the floor, which this
-    rule now takes there.
+    launch behind the KV store): 24 x 10,000 + 8 x 3,000 positions, every request within ``c``: one chunk each, 0.280
+    against 0.297 ms with the 8,192 floor; 28 x 8,448 + 4 x 32,768, the long ones past ``2 c``: 0.501 ms with ``c``
+    (the long ones three chunks of ~10.9K) against 0.459 with the floor, which this rule takes there. The bound at
+    ``2 c`` lies between those two points and is not measured itself.
 
     Args:
         lens: ``[>= bs]`` int32 context lengths (positions), on the decode's device.
@@ -178,7 +182,7 @@ def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> t
 
     Returns:
         A 0-d int64 tensor on ``lens``' device: ``max(floor, c)`` with ``c = ceil(percent / 100 x the mean of the rows
-        longer than 1)`` when no such row is longer than ``c``, else ``floor``; ``floor`` when every row is padding.
+        longer than 1)`` when no such row is longer than ``2 c``, else ``floor``; ``floor`` when every row is padding.
 
     Raises:
         ValueError: ``bs`` or ``percent`` out of range."""
@@ -189,7 +193,7 @@ def dense_mean_chunk(lens: torch.Tensor, bs: int, floor: int, percent: int) -> t
     total = real_lens.sum() * percent
     den = 100 * torch.clamp(real.sum(), min=1)
     share = (total + den - 1) // den
-    return torch.clamp(share * (real_lens.max() <= share), min=floor)
+    return torch.clamp(share * (real_lens.max() <= 2 * share), min=floor)
 
 
 class _Selection:
