@@ -23,7 +23,7 @@ past ``dense_min_chunk`` a request splits and the one launch merges its chunks (
 minimum chunks reach 131,072 (one chunk a request up to that) so both sides of that trade are timed. Before the grid,
 the shipped all-dense launch runs behind the store with its ``chunk_mean`` and without it (``baselines``'
 ``dense_default_behind_store``: each plan's minimum chunk, chunks, time and output check; ``same_plan`` where the mean
-context leaves the minimum chunk as it is): on a mix this is the on/off comparison the fixed chunks of the grid do not give.
+context leaves the minimum chunk as it is, or where a request is longer than twice the mean's chunk): on a mix this is the on/off comparison the fixed chunks of the grid do not give.
 
 Issue 24: the fitting load's step differs from stock's mostly in this kernel (``check_offload.py``'s
 ``keep_v_step``: 0.311 against 0.294 ms a layer at 64 x 4.6K, 2026-12-05). The baselines run first;

@@ -58,8 +58,8 @@ class SplitConfig:
     raised to that share of the mean context of the batch's real requests (CUDA-graph padding rows,
     length 1, left out), computed on the GPU each step (:func:`dense_mean_chunk`), where no real
     request is longer than twice that chunk: a batch of similar long contexts runs one chunk a
-    request, no merge, and a request somewhat longer splits in two chunks no longer than the others'
-    (below 100 even a batch of equal lengths would split). A batch with a request past twice the
+    request, no merge, and a request somewhat longer splits in two chunks of at most that chunk
+    (below 100 even a batch of equal lengths splits in two; below 50 every batch keeps the floor). A batch with a request past twice the
     share keeps ``dense_min_chunk``: with chunks near the mean its long requests become the tail
     (H200, 28 x 8,448 + 4 x 32,768, three chunks of ~10.9K each: 0.501 ms a layer with the mean's
     chunk against 0.459 with the floor; 24 x 10,000 + 8 x 3,000, all within the share: 0.280
