@@ -485,7 +485,9 @@ def split_kv_plan(
     Args:
         kv_indptr: ``[batch + 1]`` int32/int64 offsets (as SGLang builds them).
         max_splits: the most chunks per request (the grid's third dimension).
-        min_chunk: the smallest chunk in tokens.
+        min_chunk: tokens, the split length: a request longer than it splits into ``ceil(L / min_chunk)`` equal
+            chunks (at most ``max_splits``), so no chunk is longer than ``min_chunk`` (rounded up to ``block_n``)
+            unless ``max_splits`` caps the count (8,448 tokens at 8,192: two chunks of 4,224).
         chunk_out, nsplit_out: optional ``[>= batch]`` int32 buffers (address-stable under CUDA graphs).
 
     Returns:

@@ -33,8 +33,9 @@ class SplitConfig:
     """Split-KV shapes of the two passes: ``scores_*`` for the all-positions
     passes (scores, dense layers), ``attend_*`` for the attended lists.
 
-    ``dense_min_chunk`` (0: ``scores_min_chunk``): the smallest chunk of the all-dense
-    step's plan (``plan(all_dense=True)``: the dense layers and :meth:`OffloadDecoder.dense_kept`
+    ``dense_min_chunk`` (0: ``scores_min_chunk``): the split length of the all-dense
+    step's plan (a request of ``L`` positions runs ``ceil(L / dense_min_chunk)`` equal chunks, see
+    :func:`~sglang_elastic.kernels.decode_attention.split_kv_plan`) (``plan(all_dense=True)``: the dense layers and :meth:`OffloadDecoder.dense_kept`
     read every position and run no scores pass, so fewer, longer chunks may pay);
     ``dense_fused``: the all-dense step's dense layers and ``dense_kept`` run the one-launch split-KV
     (:func:`~sglang_elastic.kernels.decode_attention.split_kv_fused_run`: the merge done by
