@@ -69,6 +69,16 @@ def test_path_figures_take_every_figure_from_the_median_pass_and_irregular_passe
     two = rounds[:2]
     assert b.path_figures(two, ["split"])["split"]["median_itl_ms"] == 10.0  # even count: the lower middle
     assert b.irregular(rounds, 256) == ["auto"]  # 308 steps for 256 tokens: part of its batch decoded alone
+    # with the output length, an irregular pass does not stand for a path that has a regular one: split's 257-step
+    # pass is within the slack (8); a FlashInfer pass of 319 steps (Qwen 128 x 2K on the H200, 2026-12-05) with a
+    # lower ITL than its retry's gives way to the retry, and a path with only irregular passes keeps them
+    fi = [{"path": "flashinfer", "median_itl_ms": 8.82, "output_tok_s": 11531.0, "median_ttft_ms": 700.6, "steps": {"replay:flashinfer": 319}},
+          {"path": "flashinfer", "median_itl_ms": 9.05, "output_tok_s": 12600.0, "median_ttft_ms": 220.0, "steps": {"replay:flashinfer": 258}}]
+    got = b.path_figures(rounds + fi, ["auto", "split", "flashinfer"], 256)
+    assert got["flashinfer"]["median_itl_ms"] == 9.05 and got["split"]["median_itl_ms"] == 11.0 and got["auto"]["median_itl_ms"] == 9.0
+    assert b.path_figures(rounds + fi, ["flashinfer"])["flashinfer"]["median_itl_ms"] == 8.82  # without it: the lower middle of both
+    assert b.irregular(rounds + fi, 256) == ["auto"] and b.irregular(rounds + fi[:1], 256) == ["auto", "flashinfer"]
+    assert b.is_regular({"steps": {"replay:split": 264}}, 256) and not b.is_regular({"steps": {"replay:split": 265}}, 256)
 
 
 def test_the_result_names_how_it_measured():
