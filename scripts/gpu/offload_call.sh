@@ -16,7 +16,9 @@
 #     copy them to .gpu/jit/ here and carry them in the call after a fresh host's install, then `jit_restore`
 #     (a fresh host's first server start: ~4 min with the compiles, ~1 min without)
 #   smoke, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
-#   throughput: $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
+#   throughput: SERVERS default stock,offload, and "offload" is the sparse rule for every request (--no-kv-offload-keep-v);
+#     the shipped default (dense while V fits) is "offload-keep": throughput:WL:offload-keep,stock (bench_offload.py's SERVERS);
+#     $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
 #     --kv-offload-copy-timing), $DENSE_LAUNCH (--kv-offload-dense-launch for the keep-v servers; "sweep": the sweep's pick), $NUM_PROMPTS (requests, default the workload's), $PROFILE_STEPS (after the measured load, a
 #     second one with SGLang's torch profiler over that many decode steps: each server's per-step kernel time by category and GPU
 #     idle time, in its row's "profile"; traces in /tmp/bench_offload/profile)
