@@ -35,6 +35,7 @@ taken among those under 2e-2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import time
@@ -84,13 +85,12 @@ def default_dense_configs(lens, sp) -> dict:
         ``num_warps``, ``num_stages``, ``fused``) plus ``pdl``; ``chunk_mean`` is ``chunk_mean0`` with the minimum chunk
         raised to ``dense_mean_chunk``'s (equal where the mean context is at most ``dense_min_chunk`` / 1.25, where a
         request is longer than twice the mean's chunk, or where ``dense_chunk_mean`` is 0)."""
-    from sglang_elastic.offload.decode import dense_mean_chunk
+    def cfg(split) -> dict:
+        min_chunk, block_n = split.dense_plan(lens, len(lens))  # as the decoder plans the all-dense step
+        return dict(max_splits=split.scores_max_splits, min_chunk=int(min_chunk), block_n=block_n, num_warps=split.dense_num_warps,
+                    num_stages=split.dense_num_stages, fused=bool(split.dense_fused), pdl=bool(split.dense_pdl))
 
-    floor = sp.dense_min_chunk or sp.scores_min_chunk
-    base = dict(max_splits=sp.scores_max_splits, min_chunk=int(floor), block_n=sp.dense_block_n or sp.scores_block_n,
-                num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages, fused=bool(sp.dense_fused), pdl=bool(sp.dense_pdl))
-    mean = int(dense_mean_chunk(lens, len(lens), floor, sp.dense_chunk_mean)) if sp.dense_chunk_mean else int(floor)
-    return {"chunk_mean": {**base, "min_chunk": mean}, "chunk_mean0": base}
+    return {"chunk_mean": cfg(sp), "chunk_mean0": cfg(dataclasses.replace(sp, dense_chunk_mean=0))}
 
 
 def plan_key(fused: bool, block_n: int, num_warps, num_stages, chunk: list, nsplit: list) -> tuple:
@@ -225,6 +225,16 @@ def main(argv=None) -> int:
         return lambda: attend_run(q, kb, vb, indptr, kidx, vidx, chunk, nsplit, ms, mid_o, mid_lse, o, None, scale, bn, num_warps=nw,
                                   num_stages=ns, pdl=pdl)
 
+    def behind_store(fn, o) -> tuple:
+        """``fn``'s time behind the layer's KV store in one graph, ms, and its output's largest difference from ``ref``,
+        checked in a graph that first puts the stale rows back: the store must land before the reads (each replay
+        writes the same rows again: the output must equal ref whichever way the launches overlap)."""
+        o.fill_(float("nan"))
+        ms = graph_ms(lambda: (store(), fn()))
+        o.fill_(float("nan"))
+        graph_ms(lambda: (stale(), store(), fn()), reps=3)
+        return ms, float((o.float() - ref.float()).abs().max())
+
     # the shipped all-dense launch with and without its chunk_mean, behind the store (before the grid: no budget cuts it)
     defaults = {}
     for name, cfg in default_dense_configs(lens.to(torch.int32), sp).items():
@@ -232,11 +242,7 @@ def main(argv=None) -> int:
         o = torch.empty_like(q)
         d = {**cfg, "chunks": int(nsplit.max())}
         try:
-            fn = attention(cfg, o, pdl=cfg["pdl"])
-            d["ms"] = graph_ms(lambda fn=fn: (store(), fn()))
-            o.fill_(float("nan"))
-            graph_ms(lambda fn=fn: (stale(), store(), fn()), reps=3)
-            d["max_abs_diff"] = float((o.float() - ref.float()).abs().max())
+            d["ms"], d["max_abs_diff"] = behind_store(attention(cfg, o, pdl=cfg["pdl"]), o)
         except Exception as e:
             d["error"] = f"{type(e).__name__}: {e}"[:200]
         defaults[name] = d
@@ -297,15 +303,9 @@ def main(argv=None) -> int:
         split_kv_plan(indptr, r["max_splits"], r["min_chunk"], r["block_n"], chunk, nsplit)
         o = torch.empty_like(q)
         row = {k: r[k] for k in ("max_splits", "min_chunk", "block_n", "num_warps", "num_stages", "fused", "chunks")}
-        # (each replay writes the same rows again: the output must equal ref whichever way the launches overlap)
         for pdl in (False, True):
-            fn = attention(r, o, pdl=pdl)
             try:
-                o.fill_(float("nan"))
-                row["ms_pdl" if pdl else "ms"] = graph_ms(lambda fn=fn: (store(), fn()))
-                o.fill_(float("nan"))  # checked in a graph that first puts the stale rows back: the store must land before the reads
-                graph_ms(lambda fn=fn: (stale(), store(), fn()), reps=3)
-                row["max_abs_diff_pdl" if pdl else "max_abs_diff"] = float((o.float() - ref.float()).abs().max())
+                row["ms_pdl" if pdl else "ms"], row["max_abs_diff_pdl" if pdl else "max_abs_diff"] = behind_store(attention(r, o, pdl=pdl), o)
             except Exception as e:
                 row["error_pdl" if pdl else "error"] = f"{type(e).__name__}: {e}"[:200]
         behind.append(row)

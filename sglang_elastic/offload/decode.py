@@ -123,6 +123,20 @@ class SplitConfig:
             values["dense_chunk_mean"] = 0  # the minimum chunk the user named is the plan's, not a floor under the mean's
         return dataclasses.replace(cls(), **values)
 
+    def dense_plan(self, lens: torch.Tensor, bs: int):
+        """The all-dense step's split plan inputs (``OffloadDecoder.plan`` where the batch takes the all-dense launch
+        settings): ``(min_chunk, block_n)``, ``min_chunk`` ``dense_min_chunk`` (0: ``scores_min_chunk``) raised by
+        :func:`dense_mean_chunk` when ``dense_chunk_mean`` is on (then a 0-d int64 tensor on ``lens``' device, else an
+        int), ``block_n`` ``dense_block_n`` (0: ``scores_block_n``).
+
+        Args:
+            lens: ``[>= bs]`` int32 context lengths (positions).
+            bs: rows of ``lens`` to read (> 0)."""
+        min_chunk = self.dense_min_chunk or self.scores_min_chunk
+        if self.dense_chunk_mean:
+            min_chunk = dense_mean_chunk(lens, bs, min_chunk, self.dense_chunk_mean)
+        return min_chunk, self.dense_block_n or self.scores_block_n
+
     def dense_launch(self) -> str:
         """The ``--kv-offload-dense-launch`` text of this configuration's ``dense_*`` fields (inverse of
         :meth:`with_dense_launch`)."""
@@ -354,9 +368,7 @@ class OffloadDecoder:
         self.dense_tuned = bool(all_dense) and bs * self.kv_heads >= sp.dense_min_ctas
         #: plan_block_n: the block the chunks are rounded to, which the all-positions launch must tile by (:meth:`_every_position`)
         if self.dense_tuned:
-            min_chunk, self.plan_block_n = sp.dense_min_chunk or sp.scores_min_chunk, sp.dense_block_n or sp.scores_block_n
-            if sp.dense_chunk_mean:
-                min_chunk = dense_mean_chunk(lens, bs, min_chunk, sp.dense_chunk_mean)
+            min_chunk, self.plan_block_n = sp.dense_plan(lens, bs)
         else:
             min_chunk, self.plan_block_n = sp.scores_min_chunk, sp.scores_block_n
         split_kv_plan(self.kv_indptr[: bs + 1], sp.scores_max_splits, min_chunk, self.plan_block_n, self.chunk, self.nsplit)
