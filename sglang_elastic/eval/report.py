@@ -24,6 +24,7 @@ RUN = {
     "ttft_vs_chunk_tp2": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk_tp2.yaml",
     "capacity": "python scripts/eval/run.py scripts/eval/configs/e2_capacity.yaml",
     "capacity_tp2": "python scripts/eval/run.py scripts/eval/configs/e2_capacity_tp2.yaml",
+    "capacity_issue22": "python scripts/eval/run.py scripts/eval/configs/e2_capacity_issue22.yaml",
     "ttft_vs_chunk_70b_tp4": "python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk_70b_tp4.yaml",
     "capacity_70b_tp4": "python scripts/eval/run.py scripts/eval/configs/e2_capacity_70b_tp4.yaml",
     "reserve_vs_tp": "python scripts/eval/run.py scripts/eval/configs/e3_reserve_vs_tp.yaml",
@@ -369,7 +370,7 @@ def advisor(d: Dict[str, Any]) -> Tuple[str, None]:
     return md, None
 
 
-RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "ttft_vs_chunk_tp2": ttft_vs_chunk, "capacity": capacity, "capacity_tp2": capacity, "ttft_vs_chunk_70b_tp4": ttft_vs_chunk, "capacity_70b_tp4": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
+RENDER = {"ttft_vs_chunk": ttft_vs_chunk, "ttft_vs_chunk_tp2": ttft_vs_chunk, "capacity": capacity, "capacity_tp2": capacity, "capacity_issue22": capacity, "ttft_vs_chunk_70b_tp4": ttft_vs_chunk, "capacity_70b_tp4": capacity, "reserve_vs_tp": reserve_vs_tp, "decode_fraction": decode_fraction, "advisor": advisor}
 
 
 def _save_plot(plot: Callable, path: Path) -> None:
