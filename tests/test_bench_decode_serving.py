@@ -156,7 +156,8 @@ def test_run_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path, monk
 
 
 def test_the_committed_h100_serving_result_is_its_parts_assembled_and_docs_quote_it():
-    """``docs/results/decode_serving_h100.json`` (2026-12-05, dd653f0) is what ``assemble`` makes of its parts: three
+    """``docs/results/decode_serving_h100.json`` (2026-12-05, dd653f0; Qwen's row from 2026-12-06's three-round repeat,
+    d641282) is what ``assemble`` makes of its parts: three
     workloads, ``auto`` within 2 % of the best forced path and 1 % of FlashInfer on each, both shapes on their own
     startup calibration (no shipped one covers an H100), uniform8k's passes named irregular (the pool could not cache
     its prompts); docs/decode.md's table carries these medians."""
