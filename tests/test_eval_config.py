@@ -344,3 +344,17 @@ def test_run_script_without_ray_says_which_interpreter_to_use(tmp_path):
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr == (f"run.py: ray not importable by {sys.executable}: run it with the test environment's interpreter, .venv/bin/python "
                         "(bash ci/test.sh builds it), or install ci/requirements-cpu.txt with ci/constraints-cpu.txt\n")
+
+
+def test_the_issue22_config_runs_e2s_own_servers_and_workload():
+    """e2_capacity_issue22.yaml repeats four of e2_capacity.yaml's rows in a file of its own (so --resume can run them
+    across device calls); its comment says they are the same servers under the same workload: a drift in either file
+    would make its rows incomparable with E2's."""
+    e2 = config.load(ROOT / "scripts/eval/configs/e2_capacity.yaml")
+    i22 = config.load(ROOT / "scripts/eval/configs/e2_capacity_issue22.yaml")
+    by_label = {s.label: s.model_dump(mode="json") for s in e2.servers}
+    assert [s.label for s in i22.servers] == ["post-capture", "post-capture-elastic", "stock", "elastic"]
+    for s in i22.servers:
+        assert s.model_dump(mode="json") == by_label[s.label], s.label
+    assert [w.model_dump(mode="json") for w in i22.workloads] == [w.model_dump(mode="json") for w in e2.workloads]
+    assert (i22.experiment, i22.baseline, i22.ttft_tolerance, i22.result_name) == ("capacity", e2.baseline, e2.ttft_tolerance, "capacity_issue22")
