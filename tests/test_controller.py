@@ -668,6 +668,52 @@ def test_lend_bytes_above_the_free_memory_are_capped_at_what_was_measured(caplog
     assert pool.arena.max_elastic_tokens * row <= (256 + 512) * row
 
 
+def test_a_lend_without_device_memory_for_its_free_list_rolls_back_instead_of_stopping_the_scheduler(monkeypatch, caplog):
+    """Seen on an H100 (2026-12-06): with ``--elastic-kv-margin-mb 0`` the
+    start-up lend mapped the last free memory, then the allocator's new free
+    list (a 20 MiB ``torch.cat``) raised ``torch.OutOfMemoryError`` out of the
+    scheduler's ``__init__`` and the server died. The device's allocator is
+    modelled here: a ``torch.cat`` whose result does not fit in the host
+    backend's free bytes raises as CUDA's would. The scheduler now starts, the
+    mapped step is rolled back (nothing mapped, the free list as before, one
+    warning naming the margin), and after three such lends lending is off."""
+    import test_pool
+    from sglang_elastic.sched import controller
+    from sglang_elastic.vmm import HostBackend
+
+    backends = []
+    monkeypatch.setattr(test_pool, "HostBackend", lambda **kw: backends.append(HostBackend(**kw)) or backends[-1])
+    real_cat = torch.cat
+
+    def device_cat(tensors, *a, **kw):
+        need = sum(t.numel() * t.element_size() for t in tensors)
+        if any((b.free_bytes() or 0) < need for b in backends if b.capacity is not None):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {need} bytes")
+        return real_cat(tensors, *a, **kw)
+
+    monkeypatch.setattr(torch, "cat", device_cat)
+    row = 2 * LAYERS * 2 * 64 * 2
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        bed = Bed(free_bytes=ELASTIC * row, margin_mb=0)  # before: torch.OutOfMemoryError from the warm-up lend
+        assert bed.ctl is not None and bed.ctl.lendable_tokens == ELASTIC
+        assert bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0 and bed.be.free_bytes() == ELASTIC * row
+        assert bed.alloc.available_size() == BASE - 1  # the base's free ids, none twice, none lent
+        assert sorted(bed.alloc.free_pages.tolist()) == list(range(1, BASE))
+        warned = [r.getMessage() for r in caplog.records if "free list" in r.getMessage()]
+        assert warned and "--elastic-kv-margin-mb 0" in warned[0] and "rolled them back" in warned[0]
+        assert bed.admit(list(range(20)))
+        for _ in range(200):  # decode-only steps: a lend after every 32 (the base holds the request's 220 tokens)
+            bed.ctl.after_prefill(None, bed.batch)
+            assert bed.decode()
+    assert bed.ctl.disabled and bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0
+    assert any(r.levelname == "ERROR" and "lending is off" in r.getMessage() for r in caplog.records)
+    bed.check_ownership_and_accounting()
+    # with room for the list the same lend goes through, from the list made before the agreement
+    monkeypatch.setattr(torch, "cat", real_cat)
+    roomy = Bed(free_bytes=ELASTIC * row + 2**20, margin_mb=1)
+    assert roomy.ctl.lend() == ELASTIC and sorted(roomy.alloc.free_pages.tolist()) == list(range(1, BASE + ELASTIC))
+
+
 def test_repeated_out_of_memory_lends_stop_lending(caplog):
     """Issue 22, defect 3: with a device that runs out at half the step the
     pool tried again every 32 decode-only steps (10 times in 320), each time

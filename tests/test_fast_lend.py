@@ -414,6 +414,8 @@ def test_a_reclaims_handles_are_released_on_the_helper_and_the_forward_after_it_
 
     [rec] = [json.loads(line) for line in events.read_text().splitlines() if '"reclaim"' in line]
     assert rec["release_wait_ms"] >= 0 and rec["release_failed"] == 0 and rec["steps"] == 1
+    # the vacate's parts (withdraw: reads the free list on the device; make_room: eviction, retraction) lie within it
+    assert 0 < rec["withdraw_ms"] and 0 < rec["make_room_ms"] and rec["withdraw_ms"] + rec["make_room_ms"] <= rec["vacate_ms"]
     bed.check_ownership_and_accounting()
 
 

@@ -110,6 +110,39 @@ def test_lend_grows_admission_capacity_and_withdraw_returns_in_use_ids(page_size
         pool._clear_buffers()
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_lend_from_a_prepared_free_list_installs_its_prefix_and_equals_a_plain_lend(page_size):
+    """The controller makes the lend's free list before the TP ranks agree
+    (``prepare_lend`` for every step this rank mapped), then lends what they
+    agreed, possibly fewer steps: the list's prefix, with nothing allocated."""
+    be, pool, alloc = make_pool(page_size)
+    be2, pool2, alloc2 = make_pool(page_size)
+    try:
+        for al in (alloc, alloc2):  # the same holes in both free lists (random ones with pages of one token)
+            g = torch.Generator().manual_seed(7)
+            taken = al.alloc(8 if page_size == 1 else 2 * page_size)
+            al.free(taken[torch.randperm(8, generator=g)[:4]] if page_size == 1 else taken[page_size:])
+        pool.arena.lend(3)
+        pool2.arena.lend(2)
+        full = alloc.prepare_lend(pool.arena.lent_tokens)
+        before = alloc.free_pages.clone()
+        assert torch.equal(alloc.free_pages, before)  # preparing changes nothing
+        pool.arena.reclaim(1)  # the agreement lent one step fewer than this rank mapped
+        new = alloc.lend(pool.arena.lent_tokens, prepared=full)
+        plain = alloc2.lend(pool2.arena.lent_tokens)
+        assert torch.equal(alloc.free_pages, alloc2.free_pages) and torch.equal(new, plain)
+        assert alloc.free_pages.data_ptr() == full.data_ptr()  # a view of the prepared list: nothing allocated
+        assert alloc.available_size() == alloc2.available_size() and alloc.size == alloc2.size
+        short = alloc.prepare_lend(pool.arena.lent_tokens)  # made for the tokens lent now, then one more step mapped
+        pool.arena.lend(1)
+        with pytest.raises(ValueError, match="prepared free list has"):
+            alloc.lend(pool.arena.lent_tokens, prepared=short)
+        assert torch.equal(alloc.free_pages, alloc2.free_pages)  # refused before anything changed
+    finally:
+        pool._clear_buffers()
+        pool2._clear_buffers()
+
+
 @pytest.mark.parametrize(
     "page_size,offset_mapping,need_sort",
     [(1, True, False), (16, True, False), (16, False, False), (1, False, True), (16, True, True)],

@@ -46,8 +46,11 @@ for group in "${groups[@]}"; do
   done
   for p in "${pids[@]}"; do wait "$p" || echo "a phase of group '$group' failed (see $out/work_*)" >&2; done
 done
+# the command as run: the environment that changed the phases, then the script
+env_used=""
+for v in ELASTIC_EXTRA WORKLOADS SHORT_REQUESTS; do [ -z "${!v:-}" ] || env_used+="$v=${!v@Q} "; done
 # gzipped parts (kept so in the repo) first: a fresh plain part of the same phase, listed later, wins
 shopt -s nullglob
 parts=("$out"/*_tp*.json.gz "$out"/*_tp*.json)
 python3 scripts/gpu/bench_elastic.py assemble "${parts[@]}" --out "${RESULT:-docs/results/elastic_h200.json}" \
-  --command "bash scripts/gpu/bench_elastic.sh $out ${groups[*]@Q}"
+  --command "${env_used}bash scripts/gpu/bench_elastic.sh $out ${groups[*]@Q}"

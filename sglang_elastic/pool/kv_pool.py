@@ -257,10 +257,29 @@ class _ElasticAllocatorMixin:
             lo, hi = self._units(self.base_tokens), self._units(self.base_tokens + lent)
             self.free_pages = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
 
-    def lend(self, lent_tokens: int) -> torch.Tensor:
-        """Append the ids of ``[base + lent_now, base + lent_tokens)`` to the
-        free list (the arena must back them already). Returns the new ids
-        (token ids, or page ids when ``page_size > 1``)."""
+    def prepare_lend(self, lent_tokens: int) -> torch.Tensor:
+        """The free list a :meth:`lend` up to ``lent_tokens`` will install:
+        today's free ids, then those of ``[base + lent_now, base + lent_tokens)``
+        (int64, on the pool's device). Pass it to ``lend(n, prepared=...)`` for
+        any ``n`` from the lent tokens up to ``lent_tokens``, with no free or
+        lend in between: that lend then allocates nothing.
+
+        Why: the lend's own free list is a device allocation made after the
+        step was mapped. With ``--elastic-kv-margin-mb 0`` the mapped step had
+        taken the last free memory and that allocation (20 MiB) raised
+        ``torch.OutOfMemoryError`` out of the scheduler's start-up (H100,
+        2026-12-06). Made first, a failure leaves the free list as it was, and
+        the controller rolls the mapped step back on every TP rank alike.
+
+        Raises:
+            ValueError: as :meth:`lend`.
+            torch.OutOfMemoryError: no device memory for the new list (nothing changed).
+        """
+        self._check_lend(lent_tokens)
+        lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
+        return torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
+
+    def _check_lend(self, lent_tokens: int) -> None:
         self._check_tokens("lend", lent_tokens)
         if self._vacate_top is not None:
             raise RuntimeError("lend during a vacate: call end_vacate() after the arena reclaimed")
@@ -268,12 +287,32 @@ class _ElasticAllocatorMixin:
             raise ValueError(f"lend({lent_tokens}) below the lent {self._lent_tokens}: use withdraw")
         if self.base_tokens + lent_tokens > self.arena.capacity_tokens:
             raise ValueError(f"lend({lent_tokens}): the arena backs only {self.arena.lent_tokens} lent tokens")
+
+    def lend(self, lent_tokens: int, prepared: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append the ids of ``[base + lent_now, base + lent_tokens)`` to the
+        free list (the arena must back them already). Returns the new ids
+        (token ids, or page ids when ``page_size > 1``). ``prepared``: a list
+        from :meth:`prepare_lend` for at least ``lent_tokens``, made since the
+        last change to the free list; its prefix is installed, nothing allocated.
+
+        Raises:
+            ValueError: a negative, page-unaligned or shrinking ``lent_tokens``,
+                more than the arena backs, or a ``prepared`` list too short.
+            RuntimeError: during a vacate.
+        """
+        self._check_lend(lent_tokens)
         lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
-        new = torch.arange(lo, hi, dtype=torch.int64, device=self.device)
-        self.free_pages = torch.cat((self.free_pages, new))
+        if prepared is None:
+            self.free_pages = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
+        else:
+            n = len(self.free_pages)
+            if len(prepared) < n + hi - lo:  # (its ids are not compared: that would wait for the device)
+                raise ValueError(f"lend({lent_tokens}): the prepared free list has {len(prepared)} ids, fewer than this pool's "
+                                 f"{n} free ids and the {hi - lo} new ones: make it with prepare_lend() right before")
+            self.free_pages = prepared[: n + hi - lo]
         self._lent_tokens = lent_tokens
         self._set_size(lent_tokens)
-        return new
+        return self.free_pages[len(self.free_pages) - (hi - lo):]
 
     def withdraw(self, lent_tokens: int) -> torch.Tensor:
         """Shrink the lent range to ``lent_tokens``: drop the free ids at or

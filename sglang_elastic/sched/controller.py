@@ -933,6 +933,7 @@ class ElasticController:
             except VmmError as e:  # the arena rolled the failing step back
                 err = e
                 self._vmm_failed("lend", e)
+        free_list = self._prepare_free_list()  # (prepared: the steps whose handles were made ahead)
         # Every rank takes the same decision: lend what all ranks could back,
         # and stop lending everywhere once any rank's arena disabled lending
         # or its reclaim stopped (a rank deciding alone would leave the
@@ -958,7 +959,7 @@ class ElasticController:
                                  need / 2**30)
             return 0
         self._oom_lends = 0
-        self.alloc.lend(steps * self.arena.step_tokens)
+        self.alloc.lend(steps * self.arena.step_tokens, prepared=free_list)
         self._sync_sizes()
         ms = (time.perf_counter() - t0) * 1e3
         used_prepared = min(prepared, steps)
@@ -1162,6 +1163,32 @@ class ElasticController:
             free = a.backend.free_bytes() or 0
         return remaining - new + min(new, fit(free)), ms
 
+    def _prepare_free_list(self) -> Optional[torch.Tensor]:
+        """The free list for every step the arena backs now
+        (:meth:`~sglang_elastic.pool.kv_pool._ElasticAllocatorMixin.prepare_lend`), made before the TP
+        ranks agree on the steps to lend. Without device memory for it, this rank's newly mapped
+        steps are rolled back (so it offers no more than it lent before, and the agreement lends
+        that on every rank) and ``None`` is returned.
+
+        Why: made after the mapping and the agreement, it raised ``torch.OutOfMemoryError`` out of
+        the scheduler when the step took the last free memory (``--elastic-kv-margin-mb 0`` on an
+        H100: the server died at start-up), and at TP > 1 a rank failing there alone would leave the
+        ranks with different lent ranges."""
+        a = self.arena
+        if a.lent_steps * a.step_tokens <= self.alloc.lent_tokens:
+            return None
+        try:
+            return self.alloc.prepare_lend(a.lent_steps * a.step_tokens)
+        except torch.OutOfMemoryError:
+            new = a.lent_steps - self.alloc.lent_tokens // a.step_tokens
+            logger.warning("sglang-elastic: no device memory for the lend's free list after mapping %d step(s) "
+                           "(--elastic-kv-margin-mb %d leaves too little); rolled them back", new, self.cfg.margin_mb)
+            try:
+                a.reclaim(new)
+            except VmmError as e:  # the steps are dropped all the same; lending is off here from now on
+                self._vmm_failed("reclaim after a lend without memory for its free list", e)
+            return None
+
     def _vmm_failed(self, what: str, e: VmmError) -> None:
         if self.metrics:
             self.metrics.vmm_failures.inc()
@@ -1211,10 +1238,13 @@ class ElasticController:
         stop: Optional[str] = None
         commit = dst = withdrawn = None
         dropped = 0
+        t_withdrawn = t_room = None  # the vacate's parts, for the event log (the withdraw reads the free list on the device)
         try:
             # withdraw's own checks raise before it changes anything (withdrawn stays None: nothing to undo)
             withdrawn = in_use = self.alloc.withdraw(keep)
+            t_withdrawn = time.perf_counter()
             in_use, dropped = self._make_room(running_batch, in_use, retracted)
+            t_room = time.perf_counter()
             if in_use.numel() * self.page > self.alloc.available_size():
                 stop = (f"the base has no room for {in_use.numel()} lent page(s) still in use after evicting, dropping idle "
                         f"sessions' KV{'' if self._stop else ' and retracting every running request'}")
@@ -1271,6 +1301,7 @@ class ElasticController:
         vacate_ms, unmap_ms = (t_unmap - t_vacate) * 1e3, (time.perf_counter() - t_unmap) * 1e3 - wait_ms
         rec = dict(op="reclaim", ms=ms, wait_ms=wait_ms, vacate_ms=vacate_ms, unmap_ms=unmap_ms, moved_units=moved, retracted=len(retracted),
                    dropped_sessions=dropped, steps=steps, why=why, need_bytes=self._pass_need,
+                   **({"withdraw_ms": (t_withdrawn - t_vacate) * 1e3, "make_room_ms": (t_room - t_withdrawn) * 1e3} if t_room else {}),
                    **({"free_bytes": self._pass_free[0], "cache_bytes": self._pass_free[1]} if self._pass_free else {}))
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
             self._releasing = dict(rec, t_end=time.perf_counter())
