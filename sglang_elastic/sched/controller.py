@@ -910,7 +910,9 @@ class ElasticController:
         back, out of memory is retried after the next run of decode-only
         steps (after :data:`MAX_OOM_LENDS` lends in a row that lent nothing,
         lending stops), any other failure stops lending on every rank, as
-        does a rank's stopped reclaim.
+        does a rank's stopped reclaim. No device memory left for the free
+        list of the mapped steps counts as a lend without memory on that rank
+        (:meth:`_prepare_free_list`).
         """
         if self.lendable_tokens == 0:  # agreed over TP: no rank enters the collective
             return 0
