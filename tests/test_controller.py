@@ -503,6 +503,10 @@ def _raise_injected(*a, **k):
     raise RuntimeError("injected")
 
 
+def _raise_oom(*a, **k):
+    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+
 def _tp_rank(rank: int, world: int, port: int, out):
     """One TP rank over a real gloo group of ``world`` ranks, through four
     scenarios: the last rank's VMM map fails in the start-up warm-up, the
@@ -558,7 +562,18 @@ def _tp_rank(rank: int, world: int, port: int, out):
         if rank == odd:
             short.be.create(short.pool.arena.step_bytes() // 4 // 4096 * 4096)
         recut = (short.ctl.lend(), short.pool.arena.lent_steps, short.ctl.disabled)
-        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut, stopped, retried))
+        # the last rank has no device memory for the lend's free list (made before the agreement): every rank lends
+        # nothing, with the same free list; the next lend, with memory, lends on every rank
+        nolist = Bed()
+        real_prepare = nolist.alloc.prepare_lend
+        if rank == odd:
+            nolist.alloc.prepare_lend = _raise_oom
+        first_lend = nolist.ctl.lend()
+        no_list = (first_lend, nolist.alloc.lent_tokens, nolist.pool.arena.lent_steps, nolist.alloc.free_pages.tolist() == list(range(1, BASE)))
+        nolist.alloc.prepare_lend = real_prepare
+        no_list += (nolist.ctl.lend(), nolist.alloc.lent_tokens)
+        nolist.check_ownership_and_accounting()
+        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut, stopped, retried, no_list))
     finally:
         dist.destroy_process_group()
 
@@ -596,7 +611,9 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
     lent = recuts.pop()[0]
     assert lent == ELASTIC * 3 // 4  # a quarter of the step taken on the last rank (whole token quanta here)
     # a reclaim that stops on one rank stops on all of them (before: the others unmapped, and the next collective hung)
-    assert [x[6:] for x in res] == [((False, ELASTIC, True), (True, 0))] * world
+    assert [x[6:8] for x in res] == [((False, ELASTIC, True), (True, 0))] * world
+    # the last rank could not make the lend's free list: no rank lent, every free list as before; then all lend
+    assert [x[8] for x in res] == [(0, 0, 0, True, ELASTIC, ELASTIC)] * world
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():
@@ -700,18 +717,23 @@ def test_a_lend_without_device_memory_for_its_free_list_rolls_back_instead_of_st
         assert bed.alloc.available_size() == BASE - 1  # the base's free ids, none twice, none lent
         assert sorted(bed.alloc.free_pages.tolist()) == list(range(1, BASE))
         warned = [r.getMessage() for r in caplog.records if "free list" in r.getMessage()]
-        assert warned and "--elastic-kv-margin-mb 0" in warned[0] and "rolled them back" in warned[0]
+        assert len(warned) == 1 and "rolled them back (--elastic-kv-margin-mb 0" in warned[0]
         assert bed.admit(list(range(20)))
         for _ in range(200):  # decode-only steps: a lend after every 32 (the base holds the request's 220 tokens)
             bed.ctl.after_prefill(None, bed.batch)
             assert bed.decode()
     assert bed.ctl.disabled and bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0
+    assert sum("free list" in r.getMessage() for r in caplog.records) == 3  # the warm-up's and two more: then lending is off
     assert any(r.levelname == "ERROR" and "lending is off" in r.getMessage() for r in caplog.records)
     bed.check_ownership_and_accounting()
     # with room for the list the same lend goes through, from the list made before the agreement
     monkeypatch.setattr(torch, "cat", real_cat)
     roomy = Bed(free_bytes=ELASTIC * row + 2**20, margin_mb=1)
+    made = []
+    real_prepare = roomy.alloc.prepare_lend
+    roomy.alloc.prepare_lend = lambda n: made.append(real_prepare(n)) or made[-1]
     assert roomy.ctl.lend() == ELASTIC and sorted(roomy.alloc.free_pages.tolist()) == list(range(1, BASE + ELASTIC))
+    assert len(made) == 1 and roomy.alloc.free_pages.data_ptr() == made[0].data_ptr()  # the list made before the agreement
 
 
 def test_repeated_out_of_memory_lends_stop_lending(caplog):

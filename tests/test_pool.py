@@ -124,9 +124,9 @@ def test_a_lend_from_a_prepared_free_list_installs_its_prefix_and_equals_a_plain
             al.free(taken[torch.randperm(8, generator=g)[:4]] if page_size == 1 else taken[page_size:])
         pool.arena.lend(3)
         pool2.arena.lend(2)
-        full = alloc.prepare_lend(pool.arena.lent_tokens)
         before = alloc.free_pages.clone()
-        assert torch.equal(alloc.free_pages, before)  # preparing changes nothing
+        full = alloc.prepare_lend(pool.arena.lent_tokens)
+        assert torch.equal(alloc.free_pages, before) and alloc.available_size() == alloc2.available_size()  # preparing changes nothing
         pool.arena.reclaim(1)  # the agreement lent one step fewer than this rank mapped
         new = alloc.lend(pool.arena.lent_tokens, prepared=full)
         plain = alloc2.lend(pool2.arena.lent_tokens)
@@ -138,6 +138,16 @@ def test_a_lend_from_a_prepared_free_list_installs_its_prefix_and_equals_a_plain
         with pytest.raises(ValueError, match="prepared free list has"):
             alloc.lend(pool.arena.lent_tokens, prepared=short)
         assert torch.equal(alloc.free_pages, alloc2.free_pages)  # refused before anything changed
+        # a list made before the free list changed: its ids would be free twice (the taken ids are in it)
+        stale = alloc.prepare_lend(pool.arena.lent_tokens)
+        taken = alloc.alloc(page_size)
+        with pytest.raises(ValueError, match="not made by this pool's last prepare_lend"):
+            alloc.lend(pool.arena.lent_tokens, prepared=stale)
+        alloc.free(taken)
+        fresh = alloc.prepare_lend(pool.arena.lent_tokens)
+        with pytest.raises(ValueError, match="not made by this pool's last prepare_lend"):  # nor one made before another
+            alloc.lend(pool.arena.lent_tokens, prepared=stale)
+        assert len(alloc.lend(pool.arena.lent_tokens, prepared=fresh)) == pool.arena.step_tokens // page_size
     finally:
         pool._clear_buffers()
         pool2._clear_buffers()

@@ -277,7 +277,10 @@ class _ElasticAllocatorMixin:
         """
         self._check_lend(lent_tokens)
         lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
-        return torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
+        prepared = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
+        # what it was made from: SGLang's alloc and free replace the free-list tensor, so a later change shows
+        self._prepared_from = (weakref.ref(self.free_pages), self._lent_tokens, weakref.ref(prepared))
+        return prepared
 
     def _check_lend(self, lent_tokens: int) -> None:
         self._check_tokens("lend", lent_tokens)
@@ -297,7 +300,8 @@ class _ElasticAllocatorMixin:
 
         Raises:
             ValueError: a negative, page-unaligned or shrinking ``lent_tokens``,
-                more than the arena backs, or a ``prepared`` list too short.
+                more than the arena backs, or a ``prepared`` list too short or
+                not made by the last :meth:`prepare_lend` since the free list changed.
             RuntimeError: during a vacate.
         """
         self._check_lend(lent_tokens)
@@ -306,10 +310,15 @@ class _ElasticAllocatorMixin:
             self.free_pages = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
         else:
             n = len(self.free_pages)
+            src, lent, made = getattr(self, "_prepared_from", (None, None, None))
+            if made is None or made() is not prepared or src() is not self.free_pages or lent != self._lent_tokens:
+                raise ValueError(f"lend({lent_tokens}): the prepared free list was not made by this pool's last prepare_lend() "
+                                 f"since its free list or lent tokens last changed: make it again right before the lend")
             if len(prepared) < n + hi - lo:  # (its ids are not compared: that would wait for the device)
                 raise ValueError(f"lend({lent_tokens}): the prepared free list has {len(prepared)} ids, fewer than this pool's "
-                                 f"{n} free ids and the {hi - lo} new ones: make it with prepare_lend() right before")
+                                 f"{n} free ids and the {hi - lo} new ones: make it with prepare_lend() for that many tokens")
             self.free_pages = prepared[: n + hi - lo]
+            self._prepared_from = (None, None, None)
         self._lent_tokens = lent_tokens
         self._set_size(lent_tokens)
         return self.free_pages[len(self.free_pages) - (hi - lo):]

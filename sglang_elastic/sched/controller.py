@@ -910,9 +910,10 @@ class ElasticController:
         back, out of memory is retried after the next run of decode-only
         steps (after :data:`MAX_OOM_LENDS` lends in a row that lent nothing,
         lending stops), any other failure stops lending on every rank, as
-        does a rank's stopped reclaim. No device memory left for the free
-        list of the mapped steps counts as a lend without memory on that rank
-        (:meth:`_prepare_free_list`).
+        does a rank's stopped reclaim. Without device memory left for the
+        free list of the newly mapped steps, that rank rolls them back
+        (:meth:`_prepare_free_list`); with nothing lent before, that is a
+        lend without memory.
         """
         if self.lendable_tokens == 0:  # agreed over TP: no rank enters the collective
             return 0
@@ -935,7 +936,7 @@ class ElasticController:
             except VmmError as e:  # the arena rolled the failing step back
                 err = e
                 self._vmm_failed("lend", e)
-        free_list = self._prepare_free_list()  # (prepared: the steps whose handles were made ahead)
+        free_list = self._prepare_free_list()  # the lend's free list, made before the agreement
         # Every rank takes the same decision: lend what all ranks could back,
         # and stop lending everywhere once any rank's arena disabled lending
         # or its reclaim stopped (a rank deciding alone would leave the
@@ -1183,8 +1184,8 @@ class ElasticController:
             return self.alloc.prepare_lend(a.lent_steps * a.step_tokens)
         except torch.OutOfMemoryError:
             new = a.lent_steps - self.alloc.lent_tokens // a.step_tokens
-            logger.warning("sglang-elastic: no device memory for the lend's free list after mapping %d step(s) "
-                           "(--elastic-kv-margin-mb %d leaves too little); rolled them back", new, self.cfg.margin_mb)
+            logger.warning("sglang-elastic: no device memory for the lend's free list after mapping %d step(s); rolled them "
+                           "back (--elastic-kv-margin-mb %d: raise it if this repeats)", new, self.cfg.margin_mb)
             try:
                 a.reclaim(new)
             except VmmError as e:  # the steps are dropped all the same; lending is off here from now on
