@@ -4,7 +4,12 @@
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
 # STEP: check | sweep | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
-#       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore
+#       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore | fa3_stash | fa3_install | decode_bench
+#   decode_bench: scripts/gpu/bench_decode.py (issue 23's kernel bench: both L2 flushes, read floors, XQA, FA3 where
+#     installed) -> $OUT/decode_h200.json and the calibration it fits -> $OUT/decode_calibration.json (not the shipped
+#     file); $DECODE_BENCH_ARGS: more of its flags (e.g. "--sweep", "--cases b1_32k")
+#   fa3_stash: copy the half of the tokenspeed-fa3 wheel this call carried (.gpu/fa3/*.part-NN, scripts/gpu/fetch_fa3.sh)
+#     to /tmp/fa3; fa3_install: join the halves there, check the wheel's sha256 and install it into /tmp/site
 #   sweep: scripts/gpu/sweep_dense_kept.py (the all-dense step's attention configurations, PDL behind the store) -> $OUT/sweep_dense_kept.json;
 #     $SWEEP_BUDGET_S (default 300) bounds its grid; its pick (--kv-offload-dense-launch text) stays in /tmp/dense_launch.txt
 #     for a later call on the same host: DENSE_LAUNCH=sweep (the pick carries chunk_mean=0, the plan it timed); $SWEEP_ARGS: more of its flags (e.g. "--contexts 32x8960");
@@ -108,6 +113,16 @@ for step in "$@"; do
       eval "sargs=(${SERVING_ARGS:-})"
       python3 scripts/gpu/bench_decode_serving.py run --model "$arg1" ${arg2:+--workloads "$arg2"} "${sargs[@]}" \
         --out "$out/serving_$arg1.json" > "$out/decode_serving_$arg1.log" 2>&1 ;;
+    decode_bench)
+      free_gpu
+      eval "dargs=(${DECODE_BENCH_ARGS:-})"
+      python3 scripts/gpu/bench_decode.py --out "$out/decode_h200.json" --calibration-out "$out/decode_calibration.json" "${dargs[@]}" \
+        > "$out/decode_bench.log" 2>&1 ;;
+    fa3_stash) mkdir -p /tmp/fa3 && cp -v .gpu/fa3/*.part-* .gpu/fa3/*.sha256 /tmp/fa3/ > "$out/fa3_stash.log" 2>&1 ;;
+    fa3_install)
+      (cd /tmp/fa3 && whl=$(basename "$(ls ./*.sha256 | head -1)" .sha256) && cat "$whl".part-* > "$whl" && sha256sum -c "$whl.sha256" \
+        && python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "./$whl" \
+        && python3 -c "import flash_attn_interface; print('fa3 imports')") > "$out/fa3_install.log" 2>&1 ;;
     jit_save) bash scripts/eval/jit_cache.sh save "$out/jit.tgz" > "$out/jit_save.log" 2>&1 ;;
     jit_restore) bash scripts/eval/jit_cache.sh restore "${JIT_FILE:-.gpu/jit/jit.tgz}" > "$out/jit_restore.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
