@@ -118,7 +118,8 @@ for step in "$@"; do
       eval "dargs=(${DECODE_BENCH_ARGS:-})"
       python3 scripts/gpu/bench_decode.py --out "$out/decode_h200.json" --calibration-out "$out/decode_calibration.json" "${dargs[@]}" \
         > "$out/decode_bench.log" 2>&1 ;;
-    fa3_stash) mkdir -p /tmp/fa3 && cp -v .gpu/fa3/*.part-* .gpu/fa3/*.sha256 /tmp/fa3/ > "$out/fa3_stash.log" 2>&1 ;;
+    fa3_stash) mkdir -p /tmp/fa3 && shopt -s nullglob && f=(.gpu/fa3/*.part-* .gpu/fa3/*.sha256) && shopt -u nullglob \
+      && [ ${#f[@]} -gt 0 ] && cp -v "${f[@]}" /tmp/fa3/ > "$out/fa3_stash.log" 2>&1 ;;  # whichever half (and .sha256) this call carried
     fa3_install)
       (cd /tmp/fa3 && whl=$(basename "$(ls ./*.sha256 | head -1)" .sha256) && cat "$whl".part-* > "$whl" && sha256sum -c "$whl.sha256" \
         && python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "./$whl" \
