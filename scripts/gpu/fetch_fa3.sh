@@ -3,9 +3,10 @@
 # tokenspeed-fa3 wheel (62.8 MB): with the tree it is at the device's 64 MiB limit for one carry, so it travels in two
 # halves, each beside something else (e.g. the bundle's .gpu/b2, 26 MB), and is joined on the host.
 #   bash scripts/gpu/fetch_fa3.sh [DIR]   (default .gpu/fa3; on a machine with PyPI)
-#   -> DIR/tokenspeed_fa3-*.whl.part-aa, .part-ab and .sha256 (the whole wheel's)
+#   -> DIR/tokenspeed_fa3-*.whl.part-00, .part-01 and .sha256 (the whole wheel's; it travels with the second half)
 # On the host, in calls in a row: `bash scripts/gpu/offload_call.sh fa3_stash` with the first half carried, then
-# `... fa3_stash fa3_install decode_bench` with the second (scripts/gpu/offload_call.sh; bench_decode.py then has fa3_us).
+# `... fa3_stash fa3_install decode_bench` with the second half and the .sha256 (scripts/gpu/offload_call.sh;
+# bench_decode.py then has fa3_us).
 set -euo pipefail
 dir=${1:-.gpu/fa3}
 mkdir -p "$dir"

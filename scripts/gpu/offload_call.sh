@@ -6,10 +6,11 @@
 # STEP: check | sweep | smoke | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
 #       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore | fa3_stash | fa3_install | decode_bench
 #   decode_bench: scripts/gpu/bench_decode.py (issue 23's kernel bench: both L2 flushes, read floors, XQA, FA3 where
-#     installed) -> $OUT/decode_h200.json and the calibration it fits -> $OUT/decode_calibration.json (not the shipped
-#     file); $DECODE_BENCH_ARGS: more of its flags (e.g. "--sweep", "--cases b1_32k")
-#   fa3_stash: copy the half of the tokenspeed-fa3 wheel this call carried (.gpu/fa3/*.part-NN, scripts/gpu/fetch_fa3.sh)
-#     to /tmp/fa3; fa3_install: join the halves there, check the wheel's sha256 and install it into /tmp/site
+#     installed) -> $OUT/decode_<gpu>.json (h200, h100: the card's name) and the calibration it fits ->
+#     $OUT/decode_calibration_<gpu>.json (not the shipped file); $DECODE_BENCH_ARGS: more of its flags (e.g. "--sweep")
+#   fa3_stash: copy the half of the tokenspeed-fa3 wheel this call carried (.gpu/fa3/*.part-NN, scripts/gpu/fetch_fa3.sh;
+#     the .sha256 travels with the second half) to /tmp/fa3; fa3_install: join the two halves there, check the wheel's
+#     sha256 and install it into /tmp/site; when it fails, the call stops (a decode_bench after it would lack fa3_us)
 #   sweep: scripts/gpu/sweep_dense_kept.py (the all-dense step's attention configurations, PDL behind the store) -> $OUT/sweep_dense_kept.json;
 #     $SWEEP_BUDGET_S (default 300) bounds its grid; its pick (--kv-offload-dense-launch text) stays in /tmp/dense_launch.txt
 #     for a later call on the same host: DENSE_LAUNCH=sweep (the pick carries chunk_mean=0, the plan it timed); $SWEEP_ARGS: more of its flags (e.g. "--contexts 32x8960");
@@ -116,14 +117,23 @@ for step in "$@"; do
     decode_bench)
       free_gpu
       eval "dargs=(${DECODE_BENCH_ARGS:-})"
-      python3 scripts/gpu/bench_decode.py --out "$out/decode_h200.json" --calibration-out "$out/decode_calibration.json" "${dargs[@]}" \
-        > "$out/decode_bench.log" 2>&1 ;;
-    fa3_stash) mkdir -p /tmp/fa3 && shopt -s nullglob && f=(.gpu/fa3/*.part-* .gpu/fa3/*.sha256) && shopt -u nullglob \
-      && [ ${#f[@]} -gt 0 ] && cp -v "${f[@]}" /tmp/fa3/ > "$out/fa3_stash.log" 2>&1 ;;  # whichever half (and .sha256) this call carried
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H[0-9]+' | head -1 | tr 'H' 'h')
+      python3 scripts/gpu/bench_decode.py --out "$out/decode_${gpu:-gpu}.json" --calibration-out "$out/decode_calibration_${gpu:-gpu}.json" \
+        "${dargs[@]}" > "$out/decode_bench.log" 2>&1 ;;
+    fa3_stash)  # whichever half (and .sha256) this call carried
+      shopt -s nullglob; f=(.gpu/fa3/*.part-* .gpu/fa3/*.sha256); parts=(.gpu/fa3/*.part-*); shopt -u nullglob
+      if [ ${#parts[@]} -eq 0 ]; then echo "fa3_stash: this call carried no .gpu/fa3/*.part-NN (scripts/gpu/fetch_fa3.sh)" > "$out/fa3_stash.log"; false
+      else mkdir -p /tmp/fa3 && cp -v "${f[@]}" /tmp/fa3/ > "$out/fa3_stash.log" 2>&1; fi ;;
     fa3_install)
-      (cd /tmp/fa3 && whl=$(basename "$(ls ./*.sha256 | head -1)" .sha256) && cat "$whl".part-* > "$whl" && sha256sum -c "$whl.sha256" \
-        && python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "./$whl" \
-        && python3 -c "import flash_attn_interface; print('fa3 imports')") > "$out/fa3_install.log" 2>&1 ;;
+      (cd /tmp/fa3 2>/dev/null || { echo "fa3_install: no /tmp/fa3: run fa3_stash with each half first"; exit 1; }
+       shas=(*.sha256)
+       [ -f "${shas[0]}" ] && [ ${#shas[@]} -eq 1 ] || { echo "fa3_install: want one .sha256 in /tmp/fa3 (it travels with the second half), found: ${shas[*]}"; exit 1; }
+       whl=${shas[0]%.sha256}
+       for h in 00 01; do [ -f "$whl.part-$h" ] || { echo "fa3_install: half $whl.part-$h was not stashed"; exit 1; }; done
+       cat "$whl".part-00 "$whl".part-01 > "$whl" && sha256sum -c "$whl.sha256" \
+         && python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "./$whl" \
+         && python3 -c "import flash_attn_interface; print('fa3 imports')") > "$out/fa3_install.log" 2>&1 \
+        || { echo "step $step failed: $(tail -1 "$out/fa3_install.log"); stopping (a decode_bench after it would lack fa3_us)"; exit 1; } ;;
     jit_save) bash scripts/eval/jit_cache.sh save "$out/jit.tgz" > "$out/jit_save.log" 2>&1 ;;
     jit_restore) bash scripts/eval/jit_cache.sh restore "${JIT_FILE:-.gpu/jit/jit.tgz}" > "$out/jit_restore.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;
