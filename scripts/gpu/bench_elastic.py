@@ -73,6 +73,10 @@ ID_FLAGS = ["--attention-backend", "triton", "--enable-deterministic-inference",
 ID_ELASTIC = ["--elastic-kv-lend-bytes", "4GiB", "--elastic-kv-lend-after-steps", "4"]
 
 
+#: A reclaim event's time split, as the controller logs it (keys an older event lacks are left out of a breakdown).
+RECLAIM_PARTS = ("wait_ms", "vacate_ms", "withdraw_ms", "make_room_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms")
+
+
 #: Prefill without CUDA graphs: its activations come from torch's allocator
 #: at run time (with SGLang's default breakable prefill graphs they sit in the
 #: graph pool captured at start-up, and lending the free memory cannot starve them).
@@ -346,7 +350,7 @@ def assemble(args) -> None:
         ls, rs = [e["ms"] for e in d["lends"]], [e["ms"] for e in d["reclaims"]]
         fails = (d.get("burst", {}).get("failed_requests") or 0) + (d.get("cycles_run", {}).get("failed") or 0)
         return {"ok": bool(d["alive"] and fails == 0 and len(rs) > 0), "lend_ms_p99": pct(ls, 99), "reclaim_ms_p99": pct(rs, 99),
-                "lend_ms": stats(ls), "reclaim_ms": stats(rs), "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "withdraw_ms", "make_room_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]),
+                "lend_ms": stats(ls), "reclaim_ms": stats(rs), "reclaim_breakdown_ms": breakdown(d["reclaims"], RECLAIM_PARTS),
                 "cycles": len(rs), "failed_requests": fails, "lent_tokens": d["lent_tokens_max"], "kv_tokens_base": d["kv_tokens_base"],
                 "reclaim_needed_ms": stats(needed(d)), "reclaims_skipped": d.get("reclaims_skipped", 0), "reclaim_stops": d.get("reclaim_stops", 0)}
     lend = [e["ms"] for e in el["lends"]] if el else []
@@ -384,7 +388,7 @@ def assemble(args) -> None:
                              "lends": len(d["lends"]), "lends_prepared": lends_prepared(d),
                              "lend_breakdown_ms": breakdown(d["lends"], ["empty_cache_ms", "map_ms"]),
                              "reclaim_ms": stats([e["ms"] for e in d["reclaims"]]),
-                             "reclaim_breakdown_ms": breakdown(d["reclaims"], ["wait_ms", "vacate_ms", "withdraw_ms", "make_room_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]),
+                             "reclaim_breakdown_ms": breakdown(d["reclaims"], RECLAIM_PARTS),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)
@@ -413,7 +417,7 @@ def assemble(args) -> None:
         "burst_eager_prefill": {"stock": burst_of(ste), "elastic": burst_of(ele), "always_lent": burst_of(ale)},
         "lend_breakdown_ms": breakdown(el["lends"], ["empty_cache_ms", "map_ms"]) if el else None,
         "lends_prepared": lends_prepared(el),
-        "reclaim_breakdown_ms": breakdown(el["reclaims"], ["wait_ms", "vacate_ms", "withdraw_ms", "make_room_ms", "unmap_ms", "release_wait_ms", "release_overlap_ms"]) if el else None,
+        "reclaim_breakdown_ms": breakdown(el["reclaims"], RECLAIM_PARTS) if el else None,
         "itl_overhead_pct": itl_overhead,
         "itl_ms_median": {"stock": st["itl"]["itl_ms_median"] if st and "itl" in st else None, "elastic": el["itl"]["itl_ms_median"] if el and "itl" in el else None},
         # the TP1 cycles server (little memory pressure); the identity run's are under "identity"

@@ -304,21 +304,21 @@ class _ElasticAllocatorMixin:
                 not made by the last :meth:`prepare_lend` since the free list changed.
             RuntimeError: during a vacate.
         """
-        self._check_lend(lent_tokens)
-        lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
-        if prepared is None:
-            self.free_pages = torch.cat((self.free_pages, torch.arange(lo, hi, dtype=torch.int64, device=self.device)))
+        if prepared is None:  # (prepare_lend checks lent_tokens)
+            prepared = self.prepare_lend(lent_tokens)
         else:
-            n = len(self.free_pages)
-            src, lent, made = getattr(self, "_prepared_from", (None, None, None))
-            if made is None or made() is not prepared or src() is not self.free_pages or lent != self._lent_tokens:
-                raise ValueError(f"lend({lent_tokens}): the prepared free list was not made by this pool's last prepare_lend() "
-                                 f"since its free list or lent tokens last changed: make it again right before the lend")
-            if len(prepared) < n + hi - lo:  # (its ids are not compared: that would wait for the device)
-                raise ValueError(f"lend({lent_tokens}): the prepared free list has {len(prepared)} ids, fewer than this pool's "
-                                 f"{n} free ids and the {hi - lo} new ones: make it with prepare_lend() for that many tokens")
-            self.free_pages = prepared[: n + hi - lo]
-            self._prepared_from = (None, None, None)
+            self._check_lend(lent_tokens)
+        lo, hi = self._units(self.base_tokens + self._lent_tokens), self._units(self.base_tokens + lent_tokens)
+        n = len(self.free_pages)
+        src, lent, made = getattr(self, "_prepared_from", (None, None, None))
+        if made is None or made() is not prepared or src() is not self.free_pages or lent != self._lent_tokens:
+            raise ValueError(f"lend({lent_tokens}): the prepared free list was not made by this pool's last prepare_lend() "
+                             f"since its free list or lent tokens last changed: make it again right before the lend")
+        if len(prepared) < n + hi - lo:  # (its ids are not compared: that would wait for the device)
+            raise ValueError(f"lend({lent_tokens}): the prepared free list has {len(prepared)} ids, fewer than this pool's "
+                             f"{n} free ids and the {hi - lo} new ones: make it with prepare_lend() for that many tokens")
+        self.free_pages = prepared[: n + hi - lo]
+        self._prepared_from = (None, None, None)
         self._lent_tokens = lent_tokens
         self._set_size(lent_tokens)
         return self.free_pages[len(self.free_pages) - (hi - lo):]
