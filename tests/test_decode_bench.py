@@ -190,3 +190,28 @@ def test_bench_us_flushes_before_every_timed_run_and_returns_the_median():
 def test_fa3_column_is_skipped_cleanly_without_the_package():
     f = bench.fa3_decode()
     assert f is None or callable(f)
+
+
+def test_decode_table_renders_the_acceptance_checks_from_a_result(tmp_path, capsys):
+    """scripts/gpu/decode_table.py: the docs table and issue 23's kernel checks, computed from the columns."""
+    dt = load_script("decode_table")
+    case = lambda name, **kw: {"name": name, "page_size": 16, **kw}
+    d = {"gpu": "g", "commit": "c", "date": "d", "command": "x", "cases": [
+        case("B1_32K", ours_split_us=66.0, flashinfer_us=68.0, policy_us=68.0, policy_pick="flashinfer", read_floor_us=60.0,
+             floor_ratio={"write": {"ours_split_us": 1.1}, "read": {"ours_split_us": 1.25}}, read_flush_us={"ours_split_us": 55.0}),
+        case("B32_zipf_1K-61K", ours_split_us=300.0, flashinfer_persistent_us=320.0, flashinfer_us=450.0, policy_us=310.0, policy_pick="compact"),
+        case("B64_8K", ours_split_us=700.0, flashinfer_us=690.0, policy_us=700.0, policy_pick="split")]}
+    got = {name: (round(v, 4), held) for name, v, _, held in dt.checks(d)}
+    assert got["B1_32K p16 split ÷ read floor (write flush)"] == (1.1, True)
+    assert got["B1_32K p16 split ÷ read floor (read flush)"] == (1.25, False)
+    assert got["B32_zipf_1K-61K p16 split ÷ FI persistent"] == (round(300 / 320, 4), True)
+    assert got["B32_zipf_1K-61K p16 policy speed ÷ FI tc"] == (round(450 / 310, 4), True)
+    assert got["B64_8K p16 policy speed ÷ FI tc"] == (round(690 / 700, 4), False)
+    p = tmp_path / "r.json"
+    p.write_text(__import__("json").dumps(d))
+    assert dt.main([str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "| B1_32K | 16 | 66.0 | – |" in out and "55.0 / – / – / –" in out and "**missed**" in out
+    p.write_text("{}")
+    assert dt.main([str(p)]) == 2
+    assert "not a bench_decode.py result" in capsys.readouterr().err
