@@ -86,12 +86,14 @@ def test_handles_made_ahead_on_the_helper_thread_are_the_ones_the_next_lend_maps
     be, a = _arena(offset_mapping=offset_mapping)
     gate = Gate(be, name="none")
     assert a.prepare_async().result(JOIN) == 2 and a.prepared_steps == 2
-    made = [c for c in gate.log if c[1] == "create"]
-    assert made and {t for t, _ in made} == {"sglang-elastic-vmm_0"}  # created on the helper, not here
+    made = [c for c in gate.log if c[1] in ("create", "map")]
+    assert made and {t for t, _ in made} == {"sglang-elastic-vmm_0"}  # created and mapped on the helper, not here
     assert a.prepared_bytes() == 2 * a.step_bytes() and be.live_handles == (1 if offset_mapping else len(ROWS)) * 3
-    creates = be.calls["create"]
+    assert all(a.token_va(i, a.base_tokens + k * 64) in be._maps for i in range(len(ROWS)) for k in (0, 1))  # at the rows they back
+    assert a.lent_steps == 0 and a.capacity_tokens == a.base_tokens  # mapped, not lent
+    creates, maps = be.calls["create"], be.calls["map"]
     assert a.lend() == 2 and a.prepared_steps == 0
-    assert be.calls["create"] == creates  # the lend only mapped
+    assert (be.calls["create"], be.calls["map"]) == (creates, maps)  # the lend created and mapped nothing
     data = _fill(be, a, a.base_tokens, 128, seed=1)
     assert [be.read(a.token_va(i, a.base_tokens), 128 * r) for i, r in enumerate(a.row_bytes)] == data
     assert a.reclaim() == 2 and a.settle() == []
@@ -120,7 +122,8 @@ def test_a_lend_waits_for_a_prepare_still_running_and_creates_no_second_set_of_h
     t.join(JOIN)
     assert box == {"result": 2}
     lend_calls = [c for th, c in gate.log if th == "scheduler"]
-    assert "create" not in lend_calls and lend_calls.count("map") == 2 * len(ROWS)  # the prepared handles, mapped once each
+    assert "create" not in lend_calls and "map" not in lend_calls  # the prepared steps, created and mapped on the helper only
+    assert [c for th, c in gate.log if th.startswith("sglang-elastic-vmm")].count("map") == 2 * len(ROWS)
     assert be.live_handles == 3 * len(ROWS)
     a.close()
     assert be.live_handles == 0
@@ -334,7 +337,7 @@ class Fences:
             assert fence.wait(JOIN)
 
 
-def test_a_reclaim_vacates_while_the_last_forward_runs_and_waits_for_its_fence_only_before_the_unmap(monkeypatch):
+def test_a_reclaim_vacates_while_the_last_forward_runs_and_its_unmap_waits_for_that_fence_on_the_helper_thread(monkeypatch):
     bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
     bed.ctl.fences = fences = Fences()
     syncs = []
@@ -349,17 +352,16 @@ def test_a_reclaim_vacates_while_the_last_forward_runs_and_waits_for_its_fence_o
     [fwd] = fences.made
     assert not fwd.is_set()
     lent_va = bed.pool.arena.token_va(0, bed.alloc.base_tokens)
-    t, box = _run(lambda: bed.ctl.reclaim(bed.batch, why="test"))
-    assert fences.waiting.wait(JOIN)  # the reclaim waits on the forward's fence ...
+    assert bed.ctl.reclaim(bed.batch, why="test")  # returns while the forward still runs: the scheduler does not wait for it
     moved = bed.rows()[req.rid]
-    assert int(moved.max()) < bed.alloc.base_tokens and torch.equal(bed.k_of(moved), k)  # ... having vacated already
-    assert lent_va in bed.be._maps and syncs == []  # not unmapped yet, and no device-wide synchronize
+    assert int(moved.max()) < bed.alloc.base_tokens and torch.equal(bed.k_of(moved), k)  # vacated
+    assert fences.waiting.wait(JOIN)  # the helper thread waits on the forward's fence ...
+    assert lent_va in bed.be._maps and syncs == [] and bed.pool.arena.busy  # ... before it unmaps; no device-wide synchronize
     assert fences.order[0] is fwd  # the vacate's device work was queued after the forward
+    assert bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0  # out of the lent range already
     fwd.set()
-    t.join(JOIN)
-    assert box == {"result": True}
-    assert lent_va not in bed.be._maps and syncs == []
-    bed.ctl.after_prefill(None, bed.batch)
+    bed.ctl.after_prefill(None, bed.batch)  # the next forward's turn: the unmap and the release are done by then
+    assert lent_va not in bed.be._maps and syncs == [] and not bed.pool.arena.busy
     bed.check_ownership_and_accounting()
 
 
@@ -375,13 +377,12 @@ def test_with_nothing_to_move_no_stream_work_is_ordered_after_the_forward_and_th
     assert bed.ctl.lend() == ELASTIC
     bed.ctl.after_forward()
     [fwd] = fences.made
-    t, box = _run(lambda: bed.ctl.reclaim(bed.batch, why="test"))
-    assert fences.waiting.wait(JOIN)  # blocked on the forward's fence, in the unmap's wait only
+    assert bed.ctl.reclaim(bed.batch, why="test")  # the scheduler's part: no wait for the forward
+    assert fences.waiting.wait(JOIN)  # the helper is blocked on the forward's fence, the unmap's wait only
     assert fences.order == [] and bed.alloc.lent_tokens == 0  # nothing queued after the forward; withdrawn already
     fwd.set()
-    t.join(JOIN)
-    assert box == {"result": True} and bed.pool.arena.lent_steps == 0
     bed.ctl.after_prefill(None, bed.batch)
+    assert bed.pool.arena.lent_steps == 0 and not bed.pool.arena.busy
     bed.check_ownership_and_accounting()
 
 
@@ -850,3 +851,141 @@ def test_the_measured_bounds_keep_the_newest_shapes_and_scale_by_tokens_and_requ
         a.add(10000 + t, 1, t * MIB, plain=True)
     assert len(a.peaks) == MEASURED_KEEP and (4096, 2) not in a.peaks and (10001, 1) in a.peaks  # the oldest shape went
     assert a.need(0, 1, est) == est and a.need(8192, 0, est) == est
+
+
+@pytest.mark.parametrize("release_async", [False, True], ids=["here", "on the helper"])
+def test_steps_made_ahead_are_unmapped_when_dropped_by_a_reclaim_or_by_close(release_async):
+    """Steps made ahead are mapped above the lent range: a reclaim of a lent
+    step drops them first (they would sit above a gap), the next lend maps
+    fresh ones at the right rows, and close() unmaps what is still made ahead."""
+    be, a = _arena(offset_mapping=False)
+    assert a.lend(1) == 1
+    assert a.prepare(1) == 1
+    ahead = a.token_va(0, a.base_tokens + 64)
+    assert ahead in be._maps and be.live_handles == 3 * len(ROWS)
+    data = _fill(be, a, a.base_tokens, 64, seed=2)  # the lent step's bytes
+    assert a.reclaim(release_async=release_async) == 1 and a.settle() == []
+    assert a.prepared_steps == 0 and ahead not in be._maps and be.live_handles == len(ROWS)  # base only
+    assert a.lend() == 2 and a.lent_tokens == 128
+    data = _fill(be, a, a.base_tokens, 128, seed=3)
+    assert [be.read(a.token_va(i, a.base_tokens), 128 * r) for i, r in enumerate(a.row_bytes)] == data
+    a.reclaim(1)
+    assert a.prepare() == 1 and a.token_va(0, a.base_tokens + 64) in be._maps
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}
+
+
+def test_a_lend_of_fewer_steps_than_made_ahead_keeps_the_rest_mapped_in_place_and_set_steps_refuses_them():
+    be, a = _arena(offset_mapping=True)
+    assert a.prepare() == 2
+    assert a.lend(1) == 1 and a.prepared_steps == 1 and a.token_va(0, a.base_tokens + 64) in be._maps
+    with pytest.raises(RuntimeError, match="set_steps while lent"):
+        a.set_steps(128)
+    a.reclaim()
+    assert a.prepare(1) == 1
+    with pytest.raises(RuntimeError, match="made ahead: drop_prepared first"):
+        a.set_steps(64)
+    assert a.drop_prepared() == 1 and set(be._maps) == {a.token_va(i, 0) for i in range(len(ROWS))} and a.set_steps(64) == 64
+    a.close()
+    assert be.live_handles == 0
+
+
+def test_a_prepare_whose_map_fails_leaves_nothing_mapped_or_held_and_the_lend_makes_the_step():
+    be, a = _arena(offset_mapping=False)
+    maps = be.calls.get("map", 0)
+    be.fail_on["map"] = lambda n: n == maps + 3  # the third buffer of the first step made ahead
+    assert a.prepare_async().result(JOIN) == 0 and a.prepared_steps == 0 and a.settle() == []
+    assert be.live_handles == len(ROWS) and set(be._maps) == {a.token_va(i, 0) for i in range(len(ROWS))}
+    assert not a.lending_disabled  # the rollback unmapped what it had mapped
+    be.fail_on.clear()
+    assert a.lend() == 2 and a.lent_tokens == 128
+    data = _fill(be, a, a.base_tokens, 128, seed=4)
+    assert [be.read(a.token_va(i, a.base_tokens), 128 * r) for i, r in enumerate(a.row_bytes)] == data
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}
+
+
+def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_whole_step(tmp_path, monkeypatch):
+    """Handle per buffer (the H200's driver): the helper unmaps and releases
+    buffer by buffer; the forward the reclaim was for goes on once what it
+    needs beyond the free memory (``room_bytes``) is back, the rest behind
+    it. Without a known need it waits for every release, as before."""
+    import json
+
+    from sglang_elastic import config
+    from test_pool import make_pool
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv(config.EVENTS_ENV, str(events))
+    built = make_pool(1, base=256, elastic=ELASTIC, step=64, offset_mapping=False)
+    bed = Bed(built=built, free_bytes=ELASTIC * ROW, margin_mb=0, lend_bytes=ELASTIC * ROW)
+    a = bed.pool.arena
+    assert bed.ctl.lend() == ELASTIC and a.lent_steps == 1 and len(a.row_bytes) == 2 * LAYERS
+    assert bed.admit(list(range(30)))
+    step = a.step_tokens * sum(a.row_bytes)
+    buf = a.step_tokens * a.row_bytes[0]  # one buffer of the step
+    free0 = bed.be.free_bytes()
+    bed.ctl._pass_need, bed.ctl._pass_free = free0 + 2 * buf + 1, (free0, 0)  # as steps_needed leaves them: 2 buffers and a byte short
+    released = []
+    go = threading.Event()
+
+    def on_call(call):
+        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
+            released.append(1)
+            if len(released) == 4:  # the fourth release waits for the test
+                assert go.wait(JOIN)
+
+    bed.be.on_call = on_call
+    assert bed.ctl.reclaim(bed.batch, why="test")
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # returns with the fourth release held on the helper
+    assert len(released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf  # three buffers back: two and a byte needed
+    go.set()
+    bed.ctl._settle()
+    assert bed.be.free_bytes() == free0 + step and not a.busy
+    [rec] = [json.loads(line) for line in events.read_text().splitlines() if '"reclaim"' in line]
+    assert rec["room_bytes"] == 2 * buf + 1 and rec["release_wait_ms"] >= 0 and rec["settle_wait_ms"] >= 0
+    assert rec["wait_ms"] >= 0 and rec["unmap_ms"] >= 0 and rec["unmap_end_ms"] >= rec["unmap_ms"] and rec["steps"] == 1
+    # lent again, its need unknown: the forward waits for all of it
+    assert bed.ctl.lend() == ELASTIC
+    free0 = bed.be.free_bytes()
+    bed.ctl._pass_need = None
+    released.clear()
+    go.clear()
+    assert bed.ctl.reclaim(bed.batch, why="test")
+    t, box = _run(lambda: bed.ctl.after_prefill(bed.batch, bed.batch))
+    while len(released) < 4:
+        assert t.is_alive()
+        threading.Event().wait(0.01)
+    assert t.is_alive()  # held with the fourth release
+    go.set()
+    t.join(JOIN)
+    assert "error" not in box and bed.be.free_bytes() == free0 + step and not a.busy
+    bed.check_ownership_and_accounting()
+
+
+def test_an_unmap_on_the_helper_thread_that_fails_is_reported_kept_for_close_and_wait_freed_does_not_hang():
+    """Defect 4's guarantees when the reclaim's unmap runs on the helper
+    thread: the failed range and the rest are accounted, lending stops,
+    close() retries the unmap; a failing fence wait falls back to a device
+    synchronize before anything is unmapped."""
+    be, a = _arena(offset_mapping=False)
+    assert a.lend() == 2
+    unmaps = be.calls.get("unmap", 0)
+    be.fail_on["unmap"] = lambda n: n == unmaps + 2  # the top step's second buffer
+    syncs = []
+    be.synchronize = lambda: syncs.append(1)
+
+    def broken_wait():
+        raise RuntimeError("event wait failed")
+
+    assert a.reclaim(1, wait=broken_wait, unmap_async=True) == 1 and a.lent_steps == 1
+    a.wait_freed(10**12)  # returns once the job ended, although it freed less
+    errors = a.settle()
+    assert syncs == [1]  # the failed wait was replaced by a device synchronize, before the unmaps
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and a.lending_disabled and a.lend() == 0
+    top = a.token_va(1, a.base_tokens + 64)
+    assert top in be._maps and a._stale == [(top, 64 * ROWS[1])]  # the failed range, kept
+    assert a.last_unmap["wait_ms"] >= 0 and a.last_unmap["unmap_ms"] >= 0
+    be.fail_on.clear()
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}

@@ -574,16 +574,18 @@ class ElasticController:
             self.alloc.withdraw(0)
         self._unmap_lent("reclaim after a failed warm-up")
 
-    def _unmap_lent(self, what: str, steps: Optional[int] = None, wait=None, release_async: bool = False) -> None:
+    def _unmap_lent(self, what: str, steps: Optional[int] = None, wait=None, release_async: bool = False, unmap_async: bool = False) -> None:
         """Unmap the top ``steps`` lent steps (default: every one; nothing if
         none), close the vacate window and publish the size. ``wait``: what
         must complete before the unmap (default: the device synchronized);
         ``release_async``: the handles are released on the arena's helper
-        thread (:meth:`_settle` waits for it before the next forward). A
+        thread (:meth:`_settle` waits for it before the next forward);
+        ``unmap_async``: ``wait`` and the unmaps run there too, the next
+        forward waits only for the memory it needs (:meth:`after_prefill`). A
         failing unmap is logged and counted, not raised: the rows are vacated
         already, lending stops."""
         try:
-            self.arena.reclaim(steps, wait=wait, release_async=release_async)
+            self.arena.reclaim(steps, wait=wait, release_async=release_async, unmap_async=unmap_async)
         except VmmError as e:
             self._vmm_failed(what, e)
         self.alloc.end_vacate()
@@ -606,8 +608,27 @@ class ElasticController:
         self._dropped_prepared = False
         if rec is not None:
             overlap = (t - rec.pop("t_end")) * 1e3
-            self._event(**rec, release_wait_ms=waited, release_overlap_ms=overlap, release_failed=len(errors))
+            if rec.pop("unmap_async", False):  # the fence wait and the unmaps ran on the helper thread: its timings
+                done = self.arena.last_unmap
+                rec.update(wait_ms=done.get("wait_ms", 0.0), unmap_ms=done.get("unmap_ms", 0.0),
+                           unmap_end_ms=(done["t_end"] - rec["t_start_unmap"]) * 1e3 if "t_end" in done else None)
+            rec.pop("t_start_unmap", None)
+            if "release_wait_ms" in rec:  # the forward waited for its room only (after_prefill); this wait came later
+                rec["settle_wait_ms"] = waited
+            else:
+                rec["release_wait_ms"] = waited
+            self._event(**rec, release_overlap_ms=overlap, release_failed=len(errors))
         return waited
+
+    def _wait_room(self) -> None:
+        """Before the forward a reclaim was for: wait until the unmap on the
+        helper thread has given back what the forward needs beyond what was
+        free when the reclaim was decided (``room_bytes``), not for the whole
+        step; its ``release_wait_ms``."""
+        rec = self._releasing
+        t = time.perf_counter()
+        self.arena.wait_freed(rec["room_bytes"])
+        rec["release_wait_ms"] = (time.perf_counter() - t) * 1e3
 
     def after_forward(self, batch=None) -> None:
         """After ``Scheduler.run_batch`` launched ``batch``: while lent, a
@@ -846,7 +867,11 @@ class ElasticController:
         may leave a decode batch above :attr:`lend_max_bs`, and the next
         pass's :meth:`before_prefill` reclaims before that decode runs."""
         if self.arena.unsettled and not self._preparing_only():  # a reclaim's (or dropped prepare's) handles released there: their memory is the forward's
-            self._settle()
+            rec = self._releasing
+            if rec is not None and rec.get("room_bytes") is not None and "release_wait_ms" not in rec and not self._dropped_prepared:
+                self._wait_room()  # as much as the forward needs; the rest goes on behind it
+            else:
+                self._settle()
         skip, self._skip = self._skip, None
         if skip is not None and new_batch is not None:
             self.reclaims_skipped += 1
@@ -882,7 +907,7 @@ class ElasticController:
     def _prepare_ahead(self) -> None:
         """Make the next lend's handles on the helper thread, once per run of
         decode-only steps, if the memory is free now without emptying torch's
-        cache (:meth:`steps_that_fit`): the lend then only maps them. Not a
+        cache (:meth:`steps_that_fit`), mapped at their rows: the lend maps nothing. Not a
         collective: each rank prepares what fits, the lend agrees."""
         a = self.arena
         if a.prepared_steps or a.busy or a.lending_disabled:
@@ -1287,7 +1312,9 @@ class ElasticController:
             self.fences.wait(vacate_fence)
             waited.append(time.perf_counter() - t)
 
-        self._unmap_lent("reclaim", steps, wait=wait, release_async=not self._quiet)
+        t_start_unmap = time.perf_counter()
+        unmap_async = not self._quiet
+        self._unmap_lent("reclaim", steps, wait=wait, release_async=not self._quiet, unmap_async=unmap_async)
         if retracted:
             self._requeue(running_batch, retracted)
         if dropped:
@@ -1307,12 +1334,21 @@ class ElasticController:
                    **({"withdraw_ms": (t_withdrawn - t_vacate) * 1e3, "make_room_ms": (t_room - t_withdrawn) * 1e3} if t_room else {}),
                    **({"free_bytes": self._pass_free[0], "cache_bytes": self._pass_free[1]} if self._pass_free else {}))
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
-            self._releasing = dict(rec, t_end=time.perf_counter())
+            self._releasing = dict(rec, t_end=time.perf_counter(), unmap_async=unmap_async, t_start_unmap=t_start_unmap,
+                                   room_bytes=self._room_bytes())
         else:
             self._event(**rec, release_wait_ms=0.0)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
         return True
+
+    def _room_bytes(self) -> Optional[int]:
+        """What the forward this pass's reclaim was for needs beyond what was
+        free then (:meth:`steps_needed`: the driver's free bytes and torch's
+        reusable cache), or None when unknown (the whole step is waited for)."""
+        if self._pass_need is None or self._pass_free is None or self._pass_free[0] is None:
+            return None
+        return max(self._pass_need - self._pass_free[0] - self._pass_free[1], 0)
 
     def _make_room(self, batch, in_use: torch.Tensor, retracted: List):
         """Free base room for the lent units still in use, cheapest first:

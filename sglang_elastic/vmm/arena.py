@@ -16,10 +16,13 @@ contiguous range ``[base_tokens, base_tokens + lent_tokens)``.
 Off the scheduler's critical path (issue 22, build 2), on one helper thread
 (:meth:`ElasticArena.prepare_async`, ``release_async`` in
 :meth:`ElasticArena.reclaim`): the next lend's handles can be created ahead
-of time, so that the lend only maps them, and a reclaim's handles are
-released after their unmap while the scheduler goes on; :meth:`settle`
-waits for that work. ``cuMemCreate`` was 8.5 ms and ``cuMemRelease`` 5.6 ms
-of an 8 GiB cycle on the H200 (64 handles; ``docs/elastic.md``).
+of time and mapped at the rows they will back (nothing refers to those rows
+until the lend puts them on SGLang's free list), so that the lend maps
+nothing, and a reclaim's handles are released after their unmap while the
+scheduler goes on; :meth:`settle` waits for that work. ``cuMemCreate`` was
+8.5 ms and ``cuMemRelease`` 5.6 ms of an 8 GiB cycle on the H200 (64
+handles); mapping them took 4.6 ms at p99 of an 8 GiB lend on the H200 and
+15.6 ms of six 1.5 GiB steps on an H100 (``docs/elastic.md``).
 
 Idea: the Elastic KV Cache paper (arXiv 2608.23658) and kvcached's
 reserve-then-map pool; in-tree starting point SGLang's grow-only
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -102,15 +106,23 @@ class ElasticArena:
         self._stale: List[tuple] = []  # (va, size)
         self._stale_handles: List[Any] = []
         self.lending_disabled = False
-        # Handles created ahead of the next lend (one list per step, as
-        # _steps), by prepare()/prepare_async(); used by lend() in order.
-        self._ready: List[List[Any]] = []
+        # Steps made ahead of the next lend by prepare()/prepare_async(): (the
+        # step's handles, as in _steps; the first token they are mapped at),
+        # in token order right above the lent range; lend() takes them in order.
+        self._ready: List[tuple] = []
         # Guards _ready, _stale_handles and _helper_errors, which the helper
         # thread writes too; the lent steps (_steps) are the owner's alone.
         self._lock = threading.Lock()
         self._helper: Optional[ThreadPoolExecutor] = None
         self._pending: List[Future] = []
         self._helper_errors: List[BaseException] = []
+        # An unmap on the helper thread (reclaim(unmap_async=True)): the bytes
+        # it has given back to the driver so far, and whether it still runs;
+        # wait_freed() waits on the condition for enough of them.
+        self._freed = 0
+        self._freeing = False
+        self._freed_cv = threading.Condition(self._lock)
+        self.last_unmap: dict = {}  # that unmap's timings (ms): wait_ms, unmap_ms (unmaps and releases), when it ends
         # The base's mapped segments (tok0, ntok, handles): one at start, one
         # more if grow_base() backs SGLang's post-capture size.
         self._base_segments: List[tuple] = []
@@ -158,10 +170,12 @@ class ElasticArena:
         lendable tokens (whole steps).
 
         Raises:
-            RuntimeError: while anything is lent.
+            RuntimeError: while anything is lent or made ahead.
         """
         if self._steps:
             raise RuntimeError("set_steps while lent: reclaim first")
+        if self.prepared_steps:
+            raise RuntimeError("set_steps with steps made ahead: drop_prepared first")
         whole = max(min(lendable_tokens, self.max_elastic_tokens), 0) // self.quantum * self.quantum
         step = min(align_up(step_tokens or max(whole, self.quantum), self.quantum), max(whole, self.quantum))
         self.step_tokens = step
@@ -342,7 +356,8 @@ class ElasticArena:
 
     @property
     def prepared_steps(self) -> int:
-        """Steps whose handles exist, unmapped, for the next lend."""
+        """Steps made ahead for the next lend: handles created and mapped
+        above the lent range, not yet lent."""
         with self._lock:
             return len(self._ready)
 
@@ -351,11 +366,15 @@ class ElasticArena:
 
     def prepare(self, steps: Optional[int] = None) -> int:
         """Create the handles of the next ``steps`` lend steps (default: every
-        step not lent), without mapping them; :meth:`lend` maps them. They
-        hold device memory until lent or :meth:`drop_prepared`. Stops at the
-        first failure (out of memory: the memory is in use elsewhere) and
-        returns the steps prepared by this call; a failure is logged, not
-        raised (the lend will create the handles itself)."""
+        step not lent) and map them at the rows they will back, right above
+        the lent range and the steps made before; :meth:`lend` then maps
+        nothing. The rows are not on any free list until the lend, so nothing
+        reads or writes them. The steps hold device memory until lent or
+        :meth:`drop_prepared` (a reclaim drops them too). Stops at the first
+        failure (out of memory: the memory is in use elsewhere) and returns
+        the steps prepared by this call; a failure is logged, not raised (the
+        lend will create and map the handles itself; a failed rollback unmap
+        disables lending, as in :meth:`lend`)."""
         if self.lending_disabled:
             return 0
         with self._lock:
@@ -363,13 +382,14 @@ class ElasticArena:
         want = self.max_steps - self.lent_steps - have if steps is None else steps
         done = 0
         for _ in range(max(min(want, self.max_steps - self.lent_steps - have), 0)):
+            tok0 = self.base_tokens + self.lent_tokens + (have + done) * self.step_tokens
             try:
-                handles = self._create_handles(self.step_tokens)
+                handles = self._map_range(self.step_tokens, tok0)
             except VmmError as e:
-                logger.log(logging.DEBUG if e.out_of_memory else logging.WARNING, "creating handles ahead of the lend failed: %s", e)
+                logger.log(logging.DEBUG if e.out_of_memory else logging.WARNING, "making a step ahead of the lend failed: %s", e)
                 break
             with self._lock:
-                self._ready.append(handles)
+                self._ready.append((handles, tok0))
             done += 1
         return done
 
@@ -379,17 +399,39 @@ class ElasticArena:
         return self._submit(lambda: self.prepare(steps))
 
     def drop_prepared(self, release_async: bool = False) -> int:
-        """Release the handles made ahead of a lend that is not coming (an
-        eager forward needs their memory); on the helper thread with
-        ``release_async`` (:meth:`settle` waits for it). Returns the steps
-        dropped. A failed release: as in :meth:`reclaim`."""
+        """Unmap and release the steps made ahead of a lend that is not coming
+        (an eager forward needs their memory); on the helper thread with
+        ``release_async`` (:meth:`settle` waits for it). No device work can
+        use their rows (never on a free list), so nothing is waited for.
+        Returns the steps dropped. A failed unmap or release: as in
+        :meth:`reclaim` (kept for :meth:`close`, lending disabled)."""
         self._wait_helper()
         with self._lock:
             ready, self._ready = self._ready, []
-        handles = [h for step in ready for h in step]
-        if handles:
-            self._release(handles, release_async)
+        if ready:
+            self._unmap_ready(ready, release_async)
         return len(ready)
+
+    def _unmap_ready(self, ready: List[tuple], release_async: bool) -> None:
+        """Unmap the steps made ahead (top first) and release their handles,
+        here or on the helper thread."""
+        def job():
+            first: Optional[BaseException] = None
+            for handles, tok0 in reversed(ready):
+                try:
+                    self._unmap_range(self.step_tokens, tok0, handles)
+                except VmmError as e:  # _unmap_range kept what failed for close()
+                    logger.exception("unmapping a step made ahead failed")
+                    first = first or e
+            if first is not None:
+                self.lending_disabled = True
+                with self._lock:
+                    self._helper_errors.append(first)
+
+        if release_async:
+            self._submit(job)
+        else:
+            job()
 
     def _wait_helper(self) -> None:
         """Wait for the helper's work so that the handles made ahead are final
@@ -413,9 +455,10 @@ class ElasticArena:
     # -- lend and reclaim ----------------------------------------------------
 
     def lend(self, steps: Optional[int] = None) -> int:
-        """Back ``steps`` more elastic steps (default: all that remain), with
-        the handles made ahead (:meth:`prepare`) first, new ones for the rest.
-        Waits for the helper thread's work first.
+        """Back ``steps`` more elastic steps (default: all that remain): the
+        steps made ahead (:meth:`prepare`: created and mapped already) first,
+        new handles created and mapped here for the rest. Waits for the helper
+        thread's work first.
 
         A step whose mapping fails is rolled back; the steps lent before it
         stay. Out of memory (the memory is in use elsewhere: temporary) just
@@ -433,10 +476,19 @@ class ElasticArena:
         want = self.max_steps - self.lent_steps if steps is None else min(steps, self.max_steps - self.lent_steps)
         done = 0
         for _ in range(max(want, 0)):
+            tok0 = self.base_tokens + self.lent_tokens
             with self._lock:
-                handles = self._ready.pop(0) if self._ready else None
+                ready = self._ready.pop(0) if self._ready else None
+            if ready is not None and ready[1] == tok0:
+                self._steps.append(ready[0])  # made ahead: created and mapped already
+                done += 1
+                continue
+            if ready is not None:  # not where this step goes (cannot happen through prepare): dropped, the step made here
+                with self._lock:
+                    rest, self._ready = [ready] + self._ready, []
+                self._unmap_ready(rest, False)
             try:
-                self._steps.append(self._map_range(self.step_tokens, self.base_tokens + self.lent_tokens, handles))
+                self._steps.append(self._map_range(self.step_tokens, tok0))
             except VmmError as e:
                 if not e.out_of_memory:
                     self.lending_disabled = True
@@ -444,7 +496,8 @@ class ElasticArena:
             done += 1
         return done
 
-    def reclaim(self, steps: Optional[int] = None, wait: Optional[Callable[[], None]] = None, release_async: bool = False) -> int:
+    def reclaim(self, steps: Optional[int] = None, wait: Optional[Callable[[], None]] = None, release_async: bool = False,
+                unmap_async: bool = False) -> int:
         """Unmap and release the top ``steps`` lent steps (default: all).
 
         The caller must have vacated the tokens first. Before anything is
@@ -453,7 +506,14 @@ class ElasticArena:
         ``wait`` waits for exactly that work (the controller's fence after the
         last forward and the vacate's copies); without it the device is
         synchronized. With ``release_async`` the handles are released on the
-        helper thread after the unmap (:meth:`settle` waits for it).
+        helper thread after the unmap (:meth:`settle` waits for it). With
+        ``unmap_async`` the steps leave the lent range at once and the rest,
+        ``wait`` included, runs on the helper thread: buffer by buffer, each
+        range unmapped and its handle released, so the driver gets the memory
+        back piece by piece (:meth:`wait_freed` waits for as much as a
+        forward needs; :meth:`settle` for all of it; timings in
+        :attr:`last_unmap`). The caller must not hand the rows out again
+        before then (the vacated rows are off every free list).
 
         A step whose unmap fails is still dropped from the lent range (its
         tokens were vacated), lending is disabled (the range may still be
@@ -463,6 +523,10 @@ class ElasticArena:
         Returns the steps reclaimed.
         """
         n = self.lent_steps if steps is None else min(steps, self.lent_steps)
+        if n and self.prepared_steps:  # made ahead above the lent range: they would sit above a gap
+            self.drop_prepared(release_async or unmap_async)
+        if n and unmap_async:
+            return self._reclaim_async(n, wait)
         if n:
             if wait is not None:
                 wait()
@@ -487,6 +551,80 @@ class ElasticArena:
             raise first
         return n
 
+    def _reclaim_async(self, n: int, wait: Optional[Callable[[], None]]) -> int:
+        """:meth:`reclaim` with ``unmap_async``: pop the top ``n`` steps now,
+        wait, unmap and release them on the helper thread."""
+        popped = []
+        for _ in range(n):
+            tok0 = self.base_tokens + self.lent_tokens - self.step_tokens
+            popped.append((self._steps.pop(), tok0))
+        with self._freed_cv:
+            self._freed, self._freeing = 0, True
+        be = self.backend
+        offset = be.supports_offset_mapping
+
+        def job():
+            t0 = time.perf_counter()
+            first: Optional[BaseException] = None
+            timings = {}
+            unmapping = False
+            try:
+                try:
+                    wait() if wait is not None else be.synchronize()
+                except BaseException as e:  # the device work on the rows may still run: never unmap under it
+                    logger.exception("waiting before an unmap on the helper thread failed; synchronizing the device")
+                    first = e
+                    be.synchronize()
+                t1 = time.perf_counter()
+                timings["wait_ms"] = (t1 - t0) * 1e3
+                unmapping = True
+                for handles, tok0 in popped:  # top step first
+                    for i, r in enumerate(self.row_bytes):
+                        size = self.step_tokens * r
+                        try:
+                            be.unmap(self.token_va(i, tok0), size)
+                        except VmmError as e:
+                            logger.exception("unmap on the helper thread failed")
+                            self._stale.append((self.token_va(i, tok0), size))
+                            first = first or e
+                        if not offset:  # this buffer's handle: its memory goes back now
+                            first = self._release_handles([handles[i]], "release on the helper thread") or first
+                            with self._freed_cv:
+                                self._freed += size
+                                self._freed_cv.notify_all()
+                    if offset:
+                        first = self._release_handles(handles, "release on the helper thread") or first
+                        with self._freed_cv:
+                            self._freed += self.step_tokens * sum(self.row_bytes)
+                            self._freed_cv.notify_all()
+                timings["unmap_ms"] = (time.perf_counter() - t1) * 1e3
+            except BaseException as e:  # the device could not be synchronized: nothing was unmapped, all kept for close() (a bug mid-loop: reported)
+                first = first or e
+                for handles, tok0 in ([] if unmapping else popped):
+                    self._stale.extend((self.token_va(i, tok0), self.step_tokens * r) for i, r in enumerate(self.row_bytes))
+                    with self._lock:
+                        self._stale_handles.extend(handles)
+            finally:
+                if first is not None:
+                    self.lending_disabled = True
+                    with self._lock:
+                        self._helper_errors.append(first)
+                with self._freed_cv:
+                    self._freeing = False
+                    self.last_unmap = dict(timings, t_end=time.perf_counter())
+                    self._freed_cv.notify_all()
+
+        self._submit(job)
+        return n
+
+    def wait_freed(self, nbytes: int) -> None:
+        """Wait until the unmap running on the helper thread
+        (``reclaim(unmap_async=True)``) has given ``nbytes`` back to the
+        driver, or has ended (failed included: :meth:`settle` reports it).
+        Returns at once with no such unmap or ``nbytes`` <= 0."""
+        with self._freed_cv:
+            self._freed_cv.wait_for(lambda: not self._freeing or self._freed >= nbytes)
+
     def close(self) -> None:
         """Wait for the helper thread, reclaim everything, release the handles
         made ahead, unmap the base, retry the unmaps and releases that failed
@@ -503,7 +641,8 @@ class ElasticArena:
             self.backend.synchronize()
             with self._lock:
                 ready, self._ready = self._ready, []
-            self._release_handles([h for step in ready for h in step], "release of a handle made ahead")
+            if ready:
+                self._unmap_ready(ready, False)
             try:
                 first: Optional[BaseException] = None
                 for tok0, ntok, handles in reversed(self._base_segments):
