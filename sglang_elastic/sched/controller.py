@@ -582,8 +582,9 @@ class ElasticController:
         thread (:meth:`_settle` waits for it before the next forward);
         ``unmap_async``: ``wait`` and the unmaps run there too, the next
         forward waits only for the memory it needs (:meth:`after_prefill`). A
-        failing unmap is logged and counted, not raised: the rows are vacated
-        already, lending stops."""
+        failing unmap is logged and counted, not raised (with ``unmap_async``
+        when the helper's work is settled: the next pass, lend or reclaim):
+        the rows are vacated already, lending stops."""
         try:
             self.arena.reclaim(steps, wait=wait, release_async=release_async, unmap_async=unmap_async)
         except VmmError as e:
@@ -753,7 +754,7 @@ class ElasticController:
             # Handles made ahead of a lend hold device memory: an eager
             # forward needs it back (released on the helper thread while
             # SGLang forms the batch; after_prefill waits for it).
-            if self.arena.prepared_steps and self.reserve_needed(running_batch)[0]:
+            if (self.arena.prepared_steps or self.arena.busy) and self.reserve_needed(running_batch)[0]:  # busy: a prepare may still be running
                 self.arena.drop_prepared(release_async=True)
                 self._dropped_prepared = True
             return
@@ -848,6 +849,8 @@ class ElasticController:
             need = self.activations.need(tokens, requests, need)
         self._pass_need = need
         driver = self.arena.backend.free_bytes()
+        if driver is not None:  # a reclaim's unmap still running on the helper thread: its bytes are coming back (after_prefill waits for them)
+            driver += self.arena.freeing_bytes()
         cached = self.torch_cache.reusable() if measured else self.torch_cache.unused()
         free = (driver or 0) + cached
         self._pass_free = (driver, cached)  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache

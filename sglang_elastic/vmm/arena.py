@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,11 @@ from typing import Any, Callable, List, Optional, Sequence
 from sglang_elastic.vmm.base import VmmBackend, VmmError, align_up
 
 logger = logging.getLogger(__name__)
+# Errors met on the helper thread are logged with their message, not their
+# traceback: CPython 3.11 formats a traceback's carets with ast.parse, whose
+# recursion counter is not per thread (gh-106905), so a traceback formatted
+# there while the main thread parses (pytest's assertion rewriting; any
+# import) can raise SystemError in the other thread.
 
 
 def token_quantum(row_bytes: Sequence[int], granularity: int, page_size: int = 1) -> int:
@@ -121,6 +127,7 @@ class ElasticArena:
         # wait_freed() waits on the condition for enough of them.
         self._freed = 0
         self._freeing = False
+        self._freeing_total = 0
         self._freed_cv = threading.Condition(self._lock)
         self.last_unmap: dict = {}  # that unmap's timings (ms): wait_ms, unmap_ms (unmaps and releases), when it ends
         # The base's mapped segments (tok0, ntok, handles): one at start, one
@@ -147,6 +154,7 @@ class ElasticArena:
             ValueError: above the reservation.
             VmmError: when backing fails (nothing new is mapped then).
         """
+        self._wait_helper()  # an unmap or a prepare still running there works on the current geometry
         if self._steps or self.prepared_steps:
             raise RuntimeError("grow_base while lent: reclaim first")
         new = align_up(base_tokens, self.quantum)
@@ -172,6 +180,7 @@ class ElasticArena:
         Raises:
             RuntimeError: while anything is lent or made ahead.
         """
+        self._wait_helper()  # an unmap or a prepare still running there works on the current step size
         if self._steps:
             raise RuntimeError("set_steps while lent: reclaim first")
         if self.prepared_steps:
@@ -239,7 +248,7 @@ class ElasticArena:
             try:
                 self.backend.release(h)
             except VmmError as e:
-                logger.exception("%s failed", what)
+                logger.error("%s failed: %s", what, e)  # no traceback: this may run on the helper thread (the note at the top)
                 with self._lock:
                     self._stale_handles.append(h)
                 first = first or e
@@ -274,7 +283,7 @@ class ElasticArena:
                 except VmmError:
                     # Still mapped: a later lend would map over it. Kept for
                     # close(), and lending stops (whatever the first error was).
-                    logger.exception("unmap during rollback failed")
+                    logger.error("unmap during rollback failed: %s", sys.exc_info()[1])
                     self._stale.append((self.token_va(i, tok0), sizes[i]))
                     self.lending_disabled = True
             self._release_handles(created, "release during rollback")
@@ -415,13 +424,15 @@ class ElasticArena:
     def _unmap_ready(self, ready: List[tuple], release_async: bool) -> None:
         """Unmap the steps made ahead (top first) and release their handles,
         here or on the helper thread."""
+        step = self.step_tokens  # as when they were made (set_steps waits for this job)
+
         def job():
             first: Optional[BaseException] = None
             for handles, tok0 in reversed(ready):
                 try:
-                    self._unmap_range(self.step_tokens, tok0, handles)
+                    self._unmap_range(step, tok0, handles)
                 except VmmError as e:  # _unmap_range kept what failed for close()
-                    logger.exception("unmapping a step made ahead failed")
+                    logger.error("unmapping a step made ahead failed: %s", e)
                     first = first or e
             if first is not None:
                 self.lending_disabled = True
@@ -523,6 +534,8 @@ class ElasticArena:
         Returns the steps reclaimed.
         """
         n = self.lent_steps if steps is None else min(steps, self.lent_steps)
+        if n:
+            self._wait_helper()  # a prepare or an unmap still running: done first (one geometry change at a time)
         if n and self.prepared_steps:  # made ahead above the lent range: they would sit above a gap
             self.drop_prepared(release_async or unmap_async)
         if n and unmap_async:
@@ -554,12 +567,13 @@ class ElasticArena:
     def _reclaim_async(self, n: int, wait: Optional[Callable[[], None]]) -> int:
         """:meth:`reclaim` with ``unmap_async``: pop the top ``n`` steps now,
         wait, unmap and release them on the helper thread."""
+        step = self.step_tokens
         popped = []
         for _ in range(n):
-            tok0 = self.base_tokens + self.lent_tokens - self.step_tokens
+            tok0 = self.base_tokens + self.lent_tokens - step
             popped.append((self._steps.pop(), tok0))
         with self._freed_cv:
-            self._freed, self._freeing = 0, True
+            self._freed, self._freeing, self._freeing_total = 0, True, n * step * sum(self.row_bytes)
         be = self.backend
         offset = be.supports_offset_mapping
 
@@ -568,40 +582,48 @@ class ElasticArena:
             first: Optional[BaseException] = None
             timings = {}
             unmapping = False
+            done_steps = 0
             try:
                 try:
                     wait() if wait is not None else be.synchronize()
                 except BaseException as e:  # the device work on the rows may still run: never unmap under it
-                    logger.exception("waiting before an unmap on the helper thread failed; synchronizing the device")
+                    logger.error("waiting before an unmap on the helper thread failed (%s: %s); synchronizing the device", type(e).__name__, e)
                     first = e
                     be.synchronize()
                 t1 = time.perf_counter()
                 timings["wait_ms"] = (t1 - t0) * 1e3
                 unmapping = True
                 for handles, tok0 in popped:  # top step first
+                    step_ok = True
                     for i, r in enumerate(self.row_bytes):
-                        size = self.step_tokens * r
+                        size = step * r
                         try:
                             be.unmap(self.token_va(i, tok0), size)
-                        except VmmError as e:
-                            logger.exception("unmap on the helper thread failed")
+                            ok = True
+                        except Exception as e:  # a VmmError, or a bug: the range is kept for close(), the loop goes on
+                            logger.error("unmap on the helper thread failed: %s", e)
                             self._stale.append((self.token_va(i, tok0), size))
-                            first = first or e
-                        if not offset:  # this buffer's handle: its memory goes back now
-                            first = self._release_handles([handles[i]], "release on the helper thread") or first
-                            with self._freed_cv:
-                                self._freed += size
-                                self._freed_cv.notify_all()
+                            first, ok, step_ok = first or e, False, False
+                        if not offset:  # this buffer's handle: its memory goes back now (counted only when it did)
+                            err = self._release_handles([handles[i]], "release on the helper thread")
+                            first = first or err
+                            if ok and err is None:
+                                with self._freed_cv:
+                                    self._freed += size
+                                    self._freed_cv.notify_all()
                     if offset:
-                        first = self._release_handles(handles, "release on the helper thread") or first
-                        with self._freed_cv:
-                            self._freed += self.step_tokens * sum(self.row_bytes)
-                            self._freed_cv.notify_all()
+                        err = self._release_handles(handles, "release on the helper thread")
+                        first = first or err
+                        if step_ok and err is None:
+                            with self._freed_cv:
+                                self._freed += step * sum(self.row_bytes)
+                                self._freed_cv.notify_all()
+                    done_steps += 1
                 timings["unmap_ms"] = (time.perf_counter() - t1) * 1e3
             except BaseException as e:  # the device could not be synchronized: nothing was unmapped, all kept for close() (a bug mid-loop: reported)
                 first = first or e
-                for handles, tok0 in ([] if unmapping else popped):
-                    self._stale.extend((self.token_va(i, tok0), self.step_tokens * r) for i, r in enumerate(self.row_bytes))
+                for handles, tok0 in popped[done_steps if unmapping else 0:]:  # (a bug mid-step: that step's rest is lost to close())
+                    self._stale.extend((self.token_va(i, tok0), step * r) for i, r in enumerate(self.row_bytes))
                     with self._lock:
                         self._stale_handles.extend(handles)
             finally:
@@ -614,8 +636,18 @@ class ElasticArena:
                     self.last_unmap = dict(timings, t_end=time.perf_counter())
                     self._freed_cv.notify_all()
 
-        self._submit(job)
+        try:
+            self._submit(job)
+        except BaseException:  # no helper thread (shutting down): done here, nothing left in between
+            job()
         return n
+
+    def freeing_bytes(self) -> int:
+        """Bytes of the unmap running on the helper thread not yet back at
+        the driver (0 with none): memory that is coming free, for a decision
+        made while it runs (the controller's ``steps_needed``)."""
+        with self._freed_cv:
+            return max(self._freeing_total - self._freed, 0) if self._freeing else 0
 
     def wait_freed(self, nbytes: int) -> None:
         """Wait until the unmap running on the helper thread

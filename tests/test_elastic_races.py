@@ -1,0 +1,151 @@
+"""Orderings of the helper thread against the scheduler found by a review of 8516aa6 (map-ahead, async unmap): host backend, real threads, Events."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sglang_elastic.vmm import ElasticArena, HostBackend
+
+from test_fast_lend import GRAN, JOIN, ROWS, Gate, _arena  # noqa: F401
+from test_controller import sglang_runtime_context  # noqa: F401
+
+
+def _blocked_wait():
+    ev = threading.Event()
+    reached = threading.Event()
+
+    def wait():
+        reached.set()
+        assert ev.wait(JOIN)
+
+    return wait, ev, reached
+
+
+def test_a_second_async_reclaim_waits_for_the_first_and_wait_freed_counts_only_its_own_bytes():
+    be = HostBackend(granularity=GRAN, offset_mapping=False, capacity=1 << 30)
+    a = ElasticArena(be, ROWS, base_tokens=128, max_elastic_tokens=128, step_tokens=64)
+    assert a.lend() == 2
+    w1, e1, r1 = _blocked_wait()
+    w2, e2, r2 = _blocked_wait()
+    a.reclaim(1, wait=w1, unmap_async=True)  # job 1 (top step), held in its fence wait
+    assert r1.wait(JOIN)
+    t, box = _on_thread(lambda: a.reclaim(1, wait=w2, unmap_async=True))
+    t.join(0.2)
+    assert t.is_alive() and a.lent_steps == 1  # the second waits for the first before it pops anything
+    e1.set()
+    t.join(JOIN)
+    assert box == {"result": 1} and r2.wait(JOIN)  # job 2 submitted, held in its own wait
+    free0 = be.free_bytes()
+    w, wbox = _on_thread(lambda: a.wait_freed(a.step_bytes()))
+    w.join(0.2)
+    assert w.is_alive() and a.freeing_bytes() == a.step_bytes()  # job 1's bytes do not count for job 2
+    e2.set()
+    w.join(JOIN)
+    assert wbox == {"result": None} and be.free_bytes() - free0 == a.step_bytes()
+    assert a.settle() == []
+    a.close()
+    assert be.live_handles == 0
+
+
+def _on_thread(fn):
+    box = {}
+
+    def body():
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t, box
+
+
+def test_set_steps_waits_for_an_async_unmap_in_flight_which_unmaps_the_sizes_it_was_lent_with():
+    be, a = _arena(offset_mapping=False)
+    assert a.lend() == 2
+    w, e, reached = _blocked_wait()
+    a.reclaim(wait=w, unmap_async=True)
+    assert reached.wait(JOIN)
+    t, box = _on_thread(lambda: a.set_steps(128))  # step 64 -> 128: held until the unmap of the 64-token steps is done
+    t.join(0.2)
+    assert t.is_alive() and a.busy
+    e.set()
+    t.join(JOIN)
+    assert box == {"result": 128} and a.step_tokens == 128
+    assert a.settle() == [] and not a.lending_disabled and a._stale == []
+    assert a.lend() == 1
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}
+
+
+def test_set_steps_waits_for_an_async_drop_prepared_which_unmaps_the_sizes_they_were_made_with():
+    be, a = _arena(offset_mapping=False)
+    assert a.prepare(2) == 2
+    gate = Gate(be, name="unmap")
+    a.drop_prepared(release_async=True)
+    assert gate.reached.wait(JOIN)
+    t, box = _on_thread(lambda: a.set_steps(128))
+    t.join(0.2)
+    assert t.is_alive()
+    gate.open()
+    t.join(JOIN)
+    assert box == {"result": 128}
+    assert a.settle() == [] and not a.lending_disabled and a._stale == []
+    a.close()
+    assert be.live_handles == 0 and be._maps == {}
+
+
+def test_a_reclaim_waits_for_a_prepare_in_flight_and_drops_it_instead_of_leaving_it_above_a_gap():
+    be, a = _arena(offset_mapping=False)
+    assert a.lend(1) == 1
+    gate = Gate(be, name="create")
+    a.prepare_async(1)  # will map at base+64 (computed before its first create)
+    assert gate.reached.wait(JOIN)
+    assert a.prepared_steps == 0  # not yet in _ready
+    t, box = _on_thread(lambda: a.reclaim(unmap_async=True))
+    t.join(0.2)
+    assert t.is_alive()  # held until the prepare is done
+    gate.open()
+    t.join(JOIN)
+    assert box == {"result": 1} and a.settle() == []
+    assert a._ready == [] and set(be._maps) == {a.token_va(i, 0) for i in range(len(ROWS))}  # dropped, nothing above the base
+    assert be.live_handles == len(ROWS)
+    a.close()
+    assert be.live_handles == 0
+
+
+def test_steps_needed_after_wait_room_counts_the_unmap_still_running_as_missing_and_reclaims_a_step_more(monkeypatch):
+    from sglang_elastic.sched import controller as ctlmod
+    from test_controller import ELASTIC, Bed
+    from test_fast_lend import ROW
+    from test_pool import make_pool
+
+    built = make_pool(1, base=256, elastic=ELASTIC, step=64, offset_mapping=False)
+    bed = Bed(built=built, free_bytes=ELASTIC * ROW, margin_mb=0, lend_bytes=ELASTIC * ROW)
+    a, ctl = bed.pool.arena, bed.ctl
+    a.set_steps(ELASTIC, 64)  # two steps (as --elastic-kv-handle-mb gives)
+    assert ctl.lend() == ELASTIC and a.lent_steps == 2
+    step = a.step_bytes()
+    buf = a.step_tokens * a.row_bytes[0]
+    ctl._pass_need, ctl._pass_free = bed.be.free_bytes() + buf, (bed.be.free_bytes(), 0)  # this pass needs one buffer's worth
+    go, released = threading.Event(), []
+
+    def on_call(call):
+        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
+            released.append(1)
+            if len(released) == 2:
+                assert go.wait(JOIN)
+
+    bed.be.on_call = on_call
+    assert ctl.reclaim(bed.batch, steps=1, why="test")
+    ctl.after_prefill(bed.batch, bed.batch)  # _wait_room: one buffer back, the rest still on the helper
+    assert a.busy
+    # the next pass's before_prefill: its forward needs exactly the step the helper is still giving back
+    monkeypatch.setattr(ctlmod, "eager_activation_bytes", lambda tokens, ranks=1: step)
+    n_inflight = ctl.steps_needed(1)
+    go.set()
+    ctl._settle()
+    n_settled = ctl.steps_needed(1)
+    assert n_inflight == n_settled, f"steps_needed: {n_inflight} while the unmap runs, {n_settled} once it is done"
