@@ -435,11 +435,20 @@ class ElasticArena:
                     logger.error("unmapping a step made ahead failed: %s", e)
                     first = first or e
             if first is not None:
-                self.lending_disabled = True
-                with self._lock:
-                    self._helper_errors.append(first)
+                self._job_failed(first)
 
-        if release_async:
+        self._run_job(job, release_async)
+
+    def _job_failed(self, err: BaseException) -> None:
+        """A failure in handle work that may run on the helper thread: the
+        memory did not all go back, lending stops, :meth:`settle` reports it."""
+        self.lending_disabled = True
+        with self._lock:
+            self._helper_errors.append(err)
+
+    def _run_job(self, job: Callable[[], None], on_helper: bool) -> None:
+        """``job`` on the helper thread (:meth:`settle` waits for it), or here."""
+        if on_helper:
             self._submit(job)
         else:
             job()
@@ -454,14 +463,9 @@ class ElasticArena:
         def job():
             err = self._release_handles(handles, "release on the helper thread" if release_async else "release")
             if err is not None:
-                self.lending_disabled = True  # as a failed release in reclaim(): the memory did not go back
-                with self._lock:
-                    self._helper_errors.append(err)
+                self._job_failed(err)  # as a failed release in reclaim()
 
-        if release_async:
-            self._submit(job)
-        else:
-            job()
+        self._run_job(job, release_async)
 
     # -- lend and reclaim ----------------------------------------------------
 
@@ -628,9 +632,7 @@ class ElasticArena:
                         self._stale_handles.extend(handles)
             finally:
                 if first is not None:
-                    self.lending_disabled = True
-                    with self._lock:
-                        self._helper_errors.append(first)
+                    self._job_failed(first)
                 with self._freed_cv:
                     self._freeing = False
                     self.last_unmap = dict(timings, t_end=time.perf_counter())
