@@ -26,6 +26,7 @@ class Gpu:
         self.now = 0.0
         self.done = float("inf")
         self.recorded = []
+        self.waits = []  # the stamps the host waited for
 
     def event(self):
         gpu = self
@@ -41,6 +42,11 @@ class Gpu:
 
             def query(self):
                 return self.t is not None and self.t <= gpu.done
+
+            def synchronize(self):  # the host waits until the GPU has passed this event
+                gpu.waits.append(self.t)
+                if self.t is not None:
+                    gpu.done = max(gpu.done, self.t)
 
             def elapsed_time(self, other):
                 if self.t is None or other.t is None or not (self.query() and other.query()):
@@ -136,7 +142,8 @@ def test_reading_waits_for_the_gpu_and_every_nth_step_and_drops_a_read_that_race
     ev = t._last.events
     ev[(2, CRIT[0])].t = 10.0  # c0 from a newer replay, c1 from the older one
     assert not t.poll() and t.dropped == 1 and t.totals["copy_timed_steps"] == 1
-    # due and not yet passed by the GPU when the same graph replays again (the overlap scheduler): counted as unread
+    # due and not yet passed by the GPU when the same graph replays again (the overlap scheduler), wait_due off: counted as unread
+    t.wait_due = False
     unread = t.totals["copy_unread_steps"]
     for _ in range(3):
         step(t, gpu, lay)
@@ -145,6 +152,29 @@ def test_reading_waits_for_the_gpu_and_every_nth_step_and_drops_a_read_that_race
     step(t, gpu, lay)  # re-recorded before a read
     step(t, gpu, lay)
     assert t.totals["copy_unread_steps"] == unread + 2 and t.stats()["copy_unread_steps"] == unread + 2
+    assert t.totals["copy_waits"] == 0 and gpu.waits == []
+
+
+def test_under_the_overlap_scheduler_a_due_step_is_waited_for_and_read_before_its_graph_replays_again():
+    """The overlap scheduler launches the next replay of the same graph before the GPU passed the step due
+    for a read (poll() finds it unfinished): begin() waits for that step's last event on the host once,
+    reads it and only then lets the replay re-record the events; every due step is read, none lost."""
+    gpu = Gpu()
+    t = CopyTimer(every=4, event_factory=gpu.event)
+    steps = 40
+    for i in range(steps):
+        at = 10.0 * i
+        step(t, gpu, {2: ((at, at + 2), (at + 1, at + 1.5), (at + 4, at + 5)), 3: (None, None, (at + 6, at + 8))})
+        gpu.done = at - 10  # the GPU runs one step behind the host: the step just launched is never finished here
+        t.poll()
+    st = t.stats()
+    assert st["copy_unread_steps"] == 0 and t.dropped == 0
+    assert st["copy_waits"] == steps // 4 - 1 and len(gpu.waits) == st["copy_waits"]  # the last due step is not replayed again
+    assert st["copy_timed_steps"] == st["copy_waits"]
+    n = st["copy_timed_steps"]  # per step: prefetch 2 + residual 1 (layer 2) + residual 2 (layer 3); exposed: 1 + stall 0.5 + 2
+    assert st["copy_ms"] == pytest.approx(5.0 * n) and st["copy_exposed_ms"] == pytest.approx(3.5 * n)
+    assert st["copy_hidden_share"] == pytest.approx(0.3)
+    assert all(w == 10.0 * k + 8 for w, k in zip(gpu.waits, range(3, steps, 4)))  # each wait: the due step's last event (c1 of layer 3)
 
 
 def test_a_capture_is_not_read_and_a_graph_whose_variant_copies_nothing_gives_no_sample():

@@ -457,6 +457,8 @@ def part_throughput(a) -> dict:
 
                     timed = after["copy_timed_steps"] - b.get("copy_timed_steps", 0)
                     row["copy_timing"] = {"timed_steps": timed, "unread_steps": after.get("copy_unread_steps", 0) - b.get("copy_unread_steps", 0),
+                                          "host_waits": after.get("copy_waits", 0) - b.get("copy_waits", 0),
+                                          "host_wait_ms": after.get("copy_wait_ms", 0.0) - b.get("copy_wait_ms", 0.0),
                                           **interval(b, after),
                                           **{k: (after[k] - b.get(k, 0)) / timed if timed else None
                                              for k in ("copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")}}

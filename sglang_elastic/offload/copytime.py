@@ -33,25 +33,34 @@ is dropped. Pattern: SGLang's ``LayerDoneCounter`` events for the wait,
 this package's :class:`sglang_elastic.attention.online.ReplayTimer` for the
 read-back without a host sync.
 
-A step is lost when the same graph replays again before the GPU has passed
-it (``copy_unread_steps``): with SGLang's overlap scheduler the CPU forms the
-next step while the GPU runs this one, so at a steady batch size few steps are
-read (2 per run of 64 x 32K on the H200); with ``--disable-overlap-schedule``
-every ``every``-th step is. A layer's copy kernel runs even when nothing
-misses, and its span counts as copy time (a few microseconds a layer).
+With SGLang's overlap scheduler the CPU forms the next step while the GPU
+runs this one, so at a steady batch size the same graph is launched again
+before the GPU has passed the step due for a read, and its replay would
+re-record the events first: that lost all but 2 steps per run of 64 x 32K on
+the H200. So when a step is due (``every`` steps since the last read) and
+the same graph is about to replay again, :meth:`CopyTimer.begin` waits on the
+host for that step's last event, reads it, then lets the replay go
+(``wait_due``, the default): one host wait per ``every`` steps, counted in
+``copy_waits`` and ``copy_wait_ms`` (the GPU idles for the rest of the next
+step's host preparation, once per ``every`` steps). With ``wait_due=False``
+such a step is lost instead (``copy_unread_steps``). A layer's copy kernel
+runs even when nothing misses, and its span counts as copy time (a few
+microseconds a layer).
 
 Cost: 4 event records per sparse layer and step (6 with prefetch), inside the
-graphs; off by default.
+graphs, and the wait above once per ``every`` steps; off by default.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 #: Event names: the residual copy (compute stream), the prefetch's copy (side stream), the wait on the side stream.
 CRIT, PREFETCH, STALL = ("c0", "c1"), ("p0", "p1"), ("w0", "w1")
 #: Keys of :meth:`CopyTimer.stats`.
-STATS = ("copy_timed_steps", "copy_unread_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms")
+STATS = ("copy_timed_steps", "copy_unread_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms",
+         "copy_waits", "copy_wait_ms")
 
 
 class _Set:
@@ -73,13 +82,15 @@ class CopyTimer:
     Args:
         every: read one step's events every ``every`` decode steps (at least 1).
         event_factory: makes one event (default ``torch.cuda.Event(enable_timing=True, external=True)``;
-            tests inject fakes with ``record()``, ``query()``, ``elapsed_time(other)`` in ms).
+            tests inject fakes with ``record()``, ``query()``, ``synchronize()``, ``elapsed_time(other)`` in ms).
+        wait_due: a step due for a read whose graph is launched again before the GPU passed it is
+            waited for on the host and read (one wait per ``every`` steps), not lost.
 
     Raises:
         ValueError: ``every`` < 1.
     """
 
-    def __init__(self, every: int = 16, event_factory: Optional[Callable[[], object]] = None):
+    def __init__(self, every: int = 16, event_factory: Optional[Callable[[], object]] = None, wait_due: bool = True):
         if every < 1:
             raise ValueError(f"CopyTimer: every must be >= 1, not {every}")
         if event_factory is None:
@@ -90,12 +101,13 @@ class CopyTimer:
 
         self._make = event_factory
         self.every = every
+        self.wait_due = wait_due
         self._sets: Dict[Hashable, _Set] = {}
         self._cur: Optional[_Set] = None
         self._last: Optional[_Set] = None
         self._since = 0
         self.totals = dict.fromkeys(STATS, 0.0)
-        self.totals["copy_timed_steps"] = self.totals["copy_unread_steps"] = 0
+        self.totals["copy_timed_steps"] = self.totals["copy_unread_steps"] = self.totals["copy_waits"] = 0
         self.dropped = 0
 
     def begin(self, key: Hashable, capture: bool = False) -> None:
@@ -107,8 +119,18 @@ class CopyTimer:
         self._cur = s = self._sets[key]
         if not capture:
             last = self._last
-            if last is s and s.fresh and s.last_main is not None and self._since >= self.every:  # due, not read, and now recorded again
-                self.totals["copy_unread_steps"] += 1
+            if last is s and s.fresh and s.last_main is not None and self._since >= self.every:  # due, not read, and about to be recorded again
+                if self.wait_due:  # wait for the GPU to pass it, read it, then let the replay go
+                    t0 = time.perf_counter()
+                    try:
+                        s.last_main.synchronize()
+                    except RuntimeError:  # read() below drops what it cannot read
+                        pass
+                    self.totals["copy_waits"] += 1
+                    self.totals["copy_wait_ms"] += (time.perf_counter() - t0) * 1e3
+                    self.poll()
+                else:
+                    self.totals["copy_unread_steps"] += 1
             if not s.captured:  # an eager step records its own events now (the batch decides which layers copy)
                 s.used.clear()
                 s.last_main = None
@@ -188,7 +210,8 @@ class CopyTimer:
 
     def stats(self) -> dict:
         """Since start: ``copy_unread_steps`` (steps due for a read whose graph was replayed again before the GPU
-        had passed them: with SGLang's overlap scheduler, most), over the timed steps: ``copy_timed_steps``,
+        had passed them; 0 with ``wait_due``), ``copy_waits`` and ``copy_wait_ms`` (the host's waits for such a
+        step, and their time), over the timed steps: ``copy_timed_steps``,
         ``copy_ms`` (all V copy time; a layer's copy kernel runs, and counts, even when nothing misses), ``copy_exposed_ms``
         (on the critical path), ``copy_prefetch_ms`` (on the side stream), ``copy_stall_ms`` (the compute stream's waits
         for it), and ``copy_hidden_share`` (1 - exposed / copy; None before a timed step copied anything)."""
