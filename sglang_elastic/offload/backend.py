@@ -374,7 +374,7 @@ class OffloadAttnBackend(AttentionBackend):
         ``kept_tokens`` / ``kept_requests`` (V kept in pool slots now) and
         ``keep_granted_tokens`` / ``keep_demotions`` since start
         (:meth:`sglang_elastic.offload.keep.KeepV.stats`); with ``--kv-offload-copy-timing``,
-        ``copy_timed_steps``, ``copy_ms``, ``copy_exposed_ms``, ``copy_prefetch_ms``, ``copy_stall_ms``
+        ``copy_timed_steps``, ``copy_ms``, ``copy_exposed_ms``, ``copy_prefetch_ms``, ``copy_stall_ms``, ``copy_waits``, ``copy_wait_ms``
         and ``copy_hidden_share`` (:meth:`sglang_elastic.offload.copytime.CopyTimer.stats`)."""
         hits, misses = (int(x) for x in self.decoder.stats.tolist())
         spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
