@@ -337,7 +337,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 8589934592, 8GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n == 0 and float(m.group(1)) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte (examples: 8589934592, 8GiB, 512MiB)")
+    return n
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -348,7 +351,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-lend-bytes", type=parse_bytes, default=None, help="Bytes to lend (default: measured after CUDA-graph capture).")
     g.add_argument("--elastic-kv-handle-mb", type=int, default=None, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (default 0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=None, help="Decode-only steps in a row before lending (hysteresis; default 32).")
-    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default=None, help="What a plain eager prefill is taken to need while lent: sglang (the default; SGLang's estimate: 512 MiB + 1.5 MiB a token, 12.9 GiB for a chunk of 8192) or measured (experimental: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate; on the H200 1.39 GiB for 8,192 tokens against SGLang's 12.6 GiB, never exceeded; a one-step lend then leaves that need free, so such a prefill runs lent). Every eager prefill's peak is logged as an event either way.")
+    g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default=None, help="What a plain eager prefill is taken to need while lent: sglang (the default; SGLang's estimate: 512 MiB + 1.5 MiB a token + 128 MiB, 12.6 GiB for a chunk of 8192) or measured (experimental: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate; on the H200 1.39 GiB for 8,192 tokens against SGLang's 12.6 GiB, never exceeded; a one-step lend then leaves that need free, so such a prefill runs lent). Every eager prefill's peak is logged as an event either way.")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=None, help="MiB kept free for decode activations when measuring the lendable bytes (default 1024); also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
     o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")

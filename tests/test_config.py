@@ -106,6 +106,16 @@ def test_parse_bytes(text, value):
     assert config.parse_bytes(text) == value
 
 
+def test_parse_bytes_names_what_was_typed_when_it_is_under_one_byte_or_not_a_size():
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'0.1' is less than one byte"):
+        config.parse_bytes("0.1")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"not a byte size: '8 apples'"):
+        config.parse_bytes("8 apples")
+    assert config.parse_bytes("0") == 0  # refused later with the flag's name (must be positive)
+
+
 def test_config_round_trips_through_the_environment():
     cfg = config.ElasticKVConfig(enabled=True, mode="off", lend_bytes=123, handle_mb=2, lend_after_steps=5, margin_mb=0)
     assert config.ElasticKVConfig.from_env(cfg.to_env()) == cfg

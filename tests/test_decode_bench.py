@@ -212,6 +212,8 @@ def test_decode_table_renders_the_acceptance_checks_from_a_result(tmp_path, caps
     assert dt.main([str(p)]) == 0
     out = capsys.readouterr().out
     assert "| B1_32K | 16 | 66.0 | – |" in out and "55.0 / – / – / –" in out and "**missed**" in out
-    p.write_text("{}")
-    assert dt.main([str(p)]) == 2
-    assert "not a bench_decode.py result" in capsys.readouterr().err
+    assert dt.main([str(p), "--page", "3"]) == 2 and "no case at page size 3 (it has [16])" in capsys.readouterr().err
+    for bad in ("{}", '{"cases": 3}', '{"cases": [{"name": "x", "kind": "eager"}]}'):  # the last: the peer kit's result
+        p.write_text(bad)
+        assert dt.main([str(p)]) == 2
+        assert "not a bench_decode.py result" in capsys.readouterr().err

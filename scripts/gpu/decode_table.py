@@ -81,9 +81,14 @@ def main(argv=None) -> int:
     try:
         with open(a.result) as f:
             d = json.load(f)
-        d["cases"]
+        cases = d["cases"]
+        if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c and "page_size" in c for c in cases):
+            raise ValueError("its cases are not the kernel bench's (a name and a page_size each)")
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"decode_table: {a.result} is not a bench_decode.py result ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    if a.page is not None and not any(c["page_size"] == a.page for c in cases):
+        print(f"decode_table: {a.result} has no case at page size {a.page} (it has {sorted({c['page_size'] for c in cases})})", file=sys.stderr)
         return 2
     print(f"{d.get('gpu', '?')}, commit {d.get('commit', '?')}, {d.get('date', '?')}: `{d.get('command', '?')}`\n")
     print(table(d, a.page))
