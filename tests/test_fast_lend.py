@@ -936,6 +936,22 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
                 assert go.wait(JOIN)
 
     bed.be.on_call = on_call
+
+    class Hist(list):
+        def observe(self, v):
+            self.append(v)
+
+    class Metrics:  # SGLang's /metrics objects, as ElasticMetrics makes them (counters and histograms)
+        def __init__(self):
+            self.needed = Hist()
+
+        def __getattr__(self, name):
+            return types.SimpleNamespace(inc=lambda *a: None, observe=lambda *a: None, set=lambda *a: None)
+
+    import types
+
+    bed.ctl.metrics = metrics = Metrics()
+    metrics.reclaim_needed_ms = metrics.needed
     assert bed.ctl.reclaim(bed.batch, why="test")
     bed.ctl.after_prefill(bed.batch, bed.batch)  # returns with the fourth release held on the helper
     assert len(released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf  # three buffers back: two and a byte needed
@@ -944,6 +960,7 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     assert bed.be.free_bytes() == free0 + step and not a.busy
     [rec] = [json.loads(line) for line in events.read_text().splitlines() if '"reclaim"' in line]
     assert rec["room_bytes"] == 2 * buf + 1 and rec["release_wait_ms"] >= 0 and rec["settle_wait_ms"] >= 0
+    assert metrics.needed == [pytest.approx(rec["ms"] + rec["release_wait_ms"])]  # /metrics: what the forward waited, not the whole unmap
     assert rec["wait_ms"] >= 0 and rec["unmap_ms"] >= 0 and rec["unmap_end_ms"] >= rec["unmap_ms"] and rec["steps"] == 1
     # lent again, its need unknown: the forward waits for all of it
     assert bed.ctl.lend() == ELASTIC

@@ -618,6 +618,8 @@ class ElasticController:
                 rec["settle_wait_ms"] = waited
             else:
                 rec["release_wait_ms"] = waited
+            if self.metrics and not self._quiet:
+                self.metrics.reclaim_needed_ms.observe(rec["ms"] + rec["release_wait_ms"])
             self._event(**rec, release_overlap_ms=overlap, release_failed=len(errors))
         return waited
 

@@ -18,7 +18,8 @@ _MS_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 50, 100, 250, 1000)
 class ElasticMetrics:
     """Gauges ``sglang_elastic:lent_bytes`` / ``lent_tokens``; counters
     ``lends`` / ``reclaims`` / ``migrated_pages`` / ``retracted_reqs`` /
-    ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped``; histograms ``lend_ms`` / ``reclaim_ms`` (milliseconds)."""
+    ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped``; histograms ``lend_ms`` / ``reclaim_ms`` /
+    ``reclaim_needed_ms`` (milliseconds)."""
 
     def __init__(self, labels: Dict[str, str]):
         from prometheus_client import Counter, Gauge, Histogram
@@ -45,4 +46,6 @@ class ElasticMetrics:
         self.reclaims_skipped = counter("reclaims_skipped", "Prefills that ran while lent with nothing reclaimed (the CUDA graphs, or the free memory, held their activations).")
         self.reclaim_stops = counter("reclaim_stops", "Reclaims that stopped with the pool still lent (no base room, or a failure); lending is off after one.")
         self.lend_ms = hist("lend_ms", "Lend latency on the scheduler thread, ms.")
-        self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (vacate + unmap), ms.")
+        self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (the vacate; the unmap runs on a helper thread), ms.")
+        self.reclaim_needed_ms = hist("reclaim_needed_ms", "What the forward a reclaim was for waited: the reclaim on the scheduler thread "
+                                      "plus the wait for the memory it needs from the helper thread's unmap, ms.")
