@@ -927,12 +927,13 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     free0 = bed.be.free_bytes()
     bed.ctl._pass_need, bed.ctl._pass_free = free0 + 2 * buf + 1, (free0, 0)  # as steps_needed leaves them: 2 buffers and a byte short
     released = []
-    go = threading.Event()
+    go, held = threading.Event(), threading.Event()
 
     def on_call(call):
         if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
             released.append(1)
             if len(released) == 4:  # the fourth release waits for the test
+                held.set()
                 assert go.wait(JOIN)
 
     bed.be.on_call = on_call
@@ -953,8 +954,10 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     bed.ctl.metrics = metrics = Metrics()
     metrics.reclaim_needed_ms = metrics.needed
     assert bed.ctl.reclaim(bed.batch, why="test")
-    bed.ctl.after_prefill(bed.batch, bed.batch)  # returns with the fourth release held on the helper
-    assert len(released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf  # three buffers back: two and a byte needed
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # returns once three buffers are back (two and a byte needed) ...
+    assert bed.be.free_bytes() >= free0 + 3 * buf
+    assert held.wait(JOIN)  # ... while the helper goes on to the fourth release, held there
+    assert len(released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf
     go.set()
     bed.ctl._settle()
     assert bed.be.free_bytes() == free0 + step and not a.busy
@@ -968,12 +971,11 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     bed.ctl._pass_need = None
     released.clear()
     go.clear()
+    held.clear()
     assert bed.ctl.reclaim(bed.batch, why="test")
     t, box = _run(lambda: bed.ctl.after_prefill(bed.batch, bed.batch))
-    while len(released) < 4:
-        assert t.is_alive()
-        threading.Event().wait(0.01)
-    assert t.is_alive()  # held with the fourth release
+    assert held.wait(JOIN)
+    assert t.is_alive()  # the forward still waits, with the fourth release held
     go.set()
     t.join(JOIN)
     assert "error" not in box and bed.be.free_bytes() == free0 + step and not a.busy

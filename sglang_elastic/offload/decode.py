@@ -48,7 +48,7 @@ class SplitConfig:
     ``dense_min_ctas`` programs a chunk (requests x KV heads); a smaller all-dense batch and a
     general step's dense layers keep the scores plan and two launches. The defaults are
     ``scripts/gpu/sweep_dense_kept.py``'s pick on the H200 at 64 x 4.6K x 8 KV heads
-    (``docs/results/offload_dense_kept_sweep_h200.json``, 2026-12-05): one chunk a request up to
+    (``docs/results/offload_dense_kept_sweep_h200.json.xz``, 2026-12-05): one chunk a request up to
     8,192 positions, one launch, PDL, block 128, 3 stages: 0.301 ms a layer behind the KV store
     against FlashInfer's 0.303 and the earlier plan's 0.318. The one launch is slower than two once
     requests split (0.321 against 0.300 ms at 2 chunks each, 0.365 against 0.306 at 9): contexts

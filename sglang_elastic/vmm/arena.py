@@ -585,8 +585,16 @@ class ElasticArena:
             t0 = time.perf_counter()
             first: Optional[BaseException] = None
             timings = {}
-            unmapping = False
-            done_steps = 0
+            # what is still to do, for close() if something unexpected stops the loop: (step, buffer) pairs
+            # not yet unmapped, and handles not yet released (one per buffer, or one per step with offsets)
+            to_unmap = [(k, i) for k in range(len(popped)) for i in range(len(self.row_bytes))]
+            to_release = [(k, i) for k in range(len(popped)) for i in (range(1) if offset else range(len(self.row_bytes)))]
+
+            def freed(nbytes: int) -> None:
+                with self._freed_cv:
+                    self._freed += nbytes
+                    self._freed_cv.notify_all()
+
             try:
                 try:
                     wait() if wait is not None else be.synchronize()
@@ -596,40 +604,36 @@ class ElasticArena:
                     be.synchronize()
                 t1 = time.perf_counter()
                 timings["wait_ms"] = (t1 - t0) * 1e3
-                unmapping = True
-                for handles, tok0 in popped:  # top step first
+                for k, (handles, tok0) in enumerate(popped):  # top step first
                     step_ok = True
                     for i, r in enumerate(self.row_bytes):
                         size = step * r
                         try:
                             be.unmap(self.token_va(i, tok0), size)
                             ok = True
-                        except Exception as e:  # a VmmError, or a bug: the range is kept for close(), the loop goes on
+                        except VmmError as e:  # the range is kept for close(), the loop goes on
                             logger.error("unmap on the helper thread failed: %s", e)
                             self._stale.append((self.token_va(i, tok0), size))
                             first, ok, step_ok = first or e, False, False
+                        to_unmap.remove((k, i))
                         if not offset:  # this buffer's handle: its memory goes back now (counted only when it did)
                             err = self._release_handles([handles[i]], "release on the helper thread")
+                            to_release.remove((k, i))
                             first = first or err
                             if ok and err is None:
-                                with self._freed_cv:
-                                    self._freed += size
-                                    self._freed_cv.notify_all()
+                                freed(size)
                     if offset:
                         err = self._release_handles(handles, "release on the helper thread")
+                        to_release.remove((k, 0))
                         first = first or err
                         if step_ok and err is None:
-                            with self._freed_cv:
-                                self._freed += step * sum(self.row_bytes)
-                                self._freed_cv.notify_all()
-                    done_steps += 1
+                            freed(step * sum(self.row_bytes))
                 timings["unmap_ms"] = (time.perf_counter() - t1) * 1e3
-            except BaseException as e:  # the device could not be synchronized: nothing was unmapped, all kept for close() (a bug mid-loop: reported)
+            except BaseException as e:  # the device could not be synchronized (nothing unmapped), or a bug: the rest kept for close()
                 first = first or e
-                for handles, tok0 in popped[done_steps if unmapping else 0:]:  # (a bug mid-step: that step's rest is lost to close())
-                    self._stale.extend((self.token_va(i, tok0), step * r) for i, r in enumerate(self.row_bytes))
-                    with self._lock:
-                        self._stale_handles.extend(handles)
+                self._stale.extend((self.token_va(i, popped[k][1]), step * self.row_bytes[i]) for k, i in to_unmap)
+                with self._lock:
+                    self._stale_handles.extend(popped[k][0][i] for k, i in to_release)
             finally:
                 if first is not None:
                     self._job_failed(first)
