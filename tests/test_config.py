@@ -114,6 +114,7 @@ def test_parse_bytes_names_what_was_typed_when_it_is_under_one_byte_or_not_a_siz
     with pytest.raises(argparse.ArgumentTypeError, match=r"not a byte size: '8 apples'"):
         config.parse_bytes("8 apples")
     assert config.parse_bytes("0") == 0  # refused later with the flag's name (must be positive)
+    assert config.parse_bytes("1.005KB") == 1005 and config.parse_bytes("9" * 400) == int("9" * 400)  # exact, no float overflow
 
 
 def test_config_round_trips_through_the_environment():

@@ -217,3 +217,6 @@ def test_decode_table_renders_the_acceptance_checks_from_a_result(tmp_path, caps
         p.write_text(bad)
         assert dt.main([str(p)]) == 2
         assert "not a bench_decode.py result" in capsys.readouterr().err
+    p.write_text('{"cases": [{"name": "B1_32K", "page_size": 16, "ours_split_us": "fast"}]}')  # a timing that is not a number
+    assert dt.main([str(p)]) == 2
+    assert "malformed case" in capsys.readouterr().err

@@ -177,3 +177,32 @@ def test_an_unexpected_error_midway_through_the_helpers_unmap_leaves_exactly_the
     be.on_call = None
     a.close()
     assert be.live_handles == 0 and be._maps == {} and a._stale == [] and a._stale_handles == []
+
+
+def test_before_a_prefill_with_nothing_lent_the_scheduler_does_not_wait_for_a_reclaims_unmap_still_running():
+    """Only a prepare in flight is waited for there (its memory is the forward's); the rest of a
+    reclaim's unmap goes on behind the batch's formation, as after_prefill settles it."""
+    from test_controller import Bed
+    from test_fast_lend import ELASTIC, ROW
+
+    bed = Bed(free_bytes=ELASTIC * ROW, margin_mb=0)
+    assert bed.ctl.lend() == ELASTIC and bed.admit(list(range(30)))
+    gate = Gate(bed.be, name="release")
+    assert bed.ctl.reclaim(bed.batch, why="test")
+    assert gate.reached.wait(JOIN) and bed.pool.arena.busy and not bed.pool.arena.preparing
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    t, box = _on_thread(lambda: bed.ctl.before_prefill(bed.batch))
+    t.join(JOIN)
+    assert not t.is_alive() and box == {"result": None}  # returned with the release still held
+    assert bed.pool.arena.busy and not bed.ctl._dropped_prepared
+    gate.open()
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # the forward's turn: the release is waited for here
+    assert not bed.pool.arena.busy
+    # a prepare in flight is reported, and waited for by drop_prepared
+    a = bed.pool.arena
+    g2 = Gate(bed.be, name="create")
+    a.prepare_async(1)
+    assert g2.reached.wait(JOIN) and a.preparing
+    g2.open()
+    assert a.settle() == [] and not a.preparing
+    bed.check_ownership_and_accounting()

@@ -175,6 +175,17 @@ def test_under_the_overlap_scheduler_a_due_step_is_waited_for_and_read_before_it
     assert st["copy_ms"] == pytest.approx(5.0 * n) and st["copy_exposed_ms"] == pytest.approx(3.5 * n)
     assert st["copy_hidden_share"] == pytest.approx(0.3)
     assert all(w == 10.0 * k + 8 for w, k in zip(gpu.waits, range(3, steps, 4)))  # each wait: the due step's last event (c1 of layer 3)
+    # the batch size changes every step (two graphs in turn): a due step is read before the other graph's launch too
+    g2 = Gpu()
+    t2 = CopyTimer(every=2, event_factory=g2.event)
+    for i in range(20):
+        at = 10.0 * i
+        step(t2, g2, {2: (None, None, (at, at + 1))}, key=("bs", 8 + i % 2))
+        g2.done = at - 10
+        t2.poll()
+    st2 = t2.stats()
+    assert st2["copy_unread_steps"] == 0 and st2["copy_waits"] == 9 and st2["copy_timed_steps"] == 9
+    assert st2["copy_ms"] == pytest.approx(9.0)
 
 
 def test_a_capture_is_not_read_and_a_graph_whose_variant_copies_nothing_gives_no_sample():

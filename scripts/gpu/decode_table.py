@@ -90,11 +90,13 @@ def main(argv=None) -> int:
     if a.page is not None and not any(c["page_size"] == a.page for c in cases):
         print(f"decode_table: {a.result} has no case at page size {a.page} (it has {sorted({c['page_size'] for c in cases})})", file=sys.stderr)
         return 2
-    print(f"{d.get('gpu', '?')}, commit {d.get('commit', '?')}, {d.get('date', '?')}: `{d.get('command', '?')}`\n")
-    print(table(d, a.page))
-    print()
-    for name, v, bound, held in checks(d, a.page):
-        print(f"- {name}: {_f(v, 3)} ({bound}) {'held' if held else '**missed**'}")
+    try:  # rendered whole before printing: a malformed column is refused, not half printed
+        out = [f"{d.get('gpu', '?')}, commit {d.get('commit', '?')}, {d.get('date', '?')}: `{d.get('command', '?')}`\n", table(d, a.page), ""]
+        out += [f"- {name}: {_f(v, 3)} ({bound}) {'held' if held else '**missed**'}" for name, v, bound, held in checks(d, a.page)]
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        print(f"decode_table: {a.result} has a malformed case ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    print("\n".join(out))
     return 0
 
 

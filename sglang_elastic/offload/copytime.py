@@ -25,13 +25,13 @@ step is still measured.
 The events are CUDA "external" events (``torch.cuda.Event(enable_timing=True,
 external=True)``), so they become event-record nodes of the decode CUDA
 graphs: one set per captured graph (per batch size), re-recorded by every
-replay, plus one set for eager steps. Reading never waits for the GPU: every
-``every``-th decode step, the set of the graph replayed last is read once the
-last event it recorded on the compute stream has completed (``query()``);
-a read that races a newer replay (an event not ready, a negative duration)
-is dropped. Pattern: SGLang's ``LayerDoneCounter`` events for the wait,
-this package's :class:`sglang_elastic.attention.online.ReplayTimer` for the
-read-back without a host sync.
+replay, plus one set for eager steps. Every ``every``-th decode step, the
+set of the graph replayed last is read once the last event it recorded on
+the compute stream has completed (``query()``, no wait); when the next step
+is launched before that (below), the host waits for it once; a read that
+races a newer replay (an event not ready, a negative duration) is dropped.
+Pattern: SGLang's ``LayerDoneCounter`` events for the wait, this package's
+:class:`sglang_elastic.attention.online.ReplayTimer` for the read-back.
 
 With SGLang's overlap scheduler the CPU forms the next step while the GPU
 runs this one, so at a steady batch size the same graph is launched again
@@ -77,7 +77,8 @@ class _Set:
 
 
 class CopyTimer:
-    """CUDA events around a decode step's V copies; hidden share read without a host sync.
+    """CUDA events around a decode step's V copies; the hidden share read back without a host sync,
+    but for one wait per ``every`` steps when the next step is launched before the due one finished.
 
     Args:
         every: read one step's events every ``every`` decode steps (at least 1).
@@ -119,13 +120,11 @@ class CopyTimer:
         self._cur = s = self._sets[key]
         if not capture:
             last = self._last
-            if last is s and s.fresh and s.last_main is not None and self._since >= self.every:  # due, not read, and about to be recorded again
-                if self.wait_due:  # wait for the GPU to pass it, read it, then let the replay go
+            if last is not None and last.fresh and last.last_main is not None and self._since >= self.every:
+                # due and not read: this launch would record it again (the same graph) or leave it behind (another one)
+                if self.wait_due:  # wait for the GPU to pass it, read it, then let the launch go
                     t0 = time.perf_counter()
-                    try:
-                        s.last_main.synchronize()
-                    except RuntimeError:  # read() below drops what it cannot read
-                        pass
+                    last.last_main.synchronize()
                     self.totals["copy_waits"] += 1
                     self.totals["copy_wait_ms"] += (time.perf_counter() - t0) * 1e3
                     self.poll()
@@ -209,7 +208,7 @@ class CopyTimer:
         return copy, exposed, pf_all, stall_all
 
     def stats(self) -> dict:
-        """Since start: ``copy_unread_steps`` (steps due for a read whose graph was replayed again before the GPU
+        """Since start: ``copy_unread_steps`` (steps due for a read that the next launch came before the GPU
         had passed them; 0 with ``wait_due``), ``copy_waits`` and ``copy_wait_ms`` (the host's waits for such a
         step, and their time), over the timed steps: ``copy_timed_steps``,
         ``copy_ms`` (all V copy time; a layer's copy kernel runs, and counts, even when nothing misses), ``copy_exposed_ms``

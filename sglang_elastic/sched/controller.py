@@ -756,9 +756,9 @@ class ElasticController:
             # Handles made ahead of a lend hold device memory: an eager
             # forward needs it back (released on the helper thread while
             # SGLang forms the batch; after_prefill waits for it).
-            if (self.arena.prepared_steps or self.arena.busy) and self.reserve_needed(running_batch)[0]:  # busy: a prepare may still be running
-                self.arena.drop_prepared(release_async=True)
-                self._dropped_prepared = True
+            if (self.arena.prepared_steps or self.arena.preparing) and self.reserve_needed(running_batch)[0]:
+                if self.arena.drop_prepared(release_async=True):  # waits for a prepare still running (not for an unmap's rest)
+                    self._dropped_prepared = True
             return
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
@@ -1342,6 +1342,8 @@ class ElasticController:
             self._releasing = dict(rec, t_end=time.perf_counter(), unmap_async=unmap_async, t_start_unmap=t_start_unmap,
                                    room_bytes=self._room_bytes())
         else:
+            if self.metrics and not self._quiet:
+                self.metrics.reclaim_needed_ms.observe(ms)
             self._event(**rec, release_wait_ms=0.0)
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))

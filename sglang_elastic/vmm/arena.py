@@ -128,6 +128,7 @@ class ElasticArena:
         self._freed = 0
         self._freeing = False
         self._freeing_total = 0
+        self._preparing = 0  # prepare_async jobs not finished
         self._freed_cv = threading.Condition(self._lock)
         self.last_unmap: dict = {}  # that unmap's timings (ms): wait_ms, unmap_ms (unmaps and releases), when it ends
         # The base's mapped segments (tok0, ntok, handles): one at start, one
@@ -404,8 +405,25 @@ class ElasticArena:
 
     def prepare_async(self, steps: Optional[int] = None) -> Future:
         """:meth:`prepare` on the helper thread; the future's result is the
-        steps prepared. :meth:`lend` waits for it."""
-        return self._submit(lambda: self.prepare(steps))
+        steps prepared. :meth:`lend` waits for it; :attr:`preparing` says it
+        has not finished."""
+        with self._lock:
+            self._preparing += 1
+
+        def job():
+            try:
+                return self.prepare(steps)
+            finally:
+                with self._lock:
+                    self._preparing -= 1
+
+        return self._submit(job)
+
+    @property
+    def preparing(self) -> bool:
+        """A :meth:`prepare_async` has not finished (its steps may not be in :attr:`prepared_steps` yet)."""
+        with self._lock:
+            return self._preparing > 0
 
     def drop_prepared(self, release_async: bool = False) -> int:
         """Unmap and release the steps made ahead of a lend that is not coming
