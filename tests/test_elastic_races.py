@@ -62,19 +62,25 @@ def _on_thread(fn):
     return t, box
 
 
+def _set_steps_waits_for_the_helper(a, let_go):
+    """set_steps(128) on another thread stays blocked while the helper's job is held, and finishes
+    once ``let_go()`` releases it, with nothing failed or left stale."""
+    t, box = _on_thread(lambda: a.set_steps(128))
+    t.join(0.2)
+    assert t.is_alive()
+    let_go()
+    t.join(JOIN)
+    assert box == {"result": 128} and a.step_tokens == 128
+    assert a.settle() == [] and not a.lending_disabled and a._stale == []
+
+
 def test_set_steps_waits_for_an_async_unmap_in_flight_which_unmaps_the_sizes_it_was_lent_with():
     be, a = _arena(offset_mapping=False)
     assert a.lend() == 2
     w, e, reached = _blocked_wait()
     a.reclaim(wait=w, unmap_async=True)
-    assert reached.wait(JOIN)
-    t, box = _on_thread(lambda: a.set_steps(128))  # step 64 -> 128: held until the unmap of the 64-token steps is done
-    t.join(0.2)
-    assert t.is_alive() and a.busy
-    e.set()
-    t.join(JOIN)
-    assert box == {"result": 128} and a.step_tokens == 128
-    assert a.settle() == [] and not a.lending_disabled and a._stale == []
+    assert reached.wait(JOIN) and a.busy
+    _set_steps_waits_for_the_helper(a, e.set)  # step 64 -> 128: held until the unmap of the 64-token steps is done
     assert a.lend() == 1
     a.close()
     assert be.live_handles == 0 and be._maps == {}
@@ -86,13 +92,7 @@ def test_set_steps_waits_for_an_async_drop_prepared_which_unmaps_the_sizes_they_
     gate = Gate(be, name="unmap")
     a.drop_prepared(release_async=True)
     assert gate.reached.wait(JOIN)
-    t, box = _on_thread(lambda: a.set_steps(128))
-    t.join(0.2)
-    assert t.is_alive()
-    gate.open()
-    t.join(JOIN)
-    assert box == {"result": 128}
-    assert a.settle() == [] and not a.lending_disabled and a._stale == []
+    _set_steps_waits_for_the_helper(a, gate.open)
     a.close()
     assert be.live_handles == 0 and be._maps == {}
 

@@ -618,10 +618,15 @@ class ElasticController:
                 rec["settle_wait_ms"] = waited
             else:
                 rec["release_wait_ms"] = waited
-            if self.metrics and not self._quiet:
-                self.metrics.reclaim_needed_ms.observe(rec["ms"] + rec["release_wait_ms"])
-            self._event(**rec, release_overlap_ms=overlap, release_failed=len(errors))
+            self._reclaim_event(dict(rec, release_overlap_ms=overlap, release_failed=len(errors)))
         return waited
+
+    def _reclaim_event(self, rec: dict) -> None:
+        """Write a reclaim's event and observe ``reclaim_needed_ms``: what the forward it was for
+        waited, the reclaim on this thread (``ms``) and the wait for its memory (``release_wait_ms``)."""
+        if self.metrics and not self._quiet:
+            self.metrics.reclaim_needed_ms.observe(rec["ms"] + rec["release_wait_ms"])
+        self._event(**rec)
 
     def _wait_room(self) -> None:
         """Before the forward a reclaim was for: wait until the unmap on the
@@ -1318,8 +1323,8 @@ class ElasticController:
             waited.append(time.perf_counter() - t)
 
         t_start_unmap = time.perf_counter()
-        unmap_async = not self._quiet
-        self._unmap_lent("reclaim", steps, wait=wait, release_async=not self._quiet, unmap_async=unmap_async)
+        unmap_async = not self._quiet  # the warm-up's reclaim stays on this thread
+        self._unmap_lent("reclaim", steps, wait=wait, release_async=unmap_async, unmap_async=unmap_async)
         if retracted:
             self._requeue(running_batch, retracted)
         if dropped:
@@ -1342,9 +1347,7 @@ class ElasticController:
             self._releasing = dict(rec, t_end=time.perf_counter(), unmap_async=unmap_async, t_start_unmap=t_start_unmap,
                                    room_bytes=self._room_bytes())
         else:
-            if self.metrics and not self._quiet:
-                self.metrics.reclaim_needed_ms.observe(ms)
-            self._event(**rec, release_wait_ms=0.0)
+            self._reclaim_event(dict(rec, release_wait_ms=0.0))
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
         return True

@@ -255,17 +255,16 @@ class ElasticArena:
                 first = first or e
         return first
 
-    def _map_range(self, ntok: int, tok0: int, handles: Optional[List[Any]] = None) -> List[Any]:
-        """Back tokens ``[tok0, tok0+ntok)`` of every buffer, all or nothing,
-        with ``handles`` (from :meth:`_create_handles`) or new ones; returns
-        the handles. On failure every handle used is released."""
+    def _map_range(self, ntok: int, tok0: int) -> List[Any]:
+        """Back tokens ``[tok0, tok0+ntok)`` of every buffer with new handles
+        (:meth:`_create_handles`), all or nothing; returns the handles. On
+        failure every handle made is released."""
         be = self.backend
         sizes = [ntok * r for r in self.row_bytes]
         mapped: List[int] = []
-        created: List[Any] = list(handles) if handles is not None else []
+        created: List[Any] = []
         try:
-            if handles is None:
-                created = self._create_handles(ntok)
+            created = self._create_handles(ntok)
             if be.supports_offset_mapping:
                 h = created[0]
                 off = 0
