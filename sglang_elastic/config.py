@@ -338,8 +338,9 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 8589934592, 8GiB, 512MiB)")
-    n = int(fractions.Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact: "1.005KB" is 1005 bytes
-    if n == 0 and fractions.Fraction(m.group(1)) > 0:
+    value = fractions.Fraction(m.group(1))  # exact: "1.005KB" is 1005 bytes
+    n = int(value * _UNITS[m.group(2).lower()])
+    if n == 0 and value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is less than one byte (examples: 8589934592, 8GiB, 512MiB)")
     return n
 

@@ -129,7 +129,7 @@ def test_steps_needed_after_wait_room_counts_the_unmap_still_running_as_missing_
     assert ctl.lend() == ELASTIC and a.lent_steps == 2
     step = a.step_bytes()
     buf = a.step_tokens * a.row_bytes[0]
-    ctl._pass_need, ctl._pass_free = bed.be.free_bytes() + buf, (bed.be.free_bytes(), 0)  # this pass needs one buffer's worth
+    ctl._pass_need, ctl._pass_free, ctl._pass_room = bed.be.free_bytes() + buf, (bed.be.free_bytes(), 0), buf  # this pass needs one buffer's worth
     go, released = threading.Event(), []
 
     def on_call(call):

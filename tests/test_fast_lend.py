@@ -639,6 +639,8 @@ def eager_prefill(bed, peaks, took, n=1, tokens=None, **attrs):
     bed.sched.waiting_queue.extend(reqs)
     ctl.before_prefill(bed.batch)  # reads the last pass's peak, starts this one's
     need = ctl._pass_need
+    if need is not None:  # steps_needed asked: a reclaim's room is the need beyond the driver's free bytes and torch's cache
+        assert ctl._pass_room == max(need - sum(ctl._pass_free), 0)
     bed.sched.waiting_queue.clear()
     ctl.after_prefill(_extend_batch(reqs, tokens), bed.batch)
     peaks.top = peaks.allocated + took
@@ -925,7 +927,8 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     step = a.step_tokens * sum(a.row_bytes)
     buf = a.step_tokens * a.row_bytes[0]  # one buffer of the step
     free0 = bed.be.free_bytes()
-    bed.ctl._pass_need, bed.ctl._pass_free = free0 + 2 * buf + 1, (free0, 0)  # as steps_needed leaves them: 2 buffers and a byte short
+    # as steps_needed leaves them: 2 buffers and a byte short
+    bed.ctl._pass_need, bed.ctl._pass_free, bed.ctl._pass_room = free0 + 2 * buf + 1, (free0, 0), 2 * buf + 1
     released = []
     go, held = threading.Event(), threading.Event()
 
@@ -968,7 +971,7 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     # lent again, its need unknown: the forward waits for all of it
     assert bed.ctl.lend() == ELASTIC
     free0 = bed.be.free_bytes()
-    bed.ctl._pass_need = None
+    bed.ctl._pass_need = bed.ctl._pass_room = None
     released.clear()
     go.clear()
     held.clear()

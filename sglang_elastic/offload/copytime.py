@@ -38,7 +38,8 @@ runs this one, so at a steady batch size the same graph is launched again
 before the GPU has passed the step due for a read, and its replay would
 re-record the events first: that lost all but 2 steps per run of 64 x 32K on
 the H200. So when a step is due (``every`` steps since the last read) and
-the same graph is about to replay again, :meth:`CopyTimer.begin` waits on the
+the next step is about to be launched (the same graph would record the events
+again; another one would leave them behind), :meth:`CopyTimer.begin` waits on the
 host for that step's last event, reads it, then lets the replay go
 (``wait_due``, the default): one host wait per ``every`` steps, counted in
 ``copy_waits`` and ``copy_wait_ms`` (the GPU idles for the rest of the next
@@ -119,12 +120,10 @@ class CopyTimer:
             self._sets[key] = _Set(captured=capture)
         self._cur = s = self._sets[key]
         if not capture:
-            last = self._last
-            if last is not None and last.fresh and last.last_main is not None and self._since >= self.every:
-                # due and not read: this launch would record it again (the same graph) or leave it behind (another one)
+            if self._due():  # not read: this launch would record it again (the same graph) or leave it behind (another one)
                 if self.wait_due:  # wait for the GPU to pass it, read it, then let the launch go
                     t0 = time.perf_counter()
-                    last.last_main.synchronize()
+                    self._last.last_main.synchronize()
                     self.totals["copy_waits"] += 1
                     self.totals["copy_wait_ms"] += (time.perf_counter() - t0) * 1e3
                     self.poll()
@@ -160,10 +159,15 @@ class CopyTimer:
             return None
         return lambda i: self.mark(layer, names[i], main)
 
+    def _due(self) -> bool:
+        """The last replayed step is due for a read (``every`` steps since the last read) and not read yet."""
+        s = self._last
+        return s is not None and s.fresh and s.last_main is not None and self._since >= self.every
+
     def poll(self) -> bool:
         """Read the last replayed step's events if ``every`` steps passed and they completed; True when a sample was taken."""
         s = self._last
-        if self._since < self.every or s is None or not s.fresh or s.last_main is None:
+        if not self._due():
             return False
         try:
             if not s.last_main.query():

@@ -452,6 +452,8 @@ class ElasticController:
         #: the bytes this pass's steps_needed took the next forward to need (None: not asked this pass), for the events
         self._pass_need: Optional[int] = None
         self._pass_free: Optional[Tuple[int, int]] = None
+        #: what that forward needs beyond what was free (None: the driver's free memory unknown): a reclaim's room_bytes
+        self._pass_room: Optional[int] = None
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -753,7 +755,7 @@ class ElasticController:
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if self.cfg.mode != "dynamic":
             return
-        self._pass_need = self._pass_free = None
+        self._pass_need = self._pass_free = self._pass_room = None
         if not self.prefill_in_graphs and self.peak_memory.available:  # measure the eager prefill this pass may launch
             self._finish_measuring()
             self._probe = self.peak_memory.reset()
@@ -861,6 +863,7 @@ class ElasticController:
         cached = self.torch_cache.reusable() if measured else self.torch_cache.unused()
         free = (driver or 0) + cached
         self._pass_free = (driver, cached)  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache
+        self._pass_room = None if driver is None else max(need - free, 0)
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
         return -agree_min(self.sched, -steps)
@@ -1345,20 +1348,12 @@ class ElasticController:
                    **({"free_bytes": self._pass_free[0], "cache_bytes": self._pass_free[1]} if self._pass_free else {}))
         if self.arena.unsettled:  # handles released on the helper thread: the event is written once they are (_settle)
             self._releasing = dict(rec, t_end=time.perf_counter(), unmap_async=unmap_async, t_start_unmap=t_start_unmap,
-                                   room_bytes=self._room_bytes())
+                                   room_bytes=self._pass_room)
         else:
             self._reclaim_event(dict(rec, release_wait_ms=0.0))
         self._last_reclaim = f"wait {wait_ms:.2f}, vacate {vacate_ms:.2f}, unmap {unmap_ms:.2f} ms"
         self._log("sglang-elastic: reclaimed in %.2f ms (%s; %d pages moved, %d requests retracted)", ms, self._last_reclaim, moved, len(retracted))
         return True
-
-    def _room_bytes(self) -> Optional[int]:
-        """What the forward this pass's reclaim was for needs beyond what was
-        free then (:meth:`steps_needed`: the driver's free bytes and torch's
-        reusable cache), or None when unknown (the whole step is waited for)."""
-        if self._pass_need is None or self._pass_free is None or self._pass_free[0] is None:
-            return None
-        return max(self._pass_need - self._pass_free[0] - self._pass_free[1], 0)
 
     def _make_room(self, batch, in_use: torch.Tensor, retracted: List):
         """Free base room for the lent units still in use, cheapest first:
