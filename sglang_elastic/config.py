@@ -29,6 +29,11 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   prefill is taken to need while lent (default ``sglang``: SGLang's estimate,
   512 MiB + 1.5 MiB a token; ``measured``, experimental: bounded by what the
   server's eager prefill passes took, never more than SGLang's estimate).
+- ``--elastic-kv-reclaim-wait {decode,block}``: while a reclaim's unmap
+  gives its memory back on the helper thread, the prefill it is for waits
+  and the decode batch runs (default ``decode``: SGLang forms no prefill in
+  those passes, as its own prefill delayers do), or the scheduler blocks
+  until the memory is back (``block``).
 - ``--elastic-kv-margin-mb N``: memory kept free for decode-time activations
   and sampling when measuring the lendable bytes (default 1024). It also
   bounds the decode batch that may run while lent: one above the decode CUDA
@@ -115,8 +120,10 @@ ENV = "SGLANG_ELASTIC_CONFIG"
 MODES = ("dynamic", "always-lent", "off")
 #: --elastic-kv-activation-rule: an eager prefill's need while lent (sglang_elastic.sched.controller.EagerActivations)
 ACTIVATION_RULES = ("sglang", "measured")
+#: --elastic-kv-reclaim-wait: what the scheduler does while a reclaim's memory comes back (sglang_elastic.sched.controller.ElasticController.defer_prefill)
+RECLAIM_WAITS = ("decode", "block")
 #: ElasticKVConfig fields set by an ``--elastic-kv-*`` flag (each needs ``--enable-elastic-kv``)
-ELASTIC_FLAG_FIELDS = ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule")
+ELASTIC_FLAG_FIELDS = ("mode", "lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule", "reclaim_wait")
 DECODE_POLICIES = ("auto", "flashinfer", "split", "compact")
 STARTUP_CALIBRATION = ("auto", "force", "off")
 ONLINE = ("on", "off")
@@ -269,6 +276,10 @@ class ElasticKVConfig:
     ``measured`` (experimental), bounded by what the server's eager prefill
     passes took and never more than SGLang's estimate:
     :class:`sglang_elastic.sched.controller.EagerActivations`);
+    ``reclaim_wait`` (``--elastic-kv-reclaim-wait``: ``decode``, the decode
+    batch runs while a reclaim's memory comes back and the prefill waits, or
+    ``block``, the scheduler waits:
+    :meth:`sglang_elastic.sched.controller.ElasticController.defer_prefill`);
     ``decode_policy`` / ``decode_calibration`` (``--decode-policy`` /
     ``--decode-calibration``, for the ``persistentkv`` decode backend).
 
@@ -284,6 +295,7 @@ class ElasticKVConfig:
     lend_after_steps: int = 32
     margin_mb: int = 1024
     activation_rule: str = "sglang"
+    reclaim_wait: str = "decode"
     decode_policy: str = "auto"
     decode_calibration: Optional[str] = None  # None: this shape's (cache, shipped or the prior)
     decode_calibration_cache: Optional[str] = None  # None: the default cache directory; "off": none
@@ -310,6 +322,8 @@ class ElasticKVConfig:
             raise ConfigError(f"--elastic-kv-margin-mb must be >= 0, not {self.margin_mb}")
         if self.activation_rule not in ACTIVATION_RULES:
             raise ConfigError(f"--elastic-kv-activation-rule must be one of {', '.join(ACTIVATION_RULES)}, not {self.activation_rule!r}")
+        if self.reclaim_wait not in RECLAIM_WAITS:
+            raise ConfigError(f"--elastic-kv-reclaim-wait must be one of {', '.join(RECLAIM_WAITS)}, not {self.reclaim_wait!r}")
         defaults = ElasticKVConfig.__dataclass_fields__
         given = [f for f in ELASTIC_FLAG_FIELDS if getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
@@ -354,6 +368,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-handle-mb", type=int, default=None, help="MiB of one physical handle = one K or V buffer's slice of a lend/reclaim step (default 0: the whole reserve in one step).")
     g.add_argument("--elastic-kv-lend-after-steps", type=int, default=None, help="Decode-only steps in a row before lending (hysteresis; default 32).")
     g.add_argument("--elastic-kv-activation-rule", choices=ACTIVATION_RULES, default=None, help="What a plain eager prefill is taken to need while lent: sglang (the default; SGLang's estimate: 512 MiB + 1.5 MiB a token + 128 MiB, 12.6 GiB for a chunk of 8192) or measured (experimental: 1.25x the bound the server's measured eager prefill passes give by tokens and requests, plus 256 MiB, never more than SGLang's estimate; on the H200 1.39 GiB for 8,192 tokens against SGLang's 12.6 GiB, never exceeded; a one-step lend then leaves that need free, so such a prefill runs lent). Every eager prefill's peak is logged as an event either way.")
+    g.add_argument("--elastic-kv-reclaim-wait", choices=RECLAIM_WAITS, default=None, help="While a reclaim's unmap gives its memory back (on a helper thread), decode (the default): the prefill it is for waits and the running decode batch takes its steps (no prefill forms in those passes, at most 16), or block: the scheduler waits for the memory, and every running request with it.")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=None, help="MiB kept free for decode activations when measuring the lendable bytes (default 1024); also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
     o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")

@@ -43,7 +43,7 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args
     r, cfg = launch_args("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128")
     assert r.returncode == 0, r.stderr[-2000:]
     assert cfg == {"enabled": True, "mode": "always-lent", "lend_bytes": 8 << 30, "handle_mb": 128, "lend_after_steps": 32, "margin_mb": 1024,
-                   "activation_rule": "sglang", "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
+                   "activation_rule": "sglang", "reclaim_wait": "decode", "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
                    "decode_startup_calibration": "auto", "decode_online": "on",
                    "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
                                "denominator": "estimate", "chunk": 16, "hot_tokens": 4096, "hot_slack": 2.0, "hot_slack_max": 0.0, "host_gb": None, "resident_v": False, "prefetch": "off", "eviction": "lru", "keep_v": None, "copy_timing": False, "dense_launch": ""}}
@@ -125,7 +125,8 @@ def test_config_round_trips_through_the_environment():
 
 
 @pytest.mark.parametrize("flag,value", [("--elastic-kv-lend-after-steps", "8"), ("--elastic-kv-margin-mb", "0"), ("--elastic-kv-handle-mb", "64"),
-                                        ("--elastic-kv-activation-rule", "measured"),
+                                        ("--elastic-kv-activation-rule", "measured"), ("--elastic-kv-reclaim-wait", "block"),
+                                        ("--elastic-kv-reclaim-wait", "decode"),
                                         # at their default values too (a new user's finding, as for the offload flags)
                                         ("--elastic-kv-activation-rule", "sglang"), ("--elastic-kv-mode", "dynamic"),
                                         ("--elastic-kv-margin-mb", "1024"), ("--elastic-kv-handle-mb", "0"), ("--elastic-kv-lend-after-steps", "32")])

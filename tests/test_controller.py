@@ -254,7 +254,7 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
     assert bed.alloc.size == BASE - 1 + ELASTIC and bed.sched.invariant_checker.max_total_num_tokens == bed.alloc.size
     assert bed.ctl.state() == {"mode": "dynamic", "base_tokens": BASE - 1, "lendable_tokens": ELASTIC, "lent_tokens": ELASTIC,
                                "lent_bytes": ELASTIC * sum(bed.pool.arena.row_bytes), "cycles": 0, "lending_disabled": False,
-                               "reclaims_skipped": 0}
+                               "reclaims_skipped": 0, "prefills_deferred": 0}
     assert bed.admit(list(range(100, 180)) + list(range(5000, 5090)))  # shares 80 tokens (radix), needs 90+ more: spills into the lent range
     for _ in range(5 if chunk_cache else 20):  # no shared prefix in a chunk cache: less room left
         assert bed.decode()
@@ -574,7 +574,35 @@ def _tp_rank(rank: int, world: int, port: int, out):
         nolist.alloc.prepare_lend = real_prepare
         no_list += (nolist.ctl.lend(), nolist.alloc.lent_tokens)
         nolist.check_ownership_and_accounting()
-        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut, stopped, retried, no_list))
+        # an eager prefill's reclaim whose unmap is done on rank 0 and held on the last rank: every rank defers the
+        # prefill (runs its decode batch) until the last rank's memory is back, then every rank forms it
+        import threading
+
+        eager = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), margin_mb=0,
+                    free_bytes=ELASTIC * sum(make_pool(1)[1].arena.row_bytes))
+        go, held = threading.Event(), threading.Event()
+
+        def hold_release(call):
+            if rank == odd and call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm") and not go.is_set():
+                held.set()
+                go.wait(120)
+
+        eager.be.on_call = hold_release
+        assert eager.ctl.lend() == ELASTIC and eager.admit(list(range(30)))
+        eager.sched.waiting_queue.append(eager.request(list(range(500, 600))))
+        eager.ctl.before_prefill(eager.batch)  # the reclaim (collectives)
+        if rank == odd:
+            assert held.wait(120)
+        else:
+            assert eager.pool.arena.wait_freed(1 << 62)  # this rank's unmap ended
+        deferred = [eager.ctl.defer_prefill(eager.batch)]
+        go.set()
+        assert eager.pool.arena.wait_freed(1 << 62)
+        deferred.append(eager.ctl.defer_prefill(eager.batch))
+        eager.ctl.after_prefill(None, eager.batch)
+        eager.ctl._settle()
+        eager.check_ownership_and_accounting()
+        out.put((rank, warm_up_failed, warm_up_raised, cannot_map, fell_back, recut, stopped, retried, no_list, tuple(deferred)))
     finally:
         dist.destroy_process_group()
 
@@ -615,6 +643,8 @@ def test_tp_ranks_agree_when_one_rank_cannot_lend_or_fell_back_to_the_stock_pool
     assert [x[6:8] for x in res] == [((False, ELASTIC, True), (True, 0))] * world
     # the last rank could not make the lend's free list: no rank lent, every free list as before; then all lend
     assert [x[8] for x in res] == [(0, 0, 0, True, ELASTIC, ELASTIC)] * world
+    # a prefill is deferred on every rank while any rank's reclaim is still giving back its memory, and on none after
+    assert [x[9] for x in res] == [(True, False)] * world
 
 
 def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch():

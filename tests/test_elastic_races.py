@@ -42,7 +42,7 @@ def test_a_second_async_reclaim_waits_for_the_first_and_wait_freed_counts_only_i
     assert w.is_alive() and a.freeing_bytes() == a.step_bytes()  # job 1's bytes do not count for job 2
     e2.set()
     w.join(JOIN)
-    assert wbox == {"result": None} and be.free_bytes() - free0 == a.step_bytes()
+    assert wbox == {"result": True} and be.free_bytes() - free0 == a.step_bytes()
     assert a.settle() == []
     a.close()
     assert be.live_handles == 0

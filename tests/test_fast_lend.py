@@ -985,6 +985,156 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     bed.check_ownership_and_accounting()
 
 
+def _deferring_bed(tmp_path, monkeypatch, reclaim_wait="decode"):
+    """A lent bed whose prefills run eagerly (so a waiting request reclaims), the events in a file, 30 tokens
+    admitted, each K/V buffer of the step its own handle (the helper unmaps and releases buffer by buffer);
+    returns ``(bed, events path, orig)``: ``orig`` stands in for SGLang's ``_get_new_batch_prefill_raw`` (it
+    forms a batch of the waiting requests and records its calls)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_elastic import config
+    from test_controller import _graph_args
+    from test_pool import make_pool
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv(config.EVENTS_ENV, str(events))
+    built = make_pool(1, base=256, elastic=ELASTIC, step=64, offset_mapping=False)
+    bed = Bed(built=built, server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW, margin_mb=0,
+              lend_bytes=ELASTIC * ROW)
+    bed.ctl.cfg = dataclasses.replace(bed.ctl.cfg, reclaim_wait=reclaim_wait)
+    assert bed.ctl.lend() == ELASTIC and bed.admit(list(range(30)))
+    calls = []
+
+    def orig(sched, prefill_delayer_single_pass=None, running_batch=None):
+        calls.append(list(sched.waiting_queue))
+        reqs, sched.waiting_queue[:] = list(sched.waiting_queue), []
+        return (_extend_batch(reqs, 64) if reqs else None), running_batch
+
+    orig.calls = calls
+    return bed, events, orig
+
+
+def _pass(bed, orig):
+    """One scheduler pass through the AROUND hook of ``_get_new_batch_prefill_raw``: ``(new batch, running batch)``."""
+    from sglang_elastic.sched import hooks
+
+    return hooks._around_prefill_raw(orig, bed.sched, prefill_delayer_single_pass=None, running_batch=bed.batch)
+
+
+def _events(path, op):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if f'"op": "{op}"' in line]
+
+
+def test_while_a_reclaims_unmap_gives_the_memory_back_the_decode_batch_runs_and_the_prefill_forms_once_it_is_back(tmp_path, monkeypatch):
+    """Issue 22, build 2 (the H100, 2026-12-06: the scheduler waited 13.5 / 19.0 ms p50 / p99 for an eager
+    prefill's reclaim, the in-flight forward's ~6 ms and the driver's unmaps of a 9.5 GiB step, and every
+    running request with it): with ``--elastic-kv-reclaim-wait decode`` (the default) no prefill forms
+    until the memory its forward needs is back; SGLang runs the decode batch meanwhile, and a pass that
+    defers decides nothing again (no second reclaim, no skip counted). The reclaim's event and
+    ``/metrics`` tell what the scheduler waited from how long the prefill was delayed."""
+    from sglang_elastic.sched import controller
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    gate = Gate(bed.be, name="release")  # the helper's first release waits for the test
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    assert _pass(bed, orig) == (None, bed.batch)  # reclaimed, then no prefill: SGLang runs the decode batch
+    assert orig.calls == [] and a.lent_steps == 0 and ctl.cycles == 1 and ctl.prefills_deferred == 1
+    assert gate.reached.wait(JOIN) and a.busy
+    assert bed.decode()  # the running requests take their step, in base rows
+    assert _pass(bed, orig) == (None, bed.batch)  # still not back: deferred again, nothing decided again
+    assert orig.calls == [] and ctl.cycles == 1 and ctl.prefills_deferred == 2 and ctl.reclaims_skipped == 0
+    gate.open()
+    assert a.wait_freed(1 << 62)  # the unmap ended
+    new, running = _pass(bed, orig)  # the memory is back: the prefill forms
+    assert new is not None and len(orig.calls) == 1 and len(orig.calls[0]) == 1 and ctl.prefills_deferred == 2
+    ctl._settle()
+    [rec] = _events(events, "reclaim")
+    assert rec["deferred"] == 2 and rec["steps"] == 1 and rec["release_wait_ms"] >= 0
+    assert rec["delay_ms"] >= rec["ms"] + rec["release_wait_ms"]  # the delay counts the decode passes, the scheduler's wait does not
+    assert _events(events, "reclaim_skipped") == [] and ctl.state()["prefills_deferred"] == 2
+    assert controller.MAX_DEFERRED_PASSES > 2
+    bed.check_ownership_and_accounting()
+
+
+@pytest.mark.parametrize("case", ["block", "chunked request", "no decode batch", "most passes"])
+def test_a_prefill_is_not_deferred_with_block_between_chunks_without_a_decode_batch_or_after_the_most_passes(tmp_path, monkeypatch, case):
+    """Where deferring is not done, the pass forms its prefill and ``after_prefill`` waits for the memory
+    (SGLang's own delayers never hold a chunked request's next chunk either)."""
+    from sglang_elastic.sched import controller
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch, reclaim_wait="block" if case == "block" else "decode")
+    ctl, a = bed.ctl, bed.pool.arena
+    if case == "most passes":
+        monkeypatch.setattr(controller, "MAX_DEFERRED_PASSES", 1)
+    gate = Gate(bed.be, name="release")
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    if case == "most passes":
+        assert _pass(bed, orig) == (None, bed.batch) and ctl.prefills_deferred == 1
+    else:
+        ctl.before_prefill(bed.batch)  # the reclaim (for a chunked request: for its first chunk)
+    if case == "chunked request":  # the next pass continues the chunked request
+        bed.sched.chunked_req = bed.sched.waiting_queue[0]
+    if case == "no decode batch":
+        for r in list(bed.batch.reqs):
+            bed.finish(r)
+    assert gate.reached.wait(JOIN)
+    t, box = _run(lambda: _pass(bed, orig))  # the prefill forms; the hook returns once the memory is back
+    assert orig.calls == [] or t.is_alive()
+    gate.open()
+    t.join(JOIN)
+    assert "error" not in box and box["result"][0] is not None and len(orig.calls) == 1
+    assert not a.busy or a.wait_freed(1 << 62)
+    assert ctl.prefills_deferred == (1 if case == "most passes" else 0)
+    bed.sched.chunked_req = None
+    ctl._settle()
+    [rec] = _events(events, "reclaim")
+    assert rec.get("deferred", 0) == ctl.prefills_deferred
+
+
+def test_a_deferred_pass_that_needs_more_than_the_reclaim_was_for_waits_for_more_of_its_unmap(tmp_path, monkeypatch):
+    """More requests may wait at the pass the prefill finally forms than at the pass that reclaimed (the
+    measured rule scales the need by them): the deferred pass measures again and waits for that much of
+    the unmap, not for what the first pass needed."""
+    from sglang_elastic.sched import controller
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    step = a.step_tokens * sum(a.row_bytes)
+    buf = a.step_tokens * a.row_bytes[0]
+    assert len(a.row_bytes) >= 6 and all(r == a.row_bytes[0] for r in a.row_bytes)
+    free0 = bed.be.free_bytes()
+    need = {"bytes": free0 + 2 * buf + 1}  # two buffers and a byte more than is free
+    monkeypatch.setattr(controller, "eager_activation_bytes", lambda tokens, ranks=1: need["bytes"])
+    released, go, held = [], threading.Event(), threading.Event()
+
+    def on_call(call):
+        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
+            released.append(1)
+            if len(released) == 4:  # the fourth release waits for the test
+                held.set()
+                assert go.wait(JOIN)
+
+    bed.be.on_call = on_call
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    ctl.before_prefill(bed.batch)
+    assert ctl._releasing["room_bytes"] == 2 * buf + 1 and held.wait(JOIN)  # three buffers back, the fourth held
+    assert not ctl.defer_prefill(bed.batch)  # enough for the first pass's need
+    need["bytes"] = free0 + 5 * buf  # more waiting now: five buffers' worth
+    assert _pass(bed, orig) == (None, bed.batch)  # measured again: not back yet, deferred
+    assert ctl._releasing["room_bytes"] == step + (free0 + 5 * buf) - (free0 + step) == 5 * buf and ctl.cycles == 1
+    go.set()
+    assert a.wait_freed(5 * buf)
+    new, _ = _pass(bed, orig)
+    assert new is not None and ctl.prefills_deferred == 1 and ctl.cycles == 1
+    ctl._settle()
+    [rec] = _events(events, "reclaim")
+    assert rec["room_bytes"] == 5 * buf and rec["deferred"] == 1
+    bed.check_ownership_and_accounting()
+
+
 def test_an_unmap_on_the_helper_thread_that_fails_is_reported_kept_for_close_and_wait_freed_does_not_hang():
     """Defect 4's guarantees when the reclaim's unmap runs on the helper
     thread: the failed range and the rest are accounted, lending stops,

@@ -34,7 +34,13 @@ the CUDA graphs, or the free memory, held their activations), per phase.
 Since build 2 ``reclaim_needed_ms`` adds ``release_wait_ms`` (the handles are
 released on a helper thread; the scheduler waits for them before the
 forward), and ``lends_prepared`` counts the lends whose handles were all made
-ahead. Build 3: ``--post-capture`` runs a phase with
+ahead. Since ``--elastic-kv-reclaim-wait decode`` (the default) the scheduler
+runs the decode batch while the reclaim's memory comes back: ``reclaim_needed_ms``
+is what the scheduler itself waited, ``reclaim_delay_ms`` the reclaim's start to
+the forward it was for (those decode passes included), ``prefills_deferred``
+the passes that ran the decode batch instead; the cycles workload records the
+running decodes' inter-token gaps (``long_itl_ms``) and the short prompts'
+TTFT (``short_ttft_ms``). Build 3: ``--post-capture`` runs a phase with
 ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` (``stock-pc``: SGLang's sizing
 alone; ``elastic-pc``: the pool lending what it left free), summarised under
 ``post_capture``.
@@ -215,8 +221,13 @@ async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any
             await asyncio.sleep(gap_s)
         short_res = await asyncio.gather(*shorts)
         long_res = await asyncio.gather(*longs)
+    # what the reclaims cost the requests: the running decodes' inter-token gaps (a short prompt's prefill and
+    # any wait for its reclaim land in them) and the short prompts' TTFT
+    gaps = [g for r in long_res if r["ok"] for g in r["gaps_ms"]]
+    ttft = [r["ttft_ms"] for r in short_res if r["ok"]]
     return {"identity_outputs": [r.get("output_ids") for r in short_res[:64]], "failed": sum(not r["ok"] for r in short_res + long_res),
-            "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5]}
+            "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5],
+            "long_itl_ms": {**stats(gaps), "p90": pct(gaps, 90), "p999": pct(gaps, 99.9)}, "short_ttft_ms": {**stats(ttft), "p90": pct(ttft, 90)}}
 
 
 async def workload_burst(url: str) -> Dict[str, Any]:
@@ -333,6 +344,9 @@ def assemble(args) -> None:
         # forward (release_wait_ms): counted, so the time is what the prompt waited
         return [e["ms"] + e.get("release_wait_ms", 0.0) for e in d["reclaims"] if e.get("steps", 1) > 0] if d else []
 
+    def delays(d):  # from a reclaim's start to the forward it was for, decode passes run meanwhile included (--elastic-kv-reclaim-wait)
+        return [e["delay_ms"] for e in d["reclaims"] if "delay_ms" in e] if d else []
+
     def lends_prepared(d):  # lends whose every step's handles were made ahead on the helper thread (build 2)
         return sum(1 for e in d["lends"] if e.get("steps") and e.get("prepared_steps") == e["steps"]) if d else None
 
@@ -381,6 +395,7 @@ def assemble(args) -> None:
         # issue 22: the reclaims that had to unmap, from the eager-prefill phase (the acceptance's 8 GiB eager reclaim),
         # the lend p99, and the reclaims the CUDA graphs made unnecessary; per phase beside
         "reclaim_needed_ms": stats(needed(ele)),
+        "reclaim_delay_ms": stats(delays(ele)),
         "lend_ms_p99": lend_p99(el),
         "reclaims_skipped": el.get("reclaims_skipped", 0) if el else None,
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
@@ -389,6 +404,9 @@ def assemble(args) -> None:
                              "lend_breakdown_ms": breakdown(d["lends"], ["empty_cache_ms", "map_ms"]),
                              "reclaim_ms": stats([e["ms"] for e in d["reclaims"]]),
                              "reclaim_breakdown_ms": breakdown(d["reclaims"], RECLAIM_PARTS),
+                             "reclaim_delay_ms": stats(delays(d)), "prefills_deferred": sum(e.get("deferred", 0) for e in d["reclaims"]),
+                             "reclaim_wait": "block" if "--elastic-kv-reclaim-wait block" in d.get("server_command", "") else "decode",
+                             **({k: d["cycles_run"][k] for k in ("long_itl_ms", "short_ttft_ms") if k in d["cycles_run"]} if d.get("cycles_run") else {}),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)

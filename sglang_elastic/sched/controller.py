@@ -30,11 +30,13 @@ has a way:
    overlap scheduler's in-flight batch reads and writes lent rows;
    :meth:`ElasticController.after_forward`), and rewrite every holder of a
    lent id (:meth:`ElasticController._remap`);
-5. wait for that fence and the vacate's own device work (nothing else),
-   unmap (``arena.reclaim``) and close the vacate window; the handles are
-   released on the arena's helper thread while SGLang forms the batch, and
-   :meth:`ElasticController.after_prefill` waits for them before the forward
-   that needs their memory is launched.
+5. on the arena's helper thread: wait for that fence and the vacate's own
+   device work (nothing else), unmap and release buffer by buffer
+   (``arena.reclaim(unmap_async=True)``). Until what the prefill needs is
+   back, the scheduler forms no prefill and runs the decode batch
+   (:meth:`ElasticController.defer_prefill`, ``--elastic-kv-reclaim-wait
+   decode``); :meth:`ElasticController.after_prefill` waits for what is
+   still missing before the forward that needs it is launched.
 
 A lend (:meth:`ElasticController.lend`) maps handles made ahead on the
 helper thread during the run of decode-only steps before it, measures what
@@ -119,6 +121,9 @@ MAX_OOM_LENDS = 3
 MIN_CUT_FRAC = 0.25
 #: A re-cut lend step grows back only by 1/RECUT_GROW_DIV of the start-up measure or more at once.
 RECUT_GROW_DIV = 8
+#: ``--elastic-kv-reclaim-wait decode``: most scheduler passes in a row that run the decode batch while
+#: a prefill waits for its reclaim's memory (:meth:`ElasticController.defer_prefill`); then the scheduler waits.
+MAX_DEFERRED_PASSES = 16
 
 #: SGLang's activation estimate for ``T`` tokens in flight, in MiB:
 #: ``512 + 1.5 * max(T, 2048) + TP * PP / 8 * 1024``
@@ -437,6 +442,9 @@ class ElasticController:
         #: Prefills that ran while lent with nothing reclaimed (the graphs, or
         #: the free memory, held what they need).
         self.reclaims_skipped = 0
+        #: Passes that ran the decode batch instead of a prefill whose memory a reclaim was still giving back
+        #: (:meth:`defer_prefill`).
+        self.prefills_deferred = 0
         self._skip: Optional[dict] = None  # this pass reclaimed nothing: counted if a prefill forms
         self.metrics = None
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
@@ -454,6 +462,8 @@ class ElasticController:
         self._pass_free: Optional[Tuple[int, int]] = None
         #: what that forward needs beyond what was free (None: the driver's free memory unknown): a reclaim's room_bytes
         self._pass_room: Optional[int] = None
+        #: the same before clamping at 0 (what was free beyond the need, negative), with the unmap still running counted free
+        self._pass_short: Optional[int] = None
         #: Fence after the last forward launched while lent (:meth:`after_forward`).
         self._forward_fence = None
         #: A reclaim whose handles are being released on the arena's helper
@@ -624,10 +634,13 @@ class ElasticController:
         return waited
 
     def _reclaim_event(self, rec: dict) -> None:
-        """Write a reclaim's event and observe ``reclaim_needed_ms``: what the forward it was for
-        waited, the reclaim on this thread (``ms``) and the wait for its memory (``release_wait_ms``)."""
+        """Write a reclaim's event and observe ``reclaim_needed_ms``: what the scheduler waited for it,
+        the reclaim on this thread (``ms``) and the wait for its memory (``release_wait_ms``); and
+        ``reclaim_delay_ms``: from its start to the forward it was for (``delay_ms``, decode passes run
+        meanwhile included: :meth:`defer_prefill`)."""
         if self.metrics and not self._quiet:
             self.metrics.reclaim_needed_ms.observe(rec["ms"] + rec["release_wait_ms"])
+            self.metrics.reclaim_delay_ms.observe(rec.get("delay_ms", rec["ms"] + rec["release_wait_ms"]))
         self._event(**rec)
 
     def _wait_room(self) -> None:
@@ -638,7 +651,55 @@ class ElasticController:
         rec = self._releasing
         t = time.perf_counter()
         self.arena.wait_freed(rec["room_bytes"])
-        rec["release_wait_ms"] = (time.perf_counter() - t) * 1e3
+        now = time.perf_counter()
+        rec["release_wait_ms"] = (now - t) * 1e3
+        rec["delay_ms"] = rec["ms"] + (now - rec["t_end"]) * 1e3
+
+    def _room_awaited(self) -> Optional[dict]:
+        """The pending event of the reclaim whose unmap, running on the helper
+        thread, gives back memory the next forward needs (``room_bytes``) and
+        has not been waited for yet; None without one."""
+        rec = self._releasing
+        if (rec is None or not self.arena.unsettled or rec.get("room_bytes") is None or "release_wait_ms" in rec
+                or self._dropped_prepared):
+            return None
+        return rec
+
+    def defer_prefill(self, running_batch) -> bool:
+        """Whether this scheduler pass forms no prefill (``--elastic-kv-reclaim-wait
+        decode``, the default): the reclaim made for it is still giving back, on
+        the helper thread, the memory its forward needs (``room_bytes``), and the
+        running decode batch can take a step meanwhile. SGLang then runs that
+        decode batch, as it does when its own prefill delayers hold a prefill
+        back (``_get_new_batch_prefill_raw``: ``min_free_slots_delayer``); the
+        prefill forms at the first pass that finds the memory back, so the
+        running requests do not stall behind the unmap (measured on an H100: the
+        in-flight forward's ~6 ms and the driver's ~10 ms for a 9.5 GiB step).
+
+        Not deferred: with ``block``; with a chunked request between chunks (its
+        next chunk must run, as SGLang's delayers leave it); when the decode
+        batch is empty, prefill-only, above :attr:`lend_max_bs` or carries
+        embedding overrides (it would run outside the decode graphs, on the
+        memory coming back); after :data:`MAX_DEFERRED_PASSES` passes (then
+        :meth:`after_prefill` waits for the rest). TP > 1: a collective (a MAX
+        over the ranks): every rank defers while any rank's memory is not back.
+        """
+        rec = self._room_awaited()
+        if rec is None or self.cfg.reclaim_wait != "decode":
+            return False
+        deferred = rec.get("deferred", 0)
+        if (deferred >= MAX_DEFERRED_PASSES or self.sched.chunked_req is not None or running_batch.is_empty()
+                or getattr(running_batch, "is_prefill_only", False) or len(running_batch.reqs) > self.lend_max_bs
+                or getattr(running_batch, "replace_embeds", None) is not None):
+            return False  # the same on every rank
+        short = not self.arena.wait_freed(rec["room_bytes"], timeout=0)
+        if not -agree_min(self.sched, -int(short)):
+            return False
+        rec["deferred"] = deferred + 1
+        self.prefills_deferred += 1
+        if self.metrics and not self._quiet:
+            self.metrics.prefills_deferred.inc()
+        return True
 
     def after_forward(self, batch=None) -> None:
         """After ``Scheduler.run_batch`` launched ``batch``: while lent, a
@@ -731,6 +792,7 @@ class ElasticController:
             "mode": self.cfg.mode, "base_tokens": self.alloc.usable_base_tokens - self.page,
             "lendable_tokens": self.arena.lendable_tokens if self.lendable_tokens else 0, "lent_tokens": self.alloc.lent_tokens, "lent_bytes": self.arena.lent_bytes,
             "cycles": self.cycles, "lending_disabled": self.disabled or self.arena.lending_disabled, "reclaims_skipped": self.reclaims_skipped,
+            "prefills_deferred": self.prefills_deferred,
         }
 
     # -- scheduler hooks ------------------------------------------------------
@@ -755,11 +817,12 @@ class ElasticController:
         :attr:`reclaims_skipped` (:meth:`after_prefill`)."""
         if self.cfg.mode != "dynamic":
             return
-        self._pass_need = self._pass_free = self._pass_room = None
+        self._pass_need = self._pass_free = self._pass_room = self._pass_short = None
         if not self.prefill_in_graphs and self.peak_memory.available:  # measure the eager prefill this pass may launch
             self._finish_measuring()
             self._probe = self.peak_memory.reset()
-        if not self.lent:
+        awaited = self._room_awaited()
+        if not self.lent and awaited is None:
             # Handles made ahead of a lend hold device memory: an eager
             # forward needs it back (released on the helper thread while
             # SGLang forms the batch; after_prefill waits for it).
@@ -772,6 +835,12 @@ class ElasticController:
             return
         requests = self._requests_bound(running_batch) if why == EAGER_PREFILL and self.cfg.activation_rule == "measured" else 0
         steps = self.steps_needed(tokens, requests) if why else 0
+        if steps == 0 and awaited is not None:
+            # an earlier pass's reclaim is still giving back its memory (defer_prefill ran the decode batch): this
+            # pass's forward waits for what it needs of it, now measured (more waiting requests may need more)
+            if self._pass_short is not None:
+                awaited["room_bytes"] = max(awaited["room_bytes"], self.arena.unmap_progress()[1] + self._pass_short)
+            return
         if steps == 0:  # counted in after_prefill, if a prefill forms
             self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens,
                           **({"need_bytes": self._pass_need} if why else {})}
@@ -863,6 +932,7 @@ class ElasticController:
         cached = self.torch_cache.reusable() if measured else self.torch_cache.unused()
         free = (driver or 0) + cached
         self._pass_free = (driver, cached)  # for the reclaim's event: what was free at the driver (None: unknown) and in torch's cache
+        self._pass_short = None if driver is None else need - free
         self._pass_room = None if driver is None else max(need - free, 0)
         step = max(self.arena.step_bytes(), 1)
         steps = min(max(-(-(need - free) // step), 0), self.arena.lent_steps)
@@ -880,8 +950,7 @@ class ElasticController:
         may leave a decode batch above :attr:`lend_max_bs`, and the next
         pass's :meth:`before_prefill` reclaims before that decode runs."""
         if self.arena.unsettled and not self._preparing_only():  # a reclaim's (or dropped prepare's) handles released there: their memory is the forward's
-            rec = self._releasing
-            if rec is not None and rec.get("room_bytes") is not None and "release_wait_ms" not in rec and not self._dropped_prepared:
+            if self._room_awaited() is not None:
                 self._wait_room()  # as much as the forward needs; the rest goes on behind it
             else:
                 self._settle()

@@ -8,7 +8,7 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds the elastic pool (:mod:`.build`) |
 | ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
-| ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form; lend after decode-only steps |
+| ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form (no prefill forms while the reclaim's unmap is still giving back what its forward needs: the decode batch runs, ``--elastic-kv-reclaim-wait``); lend after decode-only steps |
 | ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device); notes an eager prefill, whose pass peak is read when the next pass begins (``EagerActivations``) |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
@@ -59,6 +59,8 @@ def _around_prefill_raw(orig, sched, *args, **kwargs):
         return orig(sched, *args, **kwargs)
     running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[1]
     ctl.before_prefill(running_batch)
+    if ctl.defer_prefill(running_batch):  # the reclaim's memory is not back yet: SGLang runs the decode batch
+        return None, running_batch
     new_batch, running_batch = orig(sched, *args, **kwargs)
     ctl.after_prefill(new_batch, running_batch)
     return new_batch, running_batch

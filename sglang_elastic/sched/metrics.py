@@ -18,7 +18,7 @@ _MS_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 50, 100, 250, 1000)
 class ElasticMetrics:
     """Gauges ``sglang_elastic:lent_bytes`` / ``lent_tokens``; counters
     ``lends`` / ``reclaims`` / ``migrated_pages`` / ``retracted_reqs`` /
-    ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped``; histograms ``lend_ms`` / ``reclaim_ms`` /
+    ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped`` / ``prefills_deferred``; histograms ``lend_ms`` / ``reclaim_ms`` /
     ``reclaim_needed_ms`` (milliseconds)."""
 
     def __init__(self, labels: Dict[str, str]):
@@ -44,8 +44,13 @@ class ElasticMetrics:
         self.retracted_reqs = counter("retracted_reqs", "Decode requests retracted (re-queued) because the base had no room on a reclaim.")
         self.vmm_failures = counter("vmm_failures", "Failed VMM calls (lending is disabled after a non-OOM one).")
         self.reclaims_skipped = counter("reclaims_skipped", "Prefills that ran while lent with nothing reclaimed (the CUDA graphs, or the free memory, held their activations).")
+        self.prefills_deferred = counter("prefills_deferred", "Scheduler passes that ran the decode batch instead of a prefill whose memory a reclaim "
+                                         "was still giving back (--elastic-kv-reclaim-wait decode).")
         self.reclaim_stops = counter("reclaim_stops", "Reclaims that stopped with the pool still lent (no base room, or a failure); lending is off after one.")
         self.lend_ms = hist("lend_ms", "Lend latency on the scheduler thread, ms.")
         self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (the vacate; the unmap runs on a helper thread), ms.")
-        self.reclaim_needed_ms = hist("reclaim_needed_ms", "What the forward a reclaim was for waited: the reclaim on the scheduler thread "
-                                      "plus the wait for the memory it needs from the helper thread's unmap, ms.")
+        self.reclaim_needed_ms = hist("reclaim_needed_ms", "What the scheduler waited for a reclaim: the reclaim on its thread plus the wait "
+                                      "for the memory the forward needs from the helper thread's unmap (passes that ran the decode batch "
+                                      "meanwhile not counted: reclaim_delay_ms), ms.")
+        self.reclaim_delay_ms = hist("reclaim_delay_ms", "From a reclaim's start to the launch of the forward it was for, decode passes run "
+                                     "meanwhile included (--elastic-kv-reclaim-wait decode), ms.")

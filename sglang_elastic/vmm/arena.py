@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from sglang_elastic.vmm.base import VmmBackend, VmmError, align_up
 
@@ -672,13 +672,22 @@ class ElasticArena:
         with self._freed_cv:
             return max(self._freeing_total - self._freed, 0) if self._freeing else 0
 
-    def wait_freed(self, nbytes: int) -> None:
+    def unmap_progress(self) -> Tuple[int, int]:
+        """``(freed, total)``: bytes the unmap running on the helper thread
+        has given back to the driver so far, and will in all (``(0, 0)``
+        with none running)."""
+        with self._freed_cv:
+            return (self._freed, self._freeing_total) if self._freeing else (0, 0)
+
+    def wait_freed(self, nbytes: int, timeout: Optional[float] = None) -> bool:
         """Wait until the unmap running on the helper thread
         (``reclaim(unmap_async=True)``) has given ``nbytes`` back to the
         driver, or has ended (failed included: :meth:`settle` reports it).
-        Returns at once with no such unmap or ``nbytes`` <= 0."""
+        Returns at once with no such unmap or ``nbytes`` <= 0. ``timeout``:
+        seconds at most (0: only look). Returns whether that memory is back
+        (or the unmap ended)."""
         with self._freed_cv:
-            self._freed_cv.wait_for(lambda: not self._freeing or self._freed >= nbytes)
+            return self._freed_cv.wait_for(lambda: not self._freeing or self._freed >= nbytes, timeout)
 
     def close(self) -> None:
         """Wait for the helper thread, reclaim everything, release the handles
