@@ -132,7 +132,10 @@ def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_del
     ``reclaim_needed_ms`` (what the scheduler waited), with the cycles workload's decode gaps and TTFT and the
     wait mode the server ran."""
     base = json.loads(gzip.decompress((PARTS / "issue22" / "elastic-eager_tp1.json.gz").read_bytes()))
-    recs = [{**e, "ms": 1.0 + i % 3, "release_wait_ms": 0.5, "delay_ms": 12.0 + i, "deferred": 2} for i, e in enumerate(base["reclaims"])]
+    recs = [{**e, "ms": 1.0 + i % 3, "release_wait_ms": 0.5, "delay_ms": 12.0 + i, "deferred": 2, "decodes": 40} for i, e in enumerate(base["reclaims"])]
+    # two prompts that found no decode running: one after an idle reclaim (its own time kept nobody waiting)
+    recs += [{**recs[0], "deferred": 0, "decodes": 0, "release_wait_ms": 9.0, "ms": 1.0, "why": "idle: the next prefill runs outside CUDA graphs"},
+             {**recs[0], "deferred": 0, "decodes": 0, "release_wait_ms": 7.0, "ms": 2.0}]
     cycles = {**base.get("cycles_run", {}), "long_itl_ms": {"p50": 6.1, "p99": 40.0, "max": 55.0, "n": 900, "p90": 9.0, "p999": 50.0},
               "short_ttft_ms": {"p50": 30.0, "p99": 60.0, "max": 61.0, "n": 110, "p90": 50.0}}
     part = {**base, "reclaims": recs, "cycles_run": cycles}
@@ -142,8 +145,11 @@ def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_del
     (tmp_path / "b" / "elastic-eager_tp1.json").write_text(json.dumps(blocked))
     out = _assemble([tmp_path / "elastic-eager_tp1.json"], tmp_path / "d.json")
     pp = out["per_phase"]["elastic_eager"]
-    n = len(recs)
-    assert out["reclaim_delay_ms"] == pp["reclaim_delay_ms"] and pp["reclaim_delay_ms"]["n"] == n and pp["reclaim_delay_ms"]["max"] == 12.0 + n - 1
-    assert pp["reclaim_needed_ms"]["max"] == 3.5 and pp["prefills_deferred"] == 2 * n and pp["reclaim_wait"] == "decode"
+    n = len(recs) - 2
+    assert out["reclaim_delay_ms"] == pp["reclaim_delay_ms"] and pp["reclaim_delay_ms"]["n"] == n + 2 and pp["reclaim_delay_ms"]["max"] == 12.0 + n - 1
+    assert pp["reclaim_needed_ms"]["max"] == 9.0 and pp["reclaim_needed_ms"]["n"] == n + 2 and pp["prefills_deferred"] == 2 * n
+    assert pp["reclaim_needed_ms_decoding"]["max"] == 3.5 and pp["reclaim_needed_ms_decoding"]["n"] == n
+    assert pp["reclaim_needed_ms_gpu_idle"] == {"p50": 9.0, "p99": 9.0, "max": 9.0, "n": 2} and pp["reclaims_idle"] == 1
+    assert pp["reclaim_wait"] == "decode"
     assert pp["long_itl_ms"] == cycles["long_itl_ms"] and pp["short_ttft_ms"] == cycles["short_ttft_ms"]
     assert _assemble([tmp_path / "b" / "elastic-eager_tp1.json"], tmp_path / "e.json")["per_phase"]["elastic_eager"]["reclaim_wait"] == "block"

@@ -1053,6 +1053,7 @@ def test_while_a_reclaims_unmap_gives_the_memory_back_the_decode_batch_runs_and_
     ctl._settle()
     [rec] = _events(events, "reclaim")
     assert rec["deferred"] == 2 and rec["steps"] == 1 and rec["release_wait_ms"] >= 0
+    assert rec["defer_end"] == "memory back" and rec["decodes"] == len(bed.batch.reqs) > 0
     assert rec["delay_ms"] >= rec["ms"] + rec["release_wait_ms"]  # the delay counts the decode passes, the scheduler's wait does not
     assert _events(events, "reclaim_skipped") == [] and ctl.state()["prefills_deferred"] == 2
     assert controller.MAX_DEFERRED_PASSES > 2
@@ -1092,6 +1093,8 @@ def test_a_prefill_is_not_deferred_with_block_between_chunks_without_a_decode_ba
     ctl._settle()
     [rec] = _events(events, "reclaim")
     assert rec.get("deferred", 0) == ctl.prefills_deferred
+    assert rec["defer_end"] == {"block": "block", "chunked request": "chunked request", "no decode batch": "no decode batch",
+                                "most passes": "most passes"}[case]
 
 
 def test_a_deferred_pass_that_needs_more_than_the_reclaim_was_for_waits_for_more_of_its_unmap(tmp_path, monkeypatch):
@@ -1133,6 +1136,77 @@ def test_a_deferred_pass_that_needs_more_than_the_reclaim_was_for_waits_for_more
     [rec] = _events(events, "reclaim")
     assert rec["room_bytes"] == 5 * buf and rec["deferred"] == 1
     bed.check_ownership_and_accounting()
+
+
+def test_an_idle_scheduler_reclaims_for_the_next_eager_prefill_and_a_prompt_arriving_meanwhile_waits_only_for_the_rest(tmp_path, monkeypatch):
+    """Seen on an H100 (2026-12-06): after the long decodes ended, each short prompt found the pool lent and the
+    GPU idle, and waited 6-13 ms for a whole-step reclaim with no decode batch to run meanwhile. SGLang's idle
+    housekeeping (``Scheduler.on_idle``, AFTER hook) now reclaims what the next eager prefill needs; a prompt
+    that arrives while the unmap still runs waits only for the rest, and the event says what it waited."""
+    from sglang_elastic.sched import controller, hooks
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    idle = {"v": False}
+    bed.sched.is_fully_idle = lambda for_health_check=False: idle["v"]
+    hooks._after_on_idle(None, bed.sched)  # decodes running: nothing
+    assert a.lent_steps == 1 and ctl.cycles == 0
+    for r in list(bed.batch.reqs):
+        bed.finish(r)
+    idle["v"] = True
+    gate = Gate(bed.be, name="release")
+    hooks._after_on_idle(None, bed.sched)
+    assert a.lent_steps == 0 and ctl.cycles == 1 and gate.reached.wait(JOIN)  # reclaimed; the unmap held on the helper
+    hooks._after_on_idle(None, bed.sched)  # idle again: nothing more (nothing lent)
+    assert ctl.cycles == 1
+    idle["v"] = False
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    t, box = _run(lambda: _pass(bed, orig))  # no decode batch to run: the prefill forms and waits for the rest
+    assert t.is_alive() or "error" in box
+    gate.open()
+    t.join(JOIN)
+    assert "error" not in box and box["result"][0] is not None and ctl.prefills_deferred == 0
+    ctl._settle()
+    [rec] = _events(events, "reclaim")
+    assert rec["why"] == controller.IDLE and rec["defer_end"] == "no decode batch" and rec["decodes"] == 0
+    assert rec["delay_ms"] == rec["release_wait_ms"]  # what the arriving prompt waited; the reclaim itself ran while idle
+    bed.check_ownership_and_accounting()
+
+
+@pytest.mark.parametrize("case", ["prefill graphs", "measured rule"])
+def test_an_idle_scheduler_reclaims_nothing_with_prefill_graphs_or_the_measured_rule(tmp_path, monkeypatch, case):
+    from sglang_elastic.sched import hooks
+    from test_controller import _graph_args
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    for r in list(bed.batch.reqs):
+        bed.finish(r)
+    bed.sched.is_fully_idle = lambda for_health_check=False: True
+    if case == "prefill graphs":
+        ctl.prefill_in_graphs = True
+        bed.sched.server_args = _graph_args()
+    if case == "measured rule":
+        ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
+    hooks._after_on_idle(None, bed.sched)
+    assert ctl.cycles == 0 and a.lent_steps == 1
+
+
+def test_every_elastic_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
+    """The hooks' targets resolve in the installed SGLang (a renamed method would silently never be called)."""
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_elastic.sched import hooks
+
+    seen = []
+    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append(target)))
+    hooks.register()
+    assert "sglang.srt.managers.scheduler.Scheduler.on_idle" in seen and len(seen) == 7
+    for target in seen:
+        mod, cls, meth = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(mod), cls), meth)), target
 
 
 def test_an_unmap_on_the_helper_thread_that_fails_is_reported_kept_for_close_and_wait_freed_does_not_hang():

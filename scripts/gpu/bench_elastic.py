@@ -339,10 +339,16 @@ def assemble(args) -> None:
         return {"oom": bool(d["oom_in_log"] or not d["alive"]), "failed_requests": d["burst"]["failed_requests"], "ttft_ms_median": d["burst"]["ttft_ms_median"],
                 "alive_after_burst": d["alive_after_burst"], "lent_tokens": d["lent_tokens_max"], "errors": d["burst"]["errors"]}
 
-    def needed(d):  # reclaims that unmapped (events written before issue 22 have no "steps": each unmapped all)
+    def needed(d, decoding=None):  # reclaims that unmapped (events written before issue 22 have no "steps": each unmapped all)
         # since build 2 the handles are released on a helper thread; the scheduler waits for them before the
-        # forward (release_wait_ms): counted, so the time is what the prompt waited
-        return [e["ms"] + e.get("release_wait_ms", 0.0) for e in d["reclaims"] if e.get("steps", 1) > 0] if d else []
+        # forward (release_wait_ms): counted, so the time is what the prompt waited; an idle reclaim's own time
+        # (on_idle) kept nobody waiting. decoding: only the reclaims whose prefill found decodes running (or
+        # ran them meanwhile: deferred), or only those that found none (the GPU idle: nothing to run instead)
+        def ran_decodes(e):
+            return e.get("decodes", 0) > 0 or e.get("deferred", 0) > 0
+
+        return [e.get("release_wait_ms", 0.0) + (0.0 if str(e.get("why", "")).startswith("idle") else e["ms"]) for e in d["reclaims"]
+                if e.get("steps", 1) > 0 and (decoding is None or ("decodes" in e and ran_decodes(e) == decoding))] if d else []
 
     def delays(d):  # from a reclaim's start to the forward it was for, decode passes run meanwhile included (--elastic-kv-reclaim-wait)
         return [e["delay_ms"] for e in d["reclaims"] if "delay_ms" in e] if d else []
@@ -405,6 +411,8 @@ def assemble(args) -> None:
                              "reclaim_ms": stats([e["ms"] for e in d["reclaims"]]),
                              "reclaim_breakdown_ms": breakdown(d["reclaims"], RECLAIM_PARTS),
                              "reclaim_delay_ms": stats(delays(d)), "prefills_deferred": sum(e.get("deferred", 0) for e in d["reclaims"]),
+                             "reclaim_needed_ms_decoding": stats(needed(d, True)), "reclaim_needed_ms_gpu_idle": stats(needed(d, False)),
+                             "reclaims_idle": sum(str(e.get("why", "")).startswith("idle") for e in d["reclaims"]),
                              "reclaim_wait": "block" if "--elastic-kv-reclaim-wait block" in d.get("server_command", "") else "decode",
                              **({k: d["cycles_run"][k] for k in ("long_itl_ms", "short_ttft_ms") if k in d["cycles_run"]} if d.get("cycles_run") else {}),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
