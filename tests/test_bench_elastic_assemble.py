@@ -140,7 +140,7 @@ def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_del
               "short_ttft_ms": {"p50": 30.0, "p99": 60.0, "max": 61.0, "n": 110, "p90": 50.0}}
     part = {**base, "reclaims": recs, "cycles_run": cycles}
     (tmp_path / "elastic-eager_tp1.json").write_text(json.dumps(part))
-    blocked = {**part, "server_command": part["server_command"] + " --elastic-kv-reclaim-wait block"}
+    blocked = {**part, "server_command": part["server_command"] + " --elastic-kv-reclaim-wait=block"}  # either spelling
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "elastic-eager_tp1.json").write_text(json.dumps(blocked))
     out = _assemble([tmp_path / "elastic-eager_tp1.json"], tmp_path / "d.json")

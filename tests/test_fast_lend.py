@@ -1140,25 +1140,32 @@ def test_a_deferred_pass_that_needs_more_than_the_reclaim_was_for_waits_for_more
 
 def test_an_idle_scheduler_reclaims_for_the_next_eager_prefill_and_a_prompt_arriving_meanwhile_waits_only_for_the_rest(tmp_path, monkeypatch):
     """Seen on an H100 (2026-12-06): after the long decodes ended, each short prompt found the pool lent and the
-    GPU idle, and waited 6-13 ms for a whole-step reclaim with no decode batch to run meanwhile. SGLang's idle
-    housekeeping (``Scheduler.on_idle``, AFTER hook) now reclaims what the next eager prefill needs; a prompt
-    that arrives while the unmap still runs waits only for the rest, and the event says what it waited."""
+    GPU idle, and waited 6-13 ms for a whole-step reclaim with no decode batch to run meanwhile. Before SGLang's
+    idle sleep (``Scheduler.maybe_sleep_on_idle``, BEFORE hook: with ``--sleep-on-idle`` it blocks until the next
+    request) the controller now reclaims what the next eager prefill needs; the idle passes after it leave the
+    unmap running (a review found them waiting for all of it, booked as a prompt's wait); a prompt that arrives
+    while the unmap still runs waits only for the rest, and the event says what it waited."""
     from sglang_elastic.sched import controller, hooks
 
     bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
     ctl, a = bed.ctl, bed.pool.arena
     idle = {"v": False}
     bed.sched.is_fully_idle = lambda for_health_check=False: idle["v"]
-    hooks._after_on_idle(None, bed.sched)  # decodes running: nothing
+    hooks._before_idle_sleep(bed.sched)  # decodes running: nothing
     assert a.lent_steps == 1 and ctl.cycles == 0
     for r in list(bed.batch.reqs):
         bed.finish(r)
     idle["v"] = True
     gate = Gate(bed.be, name="release")
-    hooks._after_on_idle(None, bed.sched)
+    hooks._before_idle_sleep(bed.sched)
     assert a.lent_steps == 0 and ctl.cycles == 1 and gate.reached.wait(JOIN)  # reclaimed; the unmap held on the helper
-    hooks._after_on_idle(None, bed.sched)  # idle again: nothing more (nothing lent)
+    hooks._before_idle_sleep(bed.sched)  # idle again: nothing more (nothing lent)
     assert ctl.cycles == 1
+    t, box = _run(lambda: _pass(bed, orig))  # an idle pass (nothing waits): it must not wait for the unmap
+    t.join(JOIN)
+    assert not t.is_alive() and box["result"] == (None, bed.batch) and orig.calls == [[]] and ctl.prefills_deferred == 0
+    ctl.after_prefill(None, bed.batch)  # SGLang's own pass end, as the hook runs it
+    assert "release_wait_ms" not in ctl._releasing and a.busy
     idle["v"] = False
     bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
     t, box = _run(lambda: _pass(bed, orig))  # no decode batch to run: the prefill forms and waits for the rest
@@ -1188,8 +1195,53 @@ def test_an_idle_scheduler_reclaims_nothing_with_prefill_graphs_or_the_measured_
         bed.sched.server_args = _graph_args()
     if case == "measured rule":
         ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="measured")
-    hooks._after_on_idle(None, bed.sched)
+    hooks._before_idle_sleep(bed.sched)
     assert ctl.cycles == 0 and a.lent_steps == 1
+
+
+def test_an_idle_period_decides_once_and_a_prefill_without_a_chunk_is_sized_by_max_prefill_tokens(tmp_path, monkeypatch):
+    """SGLang's idle loop spins: the idle reclaim decides once per idle period (a memory query and a TP collective
+    each time otherwise), again after the next forward; its need is a prefill pass's largest, the chunk or, with
+    ``--chunked-prefill-size -1``, ``max_prefill_tokens`` (as reserve_needed sizes it)."""
+    from sglang_elastic.sched import controller, hooks
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl = bed.ctl
+    for r in list(bed.batch.reqs):
+        bed.finish(r)
+    bed.sched.is_fully_idle = lambda for_health_check=False: True
+    asked = []
+    monkeypatch.setattr(controller, "eager_activation_bytes", lambda tokens, ranks=1: asked.append(tokens) or -1)  # fits: no reclaim
+    for _ in range(50):
+        hooks._before_idle_sleep(bed.sched)
+    assert asked == [bed.sched.server_args.chunked_prefill_size] and ctl.cycles == 0
+    ctl.after_forward(None)  # a forward ran
+    object.__setattr__(bed.sched.server_args, "chunked_prefill_size", -1)
+    hooks._before_idle_sleep(bed.sched)
+    assert asked[1:] == [bed.sched.server_args.max_prefill_tokens] and asked[1] > 2048 and ctl.cycles == 0
+
+
+def test_a_deferred_pass_that_must_reclaim_more_says_so_in_the_first_reclaims_event_with_its_whole_delay(tmp_path, monkeypatch):
+    """With the measured rule more waiting requests may need more than a pending reclaim gives; that pass reclaims
+    again, and reclaim() first waits for the pending unmap: the first reclaim's event says why it ended
+    (``more needed``) and its delay counts the decode passes and that wait."""
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    gate = Gate(bed.be, name="release")
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
+    assert _pass(bed, orig) == (None, bed.batch) and gate.reached.wait(JOIN) and ctl.prefills_deferred == 1
+    again = []
+    monkeypatch.setattr(ctl, "steps_needed", lambda tokens, requests=0: 1)
+    monkeypatch.setattr(ctl, "reclaim", lambda batch, steps=None, why="": again.append(steps) or ctl._settle() > 0)
+    monkeypatch.setattr(type(ctl), "lent", property(lambda self: True))
+    t, box = _run(lambda: ctl.before_prefill(bed.batch))
+    assert gate.reached.wait(JOIN)
+    gate.open()
+    t.join(JOIN)
+    assert "error" not in box and again == [1]
+    [rec] = _events(events, "reclaim")
+    assert rec["defer_end"] == "more needed" and rec["deferred"] == 1 and rec["decodes"] == len(bed.batch.reqs)
+    assert rec["delay_ms"] >= rec["ms"] + rec["release_wait_ms"] and rec["release_wait_ms"] >= 0
 
 
 def test_every_elastic_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
@@ -1203,7 +1255,7 @@ def test_every_elastic_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
     seen = []
     monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append(target)))
     hooks.register()
-    assert "sglang.srt.managers.scheduler.Scheduler.on_idle" in seen and len(seen) == 7
+    assert "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle" in seen and len(seen) == 7
     for target in seen:
         mod, cls, meth = target.rsplit(".", 2)
         assert callable(getattr(getattr(importlib.import_module(mod), cls), meth)), target

@@ -413,7 +413,7 @@ def assemble(args) -> None:
                              "reclaim_delay_ms": stats(delays(d)), "prefills_deferred": sum(e.get("deferred", 0) for e in d["reclaims"]),
                              "reclaim_needed_ms_decoding": stats(needed(d, True)), "reclaim_needed_ms_gpu_idle": stats(needed(d, False)),
                              "reclaims_idle": sum(str(e.get("why", "")).startswith("idle") for e in d["reclaims"]),
-                             "reclaim_wait": "block" if "--elastic-kv-reclaim-wait block" in d.get("server_command", "") else "decode",
+                             "reclaim_wait": "block" if re.search(r"--elastic-kv-reclaim-wait[= ]block\b", d.get("server_command", "")) else "decode",
                              **({k: d["cycles_run"][k] for k in ("long_itl_ms", "short_ttft_ms") if k in d["cycles_run"]} if d.get("cycles_run") else {}),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},

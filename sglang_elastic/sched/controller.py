@@ -448,6 +448,7 @@ class ElasticController:
         #: (:meth:`defer_prefill`).
         self.prefills_deferred = 0
         self._skip: Optional[dict] = None  # this pass reclaimed nothing: counted if a prefill forms
+        self._idle_decided = False  # on_idle decided for this idle period (reset by the next forward)
         self.metrics = None
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
         self.torch_cache = TorchCache()
@@ -632,6 +633,8 @@ class ElasticController:
                 rec["settle_wait_ms"] = waited
             else:
                 rec["release_wait_ms"] = waited
+                if rec.get("deferred"):  # passes ran the decodes, then this wait (a deferred pass that reclaimed again)
+                    rec["delay_ms"] = rec["ms"] + overlap + waited
             self._reclaim_event(dict(rec, release_overlap_ms=overlap, release_failed=len(errors)))
         return waited
 
@@ -690,8 +693,8 @@ class ElasticController:
         over the ranks): every rank defers while any rank's memory is not back.
         """
         rec = self._room_awaited()
-        if rec is None:
-            return False
+        if rec is None or not self._prefill_may_form(running_batch):
+            return False  # no prefill can form this pass (an idle pass after on_idle): nothing to defer or end
         deferred = rec.get("deferred", 0)
         # the same on every rank: why the prefill forms now (the reclaim's event: defer_end, with the decodes then)
         end = ("block" if self.cfg.reclaim_wait != "decode" else "most passes" if deferred >= MAX_DEFERRED_PASSES
@@ -713,8 +716,11 @@ class ElasticController:
         return True
 
     def on_idle(self) -> None:
-        """After SGLang's idle housekeeping (``Scheduler.on_idle``: no batch ran
-        in this pass or the one before, nothing waits): with eager prefills (no
+        """Before SGLang's idle sleep (``Scheduler.maybe_sleep_on_idle``, which its
+        ``on_idle`` calls once nothing ran in this pass or the one before and
+        nothing waits; with ``--sleep-on-idle`` it then blocks until the next
+        request, so the reclaim must come first), once per idle period (until the
+        next forward: :meth:`after_forward`): with eager prefills (no
         prefill CUDA graphs) and SGLang's activation rule, reclaim now what the
         next prefill will need (:meth:`steps_needed` for a chunk), while no
         request waits for it. Its unmap runs on the helper thread; a request
@@ -726,13 +732,12 @@ class ElasticController:
         the reserve) or the measured rule (its lend leaves a plain prefill's
         need free). The pool lends again after the next run of decode-only
         steps. A collective at TP > 1 (every rank is idle at the same pass)."""
-        if (self.cfg.mode != "dynamic" or not self.lent or self.prefill_in_graphs or self.cfg.activation_rule != "sglang"
-                or self._releasing is not None or not self.sched.is_fully_idle()):
+        if (self._idle_decided or self.cfg.mode != "dynamic" or not self.lent or self.prefill_in_graphs
+                or self.cfg.activation_rule != "sglang" or self._releasing is not None or not self.sched.is_fully_idle()):
             return
-        sa = self.sched.server_args
-        budget = (getattr(sa, "chunked_prefill_size", 0) or 0) or (getattr(sa, "max_prefill_tokens", 0) or 0)
+        self._idle_decided = True  # every rank: the same inputs (a collective follows)
         self._pass_need = self._pass_free = self._pass_room = self._pass_short = None
-        steps = self.steps_needed(budget)
+        steps = self.steps_needed(self._prefill_budget())
         if steps:
             self.reclaim(self.sched.running_batch, steps, IDLE)
 
@@ -743,6 +748,7 @@ class ElasticController:
         (:class:`EagerActivations`, an ``eager_prefill`` event)."""
         if self.lent:
             self._forward_fence = self.fences.record()
+        self._idle_decided = False  # a forward ran: the next idle period decides again (on_idle)
         base, self._probe = self._probe, None
         mode = getattr(batch, "forward_mode", None)
         if base is None or mode is None or not mode.is_extend():
@@ -870,6 +876,8 @@ class ElasticController:
             return
         requests = self._requests_bound(running_batch) if why == EAGER_PREFILL and self.cfg.activation_rule == "measured" else 0
         steps = self.steps_needed(tokens, requests) if why else 0
+        if steps and awaited is not None:  # more than that unmap gives: reclaim() settles it first (the scheduler waits)
+            awaited.update(defer_end="more needed", decodes=len(running_batch.reqs))
         if steps == 0 and awaited is not None:
             # an earlier pass's reclaim is still giving back its memory (defer_prefill ran the decode batch): this
             # pass's forward waits for what it needs of it, now measured (more waiting requests may need more)
@@ -923,8 +931,7 @@ class ElasticController:
 
         s = self.sched
         sa = s.server_args
-        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
-        budget = chunk if chunk > 0 else (getattr(sa, "max_prefill_tokens", 0) or 0)
+        budget = self._prefill_budget()
         per_req = max(int(getattr(sa, "speculative_num_draft_tokens", None) or 1), 1)
         if len(running_batch.reqs) > self.lend_max_bs or getattr(running_batch, "replace_embeds", None) is not None:
             return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, budget)
@@ -946,6 +953,13 @@ class ElasticController:
             if getattr(r, "return_logprob", False):  # tc_piecewise refuses it; breakable and full run its logits tail eagerly
                 return "a request for logprobs (their logits run outside the prefill graphs)", budget
         return "", 0
+
+    def _prefill_budget(self) -> int:
+        """The tokens of the largest prefill pass: the chunk, or ``max_prefill_tokens`` without chunked prefill
+        (``--chunked-prefill-size -1``, which SGLang also sets itself for some models)."""
+        sa = self.sched.server_args
+        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
+        return chunk if chunk > 0 else (getattr(sa, "max_prefill_tokens", 0) or 0)
 
     def steps_needed(self, tokens: int, requests: int = 0) -> int:
         """Lent steps to reclaim so that the device has SGLang's activation
@@ -986,7 +1000,10 @@ class ElasticController:
         pass's :meth:`before_prefill` reclaims before that decode runs."""
         if self.arena.unsettled and not self._preparing_only():  # a reclaim's (or dropped prepare's) handles released there: their memory is the forward's
             if self._room_awaited() is not None:
-                self._wait_room()  # as much as the forward needs; the rest goes on behind it
+                # only a forward that needs the memory waits for it: a prefill that formed, or a decode batch that runs
+                # eagerly; an idle pass leaves the unmap running (the same on every rank: no collective follows)
+                if new_batch is not None or self.reserve_needed(running_batch)[0]:
+                    self._wait_room()  # as much as the forward needs; the rest goes on behind it
             else:
                 self._settle()
         skip, self._skip = self._skip, None

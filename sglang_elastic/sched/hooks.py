@@ -10,7 +10,7 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
 | ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form (no prefill forms while the reclaim's unmap is still giving back what its forward needs: the decode batch runs, ``--elastic-kv-reclaim-wait``); lend after decode-only steps |
 | ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device); notes an eager prefill, whose pass peak is read when the next pass begins (``EagerActivations``) |
-| ``Scheduler.on_idle`` | AFTER | with eager prefills, reclaim while idle what the next prefill needs (:meth:`.ElasticController.on_idle`) |
+| ``Scheduler.maybe_sleep_on_idle`` | BEFORE | with eager prefills, reclaim while idle what the next prefill needs, before SGLang's idle sleep (``--sleep-on-idle`` blocks there until the next request) (:meth:`.ElasticController.on_idle`) |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
 
@@ -37,7 +37,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}._get_new_batch_prefill_raw", _around_prefill_raw, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.run_batch", _after_run_batch, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
-    HookRegistry.register(f"{_SCHEDULER}.on_idle", _after_on_idle, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.maybe_sleep_on_idle", _before_idle_sleep, HookType.BEFORE)
 
 
 def _after_scheduler_init(result, sched, *args, **kwargs):
@@ -75,11 +75,11 @@ def _after_run_batch(result, sched, *args, **kwargs):
     return result
 
 
-def _after_on_idle(result, sched, *args, **kwargs):
+def _before_idle_sleep(sched, *args, **kwargs):
     ctl = getattr(sched, "_sglang_elastic", None)
     if ctl is not None:
         ctl.on_idle()
-    return result
+    return None  # the arguments unchanged
 
 
 def _after_internal_state(result, sched, *args, **kwargs):

@@ -49,8 +49,8 @@ class ElasticMetrics:
         self.reclaim_stops = counter("reclaim_stops", "Reclaims that stopped with the pool still lent (no base room, or a failure); lending is off after one.")
         self.lend_ms = hist("lend_ms", "Lend latency on the scheduler thread, ms.")
         self.reclaim_ms = hist("reclaim_ms", "Reclaim latency on the scheduler thread (the vacate; the unmap runs on a helper thread), ms.")
-        self.reclaim_needed_ms = hist("reclaim_needed_ms", "What the scheduler waited for a reclaim: the reclaim on its thread plus the wait "
-                                      "for the memory the forward needs from the helper thread's unmap (passes that ran the decode batch "
-                                      "meanwhile not counted: reclaim_delay_ms), ms.")
+        self.reclaim_needed_ms = hist("reclaim_needed_ms", "What the scheduler waited for a reclaim: the reclaim on its thread (not for one "
+                                      "made while idle, which kept nobody waiting) plus the wait for the memory the forward needs from the "
+                                      "helper thread's unmap (passes that ran the decode batch meanwhile not counted: reclaim_delay_ms), ms.")
         self.reclaim_delay_ms = hist("reclaim_delay_ms", "From a reclaim's start to the launch of the forward it was for, decode passes run "
                                      "meanwhile included (--elastic-kv-reclaim-wait decode), ms.")
