@@ -342,13 +342,11 @@ def assemble(args) -> None:
     def needed(d, decoding=None):  # reclaims that unmapped (events written before issue 22 have no "steps": each unmapped all)
         # since build 2 the handles are released on a helper thread; the scheduler waits for them before the
         # forward (release_wait_ms): counted, so the time is what the prompt waited; an idle reclaim's own time
-        # (on_idle) kept nobody waiting. decoding: only the reclaims whose prefill found decodes running (or
-        # ran them meanwhile: deferred), or only those that found none (the GPU idle: nothing to run instead)
-        def ran_decodes(e):
-            return e.get("decodes", 0) > 0 or e.get("deferred", 0) > 0
-
+        # (on_idle) kept nobody waiting. decoding: only the reclaims whose prefill formed with decodes running
+        # (the event's "decodes" at that pass: a wait then stalled them, or they ran meanwhile), or only those
+        # that found none (the GPU idle: nothing to run instead; a deferral whose decodes all finished too)
         return [e.get("release_wait_ms", 0.0) + (0.0 if str(e.get("why", "")).startswith("idle") else e["ms"]) for e in d["reclaims"]
-                if e.get("steps", 1) > 0 and (decoding is None or ("decodes" in e and ran_decodes(e) == decoding))] if d else []
+                if e.get("steps", 1) > 0 and (decoding is None or ("decodes" in e and (e["decodes"] > 0) == decoding))] if d else []
 
     def delays(d):  # from a reclaim's start to the forward it was for, decode passes run meanwhile included (--elastic-kv-reclaim-wait)
         return [e["delay_ms"] for e in d["reclaims"] if "delay_ms" in e] if d else []
@@ -389,6 +387,9 @@ def assemble(args) -> None:
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
         itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100
     out = results.header(args.command)
+    if args.keep_header:  # the parts' own run (its date, GPU, commit, command); this summary's code beside it
+        kept = json.loads(Path(args.keep_header).read_text())
+        out = {**{k: kept[k] for k in ("date", "gpu", "commit", "command")}, "summarised": {"commit": out["commit"], "date": out["date"]}}
     gpus = sorted({d.get("gpu") for d in parts.values() if d.get("gpu") not in (None, "unknown")})
     if gpus:  # what the parts ran on (the assembly may run on a machine without a GPU)
         out["gpu"] = "; ".join(gpus)
@@ -482,6 +483,9 @@ def main() -> None:
     a.add_argument("parts", nargs="+")
     a.add_argument("--out", required=True)
     a.add_argument("--command", default="bash scripts/gpu/bench_elastic.sh")
+    a.add_argument("--keep-header", default=None, metavar="RESULT",
+                   help="summarise the parts of an earlier run again with this code: keep RESULT's date, gpu, commit and command "
+                        "(the run's), and record this summary's commit and date under 'summarised'")
     args = ap.parse_args()
     phase(args) if args.cmd == "phase" else assemble(args)
 
