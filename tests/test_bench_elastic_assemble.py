@@ -179,3 +179,22 @@ def test_the_h100_reclaim_wait_parts_give_their_committed_results_and_the_decode
         assert earlier["commit"].startswith("f232728") and earlier["summarised"]["commit"] != earlier["commit"]
         pp = earlier["per_phase"]["elastic_eager"]
         assert (pp["reclaim_needed_ms_decoding"]["p99"] <= 5) == (name != "block")
+
+
+def test_the_benchmark_client_drops_idle_connections_before_sglangs_server_does():
+    """ServerDisconnectedError on 1 and 3 of 110 short prompts (H100, 2026-12-06): aiohttp kept idle connections 15 s,
+    SGLang's HTTP server closes them after SGLANG_TIMEOUT_KEEP_ALIVE (5 s), and a request sent on one as it closed
+    was lost before the server read it. The client now drops them first."""
+    import asyncio
+
+    from sglang.srt.environ import envs
+
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+
+    async def keepalive():
+        async with mod.client_session() as s:
+            return s.connector._keepalive_timeout
+
+    assert mod.KEEPALIVE_S == asyncio.run(keepalive()) < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()

@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import lzma
 import os
 import random
 import re
@@ -158,6 +159,17 @@ class Server:
         return [json.loads(line) for line in open(self.events) if line.strip()]
 
 
+#: Seconds an idle client connection is kept for reuse: below SGLang's server keep-alive (SGLANG_TIMEOUT_KEEP_ALIVE, 5 s in
+#: 0.5.17) and aiohttp's own default (15 s). Seen on an H100 (2026-12-06): 1 and 3 of 110 short prompts of the cycles
+#: workload failed with ServerDisconnectedError, the likely cause a connection the server was closing after 5 s idle (they
+#: most likely never reached the scheduler: those runs made about one reclaim fewer per lost prompt).
+KEEPALIVE_S = 2.0
+
+
+def client_session() -> "aiohttp.ClientSession":
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
+
+
 async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None) -> Dict[str, Any]:
     """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
@@ -197,7 +209,7 @@ async def workload_identity(url: str) -> Dict[str, Any]:
     """32 background decodes that outgrow the 65,536-token base, and 64 short
     requests arriving two at a time (each arrival: a reclaim on the elastic
     server, which must migrate or retract the decodes' lent pages)."""
-    async with aiohttp.ClientSession() as s:
+    async with client_session() as s:
         longs = [asyncio.create_task(generate(s, url, p, 1024)) for p in prompts(32, 1024, 1024, SEED + 5)]
         await asyncio.sleep(2.0)
         shorts = []
@@ -212,7 +224,7 @@ async def workload_identity(url: str) -> Dict[str, Any]:
 
 
 async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any]:
-    async with aiohttp.ClientSession() as s:
+    async with client_session() as s:
         longs = [asyncio.create_task(generate(s, url, p, 1536)) for p in prompts(40, 1024, 1024, SEED)]
         await asyncio.sleep(3.0)
         shorts = []
@@ -231,7 +243,7 @@ async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any
 
 
 async def workload_burst(url: str) -> Dict[str, Any]:
-    async with aiohttp.ClientSession() as s:
+    async with client_session() as s:
         longs = [asyncio.create_task(generate(s, url, p, 1024)) for p in prompts(40, 512, 2048, SEED + 2)]
         await asyncio.sleep(4.0)  # decode-only long enough to lend
         bursts = [asyncio.create_task(generate(s, url, p, 16)) for p in prompts(3, 62000, 62000, SEED + 3)]
@@ -243,7 +255,7 @@ async def workload_burst(url: str) -> Dict[str, Any]:
 
 
 async def workload_itl(url: str) -> Dict[str, Any]:
-    async with aiohttp.ClientSession() as s:
+    async with client_session() as s:
         res = await asyncio.gather(*[generate(s, url, p, 512) for p in prompts(40, 512, 512, SEED + 4)])
     # skip the first 64 tokens: prefill, and the lend after the first decode steps
     gaps = [g for r in res if r["ok"] for g in r["gaps_ms"][64:]]
@@ -325,8 +337,9 @@ def assemble(args) -> None:
     from sglang_elastic import results
 
     parts = {}
-    for p in args.parts:  # as a run writes them (.json) or kept gzipped in the repo (.json.gz: the identity runs' outputs)
-        d = json.loads(gzip.decompress(Path(p).read_bytes()) if p.endswith(".gz") else Path(p).read_text())
+    for p in args.parts:  # as a run writes them (.json) or kept compressed in the repo (.json.gz: the identity runs' outputs; .json.xz)
+        raw = Path(p).read_bytes()
+        d = json.loads(gzip.decompress(raw) if p.endswith(".gz") else lzma.decompress(raw) if p.endswith(".xz") else raw)
         parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else "") + ("-pc" if d.get("post_capture") else ""), d["tp"])] = d
     st, el, al = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
