@@ -653,8 +653,11 @@ class ElasticController:
     def _wait_room(self) -> None:
         """Before the forward a reclaim was for: wait until the unmap on the
         helper thread has given back what the forward needs beyond what was
-        free when the reclaim was decided (``room_bytes``), not for the whole
-        step; its ``release_wait_ms``."""
+        free when the reclaim was decided (``room_bytes``; a deferred pass may
+        have raised it, :meth:`before_prefill`), not for the whole step. Sets
+        the event's ``release_wait_ms`` (this wait) and ``delay_ms`` (from the
+        reclaim's start to now; for an idle reclaim, made for no forward in
+        particular, this wait only)."""
         rec = self._releasing
         t = time.perf_counter()
         self.arena.wait_freed(rec["room_bytes"])
@@ -664,9 +667,11 @@ class ElasticController:
         rec["delay_ms"] = rec["release_wait_ms"] if rec.get("why") == IDLE else rec["ms"] + (now - rec["t_end"]) * 1e3
 
     def _room_awaited(self) -> Optional[dict]:
-        """The pending event of the reclaim whose unmap, running on the helper
-        thread, gives back memory the next forward needs (``room_bytes``) and
-        has not been waited for yet; None without one."""
+        """The pending event of the reclaim whose unmap was handed to the helper
+        thread (maybe finished since: the arena is not settled yet) to give
+        back memory the next forward needs (``room_bytes``), not waited for
+        yet; None without one, or when handles made ahead were dropped since
+        (then the whole release is waited for, :meth:`after_prefill`)."""
         rec = self._releasing
         if (rec is None or not self.arena.unsettled or rec.get("room_bytes") is None or "release_wait_ms" in rec
                 or self._dropped_prepared):
@@ -684,7 +689,10 @@ class ElasticController:
         running requests do not stall behind the unmap (measured on an H100: the
         in-flight forward's ~6 ms and the driver's ~10 ms for a 9.5 GiB step).
 
-        Not deferred: with ``block``; with a chunked request between chunks (its
+        Nothing to defer (False, nothing recorded) when no prefill can form this
+        pass (SGLang's own early exit, :meth:`_prefill_may_form`). Not deferred
+        (False; the event's ``defer_end`` says which): with ``block``; with a
+        chunked request between chunks (its
         next chunk must run, as SGLang's delayers leave it); when the decode
         batch is empty, prefill-only, above :attr:`lend_max_bs` or carries
         embedding overrides (it would run outside the decode graphs, on the
@@ -718,11 +726,12 @@ class ElasticController:
     def on_idle(self) -> None:
         """Before SGLang's idle sleep (``Scheduler.maybe_sleep_on_idle``, which its
         ``on_idle`` calls once nothing ran in this pass or the one before and
-        nothing waits; with ``--sleep-on-idle`` it then blocks until the next
-        request, so the reclaim must come first), once per idle period (until the
-        next forward: :meth:`after_forward`): with eager prefills (no
-        prefill CUDA graphs) and SGLang's activation rule, reclaim now what the
-        next prefill will need (:meth:`steps_needed` for a chunk), while no
+        nothing waits; with ``--sleep-on-idle`` it then polls for the next
+        request for up to a second, so the reclaim must come first), once per
+        idle period (until the next forward: :meth:`after_forward`): with eager
+        prefills (no prefill CUDA graphs) and SGLang's activation rule, reclaim
+        now what the next prefill will need (:meth:`steps_needed` for the
+        largest prefill pass, :meth:`_prefill_budget`), while no
         request waits for it. Its unmap runs on the helper thread; a request
         that arrives meanwhile waits only for the rest (no decode batch runs
         to defer it to). Seen on an H100 (2026-12-06, 64 to 512-token prompts

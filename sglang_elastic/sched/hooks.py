@@ -8,9 +8,9 @@ by the plugin, in each scheduler process, when ``--enable-elastic-kv``:
 | ``KVCacheConfigurator._build_mha_kv_pool`` | AROUND | builds the elastic pool (:mod:`.build`) |
 | ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` | AROUND | its allocator |
 | ``Scheduler.__init__`` | AFTER | measures the lendable bytes after CUDA-graph capture, creates the :class:`.ElasticController` |
-| ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form (no prefill forms while the reclaim's unmap is still giving back what its forward needs: the decode batch runs, ``--elastic-kv-reclaim-wait``); lend after decode-only steps |
+| ``Scheduler._get_new_batch_prefill_raw`` | AROUND | reclaim before a prefill may form (with ``--elastic-kv-reclaim-wait decode`` and a decode batch in the graphs, no prefill forms while the reclaim's unmap is still giving back what its forward needs: the decode batch runs, at most 16 passes; :meth:`.ElasticController.defer_prefill` says when not); lend after decode-only steps |
 | ``Scheduler.run_batch`` | AFTER | while lent, a fence after the forward it launched (a reclaim waits on it, not on the whole device); notes an eager prefill, whose pass peak is read when the next pass begins (``EagerActivations``) |
-| ``Scheduler.maybe_sleep_on_idle`` | BEFORE | with eager prefills, reclaim while idle what the next prefill needs, before SGLang's idle sleep (``--sleep-on-idle`` blocks there until the next request) (:meth:`.ElasticController.on_idle`) |
+| ``Scheduler.maybe_sleep_on_idle`` | BEFORE | in ``dynamic`` mode with eager prefills and SGLang's activation rule, once per idle period: reclaim what the next prefill needs, before SGLang's idle sleep (with ``--sleep-on-idle`` it polls there for up to a second) (:meth:`.ElasticController.on_idle`) |
 | ``Scheduler.get_internal_state`` | AFTER | adds ``sglang_elastic`` (base, lendable, lent tokens) to ``/server_info``'s ``internal_states`` |
 """
 

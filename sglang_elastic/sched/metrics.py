@@ -19,7 +19,7 @@ class ElasticMetrics:
     """Gauges ``sglang_elastic:lent_bytes`` / ``lent_tokens``; counters
     ``lends`` / ``reclaims`` / ``migrated_pages`` / ``retracted_reqs`` /
     ``vmm_failures`` / ``reclaim_stops`` / ``reclaims_skipped`` / ``prefills_deferred``; histograms ``lend_ms`` / ``reclaim_ms`` /
-    ``reclaim_needed_ms`` (milliseconds)."""
+    ``reclaim_needed_ms`` / ``reclaim_delay_ms`` (milliseconds)."""
 
     def __init__(self, labels: Dict[str, str]):
         from prometheus_client import Counter, Gauge, Histogram
@@ -53,4 +53,5 @@ class ElasticMetrics:
                                       "made while idle, which kept nobody waiting) plus the wait for the memory the forward needs from the "
                                       "helper thread's unmap (passes that ran the decode batch meanwhile not counted: reclaim_delay_ms), ms.")
         self.reclaim_delay_ms = hist("reclaim_delay_ms", "From a reclaim's start to the launch of the forward it was for, decode passes run "
-                                     "meanwhile included (--elastic-kv-reclaim-wait decode), ms.")
+                                     "meanwhile included (--elastic-kv-reclaim-wait decode); for one made while idle, what the "
+                                     "next forward waited for it, ms.")
