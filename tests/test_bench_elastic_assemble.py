@@ -183,17 +183,23 @@ def test_the_h100_reclaim_wait_parts_give_their_committed_results_and_the_decode
 def test_the_benchmark_client_drops_idle_connections_before_sglangs_server_does():
     """ServerDisconnectedError on 1 and 3 of 110 short prompts (H100, 2026-12-06): aiohttp kept idle connections 15 s,
     SGLang's HTTP server closes them after SGLANG_TIMEOUT_KEEP_ALIVE (5 s), and a request sent on one as it closed
-    was lost before the server read it. The client now drops them first."""
+    was lost before the server read it. Every benchmark client (bench_elastic, bench_offload, the Ray eval's)
+    now takes the eval client's session, which drops them first."""
     import asyncio
 
     from sglang.srt.environ import envs
 
     from gpu_scripts import load_script
+    from sglang_elastic.eval import client
 
     mod = load_script("bench_elastic")
 
-    async def keepalive():
-        async with mod.client_session() as s:
-            return s.connector._keepalive_timeout
+    async def connectors():
+        async with mod.client_session() as a, client.client_session(limit=0) as b:
+            return [(c._keepalive_timeout, c.limit) for c in (a.connector, b.connector)]
 
-    assert mod.KEEPALIVE_S == asyncio.run(keepalive()) < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    assert asyncio.run(connectors()) == [(client.KEEPALIVE_S, 100), (client.KEEPALIVE_S, 0)]
+    assert client.KEEPALIVE_S < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    for script in ("bench_elastic.py", "bench_offload.py"):
+        assert "aiohttp.ClientSession(" not in (ROOT / "scripts/gpu" / script).read_text()
+    assert (ROOT / "sglang_elastic/eval/client.py").read_text().count("aiohttp.ClientSession(") == 1  # client_session's own

@@ -159,15 +159,14 @@ class Server:
         return [json.loads(line) for line in open(self.events) if line.strip()]
 
 
-#: Seconds an idle client connection is kept for reuse: below SGLang's server keep-alive (SGLANG_TIMEOUT_KEEP_ALIVE, 5 s in
-#: 0.5.17) and aiohttp's own default (15 s). Seen on an H100 (2026-12-06): 1 and 3 of 110 short prompts of the cycles
-#: workload failed with ServerDisconnectedError, the likely cause a connection the server was closing after 5 s idle (they
-#: most likely never reached the scheduler: those runs made about one reclaim fewer per lost prompt).
-KEEPALIVE_S = 2.0
-
-
+#: Seen on an H100 (2026-12-06): 1 and 3 of 110 short prompts of the cycles workload failed with
+#: ServerDisconnectedError, the likely cause a connection the server was closing after 5 s idle (they most likely never
+#: reached the scheduler: those runs made about one reclaim fewer per lost prompt): the eval client's session, which
+#: drops idle connections first (sglang_elastic.eval.client.KEEPALIVE_S).
 def client_session() -> "aiohttp.ClientSession":
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
+    from sglang_elastic.eval.client import client_session as session
+
+    return session()
 
 
 async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None) -> Dict[str, Any]:

@@ -331,8 +331,9 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
         return ttft, itl, n
 
     async def main():
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        from sglang_elastic.eval.client import client_session  # drops idle connections before SGLang's server does
+
+        async with client_session(limit=0, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             t0 = time.perf_counter()
             res = await asyncio.gather(*(one(session, p) for p in ps), return_exceptions=True)
             return res, time.perf_counter() - t0

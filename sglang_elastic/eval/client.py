@@ -209,6 +209,21 @@ def time_shares(records: Sequence[RequestRecord]) -> Dict[str, float]:
     return {"wall_s": wall, "decode_only_s": decode_only, "prefill_s": prefill, "idle_s": max(0.0, wall - decode_only - prefill), "decode_only_fraction": decode_only / wall if wall > 0 else 0.0}
 
 
+#: Seconds an idle connection is kept for reuse: below SGLang 0.5.17's server keep-alive (``SGLANG_TIMEOUT_KEEP_ALIVE``,
+#: 5 s) and aiohttp's default (15 s), which let a request go out on a connection the server was closing (the client
+#: then sees ``ServerDisconnectedError``; 1 and 3 of 110 prompts in two runs of scripts/gpu/bench_elastic.py on an H100).
+KEEPALIVE_S = 2.0
+
+
+def client_session(**kw):
+    """``aiohttp.ClientSession`` whose connector drops idle connections after :data:`KEEPALIVE_S` (``limit``: its
+    connection cap, aiohttp's 100 by default; 0: none)."""
+    import aiohttp
+
+    limit = kw.pop("limit", 100)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S), **kw)
+
+
 # -- workloads --------------------------------------------------------------
 
 
@@ -216,7 +231,7 @@ async def _decode_then_long_once(url: str, w: DecodeThenLong, vocab_size: int, r
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with client_session(timeout=timeout) as session:
         dec = [RequestRecord(w.decode_input_len, w.decode_output_len, time.perf_counter()) for _ in range(w.decodes)]
         dec_tasks = [asyncio.create_task(stream_generate(session, url, random_ids(rng, w.decode_input_len, vocab_size), w.decode_output_len, r)) for r in dec]
         # every decode has its first token (or failed) before the long prompts arrive
@@ -274,7 +289,7 @@ async def _mix(url: str, w: Mix, vocab_size: int) -> List[RequestRecord]:
     outs = w.output_len.sample(rng, w.num_requests)
     gaps = [0.0 if w.request_rate == float("inf") else rng.expovariate(w.request_rate) for _ in range(w.num_requests)]
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with client_session(timeout=timeout, limit=0) as session:
         tasks = []
         for n_in, n_out, gap in zip(ins, outs, gaps):
             if gap:
@@ -306,7 +321,7 @@ def run_mix(url: str, w: Mix, vocab_size: int) -> Dict[str, Any]:
 async def _one(url: str, input_ids: Sequence[int], max_new_tokens: int) -> RequestRecord:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600)) as session:
+    async with client_session(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600)) as session:
         return await stream_generate(session, url, input_ids, max_new_tokens)
 
 
