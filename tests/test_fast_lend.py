@@ -52,6 +52,27 @@ class Gate:
         self.go.set()
 
 
+class HoldRelease:
+    """The helper thread's ``n``-th handle release (``cuMemRelease``, buffer by buffer) waits until
+    ``go`` is set; ``held`` is set when it waits; ``released`` counts the releases seen."""
+
+    def __init__(self, be: HostBackend, n: int):
+        self.n, self.released, self.go, self.held = n, [], threading.Event(), threading.Event()
+        be.on_call = self
+
+    def __call__(self, call: str) -> None:
+        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
+            self.released.append(1)
+            if len(self.released) == self.n:
+                self.held.set()
+                assert self.go.wait(JOIN)
+
+    def reset(self) -> None:
+        self.released.clear()
+        self.go.clear()
+        self.held.clear()
+
+
 def _run(fn):
     """``fn`` on a plain thread; returns (thread, box of its result or error)."""
     box = {}
@@ -929,17 +950,7 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     free0 = bed.be.free_bytes()
     # as steps_needed leaves them: 2 buffers and a byte short
     bed.ctl._pass_need, bed.ctl._pass_free, bed.ctl._pass_room = free0 + 2 * buf + 1, (free0, 0), 2 * buf + 1
-    released = []
-    go, held = threading.Event(), threading.Event()
-
-    def on_call(call):
-        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
-            released.append(1)
-            if len(released) == 4:  # the fourth release waits for the test
-                held.set()
-                assert go.wait(JOIN)
-
-    bed.be.on_call = on_call
+    hold = HoldRelease(bed.be, 4)  # the fourth release waits for the test
 
     class Hist(list):
         def observe(self, v):
@@ -959,9 +970,9 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     assert bed.ctl.reclaim(bed.batch, why="test")
     bed.ctl.after_prefill(bed.batch, bed.batch)  # returns once three buffers are back (two and a byte needed) ...
     assert bed.be.free_bytes() >= free0 + 3 * buf
-    assert held.wait(JOIN)  # ... while the helper goes on to the fourth release, held there
-    assert len(released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf
-    go.set()
+    assert hold.held.wait(JOIN)  # ... while the helper goes on to the fourth release, held there
+    assert len(hold.released) == 4 and a.busy and bed.be.free_bytes() == free0 + 3 * buf
+    hold.go.set()
     bed.ctl._settle()
     assert bed.be.free_bytes() == free0 + step and not a.busy
     [rec] = [json.loads(line) for line in events.read_text().splitlines() if '"reclaim"' in line]
@@ -972,14 +983,12 @@ def test_the_forward_after_a_reclaim_waits_for_the_memory_it_needs_not_for_the_w
     assert bed.ctl.lend() == ELASTIC
     free0 = bed.be.free_bytes()
     bed.ctl._pass_need = bed.ctl._pass_room = None
-    released.clear()
-    go.clear()
-    held.clear()
+    hold.reset()
     assert bed.ctl.reclaim(bed.batch, why="test")
     t, box = _run(lambda: bed.ctl.after_prefill(bed.batch, bed.batch))
-    assert held.wait(JOIN)
+    assert hold.held.wait(JOIN)
     assert t.is_alive()  # the forward still waits, with the fourth release held
-    go.set()
+    hold.go.set()
     t.join(JOIN)
     assert "error" not in box and bed.be.free_bytes() == free0 + step and not a.busy
     bed.check_ownership_and_accounting()
@@ -1111,24 +1120,15 @@ def test_a_deferred_pass_that_needs_more_than_the_reclaim_was_for_waits_for_more
     free0 = bed.be.free_bytes()
     need = {"bytes": free0 + 2 * buf + 1}  # two buffers and a byte more than is free
     monkeypatch.setattr(controller, "eager_activation_bytes", lambda tokens, ranks=1: need["bytes"])
-    released, go, held = [], threading.Event(), threading.Event()
-
-    def on_call(call):
-        if call == "release" and threading.current_thread().name.startswith("sglang-elastic-vmm"):
-            released.append(1)
-            if len(released) == 4:  # the fourth release waits for the test
-                held.set()
-                assert go.wait(JOIN)
-
-    bed.be.on_call = on_call
+    hold = HoldRelease(bed.be, 4)  # the fourth release waits for the test
     bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))
     ctl.before_prefill(bed.batch)
-    assert ctl._releasing["room_bytes"] == 2 * buf + 1 and held.wait(JOIN)  # three buffers back, the fourth held
+    assert ctl._releasing["room_bytes"] == 2 * buf + 1 and hold.held.wait(JOIN)  # three buffers back, the fourth held
     assert not ctl.defer_prefill(bed.batch)  # enough for the first pass's need
     need["bytes"] = free0 + 5 * buf  # more waiting now: five buffers' worth
     assert _pass(bed, orig) == (None, bed.batch)  # measured again: not back yet, deferred
     assert ctl._releasing["room_bytes"] == step + (free0 + 5 * buf) - (free0 + step) == 5 * buf and ctl.cycles == 1
-    go.set()
+    hold.go.set()
     assert a.wait_freed(5 * buf)
     new, _ = _pass(bed, orig)
     assert new is not None and ctl.prefills_deferred == 1 and ctl.cycles == 1
@@ -1246,19 +1246,11 @@ def test_a_deferred_pass_that_must_reclaim_more_says_so_in_the_first_reclaims_ev
 
 def test_every_elastic_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
     """The hooks' targets resolve in the installed SGLang (a renamed method would silently never be called)."""
-    import importlib
-
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
     from sglang_elastic.sched import hooks
+    from test_offload_config import hook_targets
 
-    seen = []
-    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append(target)))
-    hooks.register()
+    seen = hook_targets(hooks.register, monkeypatch)
     assert "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle" in seen and len(seen) == 7
-    for target in seen:
-        mod, cls, meth = target.rsplit(".", 2)
-        assert callable(getattr(getattr(importlib.import_module(mod), cls), meth)), target
 
 
 def test_an_unmap_on_the_helper_thread_that_fails_is_reported_kept_for_close_and_wait_freed_does_not_hang():

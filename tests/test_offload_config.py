@@ -258,21 +258,28 @@ def test_sizing_names_the_host_as_the_bound_and_refuses_a_pool_below_one_request
     assert resident.bound == "hbm" and resident.host_bytes == 0 and 0.99 < resident.tokens / 906051 < 1.0
 
 
-def test_every_offload_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
-    """The hooks' targets resolve in the installed SGLang (a renamed method would silently never be called)."""
+def hook_targets(register, monkeypatch) -> list:
+    """The SGLang targets ``register`` hands ``HookRegistry.register``, each checked to resolve to a method of the
+    installed SGLang (a renamed method would silently never be called)."""
     import importlib
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_elastic.offload import hooks
-
     seen = []
     monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append(target)))
-    hooks.register()
-    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 5
+    register()
     for target in seen:
         mod, cls, meth = target.rsplit(".", 2)
         assert callable(getattr(getattr(importlib.import_module(mod), cls), meth)), target
+    return seen
+
+
+def test_every_offload_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
+    """The hooks' targets resolve in the installed SGLang (a renamed method would silently never be called)."""
+    from sglang_elastic.offload import hooks
+
+    seen = hook_targets(hooks.register, monkeypatch)
+    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 5
 
 
 def test_estimate_costs_a_summary_row_per_chunk_of_tokens_not_per_context():
