@@ -358,3 +358,29 @@ def test_the_issue22_config_runs_e2s_own_servers_and_workload():
         assert s.model_dump(mode="json") == by_label[s.label], s.label
     assert [w.model_dump(mode="json") for w in i22.workloads] == [w.model_dump(mode="json") for w in e2.workloads]
     assert (i22.experiment, i22.baseline, i22.ttft_tolerance, i22.result_name) == ("capacity", e2.baseline, e2.ttft_tolerance, "capacity_issue22")
+
+
+def test_run_script_name_writes_the_rows_to_a_file_of_their_own_and_refuses_a_bad_name(tmp_path):
+    """The same rows measured again on another GPU (issue 22's E1/E2 on an H200 after the H100 filled
+    capacity_issue22.json) go to --name's file; --resume then reads that file, not the config's."""
+    import json
+    import subprocess
+    import sys
+
+    p = tmp_path / "e.yaml"
+    p.write_text("experiment: reserve_vs_tp\nname: mine\nservers: [{label: a, tp: 1}]\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.standin.json").write_text('{"rows": []}')
+    before = (out / "mine.standin.json").read_bytes()
+    base = [sys.executable, str(ROOT / "scripts/eval/run.py"), str(p), "--out-dir", str(out), "--standin", "--num-gpus", "1", "--no-report"]
+    r = subprocess.run(base + ["--name", "mine_h200"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    got = json.loads((out / "mine_h200.standin.json").read_text())
+    assert got["name"] == "mine_h200" and [x["label"] for x in got["rows"]] == ["a"] and got["rows"][0]["ok"]
+    assert (out / "mine.standin.json").read_bytes() == before  # the config's own file untouched
+    r = subprocess.run(base + ["--name", "mine_h200", "--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "mine_h200.standin.json is measured" in r.stdout, r.stdout + r.stderr[-2000:]
+    r = subprocess.run(base + ["--name", "../elsewhere"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("run.py: --name '../elsewhere': ") and "pattern" in r.stderr and r.stderr.count("\n") == 1
+    assert sorted(x.name for x in out.iterdir()) == ["mine.standin.json", "mine_h200.standin.json"]

@@ -2,7 +2,7 @@
 regenerate docs/eval.md's tables and the plots.
 
     python scripts/eval/run.py scripts/eval/configs/e1_ttft_vs_chunk.yaml [--address auto] [--standin] [--out-dir DIR] [--no-report]
-        [--only LABEL,...] [--resume] [--start-deadline-s S] [--no-warm-first] [--log-dir DIR]
+        [--only LABEL,...] [--resume] [--start-deadline-s S] [--no-warm-first] [--log-dir DIR] [--name NAME]
 
 The JSON is rewritten after every finished server, so a run stopped at a time
 limit keeps what it measured. --only runs some rows and keeps the others from
@@ -10,6 +10,10 @@ the existing result file (when they measured the same server): a long
 experiment can be measured in several calls. A run that starts no server (no
 GPU, a cluster too small for every row, a start deadline already passed)
 writes nothing, neither the JSON nor docs/eval.md, and exits with status 2.
+
+--name writes docs/results/eval/NAME.json instead of the config's name: the
+same rows measured again elsewhere (another GPU, say) get a file of their own,
+and --only / --resume read and keep that file.
 
 --address joins a running Ray cluster (default: the config's cluster.address,
 else a local cluster on this machine). --standin runs the CPU stand-in server
@@ -73,6 +77,7 @@ def main() -> int:
     ap.add_argument("--num-gpus", type=int, default=None, help="local cluster only: GPUs to advertise (default: detected; with --standin: 8)")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated row labels to run; other rows are kept from the existing result file")
+    ap.add_argument("--name", default=None, help="result name (docs/results/eval/NAME.json; default: the config's name, else its experiment)")
     ap.add_argument("--resume", action="store_true", help="run only the rows the existing result file lacks or failed (e.g. after a time limit cut a run)")
     ap.add_argument("--start-deadline-s", type=float, default=None, metavar="S",
                     help="start no server later than S seconds from now (a call with a time limit: rows not started stay for --resume)")
@@ -83,8 +88,10 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         exp = config.load(a.config)
+        if a.name is not None:  # checked as the config's own name field is
+            exp = config.parse({**exp.model_dump(exclude_unset=True), "name": a.name})
     except config.EvalConfigError as e:
-        print(f"run.py: {e}", file=sys.stderr)
+        print(f"run.py: {e}" if a.name is None else f"run.py: --name {a.name!r}: {e}", file=sys.stderr)
         return 2
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not a.standin and cvd and cvd.replace(" ", "") != ",".join(str(i) for i in range(len(cvd.split(",")))):
