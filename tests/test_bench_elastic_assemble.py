@@ -153,6 +153,9 @@ def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_del
     assert pp["reclaim_wait"] == "decode"
     assert pp["long_itl_ms"] == cycles["long_itl_ms"] and pp["short_ttft_ms"] == cycles["short_ttft_ms"]
     assert _assemble([tmp_path / "b" / "elastic-eager_tp1.json"], tmp_path / "e.json")["per_phase"]["elastic_eager"]["reclaim_wait"] == "block"
+    # a part from before the flag (the scheduler waited; its events carry no deferral): not labelled "decode"
+    old = _assemble([PARTS / "issue22" / "h100_d25cb1e_eager" / "elastic-eager_tp1.json.gz"], tmp_path / "f.json")["per_phase"]["elastic_eager"]
+    assert old["reclaims"] > 100 and old["reclaim_wait"] is None and old["prefills_deferred"] == 0
 
 
 def test_the_h100_reclaim_wait_parts_give_their_committed_results_and_the_decodes_no_longer_wait(tmp_path):

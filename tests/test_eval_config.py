@@ -381,6 +381,40 @@ def test_run_script_name_writes_the_rows_to_a_file_of_their_own_and_refuses_a_ba
     assert (out / "mine.standin.json").read_bytes() == before  # the config's own file untouched
     r = subprocess.run(base + ["--name", "mine_h200", "--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "mine_h200.standin.json is measured" in r.stdout, r.stdout + r.stderr[-2000:]
-    r = subprocess.run(base + ["--name", "../elsewhere"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("run.py: --name '../elsewhere': ") and "pattern" in r.stderr and r.stderr.count("\n") == 1
+    for bad in ("../elsewhere", "..", "."):  # "..": a file "...json" and its logs in the log folder's parent
+        r = subprocess.run(base + ["--name", bad], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith(f"run.py: --name {bad!r}: ") and "pattern" in r.stderr and r.stderr.count("\n") == 1
     assert sorted(x.name for x in out.iterdir()) == ["mine.standin.json", "mine_h200.standin.json"]
+    # a config that does not load is the config's error, not --name's
+    (tmp_path / "bad.yaml").write_text("experiment: reserve_vs_tp\nservers: [{label: a, tp: 3}]\n")
+    r = subprocess.run([*base[:2], str(tmp_path / "bad.yaml"), *base[3:], "--name", "fine"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"run.py: {tmp_path / 'bad.yaml'}: ") and "--name" not in r.stderr
+
+
+def test_run_script_name_measures_the_rows_a_config_would_take_from_another_experiments_result(tmp_path):
+    """``reuse`` takes a row from another experiment's result, measured on whatever GPU that one ran on: under --name
+    (the same rows on another GPU) the row is measured here instead, and the run says so."""
+    import subprocess
+    import sys
+
+    from sglang_elastic.eval import config
+
+    (tmp_path / "other.yaml").write_text("experiment: reserve_vs_tp\nname: other\nservers: [{label: x, tp: 1}]\n")
+    (tmp_path / "mine.yaml").write_text("experiment: reserve_vs_tp\nname: mine\nservers: [{label: y, tp: 1, reuse: other/x}, {label: z, tp: 2}]\n")
+    exp = config.load(tmp_path / "mine.yaml")
+    again, reused = config.renamed(exp, "mine_h100")
+    assert reused == ["y"] and again.result_name == "mine_h100" and [s.reuse for s in again.servers] == [None, None]
+    assert [s.identity() for s in again.servers] == [s.identity() for s in exp.servers]
+    assert again.model_dump(exclude={"name", "servers"}) == exp.model_dump(exclude={"name", "servers"})
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/eval/run.py"), str(tmp_path / "mine.yaml"), "--out-dir", str(out), "--standin",
+                        "--num-gpus", "2", "--no-report", "--name", "mine_h100"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "run.py: --name: y measured here, not taken from another experiment's result (reuse)\n" in r.stdout
+    # every config shipped: a new name changes nothing else of any row
+    for f in sorted((ROOT / "scripts/eval/configs").glob("*.yaml")):
+        exp = config.load(f)
+        again, reused = config.renamed(exp, "x_h200")
+        assert [s.identity() for s in again.servers] == [s.identity() for s in exp.servers], f.name
+        assert [s.model_dump(exclude={"reuse"}) for s in again.servers] == [s.model_dump(exclude={"reuse"}) for s in exp.servers], f.name
+        assert reused == [s.label for s in exp.servers if s.reuse] and again.workloads == exp.workloads, f.name

@@ -13,7 +13,8 @@ writes nothing, neither the JSON nor docs/eval.md, and exits with status 2.
 
 --name writes docs/results/eval/NAME.json instead of the config's name: the
 same rows measured again elsewhere (another GPU, say) get a file of their own,
-and --only / --resume read and keep that file.
+and --only / --resume read and keep that file; rows that would take another
+experiment's result (reuse) are measured too.
 
 --address joins a running Ray cluster (default: the config's cluster.address,
 else a local cluster on this machine). --standin runs the CPU stand-in server
@@ -88,11 +89,17 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         exp = config.load(a.config)
-        if a.name is not None:  # checked as the config's own name field is
-            exp = config.parse({**exp.model_dump(exclude_unset=True), "name": a.name})
     except config.EvalConfigError as e:
-        print(f"run.py: {e}" if a.name is None else f"run.py: --name {a.name!r}: {e}", file=sys.stderr)
+        print(f"run.py: {e}", file=sys.stderr)
         return 2
+    if a.name is not None:
+        try:
+            exp, reused = config.renamed(exp, a.name)
+        except config.EvalConfigError as e:
+            print(f"run.py: --name {a.name!r}: {e}", file=sys.stderr)
+            return 2
+        if reused:
+            print(f"run.py: --name: {', '.join(reused)} measured here, not taken from another experiment's result (reuse)")
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not a.standin and cvd and cvd.replace(" ", "") != ",".join(str(i) for i in range(len(cvd.split(",")))):
         # SGLang's SchedulerActor takes Ray's GPU id as its CUDA device index, and

@@ -360,6 +360,14 @@ def assemble(args) -> None:
         return [e.get("release_wait_ms", 0.0) + (0.0 if str(e.get("why", "")).startswith("idle") else e["ms"]) for e in d["reclaims"]
                 if e.get("steps", 1) > 0 and (decoding is None or ("decodes" in e and (e["decodes"] > 0) == decoding))] if d else []
 
+    def reclaim_wait(d):  # what the server did while a reclaim's memory came back (--elastic-kv-reclaim-wait, since 346ad55)
+        m = re.search(r"--elastic-kv-reclaim-wait[= ](decode|block)\b", d.get("server_command", ""))
+        if m:
+            return m.group(1)
+        if any("deferred" in e or "defer_end" in e for e in d["reclaims"]):
+            return "decode"  # the default, and the events say the server had the flag
+        return None  # a part from before the flag (the scheduler waited), or no reclaim to tell
+
     def delays(d):  # from a reclaim's start to the forward it was for, decode passes run meanwhile included (--elastic-kv-reclaim-wait)
         return [e["delay_ms"] for e in d["reclaims"] if "delay_ms" in e] if d else []
 
@@ -426,7 +434,7 @@ def assemble(args) -> None:
                              "reclaim_delay_ms": stats(delays(d)), "prefills_deferred": sum(e.get("deferred", 0) for e in d["reclaims"]),
                              "reclaim_needed_ms_decoding": stats(needed(d, True)), "reclaim_needed_ms_gpu_idle": stats(needed(d, False)),
                              "reclaims_idle": sum(str(e.get("why", "")).startswith("idle") for e in d["reclaims"]),
-                             "reclaim_wait": "block" if re.search(r"--elastic-kv-reclaim-wait[= ]block\b", d.get("server_command", "")) else "decode",
+                             "reclaim_wait": reclaim_wait(d),
                              **({k: d["cycles_run"][k] for k in ("long_itl_ms", "short_ttft_ms") if k in d["cycles_run"]} if d.get("cycles_run") else {}),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},

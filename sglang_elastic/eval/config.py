@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -183,7 +183,7 @@ class ClusterConfig(_Strict):
 
 class Experiment(_Strict):
     experiment: Literal["ttft_vs_chunk", "capacity", "reserve_vs_tp", "decode_fraction"]
-    name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a file stem: not "." or ".."
     description: str = ""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     server_defaults: Dict[str, Any] = Field(default_factory=dict)
@@ -249,6 +249,20 @@ def parse(data: Any, source: str = "<config>") -> Experiment:
         return Experiment.model_validate(data)
     except ValidationError as e:
         raise EvalConfigError(f"{source}: {_format(e)}") from None
+
+
+def renamed(exp: Experiment, name: str) -> Tuple[Experiment, List[str]]:
+    """``exp`` under another result name (``run.py --name``: the same rows measured elsewhere, another GPU say, in
+    a file of their own), its ``reuse`` rows measured instead of taken from another experiment's result (that one
+    ran on the GPU the config was measured on). Returns the experiment and the labels that lost their ``reuse``.
+
+    Raises:
+        EvalConfigError: ``name`` is not a valid result name.
+    """
+    data = exp.model_dump(exclude_unset=True)
+    reused = [s.label for s in exp.servers if s.reuse]
+    data["servers"] = [{k: v for k, v in s.items() if k != "reuse"} for s in data["servers"]]
+    return parse({**data, "name": name}), reused
 
 
 def load(path: Union[str, Path]) -> Experiment:
