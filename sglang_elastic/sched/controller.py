@@ -708,8 +708,7 @@ class ElasticController:
         end = ("block" if self.cfg.reclaim_wait != "decode" else "most passes" if deferred >= MAX_DEFERRED_PASSES
                else "chunked request" if self.sched.chunked_req is not None
                else "no decode batch" if running_batch.is_empty() or getattr(running_batch, "is_prefill_only", False)
-               else "decode batch outside the graphs" if (len(running_batch.reqs) > self.lend_max_bs
-                                                          or getattr(running_batch, "replace_embeds", None) is not None)
+               else "decode batch outside the graphs" if self._decode_outside_graphs(running_batch)
                else None)
         if end is None:
             short = not self.arena.wait_freed(rec["room_bytes"], timeout=0)
@@ -942,7 +941,7 @@ class ElasticController:
         sa = s.server_args
         budget = self._prefill_budget()
         per_req = max(int(getattr(sa, "speculative_num_draft_tokens", None) or 1), 1)
-        if len(running_batch.reqs) > self.lend_max_bs or getattr(running_batch, "replace_embeds", None) is not None:
+        if self._decode_outside_graphs(running_batch):
             return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, budget)
         if not self._prefill_may_form(running_batch):
             return None, 0
@@ -962,6 +961,11 @@ class ElasticController:
             if getattr(r, "return_logprob", False):  # tc_piecewise refuses it; breakable and full run its logits tail eagerly
                 return "a request for logprobs (their logits run outside the prefill graphs)", budget
         return "", 0
+
+    def _decode_outside_graphs(self, batch) -> bool:
+        """Whether ``batch`` decodes outside the decode CUDA graphs while lent: more than :attr:`lend_max_bs`
+        requests, or token-embedding overrides (``replace_embeds``, which the graphs refuse at any size)."""
+        return len(batch.reqs) > self.lend_max_bs or getattr(batch, "replace_embeds", None) is not None
 
     def _prefill_budget(self) -> int:
         """The tokens of the largest prefill pass: the chunk, or ``max_prefill_tokens`` without chunked prefill
@@ -1028,7 +1032,7 @@ class ElasticController:
         if (
             self.cfg.mode == "dynamic" and not self.lent and not self.disabled and self.lendable_tokens > 0 and self._stop is None
             and self.decode_only_steps >= self.prepare_after_steps and self.reserve_needed(running_batch)[0] in (None, "")
-            and len(running_batch.reqs) <= self.lend_max_bs and getattr(running_batch, "replace_embeds", None) is None
+            and not self._decode_outside_graphs(running_batch)
         ):
             if self.decode_only_steps < self.cfg.lend_after_steps:
                 self._prepare_ahead()

@@ -669,8 +669,8 @@ class ElasticArena:
         """Bytes of the unmap running on the helper thread not yet back at
         the driver (0 with none): memory that is coming free, for a decision
         made while it runs (the controller's ``steps_needed``)."""
-        with self._freed_cv:
-            return max(self._freeing_total - self._freed, 0) if self._freeing else 0
+        freed, total = self.unmap_progress()
+        return max(total - freed, 0)
 
     def unmap_progress(self) -> Tuple[int, int]:
         """``(freed, total)``: bytes the unmap running on the helper thread
