@@ -1046,7 +1046,8 @@ def test_an_eager_prefill_reclaims_only_the_steps_sglangs_estimate_needs():
     # the device has all but half a step of what an 8,192-token eager prefill needs
     need = eager_activation_bytes(8192)
     bed.be.capacity = sum(bed.be._handle_bytes.values()) + need - bed.pool.arena.step_bytes() // 2
-    bed.sched.waiting_queue.append(bed.request(list(range(5000, 5100))))
+    assert bed.sched.server_args.chunked_prefill_size == 8192
+    bed.sched.waiting_queue.append(bed.request(list(range(5000, 5000 + 9000))))  # a prompt longer than a chunk
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == 64 and bed.pool.arena.lent_steps == 1  # one step back, one still lent
     after = bed.rows()[b.rid]

@@ -730,10 +730,12 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     # grow with the requests), more than is free: the whole step comes back
     assert prefill(took=70 * MIB, n=4) == int(4 * 64 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB and bed.alloc.lent_tokens == 0
     assert ctl.lend() == ELASTIC
-    # a waiting request that is not plain takes SGLang's estimate, and its pass is not measured into the bound
+    # a waiting request that is not plain takes SGLang's estimate (for the 100 tokens waiting: its floor of 2,048,
+    # still more than is free), and its pass is not measured into the bound
+    assert room < eager_activation_bytes(100) == eager_activation_bytes(2048) < estimate
     for field, value in (("return_logprob", True), ("return_hidden_states", True), ("input_embeds", [[0.0]]),
                          ("multimodal_inputs", object()), ("grammar", object())):
-        assert prefill(took=900 * MIB, **{field: value}) == estimate and bed.alloc.lent_tokens == 0, field
+        assert prefill(took=900 * MIB, **{field: value}) == eager_activation_bytes(100) and bed.alloc.lent_tokens == 0, field
         assert ctl.lend() == ELASTIC
     assert max(ctl.activations.peaks.values()) == 70 * MIB and ctl.activations.measured == 7
     assert ctl.activations.peaks[(budget, 4)] == 70 * MIB
@@ -758,7 +760,7 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     bed.sched.waiting_queue.clear()
     # SGLang's estimate alone, by flag
     ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
-    assert prefill(took=64 * MIB) == estimate and bed.alloc.lent_tokens == 0
+    assert prefill(took=64 * MIB) == eager_activation_bytes(100) and bed.alloc.lent_tokens == 0  # for the tokens waiting
     # checked: a pass above SGLang's estimate is counted and logged once
     with caplog.at_level("WARNING"):
         ctl.activations.add(budget, 1, estimate + 1, plain=True)
@@ -1178,6 +1180,88 @@ def test_an_idle_scheduler_reclaims_for_the_next_eager_prefill_and_a_prompt_arri
     assert rec["why"] == controller.IDLE and rec["defer_end"] == "no decode batch" and rec["decodes"] == 0
     assert rec["delay_ms"] == rec["release_wait_ms"]  # what the arriving prompt waited; the reclaim itself ran while idle
     bed.check_ownership_and_accounting()
+
+
+def test_a_short_prompt_arriving_after_an_idle_reclaim_waits_only_for_what_its_own_prefill_needs(tmp_path, monkeypatch):
+    """Seen on an H100 (2026-12-06, a1bf25b and f232728): short prompts (64 to 512 tokens) that arrived as the GPU
+    went idle waited 6-13 ms (p50 6.4-9.2) for the unmap of the whole 9.5 GiB step, because the idle reclaim and
+    the prompt's pass both took a prefill to need SGLang's estimate for a whole chunk of 8,192 tokens (12.6 GiB).
+    The prompt's pass now sizes its need by the tokens waiting (SGLang's estimate, floored at 2,048 tokens by
+    SGLang's own rule) and waits for that much of the unmap only; the rest goes on behind its forward."""
+    from sglang_elastic.sched import controller, hooks
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, a = bed.ctl, bed.pool.arena
+    buf = a.step_tokens * a.row_bytes[0]
+    step = a.step_tokens * sum(a.row_bytes)
+    assert len(a.row_bytes) >= 6 and all(r == a.row_bytes[0] for r in a.row_bytes)
+    free0 = bed.be.free_bytes()
+    asked = []
+
+    def estimate(tokens, ranks=1):  # a chunk needs more than the whole step; 2,048 tokens two buffers and a byte beyond what is free
+        asked.append(tokens)
+        return free0 + (10 * step if max(tokens, 2048) > 2048 else 2 * buf + 1)
+
+    monkeypatch.setattr(controller, "eager_activation_bytes", estimate)
+    for r in list(bed.batch.reqs):
+        bed.finish(r)
+    bed.sched.is_fully_idle = lambda for_health_check=False: True
+    hold = HoldRelease(bed.be, 4)  # the helper's fourth release waits for the test
+    hooks._before_idle_sleep(bed.sched)
+    assert asked == [bed.sched.server_args.chunked_prefill_size] and ctl.cycles == 1 and a.lent_steps == 0
+    assert ctl._releasing["room_bytes"] > step and hold.held.wait(JOIN)  # the idle reclaim: all of the step; three buffers back
+    bed.sched.is_fully_idle = lambda for_health_check=False: False
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))  # a 100-token prompt
+    t, box = _run(lambda: _pass(bed, orig))
+    t.join(JOIN / 4)  # before: it waited for the held release (the whole step) until the hold gave up (JOIN)
+    alive = t.is_alive()
+    hold.go.set()
+    t.join(JOIN)
+    assert not alive and "error" not in box and box["result"][0] is not None and asked[1:] == [100]
+    ctl._settle()
+    [rec] = _events(events, "reclaim")
+    assert rec["why"] == controller.IDLE and rec["room_bytes"] == 2 * buf + 1 and rec["defer_end"] == "no decode batch"
+    assert rec["steps"] == 1  # the reclaim gave back the whole step; the prompt waited for its part
+    bed.check_ownership_and_accounting()
+
+
+def test_a_prefill_is_sized_by_the_tokens_waiting_up_to_the_chunk_and_without_chunks_by_the_longest_request(tmp_path, monkeypatch):
+    """``reserve_needed``'s tokens for an eager prefill (:meth:`ElasticController._prefill_tokens`): what waits
+    (prompt and output so far, ``Req.seqlen``; the chunked request; with mixed chunks a token per running
+    request), never more than a chunk; with ``--chunked-prefill-size -1`` SGLang admits a first request whole,
+    so at least the longest request even past ``max_prefill_tokens``."""
+    from types import SimpleNamespace
+
+    from sglang_elastic.sched.controller import EAGER_PREFILL
+
+    bed, events, orig = _deferring_bed(tmp_path, monkeypatch)
+    ctl, sched = bed.ctl, bed.sched
+    chunk = sched.server_args.chunked_prefill_size
+    running = len(bed.batch.reqs)
+    assert running > 0
+    sched.waiting_queue.extend([bed.request(list(range(100))), bed.request(list(range(300)))])
+    assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, 400)
+    retracted = bed.request(list(range(50)))
+    retracted.output_ids = list(range(7))  # a retracted request recomputes its output too
+    sched.waiting_queue.append(retracted)
+    assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, 457)
+    sched.waiting_queue.append(bed.request(list(range(chunk))))
+    assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, chunk)
+    sa = sched.server_args
+    try:
+        sched.server_args = SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=chunk // 2, enable_mixed_chunk=False)
+        assert ctl._prefill_tokens(bed.batch) == chunk  # the longest request, admitted whole
+        sched.waiting_queue[:] = sched.waiting_queue[:2]
+        assert ctl._prefill_tokens(bed.batch) == 400
+        sched.server_args = SimpleNamespace(chunked_prefill_size=chunk, enable_mixed_chunk=True)
+        assert ctl._prefill_tokens(bed.batch) == 400 + running  # the running decodes join a mixed prefill
+        sched.waiting_queue.clear()
+        sched.chunked_req = bed.request(list(range(chunk * 3)))  # a long prompt between chunks: its next chunk
+        assert ctl._prefill_tokens(bed.batch) == chunk
+    finally:
+        sched.server_args = sa
+        sched.chunked_req = None
+        sched.waiting_queue.clear()
 
 
 @pytest.mark.parametrize("case", ["prefill graphs", "measured rule"])

@@ -317,6 +317,17 @@ def test_split_and_join_round_trip_and_check_the_hash(tmp_path, capsys):
     with pytest.raises(SystemExit):
         conv.main(["--join", str(tmp_path / "parts"), "--gguf", str(tmp_path / "bad.gguf")])
     assert "sha256 of the joined parts" in capsys.readouterr().err and not (tmp_path / "bad.gguf").exists()
+    # five parts (to travel beside the bundle's halves): the earlier split's are gone, the join takes all five in order
+    conv.main(["--split", str(src), "--parts-dir", str(tmp_path / "parts"), "--parts", "5"])
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [f"m.gguf.part{i}" for i in range(1, 6)] + ["m.gguf.sha256"]
+    assert [(tmp_path / "parts" / f"m.gguf.part{i}").stat().st_size for i in range(1, 6)] == [201, 201, 201, 201, 197]
+    conv.main(["--join", str(tmp_path / "parts"), "--gguf", str(tmp_path / "joined5.gguf")])
+    assert (tmp_path / "joined5.gguf").read_bytes() == src.read_bytes()
+    (tmp_path / "parts" / "m.gguf.part3").unlink()  # a part that did not travel: named, nothing written
+    with pytest.raises(SystemExit):
+        conv.main(["--join", str(tmp_path / "parts"), "--gguf", str(tmp_path / "bad5.gguf")])
+    err = capsys.readouterr().err
+    assert "missing" in err and "m.gguf.part3" in err and not (tmp_path / "bad5.gguf").exists()
 
 
 # ---- the GPU script's client (no server) --------------------------------------------------------------------------

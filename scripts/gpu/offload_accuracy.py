@@ -346,7 +346,10 @@ def run_server(name: str, argv: List[str], samples: List[tasks.Sample], model: M
 STATS = "server_stats"
 #: the offload counters an accuracy result keeps (the rest, the pool's sizing, is in the server's log)
 STAT_KEYS = ("hit_rate", "hits", "misses", "prefetched_rows", "prefetch_hits", "pcie_read_bytes", "decode_steps", "decode_tokens",
-             "hot_pages", "hot_page_overflow", "hot_pages_taken_back", "summary_overflow", "keep_granted_tokens", "keep_demotions")
+             "hot_pages", "hot_page_overflow", "hot_pages_taken_back", "summary_overflow", "keep_granted_tokens", "keep_demotions",
+             # --kv-offload-copy-timing (sglang_elastic.offload.copytime.CopyTimer.stats)
+             "copy_timed_steps", "copy_ms", "copy_exposed_ms", "copy_prefetch_ms", "copy_stall_ms", "copy_waits", "copy_wait_ms",
+             "copy_hidden_share", "copy_unread_steps")
 
 
 def compact_stats(stats: Optional[Dict]) -> Optional[Dict]:

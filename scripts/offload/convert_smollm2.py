@@ -4,7 +4,7 @@ directory that transformers loads offline and SGLang 0.5.17 serves with
 ``rope_parameters``, 8K context, 9 q / 3 kv heads, head_dim 64).
 
     python scripts/offload/convert_smollm2.py --gguf GGUF --out DIR [--dtype bfloat16|float32]
-    python scripts/offload/convert_smollm2.py --split GGUF --parts-dir DIR
+    python scripts/offload/convert_smollm2.py --split GGUF --parts-dir DIR [--parts N]
     python scripts/offload/convert_smollm2.py --join DIR --gguf GGUF [--out DIR ...]
 
 Convert: dequantizes every tensor (Q4_1 / Q8_0 -> float32) with
@@ -18,8 +18,10 @@ on two CPU cores. ``bfloat16`` for SGLang on the GPU (FlashInfer takes no
 fp32); ``float32`` for the CPU oracle.
 
 Split / join: the GPU host takes at most 64 MiB per transfer, so the 98 MB
-GGUF travels as two halves (``NAME.part1``, ``NAME.part2``, each < 50 MB) and
-``NAME.sha256``; ``--join`` checks the hash and writes ``--gguf``.
+GGUF travels in parts (``NAME.part1`` .. ``NAME.partN``, two halves of < 50 MB
+by default; ``--parts 5`` gives parts of ~20 MB that fit beside the bundle's
+halves) and ``NAME.sha256``; ``--join`` takes every part there, in order,
+checks the hash and writes ``--gguf``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -51,17 +54,22 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(gguf: Path, parts_dir: Path) -> None:
-    """Write ``parts_dir/NAME.part1..2`` (halves of the file) and ``NAME.sha256``."""
+def split(gguf: Path, parts_dir: Path, parts: int = PARTS) -> None:
+    """Write ``parts_dir/NAME.part1..N`` (``parts`` equal pieces of the file, the last shorter) and
+    ``NAME.sha256``; parts of an earlier split of the same name are removed first."""
     if not gguf.is_file():
         fail(f"--split {gguf}: no such file")
+    if not 1 <= parts <= 99:
+        fail(f"--parts {parts}: want 1 to 99")
     parts_dir.mkdir(parents=True, exist_ok=True)
+    for old in parts_dir.glob(f"{gguf.name}.part*"):
+        old.unlink()
     data = gguf.read_bytes()
-    step = -(-len(data) // PARTS)
-    for i in range(PARTS):
+    step = -(-len(data) // parts)
+    for i in range(parts):
         (parts_dir / f"{gguf.name}.part{i + 1}").write_bytes(data[i * step: (i + 1) * step])
     (parts_dir / f"{gguf.name}.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {gguf.name}\n")
-    print(f"wrote {parts_dir}/{gguf.name}.part1..{PARTS} and .sha256 ({len(data):,} B)")
+    print(f"wrote {parts_dir}/{gguf.name}.part1..{parts} and .sha256 ({len(data):,} B)")
 
 
 def join(parts_dir: Path, gguf: Path) -> None:
@@ -70,10 +78,11 @@ def join(parts_dir: Path, gguf: Path) -> None:
     if len(sums) != 1:
         fail(f"--join {parts_dir}: expected one NAME.sha256 there, found {len(sums)}")
     want, name = sums[0].read_text().split()
-    parts = [parts_dir / f"{name}.part{i + 1}" for i in range(PARTS)]
-    missing = [str(p) for p in parts if not p.is_file()]
-    if missing:
+    found = sorted(int(m.group(1)) for p in parts_dir.glob(f"{name}.part*") if (m := re.fullmatch(re.escape(name) + r"\.part(\d+)", p.name)))
+    missing = [f"{parts_dir / name}.part{i}" for i in range(1, max(found, default=PARTS) + 1) if i not in found]
+    if missing or not found:
         fail(f"--join: missing {', '.join(missing)}")
+    parts = [parts_dir / f"{name}.part{i}" for i in found]
     tmp = gguf.with_name(gguf.name + ".tmp")
     gguf.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as out:
@@ -141,12 +150,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--split", type=Path, metavar="GGUF", help="split GGUF into --parts-dir")
     ap.add_argument("--parts-dir", type=Path)
+    ap.add_argument("--parts", type=int, default=PARTS, help="with --split: how many parts (default %(default)s)")
     ap.add_argument("--join", type=Path, metavar="DIR", help="join DIR's parts into --gguf first")
     a = ap.parse_args(argv)
     if a.split:
         if a.parts_dir is None or a.join or a.out:
             fail("--split takes --parts-dir and nothing else")
-        split(a.split, a.parts_dir)
+        split(a.split, a.parts_dir, a.parts)
         return
     if a.gguf is None:
         fail("give --gguf (and --out to convert, or --join DIR to assemble it), or --split")

@@ -890,7 +890,10 @@ class ElasticController:
             # an earlier pass's reclaim is still giving back its memory (defer_prefill ran the decode batch): this
             # pass's forward waits for what it needs of it, now measured (more waiting requests may need more)
             if self._pass_short is not None:
-                awaited["room_bytes"] = max(awaited["room_bytes"], self.arena.unmap_progress()[1] + self._pass_short)
+                room = self.arena.unmap_progress()[1] + self._pass_short
+                # an idle reclaim was sized for the largest prefill (on_idle): this pass's prefill, the first that
+                # can form after it (no decode batch runs to defer it to), waits only for what it needs
+                awaited["room_bytes"] = room if awaited.get("why") == IDLE else max(awaited["room_bytes"], room)
             return
         if steps == 0:  # counted in after_prefill, if a prefill forms
             self._skip = {"held_by": "the free memory" if why else "the CUDA graphs", "why": why, "tokens": tokens,
@@ -921,7 +924,8 @@ class ElasticController:
         tokens)``, ``why`` empty when the graphs hold it, None when no
         prefill can form and the decode batch replays a graph (nothing to
         reclaim for); ``tokens`` for SGLang's activation estimate
-        (:func:`eager_activation_bytes`).
+        (:func:`eager_activation_bytes`): a prefill's at most
+        :meth:`_prefill_tokens` (the chunk, or fewer when fewer wait).
 
         A decode batch above :attr:`lend_max_bs` or with embedding overrides
         runs eagerly (it can only have grown through a prefill that needed
@@ -939,18 +943,19 @@ class ElasticController:
 
         s = self.sched
         sa = s.server_args
-        budget = self._prefill_budget()
         per_req = max(int(getattr(sa, "speculative_num_draft_tokens", None) or 1), 1)
         if self._decode_outside_graphs(running_batch):
-            return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, budget)
+            return "the decode batch runs outside the decode graphs", max(len(running_batch.reqs) * per_req, self._prefill_budget())
         if not self._prefill_may_form(running_batch):
             return None, 0
+        budget = self._prefill_tokens(running_batch)
         if not self.prefill_in_graphs:
             return EAGER_PREFILL, budget
         pending = self._pending()
         prefill = sa.cuda_graph_config.prefill
         if len(running_batch.reqs) + len(pending) > self.lend_max_bs:
-            return "the decode batch after this prefill may outgrow the decode graphs", budget
+            # the prefill, then a decode step of every request outside the graphs
+            return "the decode batch after this prefill may outgrow the decode graphs", max(budget, len(running_batch.reqs) + len(pending))
         if prefill.backend == Backend.FULL and len(pending) > (getattr(prefill, "full_prefill_max_req", None) or 1):
             return "more requests than the full prefill graphs hold", budget
         for r in pending:
@@ -966,6 +971,27 @@ class ElasticController:
         """Whether ``batch`` decodes outside the decode CUDA graphs while lent: more than :attr:`lend_max_bs`
         requests, or token-embedding overrides (``replace_embeds``, which the graphs refuse at any size)."""
         return len(batch.reqs) > self.lend_max_bs or getattr(batch, "replace_embeds", None) is not None
+
+    def _prefill_tokens(self, running_batch) -> int:
+        """The most tokens the prefill this pass may form can take: the
+        chunk (:meth:`_prefill_budget`), but no more than the requests it
+        may take hold (:meth:`_pending`: each request's prompt and output so
+        far, ``Req.seqlen``, before any cached prefix is matched; with mixed
+        chunks one token of each running request too). Without chunked
+        prefill SGLang admits a first request whole whatever its length
+        (``PrefillAdder.add_one_req``), so then at least the longest one.
+        A short prompt that finds the pool lent is sized by its own tokens
+        (SGLang's estimate still floors them at 2,048), not by a whole chunk:
+        seen on an H100 (2026-12-06), 64 to 512-token prompts arriving at an
+        idle GPU waited 6-13 ms for the unmap of a whole 9.5 GiB step because
+        a chunk of 8,192 tokens was taken to need 12.6 GiB."""
+        sa = self.sched.server_args
+        budget = self._prefill_budget()
+        lengths = [int(getattr(r, "seqlen", 0) or 0) for r in self._pending()]
+        held = sum(lengths) + (len(running_batch.reqs) if getattr(sa, "enable_mixed_chunk", False) else 0)
+        if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 and lengths:
+            budget = max(budget, max(lengths))
+        return min(budget, held)
 
     def _prefill_budget(self) -> int:
         """The tokens of the largest prefill pass: the chunk, or ``max_prefill_tokens`` without chunked prefill
