@@ -150,6 +150,54 @@ def test_noise_floor_accepts_the_controls_spread_and_rejects_more():
     assert nf["mean_ratio"] == 1.0 and not nf["within_caps"] and not nf["ok"]
 
 
+def _div(ref_margin, got_margin, near=False, in_tops=True):
+    return {"near_tie": near, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin, "got_in_ref_top": in_tops, "ref_in_got_top": in_tops}
+
+
+def test_a_flip_where_the_references_own_gap_is_within_the_controls_noise_is_at_the_noise_floor():
+    """SmolLM2's real weights, bf16 (H100, 2026-12-06): SGLang's own Triton decode moved a decode step's logprob by
+    up to 0.221 nats and flipped tokens whose reference gap was 0.136 nats, past the 0.1-nat near-tie bound; our split
+    flipped one at 0.201 (mean and max |dlogprob| 1.07x / 1.01x the control's). A flip whose reference gap is within
+    the control's largest |dlogprob| (capped at NOISE_MAX_CAP) is noise; one beyond it, or to a token outside the
+    reference's top-k, is not."""
+    control = _run(e2e.CONTROL, [0.01] * 20 + [0.221])
+    run = _run("split", [0.011] * 20 + [0.224])
+    run["divergences"] = [_div(0.002, 0.253), _div(0.201, 0.241), _div(0.03, 0.02, near=True)]
+    nf = e2e.noise_floor(run, control)
+    assert nf["ok"] and nf["noise_nats"] == pytest.approx(0.221) and nf["wide_divergences"] == 0
+    run["divergences"].append(_div(0.23, 0.01))  # the reference ranked them further apart than the control ever moved a step
+    nf = e2e.noise_floor(run, control)
+    assert not nf["ok"] and nf["wide_divergences"] == 1
+    run["divergences"][-1] = _div(0.05, 0.01, in_tops=False)  # a token the reference did not rank near its own
+    assert not e2e.noise_floor(run, control)["ok"]
+    run["divergences"][-1] = _div(0.05, -0.02)  # the run's own pick is not its own top: no flip by rounding
+    assert not e2e.noise_floor(run, control)["ok"]
+    run["divergences"][-1] = _div(None, 0.01)
+    assert not e2e.noise_floor(run, control)["ok"]
+    # a quiet control still admits the near-tie width, and a loud one never more than the cap
+    quiet = _run(e2e.CONTROL, [0.001, 0.002])
+    run = _run("split", [0.001, 0.002])
+    run["divergences"] = [_div(0.09, 0.0)]
+    assert e2e.noise_floor(run, quiet)["noise_nats"] == pytest.approx(e2e.TIE_NATS) and e2e.noise_floor(run, quiet)["ok"]
+    loud = _run(e2e.CONTROL, [0.01, 0.9])
+    assert e2e.noise_floor(run, loud)["noise_nats"] == e2e.NOISE_MAX_CAP
+
+
+def test_auto_ours_may_replay_another_path_on_the_online_corrections_exploring_steps_only():
+    """The SmolLM2 run (2026-12-06) failed auto-ours on one FlashInfer replay in 64: the policy's online correction
+    (on by default) replays a path with too few samples on its timed steps, one in ``sample_every``. auto-ours
+    allows that many, a forced path none."""
+    every = e2e.online_sample_every()
+    assert every == 16
+    cap = {"capture:flashinfer": 8, "capture:split": 8, "capture:compact": 8}
+    assert e2e.check_trace("auto-ours", {**cap, "replay:split": 63, "replay:flashinfer": 1}) == []
+    assert e2e.check_trace("auto-ours", {**cap, "replay:split": 60, "replay:flashinfer": 2, "replay:compact": 2}) == []
+    bad = e2e.check_trace("auto-ours", {**cap, "replay:split": 59, "replay:flashinfer": 5})
+    assert bad and "at most 4 exploring" in bad[0]
+    assert e2e.check_trace("split", {"replay:split": 63, "replay:flashinfer": 1})  # forced: no correction, no exploring
+    assert e2e.check_trace(e2e.MUTANT, {"replay:split": 63, "replay:compact": 1})
+
+
 def test_judge_passes_by_tolerance_or_noise_floor_and_never_judges_the_control():
     runs = [_run(e2e.CONTROL, [0.01, 0.02, 0.03, 0.15]), _run("split", [0.004, 0.01, 0.02, 0.16]), {**_run("flashinfer", [0.0]), "close": True}]
     assert e2e.judge(runs)

@@ -349,13 +349,24 @@ def compare(ref, got, tol: float = 1e-2, tie_nats: float = TIE_NATS, quantum: fl
 def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
     """Whether ``run`` (a :func:`compare` result) is at the noise floor of
     ``control`` (SGLang's Triton decode against the same reference): every
-    divergence a near-tie, no output problem, the mean and the max of its
-    ``|dlogprob|`` each at most ``factor`` times the control's and within the
-    absolute caps ``NOISE_MEAN_CAP`` / ``NOISE_MAX_CAP`` (so a control gone
-    wrong cannot carry a run). A second
-    correct bf16 kernel differs from FlashInfer by rounding; a wrong one (a
-    chunk dropped, a head misread) by far more than SGLang's own kernel does.
-    Returns ``{"ok", "mean_ratio", "max_ratio", "within_caps"}``."""
+    divergence where the reference's own top-2 gap is within the noise
+    (``noise_nats``: the control's largest ``|dlogprob|`` over decode steps,
+    at least the near-tie bound, at most ``NOISE_MAX_CAP``), no output
+    problem, the mean and the max of its ``|dlogprob|`` each at most
+    ``factor`` times the control's and within the absolute caps
+    ``NOISE_MEAN_CAP`` / ``NOISE_MAX_CAP`` (so a control gone wrong cannot
+    carry a run). A second correct bf16 kernel differs from FlashInfer by
+    rounding; a wrong one (a chunk dropped, a head misread) by far more than
+    SGLang's own kernel does. The product decision for bf16 is the mean and
+    max against the control; the divergence bound is what "the greedy token
+    agrees where the reference's top-2 gap exceeds what the tolerance admits"
+    becomes when the tolerance is the control's noise: on SmolLM2's real
+    weights (H100, 2026-12-06) SGLang's own Triton decode moved a decode
+    step's logprob by up to 0.22 nats and flipped tokens whose reference gap
+    was 0.136 nats, wider than the 0.1-nat near-tie bound an earlier rule
+    asked of every divergence (the random-weight runs stayed within it).
+    Returns ``{"ok", "mean_ratio", "max_ratio", "within_caps", "noise_nats",
+    "wide_divergences"}`` (the divergences beyond ``noise_nats``)."""
     a, c = run["abs_logprob_diff"], control["abs_logprob_diff"]
 
     def ratio(k):
@@ -363,8 +374,16 @@ def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
 
     m, x = ratio("mean"), ratio("max")
     capped = a["mean"] <= NOISE_MEAN_CAP and a["max"] <= NOISE_MAX_CAP
-    ok = not run["problems_outputs"] and all(d["near_tie"] for d in run["divergences"]) and m <= factor and x <= factor and capped
-    return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped}
+    noise = min(max(c["max"], run.get("tie_nats", TIE_NATS)), NOISE_MAX_CAP)
+    def inside(d):  # a near-tie, or the reference itself ranked the two tokens within the noise (each in the other's
+        # top-k, each run's own pick ahead in its own run; 1e-4: float32 logprobs, as compare's near-tie)
+        r, g = d.get("ref_margin_nats"), d.get("got_margin_nats")
+        return d["near_tie"] or (r is not None and g is not None and bool(d.get("got_in_ref_top")) and bool(d.get("ref_in_got_top"))
+                                 and -1e-4 <= r <= noise + 1e-4 and g >= -1e-4)
+
+    wide = sum(not inside(d) for d in run["divergences"])
+    ok = not run["problems_outputs"] and wide == 0 and m <= factor and x <= factor and capped
+    return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped, "noise_nats": noise, "wide_divergences": wide}
 
 
 def control_margin(div: dict, control_outputs, run_outputs) -> float | None:
@@ -425,7 +444,8 @@ def judge(runs: list) -> bool:
 
 TOLERANCE = (f"|dlogprob| <= 1e-2 * max(1, |ref|) up to a request's first divergence (both candidates compared there), every divergence a near-tie "
              f"(each token in the other's top-{TOP_K}, both runs' margins in [0, max({TIE_NATS} nats, {TIE_QUANTA} logit quanta)]); a run beyond the 1e-2 "
-             f"passes at the control's noise floor: near-ties only, mean and max |dlogprob| over decode steps <= {NOISE_FACTOR}x SGLang Triton decode's "
+             f"passes at the control's noise floor: every divergence a near-tie or one whose reference gap is within the control's largest decode-step "
+             f"|dlogprob| (capped at {NOISE_MAX_CAP} nats), mean and max |dlogprob| over decode steps <= {NOISE_FACTOR}x SGLang Triton decode's "
              f"and <= {NOISE_MEAN_CAP} / {NOISE_MAX_CAP} nats; the mutant ({MUTANT}, {MUTANT_FAULT}) must fail; tokens_equal reports strict equality")
 
 
@@ -437,6 +457,16 @@ def evaluate(mode: str, ref, got, counts: dict, quantum: float, extra=None) -> d
     return {"policy": mode, **c, "decode_steps": counts, "problems": problems, **(extra or {}), "outputs": got}
 
 
+def online_sample_every() -> int:
+    """One decode step in this many is timed by the policy's online correction
+    (``OnlineCorrector``'s default, as the backend builds it)."""
+    import inspect
+
+    from sglang_elastic.attention.online import OnlineCorrector
+
+    return int(inspect.signature(OnlineCorrector).parameters["sample_every"].default)
+
+
 def check_trace(mode: str, counts: dict):
     """Problems with where the decode steps ran (empty: fine)."""
     problems = []
@@ -446,8 +476,12 @@ def check_trace(mode: str, counts: dict):
     want = {"auto-ours": "split", MUTANT: "split"}.get(mode, mode)
     if want != "auto":
         other = {p: n for p, n in replays.items() if p != want}
-        if other:
-            problems.append(f"{mode}: expected replays of {want} only, got {other}")
+        # auto-ours runs the policy with its online correction (the default): on its timed steps, one in
+        # sample_every, it replays a path with too few samples instead (exploring; every path computes the same
+        # attention), so those few replays go elsewhere; a forced path has no correction and replays its own only
+        explore = sum(replays.values()) // online_sample_every() if mode == "auto-ours" else 0
+        if sum(other.values()) > explore:
+            problems.append(f"{mode}: expected replays of {want} only" + (f" (besides at most {explore} exploring)" if explore else "") + f", got {other}")
     if mode.startswith("auto"):
         captured = {k.split(":", 1)[1] for k in counts if k.startswith("capture:")}
         if captured != {"flashinfer", "split", "compact"}:
@@ -461,6 +495,17 @@ def load_part(path: str) -> dict:
     opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else None
     with (opener(path, "rt") if opener else open(path)) as f:
         return json.load(f)
+
+
+def round_floats(x, digits: int = 6):
+    """``x`` with every float rounded to ``digits`` significant digits (lists and dicts walked)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, list):
+        return [round_floats(v, digits) for v in x]
+    if isinstance(x, dict):
+        return {k: round_floats(v, digits) for k, v in x.items()}
+    return x
 
 
 def parts_dir(out: str) -> str:
@@ -482,7 +527,13 @@ def merge(parts, out: str, command=None) -> int:
     the repo."""
     from sglang_elastic import results
 
-    datas = [load_part(p) for p in parts]
+    kept = parts_dir(out)
+    os.makedirs(kept, exist_ok=True)
+    again = any(os.path.samefile(os.path.dirname(os.path.abspath(p)), kept) for p in parts)
+    # a fresh run's floats to 6 significant digits (logprobs are float32's ~7; every bound here is 1e-4 or wider),
+    # judged and kept so: SmolLM2's real-text outputs take half the bytes (239 against 459 KB xz)
+    datas = [load_part(p) if again else round_floats(load_part(p)) for p in parts]
+
     def shared(key, default, what):  # one value across the parts (parts from before an option have its default)
         values = {d.get(key, default) for d in datas}
         if len(values) > 1:
@@ -502,9 +553,7 @@ def merge(parts, out: str, command=None) -> int:
                                  {k: r[k] for k in ("engine_seconds",) if k in r}))
     missing = sorted({m for d in datas for m in d.get("modes_planned", ())} - {r["policy"] for r in runs})
     ok = judge(runs) and all(r["tokens_equal"] and r["max_rel_logprob_diff"] <= 1e-2 for r in refs) and not missing
-    kept = parts_dir(out)
-    os.makedirs(kept, exist_ok=True)
-    if any(os.path.samefile(os.path.dirname(os.path.abspath(p)), kept) for p in parts):
+    if again:
         # judged again from the kept parts: they stay as they are (a subset
         # merged into the same result must not overwrite or delete the others)
         paths = [os.path.abspath(p) for p in parts]
