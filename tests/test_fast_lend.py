@@ -730,12 +730,11 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     # grow with the requests), more than is free: the whole step comes back
     assert prefill(took=70 * MIB, n=4) == int(4 * 64 * MIB * MEASURED_SAFETY) + MEASURED_SLACK_MB * MIB and bed.alloc.lent_tokens == 0
     assert ctl.lend() == ELASTIC
-    # a waiting request that is not plain takes SGLang's estimate (for the 100 tokens waiting: its floor of 2,048,
-    # still more than is free), and its pass is not measured into the bound
-    assert room < eager_activation_bytes(100) == eager_activation_bytes(2048) < estimate
+    # a waiting request that is not plain takes SGLang's estimate for a whole chunk, and its pass is not measured
+    # into the bound
     for field, value in (("return_logprob", True), ("return_hidden_states", True), ("input_embeds", [[0.0]]),
                          ("multimodal_inputs", object()), ("grammar", object())):
-        assert prefill(took=900 * MIB, **{field: value}) == eager_activation_bytes(100) and bed.alloc.lent_tokens == 0, field
+        assert prefill(took=900 * MIB, **{field: value}) == estimate and bed.alloc.lent_tokens == 0, field
         assert ctl.lend() == ELASTIC
     assert max(ctl.activations.peaks.values()) == 70 * MIB and ctl.activations.measured == 7
     assert ctl.activations.peaks[(budget, 4)] == 70 * MIB
@@ -760,7 +759,9 @@ def test_an_eager_prefill_reclaims_by_what_eager_prefill_passes_took_with_the_me
     bed.sched.waiting_queue.clear()
     # SGLang's estimate alone, by flag
     ctl.cfg = dataclasses.replace(ctl.cfg, activation_rule="sglang")
-    assert prefill(took=64 * MIB) == eager_activation_bytes(100) and bed.alloc.lent_tokens == 0  # for the tokens waiting
+    # for the 100 tokens waiting: SGLang's floor of 2,048, still more than is free
+    assert room < eager_activation_bytes(100) == eager_activation_bytes(2048) < estimate
+    assert prefill(took=64 * MIB) == eager_activation_bytes(100) and bed.alloc.lent_tokens == 0
     # checked: a pass above SGLang's estimate is counted and logged once
     with caplog.at_level("WARNING"):
         ctl.activations.add(budget, 1, estimate + 1, plain=True)
@@ -1247,6 +1248,18 @@ def test_a_prefill_is_sized_by_the_tokens_waiting_up_to_the_chunk_and_without_ch
     assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, 457)
     sched.waiting_queue.append(bed.request(list(range(chunk))))
     assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, chunk)
+    sched.waiting_queue[:] = sched.waiting_queue[:2]
+    embeds = bed.request([])  # a prompt given as embeddings: seqlen does not count it, so the whole chunk
+    embeds.input_embeds = [[0.0] * 8] * 300
+    sched.waiting_queue.append(embeds)
+    assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, chunk)
+    sched.waiting_queue.pop()
+    mm = bed.request(list(range(50)))  # a multimodal prompt (its prefill may run the vision encoder): the chunk
+    mm.multimodal_inputs = object()
+    sched.waiting_queue.append(mm)
+    assert ctl.reserve_needed(bed.batch) == (EAGER_PREFILL, chunk)
+    sched.waiting_queue.pop()
+    sched.waiting_queue.append(bed.request(list(range(chunk))))
     sa = sched.server_args
     try:
         sched.server_args = SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=chunk // 2, enable_mixed_chunk=False)

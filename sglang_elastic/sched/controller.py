@@ -984,10 +984,17 @@ class ElasticController:
         (SGLang's estimate still floors them at 2,048), not by a whole chunk:
         seen on an H100 (2026-12-06), 64 to 512-token prompts arriving at an
         idle GPU waited 6-13 ms for the unmap of a whole 9.5 GiB step because
-        a chunk of 8,192 tokens was taken to need 12.6 GiB."""
+        a chunk of 8,192 tokens was taken to need 12.6 GiB. Only plain
+        requests (:func:`plain_request`) are sized so: with one that is not
+        (its prompt may be embeddings ``seqlen`` does not count, its prefill
+        may run a vision encoder, its logits tail may cover every prompt
+        token), the whole chunk, as before."""
         sa = self.sched.server_args
         budget = self._prefill_budget()
-        lengths = [int(getattr(r, "seqlen", 0) or 0) for r in self._pending()]
+        pending = self._pending()
+        if not all(plain_request(r) for r in pending):
+            return budget
+        lengths = [int(getattr(r, "seqlen", 0) or 0) for r in pending]
         held = sum(lengths) + (len(running_batch.reqs) if getattr(sa, "enable_mixed_chunk", False) else 0)
         if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 and lengths:
             budget = max(budget, max(lengths))
