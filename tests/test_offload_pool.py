@@ -991,3 +991,32 @@ def test_dense_mean_chunk_is_the_share_of_the_mean_context_rounded_up_and_never_
     assert int(dense_mean_chunk(torch.tensor([9000, 9000, 36008], dtype=torch.int32), 3, 16, 100)) == 16
     assert int(dense_mean_chunk(torch.tensor([9000, 1, 9001], dtype=torch.int32), 3, 16, 125)) == 11251
     assert int(dense_mean_chunk(torch.ones(4, dtype=torch.int32), 4, 16, 100)) == 16
+
+
+@pytest.mark.parametrize("failure", ["pin", "allocate"])
+def test_a_host_pool_that_cannot_be_pinned_or_allocated_stops_the_build_with_one_line(monkeypatch, failure):
+    """Issue 24, no loss: a pinned-allocation failure gives a one-line error at start-up. SGLang's
+    ``cudaHostRegister`` check (``pool_host/common.py``) raises with the pointer and a warning about stale data;
+    the pool build now says what failed, how much, and what to change, in one line."""
+    from sglang.srt.mem_cache.pool_host import common
+
+    def register(buffer):  # as SGLang's own check raises it when the driver refuses
+        raise RuntimeError(f"cudaHostRegister failed (rc=2, out of memory) for ptr={buffer.data_ptr():#x} size={buffer.numel()}; "
+                           "host buffer is not pinned and device transfers\nmay silently return stale data.")
+
+    def no_room(dims, dtype, device, pin_memory, allocator):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
+
+    monkeypatch.setattr(common, "_cuda_host_register", register)
+    lay = OffloadLayout(OffloadPolicy(sink=2, window=8, max_topk=24, dense_layers=1), hot_tokens=32, request_rows=5, stage_tokens=1200, hot_page=8)
+    if failure == "allocate":
+        from sglang_elastic.offload import host_pool
+
+        monkeypatch.setitem(host_pool.ALLOC_MEMORY_FUNCS, "cpu", no_room)
+    with pytest.raises(RuntimeError) as err:
+        OffloadKVPool(7000, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=True)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"sglang-elastic: could not {failure} ") and "GB of host memory for the offload V tier" in msg
+    assert "--kv-offload-host-gb" in msg and ("cudaHostRegister failed" in msg) == (failure == "pin")
+    gb = float(msg.split(f"could not {failure} ")[1].split(" GB")[0])
+    assert gb > 0

@@ -88,6 +88,10 @@ class HostVPool(HostKVCache):
         ValueError: not enough free host memory (SGLang's check, which keeps
             ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` free); the message says how
             much was asked for and how much is free.
+        RuntimeError: the allocation or its pinning failed (``cudaHostRegister``:
+            a memlock limit, a driver out of pinnable memory); one line starting
+            ``sglang-elastic:`` with the size and what to change. The server
+            stops at start-up then, before any request.
     """
 
     def __init__(self, device_pool, layer_ids: Sequence[int], pin_memory: bool = True):
@@ -104,8 +108,15 @@ class HostVPool(HostKVCache):
     def init_kv_buffer(self):
         dp = self.device_pool
         dims = (len(self.layer_ids), self.size, dp.head_num, dp.v_head_dim)
-        return ALLOC_MEMORY_FUNCS[dp.device](dims, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory,
-                                             allocator=self.allocator)
+        try:
+            return ALLOC_MEMORY_FUNCS[dp.device](dims, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory,
+                                                 allocator=self.allocator)
+        except (RuntimeError, MemoryError) as e:  # SGLang's cudaHostRegister check, or the host allocation itself
+            gb = f"{self.size * self.get_size_per_token() / 1e9:.3g}"
+            what = "pin" if self.pin_memory and "cudaHostRegister" in str(e) else "allocate"
+            detail = " ".join(str(e).split())[:200]
+            raise RuntimeError(f"sglang-elastic: could not {what} {gb} GB of host memory for the offload V tier ({detail}): "
+                               f"lower --kv-offload-host-gb, or raise the locked-memory limit (ulimit -l)") from None
 
     @property
     def v_buffer(self) -> torch.Tensor:
