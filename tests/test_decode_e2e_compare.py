@@ -150,8 +150,9 @@ def test_noise_floor_accepts_the_controls_spread_and_rejects_more():
     assert nf["mean_ratio"] == 1.0 and not nf["within_caps"] and not nf["ok"]
 
 
-def _div(ref_margin, got_margin, near=False, in_tops=True):
-    return {"near_tie": near, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin, "got_in_ref_top": in_tops, "ref_in_got_top": in_tops}
+def _div(ref_margin, got_margin, near=False, in_tops=True, token=5):
+    return {"near_tie": near, "ref_margin_nats": ref_margin, "got_margin_nats": got_margin, "got_in_ref_top": in_tops, "ref_in_got_top": in_tops,
+            "token": token}
 
 
 def test_a_flip_where_the_references_own_gap_is_within_the_controls_noise_is_at_the_noise_floor():
@@ -174,6 +175,12 @@ def test_a_flip_where_the_references_own_gap_is_within_the_controls_noise_is_at_
     assert not e2e.noise_floor(run, control)["ok"]
     run["divergences"][-1] = _div(None, 0.01)
     assert not e2e.noise_floor(run, control)["ok"]
+    # at token 0 (the shared prefill's) neither candidate's logprob is in the statistics that bound the swing: a flip
+    # there is noise only as a near-tie (a review found a 3.2-nat swing accepted)
+    run["divergences"][-1] = _div(0.2, 3.0, token=0)
+    assert not e2e.noise_floor(run, control)["ok"]
+    run["divergences"][-1] = _div(0.05, 0.04, near=True, token=0)
+    assert e2e.noise_floor(run, control)["ok"]
     # a quiet control still admits the near-tie width, and a loud one never more than the cap
     quiet = _run(e2e.CONTROL, [0.001, 0.002])
     run = _run("split", [0.001, 0.002])

@@ -1268,6 +1268,16 @@ def test_a_prefill_is_sized_by_the_tokens_waiting_up_to_the_chunk_and_without_ch
         assert ctl._prefill_tokens(bed.batch) == 400
         sched.server_args = SimpleNamespace(chunked_prefill_size=chunk, enable_mixed_chunk=True)
         assert ctl._prefill_tokens(bed.batch) == 400 + running  # the running decodes join a mixed prefill
+        # SGLang's scheduler decides (init_chunked_prefill): multimodal models on the Transformers backend run unchunked
+        # although their server args keep the chunk; a 20,000-token prompt is then admitted whole (a review found 8,192)
+        sched.server_args = SimpleNamespace(chunked_prefill_size=chunk, max_prefill_tokens=chunk * 2, enable_mixed_chunk=True)
+        sched.chunked_prefill_size, sched.is_mixed_chunk = None, False
+        sched.waiting_queue.append(bed.request(list(range(20000))))
+        assert ctl._prefill_tokens(bed.batch) == 20000 and ctl._prefill_budget() == chunk * 2 and ctl._requests_bound(bed.batch) == 0
+        sched.waiting_queue.pop()
+        sched.chunked_prefill_size, sched.is_mixed_chunk = chunk, True
+        assert ctl._prefill_tokens(bed.batch) == 400 + running
+        del sched.chunked_prefill_size, sched.is_mixed_chunk
         sched.waiting_queue.clear()
         sched.chunked_req = bed.request(list(range(chunk * 3)))  # a long prompt between chunks: its next chunk
         assert ctl._prefill_tokens(bed.batch) == chunk

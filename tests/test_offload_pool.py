@@ -1020,3 +1020,25 @@ def test_a_host_pool_that_cannot_be_pinned_or_allocated_stops_the_build_with_one
     assert "--kv-offload-host-gb" in msg and ("cudaHostRegister failed" in msg) == (failure == "pin")
     gb = float(msg.split(f"could not {failure} ")[1].split(" GB")[0])
     assert gb > 0
+
+
+def test_an_error_that_is_not_a_host_memory_shortage_is_not_reported_as_one(monkeypatch):
+    """A review found every RuntimeError of the host allocation (a CUDA error, a bad shape) turned into "lower
+    --kv-offload-host-gb": only SGLang's cudaHostRegister failure and out-of-memory errors are; others pass unchanged."""
+    from sglang_elastic.offload import host_pool
+
+    def broken(dims, dtype, device, pin_memory, allocator):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setitem(host_pool.ALLOC_MEMORY_FUNCS, "cpu", broken)
+    lay = OffloadLayout(OffloadPolicy(sink=2, window=8, max_topk=24, dense_layers=1), hot_tokens=32, request_rows=5, stage_tokens=1200, hot_page=8)
+    with pytest.raises(RuntimeError, match="^Cannot re-initialize CUDA in forked subprocess$"):
+        OffloadKVPool(7000, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=True)
+
+    def oom(dims, dtype, device, pin_memory, allocator):
+        raise MemoryError()
+
+    monkeypatch.setitem(host_pool.ALLOC_MEMORY_FUNCS, "cpu", oom)
+    with pytest.raises(RuntimeError, match="^sglang-elastic: could not allocate .* GB of host memory for the offload V tier") as err:
+        OffloadKVPool(7000, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=True)
+    assert isinstance(err.value.__cause__, MemoryError)  # the original error stays attached

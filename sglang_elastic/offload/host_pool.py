@@ -112,11 +112,14 @@ class HostVPool(HostKVCache):
             return ALLOC_MEMORY_FUNCS[dp.device](dims, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory,
                                                  allocator=self.allocator)
         except (RuntimeError, MemoryError) as e:  # SGLang's cudaHostRegister check, or the host allocation itself
+            text = str(e)
+            pin = "cudaHostRegister" in text
+            if not (pin or isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+                raise  # not a shortage of host memory (a CUDA or a shape error): as it is
             gb = f"{self.size * self.get_size_per_token() / 1e9:.3g}"
-            what = "pin" if self.pin_memory and "cudaHostRegister" in str(e) else "allocate"
-            detail = " ".join(str(e).split())[:200]
-            raise RuntimeError(f"sglang-elastic: could not {what} {gb} GB of host memory for the offload V tier ({detail}): "
-                               f"lower --kv-offload-host-gb, or raise the locked-memory limit (ulimit -l)") from None
+            detail = " ".join(text.split())[:200]
+            raise RuntimeError(f"sglang-elastic: could not {'pin' if pin else 'allocate'} {gb} GB of host memory for the offload V tier "
+                               f"({detail}): lower --kv-offload-host-gb, or raise the locked-memory limit (ulimit -l)") from e
 
     @property
     def v_buffer(self) -> torch.Tensor:

@@ -912,10 +912,10 @@ class ElasticController:
         estimate) when a request it may take is not plain (:func:`plain_request`), without chunked prefill (a
         first request is admitted whole, whatever its length) or with pipeline stages (their chunks may grow)."""
         sa = self.sched.server_args
-        if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 or int(getattr(sa, "pp_size", 1) or 1) > 1:
+        if not self._chunk_size() or int(getattr(sa, "pp_size", 1) or 1) > 1:
             return 0
         pending = self._pending()
-        if getattr(sa, "enable_mixed_chunk", False):  # the running decodes join the prefill batch
+        if self._mixed_chunk():  # the running decodes join the prefill batch
             pending += list(running_batch.reqs)
         return len(pending) if pending and all(plain_request(r) for r in pending) else 0
 
@@ -995,17 +995,30 @@ class ElasticController:
         if not all(plain_request(r) for r in pending):
             return budget
         lengths = [int(getattr(r, "seqlen", 0) or 0) for r in pending]
-        held = sum(lengths) + (len(running_batch.reqs) if getattr(sa, "enable_mixed_chunk", False) else 0)
-        if (getattr(sa, "chunked_prefill_size", 0) or 0) <= 0 and lengths:
+        held = sum(lengths) + (len(running_batch.reqs) if self._mixed_chunk() else 0)
+        if not self._chunk_size() and lengths:
             budget = max(budget, max(lengths))
         return min(budget, held)
 
+    def _chunk_size(self) -> int:
+        """The chunk the scheduler prefills in, 0 without chunked prefill: SGLang's
+        ``Scheduler.chunked_prefill_size``, which ``init_chunked_prefill`` sets to None
+        where it turns chunking off (``--chunked-prefill-size -1``, and multimodal
+        models on the Transformers backend, whose server args keep the chunk), else
+        the server args' (a scheduler without the attribute)."""
+        s = self.sched
+        chunk = s.chunked_prefill_size if hasattr(s, "chunked_prefill_size") else getattr(s.server_args, "chunked_prefill_size", 0)
+        return chunk if chunk and chunk > 0 else 0
+
+    def _mixed_chunk(self) -> bool:
+        """Whether running decodes join a chunked prefill batch (``Scheduler.is_mixed_chunk``: off without chunking)."""
+        s = self.sched
+        return bool(s.is_mixed_chunk if hasattr(s, "is_mixed_chunk") else getattr(s.server_args, "enable_mixed_chunk", False))
+
     def _prefill_budget(self) -> int:
         """The tokens of the largest prefill pass: the chunk, or ``max_prefill_tokens`` without chunked prefill
-        (``--chunked-prefill-size -1``, which SGLang also sets itself for some models)."""
-        sa = self.sched.server_args
-        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
-        return chunk if chunk > 0 else (getattr(sa, "max_prefill_tokens", 0) or 0)
+        (:meth:`_chunk_size`)."""
+        return self._chunk_size() or (getattr(self.sched.server_args, "max_prefill_tokens", 0) or 0)
 
     def steps_needed(self, tokens: int, requests: int = 0) -> int:
         """Lent steps to reclaim so that the device has SGLang's activation
@@ -1231,7 +1244,7 @@ class ElasticController:
         if self.cfg.activation_rule != "measured" or self.prefill_in_graphs or not acts.peaks:
             return margin
         sa = self.sched.server_args
-        chunk = getattr(sa, "chunked_prefill_size", 0) or 0
+        chunk = self._chunk_size()
         if chunk <= 0 or int(getattr(sa, "pp_size", 1) or 1) > 1:  # as _requests_bound: SGLang's estimate there
             return margin
         estimate = eager_activation_bytes(chunk, self._ranks())
