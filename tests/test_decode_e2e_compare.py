@@ -230,6 +230,20 @@ def test_judge_counts_the_mutant_as_passed_only_when_its_outputs_fail():
     assert not e2e.judge(ghost) and ghost[1]["criterion"].startswith("mutant NOT caught (failed (decode trace")
 
 
+def test_merge_takes_the_logit_quantum_the_run_read_off_its_unrounded_reference(tmp_path):
+    """Fresh parts are kept with 6 significant digits; a review found that the quantum read off a rounded
+    reference can vanish (bf16 logits where |logprob| crosses 10): the merge takes the one the run stored."""
+    same = _req([4, 5], [-0.5, -0.6], [[[-0.5, 4]], [[-0.6, 5]]])
+    head = {"date": "2026-12-06T11:55:39+00:00", "commit": "0440534" + "0" * 33, "gpu": "NVIDIA H100", "cuda_visible_devices": "0", "seconds": 1.0,
+            "model": "m", "engine": {}, "prompts": {"s": [2]}, "new_tokens": 2, "tolerance": "t", "reference": {"s": [same]},
+            "logit_quantum_nats": 0.0625, "runs": [{"policy": "flashinfer", "outputs": {"s": [same]}, "decode_steps": {"replay:flashinfer": 2}}]}
+    part = tmp_path / "part0.json"
+    part.write_text(json.dumps(head))
+    assert e2e.logit_quantum(head["reference"]) != 0.0625  # what the (rounded) reference alone would say
+    assert e2e.merge([str(part)], str(tmp_path / "m.json")) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["logit_quantum_nats"] == 0.0625
+
+
 def test_merge_judges_the_stored_outputs_again(tmp_path):
     same = _req([4, 5, 6, 7], [-0.5, -0.6, -0.7, -0.8], [[[-0.5, 4]], [[-0.6, 5]], [[-0.7, 6]], [[-0.8, 7]]])
     ref = {"s": [_req([1, 2], [-0.3, -2.0], [[[-0.3, 1], [-0.3625, 7]], [[-2.0, 2], [-2.0, 3]]]), same]}

@@ -544,7 +544,10 @@ def merge(parts, out: str, command=None) -> int:
 
     dtype, seed = shared("dtype", "bfloat16", "dtype"), shared("prompt_seed", 0, "prompt seed")
     ref = datas[0]["reference"]
-    quantum = logit_quantum(ref)
+    # the quantum the run read off its unrounded reference (the parts keep it); parts without it: read off this one
+    # (a review found that rounding to 6 digits can hide bf16 logits' quantum where |logprob| crosses 10)
+    stored = datas[0].get("logit_quantum_nats")
+    quantum = float(stored) if isinstance(stored, (int, float)) else logit_quantum(ref)
     refs, runs = [], []
     for p, d in zip(parts, datas):
         c = compare(ref, d["reference"])
