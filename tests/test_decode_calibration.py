@@ -290,6 +290,27 @@ def test_online_correction_switches_when_a_paths_measured_time_crosses_another()
     assert oc.choose(b, "split") == "flashinfer" and oc.choose(bucket_key(1, 500, 500), "compact") == "compact"
 
 
+def test_the_corrector_says_which_timed_steps_ran_a_path_other_than_the_buckets_choice():
+    """``explored`` names the path of a timed step that is not the bucket's choice (exploring a path with too few
+    samples, or re-timing another), and is None on every other step: the decode trace counts those replays
+    (``explore:PATH``) so the end-to-end check allows exactly them off a forced-looking ``auto``."""
+    oc = OnlineCorrector(("flashinfer", "split", "compact"), sample_every=4, min_samples=3, refresh_every=4)
+    b = bucket_key(32, 20000, 60000)
+    seen = []
+    for step in range(4 * 40):
+        timed = oc.begin_step()
+        path = oc.choose(b, "split")
+        choice = oc.buckets[b].choice or "split"
+        oc.end_step()
+        assert oc.explored == (path if timed and path != choice else None)
+        seen.append((timed, path, oc.explored))
+        if timed:
+            oc.record(b, path, {"flashinfer": 100.0, "split": 90.0, "compact": 130.0}[path])
+    explored = [e for _, _, e in seen if e]
+    assert explored and set(explored) <= {"flashinfer", "compact"}  # split stays the choice; the others are timed
+    assert all(t for t, _, e in seen if e) and sum(1 for t, p, _ in seen if not t and p != "split") == 0
+
+
 def noisy_picks(seed, truth, sd_frac, steps, z):
     """The share of untimed steps on the prior (``flashinfer``) when every sample is ``truth * (1 + N(0, sd_frac))``."""
     import random

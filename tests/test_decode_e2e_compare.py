@@ -200,7 +200,11 @@ def test_auto_ours_may_replay_another_path_on_the_online_corrections_exploring_s
     assert e2e.check_trace("auto-ours", {**cap, "replay:split": 63, "replay:flashinfer": 1}) == []
     assert e2e.check_trace("auto-ours", {**cap, "replay:split": 60, "replay:flashinfer": 2, "replay:compact": 2}) == []
     bad = e2e.check_trace("auto-ours", {**cap, "replay:split": 59, "replay:flashinfer": 5})
-    assert bad and "at most 4 exploring" in bad[0]
+    assert bad and "exploring steps" in bad[0]
+    # since the backend traces its exploring replays (explore:PATH) exactly those are allowed
+    assert e2e.check_trace("auto-ours", {**cap, "replay:split": 59, "replay:flashinfer": 5, "explore:flashinfer": 5}) == []
+    bad = e2e.check_trace("auto-ours", {**cap, "replay:split": 60, "replay:flashinfer": 4, "explore:flashinfer": 1})  # a bucket routed there
+    assert bad and "explored {'flashinfer': 1}" in bad[0]
     assert e2e.check_trace("split", {"replay:split": 63, "replay:flashinfer": 1})  # forced: no correction, no exploring
     assert e2e.check_trace(e2e.MUTANT, {"replay:split": 63, "replay:compact": 1})
 

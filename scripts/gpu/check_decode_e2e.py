@@ -480,10 +480,18 @@ def check_trace(mode: str, counts: dict):
         other = {p: n for p, n in replays.items() if p != want}
         # auto-ours runs the policy with its online correction (the default): on its timed steps, one in
         # sample_every, it replays a path with too few samples instead (exploring; every path computes the same
-        # attention), so those few replays go elsewhere; a forced path has no correction and replays its own only
-        explore = sum(replays.values()) // online_sample_every() if mode == "auto-ours" else 0
-        if sum(other.values()) > explore:
-            problems.append(f"{mode}: expected replays of {want} only" + (f" (besides at most {explore} exploring)" if explore else "") + f", got {other}")
+        # attention), so those few replays go elsewhere; the backend traces them (explore:PATH, since 2026-12-06);
+        # parts from before that are allowed as many as there were timed steps. A forced path replays its own only.
+        explored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("explore:")}
+        if mode != "auto-ours":
+            off = other
+        elif explored or not other:
+            off = {p: n - explored.get(p, 0) for p, n in other.items() if n > explored.get(p, 0)}
+        else:
+            off = other if sum(other.values()) > sum(replays.values()) // online_sample_every() else {}
+        if off:
+            problems.append(f"{mode}: expected replays of {want} only (besides the online correction's exploring steps), got {other}"
+                            + (f", explored {explored}" if explored else ""))
     if mode.startswith("auto"):
         captured = {k.split(":", 1)[1] for k in counts if k.startswith("capture:")}
         if captured != {"flashinfer", "split", "compact"}:

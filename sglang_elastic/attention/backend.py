@@ -582,6 +582,8 @@ class PersistentKVAttnBackend(AttentionBackend):
         if not in_capture:
             self._count("replay", path)
         self._trace("capture" if in_capture else "replay", path, bs)
+        if not in_capture and self.online is not None and self.online.explored == path:  # a timed step off the choice
+            self._trace("explore", path, bs)
         self.graph_path = path
         if path == "flashinfer":
             self.flashinfer.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)

@@ -121,6 +121,8 @@ class OnlineCorrector:
         #: set for the step being timed (by :meth:`begin_step`); ``choose`` explores only then
         self.sampling = False
         self._pending: Optional[Tuple[BucketKey, str]] = None
+        #: the path the last :meth:`choose` returned when it was not the bucket's choice (exploring or re-timing), else None
+        self.explored: Optional[str] = None
         self._step = 0
         self.switches = 0  # measured choices that overrode the previous one (for logs and tests)
 
@@ -149,6 +151,7 @@ class OnlineCorrector:
         b = self._bucket(key)
         b.prior = prior
         choice = b.choice or prior
+        self.explored = None
         if not self.sampling:
             return choice
         b.visits += 1
@@ -163,6 +166,7 @@ class OnlineCorrector:
         else:
             path = choice
         self._pending = (key, path)
+        self.explored = path if path != choice else None
         return path
 
     def record(self, key: BucketKey, path: str, us: float) -> None:
