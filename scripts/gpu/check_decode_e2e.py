@@ -366,7 +366,11 @@ def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
     was 0.136 nats, wider than the 0.1-nat near-tie bound an earlier rule
     asked of every divergence (the random-weight runs stayed within it).
     Returns ``{"ok", "mean_ratio", "max_ratio", "within_caps", "noise_nats",
-    "wide_divergences"}`` (the divergences beyond ``noise_nats``)."""
+    "wide_divergences", "near_ties_only"}`` (the divergences beyond
+    ``noise_nats``; whether every divergence is a near-tie, the earlier rule,
+    reported only: under it the first bf16 random-weight sample failed, on
+    one flip of a 0.137-nat gap where that run's control moved a logprob by
+    0.139)."""
     a, c = run["abs_logprob_diff"], control["abs_logprob_diff"]
 
     def ratio(k):
@@ -385,7 +389,9 @@ def noise_floor(run: dict, control: dict, factor: float = NOISE_FACTOR) -> dict:
 
     wide = sum(not inside(d) for d in run["divergences"])
     ok = not run["problems_outputs"] and wide == 0 and m <= factor and x <= factor and capped
-    return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped, "noise_nats": noise, "wide_divergences": wide}
+    # reported, not judged: the rule before 2026-12-06 also asked every divergence to be a near-tie
+    return {"ok": ok, "mean_ratio": m, "max_ratio": x, "within_caps": capped, "noise_nats": noise, "wide_divergences": wide,
+            "near_ties_only": all(d["near_tie"] for d in run["divergences"])}
 
 
 def control_margin(div: dict, control_outputs, run_outputs) -> float | None:
