@@ -747,6 +747,79 @@ def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_u
     assert "kept V 2 requests / 4100 tokens (2 demoted)" in line
 
 
+class _Ev:
+    """A fake CUDA event: ``done`` says whether the GPU has passed it."""
+
+    def __init__(self):
+        self.done, self.recorded = False, 0
+
+    def record(self):
+        self.recorded += 1
+
+    def query(self):
+        return self.done
+
+
+def test_the_async_snapshot_returns_the_last_copy_the_gpu_finished_with_its_host_state_and_never_waits():
+    """The decode-log interval's counters come from the last snapshot whose copy has completed (its event
+    queried, never waited for), with the host state taken beside it; a copy still in flight is kept and
+    the last completed one returned again; CPU tensors without the queued path are read at once."""
+    from sglang_elastic.offload.metrics import AsyncSnapshot
+
+    events = []
+
+    def make():
+        events.append(_Ev())
+        return events[-1]
+
+    snap = AsyncSnapshot(event_factory=make, force_async=True)
+    hits = torch.tensor([7, 3], dtype=torch.int64)
+    top = torch.tensor([40], dtype=torch.int32)
+    assert snap.take([hits, top], {"decode_steps": 1}) is None and len(events) == 1 and events[0].recorded == 1
+    hits += 5  # the GPU goes on counting
+    assert snap.take([hits, top], {"decode_steps": 2}) is None and len(events) == 1  # the first copy not done: kept
+    events[0].done = True
+    assert snap.take([hits, top], {"decode_steps": 3}) == ([7, 3, 40], {"decode_steps": 1}) and len(events) == 2
+    hits += 1
+    assert snap.take([hits, top], {"decode_steps": 4}) == ([7, 3, 40], {"decode_steps": 1})  # the second copy in flight
+    events[1].done = True
+    assert snap.take([hits, top], {"decode_steps": 5}) == ([12, 8, 40], {"decode_steps": 3})
+    assert AsyncSnapshot().take([hits, top], {"x": 1}) == ([13, 9, 40], {"x": 1})  # CPU: read at once
+
+
+def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapshot_at_the_decode_log_interval(monkeypatch):
+    """``stats()`` (``/server_info``, the benchmarks) reads the device counters now; the decode-log hook asks for
+    ``stats(sync=False)`` (no host sync in the serving loop) and skips the interval until a snapshot is there."""
+    from sglang_elastic.offload import hooks
+    from sglang_elastic.offload.backend import OffloadAttnBackend
+    from sglang_elastic.offload.metrics import AsyncSnapshot
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    pool = make_pool(pol)
+    be = object.__new__(OffloadAttnBackend)
+    be.pool, be.copy_timer, be._snapshot = pool, None, None
+    be.decoder = types.SimpleNamespace(stats=torch.tensor([30, 10], dtype=torch.int64), spec=None)
+    be.decode_steps, be.decode_tokens, be.prefill_tokens = 4, 40, 100
+    st = be.stats()
+    row = pool.head_num * pool.v_head_dim * pool.store_dtype.itemsize
+    assert (st["hits"], st["misses"], st["hit_rate"], st["pcie_read_bytes"]) == (30, 10, 0.75, 10 * row)
+    assert st["hot_pages_free"] == int(pool.page_top) == st["hot_pages"] and st["summary_slots_free"] == int(pool.slot_top)
+    assert st["pcie_write_bytes"] == 140 * len(pool.sparse_layer_ids) * row and st["decode_steps"] == 4
+    events = []
+    be._snapshot = AsyncSnapshot(event_factory=lambda: events.append(_Ev()) or events[-1], force_async=True)
+    assert be.stats(sync=False) is None
+    events[0].done = True
+    be.decoder.stats += 1
+    be.decode_steps = 5
+    late = be.stats(sync=False)
+    assert (late["hits"], late["decode_steps"]) == (30, 4)  # the snapshot's counters and its own host state
+    asked = []
+    monkeypatch.setattr(be, "stats", lambda sync=True: asked.append(sync))  # returns None: the interval is skipped
+    sched = types.SimpleNamespace(tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=be)))
+    reporter = types.SimpleNamespace(forward_ct_decode=80, decode_log_interval=40, scheduler=sched)
+    assert hooks._after_decode_stats("r", reporter) == "r" and asked == [False] and not hasattr(be, "_metrics")
+
+
 # ---- keep_v: dense while V fits in idle pool slots ------------------------------------------
 
 

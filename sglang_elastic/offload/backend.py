@@ -96,6 +96,7 @@ class OffloadAttnBackend(AttentionBackend):
         self._spec_stream = torch.cuda.Stream() if self.prefetch_on and torch.cuda.is_available() else None
         #: --kv-offload-copy-timing: events around the V copies and prefetch waits (sglang_elastic.offload.copytime)
         self.copy_timer = None
+        self._snapshot = None  # the decode-log interval's counters, read without a host sync (stats(sync=False))
         if config.current().offload.copy_timing and not self.pool.layout.resident_v:
             if torch.cuda.is_available():
                 from sglang_elastic.offload.copytime import CopyTimer
@@ -357,8 +358,12 @@ class OffloadAttnBackend(AttentionBackend):
                 ev.record(self._spec_stream)
                 self._spec_pending[layer_id] = ev
 
-    def stats(self) -> dict:
-        """Counters since start (one 16-byte device read: call off the hot path):
+    def stats(self, sync: bool = True) -> Optional[dict]:
+        """Counters since start. ``sync`` (the default, for ``/server_info`` and the
+        benchmarks): the device counters read now (a host sync: off the hot path). Without it
+        (the decode-log interval of a serving scheduler): the counters and the host state of the
+        last snapshot whose copy the GPU has finished, read without waiting (None before one has;
+        :class:`~sglang_elastic.offload.metrics.AsyncSnapshot`), one interval behind.
         ``hits`` / ``misses`` of the selected rows (per sparse layer; a
         prefetched row is a hit), ``hit_rate``, ``prefetched_rows`` / ``prefetch_hits``
         (the prefetch's copies and the rows it found resident already),
@@ -376,9 +381,33 @@ class OffloadAttnBackend(AttentionBackend):
         (:meth:`sglang_elastic.offload.keep.KeepV.stats`); with ``--kv-offload-copy-timing``,
         ``copy_timed_steps``, ``copy_ms``, ``copy_exposed_ms``, ``copy_prefetch_ms``, ``copy_stall_ms``, ``copy_waits``, ``copy_wait_ms``
         and ``copy_hidden_share`` (:meth:`sglang_elastic.offload.copytime.CopyTimer.stats`)."""
-        hits, misses = (int(x) for x in self.decoder.stats.tolist())
-        spec_hits, spec_rows = (int(x) for x in self.decoder.spec.stats.tolist()) if self.decoder.spec is not None else (0, 0)
         pool = self.pool
+        named = [("hits", self.decoder.stats[0:1]), ("misses", self.decoder.stats[1:2])]
+        if self.decoder.spec is not None:
+            named += [("prefetch_hits", self.decoder.spec.stats[0:1]), ("prefetched_rows", self.decoder.spec.stats[1:2])]
+        if pool.summary_layer_ids:
+            named += [("summary_slots_free", pool.slot_top), ("summary_overflow", pool.slot_overflow)]
+        if pool.hot_pages:
+            named += [("hot_pages_free", pool.page_top), ("hot_page_overflow", pool.page_overflow)]
+        if pool.adaptive:
+            named += [("hot_pages_taken_back", pool.page_taken)]
+        host = {"decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+                **(self._keep_stats() if pool.keep_v else {}), **(self.copy_timer.stats() if self.copy_timer is not None else {})}
+        tensors = [t for _, t in named]
+        if sync:
+            got = ([int(x) for x in torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()], host)
+        else:
+            if self._snapshot is None:
+                from sglang_elastic.offload.metrics import AsyncSnapshot
+
+                self._snapshot = AsyncSnapshot()
+            got = self._snapshot.take(tensors, host)
+            if got is None:
+                return None
+        values, host = got
+        dev = dict(zip((n for n, _ in named), values))
+        hits, misses = dev["hits"], dev["misses"]
+        spec_hits, spec_rows = dev.get("prefetch_hits", 0), dev.get("prefetched_rows", 0)
         row = pool.head_num * pool.v_head_dim * pool.store_dtype.itemsize
         total = hits + misses
         sparse = len(pool.sparse_layer_ids)
@@ -386,15 +415,14 @@ class OffloadAttnBackend(AttentionBackend):
             "hits": hits, "misses": misses, "hit_rate": hits / total if total else None,
             "prefetched_rows": spec_rows, "prefetch_hits": spec_hits,
             "pcie_read_bytes": (misses + spec_rows) * row,
-            "pcie_write_bytes": (self.prefill_tokens + self.decode_tokens) * sparse * row,
-            "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
-            **({"summary_slots": pool.summary_slots, "summary_slots_free": int(pool.slot_top), "summary_overflow": int(pool.slot_overflow)}
+            "pcie_write_bytes": (host["prefill_tokens"] + host["decode_tokens"]) * sparse * row,
+            "decode_steps": host["decode_steps"], "decode_tokens": host["decode_tokens"], "prefill_tokens": host["prefill_tokens"],
+            **({"summary_slots": pool.summary_slots, "summary_slots_free": dev["summary_slots_free"], "summary_overflow": dev["summary_overflow"]}
                if pool.summary_layer_ids else {}),
-            **({"hot_pages": pool.hot_pages, "hot_pages_free": int(pool.page_top), "hot_page_overflow": int(pool.page_overflow),
+            **({"hot_pages": pool.hot_pages, "hot_pages_free": dev["hot_pages_free"], "hot_page_overflow": dev["hot_page_overflow"],
                 "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
-            **({"hot_pages_taken_back": int(pool.page_taken)} if pool.adaptive else {}),
-            **(self._keep_stats() if pool.keep_v else {}),
-            **(self.copy_timer.stats() if self.copy_timer is not None else {}),
+            **({"hot_pages_taken_back": dev["hot_pages_taken_back"]} if pool.adaptive else {}),
+            **{k: v for k, v in host.items() if k not in ("decode_steps", "decode_tokens", "prefill_tokens")},
         }
 
     @staticmethod

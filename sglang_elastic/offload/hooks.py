@@ -114,12 +114,17 @@ def _after_internal_state(result, sched, *args, **kwargs):
 
 
 def _after_decode_stats(result, reporter, *args, **kwargs):
-    """Every decode-log interval: the interval's hit rate and PCIe traffic (one small device read)."""
+    """Every decode-log interval: the interval's hit rate and PCIe traffic, from the counters of the
+    last snapshot the GPU has copied (:class:`~sglang_elastic.offload.metrics.AsyncSnapshot`: no host
+    sync, so SGLang's overlap loop keeps running; one interval behind)."""
     if reporter.forward_ct_decode % reporter.decode_log_interval != 0:
         return result
     sched = reporter.scheduler
     be = _backend(sched)
     if be is None:
+        return result
+    st = be.stats(sync=False)  # never a host sync here: the counters of the last copy the GPU has finished
+    if st is None:
         return result
     from sglang_elastic.offload.metrics import OffloadMetrics
 
@@ -127,7 +132,6 @@ def _after_decode_stats(result, reporter, *args, **kwargs):
     if m is None:
         labels = {k: str(v) for k, v in sched.metrics_collector.labels.items()} if reporter.current_scheduler_metrics_enabled else None
         m = be._metrics = OffloadMetrics(labels)
-    st = be.stats()
     used = be.pool.size - sched.token_to_kv_pool_allocator.available_size()
     line = m.update(st, used_tokens=used, host_token_bytes=be.pool.host.get_size_per_token() if be.pool.host is not None else 0)
     if line and sched.tp_group.rank_in_group == 0:

@@ -9,7 +9,59 @@ SGLang's labels, when SGLang runs with ``--enable-metrics``; updated every
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+
+class AsyncSnapshot:
+    """Device counters, and the host state that goes with them, read back
+    without a host sync.
+
+    Why: the decode-log interval of a serving scheduler (every 40 decode steps
+    by default) must not wait for the GPU. Reading the offload counters there
+    with ``.tolist()`` made the scheduler wait for the step in flight, which
+    breaks SGLang's overlap loop (the next batch is prepared while the GPU runs
+    this one) once per interval.
+
+    :meth:`take` queues a non-blocking copy of the counters (int64, one
+    ``torch.cat``) into pinned host memory behind the work already on the
+    current stream, records an event, and returns what the previous take
+    copied once its event has completed (``query()``, never a wait), with the
+    host state given with it: ``(values, host)``, or None before the first
+    copy is done. When the GPU is behind, the pending copy is kept and the last
+    completed one returned again. CPU tensors (no CUDA) are read at once. The
+    same pattern as the decode policy's ``ReplayTimer``
+    (``sglang_elastic/attention/online.py``).
+
+    Args:
+        event_factory: makes one event (default ``torch.cuda.Event``; tests inject fakes).
+        force_async: take the queued path for CPU tensors too (tests).
+    """
+
+    def __init__(self, event_factory: Optional[Callable[[], object]] = None, force_async: bool = False):
+        self._make = event_factory
+        self._force = force_async
+        self._pending = None  # (event, host buffer, host state)
+        self._last: Optional[Tuple[List[int], dict]] = None
+
+    def take(self, tensors: Sequence, host: dict) -> Optional[Tuple[List[int], dict]]:
+        """``tensors``: device counters (any integer dtype and shape, read flattened in order); ``host``: the
+        host state to return with them. Returns ``(values, host)`` of the last completed copy, or None."""
+        import torch
+
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+        if not flat.is_cuda and not self._force:
+            return [int(x) for x in flat.tolist()], host
+        if self._pending is not None:
+            ev, buf, h = self._pending
+            if not ev.query():
+                return self._last
+            self._last = ([int(x) for x in buf.tolist()], h)
+        buf = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)
+        buf.copy_(flat, non_blocking=True)
+        ev = self._make() if self._make is not None else torch.cuda.Event()
+        ev.record()
+        self._pending = (ev, buf, host)
+        return self._last
 
 
 class OffloadMetrics:
