@@ -496,8 +496,8 @@ def check_trace(mode: str, counts: dict):
         else:
             off = other if sum(other.values()) > sum(replays.values()) // online_sample_every() else {}
         if off:
-            problems.append(f"{mode}: expected replays of {want} only (besides the online correction's exploring steps), got {other}"
-                            + (f", explored {explored}" if explored else ""))
+            besides = " (besides the online correction's exploring steps)" if mode == "auto-ours" else ""
+            problems.append(f"{mode}: expected replays of {want} only{besides}, got {other}" + (f", explored {explored}" if explored else ""))
     if mode.startswith("auto"):
         captured = {k.split(":", 1)[1] for k in counts if k.startswith("capture:")}
         if captured != {"flashinfer", "split", "compact"}:
