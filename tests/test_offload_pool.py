@@ -760,10 +760,11 @@ class _Ev:
         return self.done
 
 
-def test_the_async_snapshot_returns_the_last_copy_the_gpu_finished_with_its_host_state_and_never_waits():
-    """The decode-log interval's counters come from the last snapshot whose copy has completed (its event
-    queried, never waited for), with the host state taken beside it; a copy still in flight is kept and
-    the last completed one returned again; CPU tensors without the queued path are read at once."""
+def test_the_async_snapshot_returns_each_copy_once_the_gpu_finished_it_with_its_host_state_and_time():
+    """The decode-log interval's counters come from the snapshot an earlier take queued, once its event says
+    the GPU copied it (queried, never waited for), with the host state and the time taken beside it, each
+    snapshot once; while a copy is in flight nothing is returned and nothing more queued (a review found the
+    same old snapshot counted again, and one interval's bytes divided by the next interval's time)."""
     from sglang_elastic.offload.metrics import AsyncSnapshot
 
     events = []
@@ -772,19 +773,32 @@ def test_the_async_snapshot_returns_the_last_copy_the_gpu_finished_with_its_host
         events.append(_Ev())
         return events[-1]
 
-    snap = AsyncSnapshot(event_factory=make, force_async=True)
+    clock = iter(float(t) for t in range(10, 100))
+    snap = AsyncSnapshot(event_factory=make, force_async=True, clock=lambda: next(clock))
     hits = torch.tensor([7, 3], dtype=torch.int64)
     top = torch.tensor([40], dtype=torch.int32)
     assert snap.take([hits, top], {"decode_steps": 1}) is None and len(events) == 1 and events[0].recorded == 1
     hits += 5  # the GPU goes on counting
-    assert snap.take([hits, top], {"decode_steps": 2}) is None and len(events) == 1  # the first copy not done: kept
+    assert snap.take([hits, top], {"decode_steps": 2}) is None and len(events) == 1  # the first copy in flight: nothing queued
     events[0].done = True
-    assert snap.take([hits, top], {"decode_steps": 3}) == ([7, 3, 40], {"decode_steps": 1}) and len(events) == 2
+    assert snap.take([hits, top], {"decode_steps": 3}) == ([7, 3, 40], {"decode_steps": 1}, 10.0) and len(events) == 2
     hits += 1
-    assert snap.take([hits, top], {"decode_steps": 4}) == ([7, 3, 40], {"decode_steps": 1})  # the second copy in flight
+    assert snap.take([hits, top], {"decode_steps": 4}) is None  # the second copy in flight
     events[1].done = True
-    assert snap.take([hits, top], {"decode_steps": 5}) == ([12, 8, 40], {"decode_steps": 3})
-    assert AsyncSnapshot().take([hits, top], {"x": 1}) == ([13, 9, 40], {"x": 1})  # CPU: read at once
+    assert snap.take([hits, top], {"decode_steps": 5}) == ([12, 8, 40], {"decode_steps": 3}, 11.0)
+    assert AsyncSnapshot(clock=lambda: 5.0).take([hits, top], {"x": 1}) == ([13, 9, 40], {"x": 1}, 5.0)  # CPU: read at once
+
+
+def test_the_metrics_take_an_intervals_bytes_over_its_own_time():
+    """``update(now=...)``: the snapshot's time, so a snapshot read an interval late still gives its rates."""
+    from sglang_elastic.offload.metrics import OffloadMetrics
+
+    m = OffloadMetrics(None)
+    m._clock = lambda: 1000.0  # the hook's own clock is not used when the snapshot's time is given
+    base = {"hits": 0, "misses": 0, "pcie_read_bytes": 0, "pcie_write_bytes": 0, "decode_steps": 0}
+    assert m.update(base, used_tokens=0, host_token_bytes=0, now=10.0) == ""
+    line = m.update(dict(base, pcie_read_bytes=2 * 10**9, decode_steps=10), used_tokens=0, host_token_bytes=0, now=11.0)
+    assert "PCIe read 2.00 GB/s" in line
 
 
 def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapshot_at_the_decode_log_interval(monkeypatch):
@@ -797,7 +811,7 @@ def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapsho
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
     pool = make_pool(pol)
     be = object.__new__(OffloadAttnBackend)
-    be.pool, be.copy_timer, be._snapshot = pool, None, None
+    be.pool, be.copy_timer, be._snapshot, be.snapshot_time = pool, None, None, None
     be.decoder = types.SimpleNamespace(stats=torch.tensor([30, 10], dtype=torch.int64), spec=None)
     be.decode_steps, be.decode_tokens, be.prefill_tokens = 4, 40, 100
     st = be.stats()
@@ -812,7 +826,10 @@ def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapsho
     be.decoder.stats += 1
     be.decode_steps = 5
     late = be.stats(sync=False)
-    assert (late["hits"], late["decode_steps"]) == (30, 4)  # the snapshot's counters and its own host state
+    assert (late["hits"], late["decode_steps"]) == (30, 4) and be.snapshot_time is not None  # the snapshot's own host state
+    assert be.stats(sync=False) is None  # the next copy in flight: nothing new
+    late.pop("decode_steps"), st.pop("decode_steps")
+    assert late == st  # the same keys and values as a read at once, for the same counters
     asked = []
     monkeypatch.setattr(be, "stats", lambda sync=True: asked.append(sync))  # returns None: the interval is skipped
     sched = types.SimpleNamespace(tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=be)))
@@ -1115,3 +1132,21 @@ def test_an_error_that_is_not_a_host_memory_shortage_is_not_reported_as_one(monk
     with pytest.raises(RuntimeError, match="^sglang-elastic: could not allocate .* GB of host memory for the offload V tier") as err:
         OffloadKVPool(7000, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=True)
     assert isinstance(err.value.__cause__, MemoryError)  # the original error stays attached
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the snapshot's copy must not synchronize (runs on a GPU host)")
+def test_on_a_gpu_the_snapshot_queues_a_pinned_copy_without_any_host_sync():
+    from sglang_elastic.offload.metrics import AsyncSnapshot
+
+    counters = [torch.arange(2, dtype=torch.int64, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")]
+    snap = AsyncSnapshot()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        assert snap.take(counters, {}) is None
+        assert snap._pending[1].is_pinned()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    values, host, _ = snap.take(counters, {})
+    assert values == [0, 1, 1] and host == {}

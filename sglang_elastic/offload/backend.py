@@ -97,6 +97,7 @@ class OffloadAttnBackend(AttentionBackend):
         #: --kv-offload-copy-timing: events around the V copies and prefetch waits (sglang_elastic.offload.copytime)
         self.copy_timer = None
         self._snapshot = None  # the decode-log interval's counters, read without a host sync (stats(sync=False))
+        self.snapshot_time = None  # when the counters stats(sync=False) returned last were taken (time.monotonic)
         if config.current().offload.copy_timing and not self.pool.layout.resident_v:
             if torch.cuda.is_available():
                 from sglang_elastic.offload.copytime import CopyTimer
@@ -362,8 +363,9 @@ class OffloadAttnBackend(AttentionBackend):
         """Counters since start. ``sync`` (the default, for ``/server_info`` and the
         benchmarks): the device counters read now (a host sync: off the hot path). Without it
         (the decode-log interval of a serving scheduler): the counters and the host state of the
-        last snapshot whose copy the GPU has finished, read without waiting (None before one has;
-        :class:`~sglang_elastic.offload.metrics.AsyncSnapshot`), one interval behind.
+        snapshot an earlier call queued, once the GPU has copied it, each once, read without waiting
+        (None otherwise; :class:`~sglang_elastic.offload.metrics.AsyncSnapshot`; ``snapshot_time``
+        says when it was taken), one interval behind.
         ``hits`` / ``misses`` of the selected rows (per sparse layer; a
         prefetched row is a hit), ``hit_rate``, ``prefetched_rows`` / ``prefetch_hits``
         (the prefetch's copies and the rows it found resident already),
@@ -395,7 +397,7 @@ class OffloadAttnBackend(AttentionBackend):
                 **(self._keep_stats() if pool.keep_v else {}), **(self.copy_timer.stats() if self.copy_timer is not None else {})}
         tensors = [t for _, t in named]
         if sync:
-            got = ([int(x) for x in torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()], host)
+            values = [int(x) for x in torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()]
         else:
             if self._snapshot is None:
                 from sglang_elastic.offload.metrics import AsyncSnapshot
@@ -404,7 +406,7 @@ class OffloadAttnBackend(AttentionBackend):
             got = self._snapshot.take(tensors, host)
             if got is None:
                 return None
-        values, host = got
+            values, host, self.snapshot_time = got
         dev = dict(zip((n for n, _ in named), values))
         hits, misses = dev["hits"], dev["misses"]
         spec_hits, spec_rows = dev.get("prefetch_hits", 0), dev.get("prefetched_rows", 0)

@@ -133,7 +133,8 @@ def _after_decode_stats(result, reporter, *args, **kwargs):
         labels = {k: str(v) for k, v in sched.metrics_collector.labels.items()} if reporter.current_scheduler_metrics_enabled else None
         m = be._metrics = OffloadMetrics(labels)
     used = be.pool.size - sched.token_to_kv_pool_allocator.available_size()
-    line = m.update(st, used_tokens=used, host_token_bytes=be.pool.host.get_size_per_token() if be.pool.host is not None else 0)
+    line = m.update(st, used_tokens=used, host_token_bytes=be.pool.host.get_size_per_token() if be.pool.host is not None else 0,
+                    now=be.snapshot_time)
     if line and sched.tp_group.rank_in_group == 0:
         logger.info("sglang-elastic offload: %s", line)
     return result

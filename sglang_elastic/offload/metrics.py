@@ -17,51 +17,61 @@ class AsyncSnapshot:
     without a host sync.
 
     Why: the decode-log interval of a serving scheduler (every 40 decode steps
-    by default) must not wait for the GPU. Reading the offload counters there
-    with ``.tolist()`` made the scheduler wait for the step in flight, which
-    breaks SGLang's overlap loop (the next batch is prepared while the GPU runs
-    this one) once per interval.
+    by default) should not wait for the GPU; the offload counters were read
+    there with ``.tolist()`` and ``int(tensor)``, each a wait for the current
+    stream (how long that is under SGLang's overlap loop is not measured).
 
-    :meth:`take` queues a non-blocking copy of the counters (int64, one
-    ``torch.cat``) into pinned host memory behind the work already on the
-    current stream, records an event, and returns what the previous take
-    copied once its event has completed (``query()``, never a wait), with the
-    host state given with it: ``(values, host)``, or None before the first
-    copy is done. When the GPU is behind, the pending copy is kept and the last
-    completed one returned again. CPU tensors (no CUDA) are read at once. The
-    same pattern as the decode policy's ``ReplayTimer``
+    :meth:`take` returns the snapshot queued by an earlier take once the GPU
+    has copied it (its event ``query()``-ed, never waited for), each snapshot
+    once, then queues the next: a ``torch.cat`` of the counters (int64) copied
+    without blocking into pinned host memory behind the current stream's work,
+    with an event and the host state and the time given with it. While a copy
+    is in flight it returns None and queues nothing. CPU tensors (no CUDA) are
+    read at once. The same pattern as the decode policy's ``ReplayTimer``
     (``sglang_elastic/attention/online.py``).
 
     Args:
         event_factory: makes one event (default ``torch.cuda.Event``; tests inject fakes).
         force_async: take the queued path for CPU tensors too (tests).
+        clock: seconds (default ``time.monotonic``).
     """
 
-    def __init__(self, event_factory: Optional[Callable[[], object]] = None, force_async: bool = False):
+    def __init__(self, event_factory: Optional[Callable[[], object]] = None, force_async: bool = False,
+                 clock: Optional[Callable[[], float]] = None):
+        import time
+
         self._make = event_factory
         self._force = force_async
-        self._pending = None  # (event, host buffer, host state)
-        self._last: Optional[Tuple[List[int], dict]] = None
+        self._clock = clock or time.monotonic
+        self._pending = None  # (event, host buffer, host state, time taken)
 
-    def take(self, tensors: Sequence, host: dict) -> Optional[Tuple[List[int], dict]]:
+    def take(self, tensors: Sequence, host: dict) -> Optional[Tuple[List[int], dict, float]]:
         """``tensors``: device counters (any integer dtype and shape, read flattened in order); ``host``: the
-        host state to return with them. Returns ``(values, host)`` of the last completed copy, or None."""
+        host state to keep with them. Returns ``(values, host, time)`` of the snapshot an earlier take queued,
+        once its copy is done (each once), else None; CPU tensors: this take's, at once."""
         import torch
 
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
-        if not flat.is_cuda and not self._force:
-            return [int(x) for x in flat.tolist()], host
+        done = None
         if self._pending is not None:
-            ev, buf, h = self._pending
+            ev, buf, h, t = self._pending
             if not ev.query():
-                return self._last
-            self._last = ([int(x) for x in buf.tolist()], h)
-        buf = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)
+                return None  # the GPU has not copied it yet: nothing new, nothing more queued
+            done = ([int(x) for x in buf.tolist()], h, t)
+            self._pending = None
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+        now = self._clock()
+        if not flat.is_cuda and not self._force:
+            return [int(x) for x in flat.tolist()], host, now
+        buf = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)  # pinned: a pageable copy would block
         buf.copy_(flat, non_blocking=True)
-        ev = self._make() if self._make is not None else torch.cuda.Event()
-        ev.record()
-        self._pending = (ev, buf, host)
-        return self._last
+        if self._make is not None:
+            ev = self._make()
+            ev.record()
+        else:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(flat.device))  # the stream the copy was queued on
+        self._pending = (ev, buf, host, now)
+        return done
 
 
 class OffloadMetrics:
@@ -111,9 +121,11 @@ class OffloadMetrics:
                 "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
             }
 
-    def update(self, st: dict, used_tokens: int, host_token_bytes: int) -> str:
-        """Update from :meth:`~sglang_elastic.offload.backend.OffloadAttnBackend.stats`; returns a one-line summary."""
-        now = self._clock()
+    def update(self, st: dict, used_tokens: int, host_token_bytes: int, now: Optional[float] = None) -> str:
+        """Update from :meth:`~sglang_elastic.offload.backend.OffloadAttnBackend.stats`; ``now``: when those
+        counters were taken (seconds, this object's clock; default: now), so a snapshot read an interval
+        late still gives each interval's bytes over its own time. Returns a one-line summary."""
+        now = self._clock() if now is None else now
         prev_t, prev = self._last if self._last else (None, None)
         self._last = (now, st)
         if prev is None:
