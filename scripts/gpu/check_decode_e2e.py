@@ -491,7 +491,7 @@ def check_trace(mode: str, counts: dict):
         explored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("explore:")}
         if mode != "auto-ours":
             off = other
-        elif explored or not other:
+        elif explored:
             off = {p: n - explored.get(p, 0) for p, n in other.items() if n > explored.get(p, 0)}
         else:
             off = other if sum(other.values()) > sum(replays.values()) // online_sample_every() else {}

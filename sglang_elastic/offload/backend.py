@@ -395,13 +395,13 @@ class OffloadAttnBackend(AttentionBackend):
             named += [("hot_pages_taken_back", pool.page_taken)]
         host = {"decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
                 **(self._keep_stats() if pool.keep_v else {}), **(self.copy_timer.stats() if self.copy_timer is not None else {})}
+        from sglang_elastic.offload.metrics import AsyncSnapshot, flat_counters
+
         tensors = [t for _, t in named]
         if sync:
-            values = [int(x) for x in torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).tolist()]
+            values = [int(x) for x in flat_counters(tensors).tolist()]
         else:
             if self._snapshot is None:
-                from sglang_elastic.offload.metrics import AsyncSnapshot
-
                 self._snapshot = AsyncSnapshot()
             got = self._snapshot.take(tensors, host)
             if got is None:

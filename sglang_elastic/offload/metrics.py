@@ -12,6 +12,13 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
+def flat_counters(tensors: Sequence):
+    """``tensors`` (integer counters of any dtype and shape) as one flat int64 tensor on their device, in order."""
+    import torch
+
+    return torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+
+
 class AsyncSnapshot:
     """Device counters, and the host state that goes with them, read back
     without a host sync.
@@ -58,7 +65,7 @@ class AsyncSnapshot:
                 return None  # the GPU has not copied it yet: nothing new, nothing more queued
             done = ([int(x) for x in buf.tolist()], h, t)
             self._pending = None
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+        flat = flat_counters(tensors)
         now = self._clock()
         if not flat.is_cuda and not self._force:
             return [int(x) for x in flat.tolist()], host, now

@@ -989,7 +989,6 @@ class ElasticController:
         (its prompt may be embeddings ``seqlen`` does not count, its prefill
         may run a vision encoder, its logits tail may cover every prompt
         token), the whole chunk, as before."""
-        sa = self.sched.server_args
         budget = self._prefill_budget()
         pending = self._pending()
         if not all(plain_request(r) for r in pending):
