@@ -398,3 +398,34 @@ def test_an_accuracy_part_at_tp2_does_not_become_the_issue_rows_and_rows_in_name
     assert [r["part"] for r in out["accuracy_runs"]] == ["accuracy.json", "accuracy_control.json"]
     assert out["accuracy_control"]["rows_in"] == "my_parts/accuracy_control.json"
     assert {v["rows_in"] for v in out["accuracy_variants"]} == {"my_parts/accuracy.json"}
+
+
+def test_itl_tail_separates_the_decode_phase_and_finds_a_periodic_slow_step():
+    """Four requests in one batch, a step every 10 ms; every 40th step takes 25 ms (a periodic cost, as a
+    decode-log hook would add), and the last request's prefill holds the others' second gap for 300 ms. The
+    decode phase (after the last first token) leaves the prefill gap out; the slow steps are found once per
+    step, not once per request, with their stride of 40 tokens."""
+    import random
+
+    rng = random.Random(7)
+    per = [[] for _ in range(4)]
+    t = 0.0
+    for step in range(1, 121):
+        gap = 0.025 if step % 40 == 0 else 0.010 + rng.uniform(-5e-4, 5e-4)
+        if step == 2:
+            gap = 0.300  # the fourth request's prefill: it streams its first token at the end of this gap
+        t += gap
+        for r in range(4):
+            if r == 3 and step <= 2:
+                continue
+            per[r].append(((t + r * 1e-4, step - (2 if r == 3 else 0)), gap))
+    decode_from = per[3][0][0][0] - per[3][0][1]  # its first token: where its first gap began
+    tail = bench().itl_tail(per, decode_from)
+    dp = tail["decode_phase"]
+    assert dp["samples"] == 4 * 118  # steps 3..120 of every request
+    assert dp["max_ms"] == pytest.approx(25.0) and 9.4 < dp["median_ms"] < 10.6  # the 300 ms prefill gap is not in it
+    ss = tail["slow_steps"]
+    assert ss["steps"] == 4  # the prefill step and steps 40, 80, 120: each one step for all its requests
+    assert ss["gaps"] == 3 + 3 * 4 and ss["largest"][0]["max_ms"] == pytest.approx(300.0) and ss["largest"][0]["requests"] == 3
+    assert [d["max_ms"] for d in ss["largest"][1:]] == pytest.approx([25.0] * 3)
+    assert ss["token_indices"] == [2, 40, 80, 120] and 14 < ss["threshold_ms"] < 16

@@ -303,10 +303,11 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
     import aiohttp
 
     started = [0]
+    first_tokens: List[float] = []
 
     async def one(session, p):
         t0 = time.perf_counter()
-        ttft, last, n, itl = None, None, 0, []
+        ttft, last, n, itl, ends = None, None, 0, [], []
         payload = {"input_ids": p, "stream": True,
                    "sampling_params": {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}}
         async with session.post(url + "/generate", json=payload) as r:
@@ -323,12 +324,14 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
                 if ttft is None:
                     ttft = now - t0
                     started[0] += 1
+                    first_tokens.append(now)
                     if started[0] == len(ps) and when_all_started is not None:
                         await when_all_started(session)
                 else:
                     itl += [(now - last) / (got - n)] * (got - n)
+                    ends += [(now, n)] * (got - n)
                 last, n = now, got
-        return ttft, itl, n
+        return ttft, itl, n, ends
 
     async def main():
         from sglang_elastic.eval.client import client_session  # drops idle connections before SGLang's server does
@@ -352,7 +355,60 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
             "median_itl_ms": 1e3 * med if itl else None,
             "p99_itl_ms": pct(0.99) if itl else None,
             "itl": {"samples": len(itl), "p90_ms": pct(0.90), "p95_ms": pct(0.95), "max_ms": 1e3 * itl[-1],
-                    "spikes": sum(x > 2 * med for x in itl)} if itl else None}
+                    "spikes": sum(x > 2 * med for x in itl),
+                    **itl_tail([list(zip(r[3], r[1])) for r in ok], max(first_tokens) if len(first_tokens) == len(ps) else None)}
+            if itl else None}
+
+
+def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], factor: float = 1.5, top: int = 12) -> dict:
+    """Where a load's slow inter-token gaps come from: the decode phase alone, and the slow server steps.
+
+    Args:
+        per_request: per request, its gaps as ``((end_time_s, token_index), gap_s)`` in stream order
+            (``end_time_s`` on the client's ``perf_counter`` clock: when the chunk arrived; ``token_index``: the
+            tokens the request had before it).
+        decode_from: when the last request streamed its first token (every prefill done), or None.
+        factor: a gap is slow above ``factor`` times the median gap.
+        top: the slowest steps listed.
+
+    Returns:
+        ``{"decode_phase": {samples, median_ms, p99_ms, max_ms} | None`` (gaps that began after ``decode_from``:
+        the p99 of decode steps alone, with no prefill in the load), ``"slow_steps": {threshold_ms, steps,
+        gaps, largest: [{at_s, max_ms, requests}], token_indices}}``. A server step streams to every request
+        in its batch at once, so slow gaps whose ends lie within half a median gap of each other are one
+        step (``steps``); ``at_s`` counts from the first slow step; ``token_indices``: the slow gaps of the
+        request with the most, by its token index (a fixed stride between them points at a periodic cost,
+        e.g. SGLang's decode log every ``--decode-log-interval`` steps).
+    """
+    import statistics
+
+    gaps = [g for r in per_request for _, g in r]
+    if not gaps:
+        return {"decode_phase": None, "slow_steps": None}
+    med = statistics.median(gaps)
+
+    def stats(xs):
+        xs = sorted(xs)
+        return {"samples": len(xs), "median_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                "max_ms": 1e3 * xs[-1]} if xs else None
+
+    # a gap of the decode phase began after the last first token (the other requests' gap of that step held its prefill)
+    decode = stats([g for r in per_request for (end, _), g in r if end - g >= decode_from - 1e-3]) if decode_from is not None else None
+    thr = factor * med
+    slow = sorted((end, g) for r in per_request for (end, _), g in r if g > thr)
+    steps: List[List[tuple]] = []
+    for end, g in slow:
+        if steps and end - steps[-1][-1][0] <= med / 2:
+            steps[-1].append((end, g))
+        else:
+            steps.append([(end, g)])
+    first = steps[0][0][0] if steps else 0.0
+    largest = sorted(({"at_s": round(st[0][0] - first, 4), "max_ms": 1e3 * max(g for _, g in st), "requests": len(st)} for st in steps),
+                     key=lambda d: -d["max_ms"])[:top]
+    mine = max(per_request, key=lambda r: sum(g > thr for _, g in r))
+    return {"decode_phase": decode,
+            "slow_steps": {"threshold_ms": 1e3 * thr, "steps": len(steps), "gaps": len(slow), "largest": largest,
+                           "token_indices": [i for (_, i), g in mine if g > thr]}}
 
 
 def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float, running: Optional[int] = None) -> dict:
@@ -471,6 +527,14 @@ def part_throughput(a) -> dict:
                 # the pool as built and its overflow counters (both should stay 0), the rule that ran
                 row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
                                                                  "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
+            for k in range(a.repeat_loads):  # the same load again with new prompts (no prefix hit): how much its tail moves
+                r2 = load(s.url(""), prompts([ilen] * n, seed=20 + k), olen, a.timeout)
+                it = r2.get("itl") or {}
+                row.setdefault("repeats", []).append({**{x: r2.get(x) for x in ("completed", "output_tok_s", "median_ttft_ms", "median_itl_ms",
+                                                                                "p99_itl_ms")},
+                                                      "decode_phase": it.get("decode_phase"),
+                                                      "slow_steps": {x: (it.get("slow_steps") or {}).get(x)
+                                                                     for x in ("threshold_ms", "steps", "gaps", "token_indices")}})
             if a.profile_steps:
                 try:
                     row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout,
@@ -671,6 +735,9 @@ def main():
                                                      "e.g. --kv-offload-copy-timing")
     ap.add_argument("--dense-launch", default="", help="throughput: --kv-offload-dense-launch for the keep-v servers only (e.g. the "
                                                      "dense_launch that scripts/gpu/sweep_dense_kept.py picked)")
+    ap.add_argument("--repeat-loads", type=int, default=0,
+                    help="throughput: after the measured load, run it this many times more on the same server with new prompts; "
+                         "each one's ITL, TTFT and slow steps in the row's \"repeats\" (the counters and the profile follow them)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="throughput: after the measured load, a second one profiled over this many forward steps (SGLang's "
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
@@ -681,6 +748,8 @@ def main():
     for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len), ("--tp", a.tp)):
         if v is not None and v < 1:
             ap.error(f"{flag} {v}: give 1 or more")
+    if a.repeat_loads < 0 or (a.repeat_loads and a.part != "throughput"):
+        ap.error(f"--repeat-loads {a.repeat_loads}: give 0 (none) or more, with the throughput part only")
     if a.profile_steps < 0 or a.profile_steps == 1 or (a.profile_steps and a.part != "throughput"):
         ap.error(f"--profile-steps {a.profile_steps}: give 0 (none) or 2 or more, with the throughput part only")
     os.makedirs(a.work, exist_ok=True)
