@@ -463,6 +463,20 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
+def same_cap(name: str, extra: str) -> List[str]:
+    """``--max-running-requests`` for a server without one of its own (stock, HiCache): the offload servers'
+    (:data:`SERVERS`), so that every server of a throughput part runs at most as many requests at once. Nothing
+    when ``extra`` (every server's flags, given later: the last wins) names a cap.
+
+    Why: on 2026-12-06 (H100, 64 x 4K) the offload server ran at most 48 requests, its default here, and stock
+    all 64: 0.80x stock's output throughput for a cap, not for the offload path (earlier runs gave every server
+    ``--max-running-requests 64`` by hand)."""
+    if "--max-running-requests" in SERVERS[name] or "--max-running-requests" in extra.split():
+        return []
+    caps = {f[f.index("--max-running-requests") + 1] for f in SERVERS.values() if "--max-running-requests" in f}
+    return ["--max-running-requests", caps.pop()] if len(caps) == 1 else []
+
+
 def part_throughput(a) -> dict:
     ilen, olen, n = WORKLOADS[a.workload]
     olen, n = a.output_len or olen, a.num_prompts or n
@@ -473,7 +487,8 @@ def part_throughput(a) -> dict:
         offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
         if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
             offload_extra.append(f"--kv-offload-dense-launch={a.dense_launch}")
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a) + a.extra.split() + offload_extra, 30300 + i,
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + same_cap(name, a.extra) + tp_args(a) + a.extra.split()
+                   + offload_extra, 30300 + i,
                    a.work)
         try:
             up = s.wait()
@@ -494,7 +509,7 @@ def part_throughput(a) -> dict:
             after = offload_state(s.info())
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
                    "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
-                   "peak_running_reqs": peak["running"], "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
+                   "peak_running_reqs": peak["running"], "max_running_requests": s.info().get("max_running_requests"), "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
             try:  # the load's prefill batches, from the server's own log (what a TTFT is made of)
                 with open(s.log, errors="replace") as f:
                     f.seek(log_at)
