@@ -139,6 +139,8 @@ DENOMINATORS = ("selected", "full", "estimate")
 CHUNKS = (8, 16, 32, 64)
 PREFETCH = ("off", "speculative")
 EVICTIONS = ("lru", "lfu")  # kernels/offload.py EVICTIONS (config stays torch-free)
+#: sink + window must stay below this: rows every request keeps per sparse layer (as --kv-offload-hot-tokens' bound)
+MAX_FIXED_ROWS = 32768
 #: The SGLang attention backend ``--enable-kv-offload`` runs (prefill on FlashInfer, decode ours).
 OFFLOAD_BACKEND = "kvoffload"
 
@@ -192,6 +194,9 @@ class OffloadConfig:
 
         if self.window < 1:
             raise ConfigError(f"--kv-offload-window must be >= 1 (the newest token is in the window), not {self.window}")
+        if self.sink + self.window >= MAX_FIXED_ROWS:
+            raise ConfigError(f"--kv-offload-sink {self.sink} + --kv-offload-window {self.window} must be below {MAX_FIXED_ROWS}: "
+                              "every request keeps that many V rows per sparse layer on the GPU, besides its hot buffer")
         try:
             self.policy()
         except PolicyError as e:
@@ -414,7 +419,8 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
     given = [f for f, v in decode_flags.items() if v is not None]
     cache = decode_flags["--decode-calibration-cache"]
     if given:
-        decode_backend = getattr(ns, "decode_attention_backend", None) or getattr(ns, "attention_backend", None)
+        decode_backend = (getattr(ns, "decode_attention_backend", None) or getattr(ns, "attention_backend", None)
+                          or (OFFLOAD_BACKEND if getattr(ns, "enable_kv_offload", False) else None))
         if decode_backend != DECODE_BACKEND:
             flag = given[0]
             raise ConfigError(f"{flag} applies only with --decode-attention-backend {DECODE_BACKEND} (decode backend here: {decode_backend or 'SGLang default'})")
@@ -432,20 +438,45 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
     if elastic and not getattr(ns, "enable_elastic_kv", False):
         first = next(iter(elastic))
         _refuse_without_enable("elastic-kv", first, elastic[first])
+    for flag in _MODE_IGNORES.get(elastic.get("mode"), ()):
+        if flag in elastic:
+            raise ConfigError(f"--elastic-kv-mode {elastic['mode']} {_MODE_WHY[elastic['mode']]}: "
+                              f"drop --elastic-kv-{flag.replace('_', '-')} {elastic[flag]}")
     return ElasticKVConfig(
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
         **elastic,
         decode_policy=policy or "auto",
         decode_calibration=calibration,
-        decode_calibration_cache=cache if cache in (None, "off") else os.path.abspath(cache),
+        decode_calibration_cache=_calibration_cache(cache),
         decode_startup_calibration=getattr(ns, "decode_startup_calibration", None) or "auto",
         decode_online=getattr(ns, "decode_online_correction", None) or "on",
         offload=_offload_config(ns),
     )
 
 
+def _calibration_cache(value: Optional[str]) -> Optional[str]:
+    """``--decode-calibration-cache``: None (the default directory), ``off`` (any case), or a directory
+    (made at the first write; an existing file or an empty value is refused: ``os.path.abspath("")``
+    would have cached into the working directory)."""
+    if value is None:
+        return None
+    if value.strip().lower() == "off":
+        return "off"
+    if not value.strip():
+        raise ConfigError("--decode-calibration-cache needs a directory or off, not an empty value")
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"--decode-calibration-cache {value} is a file: give a directory (made if missing) or off")
+    return os.path.abspath(value)
+
+
 #: OffloadConfig fields whose flag has an on and an off form (``--X`` / ``--no-X``, default None)
 ON_OFF_FLAGS = ("keep_v",)
+
+
+#: --elastic-kv-* flags a mode never reads (given with it: refused, as a contradiction the user should see)
+_MODE_IGNORES = {"off": ("lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule", "reclaim_wait"),
+                 "always-lent": ("lend_after_steps", "activation_rule", "reclaim_wait")}
+_MODE_WHY = {"off": "never lends", "always-lent": "lends once at start-up and never reclaims"}
 
 
 def _refuse_without_enable(prefix: str, field: str, value) -> None:
@@ -502,7 +533,8 @@ _UNSUPPORTED = (
     ("--enable-page-major-kv-layout", bool),
     ("--enable-unified-memory", bool),
     ("--enable-memory-saver", bool),
-    ("--kv-cache-dtype", lambda v: v in ("fp4_e2m1", "mxfp8")),
+    # SGLang 0.5.17's quantized KV caches (--kv-cache-dtype choices): pools of their own, not the MHA pool we place
+    ("--kv-cache-dtype", lambda v: v in ("fp4_e2m1", "mxfp8", "nvfp4", "fp4_mx_block16"), "a quantized KV cache has its own pool class"),
     # KV holders a reclaim cannot vacate (sglang_elastic/sched/controller.py lists every holder)
     ("--enable-pdmux", bool, "PD-multiplexing keeps its split prefill batch's KV outside the running batch across scheduler steps"),
     ("--dllm-algorithm", lambda v: v is not None, "diffusion LLMs keep requests' KV in a staging queue outside the running batch"),
@@ -565,6 +597,20 @@ _OFFLOAD_UNSUPPORTED = (
 )
 
 
+def _model_layers(model_path: Optional[str]) -> Optional[int]:
+    """``num_hidden_layers`` of a local model directory's ``config.json`` (or of its ``text_config``), else
+    None (a hub id, no file, another layout): then the pool's sizing checks it after the weights load."""
+    if not model_path or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return None
+    n = c.get("num_hidden_layers", (c.get("text_config") or {}).get("num_hidden_layers")) if isinstance(c, dict) else None
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     """Refuse, at start-up, what ``--enable-kv-offload`` does not support (one line with the reason)."""
     if not cfg.offload.enabled:
@@ -581,7 +627,12 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
                                (f"--cuda-graph-config {phase} backend", json_backend)):
             if backend not in ok:
                 raise ConfigError(f"--enable-kv-offload does not support {where} {backend!r}: {_OFFLOAD_GRAPHS_WHY[phase]}")
-    if os.environ.get("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "").lower() in ("1", "true", "yes"):
+    layers = _model_layers(getattr(ns, "model_path", None))
+    dense = cfg.offload.dense_layers
+    if layers is not None and dense >= layers and not cfg.offload.resident_v:  # as sizing refuses it, before the weights load
+        raise ConfigError(f"--kv-offload-dense-layers {dense} leaves none of the model's {layers} layers sparse: nothing would be "
+                          f"offloaded (use at most {layers - 1})")
+    if env_on("SGLANG_ENABLE_DETERMINISTIC_INFERENCE"):
         raise ConfigError("--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1: it needs one of SGLang's own "
                           "attention backends, and a sparse decode is not batch-invariant")
     if not getattr(ns, "disable_radix_cache", False):
@@ -592,8 +643,24 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         if v not in (None, OFFLOAD_BACKEND):
             raise ConfigError(f"--enable-kv-offload runs its own attention backend ({OFFLOAD_BACKEND}: FlashInfer prefill, offload decode): "
                               f"drop --{flag.replace('_', '-')} {v}")
-    if os.environ.get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "").lower() in ("1", "true", "yes"):
+    if env_on("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"):
         raise ConfigError("--enable-kv-offload sizes the KV pool itself: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+
+
+def env_on(name: str) -> bool:
+    """An SGLang boolean environment switch as SGLang 0.5.17 reads it (``sglang/srt/environ.py``,
+    ``EnvBool``: ``true``, ``1``, ``yes``, ``y`` in any case; unset or another value: off, as SGLang
+    falls back to the default False with a warning). Before 2026-12-06 our refusals read only
+    ``1``/``true``/``yes``, so ``=y`` turned a feature on past them."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return False
+    from sglang.srt.environ import EnvBool
+
+    try:
+        return bool(EnvBool(False).parse(raw))
+    except ValueError:
+        return False
 
 
 def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
@@ -644,8 +711,8 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
             reason = why[0] if why else "the elastic pool is SGLang's plain MHA pool on one device, no spec decoding, no host-cache tiers"
             raise ConfigError(f"--enable-elastic-kv does not support {flag} {v!r} ({reason})")
     for env, reason in _UNSUPPORTED_ENV:
-        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
-            raise ConfigError(f"--enable-elastic-kv does not support {env}=1 ({reason})")
+        if env_on(env):
+            raise ConfigError(f"--enable-elastic-kv does not support {env}={os.environ[env]} ({reason})")
 
 
 def publish(cfg: ElasticKVConfig) -> None:

@@ -68,7 +68,13 @@ def has_nvidia_gpu() -> bool:
 
 
 def _given(extra: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in extra)
+    """``flag`` is in ``extra``, spelled out or as the abbreviation SGLang's argparse parser accepts (a prefix
+    of it: ``--enable-kv-off``), with or without ``=value``. An ambiguous prefix is argparse's to refuse."""
+    for a in extra:
+        k = a.split("=", 1)[0]
+        if k == flag or (k.startswith("--") and len(k) > 2 and flag.startswith(k)):
+            return True
+    return False
 
 
 def build_command(model: str, extra: Sequence[str], python: Optional[str] = None) -> List[str]:

@@ -252,7 +252,7 @@ def test_sizing_names_the_host_as_the_bound_and_refuses_a_pool_below_one_request
     assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 120 << 30, max_total_tokens=500000).bound == "max-total-tokens"
     with pytest.raises(SizingError, match="host memory holds V of only"):
         size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=HOST_RESERVE_BYTES + 10**9)
-    with pytest.raises(SizingError, match="lower --kv-offload-hot-slack, --max-running-requests or --kv-offload-hot-tokens"):
+    with pytest.raises(SizingError, match="--kv-offload-window, --kv-offload-hot-slack, --max-running-requests or --kv-offload-hot-tokens"):
         size_pool(8 << 30, LLAMA8B, OffloadPolicy(), 4096, 64, host_available_bytes=120 << 30)
     resident = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 0, resident=True)
     assert resident.bound == "hbm" and resident.host_bytes == 0 and 0.99 < resident.tokens / 906051 < 1.0

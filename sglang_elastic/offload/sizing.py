@@ -237,7 +237,8 @@ def size_pool(
     if tokens < shape.context_len:
         why = {
             "hbm": f"the GPU holds K of only {tokens_hbm} tokens after {fixed / 2**30:.1f} GiB of hot buffers for {requests} requests "
-                   "(lower --kv-offload-hot-slack, --max-running-requests or --kv-offload-hot-tokens, or --context-length)",
+                   f"(each request keeps {policy.sink} + {policy.window} sink and window V rows per sparse layer; lower --kv-offload-sink / "
+                   "--kv-offload-window, --kv-offload-hot-slack, --max-running-requests or --kv-offload-hot-tokens, or --context-length)",
             "host": f"host memory holds V of only {tokens_host} tokens ({max(host_budget, 0) / 2**30:.1f} GiB usable after a "
                     f"{HOST_RESERVE_BYTES >> 30} GiB reserve; raise --kv-offload-host-gb or free host RAM, or lower --context-length)",
             "max-total-tokens": f"--max-total-tokens {max_total_tokens} is below the context length",

@@ -1,0 +1,116 @@
+"""A new user's review of the flags (2026-12-06): each case was accepted (or refused for the wrong reason)
+before, and is checked here through SGLang 0.5.17's own parser with the plugin's flags (``serve.check_flags``,
+as the plugin's start-up runs them) or through the config it builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_elastic import config, serve
+
+BASE_OFFLOAD = ["--enable-kv-offload", "--disable-radix-cache"]
+
+
+def check(*flags):
+    return serve.check_flags(serve.build_command("llama-3.1-8b", list(flags))[3:])
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "yes", "y", "Y", "0", "false", "no", "n", "N", "maybe", ""])
+def test_env_switches_are_read_as_sglang_reads_them(raw, monkeypatch):
+    """SGLang's EnvBool takes y/Y as on; an invalid value falls back to its default (off)."""
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", raw)
+    assert config.env_on("SGLANG_ENABLE_DETERMINISTIC_INFERENCE") == bool(envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get())
+
+
+@pytest.mark.parametrize("env,flags,message", [
+    ("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", BASE_OFFLOAD, "--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE"),
+    ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", BASE_OFFLOAD, "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"),
+    ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", ["--enable-elastic-kv"], "--enable-elastic-kv does not support SGLANG_ENABLE_UNIFIED_RADIX_TREE=y"),
+    ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", ["--enable-elastic-kv"], "--enable-elastic-kv does not support SGLANG_EXPERIMENTAL_CPP_RADIX_TREE=y"),
+])
+def test_a_switch_turned_on_with_y_is_refused_like_one(env, flags, message, monkeypatch):
+    monkeypatch.setenv(env, "y")
+    err = check(*flags)
+    assert err is not None and message in err and "\n" not in err, err
+    monkeypatch.setenv(env, "n")
+    assert check(*flags) is None
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp4_mx_block16", "mxfp8"])
+def test_the_elastic_pool_refuses_every_quantized_kv_cache_of_sglang_at_parse(dtype):
+    err = check("--enable-elastic-kv", "--kv-cache-dtype", dtype)
+    assert err is not None and f"--kv-cache-dtype {dtype!r}" in err and "quantized KV cache" in err, err
+    assert check("--enable-elastic-kv", "--kv-cache-dtype", "fp8_e4m3") is None  # SGLang's MHA pool with an fp8 dtype
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--elastic-kv-mode", "off", "--elastic-kv-lend-bytes", "8GiB"], "--elastic-kv-mode off never lends: drop --elastic-kv-lend-bytes"),
+    (["--elastic-kv-mode", "off", "--elastic-kv-lend-after-steps", "5"], "drop --elastic-kv-lend-after-steps 5"),
+    (["--elastic-kv-mode", "off", "--elastic-kv-reclaim-wait", "block"], "drop --elastic-kv-reclaim-wait block"),
+    (["--elastic-kv-mode", "always-lent", "--elastic-kv-reclaim-wait", "block"],
+     "--elastic-kv-mode always-lent lends once at start-up and never reclaims: drop --elastic-kv-reclaim-wait block"),
+    (["--elastic-kv-mode", "always-lent", "--elastic-kv-lend-after-steps", "5"], "drop --elastic-kv-lend-after-steps 5"),
+    (["--elastic-kv-mode", "always-lent", "--elastic-kv-activation-rule", "measured"], "drop --elastic-kv-activation-rule measured"),
+])
+def test_flags_the_chosen_mode_never_reads_are_refused(flags, message):
+    err = check("--enable-elastic-kv", *flags)
+    assert err is not None and message in err and "\n" not in err, err
+
+
+def test_the_flags_a_mode_reads_stay_accepted():
+    assert check("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128",
+                 "--elastic-kv-margin-mb", "512") is None
+    assert check("--enable-elastic-kv", "--elastic-kv-mode", "off") is None
+    assert check("--enable-elastic-kv", "--elastic-kv-mode", "dynamic", "--elastic-kv-reclaim-wait", "block", "--elastic-kv-lend-after-steps", "5") is None
+
+
+def test_sink_and_window_have_an_upper_bound_and_the_sizing_names_them():
+    err = check(*BASE_OFFLOAD, "--kv-offload-window", "100000000")
+    assert err is not None and "--kv-offload-sink 4 + --kv-offload-window 100000000 must be below 32768" in err, err
+    err = check(*BASE_OFFLOAD, "--kv-offload-sink", "32760", "--kv-offload-window", "32")
+    assert err is not None and "must be below 32768" in err, err
+    assert check(*BASE_OFFLOAD, "--kv-offload-sink", "64", "--kv-offload-window", "4096") is None
+    # a pool the fixed rows crowd out: the error names sink and window among the flags to lower
+    from sglang_elastic.offload.policy import OffloadPolicy
+    from sglang_elastic.offload.sizing import ModelShape, SizingError, size_pool
+
+    shape = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, v_head_dim=128, elem=2, context_len=131072)
+    policy = OffloadPolicy(sink=4, window=30000, budget_frac=0.05, max_topk=2048, dense_layers=2)
+    with pytest.raises(SizingError) as e:
+        size_pool(60 << 30, shape, policy, 4096, 64, 500 << 30)
+    assert "each request keeps 4 + 30000 sink and window V rows per sparse layer" in str(e.value) and "--kv-offload-window" in str(e.value)
+
+
+def test_dense_layers_that_leave_nothing_sparse_are_refused_before_the_weights_load():
+    """llama-3.1-8b (the embedded config) has 32 layers: 32 dense layers offload nothing; the resident-V reference may."""
+    err = check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "32")
+    assert err is not None and "--kv-offload-dense-layers 32 leaves none of the model's 32 layers sparse" in err, err
+    assert check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "31") is None
+    assert check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "32", "--kv-offload-resident-v") is None
+
+
+def test_serve_reads_an_abbreviated_flag_as_sglangs_parser_does():
+    cmd = serve.build_command("llama-3.1-8b", ["--enable-kv-off", "--disable-radix-cache"])
+    assert "--attention-backend" not in cmd  # the plugin picks the offload backend
+    assert serve.check_flags(cmd[3:]) is None
+    cmd = serve.build_command("llama-3.1-8b", ["--attention-back=triton"])
+    assert cmd.count("--attention-backend") == 0 and "--attention-back=triton" in cmd
+
+
+def test_the_calibration_cache_takes_a_directory_or_off_in_any_case(tmp_path):
+    dec = ["--attention-backend", "flashinfer", "--decode-attention-backend", "persistentkv"]
+    err = check(*dec, "--decode-calibration-cache", "")
+    assert err is not None and "--decode-calibration-cache needs a directory or off" in err, err
+    f = tmp_path / "file"
+    f.write_text("x")
+    err = check(*dec, "--decode-calibration-cache", str(f))
+    assert err is not None and "is a file" in err, err
+    assert check(*dec, "--decode-calibration-cache", "OFF") is None
+    assert config._calibration_cache("OFF") == "off" and config._calibration_cache(str(tmp_path / "new")) == str(tmp_path / "new")
+
+
+def test_a_decode_flag_with_offload_names_the_offload_backend():
+    err = check(*BASE_OFFLOAD, "--decode-policy", "split")
+    assert err is not None and "(decode backend here: kvoffload)" in err, err
