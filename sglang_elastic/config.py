@@ -424,6 +424,11 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
         if decode_backend != DECODE_BACKEND:
             flag = given[0]
             raise ConfigError(f"{flag} applies only with --decode-attention-backend {DECODE_BACKEND} (decode backend here: {decode_backend or 'SGLang default'})")
+    if policy not in (None, "auto"):  # a forced path reads no calibration and corrects nothing: asking for either is a mistake
+        for flag, on in (("--decode-startup-calibration", ("force",)), ("--decode-online-correction", ("on",))):
+            if decode_flags[flag] in on:
+                raise ConfigError(f"{flag} {decode_flags[flag]} applies to --decode-policy auto only: --decode-policy {policy} "
+                                  "forces one path; drop one of the two")
     if calibration is not None:
         from sglang_elastic.attention.policy import CalibrationError, load_calibration
 

@@ -114,3 +114,12 @@ def test_the_calibration_cache_takes_a_directory_or_off_in_any_case(tmp_path):
 def test_a_decode_flag_with_offload_names_the_offload_backend():
     err = check(*BASE_OFFLOAD, "--decode-policy", "split")
     assert err is not None and "(decode backend here: kvoffload)" in err, err
+
+
+@pytest.mark.parametrize("extra", [["--decode-startup-calibration", "force"], ["--decode-online-correction", "on"]])
+def test_calibration_or_correction_asked_for_beside_a_forced_path_is_refused(extra):
+    dec = ["--attention-backend", "flashinfer", "--decode-attention-backend", "persistentkv"]
+    err = check(*dec, "--decode-policy", "split", *extra)
+    assert err is not None and f"{extra[0]} {extra[1]} applies to --decode-policy auto only: --decode-policy split" in err, err
+    assert check(*dec, "--decode-policy", "auto", *extra) is None
+    assert check(*dec, "--decode-policy", "split", "--decode-online-correction", "off", "--decode-startup-calibration", "off") is None
