@@ -479,9 +479,10 @@ ON_OFF_FLAGS = ("keep_v",)
 
 
 #: --elastic-kv-* flags a mode never reads (given with it: refused, as a contradiction the user should see)
-_MODE_IGNORES = {"off": ("lend_bytes", "handle_mb", "lend_after_steps", "margin_mb", "activation_rule", "reclaim_wait"),
+#: (``off`` still measures what it could lend, with --elastic-kv-lend-bytes, -handle-mb and -margin-mb, and reports it)
+_MODE_IGNORES = {"off": ("lend_after_steps", "activation_rule", "reclaim_wait"),
                  "always-lent": ("lend_after_steps", "activation_rule", "reclaim_wait")}
-_MODE_WHY = {"off": "never lends", "always-lent": "lends once at start-up and never reclaims"}
+_MODE_WHY = {"off": "never lends or reclaims", "always-lent": "lends once at start-up and never reclaims"}
 
 
 def _refuse_without_enable(prefix: str, field: str, value) -> None:

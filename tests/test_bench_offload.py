@@ -418,8 +418,8 @@ def test_itl_tail_separates_the_decode_phase_and_finds_a_periodic_slow_step():
         for r in range(4):
             if r == 3 and step <= 2:
                 continue
-            per[r].append(((t + r * 1e-4, step - (2 if r == 3 else 0)), gap))
-    decode_from = per[3][0][0][0] - per[3][0][1]  # its first token: where its first gap began
+            per[r].append(((t + r * 1e-4, step - (2 if r == 3 else 0), t + r * 1e-4 - gap), gap))
+    decode_from = per[3][0][0][2]  # its first token: where its first gap began
     tail = bench().itl_tail(per, decode_from)
     dp = tail["decode_phase"]
     assert dp["samples"] == 4 * 118  # steps 3..120 of every request
@@ -429,18 +429,34 @@ def test_itl_tail_separates_the_decode_phase_and_finds_a_periodic_slow_step():
     assert ss["gaps"] == 3 + 3 * 4 and ss["largest"][0]["max_ms"] == pytest.approx(300.0) and ss["largest"][0]["requests"] == 3
     assert [d["max_ms"] for d in ss["largest"][1:]] == pytest.approx([25.0] * 3)
     assert ss["token_indices"] == [2, 40, 80, 120] and 14 < ss["threshold_ms"] < 16
+    # a chunk of two tokens that began before the last first token is not in the decode phase, and a slow one
+    # counts once (a step's requests, not its tokens)
+    two = [((1.10, 5, 1.00), 0.05), ((1.10, 5, 1.00), 0.05)] + [((1.10 + 0.01 * k, 6 + k, 1.10 + 0.01 * (k - 1)), 0.01) for k in range(1, 40)]
+    tail = bench().itl_tail([two], decode_from=1.05)
+    assert tail["decode_phase"]["samples"] == 39 and tail["decode_phase"]["max_ms"] == pytest.approx(10.0)
+    assert tail["slow_steps"]["gaps"] == 1 and tail["slow_steps"]["largest"][0]["requests"] == 1 and tail["slow_steps"]["token_indices"] == [5]
 
 
 def test_every_throughput_server_runs_under_the_same_request_cap():
-    """Stock (uncapped by SGLang's default) gets the offload servers' --max-running-requests, so a part
-    never compares 48 offload requests at once against 64 stock ones; a cap in the flags for every server
-    (given after, the last wins) is left alone, and an offload server keeps its own."""
+    """Stock (uncapped by SGLang's default) gets the offload servers' --max-running-requests, so a part never
+    compares 48 offload requests at once against 64 stock ones; a cap for every server (--extra, given after: the
+    last wins) is the one; servers whose own caps differ are refused."""
     b = bench()
-    cap = b.SERVERS["offload-keep"][b.SERVERS["offload-keep"].index("--max-running-requests") + 1]
-    assert b.same_cap("stock", "") == ["--max-running-requests", cap]
-    assert b.same_cap("hicache", "--disable-prefill-cuda-graph") == ["--max-running-requests", cap]
-    assert b.same_cap("stock", "--disable-prefill-cuda-graph --max-running-requests 64") == []
-    assert b.same_cap("offload-keep", "") == []
+    A = lambda extra="", offload_extra="": type("A", (), {"extra": extra, "offload_extra": offload_extra, "dense_launch": ""})()
+    cap = b.request_cap(b.SERVERS["offload-keep"])
+    assert cap is not None and b.same_caps(A(), ["offload-keep", "stock"]) == cap
+    assert b.same_caps(A("--disable-prefill-cuda-graph --max-running-requests 64"), ["offload-keep", "stock", "hicache"]) == "64"
+    assert b.same_caps(A("--max-running-requests=32"), ["stock"]) == "32" and b.same_caps(A(), ["stock", "hicache"]) is None
+    # the offload servers' cap raised by --offload-extra: stock gets that one too (48 here would be the mismatch)
+    assert b.same_caps(A(offload_extra="--max-running-requests 64"), ["offload-keep", "stock"]) == "64"
+    b.SERVERS["capped-other"] = ["--attention-backend", "flashinfer", "--max-running-requests", "32"]
+    try:
+        with pytest.raises(ValueError, match="different --max-running-requests .*offload-keep 48, stock none, capped-other 32"):
+            b.same_caps(A(), ["offload-keep", "stock", "capped-other"])
+    finally:
+        del b.SERVERS["capped-other"]
+    info = {"max_running_requests": None, "internal_states": [{"effective_max_running_requests_per_dp": 2048}]}
+    assert b.running_cap(info) == 2048 and b.running_cap({"max_running_requests": 48}) == 48
 
 
 def test_the_committed_p99_part_shows_a_first_load_cost_on_both_servers_and_keep_v_within_5_percent_warm():
@@ -451,7 +467,9 @@ def test_the_committed_p99_part_shows_a_first_load_cost_on_both_servers_and_keep
     assert "H100" in part["gpu"] and part["num_prompts"] == 8 and "--repeat-loads 2" in part["command"]
     kv, st = part["servers"]["offload-keep"], part["servers"]["stock"]
     for r in (kv, st):
-        assert r["completed"] == 8 and r["itl"]["slow_steps"]["steps"] >= 9 and r["p99_itl_ms"] > 2 * r["median_itl_ms"]
+        periodic = [i for i in r["itl"]["slow_steps"]["token_indices"] if i > 1]  # token 1's gap held the prefill
+        assert r["completed"] == 8 and len(periodic) == 8 and r["p99_itl_ms"] > 2 * r["median_itl_ms"]
+        assert all(60 <= b - a <= 68 for a, b in zip(periodic, periodic[1:])), periodic  # one every ~64 tokens
         assert [x["slow_steps"]["steps"] for x in r["repeats"]] == [1, 1] and all(x["completed"] == 8 for x in r["repeats"])
     doc = " ".join((ROOT / "docs" / "offload.md").read_text().split())
     for a, b in zip(kv["repeats"], st["repeats"]):

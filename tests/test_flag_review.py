@@ -46,8 +46,7 @@ def test_the_elastic_pool_refuses_every_quantized_kv_cache_of_sglang_at_parse(dt
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--elastic-kv-mode", "off", "--elastic-kv-lend-bytes", "8GiB"], "--elastic-kv-mode off never lends: drop --elastic-kv-lend-bytes"),
-    (["--elastic-kv-mode", "off", "--elastic-kv-lend-after-steps", "5"], "drop --elastic-kv-lend-after-steps 5"),
+    (["--elastic-kv-mode", "off", "--elastic-kv-lend-after-steps", "5"], "--elastic-kv-mode off never lends or reclaims: drop --elastic-kv-lend-after-steps 5"),
     (["--elastic-kv-mode", "off", "--elastic-kv-reclaim-wait", "block"], "drop --elastic-kv-reclaim-wait block"),
     (["--elastic-kv-mode", "always-lent", "--elastic-kv-reclaim-wait", "block"],
      "--elastic-kv-mode always-lent lends once at start-up and never reclaims: drop --elastic-kv-reclaim-wait block"),
@@ -62,7 +61,7 @@ def test_flags_the_chosen_mode_never_reads_are_refused(flags, message):
 def test_the_flags_a_mode_reads_stay_accepted():
     assert check("--enable-elastic-kv", "--elastic-kv-mode", "always-lent", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-handle-mb", "128",
                  "--elastic-kv-margin-mb", "512") is None
-    assert check("--enable-elastic-kv", "--elastic-kv-mode", "off") is None
+    assert check("--enable-elastic-kv", "--elastic-kv-mode", "off", "--elastic-kv-lend-bytes", "8GiB", "--elastic-kv-margin-mb", "512") is None
     assert check("--enable-elastic-kv", "--elastic-kv-mode", "dynamic", "--elastic-kv-reclaim-wait", "block", "--elastic-kv-lend-after-steps", "5") is None
 
 
@@ -123,3 +122,17 @@ def test_calibration_or_correction_asked_for_beside_a_forced_path_is_refused(ext
     assert err is not None and f"{extra[0]} {extra[1]} applies to --decode-policy auto only: --decode-policy split" in err, err
     assert check(*dec, "--decode-policy", "auto", *extra) is None
     assert check(*dec, "--decode-policy", "split", "--decode-online-correction", "off", "--decode-startup-calibration", "off") is None
+
+
+@pytest.mark.parametrize("identity", [False, True])
+@pytest.mark.parametrize("mode", ["stock", "elastic", "always-lent"])
+def test_every_server_the_elastic_benchmark_starts_passes_the_plugins_checks(mode, identity):
+    """scripts/gpu/bench_elastic.py's server commands (with an --elastic-extra for the dynamic servers) must
+    pass the flag checks they meet at start-up: the mode refusals above once stopped its always-lent servers."""
+    from gpu_scripts import load_script
+
+    b = load_script("bench_elastic")
+    cmd = b.server_cmd(mode, 1, 30000, identity, extra=["--elastic-kv-reclaim-wait", "block"])
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    err = serve.check_flags(cmd[3:])
+    assert err is None, err

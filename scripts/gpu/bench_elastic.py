@@ -99,8 +99,11 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = Fals
     cmd += ID_FLAGS if identity else ["--attention-backend", "flashinfer"] + (EAGER if eager else [])
     if mode != "stock":
         cmd += ["--enable-elastic-kv", "--elastic-kv-mode", "dynamic" if mode == "elastic" else "always-lent"]
-        cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
-        cmd += list(extra)  # e.g. --elastic-kv-activation-rule measured (the elastic servers only)
+        if mode == "elastic":  # always-lent lends once at start-up: the plugin refuses the flags it never reads
+            cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
+            cmd += list(extra)  # e.g. --elastic-kv-activation-rule measured (the dynamic servers only)
+        elif identity:
+            cmd += ID_ELASTIC[:2]  # the lend size
     return cmd
 
 

@@ -329,7 +329,7 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
                         await when_all_started(session)
                 else:
                     itl += [(now - last) / (got - n)] * (got - n)
-                    ends += [(now, n)] * (got - n)
+                    ends += [(now, n, last)] * (got - n)
                 last, n = now, got
         return ttft, itl, n, ends
 
@@ -364,17 +364,18 @@ def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], facto
     """Where a load's slow inter-token gaps come from: the decode phase alone, and the slow server steps.
 
     Args:
-        per_request: per request, its gaps as ``((end_time_s, token_index), gap_s)`` in stream order
-            (``end_time_s`` on the client's ``perf_counter`` clock: when the chunk arrived; ``token_index``: the
-            tokens the request had before it).
+        per_request: per request, its gaps as ``((end_time_s, token_index, start_time_s), gap_s)`` in stream
+            order (on the client's ``perf_counter`` clock: when the chunk arrived and when the one before it did;
+            ``token_index``: the tokens the request had before it; a chunk of k tokens gives k gaps of 1/k its
+            time, as ``sglang.bench_serving`` counts them, with the same three fields).
         decode_from: when the last request streamed its first token (every prefill done), or None.
         factor: a gap is slow above ``factor`` times the median gap.
         top: the slowest steps listed.
 
     Returns:
-        ``{"decode_phase": {samples, median_ms, p99_ms, max_ms} | None`` (gaps that began after ``decode_from``:
+        ``{"decode_phase": {samples, median_ms, p99_ms, max_ms} | None`` (gaps whose chunk began after ``decode_from``:
         the p99 of decode steps alone, with no prefill in the load), ``"slow_steps": {threshold_ms, steps,
-        gaps, largest: [{at_s, max_ms, requests}], token_indices}}``. A server step streams to every request
+        gaps (slow chunks), largest: [{at_s, max_ms, requests}], token_indices}}``. A server step streams to every request
         in its batch at once, so slow gaps whose ends lie within half a median gap of each other are one
         step (``steps``); ``at_s`` counts from the first slow step; ``token_indices``: the slow gaps of the
         request with the most, by its token index (a fixed stride between them points at a periodic cost,
@@ -393,9 +394,11 @@ def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], facto
                 "max_ms": 1e3 * xs[-1]} if xs else None
 
     # a gap of the decode phase began after the last first token (the other requests' gap of that step held its prefill)
-    decode = stats([g for r in per_request for (end, _), g in r if end - g >= decode_from - 1e-3]) if decode_from is not None else None
+    decode = stats([g for r in per_request for (_, _, start), g in r if start >= decode_from - 1e-3]) if decode_from is not None else None
     thr = factor * med
-    slow = sorted((end, g) for r in per_request for (end, _), g in r if g > thr)
+    # one entry per slow chunk (a chunk of k tokens is k gaps above, one here): a step's requests, not its tokens
+    slow = sorted({(end, ri, i, g) for ri, r in enumerate(per_request) for (end, i, _), g in r if g > thr})
+    slow = [(end, g) for end, _, _, g in slow]
     steps: List[List[tuple]] = []
     for end, g in slow:
         if steps and end - steps[-1][-1][0] <= med / 2:
@@ -408,7 +411,7 @@ def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], facto
     mine = max(per_request, key=lambda r: sum(g > thr for _, g in r))
     return {"decode_phase": decode,
             "slow_steps": {"threshold_ms": 1e3 * thr, "steps": len(steps), "gaps": len(slow), "largest": largest,
-                           "token_indices": [i for (_, i), g in mine if g > thr]}}
+                           "token_indices": sorted({i for (_, i, _), g in mine if g > thr})}}
 
 
 def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float, running: Optional[int] = None) -> dict:
@@ -463,18 +466,51 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
-def same_cap(name: str, extra: str) -> List[str]:
-    """``--max-running-requests`` for a server without one of its own (stock, HiCache): the offload servers'
-    (:data:`SERVERS`), so that every server of a throughput part runs at most as many requests at once. Nothing
-    when ``extra`` (every server's flags, given later: the last wins) names a cap.
+def running_cap(info: dict) -> Optional[int]:
+    """The request cap a server's scheduler runs under (``/server_info``'s ``internal_states``: SGLang's
+    ``effective_max_running_requests_per_dp``), else the flag as given (``max_running_requests``, None if none)."""
+    states = info.get("internal_states") or [{}]
+    return (states[0] if isinstance(states[0], dict) else {}).get("effective_max_running_requests_per_dp", info.get("max_running_requests"))
+
+
+def request_cap(flags: List[str]) -> Optional[str]:
+    """The ``--max-running-requests`` a flag list gives (the last one wins, as in argparse; ``--flag=N`` too), or None."""
+    cap = None
+    for i, f in enumerate(flags):
+        if f == "--max-running-requests" and i + 1 < len(flags):
+            cap = flags[i + 1]
+        elif f.startswith("--max-running-requests="):
+            cap = f.split("=", 1)[1]
+    return cap
+
+
+def server_flags(a, name: str) -> List[str]:
+    """A throughput server's own flags: its kind's (:data:`SERVERS`), every server's (``--extra``), then the offload
+    servers' (``--offload-extra``, ``--dense-launch``); with :func:`same_caps`' cap where it has none."""
+    offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
+    if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
+        offload_extra.append(f"--kv-offload-dense-launch={a.dense_launch}")
+    return SERVERS[name] + a.extra.split() + offload_extra
+
+
+def same_caps(a, names: List[str]) -> Optional[str]:
+    """The one ``--max-running-requests`` every server of a throughput part runs under: the cap the servers that
+    give one agree on, which the others (stock, HiCache: SGLang's default is no cap) are then given.
 
     Why: on 2026-12-06 (H100, 64 x 4K) the offload server ran at most 48 requests, its default here, and stock
     all 64: 0.80x stock's output throughput for a cap, not for the offload path (earlier runs gave every server
-    ``--max-running-requests 64`` by hand)."""
-    if "--max-running-requests" in SERVERS[name] or "--max-running-requests" in extra.split():
-        return []
-    caps = {f[f.index("--max-running-requests") + 1] for f in SERVERS.values() if "--max-running-requests" in f}
-    return ["--max-running-requests", caps.pop()] if len(caps) == 1 else []
+    ``--max-running-requests 64`` by hand).
+
+    Raises:
+        ValueError: two servers would run under different caps (e.g. ``--offload-extra`` gives the offload servers
+            one and nothing gives stock the same).
+    """
+    caps = {name: request_cap(server_flags(a, name)) for name in names}
+    given = {c for c in caps.values() if c is not None}
+    if len(given) > 1:
+        raise ValueError("the servers would run under different --max-running-requests ("
+                         + ", ".join(f"{n} {c or 'none'}" for n, c in caps.items()) + "): give one to all with --extra")
+    return given.pop() if given else None
 
 
 def part_throughput(a) -> dict:
@@ -483,11 +519,13 @@ def part_throughput(a) -> dict:
     out = {"workload": a.workload, "input_len": ilen, "output_len": olen, "num_prompts": n, "client": "bench_offload.load (streaming /generate)",
            "servers": {}}
     ps = prompts([ilen] * n, seed=2)
-    for i, name in enumerate(a.servers.split(",")):
-        offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
-        if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
-            offload_extra.append(f"--kv-offload-dense-launch={a.dense_launch}")
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + same_cap(name, a.extra) + tp_args(a) + a.extra.split()
+    names = a.servers.split(",")
+    cap = same_caps(a, names)
+    for i, name in enumerate(names):
+        own = server_flags(a, name)
+        offload_extra = own[len(SERVERS[name]) + len(a.extra.split()):]
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"]
+                   + (["--max-running-requests", cap] if cap is not None and request_cap(own) is None else []) + tp_args(a) + a.extra.split()
                    + offload_extra, 30300 + i,
                    a.work)
         try:
@@ -509,7 +547,7 @@ def part_throughput(a) -> dict:
             after = offload_state(s.info())
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
                    "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
-                   "peak_running_reqs": peak["running"], "max_running_requests": s.info().get("max_running_requests"), "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
+                   "peak_running_reqs": peak["running"], "max_running_requests": running_cap(s.info()), "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
             try:  # the load's prefill batches, from the server's own log (what a TTFT is made of)
                 with open(s.log, errors="replace") as f:
                     f.seek(log_at)
@@ -752,7 +790,8 @@ def main():
                                                      "dense_launch that scripts/gpu/sweep_dense_kept.py picked)")
     ap.add_argument("--repeat-loads", type=int, default=0,
                     help="throughput: after the measured load, run it this many times more on the same server with new prompts; "
-                         "each one's ITL, TTFT and slow steps in the row's \"repeats\" (the counters and the profile follow them)")
+                         "each one's ITL, TTFT and slow steps in the row's \"repeats\" (after the offload counters are read; "
+                         "before the profile); the row's own ITL stays the first load's")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="throughput: after the measured load, a second one profiled over this many forward steps (SGLang's "
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
@@ -783,6 +822,11 @@ def main():
                 SplitConfig.with_dense_launch(a.dense_launch)
             except ValueError as e:
                 ap.error(str(e))
+        if a.part == "throughput":
+            try:
+                same_caps(a, a.servers.split(","))
+            except (ValueError, KeyError) as e:
+                ap.error(str(e))  # before any server starts
         res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble,
                "merge": part_merge}[a.part](a)
     except RuntimeError as e:
