@@ -46,7 +46,7 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from sglang_elastic import results  # noqa: E402
+from sglang_elastic import gcstats, results  # noqa: E402
 
 MODEL = os.path.join(ROOT, "sglang_elastic", "models", "llama-3.1-8b")
 COMMON = ["--model-path", MODEL, "--load-format", "dummy", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -466,6 +466,13 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
+def scheduler_gc(info: dict) -> Optional[dict]:
+    """The first scheduler's garbage collections so far (``internal_states[0]["gc"]``,
+    :mod:`sglang_elastic.gcstats`; the servers here run with ``SGLANG_ELASTIC_GC_STATS=1``), or None."""
+    states = info.get("internal_states") or [{}]
+    return (states[0] if isinstance(states[0], dict) else {}).get("gc")
+
+
 def running_cap(info: dict) -> Optional[int]:
     """The request cap a server's scheduler runs under (``/server_info``'s ``internal_states``: SGLang's
     ``effective_max_running_requests_per_dp``), else the flag as given (``max_running_requests``, None if none)."""
@@ -527,7 +534,7 @@ def part_throughput(a) -> dict:
         s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"]
                    + (["--max-running-requests", cap] if cap is not None and request_cap(own) is None else []) + tp_args(a) + a.extra.split()
                    + offload_extra, 30300 + i,
-                   a.work)
+                   a.work, env={gcstats.ENV: "1"})  # the scheduler's garbage collections, per load (row "gc")
         try:
             up = s.wait()
             # warm-up at the workload's size (a 256-token one left a first-use JIT in stock's measured prefill on fits)
@@ -539,9 +546,11 @@ def part_throughput(a) -> dict:
             before = offload_state(s.info())
             poller = PeakPoller(s)
             log_at = os.path.getsize(s.log) if os.path.exists(s.log) else 0
+            gc0 = scheduler_gc(s.info())
             t0 = time.time()
             rec = load(s.url(""), ps, olen, a.timeout)
             peak = poller.stop()
+            rec["gc"] = gcstats.window(gc0, scheduler_gc(s.info()), t0, time.time())
             if rec["completed"] == 0:
                 raise RuntimeError(f"no request completed on {name}: " + tail(s.log))
             after = offload_state(s.info())
@@ -581,11 +590,13 @@ def part_throughput(a) -> dict:
                 row["offload_pool"] = {k: after.get(k) for k in ("sizing", "policy", "hot_pages", "hot_pages_free", "hot_page_overflow",
                                                                  "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
             for k in range(a.repeat_loads):  # the same load again with new prompts (no prefix hit): how much its tail moves
+                gc0, t2 = scheduler_gc(s.info()), time.time()
                 r2 = load(s.url(""), prompts([ilen] * n, seed=20 + k), olen, a.timeout)
+                r2["gc"] = gcstats.window(gc0, scheduler_gc(s.info()), t2, time.time())
                 it = r2.get("itl") or {}
                 row.setdefault("repeats", []).append({**{x: r2.get(x) for x in ("completed", "output_tok_s", "median_ttft_ms", "median_itl_ms",
                                                                                 "p99_itl_ms")},
-                                                      "decode_phase": it.get("decode_phase"),
+                                                      "decode_phase": it.get("decode_phase"), "gc": r2["gc"],
                                                       "slow_steps": {x: (it.get("slow_steps") or {}).get(x)
                                                                      for x in ("threshold_ms", "steps", "gaps", "token_indices")}})
             if a.profile_steps:
