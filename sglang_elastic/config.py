@@ -443,10 +443,10 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
     if elastic and not getattr(ns, "enable_elastic_kv", False):
         first = next(iter(elastic))
         _refuse_without_enable("elastic-kv", first, elastic[first])
-    for flag in _MODE_IGNORES.get(elastic.get("mode"), ()):
+    why = _NO_RECLAIM_MODES.get(elastic.get("mode"))
+    for flag in _RECLAIM_ONLY if why else ():
         if flag in elastic:
-            raise ConfigError(f"--elastic-kv-mode {elastic['mode']} {_MODE_WHY[elastic['mode']]}: "
-                              f"drop --elastic-kv-{flag.replace('_', '-')} {elastic[flag]}")
+            raise ConfigError(f"--elastic-kv-mode {elastic['mode']} {why}: drop --elastic-kv-{flag.replace('_', '-')} {elastic[flag]}")
     return ElasticKVConfig(
         enabled=bool(getattr(ns, "enable_elastic_kv", False)),
         **elastic,
@@ -478,11 +478,11 @@ def _calibration_cache(value: Optional[str]) -> Optional[str]:
 ON_OFF_FLAGS = ("keep_v",)
 
 
-#: --elastic-kv-* flags a mode never reads (given with it: refused, as a contradiction the user should see)
-#: (``off`` still measures what it could lend, with --elastic-kv-lend-bytes, -handle-mb and -margin-mb, and reports it)
-_MODE_IGNORES = {"off": ("lend_after_steps", "activation_rule", "reclaim_wait"),
-                 "always-lent": ("lend_after_steps", "activation_rule", "reclaim_wait")}
-_MODE_WHY = {"off": "never lends or reclaims", "always-lent": "lends once at start-up and never reclaims"}
+#: --elastic-kv-* flags only ``dynamic``'s lend/reclaim cycle reads: given with a mode that has no cycle (the
+#: reason), they are refused, as a contradiction the user should see (``off`` still measures what it could
+#: lend, with --elastic-kv-lend-bytes, -handle-mb and -margin-mb, and reports it)
+_RECLAIM_ONLY = ("lend_after_steps", "activation_rule", "reclaim_wait")
+_NO_RECLAIM_MODES = {"off": "never lends or reclaims", "always-lent": "lends once at start-up and never reclaims"}
 
 
 def _refuse_without_enable(prefix: str, field: str, value) -> None:
@@ -604,16 +604,18 @@ _OFFLOAD_UNSUPPORTED = (
 
 
 def _model_layers(model_path: Optional[str]) -> Optional[int]:
-    """``num_hidden_layers`` of a local model directory's ``config.json`` (or of its ``text_config``), else
-    None (a hub id, no file, another layout): then the pool's sizing checks it after the weights load."""
-    if not model_path or not os.path.isfile(os.path.join(model_path, "config.json")):
+    """``num_hidden_layers`` of a local model's ``config.json`` (or of its ``text_config``), read as the
+    advisor reads it (:func:`sglang_elastic.eval.sizing.read_config`), else None (a hub id, no file, not a
+    JSON object, another layout): then the pool's sizing checks it after the weights load."""
+    if not model_path:
         return None
+    from sglang_elastic.eval.sizing import AdviseError, read_config
+
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
+        _, c = read_config(model_path, {})
+    except AdviseError:
         return None
-    n = c.get("num_hidden_layers", (c.get("text_config") or {}).get("num_hidden_layers")) if isinstance(c, dict) else None
+    n = c.get("num_hidden_layers", (c.get("text_config") or {}).get("num_hidden_layers"))
     return n if isinstance(n, int) and n > 0 else None
 
 

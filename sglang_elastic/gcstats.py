@@ -9,11 +9,11 @@ an H100 on 2026-12-06 (slow steps every ~64 tokens of a first 8 x 4K load, on st
 offload alike, none in later loads; ``docs/offload.md``). SGLang 0.5.17 logs collections only
 in its tokenizer manager (``--gc-warning-threshold-secs``), not in the scheduler.
 
-With the variable set, :func:`install` adds a ``gc.callbacks`` entry (two ``perf_counter``
-reads a collection) in every process the plugin loads in; the scheduler reports
-:func:`snapshot` in ``/server_info``'s ``internal_states[i]["gc"]`` (the
-``Scheduler.get_internal_state`` hook of :mod:`sglang_elastic.attention`). Unset: nothing
-is installed and nothing reported.
+With the variable set, :func:`register` (run by the plugin's entry point) adds a
+``gc.callbacks`` entry (two ``perf_counter`` reads a collection) in every process the plugin
+loads in, and an AFTER hook on ``Scheduler.get_internal_state`` through which the scheduler
+reports :func:`snapshot` in ``/server_info``'s ``internal_states[i]["gc"]``. Unset: nothing
+is installed, registered or reported.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class GcStats:
 
 
 _STATS: Optional[GcStats] = None
+_registered = False
 
 
 def install() -> bool:
@@ -71,6 +72,26 @@ def install() -> bool:
         _STATS = GcStats()
         gc.callbacks.append(_STATS)
     return _STATS is not None
+
+
+def register() -> None:
+    """:func:`install`, and when it is in, the ``Scheduler.get_internal_state`` hook (:func:`after_internal_state`;
+    applied by SGLang's ``HookRegistry.apply_hooks`` after the plugins load). Idempotent."""
+    global _registered
+    if install() and not _registered:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state", after_internal_state, HookType.AFTER)
+        _registered = True
+
+
+def after_internal_state(result, sched, *args, **kwargs):
+    """AFTER hook on ``Scheduler.get_internal_state``: this scheduler's collections under ``gc`` (when installed)."""
+    state = getattr(result, "internal_state", None)
+    gc_state = snapshot()
+    if isinstance(state, dict) and gc_state is not None:
+        state["gc"] = gc_state
+    return result
 
 
 def snapshot() -> Optional[dict]:

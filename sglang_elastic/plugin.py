@@ -49,6 +49,9 @@ def load() -> None:
 
     attention.register()
     _features.append("decode-attention:" + attention.NAME)
+    from sglang_elastic import gcstats
+
+    gcstats.register()  # SGLANG_ELASTIC_GC_STATS=1 only: this process's garbage collections timed, the scheduler's reported
     from sglang_elastic import offload
 
     offload.register()

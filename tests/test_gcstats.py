@@ -13,9 +13,9 @@ from sglang_elastic import gcstats
 @pytest.fixture
 def fresh(monkeypatch):
     monkeypatch.setattr(gcstats, "_STATS", None)
+    callbacks = list(gc.callbacks)
     yield
-    if gcstats._STATS is not None and gcstats._STATS in gc.callbacks:
-        gc.callbacks.remove(gcstats._STATS)
+    gc.callbacks[:] = callbacks  # whatever a test installed goes
 
 
 def test_nothing_is_installed_or_reported_without_the_variable(fresh, monkeypatch):
@@ -49,14 +49,22 @@ def test_full_collections_are_counted_timed_and_windowed(fresh, monkeypatch):
     assert gcstats.window(None, after, t0, t1) is None
 
 
-def test_the_scheduler_state_hook_reports_the_collections(fresh, monkeypatch):
-    from sglang_elastic import attention
+def test_the_scheduler_state_hook_is_registered_with_the_variable_and_reports_the_collections(fresh, monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
+    seen = []
+    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, fn, kind: seen.append((target, fn))))
+    monkeypatch.setattr(gcstats, "_registered", False)
+    monkeypatch.delenv(gcstats.ENV, raising=False)
+    gcstats.register()
+    assert seen == []  # unset: nothing installed, nothing hooked
     monkeypatch.setenv(gcstats.ENV, "1")
-    gcstats.install()
+    gcstats.register()
+    gcstats.register()
+    assert seen == [("sglang.srt.managers.scheduler.Scheduler.get_internal_state", gcstats.after_internal_state)]
     gc.collect(1)
     result = type("R", (), {"internal_state": {}})()
-    out = attention.after_internal_state(result, type("S", (), {})())
+    out = gcstats.after_internal_state(result, type("S", (), {})())
     assert out.internal_state["gc"]["collections"][1] >= 1 and set(out.internal_state["gc"]) == {"collections", "ms", "max_ms", "recent"}
     monkeypatch.setattr(gcstats, "_STATS", None)
-    assert "gc" not in attention.after_internal_state(type("R", (), {"internal_state": {}})(), type("S", (), {})()).internal_state
+    assert "gc" not in gcstats.after_internal_state(type("R", (), {"internal_state": {}})(), type("S", (), {})()).internal_state

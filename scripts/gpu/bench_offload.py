@@ -466,18 +466,22 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
-def scheduler_gc(info: dict) -> Optional[dict]:
-    """The first scheduler's garbage collections so far (``internal_states[0]["gc"]``,
-    :mod:`sglang_elastic.gcstats`; the servers here run with ``SGLANG_ELASTIC_GC_STATS=1``), or None."""
+def scheduler_state(info: dict) -> dict:
+    """The first scheduler's ``internal_states`` entry of a ``/server_info`` answer ({} when there is none)."""
     states = info.get("internal_states") or [{}]
-    return (states[0] if isinstance(states[0], dict) else {}).get("gc")
+    return states[0] if isinstance(states[0], dict) else {}
+
+
+def scheduler_gc(info: dict) -> Optional[dict]:
+    """The first scheduler's garbage collections so far (``gc``, :mod:`sglang_elastic.gcstats`; the servers
+    here run with ``SGLANG_ELASTIC_GC_STATS=1``), or None."""
+    return scheduler_state(info).get("gc")
 
 
 def running_cap(info: dict) -> Optional[int]:
-    """The request cap a server's scheduler runs under (``/server_info``'s ``internal_states``: SGLang's
-    ``effective_max_running_requests_per_dp``), else the flag as given (``max_running_requests``, None if none)."""
-    states = info.get("internal_states") or [{}]
-    return (states[0] if isinstance(states[0], dict) else {}).get("effective_max_running_requests_per_dp", info.get("max_running_requests"))
+    """The request cap a server's scheduler runs under (SGLang's ``effective_max_running_requests_per_dp``),
+    else the flag as given (``max_running_requests``, None if none)."""
+    return scheduler_state(info).get("effective_max_running_requests_per_dp", info.get("max_running_requests"))
 
 
 def request_cap(flags: List[str]) -> Optional[str]:
@@ -491,13 +495,18 @@ def request_cap(flags: List[str]) -> Optional[str]:
     return cap
 
 
-def server_flags(a, name: str) -> List[str]:
-    """A throughput server's own flags: its kind's (:data:`SERVERS`), every server's (``--extra``), then the offload
-    servers' (``--offload-extra``, ``--dense-launch``); with :func:`same_caps`' cap where it has none."""
-    offload_extra = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
+def offload_flags(a, name: str) -> List[str]:
+    """The flags a throughput server gets as an offload server (``--offload-extra``; ``--dense-launch`` for keep-v)."""
+    flags = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
     if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
-        offload_extra.append(f"--kv-offload-dense-launch={a.dense_launch}")
-    return SERVERS[name] + a.extra.split() + offload_extra
+        flags.append(f"--kv-offload-dense-launch={a.dense_launch}")
+    return flags
+
+
+def server_flags(a, name: str) -> List[str]:
+    """A throughput server's own flags in the order they are given (the last of a flag wins): its kind's
+    (:data:`SERVERS`), every server's (``--extra``), then the offload servers' (:func:`offload_flags`)."""
+    return SERVERS[name] + a.extra.split() + offload_flags(a, name)
 
 
 def same_caps(a, names: List[str]) -> Optional[str]:
@@ -529,11 +538,10 @@ def part_throughput(a) -> dict:
     names = a.servers.split(",")
     cap = same_caps(a, names)
     for i, name in enumerate(names):
-        own = server_flags(a, name)
-        offload_extra = own[len(SERVERS[name]) + len(a.extra.split()):]
+        offload_extra = offload_flags(a, name)
         s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"]
-                   + (["--max-running-requests", cap] if cap is not None and request_cap(own) is None else []) + tp_args(a) + a.extra.split()
-                   + offload_extra, 30300 + i,
+                   + (["--max-running-requests", cap] if cap is not None and request_cap(server_flags(a, name)) is None else [])
+                   + tp_args(a) + a.extra.split() + offload_extra, 30300 + i,
                    a.work, env={gcstats.ENV: "1"})  # the scheduler's garbage collections, per load (row "gc")
         try:
             up = s.wait()
@@ -543,20 +551,21 @@ def part_throughput(a) -> dict:
             with cf.ThreadPoolExecutor(4) as ex:
                 list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}),
                             [ps[0][:256]] + [p[::-1] for p in ps[:3]]))
-            before = offload_state(s.info())
+            info = s.info()
+            before, gc0 = offload_state(info), scheduler_gc(info)
             poller = PeakPoller(s)
             log_at = os.path.getsize(s.log) if os.path.exists(s.log) else 0
-            gc0 = scheduler_gc(s.info())
             t0 = time.time()
             rec = load(s.url(""), ps, olen, a.timeout)
             peak = poller.stop()
-            rec["gc"] = gcstats.window(gc0, scheduler_gc(s.info()), t0, time.time())
+            info = s.info()  # the counters, collections and sizes after the load, read once
+            rec["gc"] = gcstats.window(gc0, scheduler_gc(info), t0, time.time())
             if rec["completed"] == 0:
                 raise RuntimeError(f"no request completed on {name}: " + tail(s.log))
-            after = offload_state(s.info())
+            after = offload_state(info)
             row = {"startup_s": round(up, 1), "seconds": round(time.time() - t0, 1), **rec,
-                   "max_total_num_tokens": s.info().get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
-                   "peak_running_reqs": peak["running"], "max_running_requests": running_cap(s.info()), "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
+                   "max_total_num_tokens": info.get("max_total_num_tokens"), "peak_used_tokens": peak["tokens"],
+                   "peak_running_reqs": peak["running"], "max_running_requests": running_cap(info), "extra_flags": " ".join(filter(None, [a.extra, " ".join(offload_extra)]))}
             try:  # the load's prefill batches, from the server's own log (what a TTFT is made of)
                 with open(s.log, errors="replace") as f:
                     f.seek(log_at)

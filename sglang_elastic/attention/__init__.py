@@ -34,9 +34,6 @@ def register() -> None:
         register_attention_backend(NAME)(create_persistentkv_backend)
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
-    from sglang_elastic import gcstats
-
-    gcstats.install()  # SGLANG_ELASTIC_GC_STATS=1 only: collections timed in this process (every one the plugin loads in)
     global _state_hook_registered
     if not _state_hook_registered:  # applied by SGLang's HookRegistry.apply_hooks after the plugins load
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -49,17 +46,9 @@ def after_internal_state(result, sched, *args, **kwargs):
     """AFTER hook on ``Scheduler.get_internal_state``: the decode backend's
     :meth:`~sglang_elastic.attention.backend.PersistentKVAttnBackend.state`
     under ``persistentkv`` in ``/server_info``'s ``internal_states`` (nothing
-    when the server runs another decode backend), and with
-    ``SGLANG_ELASTIC_GC_STATS=1`` the scheduler's garbage collections under ``gc``
-    (:mod:`sglang_elastic.gcstats`)."""
+    when the server runs another decode backend)."""
     runner = getattr(getattr(sched, "tp_worker", None), "model_runner", None)
     state = getattr(result, "internal_state", None)
-    if isinstance(state, dict):
-        from sglang_elastic import gcstats
-
-        gc_state = gcstats.snapshot()
-        if gc_state is not None:  # SGLANG_ELASTIC_GC_STATS=1: this scheduler's collections
-            state["gc"] = gc_state
     if runner is None or not isinstance(state, dict):
         return result
     from sglang_elastic.attention.backend import find_backend
