@@ -57,10 +57,20 @@ def test_load_times_ttft_itl_and_throughput_from_the_stream():
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     try:
-        rec = bench().load(f"http://127.0.0.1:{srv.server_address[1]}", [[5] * 10] * 4, out_len=12, timeout=60)
+        trace = []
+        rec = bench().load(f"http://127.0.0.1:{srv.server_address[1]}", [[5] * 10] * 4, out_len=12, timeout=60, trace=trace)
     finally:
         srv.shutdown()
     assert rec["completed"] == 4 and rec["output_tokens"] == 48
+    # the timeline (--itl-trace): per request its 11 gaps in stream order, the two-token chunk as two gaps of half its time
+    (tl,) = trace
+    assert len(tl["requests"]) == 4
+    for r in tl["requests"]:
+        g = r["gaps"]
+        assert len(g) == 11 and [x[1] for x in g] == [1, 2, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+        assert g[1][2] == g[2][2] and g[1][0] == g[2][0] and 5 <= g[1][2] <= 40 and 15 <= g[0][2] <= 80
+        assert 0.04 <= r["first_s"] < g[0][0] and r["last_s"] == g[-1][0]
+        assert all(a[0] <= b[0] for a, b in zip(g, g[1:]))
     assert 40 <= rec["median_ttft_ms"] <= 400
     # 11 chunks a request, 20 ms apart; the two-token chunk counts as two gaps of 10 ms
     assert 15 <= rec["median_itl_ms"] <= 60

@@ -283,7 +283,7 @@ def part_capacity(a) -> dict:
     return out
 
 
-def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_started=None) -> dict:
+def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_started=None, trace: Optional[list] = None) -> dict:
     """Send every prompt at once to ``/generate`` (streaming, greedy, ``ignore_eos``)
     and time it as ``sglang.bench_serving`` does: TTFT = first streamed chunk,
     ITL = the gaps between chunks divided by the tokens each brings, output
@@ -296,6 +296,9 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
         alone does not separate from a slower step); requests that fail are counted out of ``completed``.
         ``when_all_started``: an ``async`` callable given the session, awaited once every request has
         its first token (every prefill done: the decode phase; :func:`profile_decode`).
+        ``trace``: a list that gets this load's client timeline appended (``--itl-trace``): per request its
+        first-token and last-token time and its gaps as ``[end_s, token_index, gap_ms]``, times in s from the
+        load's start on the client's clock, to find which server steps were slow and what else happened then.
     """
     import asyncio
     import statistics
@@ -341,8 +344,14 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
             res = await asyncio.gather(*(one(session, p) for p in ps), return_exceptions=True)
             return res, time.perf_counter() - t0
 
+    t_start = time.perf_counter()
     res, dur = asyncio.run(main())
     ok = [r for r in res if isinstance(r, tuple)]
+    if trace is not None:
+        trace.append({"requests": [{"first_s": round(r[3][0][2] - t_start if r[3] else r[0], 6),
+                                    "last_s": round(r[3][-1][0] - t_start, 6) if r[3] else None,
+                                    "gaps": [[round(e - t_start, 6), i, round(1e3 * g, 4)] for (e, i, _), g in zip(r[3], r[1])]}
+                                   for r in ok]})
     itl = sorted(x for r in ok for x in r[1])
     toks = sum(r[2] for r in ok)
 
@@ -358,6 +367,18 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
                     "spikes": sum(x > 2 * med for x in itl),
                     **itl_tail([list(zip(r[3], r[1])) for r in ok], max(first_tokens) if len(first_tokens) == len(ps) else None)}
             if itl else None}
+
+
+def write_trace(directory: str, server: str, loads: list) -> str:
+    """Write one server's load timelines (:func:`load`'s ``trace``) to ``directory/itl_trace_<server>.json.xz``
+    and return its path (the row names it; the file stays out of the part's JSON: ~1 MB a 64-request load)."""
+    import lzma
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"itl_trace_{server}.json.xz")
+    with lzma.open(path, "wt") as f:
+        json.dump({"server": server, "loads": loads}, f)
+    return path
 
 
 def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], factor: float = 1.5, top: int = 12) -> dict:
@@ -556,7 +577,8 @@ def part_throughput(a) -> dict:
             poller = PeakPoller(s)
             log_at = os.path.getsize(s.log) if os.path.exists(s.log) else 0
             t0 = time.time()
-            rec = load(s.url(""), ps, olen, a.timeout)
+            trace = [] if a.itl_trace else None
+            rec = load(s.url(""), ps, olen, a.timeout, trace=trace)
             peak = poller.stop()
             info = s.info()  # the counters, collections and sizes after the load, read once
             rec["gc"] = gcstats.window(gc0, scheduler_gc(info), t0, time.time())
@@ -600,7 +622,7 @@ def part_throughput(a) -> dict:
                                                                  "summary_overflow", "summary_slots", "hot_pages_taken_back") if k in after}
             for k in range(a.repeat_loads):  # the same load again with new prompts (no prefix hit): how much its tail moves
                 gc0, t2 = scheduler_gc(s.info()), time.time()
-                r2 = load(s.url(""), prompts([ilen] * n, seed=20 + k), olen, a.timeout)
+                r2 = load(s.url(""), prompts([ilen] * n, seed=20 + k), olen, a.timeout, trace=trace)
                 r2["gc"] = gcstats.window(gc0, scheduler_gc(s.info()), t2, time.time())
                 it = r2.get("itl") or {}
                 row.setdefault("repeats", []).append({**{x: r2.get(x) for x in ("completed", "output_tok_s", "median_ttft_ms", "median_itl_ms",
@@ -614,6 +636,8 @@ def part_throughput(a) -> dict:
                                                     running=s.info().get("max_running_requests"))
                 except RuntimeError as e:  # the measured load stands; the profile's failure is named
                     row["profile"] = {"error": str(e)[:2000]}
+            if trace:
+                row["itl_trace"] = write_trace(a.itl_trace, name, trace)
             out["servers"][name] = row
             results.write(a.out, {**results.header(), "part": "throughput", "incomplete": True, **out})  # survives a cut-off call
         finally:
@@ -812,6 +836,9 @@ def main():
                     help="throughput: after the measured load, run it this many times more on the same server with new prompts; "
                          "each one's ITL, TTFT and slow steps in the row's \"repeats\" (after the offload counters are read; "
                          "before the profile); the row's own ITL stays the first load's")
+    ap.add_argument("--itl-trace", default=None, metavar="DIR",
+                    help="throughput: write each server's client timeline of every load (each request's first and last token "
+                         "and its gaps) to DIR/itl_trace_<server>.json.xz, to place the slow steps")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="throughput: after the measured load, a second one profiled over this many forward steps (SGLang's "
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
