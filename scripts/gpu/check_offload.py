@@ -368,7 +368,7 @@ def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hvi
 
 
 def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, device="cuda", timed=None, graphed=None,
-                      key="keep_v_step"):
+                      key="keep_v_step", mixed=(1, 8, 64)):
     """Where the fitting workload's median ITL goes with ``--kv-offload-keep-v`` (every request keeps V,
     so every step replays the all-dense variant): each per-layer piece of that step at ``bs``
     requests of about ``ctx`` tokens (lengths ``ctx - 0..15``: about one request in 16 completes a
@@ -386,6 +386,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       host V written by the store, or copied from the ring rows on a side stream beside the attention
       and joined after it (the default since 2026-12-05; a step joins once, after its last layer, so
       this single layer's join is an upper bound);
+    - ``mixed``: for each ``m`` of ``mixed``, the same batch's general step with its first ``m`` requests demoted
+      (sparse from their host V, the rest still kept): what one demotion costs every request of the batch (a 64 x 4K
+      load whose last 55 steps had one demoted request ran them at 24 ms against 18.3, an H100, 2026-12-06);
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
       paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
       this GQA group; planned once, replayed from a graph and eagerly).
@@ -408,7 +411,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     g = torch.Generator(device=device).manual_seed(5)
     lens = ctx - torch.randint(0, 16, (bs,), device=device, generator=g)
     size = 2 * bs * ctx + 64  # every token's K slot, and one lent slot per token for its kept V
-    lay = OffloadLayout(pol, hot_tokens=4096, request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
+    # hot rows for every request of the mixed steps (top-k of 5 % of ctx, and a page of slack each)
+    lay = OffloadLayout(pol, hot_tokens=max(4096, bs * (ctx // 16 + 64)), request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
     pool = OffloadKVPool(size, 1, torch.bfloat16, hkv, d, nl, device, False, enable_alt_stream=False, layout=lay,
                          pin_memory=device == "cuda")
     assert pool.keep_v, "keep_v did not take (shared K/V buffers)"
@@ -469,6 +473,30 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     t["dense_kept_eager"] = timed(lambda: dec.dense_kept(q, kb, vb, o, scale))
     t["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
     t["dense_split_kv_eager"] = timed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
+    mixed_ms = {}
+    for m in mixed:  # the general step of the same batch with its first m requests demoted (sparse from their host V)
+        for r in range(1, bs + 1):
+            pool.set_keep(r, 0, lent[r - 1])
+        for r in range(1, m + 1):
+            pool.set_keep(r, 0, None)
+        hs, hv, vsum = pool.hot_state(sl), pool.host.view(sl), pool.summaries(sl)
+
+        def gplan():
+            dec.plan(r2t, rp, seq, bs, keep=pool.keep_tables())
+            dec.grant_pages(pool)
+            dec.summary_plan(pool)
+
+        tm = {"plan": graphed(gplan)}
+        gplan()
+        pool.set_summary_plan(dec.summary_plan(pool))
+        pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
+        dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)  # the hot buffer warm, as a step after the first
+        tm["sparse"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+        tm["layer"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v), dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv,
+                                                                                          v_summary=vsum)))
+        tm["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
+        tm["step_ms"] = tm["plan"] + (layers - dl) * tm["layer"] + dl * tm["dense_split_kv"]  # + the dense layers' stock stores below
+        mixed_ms[m] = tm
     stock = MHATokenToKVPool(size, 1, torch.bfloat16, hkv, d, 1, device, False, enable_alt_stream=False)
     lay_0 = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None)
     t["store_stock"] = graphed(lambda: stock.set_kv_buffer(lay_0, loc, k, v))
@@ -516,6 +544,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
                        "of_which_chunk_means": ns * (t["store"] - t["store_no_summary"])},
             "plan": t["plan"],
         },
+        # the general step with m requests demoted (m of ``mixed``): its plan, a sparse layer (store and attention), a
+        # dense layer, and the step as step_ms adds it up (with the dense layers' stores)
+        "mixed": {str(m): {**tm, "step_ms": tm["step_ms"] + dl * t["store_stock"]} for m, tm in mixed_ms.items()},
     }
     del pool, stock
 
@@ -523,11 +554,19 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=("keep_v_step",), default=None,
+                    help="run only this timing (keep_v_step: the all-dense and mixed keep-v steps) and write it")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("check_offload: needs a CUDA GPU")
     out = results.header()
     t0 = time.time()
+    if a.only == "keep_v_step":
+        time_keep_v_step(out)
+        out["seconds"] = round(time.time() - t0, 1)
+        results.write(a.out, out)
+        print("keep-v step", out["keep_v_step"], "\nwrote", a.out, flush=True)
+        return
     check_pinned(out)
     print("pinned", out["pinned"], flush=True)
     check_exact(out)
