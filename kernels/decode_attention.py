@@ -278,7 +278,7 @@ def _merge_kernel(
     lse_full_ptr=None, stride_lf_b=0, FULL_LSE: tl.constexpr = False,
     max_rows=0, GUARD_ROWS: tl.constexpr = False,
     extra_ptr=None, stride_ex_s=0, stride_ex_h=0, extra_n=0, extra_cnt_ptr=None, EXTRA: tl.constexpr = False,
-    EXTRA_CNT: tl.constexpr = False,
+    EXTRA_CNT: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
     """Combine request b's partials of query head qh (segment of the mid
     buffers) by log-sum-exp; an empty request (length 0) gets zeros.
@@ -299,7 +299,9 @@ def _merge_kernel(
     ``EXTRA``: adds ``sum_j extra[b * extra_n + j, qh]`` (``j < extra_n``, or
     ``j < extra_cnt[b]`` with ``EXTRA_CNT``; float32 partials summed in order)
     to the result before the cast: the offload path's ``estimate`` share,
-    with no launch of its own."""
+    with no launch of its own. ``SKIP_EMPTY``: a request with no partials
+    writes nothing (its row of ``o`` is another launch's: the offload path's
+    kept requests beside the sparse ones)."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0)
@@ -312,6 +314,9 @@ def _merge_kernel(
     else:
         first = b * seg_stride
     n = tl.load(seg_count_ptr + b)
+    store_mask = mask_d
+    if SKIP_EMPTY:
+        store_mask = store_mask & (n > 0)
     if GUARD_ROWS:
         overflow = first + n > max_rows
         n = tl.minimum(n, tl.maximum(max_rows - first, 0))
@@ -351,7 +356,7 @@ def _merge_kernel(
             out += tl.sum(ex, 0)
     if GUARD_ROWS:
         out = tl.where(overflow, float("nan"), out)
-    tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(o_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=store_mask)
 
 
 #: Partials the merge kernel loads per step.

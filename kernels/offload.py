@@ -1146,7 +1146,7 @@ def attend_run(
     mid_lse: torch.Tensor, out: torch.Tensor, lse_full: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
     block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     extra: Optional[torch.Tensor] = None, extra_splits: int = 0, extra_count: Optional[torch.Tensor] = None,
-    pdl: bool = False,
+    pdl: bool = False, skip_empty: bool = False,
 ) -> torch.Tensor:
     """Attention of one layer over each request's attended list.
 
@@ -1170,6 +1170,8 @@ def attend_run(
             request ``b``'s rows (the scores' split count: the estimate writes no other).
         pdl: both launches with programmatic dependent launch where supported
             (:func:`~sglang_elastic.kernels.decode_attention.split_kv_run`'s ``pdl``).
+        skip_empty: a request with an empty list keeps its row of ``out`` as it was (else it gets zeros): the
+            keep-v step's kept requests, whose rows an all-positions launch wrote before.
 
     Returns:
         ``out``.
@@ -1194,6 +1196,7 @@ def attend_run(
         lse_full_ptr=lse_full, stride_lf_b=lse_full.stride(0) if full else 0, FULL_LSE=full,
         extra_ptr=extra, stride_ex_s=extra.stride(0) if extra is not None else 0, stride_ex_h=extra.stride(1) if extra is not None else 0,
         extra_n=extra_splits, extra_cnt_ptr=extra_count, EXTRA=extra is not None, EXTRA_CNT=extra_count is not None,
+        SKIP_EMPTY=skip_empty,
     )
     return out
 

@@ -840,19 +840,31 @@ def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapsho
 # ---- keep_v: dense while V fits in idle pool slots ------------------------------------------
 
 
-@pytest.mark.parametrize("denominator,prefetch", [("selected", False), ("estimate", True)])
-def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_sparse_after_a_demotion(denominator, prefetch):
+@pytest.mark.parametrize("denominator,prefetch,split,kept_splits", [
+    ("selected", False, SPLIT, None),  # below dense_min_ctas: the kept requests in two launches on the scores plan
+    ("estimate", True, SPLIT, None),
+    # the all-dense step's one launch for the kept requests: chunks of at least 64 rounded to the 128 block (row 1,
+    # 423 positions, in four, merged by the last to finish; row 4, 123, in one)
+    ("estimate", False, dataclasses.replace(SPLIT, dense_min_ctas=0, dense_min_chunk=64), [4, None, 1]),
+    # its settings from 3 requests x 2 KV heads = 6 programs on; the floor (1,024) lowered so that the kept
+    # requests alone launch 6: sum(423 + 123) x 2 / 6 = 182 -> row 1 in 3 splits of 141, rounded to the 128 block: 2 of 256
+    ("selected", False, dataclasses.replace(SPLIT, dense_min_ctas=6, dense_min_chunk=1024), [2, None, 1]),
+], ids=["selected", "estimate_prefetch", "kept_one_launch", "kept_one_launch_fill"])
+def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_sparse_after_a_demotion(denominator, prefetch, split,
+                                                                                                       kept_splits):
     """Rows 1 and 4 keep V in pool slots (taken from the free ids, as SGLang's allocator lends them),
     row 2 does not: in one batch the first two attend to every position (the float64 dense
     reference), row 2 to the policy's set. Row 1 is then demoted mid-stream: from the next step its
     output is the policy's again, from its complete host V, its sink and ring rows and (estimate)
     the chunk means written while it was dense; row 4 finishes and a new request in its row starts
-    sparse. Each kept slot holds exactly the V written for its position (the K rows beside it untouched)."""
+    sparse. Each kept slot holds exactly the V written for its position (the K rows beside it untouched).
+    The kept requests attend in a launch of their own, before the sparse one, which leaves their rows
+    (``kept_splits``: their chunks in the all-dense step's launch, the sparse row's none)."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
     pool = make_pool(pol, keep_v=True)
     assert pool.keep_v and pool.keep_base == pool.v_buffer[1].shape[0] - pool.k_buffer[1].shape[0]
     assert pool.k_buffer[1].data_ptr() == pool.v_buffer[1][pool.keep_base:].data_ptr()  # K and kept V share the buffer
-    sim = Sim(pool, 7)
+    sim = Sim(pool, 7, split=split)
     if prefetch:  # InfiniGen's prefetch (the next layer's own query as the guess): a dense request has nothing to fetch
         sim.guess = lambda q: q
     sim.keep = {1, 4}
@@ -861,6 +873,11 @@ def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_spa
     lens, _, worst = sim.run([1, 2, 4], [420, 260, 120], 3)
     assert sim.kept(1, lens[0]) and sim.kept(4, lens[2]) and not sim.kept(2, 1)
     assert worst < 2e-2, worst  # rows 1 and 4 against the dense reference, row 2 against the policy's
+    dec = sim.dec
+    assert dec.kd_tuned == (kept_splits is not None) and dec.kd_indptr[:4].tolist() == [0, lens[0], lens[0], lens[0] + lens[2]]
+    assert int(dec.att_indptr[1]) == 0 and int(dec.att_indptr[3] - dec.att_indptr[2]) == 0  # the kept rows: no sparse entries
+    if kept_splits is not None:
+        assert [int(dec.kd_nsplit[i]) or None for i in range(3)] == kept_splits and not dec.counters.any()
     # the kept rows hold exactly the history's V, at the slots the table names
     for l in pool.sparse_layer_ids:
         for r, n in ((1, lens[0]), (4, lens[2])):

@@ -233,8 +233,8 @@ class _Selection:
         self.miss_cnt = torch.zeros(max_bs, **i32)
         #: accumulated since start: [hits, rows copied] of this pass's selected rows
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)
-        if own_lists:
-            n = max_bs * layout.policy.max_attended + (token_capacity if layout.keep_v and not layout.resident_v else 0) + 1
+        if own_lists:  # the sparse requests' entries only (kept requests have none in a general step's lists)
+            n = max_bs * layout.policy.max_attended + 1
             self.att_kidx = torch.zeros(n, **i32)
             self.att_vidx = torch.zeros(n, **i32)
 
@@ -273,7 +273,7 @@ class OffloadDecoder:
         self.w_eff = torch.zeros(max_bs, **i32)
         self.k = torch.zeros(max_bs, **i32)
         self.att_indptr = torch.zeros(max_bs + 1, **i32)
-        #: entries of the attended lists: every request's budget, plus (keep_v) every position of the dense ones
+        #: entries of the attended lists: every request's budget, plus (keep_v) every position for the all-dense step's V rows
         self.att_entries = max_bs * pol.max_attended + (token_capacity if self.keep_v else 0) + 1
         self.att_kidx = torch.zeros(self.att_entries, **i32)
         self.att_vidx = torch.zeros(self.att_entries, **i32)
@@ -284,6 +284,13 @@ class OffloadDecoder:
             self.sc_nsplit = torch.zeros(max_bs, **i32)
             self.dense_lens = torch.zeros(max_bs, **i32)
             self.keep_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            # a general step's kept requests' own lists (every position: K at token ids, V at kept rows) and plan:
+            # they attend in the all-dense step's launch, not in the sparse requests' (:meth:`_kept_attention`)
+            self.kd_indptr = torch.zeros(max_bs + 1, **i32)
+            self.kd_kidx = torch.zeros(max(token_capacity, 1), **i32)
+            self.kd_vidx = torch.zeros(max(token_capacity, 1), **i32)
+            self.kd_chunk = torch.zeros(max_bs, **i32)
+            self.kd_nsplit = torch.zeros(max_bs, **i32)
         else:
             self.sc_indptr, self.sc_indices, self.sc_chunk, self.sc_nsplit = self.kv_indptr, self.kv_indices, self.chunk, self.nsplit
             self.dense_lens = self.keep_rows = None
@@ -321,6 +328,9 @@ class OffloadDecoder:
         self.all_dense = False
         self.dense_tuned = False
         self.plan_block_n = self.split.scores_block_n
+        #: a general keep-v step's kept-request launch: the all-dense step's settings (``kd_tuned``) and its plan's block
+        self.kd_tuned = False
+        self.kd_block_n = self.split.scores_block_n
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int,
              keep: Optional[tuple] = None, all_dense: bool = False) -> None:
@@ -399,18 +409,16 @@ class OffloadDecoder:
             )
             split_kv_plan(self.sc_indptr[: bs + 1], sp.scores_max_splits, sp.scores_min_chunk, sp.scores_block_n, self.sc_chunk, self.sc_nsplit)
             s, w, k = (torch.where(dense, 0, x).to(torch.int32) for x in (s, w, k))
-            att_splits = max(att_splits, sp.scores_max_splits)
+            self._plan_kept(req_to_token, req_to_vrow, rp, dl, bs)
         self.s_eff[:bs] = s
         self.w_eff[:bs] = w
         self.k[:bs] = k
-        self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k + (self.dense_lens[:bs] if self.keep_v else 0), 0)
+        self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k, 0)
         split_kv_plan(self.att_indptr[: bs + 1], att_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
         fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, self.att_kidx, self.att_vidx,
                           self.v_rows, pol.sink, pol.window, lay.region_rows, resident=lay.resident_v)
-        if self.keep_v:  # a dense request's list: every position, K at its token id, V at its kept row
+        if self.keep_v:  # each kept request's new token's kept row (the store writes its V there too)
             dl = self.dense_lens[:bs]
-            create_flashinfer_kv_indices_triton[(bs,)](req_to_token, rp, dl, self.att_indptr, None, self.att_kidx, req_to_token.stride(0))
-            create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, self.att_indptr, None, self.att_vidx, req_to_vrow.stride(0))
             last = torch.clamp(lens.to(torch.int64) - 1, min=0)
             self.keep_rows[:bs] = torch.where(dl > 0, req_to_vrow[rp.to(torch.int64), last].to(torch.int64), -1)
         # estimate's chunk rows on the GPU: the ring / sink rows (the chunk lies in the window), or the token ids
@@ -418,6 +426,53 @@ class OffloadDecoder:
         row_plan_run(lens, rp, summary=self._summary_bufs(req_to_token),
                      ring=None if lay.resident_v else (pol.sink, pol.window, lay.region_rows))
         self._rp = rp
+
+    def _plan_kept(self, req_to_token, req_to_vrow, rp, dl, bs: int) -> None:
+        """A general keep-v step's kept requests (``dl``: ``[bs]`` int32, a kept request's length, 0 for a sparse
+        one): their lists of every position (K at the token ids, V at the kept rows) and a split plan as the
+        all-dense step's, so that one sparse request in the batch does not move the others to the sparse
+        attention's small tiles (a 64 x 4K load's steps with one demoted request took 24 against 18.3 ms,
+        an H100, 2026-12-06). With the all-dense settings (``bs`` x KV heads at least ``dense_min_ctas``) the
+        minimum chunk is the all-dense plan's, lowered where the kept requests alone would launch fewer than
+        ``dense_min_ctas`` programs (a few kept requests among sparse ones split, as a small all-dense batch
+        would not fill the GPU either); otherwise the scores plan. GPU ops only."""
+        from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
+
+        from sglang_elastic.kernels.decode_attention import split_kv_plan
+
+        sp = self.split
+        ind = self.kd_indptr
+        ind[1: bs + 1] = torch.cumsum(dl, 0)
+        create_flashinfer_kv_indices_triton[(bs,)](req_to_token, rp, dl, ind, None, self.kd_kidx, req_to_token.stride(0))
+        create_flashinfer_kv_indices_triton[(bs,)](req_to_vrow, rp, dl, ind, None, self.kd_vidx, req_to_vrow.stride(0))
+        self.kd_tuned = bs * self.kv_heads >= sp.dense_min_ctas
+        if self.kd_tuned:
+            min_chunk, self.kd_block_n = sp.dense_plan(dl, bs)
+            if sp.dense_min_ctas:  # at least dense_min_ctas programs: chunks of sum(kept positions) x KV heads / that
+                fill = (ind[bs].to(torch.int64) * self.kv_heads + sp.dense_min_ctas - 1) // sp.dense_min_ctas
+                fill = torch.minimum(min_chunk, fill) if isinstance(min_chunk, torch.Tensor) else torch.clamp(fill, max=min_chunk)
+                min_chunk = torch.clamp(fill, min=self.kd_block_n)
+        else:
+            min_chunk, self.kd_block_n = sp.scores_min_chunk, sp.scores_block_n
+        split_kv_plan(ind[: bs + 1], sp.scores_max_splits, min_chunk, self.kd_block_n, self.kd_chunk, self.kd_nsplit)
+
+    def _kept_attention(self, q, k_buffer, v_buffer, out, sm_scale) -> None:
+        """A general keep-v step's kept requests over every position (:meth:`_plan_kept`), in the all-dense step's
+        launch where its settings apply; the sparse requests' rows of ``out`` get zeros, which the sparse
+        attention after it overwrites (and it leaves these rows, ``skip_empty``)."""
+        from sglang_elastic.kernels.decode_attention import split_kv_fused_run
+        from sglang_elastic.kernels.offload import attend_run
+
+        bs, sp, tuned = self.bs, self.split, self.kd_tuned
+        launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
+        pdl = sp.dense_pdl and tuned
+        ind = self.kd_indptr[: bs + 1]
+        if sp.dense_fused and tuned:
+            split_kv_fused_run(q, k_buffer, v_buffer, ind, self.kd_kidx, self.kd_chunk[:bs], sp.scores_max_splits, self.mid_o, self.mid_lse,
+                               out, self.counters, sm_scale, self.kd_block_n, v_indices=self.kd_vidx, pdl=pdl, **launch)
+        else:
+            attend_run(q, k_buffer, v_buffer, ind, self.kd_kidx, self.kd_vidx, self.kd_chunk[:bs], self.kd_nsplit[:bs], sp.scores_max_splits,
+                       self.mid_o, self.mid_lse, out, None, sm_scale, self.kd_block_n, pdl=pdl, **launch)
 
     def _summary_bufs(self, table) -> Optional[tuple]:
         """``estimate``: the chunk each request's new token completes (positions ``[L - C, L)`` when ``L % C
@@ -555,6 +610,8 @@ class OffloadDecoder:
         rp, lens = req_pool_indices[:bs], seq_lens[:bs]
         if self.estimate and v_summary is None:
             raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
+        if self.keep_v:  # the kept requests first, in their own launch; the sparse attention below leaves their rows
+            self._kept_attention(q, k_buffer, v_buffer, out, sm_scale)
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
                            self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record, clock=clock)
         est = None
@@ -564,10 +621,9 @@ class OffloadDecoder:
                                self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.marks, vsum, rp, table,
                                pol.chunk, self.est_o, self.kv_heads, stamp=self.stamp, reduce=False)
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
-                   self.att_nsplit[:bs], max(sp.attend_max_splits, sp.scores_max_splits) if self.keep_v else sp.attend_max_splits,
-                   self.mid_o, self.mid_lse, out,
+                   self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
                    None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n,
-                   extra=est, extra_splits=sp.scores_max_splits, extra_count=self.sc_nsplit[:bs])
+                   extra=est, extra_splits=sp.scores_max_splits, extra_count=self.sc_nsplit[:bs], skip_empty=self.keep_v)
         return out
 
     def prefetch(self, q_spec: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
