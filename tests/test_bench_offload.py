@@ -486,3 +486,41 @@ def test_the_committed_p99_part_shows_a_first_load_cost_on_both_servers_and_keep
         assert a["p99_itl_ms"] <= 1.05 * b["p99_itl_ms"]
         assert f"{a['p99_itl_ms']:.2f}" in doc and f"{b['p99_itl_ms']:.2f}" in doc
     assert f"keep-v {kv['p99_itl_ms']:.2f}, stock {st['p99_itl_ms']:.2f} ms" in doc
+
+
+def test_itl_steps_groups_gaps_into_steps_and_finds_the_slow_run_that_lasts_to_the_end(tmp_path):
+    """``scripts/gpu/itl_steps.py`` on a timeline of 4 requests: prefills end at 0.1-0.4 s, then 20 decode steps
+    of 10 ms, the 6th at 30 ms and the last five at 15 ms (a state the batch kept, as after a demotion). The
+    steps are grouped from the four requests' gaps, the one ending after the last first token that began
+    before it is left out, and the slow runs are the single step and the run to the end."""
+    import lzma
+
+    from gpu_scripts import load_script
+
+    mod = load_script("itl_steps")
+    times = [10.0] * 20
+    times[5] = 30.0
+    times[15:] = [15.0] * 5
+    firsts = [0.1, 0.2, 0.3, 0.4]
+    reqs = []
+    for ri, f in enumerate(firsts):
+        t, gaps = 0.45, [[round(0.45 + ri * 1e-4, 6), 1, round((0.45 - f) * 1e3, 3)]]  # the gap that held the others' prefill
+        for i, ms in enumerate(times):
+            t += ms / 1e3
+            gaps.append([round(t + ri * 1e-4, 6), i + 2, ms])
+        reqs.append({"first_s": f, "last_s": gaps[-1][0], "gaps": gaps})
+    path = tmp_path / "itl_trace_offload-keep.json.xz"
+    with lzma.open(path, "wt") as f:
+        json.dump({"server": "offload-keep", "loads": [{"requests": reqs}]}, f)
+    out = tmp_path / "steps.json"
+    assert mod.main([str(path), "--out", str(out)]) == 0
+    (load,) = json.load(open(out))["servers"]["offload-keep"]
+    assert load["decode_steps"] == 20 and load["median_ms"] == 10.0 and load["slow_steps"] == 6
+    assert [(r["step"], r["steps"], r["median_ms"], r["batch"], r["to_end"]) for r in load["runs"]] == [(5, 1, 30.0, 4, False),
+                                                                                                        (15, 5, 15.0, 4, True)]
+    with pytest.raises(SystemExit, match="no trace holds a decode step"):
+        empty = tmp_path / "itl_trace_stock.json.xz"
+        with lzma.open(empty, "wt") as f:
+            json.dump({"server": "stock", "loads": [{"requests": []}]}, f)
+        mod.main([str(empty), "--out", str(tmp_path / "none.json")])
+    assert not (tmp_path / "none.json").exists()

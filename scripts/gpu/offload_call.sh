@@ -103,7 +103,13 @@ for step in "$@"; do
              --pick-file "/tmp/dense_launch${arg1:+_$arg1}.txt" > "$out/sweep${arg1:+_$arg1}.log" 2>&1 ;;
     smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1
+      rc=$?
+      if [ -n "${ITL_TRACE:-}" ] && ls "$out"/itl_trace_*.json.xz >/dev/null 2>&1; then
+        python3 scripts/gpu/itl_steps.py "$out"/itl_trace_*.json.xz --part "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" \
+          --out "$out/itl_steps_${arg1}$sfx.json" >/dev/null 2>>"$out/throughput_$arg1$sfx.log"
+      fi
+      (exit $rc) ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
     accuracy)
       s=/tmp/smol
