@@ -44,8 +44,9 @@ class SplitConfig:
     starts while the layer's KV store before it finishes, and waits for it on the GPU);
     ``dense_block_n`` (0: ``scores_block_n``), ``dense_num_warps`` / ``dense_num_stages``
     (None: Triton's default): their tile and launch shape (the plan's chunks rounded to the
-    block). These apply to the all-dense step only, and only when its batch launches at least
-    ``dense_min_ctas`` programs a chunk (requests x KV heads); a smaller all-dense batch and a
+    block). These apply to the all-dense step and to a general step's kept requests (their own launch
+    in a batch with sparse requests: :meth:`OffloadDecoder._plan_kept`), and only when the batch
+    launches at least ``dense_min_ctas`` programs a chunk (requests x KV heads); a smaller batch and a
     general step's dense layers keep the scores plan and two launches. The defaults are
     ``scripts/gpu/sweep_dense_kept.py``'s pick on the H200 at 64 x 4.6K x 8 KV heads
     (``docs/results/offload_dense_kept_sweep_h200.json.xz``, 2026-12-05): one chunk a request up to
@@ -342,9 +343,10 @@ class OffloadDecoder:
             keep: ``layout.keep_v`` only: ``(req_to_vrow, keep_len)``, the pool's V row of each
                 position of a row (``[rows, context]`` int32) and how many leading positions have
                 one (``[rows]`` int32) (:meth:`OffloadKVPool.keep_tables`). A request with
-                ``keep_len >= seq_len`` is dense this step: no scores, no selection, no copy; its
-                attended list is every position (K ids from ``req_to_token``, V rows from
-                ``req_to_vrow``), normalised by its own sum. The others run the sparse path.
+                ``keep_len >= seq_len`` is dense this step: no scores, no selection, no copy; it
+                attends to every position (K ids from ``req_to_token``, V rows from ``req_to_vrow``),
+                normalised by its own sum, in a launch of its own with the all-dense step's settings
+                (:meth:`_plan_kept`; it has no entries in the attended lists). The others run the sparse path.
             all_dense: ``keep`` only: every request of the batch keeps V (the scheduler granted it
                 this step, :attr:`sglang_elastic.offload.keep.KeepV.all_kept`): the step plans no
                 selection at all, and the sparse layers run :meth:`dense_kept`. A request of length
@@ -433,9 +435,14 @@ class OffloadDecoder:
         all-dense step's, so that one sparse request in the batch does not move the others to the sparse
         attention's small tiles (a 64 x 4K load's steps with one demoted request took 24 against 18.3 ms,
         an H100, 2026-12-06). With the all-dense settings (``bs`` x KV heads at least ``dense_min_ctas``) the
-        minimum chunk is the all-dense plan's, lowered where the kept requests alone would launch fewer than
-        ``dense_min_ctas`` programs (a few kept requests among sparse ones split, as a small all-dense batch
-        would not fill the GPU either); otherwise the scores plan. GPU ops only."""
+        minimum chunk is the all-dense plan's, lowered to ``sum(kept positions) x KV heads / dense_min_ctas``
+        where that is smaller (a few kept requests among sparse ones split rather than leave most SMs idle;
+        about ``dense_min_ctas`` programs, fewer where the block rounding or ``scores_max_splits`` cap it);
+        otherwise the scores plan. In a general step where no request keeps V the launch still runs, its
+        programs empty (not measured). GPU ops only."""
+        if bs == 0:  # (an empty batch plans nothing; the backend never plans one)
+            self.kd_tuned = False
+            return
         from sglang.kernels.ops.kvcache.kv_indices import create_flashinfer_kv_indices_triton
 
         from sglang_elastic.kernels.decode_attention import split_kv_plan
