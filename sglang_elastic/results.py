@@ -44,6 +44,14 @@ def commit() -> str:
         return "unknown"
 
 
+def scheduler_state(info: Dict[str, Any]) -> Dict[str, Any]:
+    """The first scheduler's entry of a ``/server_info`` answer's ``internal_states`` ({} when there is none):
+    where SGLang 0.5.17 puts ``memory_usage`` and where our hooks add ``sglang_elastic``,
+    ``sglang_elastic_offload``, ``persistentkv`` and ``gc``."""
+    states = info.get("internal_states") or [{}]
+    return states[0] if isinstance(states[0], dict) else {}
+
+
 def header(command: Optional[str] = None) -> Dict[str, Any]:
     """``{date, gpu, commit, command}``; command defaults to this script's argv."""
     return {

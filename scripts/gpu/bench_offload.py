@@ -487,10 +487,7 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
-def scheduler_state(info: dict) -> dict:
-    """The first scheduler's ``internal_states`` entry of a ``/server_info`` answer ({} when there is none)."""
-    states = info.get("internal_states") or [{}]
-    return states[0] if isinstance(states[0], dict) else {}
+scheduler_state = results.scheduler_state
 
 
 def scheduler_gc(info: dict) -> Optional[dict]:

@@ -42,7 +42,7 @@ def main() -> None:
         servers[s] = {"max_total_num_tokens": info.get("max_total_num_tokens"), "attention_backend": info.get("attention_backend"),
                       "decode_attention_backend": info.get("decode_attention_backend"), "chunked_prefill_size": info.get("chunked_prefill_size"),
                       "cuda_graph_max_bs_decode": info.get("cuda_graph_max_bs_decode"),
-                      "memory_usage_gib": ((info.get("internal_states") or [{}])[0] or {}).get("memory_usage"),
+                      "memory_usage_gib": results.scheduler_state(info).get("memory_usage"),
                       "startup_s": int(open(up).read()) if os.path.exists(up) else None}
     servers["persistentkv"]["decode_steps"] = trace_counts(a.work)
     servers["persistentkv"]["decode_steps_note"] = ("SGLANG_ELASTIC_DECODE_TRACE counts, written at most once a second: graphs captured per "

@@ -84,7 +84,7 @@ def facts(info: Dict[str, Any], gpu_mem_mib: Optional[int]) -> Dict[str, Any]:
     patch's ``sglang_elastic`` key. The reserve is SGLang's slack
     ``pre_model_load_free * (1 - mem_fraction_static)``, with
     ``pre_model_load_free = (kvcache + weight) / mem_fraction_static``."""
-    mem = ((info.get("internal_states") or [{}])[0] or {}).get("memory_usage") or {}
+    mem = results.scheduler_state(info).get("memory_usage") or {}
     mfs = info.get("mem_fraction_static")
     weight, kv, free = mem.get("weight"), mem.get("kvcache"), mem.get("startup_available")
     out: Dict[str, Any] = {
@@ -101,7 +101,7 @@ def facts(info: Dict[str, Any], gpu_mem_mib: Optional[int]) -> Dict[str, Any]:
         "gpu_mem_mib": gpu_mem_mib,
         # patch 0001's key (version, patches) and, with --enable-elastic-kv,
         # rank 0 scheduler's pool state (base / lendable / lent tokens)
-        "sglang_elastic": {**(info.get("sglang_elastic") or {}), **((((info.get("internal_states") or [{}])[0]) or {}).get("sglang_elastic") or {})} or None,
+        "sglang_elastic": {**(info.get("sglang_elastic") or {}), **(results.scheduler_state(info).get("sglang_elastic") or {})} or None,
     }
     if mfs and weight is not None and kv is not None:
         pre_free = (kv + weight) / mfs

@@ -40,6 +40,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from sglang_elastic import results
 from sglang_elastic.config import EVENTS_ENV
 from sglang_elastic.eval.ray_entry import NAMESPACE
 
@@ -533,7 +534,7 @@ class Launcher:
                 # tokens): rank 0 scheduler's internal state, None on a stock server
                 try:
                     after = ray.get(actor.server_info.remote())
-                    out["sglang_elastic_after"] = (((after.get("internal_states") or [{}])[0]) or {}).get("sglang_elastic")
+                    out["sglang_elastic_after"] = results.scheduler_state(after).get("sglang_elastic")
                 except Exception as e:  # the workload's numbers stand without it
                     out["sglang_elastic_after"] = {"error": _describe(e)}
                 try:  # read after the counters, so that the records cover every cycle counted
