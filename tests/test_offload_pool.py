@@ -638,7 +638,9 @@ def test_the_op_recorder_sees_what_a_graph_cannot_capture():
     ("full", True, False, False, False, 0.0, False), ("estimate", False, True, True, False, 0.0, False),
     ("estimate", False, False, True, True, 0.0, False),
     # the all-dense step's own plan as shipped (one launch, PDL, chunk_mean's mean on the GPU), from 2 programs a chunk
-    ("estimate", False, False, True, True, 0.0, True)])
+    ("estimate", False, False, True, True, 0.0, True),
+    # a general step's kept request in the all-dense launch, its chunk the mean's lowered by the fill rule (tensors only)
+    ("estimate", False, True, True, False, 0.0, "kept")])
 def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resident, prefetch, keep_v, all_dense, slack_max, tuned):
     """What the backend runs inside SGLang's decode CUDA graph (the plan, then
     per layer: the prefetch, the KV write, the attention) makes no tensor from
@@ -646,7 +648,8 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     ``estimate`` ``attended[idx] = 1`` (a Python 1 made a CPU tensor) failed
     the graph capture at start-up; a CPU run shows it as ``aten.lift_fresh``."""
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
-    split = dataclasses.replace(SPLIT, dense_min_ctas=0, dense_chunk_mean=SplitConfig().dense_chunk_mean, dense_min_chunk=64) if tuned else SPLIT
+    split = dataclasses.replace(SPLIT, dense_min_ctas=0 if tuned is True else 2, dense_chunk_mean=SplitConfig().dense_chunk_mean,
+                                dense_min_chunk=64) if tuned else SPLIT
     sim = Sim(make_pool(pol, resident, keep_v=keep_v, slack_max=slack_max), seed=3, split=split)
     sim.keep = ({1, 2} if all_dense else {2}) if keep_v else set()  # keep_v: one dense and one sparse request (or both dense)
     sim.extend([1, 2], [(0, 40), (0, 300)])
@@ -685,9 +688,11 @@ def test_the_decode_step_has_no_op_a_cuda_graph_cannot_capture(denominator, resi
     bad = sorted({op for op in rec.ops if op.startswith(GRAPH_UNSAFE) or op.startswith("host-read")})
     assert len(rec.ops) > 50 and not bad, bad
     assert all(torch.isfinite(o.float()).all() for o in outs)
-    assert dec.dense_tuned == tuned
-    if tuned:  # the mean of 42 and 302 (172) x 1.25 = 215 > 64: the short request one chunk, the long one two
+    assert dec.dense_tuned == (tuned is True)
+    if tuned is True:  # the mean of 42 and 302 (172) x 1.25 = 215 > 64: the short request one chunk, the long one two
         assert dec.nsplit[:2].tolist() == [1, 2]
+    if tuned == "kept":  # row 2 alone kept: the mean's 378 lowered to 302 x 2 KV heads / 2 programs = 302, one chunk
+        assert dec.kd_tuned and dec.kd_nsplit[:2].tolist() == [0, 1] and dec.kd_chunk[1] == 384
     if keep_v:
         assert dec.dense_lens[:2].tolist() == ([42, 302] if all_dense else [0, 302])  # row 2 (and 1) dense in the recorded step
     if slack_max:
@@ -904,6 +909,38 @@ def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_spa
     sim.extend([4], [(0, 90)])
     _, _, w = sim.run([1, 2, 4], [lens[0], lens[1], 90], 2)
     assert max(worst, w) < 2e-2, (worst, w)
+
+
+@pytest.mark.parametrize("seed,denominator,split", [
+    (0, "full", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_min_chunk=1024, dense_block_n=32)),
+    (1, "estimate", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_fused=False, dense_min_chunk=64, dense_chunk_mean=125))],
+    ids=["one_launch_fill", "two_launch_mean"])
+def test_random_kept_sets_in_padded_general_steps_match_the_references_through_a_demotion_and_with_none_kept(seed, denominator, split):
+    """Three requests of random lengths, a random subset keeping V, in padded general steps (row 0, length 1):
+    every output against its float64 reference (dense for a kept request, the policy's for the others), one
+    request demoted midway, and then steps where no request keeps V (the kept launch's lists empty)."""
+    import random
+
+    rnd = random.Random(seed)
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
+    pool = make_pool(pol, keep_v=True)
+    sim = Sim(pool, seed, split=split)
+    rows = [1, 2, 3]
+    sim.keep = {1, 3} | {r for r in rows if rnd.random() < 0.5}
+    lens = [rnd.randint(3, 300) for _ in rows]
+    sim.extend(rows, [(0, n) for n in lens])
+    worst = 0.0
+    for step in range(6):
+        if step in (2, 4):  # one demotion, then every kept request goes
+            for r in sorted(sim.keep)[: 1 if step == 2 else None]:
+                sim.keep.discard(r)
+                pool.set_keep(r, 0, None)
+        lens = [x + 1 for x in lens]
+        _, w = sim.decode(rows + [0], lens + [1])
+        worst = max(worst, w)
+        kept = sum(n for r, n in zip(rows, lens) if sim.kept(r, n))
+        assert int(sim.dec.kd_indptr[3]) == kept and (kept == 0) == (step >= 4)
+    assert worst < 2e-2, worst
 
 
 def test_a_kept_request_is_dense_only_while_its_kept_positions_cover_its_length():
