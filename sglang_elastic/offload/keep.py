@@ -15,10 +15,10 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
   V there as well as on the host (the host copy, the sink and ring rows and
   ``estimate``'s chunk means are written as for every request);
 - such a request is dense: its decode step reads every position, K at its
-  token ids and V at its kept rows, in the same attention launch as the
-  sparse requests' lists, normalised by its own sum
-  (:meth:`~sglang_elastic.offload.decode.OffloadDecoder.plan` with ``keep``);
-  it runs no scores, no top-k, no copy over PCIe;
+  token ids and V at its kept rows, normalised by its own sum, in a launch
+  of the kept requests with the all-dense step's settings, beside the sparse
+  requests' own (:meth:`~sglang_elastic.offload.decode.OffloadDecoder.plan`
+  with ``keep``); it runs no scores, no top-k, no copy over PCIe;
 - when SGLang's allocator would run short (an admission, a prefill chunk, a
   decode step), the largest kept requests are demoted: their slots go back
   to the allocator at once and they continue sparse from their complete host
