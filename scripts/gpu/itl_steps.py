@@ -12,11 +12,12 @@ a run of one step at a fixed stride at a periodic cost.
 
     python scripts/gpu/itl_steps.py OUT/itl_trace_offload-keep.json.xz [...] --part OUT/throughput_....json --out docs/results/....json
 
-``--part``: the throughput part the traces came with; its ``date, gpu, commit, command`` go into ``measured`` (this
-script may run on another machine than the load did). ``offload_call.sh`` runs it after a throughput step with
+``--part``: the throughput part the traces came with; its ``date, gpu, commit, command`` go into ``measured``.
+``offload_call.sh`` runs it after a throughput step with
 ``ITL_TRACE=1`` (``$OUT/itl_steps_<workload>.json``).
 
-Writes nothing when no trace holds a decode step.
+Writes nothing when no trace holds a decode step, or on a machine without a GPU (the result must come from the
+GPU host that made the traces).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def main(argv=None) -> int:
         servers[t["server"]] = [summarize(load["requests"], a.factor) for load in t["loads"]]
     if not any(x for loads in servers.values() for x in loads):
         sys.exit("itl_steps: no trace holds a decode step; nothing written")
+    from sglang_elastic import results
+
+    if results.gpu_name() == "unknown":  # a result file comes from the GPU host that measured (offload_call.sh runs this there)
+        sys.exit("itl_steps: no GPU on this machine: run it on the GPU host that made the traces (offload_call.sh with ITL_TRACE=1); "
+                 "nothing written")
     measured = None
     if a.part:
         try:
@@ -97,7 +103,6 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             sys.exit(f"itl_steps: --part {a.part}: {e}")
         measured = {k: part.get(k) for k in ("date", "gpu", "commit", "command")}
-    from sglang_elastic import results
 
     results.write(a.out, {**results.header(), "measured": measured, "traces": a.traces, "servers": servers})
     print(json.dumps(servers, indent=1)[:3000])
