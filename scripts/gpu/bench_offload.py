@@ -487,19 +487,16 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     raise RuntimeError(f"{s.name}: no trace at {path} after the profiled load: " + tail(s.log))
 
 
-scheduler_state = results.scheduler_state
-
-
 def scheduler_gc(info: dict) -> Optional[dict]:
     """The first scheduler's garbage collections so far (``gc``, :mod:`sglang_elastic.gcstats`; the servers
     here run with ``SGLANG_ELASTIC_GC_STATS=1``), or None."""
-    return scheduler_state(info).get("gc")
+    return results.scheduler_state(info).get("gc")
 
 
 def running_cap(info: dict) -> Optional[int]:
     """The request cap a server's scheduler runs under (SGLang's ``effective_max_running_requests_per_dp``),
     else the flag as given (``max_running_requests``, None if none)."""
-    return scheduler_state(info).get("effective_max_running_requests_per_dp", info.get("max_running_requests"))
+    return results.scheduler_state(info).get("effective_max_running_requests_per_dp", info.get("max_running_requests"))
 
 
 def request_cap(flags: List[str]) -> Optional[str]:

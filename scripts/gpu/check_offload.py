@@ -474,21 +474,20 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     t["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
     t["dense_split_kv_eager"] = timed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
     mixed_ms = {}
+    hs, hv, vsum = pool.hot_state(sl), pool.host.view(sl), pool.summaries(sl)
+
+    def gplan():
+        dec.plan(r2t, rp, seq, bs, keep=pool.keep_tables())
+        dec.grant_pages(pool)
+        return dec.summary_plan(pool)
+
     for m in mixed:  # the general step of the same batch with its first m requests demoted (sparse from their host V)
         for r in range(1, bs + 1):
             pool.set_keep(r, 0, lent[r - 1])
         for r in range(1, m + 1):
             pool.set_keep(r, 0, None)
-        hs, hv, vsum = pool.hot_state(sl), pool.host.view(sl), pool.summaries(sl)
-
-        def gplan():
-            dec.plan(r2t, rp, seq, bs, keep=pool.keep_tables())
-            dec.grant_pages(pool)
-            dec.summary_plan(pool)
-
         tm = {"plan": graphed(gplan)}
-        gplan()
-        pool.set_summary_plan(dec.summary_plan(pool))
+        pool.set_summary_plan(gplan())
         pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
         dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)  # the hot buffer warm, as a step after the first
         tm["sparse"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))

@@ -286,7 +286,7 @@ class OffloadDecoder:
             self.dense_lens = torch.zeros(max_bs, **i32)
             self.keep_rows = torch.zeros(max_bs, dtype=torch.int64, device=device)
             # a general step's kept requests' own lists (every position: K at token ids, V at kept rows) and plan:
-            # they attend in the all-dense step's launch, not in the sparse requests' (:meth:`_kept_attention`)
+            # they attend in the all-dense step's launch, not in the sparse requests' (:meth:`_every_position` with ``kept``)
             self.kd_indptr = torch.zeros(max_bs + 1, **i32)
             self.kd_kidx = torch.zeros(max(token_capacity, 1), **i32)
             self.kd_vidx = torch.zeros(max(token_capacity, 1), **i32)
@@ -398,7 +398,6 @@ class OffloadDecoder:
             self._rp = rp
             return
         s, w, k = pol.counts_tensor(lens)
-        att_splits = sp.attend_max_splits
         if self.keep_v:
             req_to_vrow, keep_len = keep
             dense = (keep_len[rp.to(torch.int64)] >= lens) & (lens > 0)
@@ -416,7 +415,7 @@ class OffloadDecoder:
         self.w_eff[:bs] = w
         self.k[:bs] = k
         self.att_indptr[1: bs + 1] = torch.cumsum(s + w + k, 0)
-        split_kv_plan(self.att_indptr[: bs + 1], att_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
+        split_kv_plan(self.att_indptr[: bs + 1], sp.attend_max_splits, sp.attend_min_chunk, sp.attend_block_n, self.att_chunk, self.att_nsplit)
         fixed_entries_run(lens, rp, req_to_token, self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, self.att_kidx, self.att_vidx,
                           self.v_rows, pol.sink, pol.window, lay.region_rows, resident=lay.resident_v)
         if self.keep_v:  # each kept request's new token's kept row (the store writes its V there too)
@@ -462,24 +461,6 @@ class OffloadDecoder:
         else:
             min_chunk, self.kd_block_n = sp.scores_min_chunk, sp.scores_block_n
         split_kv_plan(ind[: bs + 1], sp.scores_max_splits, min_chunk, self.kd_block_n, self.kd_chunk, self.kd_nsplit)
-
-    def _kept_attention(self, q, k_buffer, v_buffer, out, sm_scale) -> None:
-        """A general keep-v step's kept requests over every position (:meth:`_plan_kept`), in the all-dense step's
-        launch where its settings apply; the sparse requests' rows of ``out`` get zeros, which the sparse
-        attention after it overwrites (and it leaves these rows, ``skip_empty``)."""
-        from sglang_elastic.kernels.decode_attention import split_kv_fused_run
-        from sglang_elastic.kernels.offload import attend_run
-
-        bs, sp, tuned = self.bs, self.split, self.kd_tuned
-        launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
-        pdl = sp.dense_pdl and tuned
-        ind = self.kd_indptr[: bs + 1]
-        if sp.dense_fused and tuned:
-            split_kv_fused_run(q, k_buffer, v_buffer, ind, self.kd_kidx, self.kd_chunk[:bs], sp.scores_max_splits, self.mid_o, self.mid_lse,
-                               out, self.counters, sm_scale, self.kd_block_n, v_indices=self.kd_vidx, pdl=pdl, **launch)
-        else:
-            attend_run(q, k_buffer, v_buffer, ind, self.kd_kidx, self.kd_vidx, self.kd_chunk[:bs], self.kd_nsplit[:bs], sp.scores_max_splits,
-                       self.mid_o, self.mid_lse, out, None, sm_scale, self.kd_block_n, pdl=pdl, **launch)
 
     def _summary_bufs(self, table) -> Optional[tuple]:
         """``estimate``: the chunk each request's new token completes (positions ``[L - C, L)`` when ``L % C
@@ -531,24 +512,30 @@ class OffloadDecoder:
             raise RuntimeError("OffloadDecoder.dense_kept runs a step planned with all_dense=True")
         return self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.att_vidx)
 
-    def _every_position(self, q, k_buffer, v_buffer, out, sm_scale, v_ids) -> torch.Tensor:
+    def _every_position(self, q, k_buffer, v_buffer, out, sm_scale, v_ids, kept: bool = False) -> torch.Tensor:
         """Split-KV over the step's all-positions lists (V at ``v_ids`` when given, else at the K ids). An all-dense
-        step launches as ``SplitConfig.dense_*`` say; a general step's dense layers as the scores plan (two launches)."""
+        step launches as ``SplitConfig.dense_*`` say; a general step's dense layers as the scores plan (two launches).
+        ``kept``: a general keep-v step's kept requests over their own lists and plan instead (:meth:`_plan_kept`, V at
+        ``v_ids``; the sparse requests' rows of ``out`` get zeros, which :meth:`sparse`'s attention after it overwrites)."""
         from sglang_elastic.kernels.decode_attention import split_kv_fused_run, split_kv_run
         from sglang_elastic.kernels.offload import attend_run
 
         bs, sp = self.bs, self.split
-        tuned, bn = self.dense_tuned, self.plan_block_n  # (dense_tuned: an all-dense step)
+        if kept:
+            tuned, bn, indptr, kidx, chunk, nsplit = (self.kd_tuned, self.kd_block_n, self.kd_indptr, self.kd_kidx, self.kd_chunk,
+                                                      self.kd_nsplit)
+        else:  # (dense_tuned: an all-dense step)
+            tuned, bn, indptr, kidx, chunk, nsplit = self.dense_tuned, self.plan_block_n, self.kv_indptr, self.kv_indices, self.chunk, self.nsplit
         launch = dict(num_warps=sp.dense_num_warps, num_stages=sp.dense_num_stages) if tuned else {}
         pdl = sp.dense_pdl and tuned
-        indptr, chunk, nsplit, ms = self.kv_indptr[: bs + 1], self.chunk[:bs], self.nsplit[:bs], sp.scores_max_splits
+        indptr, chunk, nsplit, ms = indptr[: bs + 1], chunk[:bs], nsplit[:bs], sp.scores_max_splits
         if sp.dense_fused and tuned:
-            return split_kv_fused_run(q, k_buffer, v_buffer, indptr, self.kv_indices, chunk, ms, self.mid_o, self.mid_lse, out, self.counters,
+            return split_kv_fused_run(q, k_buffer, v_buffer, indptr, kidx, chunk, ms, self.mid_o, self.mid_lse, out, self.counters,
                                       sm_scale, bn, v_indices=v_ids, pdl=pdl, **launch)
         if v_ids is None:
-            return split_kv_run(q, k_buffer, v_buffer, indptr, self.kv_indices, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, sm_scale, bn,
+            return split_kv_run(q, k_buffer, v_buffer, indptr, kidx, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, sm_scale, bn,
                                 pdl=pdl, **launch)
-        return attend_run(q, k_buffer, v_buffer, indptr, self.kv_indices, v_ids, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, None,
+        return attend_run(q, k_buffer, v_buffer, indptr, kidx, v_ids, chunk, nsplit, ms, self.mid_o, self.mid_lse, out, None,
                           sm_scale, bn, pdl=pdl, **launch)
 
     def _select(self, ws: _Selection, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v, att_kidx, att_vidx,
@@ -618,7 +605,7 @@ class OffloadDecoder:
         if self.estimate and v_summary is None:
             raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
         if self.keep_v:  # the kept requests first, in their own launch; the sparse attention below leaves their rows
-            self._kept_attention(q, k_buffer, v_buffer, out, sm_scale)
+            self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.kd_vidx, kept=True)
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
                            self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record, clock=clock)
         est = None
