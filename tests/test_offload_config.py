@@ -35,13 +35,14 @@ def test_offload_flags_reach_the_schedulers_and_select_the_kvoffload_backend(sgl
                                   "--kv-offload-topk", "1024", "--kv-offload-hot-tokens", "3000", "--kv-offload-denominator", "estimate",
                                   "--kv-offload-chunk", "32", "--kv-offload-host-gb", "80", "--kv-offload-eviction", "lfu",
                                   "--kv-offload-hot-slack", "1.5", "--kv-offload-keep-v", "--kv-offload-hot-slack-max", "4",
-                                  "--kv-offload-copy-timing", "--kv-offload-dense-launch", "fused=1,min_chunk=2048,pdl=on"])
+                                  "--kv-offload-copy-timing", "--kv-offload-dense-launch", "fused=1,min_chunk=2048,pdl=on",
+                                  "--kv-offload-keep-reserve", "0.03"])
     out = dict(l.split(" ", 1) for l in r.stdout.splitlines() if l.startswith(("CONFIG ", "BACKENDS ")))
     assert r.returncode == 0, r.stderr[-2000:]
     off = json.loads(out["CONFIG"])["offload"]
     assert off == {"enabled": True, "topk": 1024, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2, "denominator": "estimate",
                    "chunk": 32, "hot_tokens": 3000, "hot_slack": 1.5, "hot_slack_max": 4.0, "host_gb": 80.0, "resident_v": False, "prefetch": "off",
-                   "eviction": "lfu", "keep_v": True, "copy_timing": True, "dense_launch": "fused=1,min_chunk=2048,pdl=on"}
+                   "eviction": "lfu", "keep_v": True, "keep_reserve": 0.03, "copy_timing": True, "dense_launch": "fused=1,min_chunk=2048,pdl=on"}
     assert json.loads(out["BACKENDS"]) == ["kvoffload", "kvoffload"]
     got = config.ElasticKVConfig.from_env(out["CONFIG"]).offload
     assert got.policy() == OffloadPolicy(max_topk=1024, denominator="estimate", chunk=32)
@@ -81,6 +82,11 @@ def namespace(*flags, **sglang):
      "--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off (off with --kv-offload-resident-v)"),
     (["--kv-offload-dense-launch", "fused=1", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
      "--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off"),
+    (["--kv-offload-keep-reserve", "0.6"], dict(disable_radix_cache=True),
+     "--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5, not 0.6"),
+    (["--kv-offload-keep-reserve", "nan"], dict(disable_radix_cache=True), "--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5"),
+    (["--kv-offload-keep-reserve", "0.02", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
+     "--kv-offload-keep-reserve sets a share kept free by --kv-offload-keep-v, which is off"),
     (["--kv-offload-dense-launch", "fuse=1"], dict(disable_radix_cache=True), "'fuse=1' is not key=value with a key of min_chunk, fused"),
     (["--kv-offload-dense-launch", "block_n=48"], dict(disable_radix_cache=True), "block_n takes one of 0, 16, 32, 64, 128, not '48'"),
     (["--kv-offload-dense-launch", "num_warps=3"], dict(disable_radix_cache=True), "num_warps takes one of none, 1, 2, 4, 8, 16, not '3'"),

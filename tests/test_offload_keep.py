@@ -153,6 +153,27 @@ def test_a_kept_request_is_demoted_when_its_next_slot_would_cut_into_the_reserve
     assert s.m.real_free() == s.alloc.available_size()
 
 
+def test_the_reserve_is_the_share_of_the_pool_that_keep_reserve_names(monkeypatch):
+    """``--kv-offload-keep-reserve`` reaches the scheduler's manager through the published config
+    (SGLANG_ELASTIC_CONFIG); unset, the manager keeps RESERVE_FRAC of the pool."""
+    from sglang_elastic import config
+
+    for share, want in ((0.03, int(SIZE * 0.03)), (None, int(SIZE * keep.RESERVE_FRAC))):
+        if share is None:
+            monkeypatch.delenv(config.ENV, raising=False)
+        else:
+            cfg = config.ElasticKVConfig(offload=config.OffloadConfig(enabled=True, keep_reserve=share))
+            monkeypatch.setenv(config.ENV, cfg.to_env())
+        s = Server.__new__(Server)
+        pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
+        s.pool = make_pool(pol, size=SIZE, rows=ROWS, ctx=CTX, keep_v=True)
+        cls, _ = hooked_allocator_class()
+        keep._STATE.clear()
+        m = keep.manager_for(cls(SIZE, torch.bfloat16, "cpu", s.pool, need_sort=False))
+        assert m.reserve == want and want > 0
+    keep._STATE.clear()
+
+
 def test_a_later_chunk_extends_a_kept_request_and_a_stale_grant_is_returned():
     s = Server(reserve_frac=0.0)
     assert s.admit(1, 60) and s.chunk(1, 40)

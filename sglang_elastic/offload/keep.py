@@ -23,7 +23,7 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
   decode step), the largest kept requests are demoted: their slots go back
   to the allocator at once and they continue sparse from their complete host
   V (their first sparse step copies its top-k). A kept request whose next
-  slot would cut into :data:`RESERVE_FRAC` of the pool is demoted too. No
+  slot would cut into :data:`RESERVE_FRAC` of the pool (``--kv-offload-keep-reserve``) is demoted too. No
   request is promoted back: that would copy its whole V over PCIe.
 
 SGLang sees the kept slots as free (``available_size`` counts them: the
@@ -52,12 +52,14 @@ from typing import Optional
 
 import torch
 
+from sglang_elastic.config import OffloadConfig
+
 logger = logging.getLogger(__name__)
 
 #: The share of the pool a grant leaves free: a kept request's next slot is refused (and it is
 #: demoted) when fewer than this many slots would remain, so new requests find room without a
 #: demotion on every step.
-RESERVE_FRAC = 0.125
+RESERVE_FRAC = OffloadConfig.keep_reserve
 
 #: The keys of :meth:`KeepV.stats` (``/server_info`` and the benchmark's keep-v metrics; zeros before the first prefill).
 STATS = ("kept_tokens", "kept_requests", "keep_granted_tokens", "keep_demotions")
@@ -308,7 +310,9 @@ def manager_for(allocator) -> Optional[KeepV]:
     pool = getattr(allocator, "_kvcache", None)
     if not getattr(pool, "keep_v", False):
         return None
-    m = _STATE["keep"] = KeepV(pool, allocator)
+    from sglang_elastic import config
+
+    m = _STATE["keep"] = KeepV(pool, allocator, reserve_frac=config.current().offload.keep_reserve)
     return m
 
 
