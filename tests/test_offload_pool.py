@@ -1039,7 +1039,15 @@ def test_the_keep_v_step_breakdown_of_check_offload_runs_its_pieces_on_a_small_s
         return (time.perf_counter() - t0) * 1e3
 
     out = {}
-    mod.time_keep_v_step(out, bs=3, ctx=80, layers=6, hq=4, hkv=2, d=32, device="cpu", timed=wall, graphed=wall, mixed=(1, 3))
+    profiled = []
+
+    def kernels(fn):  # (kernel_us needs CUDA's profiler; this runs the step once and names it)
+        fn()
+        profiled.append(fn)
+        return {"step": 1.0}
+
+    mod.time_keep_v_step(out, bs=3, ctx=80, layers=6, hq=4, hkv=2, d=32, device="cpu", timed=wall, graphed=wall, mixed=(0, 1, 3),
+                         kernels=kernels)
     r = out["keep_v_step"]
     ms, step = r["ms"], r["step_ms"]
     for name in ("plan", "store", "store_no_summary", "store_no_host", "chunk_mean", "dense_kept", "dense_split_kv", "store_stock",
@@ -1049,8 +1057,10 @@ def test_the_keep_v_step_breakdown_of_check_offload_runs_its_pieces_on_a_small_s
     want = ms["plan"] + 4 * ms["layer_host_async"] + 2 * (ms["store_stock"] + ms["dense_split_kv"])
     assert step["offload_keep_v"] == pytest.approx(want) and r["dense_layers"] == 2 and r["layers"] == 6
     lens = 80 - torch.randint(0, 16, (3,), generator=torch.Generator().manual_seed(5))  # the function's own draw
-    assert r["completing_chunk"] == int((lens % 16 == 0).sum()) and len(calls) == 13 + 2 * 4
-    for m in ("1", "3"):  # the general step with 1 and with all 3 requests demoted: every piece ran, the step adds up
+    assert r["completing_chunk"] == int((lens % 16 == 0).sum()) and len(calls) == 13 + 3 * 4 and len(profiled) == 4
+    assert r["dense_kept_kernels_us"] == {"step": 1.0}
+    for m in ("0", "1", "3"):  # the general step with none, 1 and all 3 requests demoted: every piece ran, the step adds up
+        assert r["mixed"][m]["sparse_kernels_us"] == {"step": 1.0}
         mx = r["mixed"][m]
         assert all(mx[x] > 0 for x in ("plan", "sparse", "layer", "dense_split_kv"))
         assert mx["step_ms"] == pytest.approx(mx["plan"] + 4 * mx["layer"] + 2 * (mx["dense_split_kv"] + ms["store_stock"]))

@@ -199,6 +199,29 @@ def capture(fn, warm=3, before=None):
     return g
 
 
+def kernel_us(fn, reps=10, warm=3):
+    """Per-kernel device time of one eager call of ``fn``, microseconds, by kernel name (torch's profiler over
+    ``reps`` calls after ``warm``; names cut to 80 characters), largest first: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0)
+        if us and e.count:
+            name = e.key[:80]
+            per[name] = per.get(name, 0.0) + us / reps
+    return dict(sorted(((k, round(v, 2)) for k, v in per.items()), key=lambda kv: -kv[1]))
+
+
 def graph_ms(fn, reps=50):
     """Median CUDA-event time of one replay of ``fn`` captured in a CUDA graph
     (what a serving step pays: no launch gaps from Python)."""
@@ -368,7 +391,7 @@ def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hvi
 
 
 def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, device="cuda", timed=None, graphed=None,
-                      key="keep_v_step", mixed=(1, 8, 64)):
+                      key="keep_v_step", mixed=(0, 1, 8, 64), kernels=None):
     """Where the fitting workload's median ITL goes with ``--kv-offload-keep-v`` (every request keeps V,
     so every step replays the all-dense variant): each per-layer piece of that step at ``bs``
     requests of about ``ctx`` tokens (lengths ``ctx - 0..15``: about one request in 16 completes a
@@ -388,7 +411,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       this single layer's join is an upper bound);
     - ``mixed``: for each ``m`` of ``mixed``, the same batch's general step with its first ``m`` requests demoted
       (sparse from their host V, the rest still kept): what one demotion costs every request of the batch (a 64 x 4K
-      load whose last 55 steps had one demoted request ran them at 24 ms against 18.3, an H100, 2026-12-06);
+      load whose last 55 steps had one demoted request ran them at 24 ms against 18.3, an H100, 2026-12-06); ``m = 0``:
+      the general step with every request kept (what the selection launches cost with nothing to select); with
+      ``kernels`` (``fn -> {kernel: us}``, :func:`kernel_us` on a GPU) each mixed step's sparse layer per kernel too;
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
       paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
       this GQA group; planned once, replayed from a graph and eagerly).
@@ -460,6 +485,7 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     t["chunk_mean"] = graphed(lambda: ko.chunk_mean_run(vb, src, dst, pool.vsum[sl], skip=pool.SPARE))
     t["chunk_mean_every_item"] = graphed(lambda: ko.chunk_mean_run(vb, src, dst, pool.vsum[sl]))  # before 2026-12-05
     t["dense_kept"] = graphed(lambda: dec.dense_kept(q, kb, vb, o, scale))
+    dense_kernels = kernels(lambda: dec.dense_kept(q, kb, vb, o, scale)) if kernels is not None else None
 
     def layer_step(async_host):  # a sparse layer as the backend runs it: store, attention, and (async) the join
         pool.set_host_writes_async(async_host)
@@ -491,6 +517,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
         pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
         dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)  # the hot buffer warm, as a step after the first
         tm["sparse"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+        if kernels is not None:
+            tm["sparse_kernels_us"] = kernels(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
         tm["layer"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v), dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv,
                                                                                           v_summary=vsum)))
         tm["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
@@ -546,6 +574,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
         # the general step with m requests demoted (m of ``mixed``): its plan, a sparse layer (store and attention), a
         # dense layer, and the step as step_ms adds it up (with the dense layers' stores)
         "mixed": {str(m): {**tm, "step_ms": tm["step_ms"] + dl * t["store_stock"]} for m, tm in mixed_ms.items()},
+        # the all-dense step's sparse-layer attention per kernel (with ``kernels``), beside the mixed steps'
+        **({"dense_kept_kernels_us": dense_kernels} if dense_kernels is not None else {}),
     }
     del pool, stock
 
@@ -561,7 +591,7 @@ def main():
     out = results.header()
     t0 = time.time()
     if a.only == "keep_v_step":
-        time_keep_v_step(out)
+        time_keep_v_step(out, kernels=kernel_us)
         out["seconds"] = round(time.time() - t0, 1)
         results.write(a.out, out)
         print("keep-v step", out["keep_v_step"], "\nwrote", a.out, flush=True)
