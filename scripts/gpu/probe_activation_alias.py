@@ -103,6 +103,7 @@ def forward(x: torch.Tensor, ws, keep: bool = False):
         a = h @ w
         b = torch.nn.functional.silu(a) * a
         h = b @ w.t()
+        h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)  # RMS-normed: no overflow over the layers
         if keep:
             held += [a, b, h]
     out = h.float().sum(dim=1)
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
         checks["pointers_in_range"] &= all(act_va <= p < act_va + step for p in ptrs)
         checks["outputs_equal"] &= bool(torch.equal(out, ref))
         checks["max_abs_diff"] = max(checks["max_abs_diff"], float((out - ref).abs().max()))
+        checks["finite"] = checks.get("finite", True) and bool(torch.isfinite(out).all())
         del held, out
         torch.cuda.synchronize()
         alias["forward_ms"].append((time.perf_counter() - t) * 1e3)
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
     summary = {k: {"median": statistics.median(v), "max": max(v)} for part in (present, alias) for k, v in part.items()
                if isinstance(v, list) and v and k != "alloc_calls"}
     res["summary_ms"] = summary
-    ok = checks["pointers_in_range"] and checks["outputs_equal"] and checks["kv_readback_ok"] and not checks["refused"]
+    ok = checks["pointers_in_range"] and checks["outputs_equal"] and checks["finite"] and checks["kv_readback_ok"] and not checks["refused"]
     res["verdict"] = "aliasing works" if ok else "aliasing failed a check"
     del pool  # its cached segments go back through the allocator's free callback (bookkeeping only: nothing is mapped there)
     frees = ra.frees
