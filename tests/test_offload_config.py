@@ -91,6 +91,7 @@ def namespace(*flags, **sglang):
     (["--kv-offload-dense-launch", "block_n=48"], dict(disable_radix_cache=True), "block_n takes one of 0, 16, 32, 64, 128, not '48'"),
     (["--kv-offload-dense-launch", "num_warps=3"], dict(disable_radix_cache=True), "num_warps takes one of none, 1, 2, 4, 8, 16, not '3'"),
     (["--kv-offload-dense-launch", "pdl=yes"], dict(disable_radix_cache=True), "pdl takes 0/1, true/false or on/off, not 'yes'"),
+    (["--kv-offload-dense-launch", "kept_stream=2"], dict(disable_radix_cache=True), "kept_stream takes 0/1, true/false or on/off, not '2'"),
     (["--kv-offload-dense-launch", "min_chunk=-1"], dict(disable_radix_cache=True), "min_chunk takes an integer 0 to 1048576 (positions), not '-1'"),
     (["--kv-offload-dense-launch", "chunk_mean=1001"], dict(disable_radix_cache=True), "chunk_mean takes an integer 0 to 1000 (percent), not '1001'"),
     (["--kv-offload-dense-launch", "chunk_mean=125", "--kv-offload-dense-launch", "pdl=0"], dict(disable_radix_cache=True),
@@ -396,6 +397,8 @@ def test_models_the_pool_cannot_serve_are_named_before_it_is_sized():
           dense_chunk_mean=0)),
     ("chunk_mean=0", dict(dense_chunk_mean=0)),
     ("pdl=0", dict(dense_pdl=False)),  # the default chunk_mean stays
+    ("kept_stream=1", dict(dense_kept_stream=True)),
+    ("kept_stream=on,chunk_mean=0", dict(dense_kept_stream=True, dense_chunk_mean=0)),
 ])
 def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, want):
     """``--kv-offload-dense-launch`` changes the dense_* fields it names and nothing else (a ``min_chunk`` without

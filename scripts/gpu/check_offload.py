@@ -414,6 +414,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       load whose last 55 steps had one demoted request ran them at 24 ms against 18.3, an H100, 2026-12-06); ``m = 0``:
       the general step with every request kept (what the selection launches cost with nothing to select); with
       ``kernels`` (``fn -> {kernel: us}``, :func:`kernel_us` on a GPU) each mixed step's sparse layer per kernel too;
+      on a GPU each mixed step again with the kept launch on a side stream (``--kv-offload-dense-launch kept_stream=1``):
+      ``kept_stream_identical`` (its output equal bit for bit), ``sparse_kept_stream``, ``layer_kept_stream``,
+      ``step_ms_kept_stream``;
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
       paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
       this GQA group; planned once, replayed from a graph and eagerly).
@@ -523,6 +526,19 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
                                                                                           v_summary=vsum)))
         tm["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
         tm["step_ms"] = tm["plan"] + (layers - dl) * tm["layer"] + dl * tm["dense_split_kv"]  # + the dense layers' stock stores below
+        if device == "cuda":  # the kept launch on a side stream beside the selection (kept_stream=1): same bits, its time
+            dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+            ref = o.clone()
+            o.zero_()
+            dec._kept_stream = torch.cuda.Stream()  # (what SplitConfig(dense_kept_stream=True) makes at construction)
+            dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+            torch.cuda.synchronize()
+            tm["kept_stream_identical"] = bool(torch.equal(o, ref))
+            tm["sparse_kept_stream"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+            tm["layer_kept_stream"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v),
+                                                       dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)))
+            tm["step_ms_kept_stream"] = tm["plan"] + (layers - dl) * tm["layer_kept_stream"] + dl * tm["dense_split_kv"]
+            dec._kept_stream = None
         mixed_ms[m] = tm
     stock = MHATokenToKVPool(size, 1, torch.bfloat16, hkv, d, 1, device, False, enable_alt_stream=False)
     lay_0 = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None)
@@ -573,7 +589,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
         },
         # the general step with m requests demoted (m of ``mixed``): its plan, a sparse layer (store and attention), a
         # dense layer, and the step as step_ms adds it up (with the dense layers' stores)
-        "mixed": {str(m): {**tm, "step_ms": tm["step_ms"] + dl * t["store_stock"]} for m, tm in mixed_ms.items()},
+        "mixed": {str(m): {**tm, "step_ms": tm["step_ms"] + dl * t["store_stock"],
+                           **({"step_ms_kept_stream": tm["step_ms_kept_stream"] + dl * t["store_stock"]} if "step_ms_kept_stream" in tm else {})}
+                  for m, tm in mixed_ms.items()},
         # the all-dense step's sparse-layer attention per kernel (with ``kernels``), beside the mixed steps'
         **({"dense_kept_kernels_us": dense_kernels} if dense_kernels is not None else {}),
     }

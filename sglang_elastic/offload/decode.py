@@ -72,7 +72,15 @@ class SplitConfig:
     18.42 ms (+0.8 %) in another, where the plan without it had given +3.5 % against stock (fc8598c,
     a third host). Through a server not measured on mixed lengths, past ~9K contexts, or on the H200.
     ``sweep_dense_kept.py`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``.
-    ``--kv-offload-dense-launch min_chunk=N`` alone turns it off (:meth:`with_dense_launch`)."""
+    ``--kv-offload-dense-launch min_chunk=N`` alone turns it off (:meth:`with_dense_launch`).
+
+    ``dense_kept_stream`` (default off, not yet measured): a general keep-v step's kept-request launch runs on a side
+    stream beside the sparse requests' selection (scores, top-k, swap-in, copies, estimate), joined before their
+    attention, instead of before it on the step's stream. On an H100 at 64 x 4.6K (``check_offload.py --only
+    keep_v_step``, 2026-12-06) a sparse layer of the general step took 0.82 ms with 63 requests kept and 1 sparse,
+    0.72 with all 64 sparse, and the all-dense step's 0.41: the selection's launches cost about 0.4 ms however few
+    requests they select for, after the kept launch; side by side the two could take about the longer of them,
+    if the kept launch leaves the selection's small launches room on the SMs."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -90,6 +98,7 @@ class SplitConfig:
     dense_num_stages: Optional[int] = 3
     dense_min_ctas: int = 256
     dense_chunk_mean: int = 125
+    dense_kept_stream: bool = False
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
@@ -102,7 +111,8 @@ class SplitConfig:
                 128), ``num_warps`` (none, 1, 2, 4, 8, 16), ``num_stages`` (none, 1 to 6), ``min_ctas``
                 (programs a chunk, requests x KV heads, from which these apply; 0: always), ``chunk_mean``
                 (percent of the batch's mean context the minimum chunk is raised to where no request is past twice
-                that, 0 to 1000; 0: off; :func:`dense_mean_chunk`); e.g.
+                that, 0 to 1000; 0: off; :func:`dense_mean_chunk`), ``kept_stream`` (0/1: a general step's kept
+                requests on a side stream beside the selection); e.g.
                 ``fused=1,min_chunk=2048,pdl=1`` (what ``scripts/gpu/sweep_dense_kept.py`` reports as
                 ``dense_launch``). Empty: the defaults. A ``min_chunk`` given without ``chunk_mean`` turns the
                 default ``chunk_mean`` off, so the chunk given is the plan's (with ``chunk_mean`` on, ``min_chunk`` is
@@ -147,13 +157,13 @@ class SplitConfig:
 
 
 #: ``--kv-offload-dense-launch`` keys: :class:`SplitConfig`'s ``dense_*`` fields without the prefix
-DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages", "min_ctas", "chunk_mean")
+DENSE_LAUNCH_KEYS = ("min_chunk", "fused", "pdl", "block_n", "num_warps", "num_stages", "min_ctas", "chunk_mean", "kept_stream")
 _DENSE_ALLOWED = {"block_n": (0, 16, 32, 64, 128), "num_warps": (None, 1, 2, 4, 8, 16), "num_stages": (None, 1, 2, 3, 4, 5, 6)}
 
 
 def _dense_value(key: str, raw: str):
     """One ``--kv-offload-dense-launch`` value, checked (ValueError names the key)."""
-    if key in ("fused", "pdl"):
+    if key in ("fused", "pdl", "kept_stream"):
         flags = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
         if raw not in flags:
             raise ValueError(f"--kv-offload-dense-launch: {key} takes 0/1, true/false or on/off, not {raw!r}")
@@ -329,6 +339,9 @@ class OffloadDecoder:
         self.all_dense = False
         self.dense_tuned = False
         self.plan_block_n = self.split.scores_block_n
+        #: ``split.dense_kept_stream`` on a GPU: the side stream a general step's kept-request launch runs on
+        self._kept_stream = (torch.cuda.Stream(device=device) if self.keep_v and split.dense_kept_stream
+                             and torch.device(device).type == "cuda" else None)
         #: a general keep-v step's kept-request launch: the all-dense step's settings (``kd_tuned``) and its plan's block
         self.kd_tuned = False
         self.kd_block_n = self.split.scores_block_n
@@ -604,8 +617,18 @@ class OffloadDecoder:
         rp, lens = req_pool_indices[:bs], seq_lens[:bs]
         if self.estimate and v_summary is None:
             raise ValueError("--kv-offload-denominator estimate: OffloadDecoder.sparse needs the layer's V summaries (v_summary)")
+        side = self._kept_stream
         if self.keep_v:  # the kept requests first, in their own launch; the sparse attention below leaves their rows
-            self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.kd_vidx, kept=True)
+            if side is None:
+                self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.kd_vidx, kept=True)
+            else:  # (dense_kept_stream) beside the selection, which touches none of its buffers; joined before the attention
+                cur = torch.cuda.current_stream(side.device)
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.kd_vidx, kept=True)
+                if not torch.cuda.is_current_stream_capturing():  # eager: q and out are temporaries of the step's stream
+                    q.record_stream(side)
+                    out.record_stream(side)
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
                            self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record, clock=clock)
         est = None
@@ -614,6 +637,8 @@ class OffloadDecoder:
             est = estimate_run(self.sel.scores, lse, self.sc_indptr[: bs + 1], self.sc_chunk[:bs], sp.scores_max_splits,
                                self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.marks, vsum, rp, table,
                                pol.chunk, self.est_o, self.kv_heads, stamp=self.stamp, reduce=False)
+        if self.keep_v and side is not None:  # the kept launch shares the partials' workspace and out with the attention
+            torch.cuda.current_stream(side.device).wait_stream(side)
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
                    self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
                    None if pol.denominator == "selected" else lse, sm_scale, sp.attend_block_n,
