@@ -145,6 +145,12 @@ MAX_FIXED_ROWS = 32768
 OFFLOAD_BACKEND = "kvoffload"
 
 
+#: ``--kv-offload-keep-reserve``'s default: a kept request's next slot must leave 2 % of the pool free. A demotion
+#: is for good, so a larger share only demotes earlier: 1/8 (the default until 2026-12-06) demoted 2 requests a load
+#: with ~85,000 slots free at 64 x 4K + 512 on an H100 (warm p99 ITL +24 % against stock), 0.02 none (-2.3 %).
+KEEP_RESERVE = 0.02
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """The ``--kv-offload-*`` flags (:mod:`sglang_elastic.offload`).
@@ -160,8 +166,8 @@ class OffloadConfig:
     keeps V in idle pool slots and attends densely while SGLang's allocator has
     them: :mod:`sglang_elastic.offload.keep`; None, the default: on unless
     ``resident_v``, see :attr:`keep_v_wanted`); ``keep_reserve`` (the share of
-    the pool a kept request's next slot must leave free, else it is demoted:
-    :data:`~sglang_elastic.offload.keep.RESERVE_FRAC`); ``copy_timing`` (CUDA events around
+    the pool a kept request's next slot must leave free, else it is demoted; None, the default:
+    :data:`KEEP_RESERVE`, see :attr:`reserve_share`); ``copy_timing`` (CUDA events around
     every V copy and prefetch wait of a sampled decode step: the share of copy time
     hidden behind compute on ``/metrics``, :mod:`sglang_elastic.offload.copytime`);
     ``dense_launch`` (the all-dense step's attention launch, ``key=value,...``:
@@ -188,7 +194,7 @@ class OffloadConfig:
     prefetch: str = "off"
     eviction: str = "lru"
     keep_v: Optional[bool] = None
-    keep_reserve: float = 0.02
+    keep_reserve: Optional[float] = None
     copy_timing: bool = False
     dense_launch: str = ""
 
@@ -225,11 +231,12 @@ class OffloadConfig:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
-        if not 0.0 <= self.keep_reserve <= 0.5:
-            raise ConfigError(f"--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5, not {self.keep_reserve}")
-        if self.keep_reserve != OffloadConfig.keep_reserve and not self.keep_v_wanted:
-            why = " (off with --kv-offload-resident-v)" if self.resident_v else ""
-            raise ConfigError(f"--kv-offload-keep-reserve sets a share kept free by --kv-offload-keep-v, which is off{why}")
+        if self.keep_reserve is not None:
+            if not 0.0 <= self.keep_reserve <= 0.5:
+                raise ConfigError(f"--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5, not {self.keep_reserve}")
+            if not self.keep_v_wanted:
+                why = " (off with --kv-offload-resident-v)" if self.resident_v else ""
+                raise ConfigError(f"--kv-offload-keep-reserve sets a share kept free by --kv-offload-keep-v, which is off{why}")
         if self.copy_timing and self.resident_v:
             raise ConfigError("--kv-offload-copy-timing has no copies to time with --kv-offload-resident-v (V stays on the GPU)")
         if self.dense_launch:
@@ -244,6 +251,12 @@ class OffloadConfig:
         given = [f for f in defaults if f != "enabled" and getattr(self, f) != defaults[f].default]
         if not self.enabled and given:
             _refuse_without_enable("kv-offload", given[0], getattr(self, given[0]))
+
+    @property
+    def reserve_share(self) -> float:
+        """The share of the pool a kept request's next slot must leave free: ``keep_reserve`` as given, else
+        :data:`KEEP_RESERVE` (``--kv-offload-keep-reserve``; :class:`sglang_elastic.offload.keep.KeepV`)."""
+        return KEEP_RESERVE if self.keep_reserve is None else self.keep_reserve
 
     @property
     def keep_v_wanted(self) -> bool:
@@ -399,9 +412,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-keep-v", action=argparse.BooleanOptionalAction, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
-    o.add_argument("--kv-offload-keep-reserve", type=float, default=None, metavar="SHARE", help="With --kv-offload-keep-v: the share of the KV pool a kept request's next slot must leave free, else the largest kept requests are demoted to the sparse rule (0 to 0.5; default 0.02). A demotion is for good, so a larger share moves demotions earlier rather than avoiding them: on an H100 at 64 x 4K + 512, 0.125 (the default before 2026-12-06) demoted 2 requests with ~85,000 slots free and the steps after ran 30 %% slower, 0.02 demoted none (warm p99 ITL 19.7 ms against stock's 20.2). Nothing is refused at any share: the allocator demotes before it could fail.")
+    o.add_argument("--kv-offload-keep-reserve", type=float, default=None, metavar="SHARE", help="With --kv-offload-keep-v: the share of the KV pool a kept request's next slot must leave free, else the largest kept requests are demoted to the sparse rule (0 to 0.5; default 0.02). A demotion is for good, so a larger share moves demotions earlier rather than avoiding them: on an H100 at 64 x 4K + 512, 0.125 (the default before 2026-12-06) demoted 2 requests with ~85,000 slots free and the steps after ran 30 %% slower, 0.02 demoted none (warm p99 ITL 19.7 ms against stock's 20.2). No admission waits on it at any share: the allocator demotes before it could fail.")
     o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). Under SGLang's overlap scheduler the graph of a step due for a read is launched again before the GPU has passed it: the host then waits for that step once (copy_waits, copy_wait_ms) instead of losing it. Off by default.")
-    o.add_argument("--kv-offload-dense-launch", default=None, action="append", metavar="KEY=VALUE,...", help="The all-dense step's attention launch (with --kv-offload-keep-v, while every request keeps its V; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1: in a step with sparse requests, the kept requests' launch on a side stream beside their selection; not yet measured). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
+    o.add_argument("--kv-offload-dense-launch", default=None, action="append", metavar="KEY=VALUE,...", help="The kept requests' attention launch (with --kv-offload-keep-v: the all-dense step, while every request keeps its V, and the kept requests of a general step; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1, whatever min_ctas is: in a general step, with sparse requests, the kept requests' launch on a side stream beside the sparse requests' selection; not yet measured). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer: +57 %% median ITL on the Llama-3.1-8B shape at 64 x 32K on the H200 (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")

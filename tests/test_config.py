@@ -46,7 +46,7 @@ def test_flags_join_sglangs_parser_and_reach_the_scheduler_processes(launch_args
                    "activation_rule": "sglang", "reclaim_wait": "decode", "decode_policy": "auto", "decode_calibration": None, "decode_calibration_cache": None,
                    "decode_startup_calibration": "auto", "decode_online": "on",
                    "offload": {"enabled": False, "topk": 2048, "budget": 0.05, "sink": 4, "window": 32, "dense_layers": 2,
-                               "denominator": "estimate", "chunk": 16, "hot_tokens": 4096, "hot_slack": 2.0, "hot_slack_max": 0.0, "host_gb": None, "resident_v": False, "prefetch": "off", "eviction": "lru", "keep_v": None, "keep_reserve": 0.02, "copy_timing": False, "dense_launch": ""}}
+                               "denominator": "estimate", "chunk": 16, "hot_tokens": 4096, "hot_slack": 2.0, "hot_slack_max": 0.0, "host_gb": None, "resident_v": False, "prefetch": "off", "eviction": "lru", "keep_v": None, "keep_reserve": None, "copy_timing": False, "dense_launch": ""}}
     assert f"MODEL {MODEL}" in r.stdout
 
 

@@ -85,8 +85,11 @@ def namespace(*flags, **sglang):
     (["--kv-offload-keep-reserve", "0.6"], dict(disable_radix_cache=True),
      "--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5, not 0.6"),
     (["--kv-offload-keep-reserve", "nan"], dict(disable_radix_cache=True), "--kv-offload-keep-reserve must be a share of the pool between 0 and 0.5"),
-    (["--kv-offload-keep-reserve", "0.02", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
+    (["--kv-offload-keep-reserve", "0.05", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
      "--kv-offload-keep-reserve sets a share kept free by --kv-offload-keep-v, which is off"),
+    # given at its default value, still refused where it has nothing to set
+    (["--kv-offload-keep-reserve", "0.02", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
+     "--kv-offload-keep-reserve sets a share kept free by --kv-offload-keep-v, which is off (off with --kv-offload-resident-v)"),
     (["--kv-offload-dense-launch", "fuse=1"], dict(disable_radix_cache=True), "'fuse=1' is not key=value with a key of min_chunk, fused"),
     (["--kv-offload-dense-launch", "block_n=48"], dict(disable_radix_cache=True), "block_n takes one of 0, 16, 32, 64, 128, not '48'"),
     (["--kv-offload-dense-launch", "num_warps=3"], dict(disable_radix_cache=True), "num_warps takes one of none, 1, 2, 4, 8, 16, not '3'"),
@@ -165,7 +168,8 @@ def test_offload_sets_its_attention_backend():
 
 
 @pytest.mark.parametrize("flags", [["--kv-offload-topk", "2048"], ["--kv-offload-denominator", "selected"], ["--kv-offload-resident-v"],
-                                   ["--kv-offload-host-gb", "40"], ["--kv-offload-copy-timing"], ["--kv-offload-dense-launch", "pdl=1"]])
+                                   ["--kv-offload-host-gb", "40"], ["--kv-offload-copy-timing"], ["--kv-offload-dense-launch", "pdl=1"],
+                                   ["--kv-offload-keep-reserve", "0.02"]])
 def test_offload_flags_given_without_enable_are_refused_even_at_their_default(flags):
     """A flag at its default value was accepted silently without --enable-kv-offload (seen by a new user)."""
     with pytest.raises(config.ConfigError, match=f"{flags[0]} .*needs --enable-kv-offload"):
@@ -409,3 +413,12 @@ def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, 
     assert got == dataclasses.replace(SplitConfig(), **want)
     assert SplitConfig.with_dense_launch(got.dense_launch()) == got
     assert got.scores_min_chunk == SplitConfig().scores_min_chunk and got.attend_block_n == SplitConfig().attend_block_n
+
+
+@pytest.mark.parametrize("given,share", [(None, config.KEEP_RESERVE), ("0", 0.0), ("0.5", 0.5), ("0.125", 0.125)])
+def test_the_keep_reserve_takes_its_bounds_and_defaults_to_the_shipped_share(given, share):
+    """``--kv-offload-keep-reserve`` accepts 0 and 0.5 (its bounds) and, not given, is None and resolves to
+    :data:`config.KEEP_RESERVE` (the manager reads ``reserve_share``)."""
+    flags = ["--enable-kv-offload"] + (["--kv-offload-keep-reserve", given] if given is not None else [])
+    cfg = config.from_namespace(namespace(*flags, disable_radix_cache=True)).offload
+    assert cfg.keep_reserve == (None if given is None else share) and cfg.reserve_share == share

@@ -1218,3 +1218,82 @@ def test_on_a_gpu_the_snapshot_queues_a_pinned_copy_without_any_host_sync():
     torch.cuda.synchronize()
     values, host, _ = snap.take(counters, {})
     assert values == [0, 1, 1] and host == {}
+
+
+class _FakeStream:
+    """A CUDA stream stand-in that logs the waits made on it (``kept_stream`` on a CPU)."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.device = name, log, torch.device("cpu")
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+def test_kept_stream_forks_the_kept_launch_beside_the_selection_and_joins_before_the_attention(monkeypatch):
+    """``--kv-offload-dense-launch kept_stream=1``: in every sparse layer of a general step the kept requests'
+    launch runs on the side stream after it waited for the step's stream, the selection and the estimate on the
+    step's stream, and the step's stream waits for the side one before the sparse requests' attention (which
+    reuses the partials' workspace and ``out``); outputs still match the references. Fake streams stand in for
+    CUDA's (the decoder makes none without a GPU), so the order is what is checked here."""
+    import contextlib
+
+    from sglang_elastic.kernels import offload as ko
+    from sglang_elastic.offload import decode as dmod
+
+    log = []
+    cur, side = _FakeStream("cur", log), _FakeStream("side", log)
+    state = {"s": cur}
+
+    @contextlib.contextmanager
+    def stream(s):
+        prev, state["s"] = state["s"], s
+        log.append(("enter", s.name))
+        try:
+            yield
+        finally:
+            state["s"] = prev
+            log.append(("exit", s.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: state["s"])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record", s.name)), raising=False)
+    every, select, attend, estimate = dmod.OffloadDecoder._every_position, dmod.OffloadDecoder._select, ko.attend_run, ko.estimate_run
+
+    def every_w(self, *a, kept=False, **k):
+        log.append(("kept" if kept else "every", state["s"].name))
+        return every(self, *a, kept=kept, **k)
+
+    def select_w(self, *a, **k):
+        log.append(("select", state["s"].name))
+        return select(self, *a, **k)
+
+    def attend_w(*a, **k):
+        log.append(("attend", state["s"].name))
+        return attend(*a, **k)
+
+    def estimate_w(*a, **k):
+        log.append(("estimate", state["s"].name))
+        return estimate(*a, **k)
+
+    monkeypatch.setattr(dmod.OffloadDecoder, "_every_position", every_w)
+    monkeypatch.setattr(dmod.OffloadDecoder, "_select", select_w)
+    monkeypatch.setattr(ko, "attend_run", attend_w)
+    monkeypatch.setattr(ko, "estimate_run", estimate_w)
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    split = dataclasses.replace(SPLIT, dense_min_ctas=4, dense_min_chunk=1024, dense_block_n=32, dense_kept_stream=True)
+    sim = Sim(make_pool(pol, keep_v=True), 7, split=split)
+    assert sim.dec._kept_stream is None  # no GPU: no stream is made
+    sim.dec._kept_stream = side
+    sim.keep = {1, 4}
+    sim.extend([1, 2, 4], [(0, 300), (0, 260), (0, 120)])
+    _, _, worst = sim.run([1, 2, 4], [300, 260, 120], 2)
+    assert worst < 2e-2, worst
+    forks = [i for i, e in enumerate(log) if e == ("wait", "side", "cur")]
+    assert len(forks) >= 2
+    for i in forks:
+        seg = log[i: log.index(("attend", "cur"), i) + 1]
+        assert seg[:4] == [("wait", "side", "cur"), ("enter", "side"), ("kept", "side"), ("exit", "side")], seg
+        assert ("select", "cur") in seg and ("estimate", "cur") in seg and seg[-2] == ("wait", "cur", "side"), seg
+        assert seg.index(("wait", "cur", "side")) > max(seg.index(("select", "cur")), seg.index(("estimate", "cur")))

@@ -63,3 +63,5 @@ def test_without_a_gpu_the_probe_measures_nothing_and_writes_nothing(tmp_path, c
     assert probe.main(["--out", str(out)]) == 2
     assert not out.exists()
     assert "no CUDA device" in capsys.readouterr().err
+    assert probe.main(["--cycles", "0", "--out", str(out)]) == 2 and not out.exists()
+    assert "--cycles must be at least 1" in capsys.readouterr().err

@@ -213,6 +213,8 @@ def kernel_us(fn, reps=10, warm=3):
         torch.cuda.synchronize()
     per = {}
     for e in prof.key_averages():
+        if str(getattr(e, "device_type", "CUDA")).split(".")[-1] != "CUDA":  # the kernels only (not the runtime calls that launched them)
+            continue
         us = getattr(e, "device_time_total", None)
         if us is None:
             us = getattr(e, "cuda_time_total", 0)
@@ -415,7 +417,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       the general step with every request kept (what the selection launches cost with nothing to select); with
       ``kernels`` (``fn -> {kernel: us}``, :func:`kernel_us` on a GPU) each mixed step's sparse layer per kernel too;
       on a GPU each mixed step again with the kept launch on a side stream (``--kv-offload-dense-launch kept_stream=1``):
-      ``kept_stream_identical`` (its output equal bit for bit), ``sparse_kept_stream``, ``layer_kept_stream``,
+      ``kept_stream_identical`` / ``kept_stream_graph_identical`` (its output equal bit for bit, eagerly and as a CUDA-graph
+      replay), ``sparse_kept_stream``, ``layer_kept_stream``,
       ``step_ms_kept_stream``;
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
       paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
@@ -535,6 +538,8 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
             torch.cuda.synchronize()
             tm["kept_stream_identical"] = bool(torch.equal(o, ref))
             tm["sparse_kept_stream"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+            torch.cuda.synchronize()
+            tm["kept_stream_graph_identical"] = bool(torch.equal(o, ref))  # the last replay's output (the server replays graphs)
             tm["layer_kept_stream"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v),
                                                        dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)))
             tm["step_ms_kept_stream"] = tm["plan"] + (layers - dl) * tm["layer_kept_stream"] + dl * tm["dense_split_kv"]

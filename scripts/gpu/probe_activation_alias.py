@@ -45,7 +45,7 @@ from sglang_elastic import results
 from sglang_elastic.vmm.cuda import CudaBackend
 
 MiB, GiB = 1 << 20, 1 << 30
-ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
 
@@ -122,9 +122,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8.0, help="the lent step, GiB (default 8: the H200's measured lend)")
     ap.add_argument("--handles", type=int, default=64, help="handles per step (one per KV buffer: 64 for Llama-3.1-8B)")
-    ap.add_argument("--cycles", type=int, default=8)
+    ap.add_argument("--cycles", type=int, default=8, help="reclaim / prefill / lend cycles (at least 1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.cycles < 1:
+        print("probe_activation_alias: --cycles must be at least 1; nothing measured, nothing written", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("probe_activation_alias: no CUDA device; nothing measured, nothing written", file=sys.stderr)
         return 2
@@ -183,7 +186,10 @@ def main(argv=None) -> int:
     ra = RangeAllocator(act_va, step)
     pool = torch.cuda.MemPool(ra.torch_allocator())
     alias = {"reclaim_ms": [], "lend_ms": [], "snapshot_ms": [], "alloc_calls": [], "forward_ms": []}
-    checks = {"pointers_in_range": True, "outputs_equal": True, "max_abs_diff": 0.0, "active_blocks_before_lend": [], "refused": 0}
+    checks = {"pointers_in_range": True, "outputs_equal": True, "max_abs_diff": 0.0, "finite": True, "kv_readback_ok": True,
+              "active_blocks_before_lend": [], "refused": 0, "forward_oom": None}
+
+    mapped = {"at": kv_va}
 
     def remap(src: int, dst: int) -> float:
         """The step's handles unmapped from ``src`` and mapped at ``dst``, in milliseconds."""
@@ -192,24 +198,29 @@ def main(argv=None) -> int:
             be.unmap(src + i * per, per)
         for i, h in enumerate(hs):
             be.map(dst + i * per, per, h)
+        mapped["at"] = dst
         return (time.perf_counter() - t) * 1e3
 
     for c in range(a.cycles):
         alias["reclaim_ms"].append(remap(kv_va, act_va))
         calls = ra.calls
         t = time.perf_counter()
-        with torch.cuda.use_mem_pool(pool):
-            out, held = forward(x, ws, keep=True)
-            ptrs = [int(h_.data_ptr()) for h_ in held] + [int(out.data_ptr())]
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                out, held = forward(x, ws, keep=True)
+                ptrs = [int(h_.data_ptr()) for h_ in held] + [int(out.data_ptr())]
+        except torch.OutOfMemoryError as e:  # the range allocator refused a segment (returned 0)
+            checks["forward_oom"] = f"cycle {c}: {e}"[:300]
+            break
+        torch.cuda.synchronize()
+        alias["forward_ms"].append((time.perf_counter() - t) * 1e3)  # the forward alone (the checks below wait on the GPU)
+        alias["alloc_calls"].append(ra.calls - calls)
         checks["pointers_in_range"] &= all(act_va <= p < act_va + step for p in ptrs)
         checks["outputs_equal"] &= bool(torch.equal(out, ref))
         diff = torch.nan_to_num((out - ref).abs(), nan=float("inf"))  # (a NaN is no match: max() would skip it)
         checks["max_abs_diff"] = max(checks["max_abs_diff"], float(diff.max()))
-        checks["finite"] = checks.get("finite", True) and bool(torch.isfinite(out).all())
+        checks["finite"] &= bool(torch.isfinite(out).all())
         del held, out
-        torch.cuda.synchronize()
-        alias["forward_ms"].append((time.perf_counter() - t) * 1e3)
-        alias["alloc_calls"].append(ra.calls - calls)
         t = time.perf_counter()
         snap = pool.snapshot()
         active = sum(1 for s in snap for b in s.get("blocks", []) if b.get("state") == "active_allocated")
@@ -219,8 +230,8 @@ def main(argv=None) -> int:
             print(f"probe_activation_alias: cycle {c}: {active} pool blocks still alive before the lend; nothing written", file=sys.stderr)
             return 1
         alias["lend_ms"].append(remap(act_va, kv_va))
-        be.memset(kv_va, 0x5A, per)  # the lent step backs KV again
-        checks["kv_readback_ok"] = be.read(kv_va + per - 16, 16) == b"\x5a" * 16
+        be.memset(kv_va, 0x5A, step)  # the lent step backs KV again: every handle written and its last bytes read back
+        checks["kv_readback_ok"] &= all(be.read(kv_va + (i + 1) * per - 16, 16) == b"\x5a" * 16 for i in range(a.handles))
     frees = ra.frees
     ms, _ = timed(torch.cuda.empty_cache)
     checks["frees_by_empty_cache_with_pool_alive"] = ra.frees - frees
@@ -231,14 +242,16 @@ def main(argv=None) -> int:
     summary = {k: {"median": statistics.median(v), "max": max(v)} for part in (present, alias) for k, v in part.items()
                if isinstance(v, list) and v and k != "alloc_calls"}
     res["summary_ms"] = summary
-    ok = checks["pointers_in_range"] and checks["outputs_equal"] and checks["finite"] and checks["kv_readback_ok"] and not checks["refused"]
+    ok = (checks["pointers_in_range"] and checks["outputs_equal"] and checks["finite"] and checks["kv_readback_ok"]
+          and not checks["refused"] and checks["forward_oom"] is None and bool(alias["lend_ms"]))
     res["verdict"] = "aliasing works" if ok else "aliasing failed a check"
-    del pool  # its cached segments go back through the allocator's free callback (bookkeeping only: nothing is mapped there)
     frees = ra.frees
+    del pool  # torch empties the pool's cache as it goes: its segments come back through the free callback (bookkeeping only)
     torch.cuda.empty_cache()
     checks["frees_after_pool_deleted"] = ra.frees - frees
+    checks["range_free_after_pool_deleted"] = not ra.live
     for i in range(a.handles):
-        be.unmap(kv_va + i * per, per)
+        be.unmap(mapped["at"] + i * per, per)  # (the activation range after a refused forward)
     for h in hs:
         be.release(h)
     results.write(a.out, res)

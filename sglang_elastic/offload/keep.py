@@ -23,7 +23,7 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
   decode step), the largest kept requests are demoted: their slots go back
   to the allocator at once and they continue sparse from their complete host
   V (their first sparse step copies its top-k). A kept request whose next
-  slot would cut into :data:`RESERVE_FRAC` of the pool (``--kv-offload-keep-reserve``) is demoted too. No
+  slot would leave less than the reserve free (``--kv-offload-keep-reserve``, default :data:`RESERVE_FRAC` of the pool) is demoted too. No
   request is promoted back: that would copy its whole V over PCIe.
 
 SGLang sees the kept slots as free (``available_size`` counts them: the
@@ -52,16 +52,13 @@ from typing import Optional
 
 import torch
 
-from sglang_elastic.config import OffloadConfig
+from sglang_elastic.config import KEEP_RESERVE
 
 logger = logging.getLogger(__name__)
 
-#: The share of the pool a grant leaves free (``--kv-offload-keep-reserve``): a kept request's next slot is
-#: refused (and it is demoted) when fewer than this many slots would remain, so a new request's prefill finds
-#: room without demoting a kept request. A demotion is for good, so a larger share only demotes earlier: 1/8
-#: (the default until 2026-12-06) demoted with ~85,000 slots free at 64 x 4K on an H100, and those steps ran
-#: 30 % slower; 0.02 demoted none there (docs/offload.md).
-RESERVE_FRAC = OffloadConfig.keep_reserve
+#: The default share of the pool a grant leaves free (``--kv-offload-keep-reserve``, :data:`sglang_elastic.config.KEEP_RESERVE`):
+#: a kept request's next slot is refused (and it is demoted) when fewer than that many slots would remain.
+RESERVE_FRAC = KEEP_RESERVE
 
 #: The keys of :meth:`KeepV.stats` (``/server_info`` and the benchmark's keep-v metrics; zeros before the first prefill).
 STATS = ("kept_tokens", "kept_requests", "keep_granted_tokens", "keep_demotions")
@@ -74,7 +71,8 @@ class KeepV:
         pool: an :class:`~sglang_elastic.offload.pool.OffloadKVPool` built with ``layout.keep_v``
             (``pool.keep_v``).
         allocator: SGLang's ``TokenToKVPoolAllocator`` (page size 1) of that pool.
-        reserve_frac: :data:`RESERVE_FRAC`.
+        reserve_frac: the share of the pool a grant leaves free (:data:`RESERVE_FRAC`; the server's:
+            ``--kv-offload-keep-reserve``, :attr:`sglang_elastic.config.OffloadConfig.reserve_share`).
 
     Raises:
         ValueError: a pool without kept V, or a paged allocator.
@@ -314,7 +312,7 @@ def manager_for(allocator) -> Optional[KeepV]:
         return None
     from sglang_elastic import config
 
-    m = _STATE["keep"] = KeepV(pool, allocator, reserve_frac=config.current().offload.keep_reserve)
+    m = _STATE["keep"] = KeepV(pool, allocator, reserve_frac=config.current().offload.reserve_share)
     return m
 
 
