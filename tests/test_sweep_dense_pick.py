@@ -27,7 +27,7 @@ def test_pick_skips_a_faster_row_whose_output_did_not_match_and_round_trips():
                 ms=0.281, ms_pdl=0.270, max_abs_diff=2e-3, max_abs_diff_pdl=0.5)  # PDL read stale rows: not taken
     broken = row(min_chunk=4096, fused=True, chunks=2, ms=0.100, max_abs_diff=float("nan"), error_pdl="OutOfResources")
     pick = sweep.dense_pick([shipped, fused, broken], row(ms=0.312))  # the grid's row of the same configuration
-    assert pick == {"text": "min_chunk=2048,fused=1,pdl=0,block_n=128,num_warps=8,num_stages=3,min_ctas=256,chunk_mean=0", "ms": 0.281, "pdl": False,
+    assert pick == {"text": "min_chunk=2048,fused=1,pdl=0,block_n=128,num_warps=8,num_stages=3,min_ctas=256,chunk_mean=0,kept_stream=0", "ms": 0.281, "pdl": False,
                     "shipped_ms": 0.300}
     got = SplitConfig.with_dense_launch(pick["text"])
     assert (got.dense_min_chunk, got.dense_fused, got.dense_pdl, got.dense_block_n, got.dense_num_warps, got.dense_num_stages) == \
