@@ -60,16 +60,16 @@ def test_scores_and_lse_cover_every_position_and_match_float64(lens, hq, hkv, d)
         assert torch.allclose(lse[b].double(), torch.logsumexp(ref, 1), atol=1e-5)
 
 
-def select(scores, lse, indptr, pol, hq):
+def select(scores, lse, indptr, pol, hq, fused=False):
     lens = indptr[1:] - indptr[:-1]
     s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens))
     sel = torch.full((len(lens), max(pol.max_topk, 1)), -7, dtype=torch.int32)
-    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64, parts=2)
+    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64, parts=2, fused=fused)
     return sel, s, w, k
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
+@pytest.mark.parametrize("seed,fused", [(0, False), (1, False), (2, False), (0, True), (3, True)])
+def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed, fused):
     g = torch.Generator().manual_seed(seed)
     lens = [1, 30, 37, 500, 900]  # all-sink, window only, k = 0, k < middle, k hitting max_topk
     hq, hkv, d = 8, 2, 32
@@ -79,7 +79,7 @@ def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
     indptr, idx = scattered(lens, slots, g)
     scores, lse = run_scores(q, kb, indptr, idx)
     pol = OffloadPolicy(sink=3, window=8, budget_frac=0.05, max_topk=32)
-    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq, fused=fused)
     for b, L in enumerate(lens):
         lo, hi = int(indptr[b]), int(indptr[b + 1])
         kk = int(k[b])
@@ -99,14 +99,15 @@ def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
             assert p64[got.long()].min() >= p64[mid][~taken[mid]].max() - 1e-6
 
 
-def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_covers_the_middle():
+@pytest.mark.parametrize("fused", [False, True])
+def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_covers_the_middle(fused):
     # equal scores everywhere: the first k middle positions win
     L, hq = 400, 4
     scores = torch.zeros(hq, L + 8)
     lse = torch.full((1, hq), float(torch.log(torch.tensor(float(L)))))
     indptr = torch.tensor([0, L], dtype=torch.int32)
     pol = OffloadPolicy(sink=2, window=4, budget_frac=0.1, max_topk=64)
-    sel, s, w, k = select(scores, lse, indptr, pol, hq)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq, fused=fused)
     assert sel[0, : int(k[0])].tolist() == list(range(2, 2 + int(k[0])))
     # a budget of the whole context selects every middle position, in order
     pol = OffloadPolicy(sink=2, window=4, budget_frac=1.0, max_topk=512)
@@ -915,3 +916,34 @@ def test_adaptive_pages_never_lose_a_page_nor_short_a_base_grant(steps):
             ko.slot_release_run(torch.tensor([r]), a.table, a.count, a.stack, a.top, -1)
             a.slack[r], a.steps[r], a.miss[r], a.sel[r], k[r] = a.base, 0, 0, 0, 0
             a.check_owned()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_fused_select_writes_what_the_seven_launches_write_bit_for_bit(seed):
+    """``select_run(fused=True)`` (one program per request) against the default path on fresh random scores, with
+    peaked and flat requests, ties and every budget case: the same positions in the same order, the same summed
+    softmax in ``p_buf``, the same attended marks, nothing written past ``k``."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 12, 40, 333, 700, 1500]
+    hq, hkv, d = 8, 2, 32
+    slots = 6000
+    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    q = (torch.rand(len(lens), 1, 1, generator=g) * 4 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()
+    indptr, idx = scattered(lens, slots, g)
+    scores, lse = run_scores(q, kb, indptr, idx)
+    scores[:, int(indptr[4]): int(indptr[4]) + 200] = scores[:, int(indptr[4]): int(indptr[4]) + 1]  # 200 tied positions
+    pol = OffloadPolicy(sink=3, window=8, budget_frac=0.07, max_topk=64)
+    lens_t = indptr[1:] - indptr[:-1]
+    s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens_t))
+    outs = []
+    for fused in (False, True):
+        sel = torch.full((len(lens), 64), -7, dtype=torch.int32)
+        p = torch.full((scores.shape[1],), -1.0)
+        marks = torch.randint(0, 3, (scores.shape[1],), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        ko.select_run(scores, lse, indptr, s, w, k, p, sel, hq, block_n=64, parts=4, marks=marks,
+                      stamp=torch.tensor([9], dtype=torch.int32), fused=fused)
+        outs.append((sel, p, marks))
+    (sel0, p0, m0), (sel1, p1, m1) = outs
+    assert int(k.max()) > 0 and (m0 == 9).any()
+    assert torch.equal(sel0, sel1) and torch.equal(m0, m1)
+    assert torch.equal(torch.nan_to_num(p0, nan=-2.0), torch.nan_to_num(p1, nan=-2.0))

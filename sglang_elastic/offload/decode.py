@@ -80,7 +80,11 @@ class SplitConfig:
     keep_v_step``, 2026-12-06) a sparse layer of the general step took 0.82 ms with 63 requests kept and 1 sparse,
     0.72 with all 64 sparse, and the all-dense step's 0.41: the selection's launches cost about 0.4 ms however few
     requests they select for, after the kept launch; side by side the two could take about the longer of them,
-    if the kept launch leaves the selection's small launches room on the SMs."""
+    if the kept launch leaves the selection's small launches room on the SMs.
+
+    ``select_fused`` (default off, not yet timed on a GPU; no flag): the top-k runs as one program per request
+    (:func:`~sglang_elastic.kernels.offload.select_run` with ``fused``) instead of seven launches of
+    ``select_parts`` programs each; the same selection bit for bit. ``check_offload.py`` times both."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -99,6 +103,7 @@ class SplitConfig:
     dense_min_ctas: int = 256
     dense_chunk_mean: int = 125
     dense_kept_stream: bool = False
+    select_fused: bool = False
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
@@ -562,7 +567,7 @@ class OffloadDecoder:
         lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=stamp)
         select_run(ws.scores, lse, self.sc_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
                    ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts,
-                   marks=self.marks if mark else None, stamp=stamp)
+                   marks=self.marks if mark else None, stamp=stamp, fused=sp.select_fused)
         if lay.resident_v:
             gather_selected_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
                                 att_kidx, att_vidx, pol.max_topk)
