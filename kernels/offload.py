@@ -360,7 +360,7 @@ def _select_fused_kernel(
         k_rem = k - above
         prefix = d
         for ps in tl.static_range(1, 4):
-            shift: tl.constexpr = 24 - 8 * ps
+            shift = 24 - 8 * ps  # (a constexpr per unrolled pass: it may not be annotated and rebound)
             hist = tl.zeros([256], tl.int32)
             for n0 in range(s0, e0, BLOCK_N):
                 pos = n0 + offs

@@ -662,6 +662,7 @@ cases = [
      dict(C=16, DENSE=False, SUMMARY=True, RING=True, SINK=4, WINDOW=32, REGION=36)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
     (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=False, BLOCK_N=512, PARTS=16, MARK=True)),
+    (ko._select_fused_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_N=512, MARK=True)),
     (ko._estimate_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "vsum_ptr": "*bf16", "out_ptr": "*fp32"},
      dict(C=16, G=4, BLOCK_G=4, D=128, BLOCK_D=128, BLOCK_CH=16)),
     (da._merge_kernel, {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "o_ptr": "*bf16", "lse_full_ptr": "*fp32", "extra_ptr": "*fp32"},
@@ -678,7 +679,8 @@ def test_the_new_offload_kernels_compile_for_sm90():
     """The page grant (its compare-and-swap loop), the adaptive pages' demand and
     give-back, the one-launch KV write (also with the chunk means fused, from the
     kept or ring rows, and without its host write), the paged swap-in, the chunk
-    means, the decode plan's per-request entries, the stamping lse merge and top-k, the estimate and the merge that
+    means, the decode plan's per-request entries, the stamping lse merge and top-k (also the one-program top-k: a
+    ``tl.constexpr`` annotation rebound in its ``static_range`` loop ran in the interpreter and failed here), the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
     would meet first."""
@@ -695,7 +697,7 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert rows["_page_shrink_kernel"][0] == "True" and rows["_page_adapt_kernel"][0] == "True"  # the pushes and the demand
     assert set(rows) == {"_page_grant_kernel", "_page_adapt_kernel", "_page_shrink_kernel", "_store_sparse_kernel", "_swap_in_kernel",
                          "_chunk_mean_kernel", "_row_plan_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel",
-                         "_merge_kernel"}
+                         "_merge_kernel", "_select_fused_kernel"}
 
 
 def test_the_mark_stamp_wraps_without_ever_being_zero():
@@ -947,3 +949,4 @@ def test_the_fused_select_writes_what_the_seven_launches_write_bit_for_bit(seed)
     assert int(k.max()) > 0 and (m0 == 9).any()
     assert torch.equal(sel0, sel1) and torch.equal(m0, m1)
     assert torch.equal(torch.nan_to_num(p0, nan=-2.0), torch.nan_to_num(p1, nan=-2.0))
+
