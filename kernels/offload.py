@@ -223,6 +223,44 @@ def _prefix_of(hist_ptr, b, k, PASSES: tl.constexpr):
 
 
 @triton.jit
+def _summed_p(scores_ptr, lse, offs_h, mask_h, stride_sh, p_ptr, lo, pos, m):
+    """The summed softmax ``p`` of a block of positions over the heads, stored at ``p_ptr + lo + pos``; returns its
+    bits (``p >= 0``: the bits order like the values)."""
+    sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
+                 mask=mask_h[:, None] & m[None, :], other=float("-inf"))
+    p = tl.sum(tl.exp(sc - lse[:, None]), 0)
+    tl.store(p_ptr + lo + pos, p, mask=m)
+    return p.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _write_selected(sel, p_ptr, lo, pos, m, tau, gt_base, eq_base, k, mark_ptr, stamp, MARK: tl.constexpr):
+    """A block's positions above ``tau`` written after ``gt_base``, and those at it after ``eq_base`` while below
+    ``k``, in position order (``MARK``: their attended marks stamped); returns how many of each the block holds."""
+    bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
+    gt = m & (bits > tau)
+    eq = m & (bits == tau)
+    i_gt = gt_base + tl.cumsum(gt.to(tl.int32), 0) - 1
+    i_eq = eq_base + tl.cumsum(eq.to(tl.int32), 0) - 1
+    tl.store(sel + i_gt, pos, mask=gt)
+    tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
+    if MARK:
+        tl.store(mark_ptr + lo + pos, stamp, mask=gt | (eq & (i_eq < k)))
+    return tl.sum(gt.to(tl.int32), 0), tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _take_all(sel, lo, s0, start, end, offs, mark_ptr, stamp, MARK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The budget covers every middle position: positions ``[start, end)`` written at ``pos - s0`` (dense), with
+    ``MARK``'s stamps."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs
+        tl.store(sel + (pos - s0), pos, mask=pos < end)
+        if MARK:
+            tl.store(mark_ptr + lo + pos, stamp, mask=pos < end)
+
+
+@triton.jit
 def _select_hist_kernel(
     scores_ptr, lse_ptr, indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, hist_ptr,
     stride_sh, stride_lb,
@@ -243,11 +281,7 @@ def _select_hist_kernel(
             for n0 in range(lo_p, hi_p, BLOCK_N):
                 pos = n0 + offs
                 m = pos < hi_p
-                sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
-                             mask=mask_h[:, None] & m[None, :], other=float("-inf"))
-                p = tl.sum(tl.exp(sc - lse[:, None]), 0)
-                tl.store(p_ptr + lo + pos, p, mask=m)
-                bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order like the values
+                bits = _summed_p(scores_ptr, lse, offs_h, mask_h, stride_sh, p_ptr, lo, pos, m)
                 hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
         else:
             prefix, k_rem = _prefix_of(hist_ptr, b, k, PASS)
@@ -275,15 +309,12 @@ def _select_write_kernel(
     lo, s0, e0, k, lo_p, hi_p = _select_range(indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, b, part, PARTS, BLOCK_N)
     offs = tl.arange(0, BLOCK_N)
     sel = sel_ptr + b * stride_selb
+    stamp = 0
     if MARK:
         stamp = tl.load(stamp_ptr)
     if k >= e0 - s0:
         if not COUNT:  # the budget covers every middle position: take them all (dense)
-            for n0 in range(lo_p, hi_p, BLOCK_N):
-                pos = n0 + offs
-                tl.store(sel + (pos - s0), pos, mask=pos < hi_p)
-                if MARK:
-                    tl.store(mark_ptr + lo + pos, stamp, mask=pos < hi_p)
+            _take_all(sel, lo, s0, lo_p, hi_p, offs, mark_ptr, stamp, MARK, BLOCK_N)
     elif k > 0:
         tau, k_rem = _prefix_of(hist_ptr, b, k, 4)  # the bits of the k-th largest p; k - k_rem lie above it
         if COUNT:
@@ -305,18 +336,9 @@ def _select_write_kernel(
             n_gt_all = k - k_rem
             for n0 in range(lo_p, hi_p, BLOCK_N):
                 pos = n0 + offs
-                m = pos < hi_p
-                bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
-                gt = m & (bits > tau)
-                eq = m & (bits == tau)
-                i_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-                i_eq = n_gt_all + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-                tl.store(sel + i_gt, pos, mask=gt)
-                tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
-                if MARK:
-                    tl.store(mark_ptr + lo + pos, stamp, mask=gt | (eq & (i_eq < k)))
-                cnt_gt += tl.sum(gt.to(tl.int32), 0)
-                cnt_eq += tl.sum(eq.to(tl.int32), 0)
+                n_gt, n_eq = _write_selected(sel, p_ptr, lo, pos, pos < hi_p, tau, cnt_gt, n_gt_all + cnt_eq, k, mark_ptr, stamp, MARK)
+                cnt_gt += n_gt
+                cnt_eq += n_eq
 
 
 @triton.jit
@@ -335,14 +357,11 @@ def _select_fused_kernel(
     k = tl.load(k_ptr + b)
     offs = tl.arange(0, BLOCK_N)
     sel = sel_ptr + b * stride_selb
+    stamp = 0
     if MARK:
         stamp = tl.load(stamp_ptr)
     if k >= e0 - s0:  # the budget covers every middle position: take them all (dense)
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            tl.store(sel + (pos - s0), pos, mask=pos < e0)
-            if MARK:
-                tl.store(mark_ptr + lo + pos, stamp, mask=pos < e0)
+        _take_all(sel, lo, s0, s0, e0, offs, mark_ptr, stamp, MARK, BLOCK_N)
     elif k > 0:
         offs_h = tl.arange(0, BLOCK_HQ)
         mask_h = offs_h < HQ
@@ -351,11 +370,8 @@ def _select_fused_kernel(
         for n0 in range(s0, e0, BLOCK_N):
             pos = n0 + offs
             m = pos < e0
-            sc = tl.load(scores_ptr + offs_h[:, None].to(tl.int64) * stride_sh + (lo + pos)[None, :],
-                         mask=mask_h[:, None] & m[None, :], other=float("-inf"))
-            p = tl.sum(tl.exp(sc - lse[:, None]), 0)
-            tl.store(p_ptr + lo + pos, p, mask=m)
-            hist += tl.histogram((p.to(tl.int32, bitcast=True) >> 24) & 0xFF, 256, mask=m)
+            bits = _summed_p(scores_ptr, lse, offs_h, mask_h, stride_sh, p_ptr, lo, pos, m)
+            hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
         d, above = _bucket(hist, k)
         k_rem = k - above
         prefix = d
@@ -375,18 +391,9 @@ def _select_fused_kernel(
         cnt_eq = k * 0
         for n0 in range(s0, e0, BLOCK_N):
             pos = n0 + offs
-            m = pos < e0
-            bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
-            gt = m & (bits > prefix)
-            eq = m & (bits == prefix)
-            i_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-            i_eq = n_gt_all + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            tl.store(sel + i_gt, pos, mask=gt)
-            tl.store(sel + i_eq, pos, mask=eq & (i_eq < k))
-            if MARK:
-                tl.store(mark_ptr + lo + pos, stamp, mask=gt | (eq & (i_eq < k)))
-            cnt_gt += tl.sum(gt.to(tl.int32), 0)
-            cnt_eq += tl.sum(eq.to(tl.int32), 0)
+            n_gt, n_eq = _write_selected(sel, p_ptr, lo, pos, pos < e0, prefix, cnt_gt, n_gt_all + cnt_eq, k, mark_ptr, stamp, MARK)
+            cnt_gt += n_gt
+            cnt_eq += n_eq
 
 
 def select_run(

@@ -662,7 +662,13 @@ cases = [
      dict(C=16, DENSE=False, SUMMARY=True, RING=True, SINK=4, WINDOW=32, REGION=36)),
     (ko._lse_merge_kernel, {"mid_lse_ptr": "*fp32", "out_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_S=32, BUMP=True)),
     (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=False, BLOCK_N=512, PARTS=16, MARK=True)),
+    (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=False, BLOCK_N=512, PARTS=16, MARK=False, mark_ptr=None, stamp_ptr=None)),
+    (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=True, BLOCK_N=512, PARTS=16, MARK=False, mark_ptr=None, stamp_ptr=None)),
+    (ko._select_hist_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(PASS=0, HQ=32, BLOCK_HQ=32, BLOCK_N=512, PARTS=16)),
+    (ko._select_hist_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(PASS=2, HQ=32, BLOCK_HQ=32, BLOCK_N=512, PARTS=16)),
     (ko._select_fused_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_N=512, MARK=True)),
+    (ko._select_fused_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"},
+     dict(HQ=32, BLOCK_HQ=32, BLOCK_N=512, MARK=False, mark_ptr=None, stamp_ptr=None)),
     (ko._estimate_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "vsum_ptr": "*bf16", "out_ptr": "*fp32"},
      dict(C=16, G=4, BLOCK_G=4, D=128, BLOCK_D=128, BLOCK_CH=16)),
     (da._merge_kernel, {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "o_ptr": "*bf16", "lse_full_ptr": "*fp32", "extra_ptr": "*fp32"},
@@ -697,7 +703,7 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert rows["_page_shrink_kernel"][0] == "True" and rows["_page_adapt_kernel"][0] == "True"  # the pushes and the demand
     assert set(rows) == {"_page_grant_kernel", "_page_adapt_kernel", "_page_shrink_kernel", "_store_sparse_kernel", "_swap_in_kernel",
                          "_chunk_mean_kernel", "_row_plan_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel",
-                         "_merge_kernel", "_select_fused_kernel"}
+                         "_merge_kernel", "_select_fused_kernel", "_select_hist_kernel"}
 
 
 def test_the_mark_stamp_wraps_without_ever_being_zero():
