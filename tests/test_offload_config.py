@@ -422,3 +422,21 @@ def test_the_keep_reserve_takes_its_bounds_and_defaults_to_the_shipped_share(giv
     flags = ["--enable-kv-offload"] + (["--kv-offload-keep-reserve", given] if given is not None else [])
     cfg = config.from_namespace(namespace(*flags, disable_radix_cache=True)).offload
     assert cfg.keep_reserve == (None if given is None else share) and cfg.reserve_share == share
+
+
+def test_keep_v_flags_on_a_model_whose_v_rows_differ_from_k_slots_are_refused_not_ignored():
+    """A model with V head_dim != K's cannot keep V in K slots: keep-v turns off quietly by default, but an explicit
+    keep-v flag (the switch, the reserve, the kept launch) is refused with one line naming it (a new user's try:
+    the reserve and the launch were silently ignored there)."""
+    from sglang_elastic.offload.hooks import keep_v_for_model
+
+    mla_like = dataclasses.replace(LLAMA8B, v_head_dim=64)
+    on = config.OffloadConfig(enabled=True)
+    assert keep_v_for_model(on, LLAMA8B) and not keep_v_for_model(on, mla_like)
+    assert not keep_v_for_model(config.OffloadConfig(enabled=True, keep_v=False), LLAMA8B)
+    for kw, flag in ((dict(keep_v=True), "--kv-offload-keep-v"), (dict(keep_reserve=0.05), "--kv-offload-keep-reserve"),
+                     (dict(dense_launch="kept_stream=1"), "--kv-offload-dense-launch")):
+        cfg = config.OffloadConfig(enabled=True, **kw)
+        assert keep_v_for_model(cfg, LLAMA8B)
+        with pytest.raises(RuntimeError, match=f"^sglang-elastic: {flag} sets keep-v.*V head_dim 64 differs from K's 128: drop {flag}$"):
+            keep_v_for_model(cfg, mla_like)

@@ -190,6 +190,28 @@ def model_shape(kvc):
     )
 
 
+def keep_v_for_model(cfg, shape) -> bool:
+    """Whether the pool keeps V in idle K slots (``--kv-offload-keep-v``) for this model: as the flags want, but off
+    for a model whose V head_dim differs from K's (a V row must have a K slot's shape), quietly by default.
+
+    Args:
+        cfg: the server's :class:`~sglang_elastic.config.OffloadConfig`; shape: :func:`model_shape`'s.
+
+    Raises:
+        RuntimeError: that model with a keep-v flag given (``--kv-offload-keep-v``, ``--kv-offload-keep-reserve``
+            or ``--kv-offload-dense-launch``): one line naming the flag, rather than ignoring what was asked for."""
+    if not cfg.keep_v_wanted or shape.head_dim == shape.v_head_dim:
+        return cfg.keep_v_wanted
+    given = ("--kv-offload-keep-v" if cfg.keep_v else "--kv-offload-keep-reserve" if cfg.keep_reserve is not None
+             else "--kv-offload-dense-launch" if cfg.dense_launch else None)
+    if given:
+        raise RuntimeError(f"sglang-elastic: {given} sets keep-v, which keeps V rows in K slots: this model's V head_dim "
+                           f"{shape.v_head_dim} differs from K's {shape.head_dim}: drop {given}")
+    logger.info("sglang-elastic: V head_dim %d differs from K's %d: no dense-while-V-fits (--kv-offload-keep-v) for this model",
+                shape.v_head_dim, shape.head_dim)
+    return False
+
+
 def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs):
     """AROUND hook of ``KVCacheConfigurator._resolve_memory_pool_config``."""
     cfg = config.current().offload
@@ -207,14 +229,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
 
     sched = get_schedule()
     shape = model_shape(kvc)
-    keep_v = cfg.keep_v_wanted
-    if keep_v and shape.head_dim != shape.v_head_dim:
-        if cfg.keep_v:  # asked for
-            raise RuntimeError(f"sglang-elastic: --kv-offload-keep-v keeps V rows in K slots: this model's V head_dim {shape.v_head_dim} "
-                               f"differs from K's {shape.head_dim}: drop --kv-offload-keep-v")
-        logger.info("sglang-elastic: V head_dim %d differs from K's %d: no dense-while-V-fits (--kv-offload-keep-v) for this model",
-                    shape.v_head_dim, shape.head_dim)
-        keep_v = False
+    keep_v = keep_v_for_model(cfg, shape)
     policy = cfg.policy()
     requests = sched.max_running_requests or DEFAULT_REQUESTS
     if sched.max_running_requests is None:
