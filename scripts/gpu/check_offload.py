@@ -520,6 +520,13 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
         dec.grant_pages(pool)
         return dec.summary_plan(pool)
 
+    def sparse():  # a sparse layer's attention of the general step
+        return dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+
+    def layer():  # and with its KV store
+        pool.set_kv_buffer(lay_s, loc, k, v)
+        return sparse()
+
     for m in mixed:  # the general step of the same batch with its first m requests demoted (sparse from their host V)
         for r in range(1, bs + 1):
             pool.set_keep(r, 0, lent[r - 1])
@@ -528,37 +535,35 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
         tm = {"plan": graphed(gplan)}
         pool.set_summary_plan(gplan())
         pool.set_v_rows(dec.new_token_rows(), dec.new_token_keep_rows())
-        dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)  # the hot buffer warm, as a step after the first
-        tm["sparse"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+        sparse()  # the hot buffer warm, as a step after the first
+        tm["sparse"] = graphed(sparse)
         if kernels is not None:
-            tm["sparse_kernels_us"] = kernels(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
-        tm["layer"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v), dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv,
-                                                                                          v_summary=vsum)))
+            tm["sparse_kernels_us"] = kernels(sparse)
+        tm["layer"] = graphed(layer)
         tm["dense_split_kv"] = graphed(lambda: dec.dense(q, pool.get_key_buffer(0), pool.get_value_buffer(0), o, scale))
         tm["step_ms"] = tm["plan"] + (layers - dl) * tm["layer"] + dl * tm["dense_split_kv"]  # + the dense layers' stock stores below
         if device == "cuda":  # the kept launch on a side stream beside the selection (kept_stream=1): same bits, its time
-            dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+            sparse()
             ref = o.clone()
             o.zero_()
             dec._kept_stream = torch.cuda.Stream()  # (what SplitConfig(dense_kept_stream=True) makes at construction)
-            dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+            sparse()
             torch.cuda.synchronize()
             tm["kept_stream_identical"] = bool(torch.equal(o, ref))
-            tm["sparse_kept_stream"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+            tm["sparse_kept_stream"] = graphed(sparse)
             torch.cuda.synchronize()
             tm["kept_stream_graph_identical"] = bool(torch.equal(o, ref))  # the last replay's output (the server replays graphs)
-            tm["layer_kept_stream"] = graphed(lambda: (pool.set_kv_buffer(lay_s, loc, k, v),
-                                                       dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)))
+            tm["layer_kept_stream"] = graphed(layer)
             tm["step_ms_kept_stream"] = tm["plan"] + (layers - dl) * tm["layer_kept_stream"] + dl * tm["dense_split_kv"]
             dec._kept_stream = None
             split = dec.split  # the top-k in one program per request (SplitConfig.select_fused): same bits, its time
             dec.split = dataclasses.replace(split, select_fused=True)
             try:  # (a new kernel, first compiled here: a failure is recorded, the timings above stand)
                 o.zero_()
-                dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum)
+                sparse()
                 torch.cuda.synchronize()
                 tm["select_fused_identical"] = bool(torch.equal(o, ref))
-                tm["sparse_select_fused"] = graphed(lambda: dec.sparse(q, kb, vb, o, scale, r2t, rp, seq, hs, hv, v_summary=vsum))
+                tm["sparse_select_fused"] = graphed(sparse)
             except Exception as e:
                 tm["select_fused_failed"] = f"{type(e).__name__}: {e}"[:400]
             finally:

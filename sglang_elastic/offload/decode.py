@@ -629,11 +629,8 @@ class OffloadDecoder:
             else:  # (dense_kept_stream) beside the selection, which touches none of its buffers; joined before the attention
                 cur = torch.cuda.current_stream(side.device)
                 side.wait_stream(cur)
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(side):  # (q and out need no record_stream: the step's stream joins below, before any reuse)
                     self._every_position(q, k_buffer, v_buffer, out, sm_scale, self.kd_vidx, kept=True)
-                if not torch.cuda.is_current_stream_capturing():  # eager: q and out are temporaries of the step's stream
-                    q.record_stream(side)
-                    out.record_stream(side)
         lse = self._select(self.sel, q, k_buffer, v_buffer, sm_scale, req_to_token, rp, lens, hot_state, host_v,
                            self.att_kidx, self.att_vidx, spec=False, mark=self.estimate, record=record, clock=clock)
         est = None
@@ -642,7 +639,7 @@ class OffloadDecoder:
             est = estimate_run(self.sel.scores, lse, self.sc_indptr[: bs + 1], self.sc_chunk[:bs], sp.scores_max_splits,
                                self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], self.marks, vsum, rp, table,
                                pol.chunk, self.est_o, self.kv_heads, stamp=self.stamp, reduce=False)
-        if self.keep_v and side is not None:  # the kept launch shares the partials' workspace and out with the attention
+        if side is not None:  # the kept launch shares the partials' workspace and out with the attention
             torch.cuda.current_stream(side.device).wait_stream(side)
         attend_run(q, k_buffer, v_buffer, self.att_indptr[: bs + 1], self.att_kidx, self.att_vidx, self.att_chunk[:bs],
                    self.att_nsplit[:bs], sp.attend_max_splits, self.mid_o, self.mid_lse, out,
