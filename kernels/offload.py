@@ -488,76 +488,79 @@ def _swap_in_kernel(
     slot_time = slot_time_ptr + r * stride_slot_r
     table = table_ptr + r * stride_table  # slot s is device row hot_base + table[s // PAGE] * PAGE + s % PAGE
 
-    offs_k = tl.arange(0, BLOCK_K)
-    valid = offs_k < k
-    pos = tl.load(sel_ptr + b * stride_selb + offs_k, mask=valid, other=0)
-    loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=valid, other=0)
-    s = tl.load(loc_slot_ptr + loc, mask=valid, other=-1).to(tl.int32)
-    s_ok = valid & (s >= 0) & (s < cap)
-    held = tl.load(slot_pos + s, mask=s_ok, other=-1)
-    hit = s_ok & (held == pos)
-    if LFU:  # slot_time holds (uses << 21) | last use: a hit counts one more use (at most 1023)
-        old = tl.load(slot_time + s, mask=hit, other=-1)
-        uses = tl.minimum(tl.maximum(old >> 21, 0) + 1, 1023)
-        tl.store(slot_time + s, (uses << 21) + now, mask=hit)
+    if k == 0:  # a kept request (keep-v's general step) or one with no middle: nothing to find, load or count
+        tl.store(miss_cnt_ptr + b, 0)
     else:
-        tl.store(slot_time + s, now, mask=hit)
-    tl.debug_barrier()
+        offs_k = tl.arange(0, BLOCK_K)
+        valid = offs_k < k
+        pos = tl.load(sel_ptr + b * stride_selb + offs_k, mask=valid, other=0)
+        loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=valid, other=0)
+        s = tl.load(loc_slot_ptr + loc, mask=valid, other=-1).to(tl.int32)
+        s_ok = valid & (s >= 0) & (s < cap)
+        held = tl.load(slot_pos + s, mask=s_ok, other=-1)
+        hit = s_ok & (held == pos)
+        if LFU:  # slot_time holds (uses << 21) | last use: a hit counts one more use (at most 1023)
+            old = tl.load(slot_time + s, mask=hit, other=-1)
+            uses = tl.minimum(tl.maximum(old >> 21, 0) + 1, 1023)
+            tl.store(slot_time + s, (uses << 21) + now, mask=hit)
+        else:
+            tl.store(slot_time + s, now, mask=hit)
+        tl.debug_barrier()
 
-    # victims: the m slots of the smallest key not used now (LRU: key = last use; LFU: uses, then last use)
-    offs_h = tl.arange(0, BLOCK_H)
-    hmask = offs_h < cap
-    t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
-    if LFU:
-        last = tl.where(t < 0, -1, t & 2097151)
-        avail = hmask & (last < now)
-        top = now * 0 + 2147483647 - 1
-    else:
-        avail = hmask & (t < now)
-        top = now - 1
-    # the exact pass always has a victim per miss (cap >= k); a speculative one loads only what fits
-    miss = valid & (~hit)
-    miss = miss & (tl.cumsum(miss.to(tl.int32), 0) <= tl.sum(avail.to(tl.int32), 0))
-    m = tl.sum(miss.to(tl.int32), 0)
-    # smallest tau with count(avail & t <= tau) >= m, by binary search on [-1, top]
-    lo_t = now * 0 - 1
-    hi_t = top
-    for _ in tl.static_range(32):
-        mid = (lo_t + hi_t) >> 1
-        c = tl.sum((avail & (t <= mid)).to(tl.int32), 0)
-        left = c >= m
-        hi_t = tl.where(left, mid, hi_t)
-        lo_t = tl.where(left, lo_t, mid + 1)
-    tau = hi_t
-    older = avail & (t < tau)
-    eq = avail & (t == tau)
-    need_eq = m - tl.sum(older.to(tl.int32), 0)
-    victim = older | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < need_eq))
-    v_rank = tl.cumsum(victim.to(tl.int32), 0) - 1
-    tl.store(scratch_ptr + b * stride_scratch_b + v_rank, offs_h, mask=victim)
-    tl.debug_barrier()
+        # victims: the m slots of the smallest key not used now (LRU: key = last use; LFU: uses, then last use)
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < cap
+        t = tl.load(slot_time + offs_h, mask=hmask, other=2147483647)
+        if LFU:
+            last = tl.where(t < 0, -1, t & 2097151)
+            avail = hmask & (last < now)
+        else:
+            avail = hmask & (t < now)
+        # the exact pass always has a victim per miss (cap >= k); a speculative one loads only what fits
+        miss = valid & (~hit)
+        miss = miss & (tl.cumsum(miss.to(tl.int32), 0) <= tl.sum(avail.to(tl.int32), 0))
+        m = tl.sum(miss.to(tl.int32), 0)
+        if m > 0:  # (all hits, the steady state: no search)
+            # the smallest tau with count(avail & t <= tau) >= m: one of the available keys, so a binary search between
+            # the smallest and the largest of them (as many rounds as their spread has bits, at most 32); the midpoint
+            # floor((lo + hi) / 2) without the sum, which overflows int32 for LFU keys past 2**30 (uses above 511)
+            lo_t = tl.min(tl.where(avail, t, 2147483647), 0)
+            hi_t = tl.max(tl.where(avail, t, -2), 0)
+            while lo_t < hi_t:
+                mid = (lo_t >> 1) + (hi_t >> 1) + (lo_t & hi_t & 1)
+                left = tl.sum((avail & (t <= mid)).to(tl.int32), 0) >= m
+                hi_t = tl.where(left, mid, hi_t)
+                lo_t = tl.where(left, lo_t, mid + 1)
+            tau = hi_t
+            older = avail & (t < tau)
+            eq = avail & (t == tau)
+            need_eq = m - tl.sum(older.to(tl.int32), 0)
+            victim = older | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < need_eq))
+            v_rank = tl.cumsum(victim.to(tl.int32), 0) - 1
+            tl.store(scratch_ptr + b * stride_scratch_b + v_rank, offs_h, mask=victim)
+            tl.debug_barrier()
 
-    m_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
-    vslot = tl.load(scratch_ptr + b * stride_scratch_b + m_rank, mask=miss, other=0)
-    slot = tl.where(hit, s, vslot)
-    tl.store(slot_pos + vslot, pos, mask=miss)
-    if LFU:  # a row loaded for this step's selection has one use; a speculative load none yet (a wrong guess goes first)
-        tl.store(slot_time + vslot, ((1 - SPEC) << 21) + now, mask=miss)
-    else:
-        tl.store(slot_time + vslot, now, mask=miss)
-    tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
-    tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
-    # a selected row with no slot (only if a grant found the pool short, which the sizing rules out: counted in
-    # the grant's overflow) reads the spare row, never another request's row or memory outside the buffer
-    placed = hit | miss
-    page = tl.load(table + slot // PAGE, mask=valid & placed, other=-1).to(tl.int64)
-    dev_row = tl.where(placed & (page >= 0), hot_base + page * PAGE + slot % PAGE, spare_row)
-    tl.store(att_vidx_ptr + base + offs_k, dev_row.to(att_vidx_ptr.dtype.element_ty), mask=valid)
-    tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
-    tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, dev_row.to(miss_dst_ptr.dtype.element_ty), mask=miss)
-    tl.store(miss_cnt_ptr + b, m)
-    tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int32), 0).to(tl.int64))  # hits
-    tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses (rows copied)
+        m_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+        vslot = tl.load(scratch_ptr + b * stride_scratch_b + m_rank, mask=miss, other=0)
+        slot = tl.where(hit, s, vslot)
+        tl.store(slot_pos + vslot, pos, mask=miss)
+        if LFU:  # a row loaded for this step's selection has one use; a speculative load none yet (a wrong guess goes first)
+            tl.store(slot_time + vslot, ((1 - SPEC) << 21) + now, mask=miss)
+        else:
+            tl.store(slot_time + vslot, now, mask=miss)
+        tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
+        tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
+        # a selected row with no slot (only if a grant found the pool short, which the sizing rules out: counted in
+        # the grant's overflow) reads the spare row, never another request's row or memory outside the buffer
+        placed = hit | miss
+        page = tl.load(table + slot // PAGE, mask=valid & placed, other=-1).to(tl.int64)
+        dev_row = tl.where(placed & (page >= 0), hot_base + page * PAGE + slot % PAGE, spare_row)
+        tl.store(att_vidx_ptr + base + offs_k, dev_row.to(att_vidx_ptr.dtype.element_ty), mask=valid)
+        tl.store(miss_src_ptr + b * stride_miss_b + m_rank, loc.to(miss_src_ptr.dtype.element_ty), mask=miss)
+        tl.store(miss_dst_ptr + b * stride_miss_b + m_rank, dev_row.to(miss_dst_ptr.dtype.element_ty), mask=miss)
+        tl.store(miss_cnt_ptr + b, m)
+        tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int32), 0).to(tl.int64))  # hits
+        tl.atomic_add(stats_ptr + 1, m.to(tl.int64))  # misses (rows copied)
 
 
 def swap_in_run(

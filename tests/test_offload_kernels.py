@@ -233,6 +233,41 @@ def test_a_speculative_pass_loads_only_into_slots_the_last_step_left_and_the_mod
     assert short > 0  # some guesses found too few free slots: the partial load was exercised
 
 
+def test_lfu_victims_of_slots_used_more_than_511_times_are_the_least_used():
+    """LFU keys past ``2**30`` (``uses << 21 | last``, uses 512 to 1023, a request whose rows were selected in
+    hundreds of steps): the victims are still the least used slots, as :class:`HotBufferModel` takes them.
+    The victim search summed two such keys for its midpoint and overflowed int32 before 2026-12-07."""
+    rnd = random.Random(7)
+    HN, PAGE, ctx = 16, 8, 2000
+    r2t = (torch.randperm(4000, generator=torch.Generator().manual_seed(7))[:ctx].view(1, ctx) + 1).to(torch.int32)
+    model = HotBufferModel(HN, "lfu")
+    held = rnd.sample(range(10, 900), HN)
+    uses = rnd.sample(range(512, 1024), HN)
+    model.pos, model._slot = list(held), {p: j for j, p in enumerate(held)}
+    model.time = [(u << 21) | rnd.randint(100, 900) for u in uses]
+    slot_pos = torch.tensor([model.pos], dtype=torch.int32)
+    slot_time = torch.tensor([model.time], dtype=torch.int32)
+    loc_slot = torch.full((4096,), -1, dtype=torch.int16)
+    for j, p in enumerate(held):
+        loc_slot[int(r2t[0, p])] = j
+    table, count = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    stats = torch.zeros(2, dtype=torch.int64)
+    for now in (1000, 1001, 1002):
+        sel_list = rnd.sample(held, 3) + rnd.sample(range(1000, 1990), 5)  # 3 hits, 5 misses: 5 victims among 13
+        k = torch.tensor([len(sel_list)], dtype=torch.int32)
+        sel = torch.tensor([sel_list], dtype=torch.int32)
+        att = torch.zeros(len(sel_list) + 1, dtype=torch.int32)
+        ms, md, mc = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        z = torch.zeros(1, dtype=torch.int32)
+        ko.swap_in_run(sel, k, z, z, torch.tensor([0, len(sel_list)], dtype=torch.int32), torch.tensor([now], dtype=torch.int32), z, r2t,
+                       loc_slot, slot_pos, slot_time, torch.zeros(1, HN, dtype=torch.int32), att, att.clone(), ms, md, mc, stats, 8, table,
+                       count, 0, PAGE, eviction="lfu")
+        _, loaded = model.step(sel_list, now)
+        assert int(mc[0]) == len(loaded) == 5
+        assert slot_pos[0].tolist() == model.pos and slot_time[0].tolist() == model.time
+        held = list(model.pos)
+
+
 def test_hot_capacity_is_what_the_page_grant_gives():
     """The oracle's slot count for ``k`` selected rows equals the pages
     ``page_grant_run`` grants times their rows (capped at ``hot_tokens``)."""

@@ -449,8 +449,11 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     g = torch.Generator(device=device).manual_seed(5)
     lens = ctx - torch.randint(0, 16, (bs,), device=device, generator=g)
     size = 2 * bs * ctx + 64  # every token's K slot, and one lent slot per token for its kept V
-    # hot rows for every request of the mixed steps (top-k of 5 % of ctx, and a page of slack each)
-    lay = OffloadLayout(pol, hot_tokens=max(4096, bs * (ctx // 16 + 64)), request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
+    # the server's hot-buffer cap per request (--kv-offload-hot-tokens' default); the pool's hot pages cover every request
+    # of the mixed steps. (Before 2026-12-07 this cap was the pool's rows, 22,528 at 64 x 4.6K: a swap-in over 32K slots a
+    # request, 0.29 ms a layer on an H100, which the server never runs; it made the selection look four times its cost.)
+    hot = OffloadConfig().hot_tokens
+    lay = OffloadLayout(pol, hot_tokens=hot, request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
     pool = OffloadKVPool(size, 1, torch.bfloat16, hkv, d, nl, device, False, enable_alt_stream=False, layout=lay,
                          pin_memory=device == "cuda")
     assert pool.keep_v, "keep_v did not take (shared K/V buffers)"
@@ -602,7 +605,7 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     ours = t["plan"] + ns * t["layer_host_async"] + dl * (t["store_stock"] + t["dense_split_kv"])
     ours_attn = ns * t["dense_kept"] + dl * t["dense_split_kv"]
     out[key] = {
-        "batch": bs, "context": ctx, "layers": layers, "dense_layers": dl, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+        "batch": bs, "context": ctx, "layers": layers, "dense_layers": dl, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "hot_tokens": hot,
         "completing_chunk": int(((lens % pol.chunk) == 0).sum()), "ms": t, **notes,
         "step_ms": {
             "offload_keep_v": ours,
@@ -630,8 +633,9 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=("keep_v_step",), default=None,
-                    help="run only this timing (keep_v_step: the all-dense and mixed keep-v steps) and write it")
+    ap.add_argument("--only", choices=("keep_v_step", "layer_timing"), default=None,
+                    help="run only this timing and write it (keep_v_step: the all-dense and mixed keep-v steps; layer_timing: a "
+                         "sparse layer per kernel at 44 x 32K and at 64 x 4.6K, as the full check times them)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("check_offload: needs a CUDA GPU")
@@ -642,6 +646,13 @@ def main():
         out["seconds"] = round(time.time() - t0, 1)
         results.write(a.out, out)
         print("keep-v step", out["keep_v_step"], "\nwrote", a.out, flush=True)
+        return
+    if a.only == "layer_timing":
+        time_layer(out)
+        time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")
+        out["seconds"] = round(time.time() - t0, 1)
+        results.write(a.out, out)
+        print("layer", out["layer_timing"], "\nlayer fits", out["layer_timing_fits"], "\nwrote", a.out, flush=True)
         return
     check_pinned(out)
     print("pinned", out["pinned"], flush=True)
