@@ -334,10 +334,12 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     t["sparse_layer_graph_estimate"] = graph_ms(lambda: est.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview,
                                                                    v_summary=(vsum, sum_table)))
     t["dense_split_kv_graph"] = graph_ms(lambda: dec.dense(q, kb, vfull, o, D ** -0.5))
+    # the warm estimate layer per kernel, eagerly (torch's profiler; where its graph replay's time goes)
+    kernels = kernel_us(lambda: est.sparse(q, kb, vhot, o, D ** -0.5, r2t, reqs, seq, hot_state, hview, v_summary=(vsum, sum_table)))
     warm_layer = t["scores"] + t["lse_merge"] + t["select"] + t["swap_in_warm"] + t["attend"]
     copy_timing = time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hview)
     out[key] = {
-        "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t,
+        "batch": bs, "context": ctx, "topk": pol.max_topk, "hot_tokens": hot, "ms": t, "sparse_estimate_kernels_us": kernels,
         "misses_cold": misses_cold, "misses_warm": misses_warm,
         "cold_copy_gb_s": misses_cold * HKV * D * 2 / t["copy_cold"] / 1e6 if t["copy_cold"] else None,
         "sparse_layer_warm_ms": warm_layer, "sparse_layer_warm_estimate_ms": warm_layer + t["estimate_mark"] + t["estimate"],
