@@ -236,7 +236,7 @@ def test_a_speculative_pass_loads_only_into_slots_the_last_step_left_and_the_mod
 def test_lfu_victims_of_slots_used_more_than_511_times_are_the_least_used():
     """LFU keys past ``2**30`` (``uses << 21 | last``, uses 512 to 1023, a request whose rows were selected in
     hundreds of steps): the victims are still the least used slots, as :class:`HotBufferModel` takes them.
-    The victim search summed two such keys for its midpoint and overflowed int32 before 2026-12-07."""
+    The victim search summed two such keys for its midpoint and overflowed int32 until 2026-12-06 (#23)."""
     rnd = random.Random(7)
     HN, PAGE, ctx = 16, 8, 2000
     r2t = (torch.randperm(4000, generator=torch.Generator().manual_seed(7))[:ctx].view(1, ctx) + 1).to(torch.int32)

@@ -452,7 +452,7 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     lens = ctx - torch.randint(0, 16, (bs,), device=device, generator=g)
     size = 2 * bs * ctx + 64  # every token's K slot, and one lent slot per token for its kept V
     # the server's hot-buffer cap per request (--kv-offload-hot-tokens' default); the pool's hot pages cover every request
-    # of the mixed steps. (Before 2026-12-07 this cap was the pool's rows, 22,528 at 64 x 4.6K: a swap-in over 32K slots a
+    # of the mixed steps. (Until 2026-12-06 (#23) this cap was the pool's rows, 22,528 at 64 x 4.6K: a swap-in over 32K slots a
     # request, 0.29 ms a layer on an H100, which the server never runs; it made the selection look four times its cost.)
     hot = OffloadConfig().hot_tokens
     lay = OffloadLayout(pol, hot_tokens=hot, request_rows=bs + 1, stage_tokens=ctx, resident_v=False, keep_v=True)
