@@ -74,17 +74,17 @@ class SplitConfig:
     ``sweep_dense_kept.py`` times fixed minimum chunks, so its pick carries ``chunk_mean=0``.
     ``--kv-offload-dense-launch min_chunk=N`` alone turns it off (:meth:`with_dense_launch`).
 
-    ``dense_kept_stream`` (default off, not yet measured): a general keep-v step's kept-request launch runs on a side
-    stream beside the sparse requests' selection (scores, top-k, swap-in, copies, estimate), joined before their
-    attention, instead of before it on the step's stream. On an H100 at 64 x 4.6K (``check_offload.py --only
-    keep_v_step``, 2026-12-06) a sparse layer of the general step took 0.82 ms with 63 requests kept and 1 sparse,
-    0.72 with all 64 sparse, and the all-dense step's 0.41: the selection's launches cost about 0.4 ms however few
-    requests they select for, after the kept launch; side by side the two could take about the longer of them,
-    if the kept launch leaves the selection's small launches room on the SMs.
+    ``dense_kept_stream`` (default off): a general keep-v step's kept-request launch runs on a side stream beside the
+    sparse requests' selection (scores, top-k, swap-in, copies, estimate), joined before their attention, instead of
+    before it on the step's stream. Timed on an H100 at 64 x 4.6K (``check_offload.py --only keep_v_step``,
+    2026-12-06 #23): the same output bit for bit (eager and replayed), a sparse layer 0.6-1.7 % faster where
+    requests are kept (63 kept + 1 sparse: 0.821 -> 0.811 ms), equal with none kept; that check's swap-in ran at a
+    hot-buffer cap the server never uses (22,528 slots, 0.29 ms a layer), so it is to time again before it is on.
 
-    ``select_fused`` (default off, not yet timed on a GPU; no flag): the top-k runs as one program per request
+    ``select_fused`` (default off; no flag): the top-k runs as one program per request
     (:func:`~sglang_elastic.kernels.offload.select_run` with ``fused``) instead of seven launches of
-    ``select_parts`` programs each; the same selection bit for bit. ``check_offload.py`` times both."""
+    ``select_parts`` programs each; the same selection bit for bit. Timed in the same call: 0.2-2.6 % slower a
+    sparse layer at 4.6K contexts; ``check_offload.py``'s layer timing also times it at 44 x 32K."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
