@@ -341,66 +341,11 @@ def _select_write_kernel(
                 cnt_eq += n_eq
 
 
-@triton.jit
-def _select_fused_kernel(
-    scores_ptr, lse_ptr, indptr_ptr, s_eff_ptr, w_eff_ptr, k_ptr, p_ptr, sel_ptr, stride_sh, stride_lb, stride_selb,
-    HQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_N: tl.constexpr, mark_ptr=None, stamp_ptr=None, MARK: tl.constexpr = False,
-):
-    """:func:`select_run` with ``fused``: request ``program_id(0)``'s whole selection in one program (the summed
-    softmax ``p`` and the first histogram, three more radix passes over ``p``, the order-keeping write), with
-    the histograms in registers: one launch instead of seven, no atomics, no workspace."""
-    b = tl.program_id(0)
-    lo = tl.load(indptr_ptr + b)
-    L = tl.load(indptr_ptr + b + 1) - lo
-    s0 = tl.load(s_eff_ptr + b)
-    e0 = L - tl.load(w_eff_ptr + b)
-    k = tl.load(k_ptr + b)
-    offs = tl.arange(0, BLOCK_N)
-    sel = sel_ptr + b * stride_selb
-    stamp = 0
-    if MARK:
-        stamp = tl.load(stamp_ptr)
-    if k >= e0 - s0:  # the budget covers every middle position: take them all (dense)
-        _take_all(sel, lo, s0, s0, e0, offs, mark_ptr, stamp, MARK, BLOCK_N)
-    elif k > 0:
-        offs_h = tl.arange(0, BLOCK_HQ)
-        mask_h = offs_h < HQ
-        lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0)
-        hist = tl.zeros([256], tl.int32)
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            m = pos < e0
-            bits = _summed_p(scores_ptr, lse, offs_h, mask_h, stride_sh, p_ptr, lo, pos, m)
-            hist += tl.histogram((bits >> 24) & 0xFF, 256, mask=m)
-        d, above = _bucket(hist, k)
-        k_rem = k - above
-        prefix = d
-        for ps in tl.static_range(1, 4):
-            shift = 24 - 8 * ps  # (a constexpr per unrolled pass: it may not be annotated and rebound)
-            hist = tl.zeros([256], tl.int32)
-            for n0 in range(s0, e0, BLOCK_N):
-                pos = n0 + offs
-                m = pos < e0
-                bits = tl.load(p_ptr + lo + pos, mask=m, other=0.0).to(tl.int32, bitcast=True)
-                hist += tl.histogram((bits >> shift) & 0xFF, 256, mask=m & ((bits >> (shift + 8)) == prefix))
-            d, above = _bucket(hist, k_rem)
-            k_rem -= above
-            prefix = (prefix << 8) | d
-        n_gt_all = k - k_rem  # positions above the k-th largest p (tau = prefix); ties at it fill the rest in position order
-        cnt_gt = k * 0
-        cnt_eq = k * 0
-        for n0 in range(s0, e0, BLOCK_N):
-            pos = n0 + offs
-            n_gt, n_eq = _write_selected(sel, p_ptr, lo, pos, pos < e0, prefix, cnt_gt, n_gt_all + cnt_eq, k, mark_ptr, stamp, MARK)
-            cnt_gt += n_gt
-            cnt_eq += n_eq
-
-
 def select_run(
     scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor,
     p_buf: torch.Tensor, sel_pos: torch.Tensor, q_heads: int, block_n: int = 512, parts: int = 16,
     hist: Optional[torch.Tensor] = None, counts: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
-    marks: Optional[torch.Tensor] = None, stamp: Optional[torch.Tensor] = None, fused: bool = False,
+    marks: Optional[torch.Tensor] = None, stamp: Optional[torch.Tensor] = None,
 ) -> None:
     """The top ``k[b]`` middle positions of each request by summed softmax.
 
@@ -425,21 +370,12 @@ def select_run(
         marks, stamp: ``estimate``'s attended marks, ``[>= total]`` int32 (flat, as ``scores``), and
             ``[1]`` int32 (:func:`lse_merge` bumps it): ``marks[kv_indptr[b] + pos] = stamp`` for every
             selected position (a mark never needs clearing: an older one carries an older stamp).
-        fused: one program per request does every pass (one launch, histograms in registers, ``parts``,
-            ``hist`` and ``counts`` unused): the same selection in the same order. For small batches and
-            short contexts, where the seven launches' latency is most of the time; one program reads a long
-            request's scores alone (``SplitConfig.select_fused``; not yet timed on a GPU).
     """
     B = kv_indptr.shape[0] - 1
     if B == 0:
         return
     if parts & (parts - 1):
         raise ValueError(f"select_run: parts must be a power of two, not {parts}")
-    if fused:
-        _select_fused_kernel[(B,)](scores, lse, kv_indptr, s_eff, w_eff, k, p_buf, sel_pos, scores.stride(0), lse.stride(0),
-                                   sel_pos.stride(0), HQ=q_heads, BLOCK_HQ=triton.next_power_of_2(q_heads), BLOCK_N=block_n,
-                                   mark_ptr=marks, stamp_ptr=stamp, MARK=marks is not None, **_launch_opts(num_warps, None))
-        return
     dev = scores.device
     hist = torch.zeros(B * 4 * 256, dtype=torch.int32, device=dev) if hist is None else hist
     hist[: B * 4 * 256].zero_()

@@ -60,16 +60,16 @@ def test_scores_and_lse_cover_every_position_and_match_float64(lens, hq, hkv, d)
         assert torch.allclose(lse[b].double(), torch.logsumexp(ref, 1), atol=1e-5)
 
 
-def select(scores, lse, indptr, pol, hq, fused=False):
+def select(scores, lse, indptr, pol, hq):
     lens = indptr[1:] - indptr[:-1]
     s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens))
     sel = torch.full((len(lens), max(pol.max_topk, 1)), -7, dtype=torch.int32)
-    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64, parts=2, fused=fused)
+    ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(scores.shape[1]), sel, hq, block_n=64, parts=2)
     return sel, s, w, k
 
 
-@pytest.mark.parametrize("seed,fused", [(0, False), (1, False), (2, False), (0, True), (3, True)])
-def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed, fused):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
     g = torch.Generator().manual_seed(seed)
     lens = [1, 30, 37, 500, 900]  # all-sink, window only, k = 0, k < middle, k hitting max_topk
     hq, hkv, d = 8, 2, 32
@@ -79,7 +79,7 @@ def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed, fused)
     indptr, idx = scattered(lens, slots, g)
     scores, lse = run_scores(q, kb, indptr, idx)
     pol = OffloadPolicy(sink=3, window=8, budget_frac=0.05, max_topk=32)
-    sel, s, w, k = select(scores, lse, indptr, pol, hq, fused=fused)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
     for b, L in enumerate(lens):
         lo, hi = int(indptr[b]), int(indptr[b + 1])
         kk = int(k[b])
@@ -99,15 +99,14 @@ def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed, fused)
             assert p64[got.long()].min() >= p64[mid][~taken[mid]].max() - 1e-6
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_covers_the_middle(fused):
+def test_radix_select_breaks_ties_by_position_and_takes_all_when_the_budget_covers_the_middle():
     # equal scores everywhere: the first k middle positions win
     L, hq = 400, 4
     scores = torch.zeros(hq, L + 8)
     lse = torch.full((1, hq), float(torch.log(torch.tensor(float(L)))))
     indptr = torch.tensor([0, L], dtype=torch.int32)
     pol = OffloadPolicy(sink=2, window=4, budget_frac=0.1, max_topk=64)
-    sel, s, w, k = select(scores, lse, indptr, pol, hq, fused=fused)
+    sel, s, w, k = select(scores, lse, indptr, pol, hq)
     assert sel[0, : int(k[0])].tolist() == list(range(2, 2 + int(k[0])))
     # a budget of the whole context selects every middle position, in order
     pol = OffloadPolicy(sink=2, window=4, budget_frac=1.0, max_topk=512)
@@ -702,9 +701,6 @@ cases = [
     (ko._select_write_kernel, {"p_ptr": "*fp32"}, dict(COUNT=True, BLOCK_N=512, PARTS=16, MARK=False, mark_ptr=None, stamp_ptr=None)),
     (ko._select_hist_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(PASS=0, HQ=32, BLOCK_HQ=32, BLOCK_N=512, PARTS=16)),
     (ko._select_hist_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(PASS=2, HQ=32, BLOCK_HQ=32, BLOCK_N=512, PARTS=16)),
-    (ko._select_fused_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"}, dict(HQ=32, BLOCK_HQ=32, BLOCK_N=512, MARK=True)),
-    (ko._select_fused_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "p_ptr": "*fp32"},
-     dict(HQ=32, BLOCK_HQ=32, BLOCK_N=512, MARK=False, mark_ptr=None, stamp_ptr=None)),
     (ko._estimate_kernel, {"scores_ptr": "*fp32", "lse_ptr": "*fp32", "vsum_ptr": "*bf16", "out_ptr": "*fp32"},
      dict(C=16, G=4, BLOCK_G=4, D=128, BLOCK_D=128, BLOCK_CH=16)),
     (da._merge_kernel, {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "o_ptr": "*bf16", "lse_full_ptr": "*fp32", "extra_ptr": "*fp32"},
@@ -721,8 +717,7 @@ def test_the_new_offload_kernels_compile_for_sm90():
     """The page grant (its compare-and-swap loop), the adaptive pages' demand and
     give-back, the one-launch KV write (also with the chunk means fused, from the
     kept or ring rows, and without its host write), the paged swap-in, the chunk
-    means, the decode plan's per-request entries, the stamping lse merge and top-k (also the one-program top-k: a
-    ``tl.constexpr`` annotation rebound in its ``static_range`` loop ran in the interpreter and failed here), the estimate and the merge that
+    means, the decode plan's per-request entries, the stamping lse merge and top-k, the estimate and the merge that
     adds its share compile for the H200 (sm_90) without a
     GPU: the interpreter runs Python, not the compiler that a device call
     would meet first."""
@@ -739,7 +734,7 @@ def test_the_new_offload_kernels_compile_for_sm90():
     assert rows["_page_shrink_kernel"][0] == "True" and rows["_page_adapt_kernel"][0] == "True"  # the pushes and the demand
     assert set(rows) == {"_page_grant_kernel", "_page_adapt_kernel", "_page_shrink_kernel", "_store_sparse_kernel", "_swap_in_kernel",
                          "_chunk_mean_kernel", "_row_plan_kernel", "_lse_merge_kernel", "_select_write_kernel", "_estimate_kernel",
-                         "_merge_kernel", "_select_fused_kernel", "_select_hist_kernel"}
+                         "_merge_kernel", "_select_hist_kernel"}
 
 
 def test_the_mark_stamp_wraps_without_ever_being_zero():
@@ -960,35 +955,4 @@ def test_adaptive_pages_never_lose_a_page_nor_short_a_base_grant(steps):
             ko.slot_release_run(torch.tensor([r]), a.table, a.count, a.stack, a.top, -1)
             a.slack[r], a.steps[r], a.miss[r], a.sel[r], k[r] = a.base, 0, 0, 0, 0
             a.check_owned()
-
-
-@pytest.mark.parametrize("seed", [4, 5])
-def test_the_fused_select_writes_what_the_seven_launches_write_bit_for_bit(seed):
-    """``select_run(fused=True)`` (one program per request) against the default path on fresh random scores, with
-    peaked and flat requests, ties and every budget case: the same positions in the same order, the same summed
-    softmax in ``p_buf``, the same attended marks, nothing written past ``k``."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [1, 12, 40, 333, 700, 1500]
-    hq, hkv, d = 8, 2, 32
-    slots = 6000
-    kb = torch.randn(slots, hkv, d, generator=g).bfloat16()
-    q = (torch.rand(len(lens), 1, 1, generator=g) * 4 * torch.randn(len(lens), hq, d, generator=g)).bfloat16()
-    indptr, idx = scattered(lens, slots, g)
-    scores, lse = run_scores(q, kb, indptr, idx)
-    scores[:, int(indptr[4]): int(indptr[4]) + 200] = scores[:, int(indptr[4]): int(indptr[4]) + 1]  # 200 tied positions
-    pol = OffloadPolicy(sink=3, window=8, budget_frac=0.07, max_topk=64)
-    lens_t = indptr[1:] - indptr[:-1]
-    s, w, k = (x.to(torch.int32) for x in pol.counts_tensor(lens_t))
-    outs = []
-    for fused in (False, True):
-        sel = torch.full((len(lens), 64), -7, dtype=torch.int32)
-        p = torch.full((scores.shape[1],), -1.0)
-        marks = torch.randint(0, 3, (scores.shape[1],), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
-        ko.select_run(scores, lse, indptr, s, w, k, p, sel, hq, block_n=64, parts=4, marks=marks,
-                      stamp=torch.tensor([9], dtype=torch.int32), fused=fused)
-        outs.append((sel, p, marks))
-    (sel0, p0, m0), (sel1, p1, m1) = outs
-    assert int(k.max()) > 0 and (m0 == 9).any()
-    assert torch.equal(sel0, sel1) and torch.equal(m0, m1)
-    assert torch.equal(torch.nan_to_num(p0, nan=-2.0), torch.nan_to_num(p1, nan=-2.0))
 

@@ -914,8 +914,8 @@ def test_requests_that_keep_v_attend_densely_beside_sparse_ones_and_continue_spa
 @pytest.mark.parametrize("seed,denominator,split", [
     (0, "full", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_min_chunk=1024, dense_block_n=32)),
     (1, "estimate", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_fused=False, dense_min_chunk=64, dense_chunk_mean=125)),
-    (2, "estimate", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_min_chunk=1024, select_fused=True))],
-    ids=["one_launch_fill", "two_launch_mean", "select_fused"])
+    (2, "estimate", dataclasses.replace(SPLIT, dense_min_ctas=4, dense_min_chunk=1024))],
+    ids=["one_launch_fill", "two_launch_mean", "estimate_fill"])
 def test_random_kept_sets_in_padded_general_steps_match_the_references_through_a_demotion_and_with_none_kept(seed, denominator, split):
     """Three requests of random lengths, a random subset keeping V, in padded general steps (row 0, length 1):
     every output against its float64 reference (dense for a kept request, the policy's for the others), one

@@ -28,7 +28,6 @@ Writes the result only when every check ran.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -272,11 +271,6 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     t["lse_merge"] = time_ms(lambda: ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full))
     t["select"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
                                                 ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts))
-    try:  # the top-k in one program per request (a new kernel, first compiled here)
-        t["select_fused"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs],
-                                                          dec.k[:bs], ws.p_buf, ws.sel_pos, HQ, sp.select_block_n, fused=True))
-    except Exception as e:
-        out.setdefault("select_fused_failed", f"{type(e).__name__}: {e}"[:400])
 
     def swap(eviction="lru"):
         ko.swap_in_run(ws.sel_pos, dec.k[:bs], dec.s_eff[:bs], dec.w_eff[:bs], dec.att_indptr, seq, reqs, r2t, loc_slot, slot_pos,
@@ -427,8 +421,7 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
       on a GPU each mixed step again with the kept launch on a side stream (``--kv-offload-dense-launch kept_stream=1``):
       ``kept_stream_identical`` / ``kept_stream_graph_identical`` (its output equal bit for bit, eagerly and as a CUDA-graph
       replay), ``sparse_kept_stream``, ``layer_kept_stream``,
-      ``step_ms_kept_stream``; and with the top-k in one program per request (``SplitConfig.select_fused``):
-      ``select_fused_identical``, ``sparse_select_fused``;
+      ``step_ms_kept_stream``;
     - stock: ``store_stock`` (SGLang 0.5.17's ``MHATokenToKVPool.set_kv_buffer``) and FlashInfer's
       paged decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, as SGLang plans it for
       this GQA group; planned once, replayed from a graph and eagerly).
@@ -561,18 +554,6 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
             tm["layer_kept_stream"] = graphed(layer)
             tm["step_ms_kept_stream"] = tm["plan"] + (layers - dl) * tm["layer_kept_stream"] + dl * tm["dense_split_kv"]
             dec._kept_stream = None
-            split = dec.split  # the top-k in one program per request (SplitConfig.select_fused): same bits, its time
-            dec.split = dataclasses.replace(split, select_fused=True)
-            try:  # (a new kernel, first compiled here: a failure is recorded, the timings above stand)
-                o.zero_()
-                sparse()
-                torch.cuda.synchronize()
-                tm["select_fused_identical"] = bool(torch.equal(o, ref))
-                tm["sparse_select_fused"] = graphed(sparse)
-            except Exception as e:
-                tm["select_fused_failed"] = f"{type(e).__name__}: {e}"[:400]
-            finally:
-                dec.split = split
         mixed_ms[m] = tm
     stock = MHATokenToKVPool(size, 1, torch.bfloat16, hkv, d, 1, device, False, enable_alt_stream=False)
     lay_0 = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None)

@@ -77,14 +77,9 @@ class SplitConfig:
     ``dense_kept_stream`` (default off): a general keep-v step's kept-request launch runs on a side stream beside the
     sparse requests' selection (scores, top-k, swap-in, copies, estimate), joined before their attention, instead of
     before it on the step's stream. Timed on an H100 at 64 x 4.6K (``check_offload.py --only keep_v_step``,
-    2026-12-06 #23): the same output bit for bit (eager and replayed), a sparse layer 0.6-1.7 % faster where
-    requests are kept (63 kept + 1 sparse: 0.821 -> 0.811 ms), equal with none kept; that check's swap-in ran at a
-    hot-buffer cap the server never uses (22,528 slots, 0.29 ms a layer), so it is to time again before it is on.
-
-    ``select_fused`` (default off; no flag): the top-k runs as one program per request
-    (:func:`~sglang_elastic.kernels.offload.select_run` with ``fused``) instead of seven launches of
-    ``select_parts`` programs each; the same selection bit for bit. Timed in the same call: 0.2-2.6 % slower a
-    sparse layer at 4.6K contexts; ``check_offload.py``'s layer timing also times it at 44 x 32K."""
+    2026-12-06 #23, 6f4a99e): the same output bit for bit (eager and replayed), a sparse layer 1.3-4.6 % faster where
+    requests are kept (63 kept + 1 sparse: 0.530 -> 0.521 ms), equal with none kept; kernel level on one host only,
+    so it stays off until a server run shows it."""
 
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
@@ -103,7 +98,6 @@ class SplitConfig:
     dense_min_ctas: int = 256
     dense_chunk_mean: int = 125
     dense_kept_stream: bool = False
-    select_fused: bool = False
 
     @classmethod
     def with_dense_launch(cls, text: str) -> "SplitConfig":
@@ -567,7 +561,7 @@ class OffloadDecoder:
         lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=stamp)
         select_run(ws.scores, lse, self.sc_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
                    ws.sel_pos, self.q_heads, sp.select_block_n, sp.select_parts, ws.sel_hist, ws.sel_counts,
-                   marks=self.marks if mark else None, stamp=stamp, fused=sp.select_fused)
+                   marks=self.marks if mark else None, stamp=stamp)
         if lay.resident_v:
             gather_selected_run(ws.sel_pos, self.k[:bs], self.s_eff[:bs], self.w_eff[:bs], self.att_indptr, rp, req_to_token,
                                 att_kidx, att_vidx, pol.max_topk)
