@@ -1259,7 +1259,6 @@ def test_kept_stream_forks_the_kept_launch_beside_the_selection_and_joins_before
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: state["s"])
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record", s.name)), raising=False)
     every, select, attend, estimate = dmod.OffloadDecoder._every_position, dmod.OffloadDecoder._select, ko.attend_run, ko.estimate_run
 
     def every_w(self, *a, kept=False, **k):
