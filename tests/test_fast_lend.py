@@ -221,6 +221,7 @@ class HeldCache:
 
     def empty(self) -> None:
         self.emptied += 1
+        self.emptied_on = threading.current_thread().name
         if self.handle is not None:
             self.be.release(self.handle)
             self.handle, self.held = None, 0
@@ -311,6 +312,52 @@ def test_the_cut_steps_handles_are_made_ahead_when_the_margin_sits_in_torchs_cac
         bed.ctl.after_prefill(None, bed.batch)
     a.settle()
     assert a.prepared_steps == 0
+    bed.be.release(hog)
+    bed.check_ownership_and_accounting()
+
+
+def test_after_an_eager_prefill_torchs_cache_is_emptied_and_the_step_made_on_the_helper_so_the_lend_only_maps():
+    """Issue 22, ``lend_ms`` p99: the 3 slow lends of 114 on the H100s (13.7-19.1 ms) were each
+    the first after a long eager prefill whose blocks torch's cache still held, so the step did
+    not fit at the driver, nothing was made ahead, and the lend emptied the cache (8.5-9.4 ms) and
+    created the handles (4-6 ms) on the scheduler. Now the prepare ahead empties the cache on
+    the helper thread and makes the step there: the lend maps what was made."""
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+    a = bed.pool.arena
+    held = (margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096  # the margin and half the step sit in the prefill's freed blocks
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, held)
+    assert bed.be.free_bytes() < ELASTIC * ROW  # the step does not fit at the driver without them
+    assert bed.admit(list(range(30)))
+    gate = Gate(bed.be, name="none")
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    a.settle()
+    assert cache.emptied == 1 and cache.emptied_on.startswith("sglang-elastic-vmm")  # on the helper thread
+    assert a.prepared_steps == 1 and a.prepared_bytes() == ELASTIC * ROW
+    assert {t for t, c in gate.log if c == "create"} == {"sglang-elastic-vmm_0"}
+    creates, maps = bed.be.calls["create"], bed.be.calls["map"]
+    events = []
+    bed.ctl._event = lambda **rec: events.append(rec)
+    for _ in range(bed.ctl.cfg.lend_after_steps - bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert bed.alloc.lent_tokens == ELASTIC and bed.ctl.lends_prepared == 1
+    assert (bed.be.calls["create"], bed.be.calls["map"]) == (creates, maps) and cache.emptied == 1  # the lend made and emptied nothing
+    lend = [e for e in events if e["op"] == "lend"]
+    assert len(lend) == 1 and lend[0]["empty_cache_ms"] == 0 and lend[0]["ahead_empty_cache_ms"] > 0 and lend[0]["prepared_steps"] == 1
+    assert bed.be.free_bytes() >= margin * MIB
+    bed.check_ownership_and_accounting()
+    # with nothing in torch's cache and no room, the prepare ahead tries nothing and empties nothing
+    assert bed.ctl.reclaim(bed.batch)
+    a.settle()
+    bed.ctl.torch_cache = cache = HeldCache(bed.be, 0)
+    hog = bed.be.create(ELASTIC * ROW // 2 // 4096 * 4096)
+    bed.ctl.decode_only_steps = 0
+    creates = bed.be.calls["create"]
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    a.settle()
+    assert a.prepared_steps == 0 and cache.emptied == 0 and bed.be.calls["create"] == creates
     bed.be.release(hog)
     bed.check_ownership_and_accounting()
 

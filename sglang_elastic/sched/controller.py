@@ -236,25 +236,32 @@ class TorchCache:
     reserves but does not use (``memory_reserved - memory_allocated``:
     blocks freed by tensors, kept for reuse) and a way to hand them back to
     the driver (``torch.cuda.empty_cache``). Without CUDA both are nothing.
+    ``device``: the scheduler's GPU (``None``: the calling thread's current
+    one), named so that the arena's helper thread, whose current device is
+    not the scheduler's on TP ranks past 0, reads and empties the right one.
     Tests put a stand-in holding real host-backend memory in its place."""
+
+    def __init__(self, device: Optional[int] = None):
+        self.device = device
 
     def unused(self) -> int:
         if not torch.cuda.is_available():
             return 0
-        return max(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), 0)
+        return max(torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device), 0)
 
     def reusable(self) -> int:
         """:meth:`unused` less the split remainders of segments in use
         (``inactive_split_bytes``), which a large allocation cannot take."""
         if not torch.cuda.is_available():
             return 0
-        st = torch.cuda.memory_stats()
+        st = torch.cuda.memory_stats(self.device)
         return max(st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0)
                    - st.get("inactive_split_bytes.all.current", 0), 0)
 
     def empty(self) -> None:
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
 
 
 class DeviceFences:
@@ -451,7 +458,8 @@ class ElasticController:
         self._idle_decided = False  # on_idle decided for this idle period (reset by the next forward)
         self.metrics = None
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
-        self.torch_cache = TorchCache()
+        self.torch_cache = TorchCache(getattr(self.arena.backend, "device", None))
+        self._ahead_empty_ms = 0.0  # torch's cache emptied on the helper thread since the last lend (_empty_ahead)
         self.fences = DeviceFences(sched)
         #: The eager prefills' real peaks (``--elastic-kv-activation-rule``; :class:`EagerActivations`) and the
         #: allocator's peak counter they are read from; ``_probe``: bytes allocated when this pass's measurement
@@ -1098,15 +1106,33 @@ class ElasticController:
 
     def _prepare_ahead(self) -> None:
         """Make the next lend's handles on the helper thread, once per run of
-        decode-only steps, if the memory is free now without emptying torch's
-        cache (:meth:`steps_that_fit`), mapped at their rows: the lend maps nothing. Not a
-        collective: each rank prepares what fits, the lend agrees."""
+        decode-only steps, mapped at their rows: the lend maps nothing. What
+        fits is :meth:`steps_that_fit`'s; where the driver's free memory falls
+        short and torch's cache holds unused blocks (an eager prefill's, seen
+        before the slow lends of issue 22), the cache is emptied there too,
+        first (:meth:`_empty_ahead`), so that the lend neither empties it nor
+        creates handles on the scheduler. Not a collective: each rank
+        prepares what fits, the lend agrees."""
         a = self.arena
         if a.prepared_steps or a.busy or a.lending_disabled:
             return
         fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here
-        if fit:
+        if fit < a.max_steps - a.lent_steps and self.torch_cache.unused() > 0:
+            a.prepare_async(first=self._empty_ahead)
+        elif fit:
             a.prepare_async(fit)
+
+    def _empty_ahead(self) -> int:
+        """On the arena's helper thread, before its prepare: :meth:`steps_that_fit`, emptying torch's
+        cache where that backs more steps; its milliseconds go to the next lend's event
+        (``ahead_empty_cache_ms``). Returns the steps to make.
+
+        Off the scheduler, not free: ``empty_cache`` holds the caching allocator's lock while its
+        ``cudaFree`` calls wait for the device, so a scheduler allocation meanwhile waits too (the
+        decode already launched runs on). Measured as the decode token gaps (``bench_elastic.py``)."""
+        fit, ms = self.steps_that_fit(may_empty=True)
+        self._ahead_empty_ms += ms
+        return fit
 
     # -- lend -------------------------------------------------------------
 
@@ -1188,7 +1214,9 @@ class ElasticController:
             self.metrics.lend_ms.observe(ms)
         if not self._quiet and used_prepared == steps:
             self.lends_prepared += 1
-        self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
+        ahead_ms, self._ahead_empty_ms = self._ahead_empty_ms, 0.0
+        self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, ahead_empty_cache_ms=ahead_ms,
+                    map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
                     steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None,
                     **({"free_after_bytes": self.arena.backend.free_bytes()} if self._events is not None else {}))
         self._log("sglang-elastic: lent %d KV tokens (%.2f GiB) in %.2f ms (%d of %d step(s) made ahead)", self.alloc.lent_tokens,

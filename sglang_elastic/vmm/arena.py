@@ -402,16 +402,19 @@ class ElasticArena:
             done += 1
         return done
 
-    def prepare_async(self, steps: Optional[int] = None) -> Future:
+    def prepare_async(self, steps: Optional[int] = None, first: Optional[Callable[[], int]] = None) -> Future:
         """:meth:`prepare` on the helper thread; the future's result is the
         steps prepared. :meth:`lend` waits for it; :attr:`preparing` says it
-        has not finished."""
+        has not finished. ``first``: called there before, its result the
+        steps to make (0: none) in place of ``steps`` (the controller empties
+        torch's cache there and measures what then fits)."""
         with self._lock:
             self._preparing += 1
 
         def job():
             try:
-                return self.prepare(steps)
+                want = steps if first is None else first()
+                return self.prepare(want) if want is None or want > 0 else 0
             finally:
                 with self._lock:
                     self._preparing -= 1
