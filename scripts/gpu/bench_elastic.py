@@ -431,7 +431,7 @@ def assemble(args) -> None:
         "per_phase": {name: {"reclaim_needed_ms": stats(needed(d)), "lend_ms_p99": lend_p99(d), "reclaims_skipped": d.get("reclaims_skipped", 0),
                              "reclaim_stops": d.get("reclaim_stops", 0), "reclaims": len(d["reclaims"]),
                              "lends": len(d["lends"]), "lends_prepared": lends_prepared(d),
-                             "lend_breakdown_ms": breakdown(d["lends"], ["empty_cache_ms", "map_ms"]),
+                             "lend_breakdown_ms": breakdown(d["lends"], ["empty_cache_ms", "ahead_empty_cache_ms", "map_ms"]),
                              "reclaim_ms": stats([e["ms"] for e in d["reclaims"]]),
                              "reclaim_breakdown_ms": breakdown(d["reclaims"], RECLAIM_PARTS),
                              "reclaim_delay_ms": stats(delays(d)), "prefills_deferred": sum(e.get("deferred", 0) for e in d["reclaims"]),
@@ -465,7 +465,7 @@ def assemble(args) -> None:
             "eager_prefill": burst_of(ale),  # --cuda-graph-backend-prefill disabled
         },
         "burst_eager_prefill": {"stock": burst_of(ste), "elastic": burst_of(ele), "always_lent": burst_of(ale)},
-        "lend_breakdown_ms": breakdown(el["lends"], ["empty_cache_ms", "map_ms"]) if el else None,
+        "lend_breakdown_ms": breakdown(el["lends"], ["empty_cache_ms", "ahead_empty_cache_ms", "map_ms"]) if el else None,
         "lends_prepared": lends_prepared(el),
         "reclaim_breakdown_ms": breakdown(el["reclaims"], RECLAIM_PARTS) if el else None,
         "itl_overhead_pct": itl_overhead,
