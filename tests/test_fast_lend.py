@@ -330,10 +330,18 @@ def test_after_an_eager_prefill_torchs_cache_is_emptied_and_the_step_made_on_the
     assert bed.be.free_bytes() < ELASTIC * ROW  # the step does not fit at the driver without them
     assert bed.admit(list(range(30)))
     gate = Gate(bed.be, name="none")
+    margin_on, lend_margin = [], bed.ctl._lend_margin  # it reads the activations' peaks, which the scheduler thread updates
+
+    def recorded_margin():
+        margin_on.append(threading.current_thread().name)
+        return lend_margin()
+
+    bed.ctl._lend_margin = recorded_margin
     for _ in range(bed.ctl.prepare_after_steps):
         bed.ctl.after_prefill(None, bed.batch)
     a.settle()
     assert cache.emptied == 1 and cache.emptied_on.startswith("sglang-elastic-vmm")  # on the helper thread
+    assert margin_on and not [t for t in margin_on if t.startswith("sglang-elastic-vmm")]  # taken before, on this thread
     assert a.prepared_steps == 1 and a.prepared_bytes() == ELASTIC * ROW
     assert {t for t, c in gate.log if c == "create"} == {"sglang-elastic-vmm_0"}
     creates, maps = bed.be.calls["create"], bed.be.calls["map"]

@@ -1118,19 +1118,21 @@ class ElasticController:
             return
         fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here
         if fit < a.max_steps - a.lent_steps and self.torch_cache.unused() > 0:
-            a.prepare_async(first=self._empty_ahead)
+            margin = self._lend_margin()  # here: the helper must not read the activations' peaks while this thread updates them
+            a.prepare_async(first=lambda: self._empty_ahead(margin))
         elif fit:
             a.prepare_async(fit)
 
-    def _empty_ahead(self) -> int:
+    def _empty_ahead(self, lend_margin: int) -> int:
         """On the arena's helper thread, before its prepare: :meth:`steps_that_fit`, emptying torch's
         cache where that backs more steps; its milliseconds go to the next lend's event
-        (``ahead_empty_cache_ms``). Returns the steps to make.
+        (``ahead_empty_cache_ms``). ``lend_margin``: :meth:`_lend_margin`, taken on the scheduler
+        thread (it reads :class:`EagerActivations`, which that thread changes). Returns the steps to make.
 
         Off the scheduler, not free: ``empty_cache`` holds the caching allocator's lock while its
         ``cudaFree`` calls wait for the device, so a scheduler allocation meanwhile waits too (the
         decode already launched runs on). Measured as the decode token gaps (``bench_elastic.py``)."""
-        fit, ms = self.steps_that_fit(may_empty=True)
+        fit, ms = self.steps_that_fit(may_empty=True, lend_margin=lend_margin)
         self._ahead_empty_ms += ms
         return fit
 
@@ -1229,7 +1231,7 @@ class ElasticController:
         a = self.arena
         return not self.cfg.handle_mb and not a.lent_steps and a.max_steps <= 1 and self.lendable_tokens > 0
 
-    def _room(self, free: int, cached: int) -> int:
+    def _room(self, free: int, cached: int, lend_margin: Optional[int] = None) -> int:
         """Bytes a one-step lend may take: the step must be backed by ``free``
         (the driver's free memory, with handles made ahead); the margin
         (:meth:`_lend_margin`) may sit in torch's ``cached`` unused blocks
@@ -1237,7 +1239,7 @@ class ElasticController:
         what the margin is kept for), so a cut that fits that way stays without
         emptying the cache at every lend (:meth:`_recut`) and its handles are
         made ahead (:meth:`steps_that_fit`)."""
-        return min(free + cached - self._lend_margin(), free)
+        return min(free + cached - (self._lend_margin() if lend_margin is None else lend_margin), free)
 
     def _margin_cache(self) -> int:
         """torch's cached bytes that count towards the margin, as :meth:`steps_needed`
@@ -1355,7 +1357,7 @@ class ElasticController:
                       a.lendable_tokens * row / 2**30, before, margin / 2**30)
         return (a.max_steps if self._stop is None else 0), ms
 
-    def steps_that_fit(self, may_empty: bool = True):
+    def steps_that_fit(self, may_empty: bool = True, lend_margin: Optional[int] = None):
         """Steps the next lend may back, and the milliseconds spent emptying
         torch's cache for it (0 when it was not emptied).
 
@@ -1386,7 +1388,9 @@ class ElasticController:
         counts it: the step itself must fit in the driver's free memory.
 
         Args:
-            may_empty: False: never empty the cache (a prepare ahead of time).
+            may_empty: False: never empty the cache.
+            lend_margin: :meth:`_lend_margin`, taken by the caller (the helper thread's
+                :meth:`_empty_ahead`); None: taken here.
         """
         a = self.arena
         remaining = a.max_steps - a.lent_steps
@@ -1401,7 +1405,7 @@ class ElasticController:
         one = self._one_step_unlent
 
         def fit(free: int) -> int:
-            return max(self._room(free, self._margin_cache()) if one else free - margin, 0) // step
+            return max(self._room(free, self._margin_cache(), lend_margin) if one else free - margin, 0) // step
 
         ms = 0.0
         if may_empty and fit(free) < new and self.torch_cache.unused() > 0:
