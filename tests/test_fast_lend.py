@@ -232,7 +232,8 @@ class HeldCache:
     [
         (2.5, 1, False, 2),  # the driver has both steps and the margin: the cache keeps its blocks
         (1.5, 1, True, 2),  # the driver falls short; the cache's unused blocks make up for it: emptied once
-        (1.2, 0.5, True, 1),  # emptied, and still one step only: the other is not tried
+        (1.2, 0.5, False, 1),  # emptying would leave 1.7 steps, still one: not emptied for nothing, the other not tried
+        (1.2, 0.9, True, 2),  # 2.1 steps once emptied: emptied once
         (0.5, 0, False, 0),  # nothing cached, no room: no handle is tried
     ],
 )
@@ -367,6 +368,114 @@ def test_after_an_eager_prefill_torchs_cache_is_emptied_and_the_step_made_on_the
     a.settle()
     assert a.prepared_steps == 0 and cache.emptied == 0 and bed.be.calls["create"] == creates
     bed.be.release(hog)
+    bed.check_ownership_and_accounting()
+
+
+class SplitCache(HeldCache):
+    """torch's cache whose unused bytes are split remainders of live segments: ``empty_cache`` returns none."""
+
+    def __init__(self, be: HostBackend, unused: int):
+        super().__init__(be, 0)
+        self.held = unused
+
+    def reusable(self) -> int:
+        return 0
+
+    def empty(self) -> None:
+        self.emptied += 1
+
+
+@pytest.mark.parametrize("kind", ["split remainders", "whole blocks short of the step"])
+def test_the_prepare_ahead_never_empties_torchs_cache_when_that_cannot_back_the_step(kind):
+    """Emptying costs a device-wide wait and the next eager prefill's allocations: only where the cache's whole
+    blocks, back at the driver, would back the step (once a run), never on every pass of the run."""
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+    a = bed.pool.arena
+    hog = bed.be.create((margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096)  # the driver is half a step short
+    if kind == "split remainders":
+        bed.ctl.torch_cache = cache = SplitCache(bed.be, 4 * MIB)
+    else:  # a quarter step of whole blocks: half a step short once emptied
+        bed.be.release(hog)
+        hog = bed.be.create((margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096 - ELASTIC * ROW // 4 // 4096 * 4096)
+        bed.ctl.torch_cache = cache = HeldCache(bed.be, ELASTIC * ROW // 4 // 4096 * 4096)
+    assert bed.admit(list(range(30)))
+    for _ in range(bed.ctl.cfg.lend_after_steps):  # the whole run, and its lend (which re-cuts the step to what fits)
+        bed.ctl.after_prefill(None, bed.batch)
+        a.settle()
+    assert cache.emptied == 0 and bed.ctl.lends_prepared == 0
+    assert bed.alloc.lent_tokens < ELASTIC  # a smaller step, if any: the cache's blocks could not back the whole one
+    assert bed.ctl.reclaim(bed.batch) or bed.alloc.lent_tokens == 0
+    a.settle()
+    bed.be.release(hog)
+    bed.check_ownership_and_accounting()
+
+
+def test_an_eager_prefill_during_the_emptying_ahead_gets_the_memory_and_no_step_is_made_for_the_lend(caplog):
+    """The job empties torch's cache, then an eager forward comes: it waits for the emptying only (the step it
+    would drop at once is not made), and the next lend's event carries no emptying of its own. A failure in the
+    emptying is not lost on the helper: logged, reported by settle, lending off."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from test_controller import _graph_args
+
+    margin = 1  # MiB
+    bed = Bed(server_args=_graph_args(cuda_graph_backend_prefill=Backend.DISABLED), free_bytes=ELASTIC * ROW + margin * MIB,
+              margin_mb=margin)
+    a = bed.pool.arena
+
+    class BlockingCache(HeldCache):  # its emptying on the helper thread waits for the test
+        def __init__(self, be, unused):
+            super().__init__(be, unused)
+            self.reached, self.go = threading.Event(), threading.Event()
+
+        def empty(self):
+            if threading.current_thread().name.startswith("sglang-elastic-vmm"):
+                self.reached.set()
+                assert self.go.wait(JOIN)
+            super().empty()
+
+    bed.ctl.torch_cache = cache = BlockingCache(bed.be, (margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096)
+    assert bed.admit(list(range(30)))
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    assert cache.reached.wait(JOIN)  # the job is emptying the cache
+    gate = Gate(bed.be, name="none")
+    bed.sched.waiting_queue.append(bed.request(list(range(500, 600))))  # an eager prefill: it needs that memory
+    t, box = _run(lambda: bed.ctl.before_prefill(bed.batch))
+    assert bed.ctl._ahead_cancel.wait(JOIN)  # before it waits for the job
+    cache.go.set()
+    t.join(JOIN)
+    assert not t.is_alive() and "error" not in box
+    bed.ctl.after_prefill(bed.batch, bed.batch)
+    assert cache.emptied == 1 and not [c for c in gate.log if c[1] == "create"]  # emptied, no step made for the lend
+    assert a.prepared_steps == 0 and bed.be.free_bytes() >= ELASTIC * ROW + margin * MIB  # all of it free for the forward
+    # the next run (the prompt served): nothing in the cache, the step fits; its lend carries no emptying
+    bed.sched.waiting_queue.clear()
+    events = []
+    bed.ctl._event = lambda **rec: events.append(rec)
+    for _ in range(bed.ctl.cfg.lend_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    lend = [e for e in events if e["op"] == "lend"]
+    assert bed.alloc.lent_tokens == ELASTIC and len(lend) == 1 and lend[0]["ahead_empty_cache_ms"] == 0 and lend[0]["empty_cache_ms"] == 0
+    # a failure in the emptying: reported, lending off, no step
+    assert bed.ctl.reclaim(bed.batch)
+    a.settle()
+
+    class FailingCache(HeldCache):
+        def empty(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    bed.ctl.torch_cache = FailingCache(bed.be, (margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096)
+    bed.ctl.decode_only_steps = 0
+    creates = bed.be.calls["create"]
+    with caplog.at_level("ERROR"):
+        for _ in range(bed.ctl.prepare_after_steps):
+            bed.ctl.after_prefill(None, bed.batch)
+        errors = a.settle()
+    assert [str(e) for e in errors] == ["CUDA error: an illegal memory access was encountered"]
+    assert a.lending_disabled and bed.be.calls["create"] == creates and not a.preparing
+    assert any("making a step ahead" in r.getMessage() for r in caplog.records)
     bed.check_ownership_and_accounting()
 
 

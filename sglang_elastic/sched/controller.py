@@ -88,8 +88,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -237,8 +238,9 @@ class TorchCache:
     blocks freed by tensors, kept for reuse) and a way to hand them back to
     the driver (``torch.cuda.empty_cache``). Without CUDA both are nothing.
     ``device``: the scheduler's GPU (``None``: the calling thread's current
-    one), named so that the arena's helper thread, whose current device is
-    not the scheduler's on TP ranks past 0, reads and empties the right one.
+    one), named rather than taken from the calling thread, as the arena's
+    helper thread calls it too (its current device is the one its bound
+    context gives).
     Tests put a stand-in holding real host-backend memory in its place."""
 
     def __init__(self, device: Optional[int] = None):
@@ -459,7 +461,8 @@ class ElasticController:
         self.metrics = None
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
         self.torch_cache = TorchCache(getattr(self.arena.backend, "device", None))
-        self._ahead_empty_ms = 0.0  # torch's cache emptied on the helper thread since the last lend (_empty_ahead)
+        self._ahead_empty_ms = 0.0  # torch's cache emptied on the helper thread for the steps made ahead now (_empty_ahead)
+        self._ahead_cancel = threading.Event()  # set: an eager forward needs the memory, the job makes no step
         self.fences = DeviceFences(sched)
         #: The eager prefills' real peaks (``--elastic-kv-activation-rule``; :class:`EagerActivations`) and the
         #: allocator's peak counter they are read from; ``_probe``: bytes allocated when this pass's measurement
@@ -627,7 +630,7 @@ class ElasticController:
         errors = self.arena.settle()
         waited = (time.perf_counter() - t) * 1e3
         for e in errors:
-            self._vmm_failed("release of a reclaimed step's handles on the helper thread", e)
+            self._vmm_failed("work on the helper thread (a reclaimed step's release, or a step made ahead)", e)
         rec, self._releasing = self._releasing, None
         self._dropped_prepared = False
         if rec is not None:
@@ -884,8 +887,10 @@ class ElasticController:
             # forward needs it back (released on the helper thread while
             # SGLang forms the batch; after_prefill waits for it).
             if (self.arena.prepared_steps or self.arena.preparing) and self.reserve_needed(running_batch)[0]:
+                self._ahead_cancel.set()  # a job emptying torch's cache makes no step after it
                 if self.arena.drop_prepared(release_async=True):  # waits for a prepare still running (not for an unmap's rest)
                     self._dropped_prepared = True
+                self._ahead_empty_ms = 0.0  # no lend will map what it emptied for
             return
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
@@ -1116,8 +1121,9 @@ class ElasticController:
         a = self.arena
         if a.prepared_steps or a.busy or a.lending_disabled:
             return
-        fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here
-        if fit < a.max_steps - a.lent_steps and self.torch_cache.unused() > 0:
+        fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here (the steps it counts are all new)
+        if self.decode_only_steps == self.prepare_after_steps and self.steps_if_emptied() > fit:  # once a run, at its first try
+            self._ahead_cancel.clear()
             margin = self._lend_margin()  # here: the helper must not read the activations' peaks while this thread updates them
             a.prepare_async(first=lambda: self._empty_ahead(margin))
         elif fit:
@@ -1131,10 +1137,12 @@ class ElasticController:
 
         Off the scheduler, not free: ``empty_cache`` holds the caching allocator's lock while its
         ``cudaFree`` calls wait for the device, so a scheduler allocation meanwhile waits too (the
-        decode already launched runs on). Measured as the decode token gaps (``bench_elastic.py``)."""
+        decode already launched runs on). Measured as the decode token gaps (``bench_elastic.py``).
+        An eager forward that comes meanwhile (:meth:`before_prefill` sets ``_ahead_cancel``) needs
+        the memory, not a step: none is made then."""
         fit, ms = self.steps_that_fit(may_empty=True, lend_margin=lend_margin)
         self._ahead_empty_ms += ms
-        return fit
+        return 0 if self._ahead_cancel.is_set() else fit - self.arena.prepared_steps
 
     # -- lend -------------------------------------------------------------
 
@@ -1164,6 +1172,7 @@ class ElasticController:
             return 0
         t0 = time.perf_counter()
         self._settle()  # the helper thread's prepares and releases, done before this lend measures anything
+        ahead_ms, self._ahead_empty_ms = self._ahead_empty_ms, 0.0  # this lend's, whether it lends or not
         err: Optional[VmmError] = None
         empty_ms = 0.0
         t_map = time.perf_counter()
@@ -1216,7 +1225,6 @@ class ElasticController:
             self.metrics.lend_ms.observe(ms)
         if not self._quiet and used_prepared == steps:
             self.lends_prepared += 1
-        ahead_ms, self._ahead_empty_ms = self._ahead_empty_ms, 0.0
         self._event(op="lend", ms=ms, empty_cache_ms=empty_ms, ahead_empty_cache_ms=ahead_ms,
                     map_ms=(time.perf_counter() - t_map) * 1e3, prepared_steps=used_prepared,
                     steps=steps, tokens=self.alloc.lent_tokens, bytes=self.arena.lent_bytes, partial=err is not None,
@@ -1339,7 +1347,8 @@ class ElasticController:
             # measured rule: emptying cannot return those, and a 34 ms empty_cache for nothing is a slow lend)
             cached = 0 if emptied else self._margin_cache()
             mine = cut(room(free, cached))
-            if cached and cut(free + prep + cached - margin) > mine:  # the cache's blocks, back at the driver, would back more
+            back = self.torch_cache.reusable() if cached else 0  # what emptying gives the driver (not split remainders)
+            if back and cut(room(free + back, max(cached - back, 0))) > mine:  # the cache's blocks, back at the driver, would back more
                 t = time.perf_counter()
                 self.torch_cache.empty()
                 ms = (time.perf_counter() - t) * 1e3
@@ -1398,22 +1407,49 @@ class ElasticController:
         free = a.backend.free_bytes()
         if new <= 0 or free is None:
             return remaining, 0.0
+        fit = self._step_fit(lend_margin)
+        ms = 0.0
+        if may_empty and fit(free) < min(new, self._fit_if_emptied(free, fit)):
+            t = time.perf_counter()
+            self.torch_cache.empty()
+            ms = (time.perf_counter() - t) * 1e3
+            free = a.backend.free_bytes() or 0
+        return remaining - new + min(new, fit(free)), ms
+
+    def steps_if_emptied(self) -> int:
+        """What :meth:`steps_that_fit` would give after emptying torch's cache, as it predicts that
+        before emptying (no emptying here): more than it gives now only where the cache's whole
+        blocks, back at the driver, would back another step."""
+        a = self.arena
+        remaining = a.max_steps - a.lent_steps
+        new = remaining - min(a.prepared_steps, remaining)
+        free = a.backend.free_bytes()
+        if new <= 0 or free is None:
+            return remaining
+        return remaining - new + min(new, self._fit_if_emptied(free, self._step_fit(None)))
+
+    def _step_fit(self, lend_margin: Optional[int]) -> Callable[..., int]:
+        """``fit(free, cached=None)``: the new steps ``free`` driver bytes back, with ``cached`` (default: now) of
+        torch's unused blocks counted as :meth:`_margin_cache` counts them."""
+        a = self.arena
         step, margin = max(a.step_bytes(), 1), self.cfg.margin_mb * 2**20
         # one step with nothing lent (the step :meth:`_recut` sizes): the margin may sit in torch's unused cached
         # blocks, as the cut counts it, or the handles made ahead for the cut would never fit (seen on the H200:
         # 112 of 113 eager lends created their 8.6 GiB of handles on the lend path, map_ms p50 5.8 against 3.3)
         one = self._one_step_unlent
 
-        def fit(free: int) -> int:
-            return max(self._room(free, self._margin_cache(), lend_margin) if one else free - margin, 0) // step
+        def fit(free: int, cached: Optional[int] = None) -> int:
+            c = self._margin_cache() if cached is None else cached
+            return max(self._room(free, c, lend_margin) if one else free - margin, 0) // step
 
-        ms = 0.0
-        if may_empty and fit(free) < new and self.torch_cache.unused() > 0:
-            t = time.perf_counter()
-            self.torch_cache.empty()
-            ms = (time.perf_counter() - t) * 1e3
-            free = a.backend.free_bytes() or 0
-        return remaining - new + min(new, fit(free)), ms
+        return fit
+
+    def _fit_if_emptied(self, free: int, fit: Callable[..., int]) -> int:
+        """The new steps ``fit`` gives once torch's cache is emptied: its whole blocks
+        (:meth:`TorchCache.reusable`) back at the driver, the rest (split remainders, which
+        ``empty_cache`` cannot return) still counted towards the margin where it counts them."""
+        back = self.torch_cache.reusable()
+        return fit(free + back, max(self._margin_cache() - back, 0)) if back > 0 else fit(free)
 
     def _prepare_free_list(self) -> Optional[torch.Tensor]:
         """The free list for every step the arena backs now

@@ -407,13 +407,23 @@ class ElasticArena:
         steps prepared. :meth:`lend` waits for it; :attr:`preparing` says it
         has not finished. ``first``: called there before, its result the
         steps to make (0: none) in place of ``steps`` (the controller empties
-        torch's cache there and measures what then fits)."""
+        torch's cache there and measures what then fits); an exception it
+        raises is logged, disables lending and is reported by :meth:`settle`,
+        and no step is made."""
         with self._lock:
             self._preparing += 1
 
         def job():
             try:
-                want = steps if first is None else first()
+                if first is None:
+                    want = steps
+                else:
+                    try:
+                        want = first()
+                    except Exception as e:  # not lost on the helper: settle() reports it
+                        logger.exception("the work before making a step ahead of the lend failed")
+                        self._job_failed(e)
+                        return 0
                 return self.prepare(want) if want is None or want > 0 else 0
             finally:
                 with self._lock:
