@@ -219,6 +219,9 @@ class HeldCache:
     def reusable(self) -> int:  # whole blocks: a large allocation can take them all
         return self.held
 
+    def returnable(self) -> int:  # what empty_cache hands back, as TorchCache says it without expandable segments
+        return self.reusable()
+
     def empty(self) -> None:
         self.emptied += 1
         self.emptied_on = threading.current_thread().name
@@ -408,6 +411,73 @@ def test_the_prepare_ahead_never_empties_torchs_cache_when_that_cannot_back_the_
     assert bed.ctl.reclaim(bed.batch) or bed.alloc.lent_tokens == 0
     a.settle()
     bed.be.release(hog)
+    bed.check_ownership_and_accounting()
+
+
+def test_torch_cache_says_what_empty_cache_returns_by_the_allocator_settings(monkeypatch):
+    from sglang_elastic.sched.controller import TorchCache
+
+    for conf, expandable in [("expandable_segments:True", True), ("max_split_size_mb:128, expandable_segments : true", True),
+                             ("expandable_segments:False", False), ("", False)]:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        c = TorchCache()
+        c.unused, c.reusable = (lambda: 7 << 20), (lambda: 3 << 20)  # 4 MiB of split remainders
+        assert c.expandable is expandable and c.returnable() == (7 << 20 if expandable else 3 << 20), conf
+
+
+class ExpandableCache(HeldCache):
+    """``expandable_segments:True``: the freed blocks sit beside live ones (counted as split remainders),
+    and ``empty_cache`` unmaps them all the same."""
+
+    def reusable(self) -> int:
+        return 0
+
+    def returnable(self) -> int:
+        return self.held
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["one step", "two steps"])
+def test_with_expandable_segments_the_lend_still_empties_the_cache_that_holds_the_step(steps):
+    """A review of 13c2d6e: its prediction from split-free blocks alone said emptying could not help under
+    expandable segments, so the lend lent nothing where the code before it emptied and lent."""
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+    if steps == 2:
+        bed.ctl.lendable_tokens = bed.pool.arena.set_steps(ELASTIC, 64)
+    bed.ctl.torch_cache = cache = ExpandableCache(bed.be, (margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096)
+    assert bed.be.free_bytes() < ELASTIC * ROW
+    assert bed.ctl.lend() == ELASTIC and cache.emptied == 1
+    bed.check_ownership_and_accounting()
+
+
+def test_an_emptying_that_gives_back_less_than_said_is_not_repeated_and_its_time_stays_with_its_run():
+    """A CUDA graph's private pool: its free blocks count as unused and whole, and ``empty_cache`` keeps
+    them. The first emptying ahead finds that out (no step made); neither the lend nor the next run
+    empties again, and a later lend reports no emptying of its own (a review of 13c2d6e: two emptyings a
+    run, and the stale time reported by the next run's lend)."""
+    margin = 1  # MiB
+    bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
+
+    class GraphPoolCache(HeldCache):
+        def empty(self):
+            self.emptied += 1  # nothing comes back
+
+    pool_bytes = (margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096
+    bed.ctl.torch_cache = cache = GraphPoolCache(bed.be, pool_bytes)
+    assert bed.admit(list(range(30)))
+    events = []
+    bed.ctl._event = lambda **rec: events.append(rec)
+    for _ in range(bed.ctl.prepare_after_steps):
+        bed.ctl.after_prefill(None, bed.batch)
+    bed.pool.arena.settle()
+    assert cache.emptied == 1 and bed.pool.arena.prepared_steps == 0 and bed.ctl._empty_overstated == pool_bytes
+    bed.ctl.after_prefill(bed.batch, bed.batch)  # a prompt: the run ends without its lend
+    for _ in range(bed.ctl.cfg.lend_after_steps):  # the next run and its lend: nothing emptied again
+        bed.ctl.after_prefill(None, bed.batch)
+    bed.pool.arena.settle()
+    assert cache.emptied == 1
+    lends = [e for e in events if e["op"] == "lend"]
+    assert lends and all(e["ahead_empty_cache_ms"] == 0 and e["empty_cache_ms"] == 0 for e in lends)  # a smaller cut lent
     bed.check_ownership_and_accounting()
 
 

@@ -245,6 +245,10 @@ class TorchCache:
 
     def __init__(self, device: Optional[int] = None):
         self.device = device
+        conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+        #: ``expandable_segments:True``: freed blocks sit beside live ones in one segment (counted as split),
+        #: and ``empty_cache`` unmaps them all the same.
+        self.expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
 
     def unused(self) -> int:
         if not torch.cuda.is_available():
@@ -259,6 +263,13 @@ class TorchCache:
         st = torch.cuda.memory_stats(self.device)
         return max(st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0)
                    - st.get("inactive_split_bytes.all.current", 0), 0)
+
+    def returnable(self) -> int:
+        """What ``empty_cache`` is taken to hand back to the driver: :meth:`reusable` (the split
+        remainders of live segments stay), or :meth:`unused` with expandable segments. Free blocks
+        of a live CUDA graph's private pool count here and do not come back: the controller learns
+        that shortfall from the emptyings it measures (``ElasticController._empty_overstated``)."""
+        return self.unused() if self.expandable else self.reusable()
 
     def empty(self) -> None:
         if torch.cuda.is_available():
@@ -461,7 +472,11 @@ class ElasticController:
         self.metrics = None
         #: PyTorch's caching allocator (:class:`TorchCache`) and the device fences (:class:`DeviceFences`).
         self.torch_cache = TorchCache(getattr(self.arena.backend, "device", None))
-        self._ahead_empty_ms = 0.0  # torch's cache emptied on the helper thread for the steps made ahead now (_empty_ahead)
+        self._ahead_empty = (-1, 0.0)  # (run, ms): torch's cache emptied on the helper thread in that run (_empty_ahead)
+        self._run = 0  # runs of decode-only steps begun (a new batch begins one): the lend reports its own run's emptying
+        #: Bytes the last emptying gave back less than :meth:`TorchCache.returnable` said (a live CUDA graph's pool
+        #: blocks): taken off the next predictions (:meth:`_fit_if_emptied`).
+        self._empty_overstated = 0
         self._ahead_cancel = threading.Event()  # set: an eager forward needs the memory, the job makes no step
         self.fences = DeviceFences(sched)
         #: The eager prefills' real peaks (``--elastic-kv-activation-rule``; :class:`EagerActivations`) and the
@@ -890,7 +905,6 @@ class ElasticController:
                 self._ahead_cancel.set()  # a job emptying torch's cache makes no step after it
                 if self.arena.drop_prepared(release_async=True):  # waits for a prepare still running (not for an unmap's rest)
                     self._dropped_prepared = True
-                self._ahead_empty_ms = 0.0  # no lend will map what it emptied for
             return
         why, tokens = self.reserve_needed(running_batch)
         if why is None:  # decodes only, in the graphs: nothing to decide
@@ -1084,6 +1098,7 @@ class ElasticController:
                 self.metrics.reclaims_skipped.inc()
             self._event(op="reclaim_skipped", **skip)
         if new_batch is not None or running_batch.is_empty():
+            self._run += self.decode_only_steps > 0 or new_batch is not None
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
@@ -1124,15 +1139,15 @@ class ElasticController:
         fit, _ = self.steps_that_fit(may_empty=False)  # nothing is lent here (the steps it counts are all new)
         if self.decode_only_steps == self.prepare_after_steps and self.steps_if_emptied() > fit:  # once a run, at its first try
             self._ahead_cancel.clear()
-            margin = self._lend_margin()  # here: the helper must not read the activations' peaks while this thread updates them
-            a.prepare_async(first=lambda: self._empty_ahead(margin))
+            margin, run = self._lend_margin(), self._run  # here: the helper must not read the activations' peaks mid-update
+            a.prepare_async(first=lambda: self._empty_ahead(margin, run))
         elif fit:
             a.prepare_async(fit)
 
-    def _empty_ahead(self, lend_margin: int) -> int:
+    def _empty_ahead(self, lend_margin: int, run: int) -> int:
         """On the arena's helper thread, before its prepare: :meth:`steps_that_fit`, emptying torch's
-        cache where that backs more steps; its milliseconds go to the next lend's event
-        (``ahead_empty_cache_ms``). ``lend_margin``: :meth:`_lend_margin`, taken on the scheduler
+        cache where that backs more steps; its milliseconds go to this run's lend's event
+        (``ahead_empty_cache_ms``; ``run``: :attr:`_run` when submitted). ``lend_margin``: :meth:`_lend_margin`, taken on the scheduler
         thread (it reads :class:`EagerActivations`, which that thread changes). Returns the steps to make.
 
         Off the scheduler, not free: ``empty_cache`` holds the caching allocator's lock while its
@@ -1141,7 +1156,7 @@ class ElasticController:
         An eager forward that comes meanwhile (:meth:`before_prefill` sets ``_ahead_cancel``) needs
         the memory, not a step: none is made then."""
         fit, ms = self.steps_that_fit(may_empty=True, lend_margin=lend_margin)
-        self._ahead_empty_ms += ms
+        self._ahead_empty = (run, ms)
         return 0 if self._ahead_cancel.is_set() else fit - self.arena.prepared_steps
 
     # -- lend -------------------------------------------------------------
@@ -1172,7 +1187,8 @@ class ElasticController:
             return 0
         t0 = time.perf_counter()
         self._settle()  # the helper thread's prepares and releases, done before this lend measures anything
-        ahead_ms, self._ahead_empty_ms = self._ahead_empty_ms, 0.0  # this lend's, whether it lends or not
+        (run, ahead_ms), self._ahead_empty = self._ahead_empty, (-1, 0.0)  # this run's, whether it lends or not
+        ahead_ms = ahead_ms if run == self._run else 0.0
         err: Optional[VmmError] = None
         empty_ms = 0.0
         t_map = time.perf_counter()
@@ -1347,12 +1363,9 @@ class ElasticController:
             # measured rule: emptying cannot return those, and a 34 ms empty_cache for nothing is a slow lend)
             cached = 0 if emptied else self._margin_cache()
             mine = cut(room(free, cached))
-            back = self.torch_cache.reusable() if cached else 0  # what emptying gives the driver (not split remainders)
+            back = max(self.torch_cache.returnable() - self._empty_overstated, 0) if cached else 0  # what emptying gives the driver
             if back and cut(room(free + back, max(cached - back, 0))) > mine:  # the cache's blocks, back at the driver, would back more
-                t = time.perf_counter()
-                self.torch_cache.empty()
-                ms = (time.perf_counter() - t) * 1e3
-                free = a.backend.free_bytes() or 0
+                free, ms = self._empty_measured(free)
                 mine = max(mine, cut(room(free, self._margin_cache())))  # what it could not give back still counts as margin
         tokens = agree_min(self.sched, mine)  # whole token quanta on every rank (cut)
         if tokens != a.lendable_tokens:
@@ -1410,11 +1423,19 @@ class ElasticController:
         fit = self._step_fit(lend_margin)
         ms = 0.0
         if may_empty and fit(free) < min(new, self._fit_if_emptied(free, fit)):
-            t = time.perf_counter()
-            self.torch_cache.empty()
-            ms = (time.perf_counter() - t) * 1e3
-            free = a.backend.free_bytes() or 0
+            free, ms = self._empty_measured(free)
         return remaining - new + min(new, fit(free)), ms
+
+    def _empty_measured(self, free: int) -> Tuple[int, float]:
+        """Empty torch's cache; returns the driver's free bytes after and the milliseconds spent, and
+        keeps how much less than :meth:`TorchCache.returnable` came back (``_empty_overstated``)."""
+        said = self.torch_cache.returnable()
+        t = time.perf_counter()
+        self.torch_cache.empty()
+        ms = (time.perf_counter() - t) * 1e3
+        after = self.arena.backend.free_bytes() or 0
+        self._empty_overstated = max(said - (after - free), 0)
+        return after, ms
 
     def steps_if_emptied(self) -> int:
         """What :meth:`steps_that_fit` would give after emptying torch's cache, as it predicts that
@@ -1446,9 +1467,10 @@ class ElasticController:
 
     def _fit_if_emptied(self, free: int, fit: Callable[..., int]) -> int:
         """The new steps ``fit`` gives once torch's cache is emptied: its whole blocks
-        (:meth:`TorchCache.reusable`) back at the driver, the rest (split remainders, which
-        ``empty_cache`` cannot return) still counted towards the margin where it counts them."""
-        back = self.torch_cache.reusable()
+        (:meth:`TorchCache.returnable`, less what the last emptying gave back short of it) back at
+        the driver, the rest (split remainders, which ``empty_cache`` cannot return) still counted
+        towards the margin where it counts them."""
+        back = max(self.torch_cache.returnable() - self._empty_overstated, 0)
         return fit(free + back, max(self._margin_cache() - back, 0)) if back > 0 else fit(free)
 
     def _prepare_free_list(self) -> Optional[torch.Tensor]:
