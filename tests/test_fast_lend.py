@@ -388,15 +388,18 @@ class SplitCache(HeldCache):
         self.emptied += 1
 
 
-@pytest.mark.parametrize("kind", ["split remainders", "whole blocks short of the step"])
+@pytest.mark.parametrize("kind", ["split remainders", "whole blocks short of the step", "split remainders, two steps"])
 def test_the_prepare_ahead_never_empties_torchs_cache_when_that_cannot_back_the_step(kind):
     """Emptying costs a device-wide wait and the next eager prefill's allocations: only where the cache's whole
-    blocks, back at the driver, would back the step (once a run), never on every pass of the run."""
+    blocks, back at the driver, would back the step (once a run), never on every pass of the run, nor at the
+    lend (one step or several: ``--elastic-kv-handle-mb``)."""
     margin = 1  # MiB
     bed = Bed(free_bytes=ELASTIC * ROW + margin * MIB, margin_mb=margin)
     a = bed.pool.arena
+    if kind.endswith("two steps"):
+        bed.ctl.lendable_tokens = a.set_steps(ELASTIC, 64)
     hog = bed.be.create((margin * MIB + ELASTIC * ROW // 2) // 4096 * 4096)  # the driver is half a step short
-    if kind == "split remainders":
+    if kind.startswith("split remainders"):
         bed.ctl.torch_cache = cache = SplitCache(bed.be, 4 * MIB)
     else:  # a quarter step of whole blocks: half a step short once emptied
         bed.be.release(hog)
