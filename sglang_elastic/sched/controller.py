@@ -1098,7 +1098,7 @@ class ElasticController:
                 self.metrics.reclaims_skipped.inc()
             self._event(op="reclaim_skipped", **skip)
         if new_batch is not None or running_batch.is_empty():
-            self._run += self.decode_only_steps > 0 or new_batch is not None
+            self._run += 1
             self.decode_only_steps = 0
             return
         self.decode_only_steps += 1
@@ -1363,7 +1363,7 @@ class ElasticController:
             # measured rule: emptying cannot return those, and a 34 ms empty_cache for nothing is a slow lend)
             cached = 0 if emptied else self._margin_cache()
             mine = cut(room(free, cached))
-            back = max(self.torch_cache.returnable() - self._empty_overstated, 0) if cached else 0  # what emptying gives the driver
+            back = self._emptying_returns() if cached else 0
             if back and cut(room(free + back, max(cached - back, 0))) > mine:  # the cache's blocks, back at the driver, would back more
                 free, ms = self._empty_measured(free)
                 mine = max(mine, cut(room(free, self._margin_cache())))  # what it could not give back still counts as margin
@@ -1414,10 +1414,7 @@ class ElasticController:
             lend_margin: :meth:`_lend_margin`, taken by the caller (the helper thread's
                 :meth:`_empty_ahead`); None: taken here.
         """
-        a = self.arena
-        remaining = a.max_steps - a.lent_steps
-        new = remaining - min(a.prepared_steps, remaining)
-        free = a.backend.free_bytes()
+        remaining, new, free = self._lend_room()
         if new <= 0 or free is None:
             return remaining, 0.0
         fit = self._step_fit(lend_margin)
@@ -1425,6 +1422,11 @@ class ElasticController:
         if may_empty and fit(free) < min(new, self._fit_if_emptied(free, fit)):
             free, ms = self._empty_measured(free)
         return remaining - new + min(new, fit(free)), ms
+
+    def _emptying_returns(self) -> int:
+        """Bytes emptying torch's cache is taken to give the driver: :meth:`TorchCache.returnable`, less what
+        the last emptying gave back short of it (``_empty_overstated``)."""
+        return max(self.torch_cache.returnable() - self._empty_overstated, 0)
 
     def _empty_measured(self, free: int) -> Tuple[int, float]:
         """Empty torch's cache; returns the driver's free bytes after and the milliseconds spent, and
@@ -1441,13 +1443,16 @@ class ElasticController:
         """What :meth:`steps_that_fit` would give after emptying torch's cache, as it predicts that
         before emptying (no emptying here): more than it gives now only where the cache's whole
         blocks, back at the driver, would back another step."""
-        a = self.arena
-        remaining = a.max_steps - a.lent_steps
-        new = remaining - min(a.prepared_steps, remaining)
-        free = a.backend.free_bytes()
+        remaining, new, free = self._lend_room()
         if new <= 0 or free is None:
             return remaining
         return remaining - new + min(new, self._fit_if_emptied(free, self._step_fit(None)))
+
+    def _lend_room(self) -> Tuple[int, int, Optional[int]]:
+        """The steps not lent, those of them not made ahead, and the driver's free bytes (None: unknown)."""
+        a = self.arena
+        remaining = a.max_steps - a.lent_steps
+        return remaining, remaining - min(a.prepared_steps, remaining), a.backend.free_bytes()
 
     def _step_fit(self, lend_margin: Optional[int]) -> Callable[..., int]:
         """``fit(free, cached=None)``: the new steps ``free`` driver bytes back, with ``cached`` (default: now) of
@@ -1470,7 +1475,7 @@ class ElasticController:
         (:meth:`TorchCache.returnable`, less what the last emptying gave back short of it) back at
         the driver, the rest (split remainders, which ``empty_cache`` cannot return) still counted
         towards the margin where it counts them."""
-        back = max(self.torch_cache.returnable() - self._empty_overstated, 0)
+        back = self._emptying_returns()
         return fit(free + back, max(self._margin_cache() - back, 0)) if back > 0 else fit(free)
 
     def _prepare_free_list(self) -> Optional[torch.Tensor]:
