@@ -406,9 +406,9 @@ def _swap_in_kernel(
     sel_ptr, k_ptr, s_eff_ptr, w_eff_ptr, att_indptr_ptr, seq_lens_ptr, req_pool_ptr, req_to_token_ptr,
     loc_slot_ptr, slot_pos_ptr, slot_time_ptr, scratch_ptr, table_ptr, count_ptr,
     att_kidx_ptr, att_vidx_ptr, miss_src_ptr, miss_dst_ptr, miss_cnt_ptr, stats_ptr,
-    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b, stride_table, hot_base, spare_row,
+    stride_selb, stride_r2t, stride_slot_r, stride_scratch_b, stride_miss_b, stride_table, hot_base, spare_row, stride_hint_r,
     HN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-    SPEC: tl.constexpr = False, LFU: tl.constexpr = False,
+    SPEC: tl.constexpr = False, LFU: tl.constexpr = False, HINT_ROW: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     r = tl.load(req_pool_ptr + b).to(tl.int64)
@@ -431,7 +431,11 @@ def _swap_in_kernel(
         valid = offs_k < k
         pos = tl.load(sel_ptr + b * stride_selb + offs_k, mask=valid, other=0)
         loc = tl.load(req_to_token_ptr + r * stride_r2t + pos, mask=valid, other=0)
-        s = tl.load(loc_slot_ptr + loc, mask=valid, other=-1).to(tl.int32)
+        if HINT_ROW:  # the hint of the request's own position (token ids shared by requests: the radix cache)
+            hint = loc_slot_ptr + r * stride_hint_r + pos
+        else:  # the hint of the token id
+            hint = loc_slot_ptr + loc
+        s = tl.load(hint, mask=valid, other=-1).to(tl.int32)
         s_ok = valid & (s >= 0) & (s < cap)
         held = tl.load(slot_pos + s, mask=s_ok, other=-1)
         hit = s_ok & (held == pos)
@@ -484,7 +488,7 @@ def _swap_in_kernel(
             tl.store(slot_time + vslot, ((1 - SPEC) << 21) + now, mask=miss)
         else:
             tl.store(slot_time + vslot, now, mask=miss)
-        tl.store(loc_slot_ptr + loc, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
+        tl.store(hint, vslot.to(loc_slot_ptr.dtype.element_ty), mask=miss)
         tl.store(att_kidx_ptr + base + offs_k, loc, mask=valid)
         # a selected row with no slot (only if a grant found the pool short, which the sizing rules out: counted in
         # the grant's overflow) reads the spare row, never another request's row or memory outside the buffer
@@ -521,7 +525,9 @@ def swap_in_run(
         att_indptr: ``[batch + 1]`` int32 offsets of the attended lists.
         seq_lens: ``[batch]`` lengths (the LRU clock: a slot used now gets ``seq_lens[b]``).
         req_pool_indices: ``[batch]``; req_to_token: ``[rows, context]`` int32 token ids.
-        loc_slot: ``[slots]`` int16/int32, this layer's slot of a token id (-1 or stale: verified against ``slot_pos``).
+        loc_slot: ``[slots]`` int16/int32, this layer's slot of a token id, or ``[rows, context]``: of a request
+            row's position (token ids that several requests share: SGLang's radix cache); -1 or stale: verified
+            against ``slot_pos``.
         slot_pos, slot_time: ``[rows, HN]`` int32, this layer's position held by and last use of each slot (-1: empty).
         scratch: ``[batch, >= HN]`` int32 workspace.
         att_kidx, att_vidx: ``[>= att_indptr[batch]]`` int32 outputs: K token ids and device V rows.
@@ -559,9 +565,9 @@ def swap_in_run(
         sel_pos, k, s_eff, w_eff, att_indptr, seq_lens, req_pool_indices, req_to_token,
         loc_slot, slot_pos, slot_time, scratch, table, count, att_kidx, att_vidx, miss_src, miss_dst, miss_cnt, stats,
         sel_pos.stride(0), req_to_token.stride(0), slot_pos.stride(0), scratch.stride(0), miss_src.stride(0), table.stride(0), hot_base,
-        spare_row if spare_row >= 0 else max(hot_base - 1, 0),
+        spare_row if spare_row >= 0 else max(hot_base - 1, 0), loc_slot.stride(0) if loc_slot.dim() == 2 else 0,
         HN=hn, BLOCK_K=triton.next_power_of_2(max(max_k, 1)), BLOCK_H=triton.next_power_of_2(hn),
-        PAGE=page, SPEC=spec, LFU=eviction == "lfu", **_launch_opts(num_warps, None),
+        PAGE=page, SPEC=spec, LFU=eviction == "lfu", HINT_ROW=loc_slot.dim() == 2, **_launch_opts(num_warps, None),
     )
 
 

@@ -397,7 +397,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-kv-reclaim-wait", choices=RECLAIM_WAITS, default=None, help="While a reclaim's unmap gives its memory back (on a helper thread), decode (the default): the prefill it is for waits and the running decode batch takes its steps (no prefill forms in those passes, at most 16), or block: the scheduler waits for the memory, and every running request with it.")
     g.add_argument("--elastic-kv-margin-mb", type=int, default=None, help="MiB kept free for decode activations when measuring the lendable bytes (default 1024); also bounds the eager decode batch (above the decode CUDA graphs) that may run while lent.")
     o = parser.add_argument_group("sglang-elastic: KV offload to host memory (with --enable-kv-offload)")
-    o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Needs --disable-radix-cache.")
+    o.add_argument("--enable-kv-offload", action="store_true", help="Keep K of every token on the GPU and V of the sparse layers in pinned host memory; decode attends to sink, window and the top-k rows (about 1.6-1.8x the KV tokens of stock on an H200). Works with SGLang's radix cache.")
     o.add_argument("--kv-offload-topk", type=int, default=None, help="Most selected V rows per request and layer besides sink and window (default 2048).")
     o.add_argument("--kv-offload-budget", type=float, default=None, help="Attended fraction of the context (sink + window + top-k), at least sink + window rows (default 0.05).")
     o.add_argument("--kv-offload-sink", type=int, default=None, help="First tokens always attended (default 4).")
@@ -609,8 +609,8 @@ _OFFLOAD_UNSUPPORTED = (
     ("--page-size", lambda v: (v or 1) != 1, "validated at page size 1 only"),
     # a review of SGLang 0.5.17's other features (2026-12-04): each below runs KV writes or graph replays the pool does not plan
     ("--enable-pdmux", bool, "PD-multiplexing runs a split prefill beside decodes over one pool whose per-forward V-row plan is single"),
-    ("--radix-cache-backend", lambda v: v is not None, "SGLang takes a registered cache even with --disable-radix-cache, and a "
-                                                       "shared cached prefix would give one request's hot buffer to several"),
+    ("--radix-cache-backend", lambda v: v is not None, "validated with SGLang's default radix cache only (a registered cache, "
+                                                       "which SGLang takes even with --disable-radix-cache, may hold KV ids otherwise)"),
     ("--enable-prefill-cp", bool, "context-parallel prefill reorders the tokens each rank writes, past the prefill's V-row plan"),
     ("--attn-cp-size", lambda v: (v or 1) > 1, "context parallelism splits the KV the selection scores"),
     ("--dllm-algorithm", lambda v: v is not None, "a diffusion step is an extend inside the decode graphs, which plan decodes only"),
@@ -622,6 +622,14 @@ _OFFLOAD_UNSUPPORTED = (
     ("--enable-flexkv", bool, "FlexKV moves whole prefixes (and SGLang ignores it without the radix cache)"),
     ("--enable-session-radix-cache", bool, "it needs the radix cache"),
     ("--kv-canary", lambda v: v not in (None, "none"), "the KV canary attaches only to SGLang's own pool classes"),
+)
+
+
+#: Radix-tree implementations other than SGLang's default ``RadixCache`` (which the offload pool supports:
+#: ``OffloadKVPool.plan_prefix``, ``keep.KeepV._evict``), chosen by environment switches.
+_OFFLOAD_RADIX_ENV = (
+    ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "validated with SGLang's default radix cache only (unset it, or pass --disable-radix-cache)"),
+    ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "validated with SGLang's default radix cache only (unset it, or pass --disable-radix-cache)"),
 )
 
 
@@ -665,9 +673,9 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     if env_on("SGLANG_ENABLE_DETERMINISTIC_INFERENCE"):
         raise ConfigError("--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1: it needs one of SGLang's own "
                           "attention backends, and a sparse decode is not batch-invariant")
-    if not getattr(ns, "disable_radix_cache", False):
-        raise ConfigError("--enable-kv-offload needs --disable-radix-cache: a hot buffer belongs to one request and is keyed by "
-                          "its token ids, which a shared cached prefix would give to several requests")
+    for env, why in _OFFLOAD_RADIX_ENV:  # SGLang's default radix cache is supported (a matched prefix is rebuilt per request)
+        if not getattr(ns, "disable_radix_cache", False) and env_on(env):
+            raise ConfigError(f"--enable-kv-offload does not support {env}=1: {why}")
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         v = getattr(ns, flag, None)
         if v not in (None, OFFLOAD_BACKEND):

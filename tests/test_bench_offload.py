@@ -533,3 +533,32 @@ def test_itl_steps_groups_gaps_into_steps_and_finds_the_slow_run_that_lasts_to_t
             json.dump({"server": "stock", "loads": [{"requests": []}]}, f)
         mod.main([str(empty), "--out", str(tmp_path / "none.json")])
     assert not (tmp_path / "none.json").exists()
+
+
+def test_the_radix_smoke_adds_follow_ups_that_share_each_prompts_prefix_and_assembles_beside_the_exactness(tmp_path):
+    """``smoke --radix``: each prompt's follow-up is its first 3/4 and 50 new tokens (the part SGLang's radix cache
+    holds once the prompt finished); its part (``smoke_radix``) goes under ``exactness.radix_cache``, beside the
+    radix-free exactness, which it leaves as it was; ``--radix`` on another part is refused before any server starts."""
+    import shutil
+    import subprocess
+    import sys
+
+    mod = bench()
+    ps = mod.prompts([100, 1000], seed=0)
+    fu = mod.radix_followups(ps)
+    assert [len(f) for f in fu] == [125, 800] and fu[1][:750] == ps[1][:750] and fu[1][750:] != ps[1][750:800]
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    src = ROOT / "docs" / "results" / "offload_h200_parts"
+    shutil.copy(src / "smoke.json", parts / "smoke.json")
+    radix = {"part": "smoke_radix", "tp": 1, "date": "2026-12-07T06:00:00", "commit": "abc", "gpu": "NVIDIA H200",
+             "exactness": {"compared": 12, "identical": 12, "max_abs_logprob_diff": 0.0, "tokens_compared": 384,
+                           "cache_hits": {"followups": 6, "matched": 6, "identical": 6}}}
+    (parts / "smoke_radix.json").write_text(json.dumps(radix))
+    out = mod.part_assemble(type("A", (), {"parts": str(parts), "command": "assemble"})())
+    one = json.loads((src / "smoke.json").read_text())
+    assert out["exactness"]["identical"] == one["exactness"]["identical"] and out["exactness"]["compared"] == one["exactness"]["compared"]
+    assert out["exactness"]["radix_cache"] == {**radix["exactness"], "date": radix["date"], "commit": "abc"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_offload.py"), "capacity", "--radix", "--out",
+                        str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--radix applies only to smoke, not capacity" in r.stderr and not (tmp_path / "x.json").exists()

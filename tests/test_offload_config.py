@@ -65,8 +65,26 @@ def namespace(*flags, **sglang):
     return ns
 
 
+@pytest.mark.parametrize("env", ["SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "SGLANG_ENABLE_UNIFIED_RADIX_TREE"])
+def test_the_radix_cache_is_accepted_and_other_radix_trees_are_refused_with_one_line(env, monkeypatch):
+    """SGLang's default radix cache passes the checks (a matched prefix is rebuilt in the request's row:
+    ``OffloadKVPool.plan_prefix``); the C++ and unified radix trees, chosen by environment switches, stop
+    the launch with one line unless the radix cache is off."""
+    from sglang_elastic import plugin
+
+    monkeypatch.setenv("SGLANG_ELASTIC_CONFIG", "")  # an accepted launch publishes its config here: the teardown restores it
+    for name in ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "SGLANG_ENABLE_UNIFIED_RADIX_TREE"):
+        monkeypatch.delenv(name, raising=False)
+    assert plugin._from_cli_args(None, namespace("--enable-kv-offload")) is None
+    monkeypatch.setenv(env, "y")
+    with pytest.raises(SystemExit) as e:
+        plugin._from_cli_args(None, namespace("--enable-kv-offload"))
+    assert str(e.value) == (f"sglang-elastic: --enable-kv-offload does not support {env}=1: validated with SGLang's default radix "
+                            "cache only (unset it, or pass --disable-radix-cache)")
+    assert plugin._from_cli_args(None, namespace("--enable-kv-offload", disable_radix_cache=True)) is None
+
+
 @pytest.mark.parametrize("flags,sglang,message", [
-    ([], {}, "needs --disable-radix-cache"),
     ([], dict(disable_radix_cache=True, speculative_algorithm="NGRAM"), "does not support --speculative-algorithm 'NGRAM'"),
     ([], dict(disable_radix_cache=True, attention_backend="triton"), "drop --attention-backend triton"),
     (["--enable-elastic-kv"], dict(disable_radix_cache=True), "use one"),
@@ -128,7 +146,7 @@ def test_unsupported_combinations_are_refused_with_one_line(flags, sglang, messa
 
 @pytest.mark.parametrize("flags,message", [
     (["--enable-pdmux", "--chunked-prefill-size", "-1", "--disable-overlap-schedule"], "does not support --enable-pdmux True: PD-multiplexing"),
-    (["--radix-cache-backend", "mine"], "does not support --radix-cache-backend 'mine': SGLang takes a registered cache even with --disable-radix-cache"),
+    (["--radix-cache-backend", "mine"], "does not support --radix-cache-backend 'mine': validated with SGLang's default radix cache only"),
     (["--enable-prefill-cp"], "does not support --enable-prefill-cp True: context-parallel prefill"),
     (["--attn-cp-size", "2", "--tp", "2"], "does not support --attn-cp-size 2"),
     (["--dllm-algorithm", "LowConfidence"], "does not support --dllm-algorithm 'LowConfidence'"),
@@ -226,6 +244,14 @@ def test_sizing_on_the_h200_budget_holds_about_1_7x_stock_with_k_on_the_gpu():
     assert size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 8, 120 << 30).tokens > sz.tokens
     # the request count barely matters now (it did: 1.61x at 64, 1.67x at 48)
     assert abs(size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 128, 120 << 30).tokens / sz.tokens - 1) < 0.01
+    # SGLang's radix cache on: the hot buffers' hint per request row and position (65 x 131,072 int16 per sparse layer,
+    # 511 MB) instead of per token id (60 bytes a token): 0.3 % fewer tokens here
+    radix = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 120 << 30, hint_by_row=True)
+    assert radix.device_token_bytes == sz.device_token_bytes - 60
+    T = radix.tokens + 1
+    assert radix.device_fixed_bytes == device_fixed_bytes(LLAMA8B, OffloadPolicy(), 4096, 64, tokens=T) + 65 * 131072 * 30 * 2
+    assert T * radix.device_token_bytes + radix.device_fixed_bytes <= STOCK_H200
+    assert 0.995 < radix.tokens / sz.tokens < 0.998
 
 
 @settings(max_examples=200, deadline=None)
@@ -290,7 +316,8 @@ def test_every_offload_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
     from sglang_elastic.offload import hooks
 
     seen = hook_targets(hooks.register, monkeypatch)
-    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 5
+    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 6
+    assert "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req" in seen
 
 
 def test_estimate_costs_a_summary_row_per_chunk_of_tokens_not_per_context():

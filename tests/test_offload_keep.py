@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sglang_elastic.offload import keep
 from sglang_elastic.offload.policy import OffloadPolicy
+from test_controller import sglang_runtime_context  # noqa: F401 (the autouse fixture: SGLang's runtime config, which PrefillAdder reads)
 from test_offload_pool import make_pool, recorded_hooks
 
 SIZE, ROWS, CTX = 600, 5, 200
@@ -307,3 +308,106 @@ def test_the_capture_hooks_leave_lora_alone_and_clear_the_variant_label():
     assert r._sglang_elastic_keep and be.graph_variants
     _set_capture_lora_variant(keep.DENSE_VARIANT)  # what SGLang's capture loop leaves after its last variant
     assert keep.after_capture("done", r) == "done" and get_capture_lora_variant() is None
+
+
+def radix_server(with_tree=True):
+    """A :class:`Server` beside SGLang's own ``RadixCache`` over the same hooked allocator: three finished
+    requests of 150 tokens cached in the tree (the ids SGLang's ``insert`` keeps), then a request whose first 100 tokens the tree matches (``match_prefix``, locked as SGLang
+    locks a running request's prefix) and 40 new ones, prepared as SGLang prepares it (prefix 100,
+    extend 40). ``with_tree=False``: the same, the batch naming no tree (what KeepV saw before)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    s = Server()
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cpu", False),
+                                      token_to_kv_pool_allocator=s.alloc, page_size=1))
+    base = s.batch
+    s.batch = lambda rows, **kw: (lambda b: (setattr(b, "tree_cache", tree if with_tree else None), b)[1])(base(rows, **kw))
+    for first in (1000, 2000, 3000):  # finished requests' tokens, as cache_finished_req inserts them (their kept V gone back)
+        tree.insert(InsertParams(key=RadixKey(array("l", range(first, first + 150))), value=s.alloc.alloc(150)))
+    assert tree.evictable_size() == 450 and s.m.real_free() == SIZE - 450
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("l", list(range(1000, 1100)) + [7] * 40))))
+    assert len(match.device_indices) == 100
+    tree.inc_lock_ref(match.last_device_node)
+    new = s.alloc.alloc(40)
+    s.reqs[4] = torch.cat([match.device_indices.to(torch.int64), new])
+    s.hooks["prepare_for_extend"](None, s.batch([4], prefix_lens=[100], extend_lens=[40]))
+    return s, tree
+
+
+def tree_ids(tree):
+    out, todo = [], [tree.root_node]
+    while todo:
+        node = todo.pop()
+        todo += list(node.children.values())
+        if node is not tree.root_node and node.value is not None:
+            out.append(node.value.to(torch.int64))
+    return out
+
+
+def test_a_grant_evicts_the_radix_caches_least_recently_used_prefixes_to_keep_a_matched_request_dense():
+    """With SGLang's radix cache holding most of the pool, a request whose prefix the cache matched takes
+    kept slots for its whole length (prefix included): the grant evicts the cache's least recently used
+    unlocked prefixes (SGLang's ``evict``) for the slots and a reserve more, never the locked prefix, and
+    every slot keeps one owner. Without the tree named, the same grant finds too few free slots."""
+    s, tree = radix_server()
+    m, pool = s.m, s.pool
+    assert m.kept(4) == 140 and pool.keep_len_cpu[4] == 140
+    evicted = 450 - tree.evictable_size() - tree.protected_size()
+    assert evicted >= 140 + 2 * m.reserve - (SIZE - 450 - 40)  # the grant, a reserve more, less what was free: whole leaves
+    assert tree.protected_size() == 100 and m.real_free() >= m.reserve  # the matched prefix stayed (locked)
+    held = torch.cat(tree_ids(tree) + [s.reqs[4], pool.req_to_vrow[4, :140].long() - pool.keep_base, s.alloc.free_pages,
+                                       s.alloc.release_pages]).tolist()
+    assert sorted(set(held)) == list(range(1, SIZE + 1))
+    assert len(held) == SIZE + 100  # the prefix's 100 ids are the tree's and the request's; no other slot has two owners
+    bare, _ = radix_server(with_tree=False)
+    assert bare.m.kept(4) == 0
+
+
+def test_a_prefill_batch_takes_requests_while_their_cached_prefixes_fit_the_staging_buffers():
+    """SGLang's own ``PrefillAdder`` and ``RadixCache`` over an offload pool whose staging holds 200 tokens (one
+    layer's prefixes of a prefill batch): a request whose cached prefix of 150 tokens would take the batch to 300
+    stops the batch (``OTHER``: it waits for the next one, as for SGLang's own limits); one whose prefix of 40
+    fits joins. A batch's first request always joins. Without the hook (SGLang alone) all three join, and the
+    staging would refuse the forward."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_elastic.offload import hooks
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
+    pool = make_pool(pol, size=2000, rows=5, ctx=200)
+    alloc = TokenToKVPoolAllocator(2000, torch.bfloat16, "cpu", pool, need_sort=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(5, 200, "cpu", False),
+                                      token_to_kv_pool_allocator=alloc, page_size=1))
+    doc = list(range(1000, 1150))
+    tree.insert(InsertParams(key=RadixKey(array("q", doc)), value=alloc.alloc(150)))
+    [(hook, kind)] = recorded_hooks(hooks.register)["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"]
+    assert kind == HookType.AROUND
+
+    def batch(add):
+        adder = PrefillAdder(1, tree, alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+        got = []
+        for i, prompt in enumerate((doc + [7] * 20, doc + [8] * 20, doc[:40] + [9] * 20)):
+            req = Req(f"r{i}", "", array("q", prompt), SamplingParams(max_new_tokens=16))
+            req.init_next_round_input(tree)  # SGLang's match: prefix_indices
+            got.append((len(req.prefix_indices), add(adder, req, has_chunked_req=False, truncation_align_size=None)))
+        return got, sum(len(r.prefix_indices) for r in adder.can_run_list)
+
+    got, staged = batch(_wrap_fn(PrefillAdder.add_one_req, hook, kind))
+    assert got == [(150, AddReqResult.CONTINUE), (150, AddReqResult.OTHER), (40, AddReqResult.CONTINUE)] and staged == 190
+    got, staged = batch(PrefillAdder.add_one_req)
+    assert [r for _, r in got] == [AddReqResult.CONTINUE] * 3 and staged == 340 > pool.k_stage.shape[0]

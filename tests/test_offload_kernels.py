@@ -189,6 +189,57 @@ def test_swap_in_follows_lru_and_fills_the_hot_buffer_with_the_host_rows(evictio
     assert set(favourites) <= held if eviction == "lfu" else not set(favourites) <= held  # the rule made a difference
 
 
+@pytest.mark.parametrize("by_row", [False, True], ids=["hint_by_token", "hint_by_row"])
+def test_requests_that_share_token_ids_find_their_own_hot_rows_with_the_hint_by_row(by_row):
+    """Two requests whose first 40 positions are the same token ids (a prefix SGLang's radix cache
+    matched) select the same 4 of them for 6 steps, after one of them loaded another row first (so
+    their slots differ). Every entry reads the host's V row of its token either way; with the hint per
+    token id each request finds the other's slot, misses and loads again (step after step, until their
+    slots happen to line up), with the hint per request row and position (``loc_slot`` ``[rows, context]``)
+    only the first step loads."""
+    g = torch.Generator().manual_seed(3)
+    HN, MAXK, rows, ctx, PAGE, B = 16, 8, 3, 64, 4, 2
+    base = rows * 3
+    req = torch.tensor([1, 2], dtype=torch.int32)
+    table = torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
+    count = torch.full((rows,), 4, dtype=torch.int32)
+    r2t = (torch.randperm(500, generator=g)[: rows * ctx].view(rows, ctx) + 1).to(torch.int32)
+    r2t[2, :40] = r2t[1, :40]
+    loc_slot = torch.full((rows, ctx) if by_row else (512,), -1, dtype=torch.int16)
+    slot_pos = torch.full((rows, HN), -1, dtype=torch.int32)
+    slot_time = torch.full((rows, HN), -1, dtype=torch.int32)
+    host = torch.randn(512, 2, 8, generator=g).bfloat16()
+    dev = torch.full((base + rows * 4 * PAGE + 1, 2, 8), NAN).bfloat16()
+    stats = torch.zeros(2, dtype=torch.int64)
+    per_step = []
+    for step in range(7):
+        sels = [[10], []] if step == 0 else [[20, 21, 22, 23], [20, 21, 22, 23]]
+        k = torch.tensor([len(x) for x in sels], dtype=torch.int32)
+        sel = torch.zeros(B, MAXK, dtype=torch.int32)
+        for b, x in enumerate(sels):
+            sel[b, : len(x)] = torch.tensor(x, dtype=torch.int32)
+        s_eff = w_eff = torch.zeros(B, dtype=torch.int32)
+        att_indptr = torch.zeros(B + 1, dtype=torch.int32)
+        att_indptr[1:] = torch.cumsum(k, 0)
+        att_k = torch.full((int(att_indptr[-1]) + 1,), -5, dtype=torch.int32)
+        att_v = att_k.clone()
+        ms, md = torch.full((B, MAXK), -1, dtype=torch.int32), torch.full((B, MAXK), -1, dtype=torch.int32)
+        mc = torch.full((B,), -1, dtype=torch.int32)
+        ko.swap_in_run(sel, k, s_eff, w_eff, att_indptr, torch.full((B,), 50 + step, dtype=torch.int32), req, r2t, loc_slot, slot_pos,
+                       slot_time, torch.zeros(B, HN, dtype=torch.int32), att_k, att_v, ms, md, mc, stats, MAXK, table, count, base, PAGE)
+        ko.copy_rows_run(host, dev, ms, md, counts=mc)
+        for b in range(B):
+            for i, p in enumerate(sels[b]):
+                at = int(att_indptr[b]) + i
+                assert torch.equal(dev[int(att_v[at])], host[int(r2t[int(req[b]), p])])  # always the token's own V
+        per_step.append(mc.tolist())
+    assert per_step[1] == [4, 4]
+    if by_row:
+        assert per_step[2:] == [[0, 0]] * 5
+    else:  # the ping-pong the hint by row removes (until the two requests' slots happen to line up)
+        assert sum(sum(m) for m in per_step[2:]) >= 8, per_step
+
+
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_a_speculative_pass_loads_only_into_slots_the_last_step_left_and_the_model_agrees(eviction):
     """``swap_in_run(spec=True)`` (the prefetch) against :class:`HotBufferModel`:
@@ -670,7 +721,7 @@ from sglang_elastic.kernels import offload as ko
 from sglang_elastic.kernels import decode_attention as da
 
 def sig(fn, ptrs, cx):
-    return {n: ptrs.get(n, "*i32" if n.endswith("_ptr") else "i64" if n in ("hot_base", "spare_row") else "i32")
+    return {n: ptrs.get(n, "*i32" if n.endswith("_ptr") else "i64" if n in ("hot_base", "spare_row", "stride_hint_r") else "i32")
             for n in fn.arg_names if n not in cx}
 
 cases = [
@@ -690,6 +741,8 @@ cases = [
      dict(KROW=1024, VROW=1024, BLOCK_K=1024, BLOCK_V=1024, BLOCK_R=4, VROWS=True, KEEP=False, SUM=True, C=16, HOST=True)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False)),
     (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=True, LFU=True)),
+    (ko._swap_in_kernel, {"loc_slot_ptr": "*i16", "stats_ptr": "*i64"}, dict(HN=4096, BLOCK_K=2048, BLOCK_H=4096, PAGE=64, SPEC=False, LFU=False,
+                                                                           HINT_ROW=True)),
     (ko._chunk_mean_kernel, {"src_ptr": "*bf16", "ids_ptr": "*i64", "dst_ptr": "*i64", "out_ptr": "*bf16"}, dict(C=16, ROW=1024, BLOCK_ROW=1024)),
     (ko._row_plan_kernel, {"keep_rows_ptr": "*i64", "sum_src_ptr": "*i64", "sum_chunk_ptr": "*i64"},
      dict(C=16, DENSE=True, SUMMARY=True, RING=False, SINK=0, WINDOW=1, REGION=1)),

@@ -43,9 +43,9 @@ def layer(i):
 
 
 def make_pool(policy, resident=False, size=7000, rows=5, hot=32, ctx=1200, eviction="lru", hot_page=8, slack=2.0, keep_v=False,
-              slack_max=0.0):
+              slack_max=0.0, hint_by_row=False):
     lay = OffloadLayout(policy, hot_tokens=hot, request_rows=rows, stage_tokens=ctx, resident_v=resident, eviction=eviction,
-                        hot_page=hot_page, hot_slack=slack, keep_v=keep_v, hot_slack_max=slack_max)
+                        hot_page=hot_page, hot_slack=slack, keep_v=keep_v, hot_slack_max=slack_max, hint_by_row=hint_by_row)
     return OffloadKVPool(size, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=False)
 
 
@@ -68,20 +68,33 @@ class Sim:
         self.guess = None  # prefetch: f(q of the next layer) -> the guessed query, or None: no prefetch
         self.keep = set()  # keep_v: rows whose V goes to pool slots too (taken from the free ids, as SGLang's allocator lends them)
         self.async_host = True  # decode steps write host V from the ring rows after the store (the backend's way); False: in the store
+        self.stage = True  # a prefill with a prefix stages it per layer (the backend's way); False: the rebuild left out
 
     def _keep(self, r, start, n):
+        """As :meth:`KeepV.on_extend` and ``on_decode`` grant: positions ``[have, start + n)`` of a row in
+        ``keep`` (``have``: its kept positions, 0 for a new row, also one whose prefix another row computed)."""
         if r in self.keep:
-            ids, self.free = self.free[:n], self.free[n:]
-            self.pool.set_keep(r, start, torch.tensor(ids, dtype=torch.int64))
+            have = self.pool.keep_len_cpu[r]
+            if have != start:
+                self.pool.set_keep(r, 0, None)
+                have = 0
+            ids, self.free = self.free[: start + n - have], self.free[start + n - have:]
+            self.pool.set_keep(r, have, torch.tensor(ids, dtype=torch.int64))
 
     def kept(self, r, length):
         return self.pool.keep_v and self.pool.keep_len_cpu[r] >= length
 
-    def new_request(self, r):
-        """Row ``r`` gets a new request: its old ids go back to the free list, fresh ones come (as SGLang's allocator does)."""
-        self.free += self.r2t[r].tolist()
-        ids, self.free = self.free[: self.ctx], self.free[self.ctx:]
-        self.r2t[r] = torch.tensor(ids, dtype=torch.int32)
+    def new_request(self, r, prefix_of=None, prefix=0):
+        """Row ``r`` gets a new request: its old ids go back to the free list (those no other row
+        holds), fresh ones come (as SGLang's allocator does). ``prefix_of``: its first ``prefix``
+        positions are row ``prefix_of``'s token ids, K and V (a prefix SGLang's radix cache matched)."""
+        others = set(self.r2t[[i for i in range(self.r2t.shape[0]) if i != r]].flatten().tolist())
+        self.free += [i for i in self.r2t[r].tolist() if i not in others]
+        ids, self.free = self.free[: self.ctx - prefix], self.free[self.ctx - prefix:]
+        self.r2t[r, prefix:] = torch.tensor(ids, dtype=torch.int32)
+        if prefix:
+            self.r2t[r, :prefix] = self.r2t[prefix_of, :prefix]
+            self.k[:, r, :prefix], self.v[:, r, :prefix] = self.k[:, prefix_of, :prefix], self.v[:, prefix_of, :prefix]
 
     def extend(self, reqs, spans):
         """One prefill batch: request rows ``reqs``, positions ``[a, b)`` each."""
@@ -99,10 +112,13 @@ class Sim:
         vrows = pool.extend_v_rows(rows, pre, ext)
         keep_rows = pool.extend_keep_rows(rows, pre, ext)
         pool.set_summary_plan(pool.plan_extend_summaries(rows, pre, ext, self.r2t))
+        locs = pool.plan_prefix(rows, pre, ext, self.r2t)  # as the backend: the prefixes staged per layer
         own = torch.cat([torch.full((b - a,), r) for r, (a, b) in zip(reqs, spans)])
         pos = torch.cat([torch.arange(a, b) for a, b in spans])
         for l in range(L):
             k, v = torch.randn(len(pos), HKV, D, generator=self.g).bfloat16(), torch.randn(len(pos), HKV, D, generator=self.g).bfloat16()
+            if locs is not None and self.stage:
+                pool.stage_layer(l, locs)
             pool.set_v_rows(vrows, keep_rows)
             pool.set_kv_buffer(layer(l), self.r2t[own, pos].long(), k, v)
             self.k[l, own, pos], self.v[l, own, pos] = k, v
@@ -407,6 +423,67 @@ def test_prefill_writes_sink_and_each_chunks_last_window_to_the_hot_buffer():
     # request row 1, positions 10..12 (a later chunk): all among its last 4
     want1 = [1 * R + 2 + p % 4 for p in (10, 11, 12)]
     assert rows == want3 + want1
+
+
+def radix_hits(resident, denominator, stage=True, keep=(), seed=11, hint_by_row=False):
+    """Rows 1 and 2 prefilled and decoding; then two new requests whose prefixes SGLang's radix cache
+    matched in row 1 (its token ids, K and V): row 3 shares 250 positions and adds 5 (fewer than the
+    window: its ring holds prefix positions), row 4 shares 203 (inside a chunk, which its 12 new tokens
+    complete); four decode steps of all four, rows 1, 3 and 4 reading the same token ids.
+    ``stage=False``: the prefill leaves the staging (and so the rebuild) out; ``keep``: rows that keep V;
+    ``hint_by_row``: the hot buffers' hint per request row and position (the server's with the radix cache)."""
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator=denominator, chunk=8)
+    sim = Sim(make_pool(pol, resident, keep_v=bool(keep), hint_by_row=hint_by_row), seed)
+    sim.keep = set(keep)
+    sim.extend([1, 2], [(0, 300), (0, 40)])
+    lens, outs, worst = sim.run([1, 2], [300, 40], 2)
+    sim.new_request(3, prefix_of=1, prefix=250)
+    sim.new_request(4, prefix_of=1, prefix=203)
+    sim.stage = stage
+    sim.extend([3, 4], [(250, 255), (203, 215)])
+    _, o, w = sim.run([1, 2, 3, 4], lens + [255, 215], 4)
+    return outs + o, max(worst, w), sim
+
+
+@pytest.mark.parametrize("denominator", ["selected", "estimate"])
+def test_a_prefix_the_radix_cache_matched_is_rebuilt_in_the_new_row_and_decodes_as_the_policy_and_the_resident_reference(denominator):
+    """A request whose prefix another request computed (SGLang's radix cache writes the cached token ids
+    into its ``req_to_token`` row and prefills only the rest) gets the prefix's sink and ring rows and
+    (``estimate``) V summaries in its own row from the staged prefix: every decode output matches the
+    policy's float64 reference over the full history, and the host tier the all-resident reference bit
+    for bit. Left out (no staging), the new rows read sink and ring rows and chunk means nobody wrote."""
+    outs, worst, sim = radix_hits(False, denominator, hint_by_row=denominator == "estimate")  # the hint: either is exact
+    outs_res, worst_res, _ = radix_hits(True, denominator)
+    assert worst < 1e-2 and worst_res < 1e-2, (worst, worst_res)
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_res))
+    pool = sim.pool
+    if denominator == "estimate":  # every complete chunk of the new rows: the mean of its V, one slot each
+        C = 8
+        for r, n in ((3, 259), (4, 219)):
+            assert int(pool.slot_count[r]) == n // C
+            for l in pool.summary_layer_ids:
+                for c in range(n // C):
+                    want = sim.v[l, r, c * C:(c + 1) * C].float().mean(0).bfloat16()
+                    assert bf16_close(pool.vsum[l][int(pool.chunk_slot[r, c])], want), (r, l, c)
+        live = pool.chunk_slot[[1, 2, 3, 4]][pool.chunk_slot[[1, 2, 3, 4]] != pool.ZERO].tolist()
+        assert len(set(live)) == len(live) == sum(n // C for n in (304, 44, 259, 219)) and int(pool.slot_overflow) == 0
+    _, worst_bare, _ = radix_hits(False, denominator, stage=False)
+    assert worst_bare > 0.05, worst_bare
+
+
+def test_a_kept_request_with_a_matched_prefix_keeps_the_prefix_v_copied_from_the_staging_buffer():
+    """keep-v: a request whose prefix the radix cache matched takes kept slots for the prefix too; its
+    prefill copies the staged prefix V there, so it attends densely (the float64 dense reference)
+    from its first step, and each kept slot holds its position's V."""
+    outs, worst, sim = radix_hits(False, "estimate", keep=(3,))
+    pool = sim.pool
+    assert sim.kept(3, 259) and pool.keep_len_cpu[3] == 259 and not sim.kept(4, 1)
+    assert worst < 2e-2, worst
+    for l in pool.sparse_layer_ids:
+        assert torch.equal(pool.v_buffer[l][pool.req_to_vrow[3, :259].long()], sim.v[l, 3, :259])
+    assert int(pool.hot_count[3]) == 0 and int(pool.hot_count[1]) > 0  # the kept row selects nothing
+    _, worst_bare, _ = radix_hits(False, "estimate", stage=False, keep=(3,))
+    assert worst_bare > 0.05, worst_bare
 
 
 def test_staging_gathers_a_prefix_from_the_pool_and_the_host_rows():

@@ -62,10 +62,10 @@ def test_launch_script_refuses_on_this_cpu_machine_before_installing_anything():
 def test_dry_run_refuses_what_the_server_start_would_refuse():
     """``serve --dry-run`` printed any command, however wrong (new-user finding):
     it now runs SGLang's parser with our flags and the plugin's checks."""
-    r = cli("serve", "--dry-run", "--enable-kv-offload", timeout=300)
+    r = cli("serve", "--dry-run", "--enable-kv-offload", "--page-size", "16", timeout=300)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.startswith("sglang-elastic serve: --enable-kv-offload needs --disable-radix-cache") and len(r.stderr.splitlines()) == 1
-    r = cli("serve", "--dry-run", "--enable-kv-offload", "--disable-radix-cache", "--kv-offload-denominator", "estimate", timeout=300)
+    assert r.stderr.startswith("sglang-elastic serve: --enable-kv-offload does not support --page-size 16") and len(r.stderr.splitlines()) == 1
+    r = cli("serve", "--dry-run", "--enable-kv-offload", "--kv-offload-denominator", "estimate", timeout=300)  # with the radix cache
     assert r.returncode == 0, r.stderr
     assert "--enable-kv-offload" in r.stdout.split() and "--attention-backend" not in r.stdout.split()
 

@@ -222,12 +222,27 @@ SMOKE_FLAGS = ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", "16", "--c
 SMOKE_LENGTHS = [100, 1000, 5000, 12000, 30000, 3000]
 
 
+def radix_followups(ps: List[List[int]], seed: int = 7, keep: float = 0.75, new: int = 50) -> List[List[int]]:
+    """A follow-up of each prompt: its first ``keep`` share (what SGLang's radix cache holds once the prompt
+    finished: a later turn of a chat, or another question over one document) and ``new`` fresh tokens."""
+    rnd = random.Random(seed)
+    return [p[: int(len(p) * keep)] + [rnd.randrange(100, 128000) for _ in range(new)] for p in ps]
+
+
 def part_smoke(a) -> dict:
-    out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}}
+    """Offload against resident V (the same selection, every V row on the GPU), greedy, the same prompts one by one
+    and then at once. ``a.radix``: both servers with SGLang's radix cache (default on; the other parts turn it off),
+    and after the prompts a follow-up of each sharing 3/4 of it, which the cache matches (``cached_tokens``): the
+    request's sink, ring and V summaries are rebuilt from the cached prefix (``OffloadKVPool.plan_prefix``)."""
+    radix = bool(getattr(a, "radix", False))
+    out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}, "radix_cache": radix}
     ps = prompts(SMOKE_LENGTHS, seed=0)
+    if radix:
+        ps = ps + radix_followups(ps)
     runs = {}
     for i, name in enumerate(("resident", "offload")):
-        args = SERVERS[name] + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
+        base = [x for x in SERVERS[name] if not (radix and x == "--disable-radix-cache")]
+        args = base + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
         s = Server(name, args + tp_args(a), 30100 + i, a.work)
         try:
             up = s.wait()
@@ -235,7 +250,8 @@ def part_smoke(a) -> dict:
             for p in ps:
                 r = s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0, "ignore_eos": True},
                                 "return_logprob": True})
-                res.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+                res.append({"ids": r["output_ids"], "logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]],
+                            "cached_tokens": r["meta_info"].get("cached_tokens")})
             # the same prompts again at once (a batch of 6: hot buffers of several requests in one step)
             import concurrent.futures as cf
 
@@ -244,7 +260,8 @@ def part_smoke(a) -> dict:
                                                                                               "ignore_eos": True}}), ps))
             info = s.info()
             out["servers"][name] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
-                                    "offload": offload_state(info), "batched_equals_sequential": [b["output_ids"] == r["ids"] for b, r in zip(batch, res)]}
+                                    "offload": offload_state(info), "batched_equals_sequential": [b["output_ids"] == r["ids"] for b, r in zip(batch, res)],
+                                    "cached_tokens": [r["cached_tokens"] for r in res]}
             runs[name] = res
         finally:
             s.stop()
@@ -253,6 +270,10 @@ def part_smoke(a) -> dict:
     dlp = max(abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"]))
     out["exactness"] = {"compared": len(same), "identical": sum(same), "max_abs_logprob_diff": dlp,
                         "tokens_compared": sum(len(x["ids"]) for x in a_)}
+    if radix:  # the follow-ups: how many the cache matched in both servers, and whether those came out identical
+        hit = [i for i in range(len(SMOKE_LENGTHS), len(ps)) if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]
+        out["exactness"]["cache_hits"] = {"followups": len(ps) - len(SMOKE_LENGTHS), "matched": len(hit),
+                                          "identical": sum(same[i] for i in hit)}
     return out
 
 
@@ -747,6 +768,9 @@ def part_assemble(a) -> dict:
     if smoke:
         out["exactness"] = {"compared": smoke["exactness"]["compared"], "identical": smoke["exactness"]["identical"],
                             "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
+    radix = by.get("smoke_radix")
+    if radix:  # the same check with SGLang's radix cache, follow-ups matching cached prefixes (smoke --radix)
+        out.setdefault("exactness", {})["radix_cache"] = {**radix["exactness"], "date": radix.get("date"), "commit": radix.get("commit")}
     # accuracy parts (offload_accuracy.py), oldest first: the newest gives the issue's rows; every one is listed
     # (TP 1 only, as the other keys; rows_in names the parts' folder as given, e.g. offload_h200_parts/accuracy.json)
     folder = os.path.basename(os.path.normpath(a.parts))
@@ -821,6 +845,8 @@ def main():
                     help="throughput: requests (default: the workload's; e.g. 8 x 130,560 of long128k, 1.04M tokens, still exceed stock's pool)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--tp", type=int, default=1, help="smoke, capacity, throughput: tensor parallel size of every server (GPUs 0..N-1)")
+    ap.add_argument("--radix", action="store_true", help="smoke: with SGLang's radix cache, and a follow-up of each prompt that the "
+                                                         "cache matches (part \"smoke_radix\")")
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
@@ -854,6 +880,8 @@ def main():
             ap.error("merge needs --inputs PART.json ...")
         if a.part != "merge" and a.inputs:
             ap.error(f"--inputs applies only to merge, not {a.part}")
+        if a.radix and a.part != "smoke":
+            ap.error(f"--radix applies only to smoke, not {a.part}")
         if a.part != "throughput" and (a.offload_extra or a.dense_launch):
             ap.error(f"--offload-extra / --dense-launch apply only to throughput, not {a.part}")
         if a.dense_launch:
@@ -873,7 +901,8 @@ def main():
     except RuntimeError as e:
         sys.exit(f"bench_offload {a.part}: {e}")
     if a.part not in ("assemble", "merge"):
-        res = {**results.header(), "part": a.part, "tp": a.tp, "seconds": round(time.time() - t0, 1), **res}
+        part = "smoke_radix" if a.radix else a.part
+        res = {**results.header(), "part": part, "tp": a.tp, "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
     print(json.dumps(res, indent=1)[:4000])
 

@@ -10,10 +10,12 @@ Interface: SGLang 0.5.17's ``AttentionBackend``
 Prefill (EXTEND): SGLang's own ``FlashInferAttnBackend`` (built through
 SGLang's registry, not re-implemented) in its ragged mode: the chunk's new
 K/V go to FlashInfer's ragged kernel directly, and, when requests have a
-prefix (the later chunks of a chunked prompt), the prefix is read by
-FlashInfer's paged kernel from staging buffers that hold, per layer, the
-prefix's K from the pool and V from the host pool (``custom_kv_indices`` =
-staging rows; :meth:`OffloadKVPool.stage_layer`). The pool writes every new
+prefix (the later chunks of a chunked prompt, or a prefix SGLang's radix
+cache matched), the prefix is read by FlashInfer's paged kernel from staging
+buffers that hold, per layer, the prefix's K from the pool and V from the
+host pool (``custom_kv_indices`` = staging rows; :meth:`OffloadKVPool.stage_layer`,
+which also rebuilds a cached prefix's sink, ring and kept rows and V
+summaries in the request's own row: :meth:`OffloadKVPool.plan_prefix`). The pool writes every new
 token's K to the GPU, V to the host, and the prompt's first ``sink`` and
 each chunk's last ``window`` positions also to the request's hot buffer.
 New requests' hot buffers are reset here. With ``--kv-offload-keep-v`` a
@@ -153,13 +155,10 @@ class OffloadAttnBackend(AttentionBackend):
         pool.set_summary_plan(pool.plan_extend_summaries(rows, prefix_cpu, ext_cpu, self.req_to_token))
         total_prefix = sum(prefix_cpu)
         custom = None
-        self._prefix_locs = None
+        # the prefixes' token ids (gathered on the GPU) and what each layer's staging rebuilds from them: the sink, ring
+        # and kept rows and the V summaries of a prefix SGLang's radix cache matched (OffloadKVPool.plan_prefix)
+        self._prefix_locs = pool.plan_prefix(rows, prefix_cpu, ext_cpu, self.req_to_token)
         if total_prefix:
-            r2t = self.req_to_token
-            # the prefixes' token ids gathered on the GPU (no device-to-host read of the rows)
-            owner, pos, _ = pool.extend_positions([0] * bs, prefix_cpu)  # positions [0, prefix) of each request
-            dev = r2t.device
-            self._prefix_locs = r2t[rows.to(dev, torch.int64)[owner.to(dev, non_blocking=True)], pos.to(dev, non_blocking=True)].to(torch.int64)
             custom = torch.arange(total_prefix, dtype=torch.int32, device=self.device)
         fi.indices_updater_prefill.update(
             fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.seq_lens_sum, fb.extend_prefix_lens,

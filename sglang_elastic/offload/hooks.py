@@ -11,6 +11,7 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
 | ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream), and (``--kv-offload-keep-v``) its kept V slots to SGLang's allocator; AROUND because ``free`` clears ``req.req_pool_idx`` |
 | ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``, ``TokenToKVPoolAllocator.alloc`` / ``available_size`` | AFTER / AROUND | dense while V fits (``--kv-offload-keep-v``, on by default; they pass through for a pool built without kept V): :mod:`sglang_elastic.offload.keep` |
+| ``PrefillAdder.add_one_req`` | AROUND | a prefill batch's prefixes fit the staging buffers (one layer's K and V of the context length): with SGLang's radix cache several requests of a batch may have a cached prefix, and a request that would take the batch past the staging waits for the next batch (:func:`around_add_one_req`) |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -30,6 +31,7 @@ _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
 _REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 #: ``--max-running-requests`` when the user gives none: hot buffers are per request.
 DEFAULT_REQUESTS = 64
 #: What the sizing hook decided, for the pool builder and the server state (this process's target worker).
@@ -54,10 +56,29 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", _after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
     HookRegistry.register(f"{_REQ_POOL}.free", around_req_free, HookType.AROUND)
+    HookRegistry.register(f"{_ADDER}.add_one_req", around_add_one_req, HookType.AROUND)
     if config.current().offload.keep_v_wanted:  # its hooks act only on a pool built with kept V (keep._offload_backend)
         from sglang_elastic.offload import keep
 
         keep.register()
+
+
+def around_add_one_req(orig, adder, req, *args, **kwargs):
+    """AROUND hook of ``PrefillAdder.add_one_req``: a request joins the prefill batch being formed only while the
+    batch's prefixes (``prefix_indices``: a prefix the radix cache matched, or a chunked prompt's earlier chunks)
+    fit the offload pool's staging buffers, which hold every prefix of a batch for one layer (the context
+    length: :meth:`~sglang_elastic.offload.pool.OffloadKVPool.stage_layer`). Else SGLang's ``OTHER`` (stop
+    adding, as SGLang stops for its own limits): the request waits for the next batch, where it comes first. A
+    batch's first request always joins (its prefix is shorter than the context)."""
+    pool = getattr(getattr(adder, "token_to_kv_pool_allocator", None), "_kvcache", None)
+    layout = getattr(pool, "layout", None)
+    if layout is not None and adder.can_run_list:
+        staged = sum(len(r.prefix_indices) for r in adder.can_run_list)
+        if staged + len(req.prefix_indices) > layout.stage_tokens:
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.OTHER
+    return orig(adder, req, *args, **kwargs)
 
 
 def around_req_free(orig, req_pool, req, *args, **kwargs):
@@ -237,11 +258,13 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     available = kvc._profile_available_bytes(pre_model_load_memory)
     ranks_here = max(1, min(get_parallel().tp_size, torch.cuda.device_count() or 1))
     host_free = psutil.virtual_memory().available // ranks_here
+    # SGLang's radix cache gives requests shared token ids: the hot buffers' hint then goes by request row and position
+    hint_by_row = not getattr(getattr(kvc, "server_args", None), "disable_radix_cache", True)
     try:
         sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
                        max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v,
-                       keep_v=keep_v)
+                       keep_v=keep_v, hint_by_row=hint_by_row)
     except SizingError as e:
         raise RuntimeError(f"sglang-elastic: {e}") from None
     tokens = _tp_min(sz.tokens)
@@ -254,7 +277,8 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
     _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
-                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=keep_v)
+                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=keep_v,
+                                     hint_by_row=hint_by_row)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static

@@ -6,8 +6,9 @@ pool_host/base.py``) for V only, ``layer_first``: ``v_buffer[l]`` is
 (2 KiB on Llama-3.1-8B at TP 1), so a hot-buffer miss is one row copy.
 Its rows mirror the device pool's token ids one to one (row ``i`` holds V of
 the token in K-pool slot ``i``): the device allocator's free list is the only
-free list, a token id is owned by one request at a time, and the host pool
-can never overflow while the K pool does not. Allocation, ``cudaHostRegister``
+free list, a token id is written once (by the request that computed it; with
+SGLang's radix cache, requests that match a cached prefix then read its rows
+as their own), and the host pool can never overflow while the K pool does not. Allocation, ``cudaHostRegister``
 pinning and the check against free host RAM (leaving
 ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` free) are SGLang's.
 

@@ -13,7 +13,9 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
 - a new request takes one extra slot per prompt token at its first prefill
   chunk (and per token of its later chunks, one per decode step) and keeps
   V there as well as on the host (the host copy, the sink and ring rows and
-  ``estimate``'s chunk means are written as for every request);
+  ``estimate``'s chunk means are written as for every request); one whose
+  prefix SGLang's radix cache matched takes slots for the prefix too, and
+  its prefill copies the prefix's V there from the staging buffer;
 - such a request is dense: its decode step reads every position, K at its
   token ids and V at its kept rows, normalised by its own sum, in a launch
   of the kept requests with the all-dense step's settings, beside the sparse
@@ -25,6 +27,15 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
   V (their first sparse step copies its top-k). A kept request whose next
   slot would leave less than the reserve free (``--kv-offload-keep-reserve``, default :data:`RESERVE_FRAC` of the pool) is demoted too. No
   request is promoted back: that would copy its whole V over PCIe.
+
+With SGLang's radix cache, a grant that finds too few free slots first
+evicts the cache's least recently used prefixes (SGLang's own ``evict``, as
+for any allocation of a running request), a reserve more than it needs so
+that the next steps do not walk the tree again; an allocation SGLang makes
+demotes kept requests before SGLang evicts anything (SGLang counts kept
+slots as free, below). So the cache keeps what it would keep beside stock's
+pool, less what grants took; the pool being ~1.6x stock's, that is at least
+stock's cache while the running requests hold under ~0.6x stock's pool.
 
 SGLang sees the kept slots as free (``available_size`` counts them: the
 admission, the decode retraction check and ``token_usage`` reason about the
@@ -94,6 +105,9 @@ class KeepV:
         self.all_kept = False
         self.all_kept_bs = 0
         self._inner = False  # our own alloc / free calls: the allocator hooks pass them through
+        #: SGLang's tree cache (the scheduler's batch names it): a grant may evict its least recently used
+        #: cached prefixes (:meth:`_evict`), never a demotion's room
+        self.tree = None
 
     # ------------------------------------------------------------- accounting
 
@@ -110,7 +124,9 @@ class KeepV:
 
     def _alloc(self, n: int) -> Optional[torch.Tensor]:
         if self.real_free() - n < self.reserve:
-            return None
+            self._evict(n + 2 * self.reserve - self.real_free())
+            if self.real_free() - n < self.reserve:
+                return None
         self._inner = True
         try:
             ids = self.allocator.alloc(n)
@@ -118,28 +134,44 @@ class KeepV:
             self._inner = False
         return ids
 
+    def _evict(self, n: int) -> None:
+        """Free up to ``n`` slots that SGLang's radix cache holds for no running request (its least
+        recently used leaves, SGLang's own ``evict``), as SGLang evicts for any allocation a running
+        request needs. A grant asks for a reserve more than it needs, so that the decode steps after
+        it find spare slots without walking the tree each step. Nothing without a radix cache (its
+        ``ChunkCache``), or while SGLang's frees are grouped (they would return only at the group's end)."""
+        tree = self.tree
+        if n <= 0 or tree is None or tree.is_chunk_cache() or not tree.evictable_size() or not self.allocator.is_not_in_free_group:
+            return
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree.evict(EvictParams(num_tokens=n))
+
     def on_extend(self, rows, prefix_lens, extend_lens) -> None:
-        """A prefill batch was allocated (SGLang's ``prepare_for_extend``): a new request
-        (prefix 0) keeps V of its chunk if the slots are spare; a kept request extends
-        its kept positions by the chunk, or is demoted."""
+        """A prefill batch was allocated (SGLang's ``prepare_for_extend``): a kept request
+        extends its kept positions by the chunk, or is demoted; a request without kept V
+        keeps V of its whole length so far if the slots are spare: a new request's chunk, and
+        with a prefix (one SGLang's radix cache matched, or a chunked prompt's earlier chunks
+        after a demotion) the prefix too, whose V the prefill copies from the staging buffer
+        it fills anyway (:meth:`~sglang_elastic.offload.pool.OffloadKVPool.plan_prefix`: no
+        PCIe read of its own)."""
         for r, p, e in zip(rows, prefix_lens, extend_lens):
             r, p, e = int(r), int(p), int(e)
             have = self.kept(r)
-            if p == 0 and have:  # a stale grant of a row's last request (freed without the hook): give it back
+            if have and have != p:  # a stale grant of a row's last request (freed without the hook), or not this prefix
                 self.demote(r)
                 have = 0
-            if have != p or e <= 0:
-                if have and have != p:
-                    self.demote(r)
+            if e <= 0:
                 continue
-            ids = self._alloc(e)
+            n = p + e - have
+            ids = self._alloc(n)
             if ids is None:
                 if have:
                     self.demote(r)
                 continue
-            self.pool.set_keep(r, p, ids)
-            self.held += e
-            self.granted += e
+            self.pool.set_keep(r, have, ids)
+            self.held += n
+            self.granted += n
 
     def on_decode(self, rows, seq_lens) -> None:
         """A decode batch was allocated (SGLang's ``prepare_for_decode``; ``seq_lens`` with the
@@ -323,6 +355,7 @@ def current() -> Optional[KeepV]:
 def after_prepare_for_extend(result, batch, *args, **kwargs):
     m = manager_for(batch.token_to_kv_pool_allocator)
     if m is not None and batch.reqs:
+        m.tree = getattr(batch, "tree_cache", None)
         m.on_extend([req.req_pool_idx for req in batch.reqs], batch.prefix_lens, batch.extend_lens)
     return result
 
@@ -330,6 +363,7 @@ def after_prepare_for_extend(result, batch, *args, **kwargs):
 def after_prepare_for_decode(result, batch, *args, **kwargs):
     m = manager_for(batch.token_to_kv_pool_allocator)
     if m is not None and batch.reqs and batch.seq_lens_cpu is not None:
+        m.tree = getattr(batch, "tree_cache", None)
         m.on_decode([req.req_pool_idx for req in batch.reqs], batch.seq_lens_cpu.tolist())
     return result
 

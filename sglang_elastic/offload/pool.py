@@ -5,7 +5,7 @@ sparse layers in pinned host memory plus per-request hot buffers.
 (``sglang/srt/mem_cache/memory_pool.py``) with other V buffers:
 
 - ``k_buffer[l]``: ``[size + page, kv_heads, head_dim]`` for every layer, as
-  stock (token id = row; SGLang's allocators, radix-free admission and
+  stock (token id = row; SGLang's allocators, admission, radix cache and
   ``max_total_num_tokens`` count these ids);
 - dense layers (``l < policy.dense_layers``) keep ``v_buffer[l]`` of the same
   shape (they attend to everything every step);
@@ -80,7 +80,12 @@ class OffloadLayout:
     keeps missing, in pages nobody needs now, given back when the pool runs short;
     0: no growth, :func:`~sglang_elastic.kernels.offload.page_adapt_run`); ``keep_v`` (``--kv-offload-keep-v``: a
     request keeps its V in idle pool slots while SGLang's allocator has them, and
-    attends densely: :mod:`sglang_elastic.offload.keep`).
+    attends densely: :mod:`sglang_elastic.offload.keep`); ``hint_by_row`` (SGLang's radix cache on):
+    the hot buffers' slot hint ``loc_slot`` is kept per request row and position (``[rows,
+    stage_tokens]`` per sparse layer) instead of per token id. With the radix cache, requests share
+    a cached prefix's token ids; a per-token hint then names one request's slot, the others miss
+    (the hint is verified against the request's own ``slot_pos``: never a wrong row) and load the
+    row again, every step, each moving the hint to its own slot.
 
     Raises:
         ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
@@ -98,6 +103,7 @@ class OffloadLayout:
     hot_page: int = 64
     keep_v: bool = False
     hot_slack_max: float = 0.0
+    hint_by_row: bool = False
 
     def __post_init__(self):
         from sglang_elastic.kernels.offload import EVICTIONS, LFU_MAX_LEN
@@ -190,7 +196,8 @@ class OffloadKVPool(MHATokenToKVPool):
         # hot-buffer state, per sparse layer (index: position in sparse_layer_ids)
         self.slot_pos = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
         self.slot_time = torch.full((n_sparse, rows, layout.hot_tokens), -1, dtype=torch.int32, device=dev)
-        self.loc_slot = torch.full((n_sparse, self.size + self.page_size), -1, dtype=torch.int16, device=dev)
+        hint = (rows, layout.stage_tokens) if layout.hint_by_row else (self.size + self.page_size,)  # per row and position, or per token id
+        self.loc_slot = torch.full((n_sparse, *hint), -1, dtype=torch.int16, device=dev)
         # hot-buffer pages (one table for every sparse layer): a free stack on the GPU, granted by the decode plan
         self.hot_table = torch.full((rows, layout.max_pages), -1, dtype=torch.int32, device=dev)
         self.hot_count = torch.zeros(rows, dtype=torch.int32, device=dev)
@@ -240,6 +247,7 @@ class OffloadKVPool(MHATokenToKVPool):
         #: chunks that found no free slot (their estimate reads zeros); should stay 0
         self.slot_overflow = torch.zeros(1, **i32)
         self._summary_plan = None
+        self._prefix_fill = None  # this prefill's prefix rebuild (plan_prefix), applied per layer by stage_layer
         self._release_pending = []  # request rows SGLang freed, returned at the next forward (on its stream)
         # ``keep_v``: the V row (in the sparse layers' shared K/V buffers) of each position of a dense
         # request, and how many leading positions have one; the CPU mirror of keep_len for the prefill's plan
@@ -571,11 +579,83 @@ class OffloadKVPool(MHATokenToKVPool):
 
     # --------------------------------------------------------------- staging
 
+    def plan_prefix(self, req_pool_indices: torch.Tensor, prefix_lens_cpu, extend_lens_cpu,
+                    req_to_token: torch.Tensor) -> Optional[torch.Tensor]:
+        """A prefill's prefixes: their token ids, and what :meth:`stage_layer` rebuilds from them.
+
+        A request's prefix is either its own earlier prompt chunks or, with SGLang's radix
+        cache, token ids another request computed (``match_prefix``; SGLang wrote them into
+        the request's ``req_to_token`` row). Its row then has no sink or ring rows, no V
+        summaries and no kept V of those positions yet. So, per layer, once the prefix is
+        staged, the pool writes from the staging buffer:
+
+        - the sink rows (positions ``< sink``) and the ring rows of the prefix positions among
+          the last ``window`` of the request after this prefill (the rule of
+          :meth:`extend_v_rows`), every time: for an own prefix they are rewritten with the
+          values they hold, and where SGLang's radix cache swapped a chunk's ids for a cached
+          copy (``cache_unfinished_req``) they then match the ids the request reads;
+        - each complete prefix chunk's V mean (``estimate``) where its ``chunk_slot`` entry
+          is empty (a cached prefix; an own prefix's chunks already have theirs), decided on
+          the GPU;
+        - a kept request's V of every prefix position (``keep_v``: rows ``req_to_vrow``, for
+          rows whose ``keep_len`` covers this prefill), every time, as the sink rows.
+
+        Args:
+            req_pool_indices: ``[bs]`` request rows (on the GPU: never read by the host).
+            prefix_lens_cpu, extend_lens_cpu: ``bs`` ints each (SGLang's CPU lists).
+            req_to_token: SGLang's ``[rows, context]`` token ids.
+
+        Returns:
+            ``[P]`` int64 token ids of every prefix position, requests in batch order (the
+            rows of the staging buffers), or None when no request has a prefix.
+        """
+        self._prefix_fill = None
+        pre = [int(x) for x in prefix_lens_cpu]
+        ext = [int(x) for x in extend_lens_cpu]
+        P = sum(pre)
+        if not P:
+            return None
+        bs = len(pre)
+        owner, pos, _ = self.extend_positions([0] * bs, pre)  # stage row i holds position pos[i] of request owner[i]
+        end = torch.tensor([p + e for p, e in zip(pre, ext)], dtype=torch.int64)[owner]
+        dev = req_to_token.device
+        # the rows from the batch's GPU tensor: no device-to-host read (it would wait for the last forward)
+        rows = req_pool_indices[:bs].to(dev, torch.int64)[owner.to(dev, non_blocking=True)]
+        locs = req_to_token[rows, pos.to(dev, non_blocking=True)].to(torch.int64)
+        rows = rows.to(self.device)
+        fixed = kept = means = None
+        if self.sparse_layer_ids:
+            pol = self.layout.policy
+            off = torch.where(pos < pol.sink, pos,
+                              torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1)))
+            sel = torch.nonzero(off >= 0).flatten()
+            if sel.numel():
+                sel_d = sel.to(self.device, non_blocking=True)
+                fixed = (sel_d, rows[sel_d] * self.layout.region_rows + off[sel].to(self.device, non_blocking=True))
+            if self.keep_v:  # GPU reads only, as extend_keep_rows: keep_len and req_to_vrow were written by this batch's grants
+                pos_d, end_d = pos.to(self.device, non_blocking=True), end.to(self.device, non_blocking=True)
+                kept = torch.where(self.keep_len[rows] >= end_d, self.req_to_vrow[rows, pos_d].to(torch.int64), -1)
+        if self.summary_layer_ids:
+            C = self.layout.policy.chunk
+            pre_t = torch.tensor(pre, dtype=torch.int64)
+            n = pre_t // C  # complete chunks of each prefix
+            if int(n.sum()):
+                b_t = torch.repeat_interleave(torch.arange(bs), n)  # item -> its request, chunk -> its index
+                c_t = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+                ids = ((torch.cumsum(pre_t, 0) - pre_t)[b_t] + c_t * C)[:, None] + torch.arange(C)[None, :]  # stage rows of each chunk
+                r_t = req_pool_indices[:bs].to(self.device, torch.int64)[b_t.to(self.device, non_blocking=True)]
+                c_d = c_t.to(self.device, non_blocking=True)
+                empty = (self.chunk_slot[r_t, c_d] == self.ZERO).to(torch.int32)
+                means = (ids.to(self.device, non_blocking=True), self.assign_summary_slots(r_t, c_d, empty))
+        self._prefix_fill = (fixed, kept, means)
+        return locs
+
     def stage_layer(self, layer_id: int, prefix_locs: torch.Tensor) -> None:
         """Gather K and V of ``prefix_locs`` (``[P]`` token ids) of one layer into
         rows ``[0, P)`` of the staging buffers (V of a sparse layer from the
-        host pool, over PCIe)."""
-        from sglang_elastic.kernels.offload import copy_rows_run
+        host pool, over PCIe), then write this layer's sink, ring and kept rows
+        and V summaries of the prefixes from them (:meth:`plan_prefix`)."""
+        from sglang_elastic.kernels.offload import chunk_mean_run, copy_rows_run
 
         P = int(prefix_locs.numel())
         if P > self.k_stage.shape[0]:
@@ -584,6 +664,17 @@ class OffloadKVPool(MHATokenToKVPool):
         copy_rows_run(self.k_buffer[l], self.k_stage, prefix_locs, None, n=P)
         src_v = self.host.view(l) if l in self._sparse else self.v_buffer[l]
         copy_rows_run(src_v, self.v_stage, prefix_locs, None, n=P)
+        fill = self._prefix_fill
+        if fill is None:
+            return
+        fixed, kept, means = fill
+        if l in self._sparse:
+            if fixed is not None:
+                copy_rows_run(self.v_stage, self.v_buffer[l], fixed[0], fixed[1], n=int(fixed[0].numel()))
+            if kept is not None:
+                copy_rows_run(self.v_stage, self.v_buffer[l], None, kept, n=P)
+        if means is not None and l in self.vsum:
+            chunk_mean_run(self.v_stage, means[0], means[1], self.vsum[l], skip=self.SPARE)
 
     def get_kv_buffer(self, layer_id: int):
         if self.stage_active:
@@ -660,7 +751,8 @@ class OffloadKVPool(MHATokenToKVPool):
 
 class HotState(NamedTuple):
     """One sparse layer's hot-buffer state, as :func:`~sglang_elastic.kernels.offload.swap_in_run` reads it:
-    ``loc_slot`` ``[tokens]`` (a token's slot), ``slot_pos`` / ``slot_time`` ``[rows, hot_tokens]``,
+    ``loc_slot`` ``[tokens]`` (a token's slot) or ``[rows, context]`` (a request's position's slot:
+    ``hint_by_row``), ``slot_pos`` / ``slot_time`` ``[rows, hot_tokens]``,
     the page table ``table`` ``[rows, max_pages]`` int32 and ``count`` ``[rows]`` int32 (pages held),
     ``base`` (the first page's device row), ``page`` (rows per page) and ``spare`` (the last row, which
     only padded writes and a slot-less selected row touch; -1: none)."""

@@ -84,17 +84,20 @@ class OffloadSizing:
 KEEP_TOKEN_BYTES = 12
 
 
-def device_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False, keep_v: bool = False) -> int:
+def device_token_bytes(shape: ModelShape, policy: OffloadPolicy, resident: bool = False, keep_v: bool = False,
+                       hint_by_row: bool = False) -> int:
     """GPU bytes per token: K of every layer, V of the dense layers (of every
     layer when ``resident``), the token's ``loc_slot`` entry per sparse layer
-    (int16) and its share of the decode step's score buffers (a float32 score
+    (int16; none with ``hint_by_row``, whose hint is per request row and position:
+    :func:`device_fixed_bytes`) and its share of the decode step's score buffers (a float32 score
     per query head, a summed score and an index); ``keep_v``: :data:`KEEP_TOKEN_BYTES`
     (the kept V rows themselves are pool slots, lent by SGLang's allocator)."""
     dense = shape.layers if resident else min(policy.dense_layers, shape.layers)
     sparse = shape.layers - dense
     k = shape.layers * shape.kv_heads * shape.head_dim * shape.elem
     v = dense * shape.kv_heads * shape.v_head_dim * shape.elem
-    return k + v + 2 * sparse + 4 * shape.q_heads + 8 + summary_token_bytes(shape, policy) + (KEEP_TOKEN_BYTES if keep_v and not resident else 0)
+    hint = 0 if hint_by_row else 2 * sparse
+    return k + v + hint + 4 * shape.q_heads + 8 + summary_token_bytes(shape, policy) + (KEEP_TOKEN_BYTES if keep_v and not resident else 0)
 
 
 def summary_token_bytes(shape: ModelShape, policy: OffloadPolicy) -> int:
@@ -145,7 +148,7 @@ def hot_pages(policy: OffloadPolicy, tokens: int, request_rows: int, hot_tokens:
 
 
 def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool = False,
-                       slack: float = HOT_SLACK, tokens: int = 0, keep_v: bool = False) -> int:
+                       slack: float = HOT_SLACK, tokens: int = 0, keep_v: bool = False, hint_by_row: bool = False) -> int:
     """GPU bytes beside K and the dense layers' V of ``tokens`` tokens: per
     request row (``requests`` + SGLang's padding row) and sparse layer,
     ``sink + window`` fixed V rows and ``hot_tokens`` slots' position and
@@ -153,7 +156,8 @@ def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int
     (:func:`hot_pages`; none when ``resident``); the prefix staging buffers
     (K and V of one layer for the context length); ``estimate``'s V
     summaries (:func:`summary_bytes`); ``keep_v``: the kept V rows' table (int32 per
-    request row and position of the context) and kept lengths."""
+    request row and position of the context) and kept lengths; ``hint_by_row`` (SGLang's radix cache
+    on): the hot buffers' slot hint per sparse layer, request row and position of the context (int16)."""
     sparse = 0 if resident else shape.layers - min(policy.dense_layers, shape.layers)
     rows = requests + 1
     row_bytes = sparse * shape.kv_heads * shape.v_head_dim * shape.elem
@@ -162,7 +166,8 @@ def device_fixed_bytes(shape: ModelShape, policy: OffloadPolicy, hot_tokens: int
     state = rows * hot_tokens * sparse * 8 + rows * (-(-hot_tokens // HOT_PAGE) + 1) * 4
     staging = shape.context_len * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
     keep = (rows * (shape.context_len + 1) * 4) if keep_v and not resident else 0
-    return v_rows + state + staging + summary_bytes(shape, policy, requests) + keep
+    hint = rows * shape.context_len * sparse * 2 if hint_by_row else 0
+    return v_rows + state + staging + summary_bytes(shape, policy, requests) + keep + hint
 
 
 def summary_bytes(shape: ModelShape, policy: OffloadPolicy, requests: int, max_splits: int = 32) -> int:
@@ -184,7 +189,7 @@ def summary_bytes(shape: ModelShape, policy: OffloadPolicy, requests: int, max_s
 def size_pool(
     available_bytes: int, shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int,
     host_available_bytes: int, host_limit_bytes: Optional[int] = None, max_total_tokens: Optional[int] = None,
-    page_size: int = 1, resident: bool = False, slack: float = HOT_SLACK, keep_v: bool = False,
+    page_size: int = 1, resident: bool = False, slack: float = HOT_SLACK, keep_v: bool = False, hint_by_row: bool = False,
 ) -> OffloadSizing:
     """The offload pool's size for a KV budget.
 
@@ -204,6 +209,8 @@ def size_pool(
         slack: hot-buffer rows per selected row (``--kv-offload-hot-slack``): the
             pages come with the tokens (:func:`hot_pages`), not per request row.
         keep_v: ``--kv-offload-keep-v`` (its tables and lists: :data:`KEEP_TOKEN_BYTES`).
+        hint_by_row: the hot buffers' slot hint per request row and position, not per token id
+            (SGLang's radix cache on: :class:`~sglang_elastic.offload.pool.OffloadLayout`).
 
     Returns:
         :class:`OffloadSizing`.
@@ -218,11 +225,12 @@ def size_pool(
     if not resident and policy.dense_layers >= shape.layers:
         raise SizingError(f"--kv-offload-dense-layers {policy.dense_layers} leaves none of the model's {shape.layers} layers sparse: "
                           f"nothing would be offloaded (use at most {shape.layers - 1})")
-    per_dev = device_token_bytes(shape, policy, resident, keep_v)
+    per_dev = device_token_bytes(shape, policy, resident, keep_v, hint_by_row)
     per_host = host_token_bytes(shape, policy, resident)
-    tokens_hbm = _tokens_that_fit(available_bytes, shape, policy, hot_tokens, requests, resident, slack, per_dev, keep_v) - page_size
+    tokens_hbm = _tokens_that_fit(available_bytes, shape, policy, hot_tokens, requests, resident, slack, per_dev, keep_v,
+                                  hint_by_row) - page_size
     tokens_hbm = max(0, tokens_hbm)
-    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens_hbm + page_size, keep_v)
+    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens_hbm + page_size, keep_v, hint_by_row)
     host_budget = host_available_bytes - HOST_RESERVE_BYTES
     if host_limit_bytes is not None:
         host_budget = min(host_budget, host_limit_bytes)
@@ -231,7 +239,7 @@ def size_pool(
     if max_total_tokens is not None and max_total_tokens < tokens:
         tokens, bound = max_total_tokens, "max-total-tokens"
     tokens = tokens // page_size * page_size
-    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens + page_size, keep_v)
+    fixed = device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, tokens + page_size, keep_v, hint_by_row)
     cell = shape.layers * shape.kv_heads * (shape.head_dim + shape.v_head_dim) * shape.elem
     stock = available_bytes // cell // page_size * page_size
     if tokens < shape.context_len:
@@ -252,13 +260,13 @@ def size_pool(
 
 
 def _tokens_that_fit(available: int, shape: ModelShape, policy: OffloadPolicy, hot_tokens: int, requests: int, resident: bool,
-                     slack: float, per_dev: int, keep_v: bool = False) -> int:
+                     slack: float, per_dev: int, keep_v: bool = False, hint_by_row: bool = False) -> int:
     """The most tokens ``T`` with ``T * per_dev + device_fixed_bytes(.., T) <= available``
     (the fixed bytes grow with ``T`` through the hot pages): a bisection."""
     lo, hi = 0, max(0, available // max(per_dev, 1)) + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if mid * per_dev + device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, mid, keep_v) <= available:
+        if mid * per_dev + device_fixed_bytes(shape, policy, hot_tokens, requests, resident, slack, mid, keep_v, hint_by_row) <= available:
             lo = mid
         else:
             hi = mid - 1
