@@ -316,8 +316,8 @@ def test_every_offload_hook_names_a_method_of_sglang_0_5_17(monkeypatch):
     from sglang_elastic.offload import hooks
 
     seen = hook_targets(hooks.register, monkeypatch)
-    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 6
-    assert "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req" in seen
+    assert "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free" in seen and len(seen) == 7
+    assert {"sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"} <= set(seen)
 
 
 def test_estimate_costs_a_summary_row_per_chunk_of_tokens_not_per_context():
@@ -467,3 +467,25 @@ def test_keep_v_flags_on_a_model_whose_v_rows_differ_from_k_slots_are_refused_no
         assert keep_v_for_model(cfg, LLAMA8B)
         with pytest.raises(RuntimeError, match=f"^sglang-elastic: {flag} sets keep-v.*V head_dim 64 differs from K's 128: drop {flag}$"):
             keep_v_for_model(cfg, mla_like)
+
+
+def test_the_server_keeps_the_hot_buffers_hint_by_row_and_position_when_the_radix_cache_is_on():
+    """(A review of 6261cd9: no test saw the server choose the per-row hint.) SGLang's own ``ServerArgs``: the radix
+    cache on (its default) gives a layout with ``hint_by_row`` (``[rows, context]`` hints per sparse layer), off
+    (``--disable-radix-cache``) the per-token hint; the sizing counts the same."""
+    import os
+
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_elastic.offload import hooks
+
+    model = os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b")
+    cfg = config.from_namespace(namespace("--enable-kv-offload")).offload
+    shape = dataclasses.replace(LLAMA8B, context_len=1024)
+    for disable, by_row in ((False, True), (True, False)):
+        on = hooks.radix_cache_on(ServerArgs(model_path=model, device="cpu", disable_radix_cache=disable))
+        assert on == by_row
+        lay = hooks.offload_layout(cfg, cfg.policy(), 4, shape, keep_v=True, hint_by_row=on)
+        assert lay.hint_by_row == by_row and lay.request_rows == 5 and lay.stage_tokens == 1024
+    assert not hooks.radix_cache_on(None)

@@ -411,3 +411,96 @@ def test_a_prefill_batch_takes_requests_while_their_cached_prefixes_fit_the_stag
     assert got == [(150, AddReqResult.CONTINUE), (150, AddReqResult.OTHER), (40, AddReqResult.CONTINUE)] and staged == 190
     got, staged = batch(PrefillAdder.add_one_req)
     assert [r for _, r in got] == [AddReqResult.CONTINUE] * 3 and staged == 340 > pool.k_stage.shape[0]
+
+
+def test_with_the_radix_cache_the_running_requests_lengths_stay_within_the_pools_token_count():
+    """Requests that share a cached prefix hold more positions than token ids; the decode step's lists, the hot pages
+    and the V-summary slots are sized for the pool's token count of positions (a review of 6261cd9 overflowed all
+    three with 4 requests of 600 positions over 630 ids of an 800-token pool). With SGLang's radix cache,
+    ``ScheduleBatch.check_decode_mem`` (SGLang's own, hooked) then says the step does not fit, so SGLang's
+    ``retract_decode`` takes requests back until the rest do, and ``PrefillAdder.add_one_req`` admits no request
+    that would pass it. With ``ChunkCache`` (``--disable-radix-cache``) both are SGLang's alone."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.plugins.hook_registry import _wrap_fn
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_elastic.offload import hooks
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    pool = make_pool(pol, size=800, rows=5, ctx=700)
+    alloc = TokenToKVPoolAllocator(800, torch.bfloat16, "cpu", pool, need_sort=False)
+    r2t = ReqToTokenPool(5, 700, "cpu", False)
+    params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1)
+    seen = recorded_hooks(hooks.register)
+    check = _wrap_fn(ScheduleBatch.check_decode_mem, *seen["sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"][0])
+    add = _wrap_fn(PrefillAdder.add_one_req, *seen["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"][0])
+
+    def req(i):
+        r = Req(f"r{i}", "", array("q", list(range(1000, 1290)) + [i] * 10), SamplingParams(max_new_tokens=16))
+        r.kv_committed_len = 300
+        return r
+
+    for tree, caps in ((RadixCache(params), True), (ChunkCache(params), False)):
+        batch = ScheduleBatch(reqs=[req(i) for i in range(3)], req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, tree_cache=tree,
+                              spec_algorithm=SpeculativeAlgorithm.NONE)
+        assert ScheduleBatch.check_decode_mem(batch)  # SGLang alone: 3 new tokens, 800 ids free
+        assert check(batch) == (not caps)  # 3 x 301 positions > 800: the step does not fit
+        assert check(batch, selected_indices=[0, 1]) and check(batch, selected_indices=[2])  # one retracted: 602 fit
+        running = ScheduleBatch(reqs=[req(i) for i in range(2)], req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, tree_cache=tree,
+                                spec_algorithm=SpeculativeAlgorithm.NONE)
+        adder = PrefillAdder(1, tree, alloc, running, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+        new = req(9)
+        new.init_next_round_input(tree)
+        assert (add(adder, new, has_chunked_req=False, truncation_align_size=None) == AddReqResult.OTHER) == caps
+        alone = req(8)
+        alone.init_next_round_input(tree)
+        assert add(PrefillAdder(1, tree, alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None), alone,
+                   has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE  # nothing running: it joins
+
+
+def test_a_keep_grant_that_cannot_be_made_does_not_evict_the_radix_cache():
+    """(A review of 6261cd9.) A grant the cache's evictable prefixes could not make anyway (60 evictable, 190 asked,
+    50 free) is refused without evicting them: a later request that would have hit them does not prefill them again."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    s = Server()
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cpu", False),
+                                      token_to_kv_pool_allocator=s.alloc, page_size=1))
+    base = s.batch
+    s.batch = lambda rows, **kw: (lambda b: (setattr(b, "tree_cache", tree), b)[1])(base(rows, **kw))
+    tree.insert(InsertParams(key=RadixKey(array("l", range(1000, 1150))), value=s.alloc.alloc(150)))  # the document
+    tree.insert(InsertParams(key=RadixKey(array("l", range(5000, 5060))), value=s.alloc.alloc(60)))  # another prefix
+    s.reqs[1] = s.alloc.alloc(300)  # a running request's tokens (sparse)
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("l", list(range(1000, 1150)) + [7] * 40))))
+    tree.inc_lock_ref(match.last_device_node)  # as PrefillAdder locks it
+    s.reqs[4] = torch.cat([match.device_indices.to(torch.int64), s.alloc.alloc(40)])
+    assert tree.evictable_size() == 60 and s.m.real_free() == 50
+    s.hooks["prepare_for_extend"](None, s.batch([4], prefix_lens=[150], extend_lens=[40]))
+    assert s.m.kept(4) == 0 and tree.evictable_size() == 60  # sparse, and the cache as it was
+
+
+def test_a_chunked_prompt_demoted_at_an_earlier_chunk_is_not_promoted_back():
+    """(A review of 6261cd9.) Only a request's first prefill takes kept slots for a prefix (one the radix cache
+    matched): a chunked prompt that SGLang's allocation demoted stays sparse at its next chunk."""
+    s = Server(reserve_frac=0.0)
+    assert s.admit(1, 60) and s.m.kept(1) == 60  # a chunked prompt's first chunk, kept
+    assert s.admit(2, 500) and s.m.kept(1) == 0 and s.m.demoted == 1  # SGLang's allocation demotes it
+    assert s.finish(2)
+    assert s.chunk(1, 20)
+    s.check()
+    assert s.m.kept(1) == 0
+    assert s.admit(3, 50) and s.m.kept(3) == 50  # a new request in a row freed through the hook: kept again

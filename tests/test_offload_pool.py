@@ -811,7 +811,7 @@ def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_u
     from sglang_elastic.offload.metrics import OffloadMetrics
 
     m = OffloadMetrics(None)
-    clock = iter([100.0, 102.0, 103.0, 104.0, 105.0])
+    clock = iter([100.0, 102.0, 103.0, 104.0, 105.0, 106.0])
     m._clock = lambda: next(clock)
     base = {"hits": 10, "misses": 10, "pcie_read_bytes": 0, "pcie_write_bytes": 0, "decode_steps": 5, "hot_pages": 40, "hot_pages_free": 40,
             "hot_page_overflow": 0, "summary_overflow": 0}
@@ -826,7 +826,9 @@ def test_the_metrics_line_reports_rates_over_the_interval_and_the_hot_pages_in_u
     kept = dict(st, kept_tokens=5000, kept_requests=3, keep_granted_tokens=9000, keep_demotions=4)
     m.update(kept, used_tokens=1000, host_token_bytes=2048)
     line = m.update(dict(kept, keep_demotions=6, kept_requests=2, kept_tokens=4100), used_tokens=1000, host_token_bytes=2048)
-    assert "kept V 2 requests / 4100 tokens (2 demoted)" in line
+    assert "kept V 2 requests / 4100 tokens (2 demoted)" in line and "staged" not in line
+    line = m.update(dict(kept, prefix_stage_bytes=3 * 10**9), used_tokens=1000, host_token_bytes=2048)  # the interval's prefix reads
+    assert "prefixes staged 3.00 GB" in line
 
 
 class _Ev:
@@ -895,10 +897,11 @@ def test_the_backends_counters_are_read_now_for_server_info_and_from_the_snapsho
     be = object.__new__(OffloadAttnBackend)
     be.pool, be.copy_timer, be._snapshot, be.snapshot_time = pool, None, None, None
     be.decoder = types.SimpleNamespace(stats=torch.tensor([30, 10], dtype=torch.int64), spec=None)
-    be.decode_steps, be.decode_tokens, be.prefill_tokens = 4, 40, 100
+    be.decode_steps, be.decode_tokens, be.prefill_tokens, be.prefix_tokens = 4, 40, 100, 250
     st = be.stats()
     row = pool.head_num * pool.v_head_dim * pool.store_dtype.itemsize
     assert (st["hits"], st["misses"], st["hit_rate"], st["pcie_read_bytes"]) == (30, 10, 0.75, 10 * row)
+    assert st["prefix_stage_bytes"] == 250 * len(pool.sparse_layer_ids) * row and "prefix_tokens" not in st
     assert st["hot_pages_free"] == int(pool.page_top) == st["hot_pages"] and st["summary_slots_free"] == int(pool.slot_top)
     assert st["pcie_write_bytes"] == 140 * len(pool.sparse_layer_ids) * row and st["decode_steps"] == 4
     events = []

@@ -117,6 +117,7 @@ class OffloadAttnBackend(AttentionBackend):
         self._prefix_locs: Optional[torch.Tensor] = None
         #: host-side counters (no device read): tokens whose V went to the host, decode steps
         self.prefill_tokens = 0
+        self.prefix_tokens = 0  # prefix positions the prefills staged (their V read from the host, per sparse layer)
         self.decode_tokens = 0
         self.decode_steps = 0
 
@@ -154,6 +155,7 @@ class OffloadAttnBackend(AttentionBackend):
         pool.set_v_rows(pool.extend_v_rows(rows, prefix_cpu, ext_cpu), pool.extend_keep_rows(rows, prefix_cpu, ext_cpu))
         pool.set_summary_plan(pool.plan_extend_summaries(rows, prefix_cpu, ext_cpu, self.req_to_token))
         total_prefix = sum(prefix_cpu)
+        self.prefix_tokens += total_prefix
         custom = None
         # the prefixes' token ids (gathered on the GPU) and what each layer's staging rebuilds from them: the sink, ring
         # and kept rows and the V summaries of a prefix SGLang's radix cache matched (OffloadKVPool.plan_prefix)
@@ -369,7 +371,9 @@ class OffloadAttnBackend(AttentionBackend):
         prefetched row is a hit), ``hit_rate``, ``prefetched_rows`` / ``prefetch_hits``
         (the prefetch's copies and the rows it found resident already),
         ``pcie_read_bytes`` (V rows copied host -> GPU, prefetch included),
-        ``pcie_write_bytes`` (V rows written GPU -> host), ``decode_steps``,
+        ``pcie_write_bytes`` (V rows written GPU -> host), ``prefix_stage_bytes`` (V of the
+        prefills' prefixes read host -> GPU for their attention: a chunked prompt's earlier chunks,
+        a prefix SGLang's radix cache matched; not in ``pcie_read_bytes``), ``decode_steps``,
         ``decode_tokens``, ``prefill_tokens``; with ``estimate``,
         ``summary_slots_free`` / ``summary_slots`` (V-summary slots) and
         ``summary_overflow`` (chunks that found no slot: should stay 0);
@@ -393,6 +397,7 @@ class OffloadAttnBackend(AttentionBackend):
         if pool.adaptive:
             named += [("hot_pages_taken_back", pool.page_taken)]
         host = {"decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+                "prefix_tokens": getattr(self, "prefix_tokens", 0),
                 **(self._keep_stats() if pool.keep_v else {}), **(self.copy_timer.stats() if self.copy_timer is not None else {})}
         from sglang_elastic.offload.metrics import AsyncSnapshot, flat_counters
 
@@ -417,13 +422,14 @@ class OffloadAttnBackend(AttentionBackend):
             "prefetched_rows": spec_rows, "prefetch_hits": spec_hits,
             "pcie_read_bytes": (misses + spec_rows) * row,
             "pcie_write_bytes": (host["prefill_tokens"] + host["decode_tokens"]) * sparse * row,
+            "prefix_stage_bytes": host["prefix_tokens"] * sparse * row,
             "decode_steps": host["decode_steps"], "decode_tokens": host["decode_tokens"], "prefill_tokens": host["prefill_tokens"],
             **({"summary_slots": pool.summary_slots, "summary_slots_free": dev["summary_slots_free"], "summary_overflow": dev["summary_overflow"]}
                if pool.summary_layer_ids else {}),
             **({"hot_pages": pool.hot_pages, "hot_pages_free": dev["hot_pages_free"], "hot_page_overflow": dev["hot_page_overflow"],
                 "hot_page_rows": pool.layout.hot_page} if pool.hot_pages else {}),
             **({"hot_pages_taken_back": dev["hot_pages_taken_back"]} if pool.adaptive else {}),
-            **{k: v for k, v in host.items() if k not in ("decode_steps", "decode_tokens", "prefill_tokens")},
+            **{k: v for k, v in host.items() if k not in ("decode_steps", "decode_tokens", "prefill_tokens", "prefix_tokens")},
         }
 
     @staticmethod

@@ -11,7 +11,8 @@ by the plugin, in each scheduler process, when ``--enable-kv-offload``:
 | ``SchedulerMetricsReporter.report_decode_stats`` | AFTER | every ``--decode-log-interval`` decode steps: ``sglang_elastic:offload_*`` on ``/metrics`` (with ``--enable-metrics``) and one log line |
 | ``ReqToTokenPool.free`` | AROUND | a finished or retracted request's row gives its hot-buffer pages and (``--kv-offload-denominator estimate``) its V-summary slots back (at the next forward, on its stream), and (``--kv-offload-keep-v``) its kept V slots to SGLang's allocator; AROUND because ``free`` clears ``req.req_pool_idx`` |
 | ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode``, ``TokenToKVPoolAllocator.alloc`` / ``available_size`` | AFTER / AROUND | dense while V fits (``--kv-offload-keep-v``, on by default; they pass through for a pool built without kept V): :mod:`sglang_elastic.offload.keep` |
-| ``PrefillAdder.add_one_req`` | AROUND | a prefill batch's prefixes fit the staging buffers (one layer's K and V of the context length): with SGLang's radix cache several requests of a batch may have a cached prefix, and a request that would take the batch past the staging waits for the next batch (:func:`around_add_one_req`) |
+| ``PrefillAdder.add_one_req`` | AROUND | a prefill batch's prefixes fit the staging buffers (one layer's K and V of the context length): with SGLang's radix cache several requests of a batch may have a cached prefix, and a request that would take the batch past the staging waits for the next batch; with the radix cache, also the running requests' lengths (:func:`around_add_one_req`) |
+| ``ScheduleBatch.check_decode_mem`` | AROUND | with SGLang's radix cache: the next decode step fits only while the running requests' lengths add up to the pool's token count, so SGLang's own retraction (``retract_decode``) takes requests back until they do (:func:`around_check_decode_mem`) |
 
 SGLang's allocator, admission (``PrefillAdder``), retraction and request
 limits then run unchanged on the counts the pool really holds.
@@ -32,6 +33,7 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
 _REQ_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 #: ``--max-running-requests`` when the user gives none: hot buffers are per request.
 DEFAULT_REQUESTS = 64
 #: What the sizing hook decided, for the pool builder and the server state (this process's target worker).
@@ -57,28 +59,73 @@ def register() -> None:
     HookRegistry.register(f"{_REPORTER}.report_decode_stats", _after_decode_stats, HookType.AFTER)
     HookRegistry.register(f"{_REQ_POOL}.free", around_req_free, HookType.AROUND)
     HookRegistry.register(f"{_ADDER}.add_one_req", around_add_one_req, HookType.AROUND)
+    HookRegistry.register(f"{_BATCH}.check_decode_mem", around_check_decode_mem, HookType.AROUND)
     if config.current().offload.keep_v_wanted:  # its hooks act only on a pool built with kept V (keep._offload_backend)
         from sglang_elastic.offload import keep
 
         keep.register()
 
 
+def _offload_pool(allocator):
+    """The :class:`~sglang_elastic.offload.pool.OffloadKVPool` SGLang's allocator serves, else None."""
+    from sglang_elastic.offload.pool import OffloadKVPool
+
+    pool = getattr(allocator, "_kvcache", None)
+    return pool if isinstance(pool, OffloadKVPool) else None
+
+
+def _shares_ids(tree) -> bool:
+    """SGLang's radix cache is on: requests may hold the same token ids (a matched prefix)."""
+    return tree is not None and not tree.is_chunk_cache() and not getattr(tree, "disable", False)
+
+
+def _lengths(reqs) -> int:
+    """The running requests' lengths after their next token (``Req.seqlen``: prompt, earlier chunks included, and
+    output), added up: what the pool's per-step buffers are sized for (:func:`around_check_decode_mem`)."""
+    return sum(r.seqlen + 1 for r in reqs)
+
+
 def around_add_one_req(orig, adder, req, *args, **kwargs):
-    """AROUND hook of ``PrefillAdder.add_one_req``: a request joins the prefill batch being formed only while the
-    batch's prefixes (``prefix_indices``: a prefix the radix cache matched, or a chunked prompt's earlier chunks)
-    fit the offload pool's staging buffers, which hold every prefix of a batch for one layer (the context
-    length: :meth:`~sglang_elastic.offload.pool.OffloadKVPool.stage_layer`). Else SGLang's ``OTHER`` (stop
-    adding, as SGLang stops for its own limits): the request waits for the next batch, where it comes first. A
-    batch's first request always joins (its prefix is shorter than the context)."""
-    pool = getattr(getattr(adder, "token_to_kv_pool_allocator", None), "_kvcache", None)
-    layout = getattr(pool, "layout", None)
-    if layout is not None and adder.can_run_list:
-        staged = sum(len(r.prefix_indices) for r in adder.can_run_list)
-        if staged + len(req.prefix_indices) > layout.stage_tokens:
+    """AROUND hook of ``PrefillAdder.add_one_req``: a request joins the prefill batch being formed only while
+
+    - the batch's prefixes (``prefix_indices``: a prefix the radix cache matched, or a chunked prompt's earlier
+      chunks) fit the offload pool's staging buffers, which hold every prefix of a batch for one layer (the
+      context length: :meth:`~sglang_elastic.offload.pool.OffloadKVPool.stage_layer`);
+    - with SGLang's radix cache, the running requests' lengths, the batch's and its own (its whole prompt) add
+      up to the pool's token count at most (:func:`around_check_decode_mem` says why).
+
+    Else SGLang's ``OTHER`` (stop adding, as SGLang stops for its own limits): the request waits for a later
+    batch, where it comes first. A request joins an empty batch beside no running request always (its prompt
+    is shorter than the context, and the pool holds at least one context)."""
+    pool = _offload_pool(getattr(adder, "token_to_kv_pool_allocator", None))
+    if pool is not None:
+        batch = list(adder.can_run_list)
+        over = batch and sum(len(r.prefix_indices) for r in batch) + len(req.prefix_indices) > pool.layout.stage_tokens
+        if not over and _shares_ids(adder.tree_cache):
+            running = list(adder.running_batch.reqs) if adder.running_batch is not None else []
+            over = (running or batch) and _lengths(running + batch) + req.seqlen + 1 > pool.size
+        if over:
             from sglang.srt.managers.schedule_policy import AddReqResult
 
             return AddReqResult.OTHER
     return orig(adder, req, *args, **kwargs)
+
+
+def around_check_decode_mem(orig, batch, *args, **kwargs):
+    """AROUND hook of ``ScheduleBatch.check_decode_mem`` (does the next decode step fit?): with SGLang's radix
+    cache, also no more than while the requests' lengths (``selected_indices`` of them, as SGLang passes them)
+    add up to the pool's token count. The decode step's lists and scores, the hot-buffer pages and the V-summary
+    slots are sized for that many positions (:func:`~sglang_elastic.offload.sizing.size_pool`): without the
+    cache it holds, since every position has a token id of its own; with it, requests that share a cached
+    prefix hold more positions than ids. A False here makes SGLang retract (``retract_decode``, its own order)
+    until the rest fit; a request alone always fits."""
+    ok = orig(batch, *args, **kwargs)
+    pool = _offload_pool(getattr(batch, "token_to_kv_pool_allocator", None))
+    if not ok or pool is None or not _shares_ids(getattr(batch, "tree_cache", None)):
+        return ok
+    sel = kwargs.get("selected_indices", args[0] if args else None)
+    reqs = batch.reqs if sel is None else [batch.reqs[i] for i in sel]
+    return len(reqs) <= 1 or _lengths(reqs) <= pool.size
 
 
 def around_req_free(orig, req_pool, req, *args, **kwargs):
@@ -233,6 +280,22 @@ def keep_v_for_model(cfg, shape) -> bool:
     return False
 
 
+def radix_cache_on(server_args) -> bool:
+    """SGLang's radix cache is on (``--disable-radix-cache`` not given): requests then share a cached prefix's
+    token ids, and the hot buffers' hint goes by request row and position (``OffloadLayout.hint_by_row``)."""
+    return server_args is not None and not server_args.disable_radix_cache
+
+
+def offload_layout(cfg, policy, requests: int, shape, keep_v: bool, hint_by_row: bool):
+    """The :class:`~sglang_elastic.offload.pool.OffloadLayout` of the server's flags (``cfg``: its
+    :class:`~sglang_elastic.config.OffloadConfig`), for ``requests`` running requests (plus SGLang's padding row)."""
+    from sglang_elastic.offload.pool import OffloadLayout
+
+    return OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
+                         hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=keep_v,
+                         hint_by_row=hint_by_row)
+
+
 def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs):
     """AROUND hook of ``KVCacheConfigurator._resolve_memory_pool_config``."""
     cfg = config.current().offload
@@ -245,7 +308,6 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
     from sglang.srt.runtime_context import get_parallel, get_schedule
 
-    from sglang_elastic.offload.pool import OffloadLayout
     from sglang_elastic.offload.sizing import SizingError, size_pool
 
     sched = get_schedule()
@@ -258,8 +320,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     available = kvc._profile_available_bytes(pre_model_load_memory)
     ranks_here = max(1, min(get_parallel().tp_size, torch.cuda.device_count() or 1))
     host_free = psutil.virtual_memory().available // ranks_here
-    # SGLang's radix cache gives requests shared token ids: the hot buffers' hint then goes by request row and position
-    hint_by_row = not getattr(getattr(kvc, "server_args", None), "disable_radix_cache", True)
+    hint_by_row = radix_cache_on(getattr(kvc, "server_args", None))
     try:
         sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
@@ -276,9 +337,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
         " (resident V: the exactness reference)" if cfg.resident_v else "",
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
-    _BUILT["layout"] = OffloadLayout(policy, cfg.hot_tokens, request_rows=requests + 1, stage_tokens=shape.context_len, hot_slack=cfg.hot_slack,
-                                     hot_slack_max=cfg.hot_slack_max, resident_v=cfg.resident_v, eviction=cfg.eviction, keep_v=keep_v,
-                                     hint_by_row=hint_by_row)
+    _BUILT["layout"] = offload_layout(cfg, policy, requests, shape, keep_v, hint_by_row)
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static

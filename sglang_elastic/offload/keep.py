@@ -28,8 +28,9 @@ one buffer (:class:`~sglang_elastic.offload.pool.OffloadKVPool`,
   slot would leave less than the reserve free (``--kv-offload-keep-reserve``, default :data:`RESERVE_FRAC` of the pool) is demoted too. No
   request is promoted back: that would copy its whole V over PCIe.
 
-With SGLang's radix cache, a grant that finds too few free slots first
-evicts the cache's least recently used prefixes (SGLang's own ``evict``, as
+With SGLang's radix cache, a grant that finds too few free slots, where the
+cache's evictable prefixes would make up the difference, first evicts the
+cache's least recently used prefixes (SGLang's own ``evict``, as
 for any allocation of a running request), a reserve more than it needs so
 that the next steps do not walk the tree again; an allocation SGLang makes
 demotes kept requests before SGLang evicts anything (SGLang counts kept
@@ -108,6 +109,7 @@ class KeepV:
         #: SGLang's tree cache (the scheduler's batch names it): a grant may evict its least recently used
         #: cached prefixes (:meth:`_evict`), never a demotion's room
         self.tree = None
+        self._started = set()  # request rows whose request has had a prefill (a later chunk is no first prefill)
 
     # ------------------------------------------------------------- accounting
 
@@ -124,6 +126,8 @@ class KeepV:
 
     def _alloc(self, n: int) -> Optional[torch.Tensor]:
         if self.real_free() - n < self.reserve:
+            if self.real_free() + self._evictable() - n < self.reserve:  # eviction could not make the grant: keep the cache
+                return None
             self._evict(n + 2 * self.reserve - self.real_free())
             if self.real_free() - n < self.reserve:
                 return None
@@ -134,34 +138,42 @@ class KeepV:
             self._inner = False
         return ids
 
+    def _evictable(self) -> int:
+        """Slots :meth:`_evict` could free now (0 without a radix cache or inside a free group)."""
+        tree = self.tree
+        if tree is None or tree.is_chunk_cache() or not self.allocator.is_not_in_free_group:
+            return 0
+        return int(tree.evictable_size())
+
     def _evict(self, n: int) -> None:
         """Free up to ``n`` slots that SGLang's radix cache holds for no running request (its least
         recently used leaves, SGLang's own ``evict``), as SGLang evicts for any allocation a running
         request needs. A grant asks for a reserve more than it needs, so that the decode steps after
         it find spare slots without walking the tree each step. Nothing without a radix cache (its
         ``ChunkCache``), or while SGLang's frees are grouped (they would return only at the group's end)."""
-        tree = self.tree
-        if n <= 0 or tree is None or tree.is_chunk_cache() or not tree.evictable_size() or not self.allocator.is_not_in_free_group:
+        if n <= 0 or not self._evictable():
             return
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        tree.evict(EvictParams(num_tokens=n))
+        self.tree.evict(EvictParams(num_tokens=n))
 
     def on_extend(self, rows, prefix_lens, extend_lens) -> None:
         """A prefill batch was allocated (SGLang's ``prepare_for_extend``): a kept request
-        extends its kept positions by the chunk, or is demoted; a request without kept V
-        keeps V of its whole length so far if the slots are spare: a new request's chunk, and
-        with a prefix (one SGLang's radix cache matched, or a chunked prompt's earlier chunks
-        after a demotion) the prefix too, whose V the prefill copies from the staging buffer
+        extends its kept positions by the chunk, or is demoted; a request's first prefill
+        keeps V of its whole length so far if the slots are spare: its chunk, and a prefix
+        SGLang's radix cache matched too, whose V the prefill copies from the staging buffer
         it fills anyway (:meth:`~sglang_elastic.offload.pool.OffloadKVPool.plan_prefix`: no
-        PCIe read of its own)."""
+        PCIe read of its own). A later chunk of a request without kept V (refused or demoted
+        at an earlier one) stays sparse: no request is promoted back."""
         for r, p, e in zip(rows, prefix_lens, extend_lens):
             r, p, e = int(r), int(p), int(e)
             have = self.kept(r)
-            if have and have != p:  # a stale grant of a row's last request (freed without the hook), or not this prefix
+            first = p == 0 or r not in self._started  # the row's request has had no prefill (SGLang's free hook clears it)
+            self._started.add(r)
+            if have and (have != p or first):  # a stale grant of a row's last request (freed without the hook), or not this prefix
                 self.demote(r)
                 have = 0
-            if e <= 0:
+            if e <= 0 or (not have and not first):
                 continue
             n = p + e - have
             ids = self._alloc(n)
@@ -215,7 +227,10 @@ class KeepV:
     def demote(self, row: int, finished: bool = False) -> int:
         """Request row ``row`` gives its kept slots back and attends sparsely from its next step;
         returns the slots freed. ``finished``: SGLang freed the row (``ReqToTokenPool.free``: the
-        request finished or was retracted), which is not counted as a demotion."""
+        request finished or was retracted), which is not counted as a demotion; the row's next
+        request starts afresh."""
+        if finished:
+            self._started.discard(row)
         n = self.kept(row)
         if not n:
             return 0

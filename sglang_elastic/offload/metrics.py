@@ -90,7 +90,9 @@ class OffloadMetrics:
     ``offload_kept_tokens`` / ``offload_kept_requests`` (``--kv-offload-keep-v``),
     ``offload_copy_hidden_share`` / ``offload_copy_ms_per_step`` (``--kv-offload-copy-timing``:
     the share of the timed steps' V copy time hidden behind compute, and their copy time), counters
-    ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes``.
+    ``offload_pcie_read_bytes`` / ``offload_pcie_write_bytes`` (the decode's V rows) and
+    ``offload_prefix_stage_bytes`` (V of prefill prefixes read from the host: a chunked prompt's
+    earlier chunks, a prefix SGLang's radix cache matched).
 
     Args:
         labels: SGLang's metric labels, or None (no Prometheus: only the log line).
@@ -126,6 +128,7 @@ class OffloadMetrics:
                 "copy_ms": gauge("offload_copy_ms_per_step", "V copy time (host -> GPU) per timed decode step, ms, over the last interval (--kv-offload-copy-timing)."),
                 "read": counter("offload_pcie_read_bytes", "V bytes copied host -> GPU."),
                 "write": counter("offload_pcie_write_bytes", "V bytes written GPU -> host."),
+                "stage": counter("offload_prefix_stage_bytes", "V bytes of prefill prefixes (earlier chunks, radix-cache hits) read host -> GPU."),
             }
 
     def update(self, st: dict, used_tokens: int, host_token_bytes: int, now: Optional[float] = None) -> str:
@@ -145,6 +148,7 @@ class OffloadMetrics:
         read_gbps, write_gbps = d["pcie_read_bytes"] / dt / 1e9, d["pcie_write_bytes"] / dt / 1e9
         per_step = (d["pcie_read_bytes"] + d["pcie_write_bytes"]) / steps
         host = used_tokens * host_token_bytes
+        staged = st.get("prefix_stage_bytes", 0) - prev.get("prefix_stage_bytes", 0)
         if self.g is not None:
             if hit is not None:
                 self.g["hit_rate"].set(hit)
@@ -159,6 +163,7 @@ class OffloadMetrics:
                 self.g["kept_requests"].set(st["kept_requests"])
             self.g["read"].inc(d["pcie_read_bytes"])
             self.g["write"].inc(d["pcie_write_bytes"])
+            self.g["stage"].inc(staged)
         copy = None
         if "copy_ms" in st:
             from sglang_elastic.offload.copytime import interval
@@ -178,6 +183,8 @@ class OffloadMetrics:
         if copy is not None and copy["copy_ms_per_step"] is not None:
             share = copy["copy_hidden_share"]
             pages += f", copies {copy['copy_ms_per_step']:.2f} ms/step, {'n/a' if share is None else f'{share:.0%}'} hidden"
+        if staged:
+            pages += f", prefixes staged {staged / 1e9:.2f} GB"
         return (f"hit rate {hit_s}, PCIe read {read_gbps:.2f} GB/s write {write_gbps:.2f} GB/s, "
                 f"{per_step / 1e6:.1f} MB/step, host pool {host / 1e9:.1f} GB in use{pages}"
                 + (f"; {lost} chunks found no V-summary slot (estimate reads them as zero)" if lost > 0 else "")
