@@ -504,3 +504,112 @@ def test_a_chunked_prompt_demoted_at_an_earlier_chunk_is_not_promoted_back():
     s.check()
     assert s.m.kept(1) == 0
     assert s.admit(3, 50) and s.m.kept(3) == 50  # a new request in a row freed through the hook: kept again
+
+
+def _radix_bed():
+    """An 800-token offload pool (estimate: V summaries), SGLang's allocator and ``RadixCache`` over it, and SGLang's
+    ``ScheduleBatch.check_decode_mem`` / ``PrefillAdder.add_one_req`` with the plugin's hooks applied."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.plugins.hook_registry import _wrap_fn
+
+    from sglang_elastic.offload import hooks
+
+    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
+    pool = make_pool(pol, size=800, rows=5, ctx=700)
+    alloc = TokenToKVPoolAllocator(800, torch.bfloat16, "cpu", pool, need_sort=False)
+    r2t = ReqToTokenPool(5, 700, "cpu", False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1))
+    seen = recorded_hooks(hooks.register)
+    check = _wrap_fn(ScheduleBatch.check_decode_mem, *seen["sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"][0])
+    add = _wrap_fn(PrefillAdder.add_one_req, *seen["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"][0])
+    return types.SimpleNamespace(pool=pool, alloc=alloc, r2t=r2t, tree=tree, check=check, add=add)
+
+
+def _sched_req(rid, prompt, outputs=0, max_new=64):
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    r = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max_new))
+    r.output_ids = array("q", [5] * outputs)
+    r.kv_committed_len = len(prompt) + outputs
+    return r
+
+
+def _sched_batch(bed, reqs):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return ScheduleBatch(reqs=reqs, req_to_token_pool=bed.r2t, token_to_kv_pool_allocator=bed.alloc, tree_cache=bed.tree,
+                         spec_algorithm=SpeculativeAlgorithm.NONE)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_a_request_admitted_at_the_bound_is_not_retracted_by_the_next_decode_check(overlap):
+    """(A second review of the radix mends.) Two running requests over a cached 290-token document (305 positions, 5
+    outputs, 64 new tokens each): the admission counts each request two tokens on plus the growth SGLang reserves
+    (59 left x 0.7: 41), so it takes a new request of 58 tokens (696 + 58 + 46 = 800) and not one of 59. Then, with
+    no decode step between, the steps in flight add a token (overlap: each running request's last decode; without
+    it: the new request's prefill token): SGLang's next ``check_decode_mem`` still fits, where counting the lengths
+    as they stood (``seqlen + 1``) retracted the new request at once, before its first token."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    bed = _radix_bed()
+    doc = list(range(1000, 1290))
+    running = [_sched_req(f"r{i}", doc + [i] * 10, outputs=5) for i in range(2)]
+    got = {}
+    for n in (58, 59):
+        w = _sched_req(f"w{n}", list(range(5000, 5000 + n)))
+        w.init_next_round_input(bed.tree)
+        adder = PrefillAdder(1, bed.tree, bed.alloc, _sched_batch(bed, running), 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+        got[n] = (w, bed.add(adder, w, has_chunked_req=False, truncation_align_size=None))
+    assert got[58][1] == AddReqResult.CONTINUE and got[59][1] == AddReqResult.OTHER
+    w = got[58][0]
+    w.kv_committed_len = 58
+    if overlap:
+        for r in running:
+            r.output_ids.append(7)
+            r.kv_committed_len += 1
+    else:
+        w.output_ids.append(9)
+    assert bed.check(_sched_batch(bed, running + [w]))
+
+
+def test_the_decode_check_bounds_the_positions_exactly_and_an_empty_batch_is_bounded_too():
+    """(A second review.) ``check_decode_mem`` with the hook: two requests of 399 positions plus their next token fit
+    an 800-token pool exactly, one token more does not; with nothing running, a prefill batch of requests over one
+    cached document stops at the request that would pass the bound (the prefill's summary slots are sized by it)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    bed = _radix_bed()
+    doc = list(range(1000, 1290))
+    two = [_sched_req(f"r{i}", doc + [i] * 10, outputs=99) for i in range(2)]
+    assert bed.check(_sched_batch(bed, two))
+    two[0].output_ids.append(1)
+    two[0].kv_committed_len += 1
+    assert not bed.check(_sched_batch(bed, two)) and bed.check(_sched_batch(bed, two[1:]))
+    adder = PrefillAdder(1, bed.tree, bed.alloc, _sched_batch(bed, []), 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+    got = []
+    for i in range(3):  # 346 counted each: 692 fit, 1038 do not
+        r = _sched_req(f"n{i}", doc + [i] * 10)
+        r.init_next_round_input(bed.tree)
+        got.append(bed.add(adder, r, has_chunked_req=False, truncation_align_size=None))
+    assert got == [AddReqResult.CONTINUE, AddReqResult.CONTINUE, AddReqResult.OTHER]
+
+
+def test_a_row_freed_through_the_hook_starts_afresh_for_a_radix_hit():
+    """(A second review.) A request whose prefix the cache matched, in a row a finished request used, takes kept slots
+    for its whole length: SGLang's free hook ends the row's last request."""
+    s = Server()
+    assert s.admit(4, 50) and s.m.kept(4) == 50
+    assert s.finish(4)
+    pre = s.alloc.alloc(100)  # a cached prefix's ids (the tree's), then the new request's own 40
+    s.reqs[4] = torch.cat([pre, s.alloc.alloc(40)])
+    s.hooks["prepare_for_extend"](None, s.batch([4], prefix_lens=[100], extend_lens=[40]))
+    assert s.m.kept(4) == 140

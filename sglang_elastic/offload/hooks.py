@@ -85,25 +85,44 @@ def _lengths(reqs) -> int:
     return sum(r.seqlen + 1 for r in reqs)
 
 
+def _admitted_lengths(reqs, new_token_ratio: float) -> int:
+    """What the admission counts of requests' lengths (:func:`around_add_one_req`): each one's length two tokens on
+    (``Req.seqlen`` + 2: under SGLang's overlap scheduler the running requests' last decode is still in flight while
+    a prefill batch forms, and without it the prefill's result adds a token before the next decode check), plus the
+    growth SGLang's own admission reserves for it (its remaining new tokens, at most ``CLIP_MAX_NEW_TOKENS``,
+    times the scheduler's ``new_token_ratio``). Without the headroom, a request admitted at the bound was the
+    first that the very next :func:`around_check_decode_mem` retracted, before it decoded a token (a review)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    def growth(r):
+        left = max((r.sampling_params.max_new_tokens or 0) - len(r.output_ids), 0)
+        return int(min(left, CLIP_MAX_NEW_TOKENS) * new_token_ratio)
+
+    return sum(r.seqlen + 2 + growth(r) for r in reqs)
+
+
 def around_add_one_req(orig, adder, req, *args, **kwargs):
     """AROUND hook of ``PrefillAdder.add_one_req``: a request joins the prefill batch being formed only while
 
     - the batch's prefixes (``prefix_indices``: a prefix the radix cache matched, or a chunked prompt's earlier
       chunks) fit the offload pool's staging buffers, which hold every prefix of a batch for one layer (the
       context length: :meth:`~sglang_elastic.offload.pool.OffloadKVPool.stage_layer`);
-    - with SGLang's radix cache, the running requests' lengths, the batch's and its own (its whole prompt) add
-      up to the pool's token count at most (:func:`around_check_decode_mem` says why).
+    - with SGLang's radix cache, the running requests', the batch's and its own lengths (its whole prompt), with
+      room for the steps in flight and the growth SGLang reserves (:func:`_admitted_lengths`), add up to the
+      pool's token count at most (:func:`around_check_decode_mem` says why).
 
     Else SGLang's ``OTHER`` (stop adding, as SGLang stops for its own limits): the request waits for a later
-    batch, where it comes first. A request joins an empty batch beside no running request always (its prompt
-    is shorter than the context, and the pool holds at least one context)."""
+    batch (first in it under SGLang's ``fcfs`` / ``lof`` orders). A request joins an empty batch beside no
+    running request always (its prompt is shorter than the context, and the pool holds at least one context).
+    The bound does not trigger SGLang's priority preemption (``--enable-priority-scheduling``): a request it
+    holds back waits for running requests to finish."""
     pool = _offload_pool(getattr(adder, "token_to_kv_pool_allocator", None))
     if pool is not None:
         batch = list(adder.can_run_list)
         over = batch and sum(len(r.prefix_indices) for r in batch) + len(req.prefix_indices) > pool.layout.stage_tokens
         if not over and _shares_ids(adder.tree_cache):
             running = list(adder.running_batch.reqs) if adder.running_batch is not None else []
-            over = (running or batch) and _lengths(running + batch) + req.seqlen + 1 > pool.size
+            over = (running or batch) and _admitted_lengths(running + batch + [req], adder.new_token_ratio) > pool.size
         if over:
             from sglang.srt.managers.schedule_policy import AddReqResult
 

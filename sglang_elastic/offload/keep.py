@@ -170,7 +170,7 @@ class KeepV:
             have = self.kept(r)
             first = p == 0 or r not in self._started  # the row's request has had no prefill (SGLang's free hook clears it)
             self._started.add(r)
-            if have and (have != p or first):  # a stale grant of a row's last request (freed without the hook), or not this prefix
+            if have and have != p:  # a stale grant of a row's last request (freed without the hook), or not this prefix
                 self.demote(r)
                 have = 0
             if e <= 0 or (not have and not first):
