@@ -310,6 +310,20 @@ def test_the_capture_hooks_leave_lora_alone_and_clear_the_variant_label():
     assert keep.after_capture("done", r) == "done" and get_capture_lora_variant() is None
 
 
+def tree_beside(s, named=True):
+    """SGLang's own ``RadixCache`` over a :class:`Server`'s hooked allocator; the server's batches name it as
+    SGLang's scheduler batches do (``tree_cache``), or (``named=False``) name none."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cpu", False),
+                                      token_to_kv_pool_allocator=s.alloc, page_size=1))
+    base = s.batch
+    s.batch = lambda rows, **kw: (lambda b: (setattr(b, "tree_cache", tree if named else None), b)[1])(base(rows, **kw))
+    return tree
+
+
 def radix_server(with_tree=True):
     """A :class:`Server` beside SGLang's own ``RadixCache`` over the same hooked allocator: three finished
     requests of 150 tokens cached in the tree (the ids SGLang's ``insert`` keeps), then a request whose first 100 tokens the tree matches (``match_prefix``, locked as SGLang
@@ -318,15 +332,10 @@ def radix_server(with_tree=True):
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     s = Server()
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cpu", False),
-                                      token_to_kv_pool_allocator=s.alloc, page_size=1))
-    base = s.batch
-    s.batch = lambda rows, **kw: (lambda b: (setattr(b, "tree_cache", tree if with_tree else None), b)[1])(base(rows, **kw))
+    tree = tree_beside(s, named=with_tree)
     for first in (1000, 2000, 3000):  # finished requests' tokens, as cache_finished_req inserts them (their kept V gone back)
         tree.insert(InsertParams(key=RadixKey(array("l", range(first, first + 150))), value=s.alloc.alloc(150)))
     assert tree.evictable_size() == 450 and s.m.real_free() == SIZE - 450
@@ -376,41 +385,27 @@ def test_a_prefill_batch_takes_requests_while_their_cached_prefixes_fit_the_stag
     staging would refuse the forward."""
     from array import array
 
-    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_elastic.offload import hooks
-
-    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="selected", chunk=8)
-    pool = make_pool(pol, size=2000, rows=5, ctx=200)
-    alloc = TokenToKVPoolAllocator(2000, torch.bfloat16, "cpu", pool, need_sort=False)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(5, 200, "cpu", False),
-                                      token_to_kv_pool_allocator=alloc, page_size=1))
+    bed = _radix_bed(size=2000, ctx=200)
     doc = list(range(1000, 1150))
-    tree.insert(InsertParams(key=RadixKey(array("q", doc)), value=alloc.alloc(150)))
-    [(hook, kind)] = recorded_hooks(hooks.register)["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"]
-    assert kind == HookType.AROUND
+    bed.tree.insert(InsertParams(key=RadixKey(array("q", doc)), value=bed.alloc.alloc(150)))
 
     def batch(add):
-        adder = PrefillAdder(1, tree, alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+        adder = PrefillAdder(1, bed.tree, bed.alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
         got = []
         for i, prompt in enumerate((doc + [7] * 20, doc + [8] * 20, doc[:40] + [9] * 20)):
-            req = Req(f"r{i}", "", array("q", prompt), SamplingParams(max_new_tokens=16))
-            req.init_next_round_input(tree)  # SGLang's match: prefix_indices
+            req = _sched_req(f"r{i}", prompt, max_new=16)
+            req.init_next_round_input(bed.tree)  # SGLang's match: prefix_indices
             got.append((len(req.prefix_indices), add(adder, req, has_chunked_req=False, truncation_align_size=None)))
         return got, sum(len(r.prefix_indices) for r in adder.can_run_list)
 
-    got, staged = batch(_wrap_fn(PrefillAdder.add_one_req, hook, kind))
+    got, staged = batch(bed.add)
     assert got == [(150, AddReqResult.CONTINUE), (150, AddReqResult.OTHER), (40, AddReqResult.CONTINUE)] and staged == 190
     got, staged = batch(PrefillAdder.add_one_req)
-    assert [r for _, r in got] == [AddReqResult.CONTINUE] * 3 and staged == 340 > pool.k_stage.shape[0]
+    assert [r for _, r in got] == [AddReqResult.CONTINUE] * 3 and staged == 340 > bed.pool.k_stage.shape[0]
 
 
 def test_with_the_radix_cache_the_running_requests_lengths_stay_within_the_pools_token_count():
@@ -420,50 +415,27 @@ def test_with_the_radix_cache_the_running_requests_lengths_stay_within_the_pools
     ``ScheduleBatch.check_decode_mem`` (SGLang's own, hooked) then says the step does not fit, so SGLang's
     ``retract_decode`` takes requests back until the rest do, and ``PrefillAdder.add_one_req`` admits no request
     that would pass it. With ``ChunkCache`` (``--disable-radix-cache``) both are SGLang's alone."""
-    from array import array
-
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.plugins.hook_registry import _wrap_fn
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from sglang_elastic.offload import hooks
-
-    pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
-    pool = make_pool(pol, size=800, rows=5, ctx=700)
-    alloc = TokenToKVPoolAllocator(800, torch.bfloat16, "cpu", pool, need_sort=False)
-    r2t = ReqToTokenPool(5, 700, "cpu", False)
-    params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1)
-    seen = recorded_hooks(hooks.register)
-    check = _wrap_fn(ScheduleBatch.check_decode_mem, *seen["sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"][0])
-    add = _wrap_fn(PrefillAdder.add_one_req, *seen["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"][0])
 
     def req(i):
-        r = Req(f"r{i}", "", array("q", list(range(1000, 1290)) + [i] * 10), SamplingParams(max_new_tokens=16))
-        r.kv_committed_len = 300
-        return r
+        return _sched_req(f"r{i}", list(range(1000, 1290)) + [i] * 10, max_new=16)
 
-    for tree, caps in ((RadixCache(params), True), (ChunkCache(params), False)):
-        batch = ScheduleBatch(reqs=[req(i) for i in range(3)], req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, tree_cache=tree,
-                              spec_algorithm=SpeculativeAlgorithm.NONE)
+    for caps in (True, False):
+        bed = _radix_bed(chunk_cache=not caps)
+        tree, check, add = bed.tree, bed.check, bed.add
+        batch = _sched_batch(bed, [req(i) for i in range(3)])
         assert ScheduleBatch.check_decode_mem(batch)  # SGLang alone: 3 new tokens, 800 ids free
         assert check(batch) == (not caps)  # 3 x 301 positions > 800: the step does not fit
         assert check(batch, selected_indices=[0, 1]) and check(batch, selected_indices=[2])  # one retracted: 602 fit
-        running = ScheduleBatch(reqs=[req(i) for i in range(2)], req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, tree_cache=tree,
-                                spec_algorithm=SpeculativeAlgorithm.NONE)
-        adder = PrefillAdder(1, tree, alloc, running, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None)
+        adder = PrefillAdder(1, tree, bed.alloc, _sched_batch(bed, [req(i) for i in range(2)]), 0.7, rem_input_tokens=10_000,
+                             rem_chunk_tokens=None)
         new = req(9)
         new.init_next_round_input(tree)
         assert (add(adder, new, has_chunked_req=False, truncation_align_size=None) == AddReqResult.OTHER) == caps
         alone = req(8)
         alone.init_next_round_input(tree)
-        assert add(PrefillAdder(1, tree, alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None), alone,
+        assert add(PrefillAdder(1, tree, bed.alloc, None, 0.7, rem_input_tokens=10_000, rem_chunk_tokens=None), alone,
                    has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE  # nothing running: it joins
 
 
@@ -473,15 +445,10 @@ def test_a_keep_grant_that_cannot_be_made_does_not_evict_the_radix_cache():
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     s = Server()
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cpu", False),
-                                      token_to_kv_pool_allocator=s.alloc, page_size=1))
-    base = s.batch
-    s.batch = lambda rows, **kw: (lambda b: (setattr(b, "tree_cache", tree), b)[1])(base(rows, **kw))
+    tree = tree_beside(s)
     tree.insert(InsertParams(key=RadixKey(array("l", range(1000, 1150))), value=s.alloc.alloc(150)))  # the document
     tree.insert(InsertParams(key=RadixKey(array("l", range(5000, 5060))), value=s.alloc.alloc(60)))  # another prefix
     s.reqs[1] = s.alloc.alloc(300)  # a running request's tokens (sparse)
@@ -506,25 +473,30 @@ def test_a_chunked_prompt_demoted_at_an_earlier_chunk_is_not_promoted_back():
     assert s.admit(3, 50) and s.m.kept(3) == 50  # a new request in a row freed through the hook: kept again
 
 
-def _radix_bed():
-    """An 800-token offload pool (estimate: V summaries), SGLang's allocator and ``RadixCache`` over it, and SGLang's
+def _radix_bed(size=800, ctx=700, chunk_cache=False):
+    """An offload pool of ``size`` tokens and a ``ctx``-token context (estimate: V summaries), SGLang's allocator
+    and ``RadixCache`` (``chunk_cache``: its ``ChunkCache``, ``--disable-radix-cache``) over it, and SGLang's
     ``ScheduleBatch.check_decode_mem`` / ``PrefillAdder.add_one_req`` with the plugin's hooks applied."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.plugins.hook_registry import _wrap_fn
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
     from sglang_elastic.offload import hooks
 
     pol = OffloadPolicy(sink=2, window=8, budget_frac=0.05, max_topk=24, dense_layers=1, denominator="estimate", chunk=8)
-    pool = make_pool(pol, size=800, rows=5, ctx=700)
-    alloc = TokenToKVPoolAllocator(800, torch.bfloat16, "cpu", pool, need_sort=False)
-    r2t = ReqToTokenPool(5, 700, "cpu", False)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1))
+    pool = make_pool(pol, size=size, rows=5, ctx=ctx)
+    alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
+    r2t = ReqToTokenPool(5, ctx, "cpu", False)
+    params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1)
+    tree = ChunkCache(params) if chunk_cache else RadixCache(params)
     seen = recorded_hooks(hooks.register)
+    assert {seen[f"sglang.srt.managers.{t}"][0][1] for t in ("schedule_batch.ScheduleBatch.check_decode_mem",
+                                                               "schedule_policy.PrefillAdder.add_one_req")} == {HookType.AROUND}
     check = _wrap_fn(ScheduleBatch.check_decode_mem, *seen["sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"][0])
     add = _wrap_fn(PrefillAdder.add_one_req, *seen["sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"][0])
     return types.SimpleNamespace(pool=pool, alloc=alloc, r2t=r2t, tree=tree, check=check, add=add)

@@ -397,7 +397,7 @@ class OffloadAttnBackend(AttentionBackend):
         if pool.adaptive:
             named += [("hot_pages_taken_back", pool.page_taken)]
         host = {"decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
-                "prefix_tokens": getattr(self, "prefix_tokens", 0),
+                "prefix_tokens": self.prefix_tokens,
                 **(self._keep_stats() if pool.keep_v else {}), **(self.copy_timer.stats() if self.copy_timer is not None else {})}
         from sglang_elastic.offload.metrics import AsyncSnapshot, flat_counters
 

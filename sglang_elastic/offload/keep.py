@@ -140,10 +140,11 @@ class KeepV:
 
     def _evictable(self) -> int:
         """Slots :meth:`_evict` could free now (0 without a radix cache or inside a free group)."""
-        tree = self.tree
-        if tree is None or tree.is_chunk_cache() or not self.allocator.is_not_in_free_group:
+        from sglang_elastic.offload.hooks import _shares_ids
+
+        if not _shares_ids(self.tree) or not self.allocator.is_not_in_free_group:
             return 0
-        return int(tree.evictable_size())
+        return int(self.tree.evictable_size())
 
     def _evict(self, n: int) -> None:
         """Free up to ``n`` slots that SGLang's radix cache holds for no running request (its least

@@ -625,16 +625,13 @@ class OffloadKVPool(MHATokenToKVPool):
         rows = rows.to(self.device)
         fixed = kept = means = None
         if self.sparse_layer_ids:
-            pol = self.layout.policy
-            off = torch.where(pos < pol.sink, pos,
-                              torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1)))
+            off = self._fixed_offsets(pos, end)
             sel = torch.nonzero(off >= 0).flatten()
             if sel.numel():
                 sel_d = sel.to(self.device, non_blocking=True)
                 fixed = (sel_d, rows[sel_d] * self.layout.region_rows + off[sel].to(self.device, non_blocking=True))
-            if self.keep_v:  # GPU reads only, as extend_keep_rows: keep_len and req_to_vrow were written by this batch's grants
-                pos_d, end_d = pos.to(self.device, non_blocking=True), end.to(self.device, non_blocking=True)
-                kept = torch.where(self.keep_len[rows] >= end_d, self.req_to_vrow[rows, pos_d].to(torch.int64), -1)
+            if self.keep_v:
+                kept = self._kept_rows(rows, pos, end)
         if self.summary_layer_ids:
             C = self.layout.policy.chunk
             pre_t = torch.tensor(pre, dtype=torch.int64)
@@ -698,11 +695,11 @@ class OffloadKVPool(MHATokenToKVPool):
         Returns:
             ``[sum(extend_lens)]`` int64 on the pool's device.
         """
-        pol, lay = self.layout.policy, self.layout
+        lay = self.layout
         owner, pos, end = self.extend_positions(prefix_lens_cpu, extend_lens_cpu)
         # the row within the request's region on the CPU (from the CPU lengths), the region on the GPU:
         # no device-to-host read of the request rows (under the overlap scheduler it would wait for the last forward)
-        off = torch.where(pos < pol.sink, pos, torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1)))
+        off = self._fixed_offsets(pos, end)
         dev = req_pool_indices.device
         rows = req_pool_indices[: len(extend_lens_cpu)].to(torch.int64)[owner.to(dev, non_blocking=True)]
         off = off.to(dev, non_blocking=True)
@@ -728,8 +725,21 @@ class OffloadKVPool(MHATokenToKVPool):
         owner, pos, end = self.extend_positions(prefix_lens_cpu, extend_lens_cpu)
         dev = self.req_to_vrow.device
         rows = req_pool_indices[: len(extend_lens_cpu)].to(dev, torch.int64)[owner.to(dev, non_blocking=True)]
+        return self._kept_rows(rows, pos, end)
+
+    def _fixed_offsets(self, pos: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Each position's row in its request's fixed region (CPU int64 ``pos`` and its request's ``end``):
+        ``pos`` below ``sink``, ``sink + pos % window`` among the last ``window`` before ``end``, else ``-1``."""
+        pol = self.layout.policy
+        ring = torch.where(pos >= end - pol.window, pol.sink + pos % max(pol.window, 1), torch.full_like(pos, -1))
+        return torch.where(pos < pol.sink, pos, ring)
+
+    def _kept_rows(self, rows: torch.Tensor, pos: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Each position's kept V row (``req_to_vrow``) where its request row (``rows``, on the GPU) keeps every
+        position before ``end``, else ``-1`` (int64). GPU reads only: ``keep_len`` and ``req_to_vrow`` were
+        written by this batch's grants, earlier on the stream."""
+        dev = self.req_to_vrow.device
         pos, end = pos.to(dev, non_blocking=True), end.to(dev, non_blocking=True)
-        # GPU reads only: keep_len and req_to_vrow were written by this batch's grants, earlier on the stream
         return torch.where(self.keep_len[rows] >= end, self.req_to_vrow[rows, pos].to(torch.int64), -1)
 
     # ----------------------------------------------------------- lifecycle
