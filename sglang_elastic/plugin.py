@@ -52,6 +52,12 @@ def load() -> None:
     from sglang_elastic import gcstats
 
     gcstats.register()  # SGLANG_ELASTIC_GC_STATS=1 only: this process's garbage collections timed, the scheduler's reported
+    from sglang_elastic import dummy_init
+
+    try:  # SGLANG_ELASTIC_DUMMY_INIT=unit only: --load-format dummy weights under which attention shows in the outputs
+        dummy_init.register()
+    except ValueError:
+        pass  # another value: the launcher stops with one line (_from_cli_args); no process loads a model before it
     from sglang_elastic import offload
 
     offload.register()
@@ -77,8 +83,12 @@ def _add_cli_args(result, parser, *args, **kwargs):
 
 
 def _from_cli_args(cls, ns, *args, **kwargs):
-    from sglang_elastic import config
+    from sglang_elastic import config, dummy_init
 
+    try:
+        dummy_init.mode()
+    except ValueError as e:
+        raise SystemExit(f"sglang-elastic: {e}") from None
     try:
         cfg = config.from_namespace(ns)
         config.check_server_args(cfg, ns)

@@ -191,7 +191,9 @@ def test_assemble_writes_the_issue_schema_from_the_committed_parts(tmp_path):
     assert "H200" in out["gpu"]  # the parts' GPU, not the assembling machine's
     for key in ("capacity", "throughput", "exactness", "part_commits", "tp"):
         assert out[key] == want[key], key
-    assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": 0.0}
+    # SGLang's own dummy weights (the part predates SGLANG_ELASTIC_DUMMY_INIT): said, since attention does not reach the outputs there
+    assert out["exactness"] == {"compared": 6, "identical": 6, "model": "llama-3.1-8b shape (dummy weights: sglang)", "dummy_init": "sglang",
+                                "max_abs_logprob_diff": 0.0}
     assert out["part_commits"]["smoke.json"] != out["part_commits"]["smoke_tp2.json"]  # the TP 2 smoke is not the TP 1 exactness
     # TP 2 (two H200s, 1a4cb5f): each rank offloads its own 4 KV heads; the same greedy tokens and logprobs as resident V,
     # and 1.75x the tokens SGLang's own sizing gives the same per-rank budget
@@ -558,7 +560,84 @@ def test_the_radix_smoke_adds_follow_ups_that_share_each_prompts_prefix_and_asse
     out = mod.part_assemble(type("A", (), {"parts": str(parts), "command": "assemble"})())
     one = json.loads((src / "smoke.json").read_text())
     assert out["exactness"]["identical"] == one["exactness"]["identical"] and out["exactness"]["compared"] == one["exactness"]["compared"]
-    assert out["exactness"]["radix_cache"] == {**radix["exactness"], "date": radix["date"], "commit": "abc"}
+    assert out["exactness"]["radix_cache"] == {**radix["exactness"], "dummy_init": "sglang", "date": radix["date"], "commit": "abc"}
+    assert out["exactness"]["dummy_init"] == "sglang"  # the committed smoke ran on SGLang's own dummy weights
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_offload.py"), "capacity", "--radix", "--out",
                         str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--radix applies only to smoke, not capacity" in r.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_token_fresh_prompts_against_cache_hits(tmp_path, monkeypatch):
+    """``smoke --pair stock,offload-keep --radix``: two kernels, so no bit-identity is expected; the logprob differences are
+    taken only while both greedy runs share their context (before the first differing token), for the fresh prompts and the
+    follow-ups (cache hits) apart, so a follow-up whose rebuilt kept V is wrong stands out against the kernels' own noise.
+    Every server starts with ``SGLANG_ELASTIC_DUMMY_INIT=unit`` unless ``--dummy-init sglang``."""
+    import random
+
+    mod = bench()
+    started = []
+    n_fresh = len(mod.SMOKE_LENGTHS)
+    rnd = random.Random()
+    noise = {i: rnd.uniform(1e-3, 1e-2) for i in range(2 * n_fresh)}  # fresh per run: the kernels' disagreement per request
+
+    class FakeServer:
+        def __init__(self, name, args, port, work, env=None):
+            self.name, self.args, self.env = name, args, env
+            started.append(self)
+            self.seen = {}
+
+        def wait(self):
+            return 1.0
+
+        def generate(self, payload):
+            p = payload["input_ids"]
+            i = next(j for j, q in enumerate(ps) if q == p)
+            n = payload["sampling_params"]["max_new_tokens"]
+            ids, lps = list(range(i, i + n)), [-1.0 - 0.01 * k for k in range(n)]
+            if self.name == "offload-keep":
+                lps = [x + noise[i] for x in lps]
+                if i == n_fresh + 2:  # one follow-up: a wrong kept V row; diverges at token 5 and is far off before that
+                    ids[5] = -1
+                    lps = [x + 0.4 for x in lps]
+            cached = 10 if i >= n_fresh else 0
+            return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[x, t, None] for x, t in zip(lps, ids)], "cached_tokens": cached}}
+
+        def info(self):
+            return {"max_total_num_tokens": 1000}
+
+        def stop(self):
+            pass
+
+    ps = mod.prompts(mod.SMOKE_LENGTHS, seed=0)
+    ps = ps + mod.radix_followups(ps)
+    monkeypatch.setattr(mod, "Server", FakeServer)
+    monkeypatch.setattr(mod, "offload_state", lambda info: {})
+    a = type("A", (), {"radix": True, "pair": "stock,offload-keep", "dummy_init": "unit", "new_tokens": 8, "work": str(tmp_path), "tp": 1})()
+    out = mod.part_smoke(a)
+    ex = out["exactness"]
+    assert [s.name for s in started] == ["stock", "offload-keep"]
+    assert all(s.env == {"SGLANG_ELASTIC_DUMMY_INIT": "unit"} for s in started)
+    assert all("--disable-radix-cache" not in s.args for s in started) and "--attention-backend" in started[0].args
+    assert ex["bit_identical_expected"] is False and ex["identical"] == 2 * n_fresh - 1
+    assert ex["first_divergence"] == [8] * (n_fresh + 2) + [5] + [8] * (n_fresh - 3)
+    assert ex["fresh"]["steps"] == 8 * n_fresh and ex["followups"]["steps"] == 8 * (n_fresh - 1) + 5
+    assert ex["fresh"]["max_abs_logprob_diff"] == pytest.approx(max(noise[i] for i in range(n_fresh)))
+    assert ex["followups"]["max_abs_logprob_diff"] == pytest.approx(0.4 + noise[n_fresh + 2])  # the wrong row stands out
+    assert ex["cache_hits"] == {"followups": n_fresh, "matched": n_fresh, "identical": n_fresh - 1}
+
+    started.clear()
+    a.pair, a.radix, a.dummy_init = "resident,offload", False, "sglang"
+    monkeypatch.setattr(mod, "radix_followups", lambda ps: [])
+    out = mod.part_smoke(a)
+    assert [s.name for s in started] == ["resident", "offload"] and all(s.env == {"SGLANG_ELASTIC_DUMMY_INIT": ""} for s in started)
+    assert all("--disable-radix-cache" in s.args for s in started)
+    assert out["exactness"]["bit_identical_expected"] is True and "fresh" not in out["exactness"] and out["dummy_init"] == "sglang"
+
+
+def test_pair_and_dummy_init_apply_to_the_smoke_only(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_offload.py"), "throughput", "--pair", "stock,offload-keep",
+                        "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--pair / --dummy-init apply only to smoke, not throughput" in r.stderr and not (tmp_path / "x.json").exists()

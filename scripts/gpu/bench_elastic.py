@@ -121,6 +121,9 @@ class Server:
         env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         if self.post_capture:  # SGLang's post-capture KV sizing (issue 22, build 3: the pool lends on top of it)
             env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "1"
+        # the identity servers' weights: unit scale (sglang_elastic/dummy_init.py), under which KV a reclaim moved wrong changes the
+        # outputs; under SGLang's own dummy weights (every run before 2026-12-07) it does not
+        env["SGLANG_ELASTIC_DUMMY_INIT"] = "unit" if self.identity else ""
         self.events.unlink(missing_ok=True)
         self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager, self.extra)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -291,7 +294,7 @@ def phase(args) -> None:
         if args.post_capture:  # the pool after SGLang's post-capture sizing (its own log line)
             res["kv_tokens_base"] = srv.log_int(r"Post-capture KV sizing: KV cache allocated\. dtype: \S+, #tokens: (\d+)") or res["kv_tokens_base"]
         if args.identity:
-            res["identity_run"] = asyncio.run(workload_identity(srv.url))
+            res["identity_run"] = {**asyncio.run(workload_identity(srv.url)), "dummy_init": "unit"}
             print(f"[{args.mode}-id] failed={res['identity_run']['failed']}", flush=True)
         if "burst" in args.workloads:
             res["burst"] = asyncio.run(workload_burst(srv.url))
@@ -405,7 +408,7 @@ def assemble(args) -> None:
         identity = {"requests": len(same), "identical": sum(same), "background_requests": len(same_bg), "background_identical": sum(same_bg),
                     "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
                     "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
-                    "failed_requests": a["failed"] + b["failed"], "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}
+                    "failed_requests": a["failed"] + b["failed"], "dummy_init": a.get("dummy_init", "sglang"), "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}
     itl_overhead = None
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
         itl_overhead = (el["itl"]["itl_ms_median"] / st["itl"]["itl_ms_median"] - 1) * 100

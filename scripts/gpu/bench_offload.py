@@ -229,21 +229,55 @@ def radix_followups(ps: List[List[int]], seed: int = 7, keep: float = 0.75, new:
     return [p[: int(len(p) * keep)] + [rnd.randrange(100, 128000) for _ in range(new)] for p in ps]
 
 
+#: ``smoke --pair``: the two servers the smoke compares, and whether their outputs must be bit-identical
+SMOKE_PAIRS = {
+    # the offload path against the same selection with every V row on the GPU: bit-identical
+    "resident,offload": True,
+    # dense while V fits (the shipped default) against stock SGLang: two kernels, so a kernel tolerance; compared up to each
+    # request's first differing token, the follow-ups (cache hits) against the fresh prompts
+    "stock,offload-keep": False,
+}
+
+
+def first_divergence(x: List[int], y: List[int]) -> int:
+    """Leading tokens ``x`` and ``y`` share (two greedy runs: their contexts agree up to there)."""
+    n = 0
+    for u, v in zip(x, y):
+        if u != v:
+            break
+        n += 1
+    return n
+
+
+def logprob_diffs(a_: List[dict], b_: List[dict], idx) -> List[float]:
+    """|delta logprob| of requests ``idx``, at the steps before each one's first differing token."""
+    return [abs(u - v) for i in idx for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"])]]
+
+
 def part_smoke(a) -> dict:
-    """Offload against resident V (the same selection, every V row on the GPU), greedy, the same prompts one by one
-    and then at once. ``a.radix``: both servers with SGLang's radix cache (default on; the other parts turn it off),
-    and after the prompts a follow-up of each sharing 3/4 of it, which the cache matches (``cached_tokens``): the
-    request's sink, ring and V summaries are rebuilt from the cached prefix (``OffloadKVPool.plan_prefix``)."""
+    """Two servers (``a.pair``, :data:`SMOKE_PAIRS`; by default resident V against offload, the same selection with every V
+    row on the GPU), greedy, the same prompts one by one and then at once. ``a.radix``: both servers with SGLang's radix
+    cache (default on; the other parts turn it off), and after the prompts a follow-up of each sharing 3/4 of it, which the
+    cache matches (``cached_tokens``): the request's sink, ring and V summaries (and a kept request's V) are rebuilt from the
+    cached prefix (``OffloadKVPool.plan_prefix``). ``a.dummy_init``: ``unit`` (the default) starts the servers with
+    ``SGLANG_ELASTIC_DUMMY_INIT=unit``, under which wrong attention shows in the outputs (``sglang_elastic/dummy_init.py``);
+    ``sglang``: SGLang's own dummy weights, under which it does not."""
     radix = bool(getattr(a, "radix", False))
-    out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}, "radix_cache": radix}
+    pair = getattr(a, "pair", "resident,offload")
+    exact = SMOKE_PAIRS[pair]
+    init = getattr(a, "dummy_init", "unit")
+    out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}, "radix_cache": radix, "pair": pair, "dummy_init": init}
     ps = prompts(SMOKE_LENGTHS, seed=0)
     if radix:
         ps = ps + radix_followups(ps)
     runs = {}
-    for i, name in enumerate(("resident", "offload")):
+    names = pair.split(",")
+    for i, name in enumerate(names):
         base = [x for x in SERVERS[name] if not (radix and x == "--disable-radix-cache")]
+        if not radix and "--disable-radix-cache" not in base:
+            base = base + ["--disable-radix-cache"]
         args = base + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
-        s = Server(name, args + tp_args(a), 30100 + i, a.work)
+        s = Server(name, args + tp_args(a), 30100 + i, a.work, env={"SGLANG_ELASTIC_DUMMY_INIT": "unit" if init == "unit" else ""})
         try:
             up = s.wait()
             res = []
@@ -265,15 +299,21 @@ def part_smoke(a) -> dict:
             runs[name] = res
         finally:
             s.stop()
-    a_, b_ = runs["resident"], runs["offload"]
+    a_, b_ = runs[names[0]], runs[names[1]]
     same = [x["ids"] == y["ids"] for x, y in zip(a_, b_)]
     dlp = max(abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"]))
     out["exactness"] = {"compared": len(same), "identical": sum(same), "max_abs_logprob_diff": dlp,
-                        "tokens_compared": sum(len(x["ids"]) for x in a_)}
+                        "tokens_compared": sum(len(x["ids"]) for x in a_), "bit_identical_expected": exact}
+    fresh, follow = range(len(SMOKE_LENGTHS)), range(len(SMOKE_LENGTHS), len(ps))
+    if not exact:  # two kernels: how far apart while their contexts agree, fresh prompts against cache hits
+        out["exactness"]["first_divergence"] = [first_divergence(x["ids"], y["ids"]) for x, y in zip(a_, b_)]
+        for key, idx in (("fresh", fresh), ("followups", follow)):
+            d = logprob_diffs(a_, b_, idx)
+            if d:
+                out["exactness"][key] = {"steps": len(d), "max_abs_logprob_diff": max(d), "mean_abs_logprob_diff": sum(d) / len(d)}
     if radix:  # the follow-ups: how many the cache matched in both servers, and whether those came out identical
-        hit = [i for i in range(len(SMOKE_LENGTHS), len(ps)) if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]
-        out["exactness"]["cache_hits"] = {"followups": len(ps) - len(SMOKE_LENGTHS), "matched": len(hit),
-                                          "identical": sum(same[i] for i in hit)}
+        hit = [i for i in follow if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]
+        out["exactness"]["cache_hits"] = {"followups": len(follow), "matched": len(hit), "identical": sum(same[i] for i in hit)}
     return out
 
 
@@ -765,12 +805,18 @@ def part_assemble(a) -> dict:
                      for name, r in p["servers"].items()},
         })
     smoke = by.get("smoke")
-    if smoke:
+    if smoke:  # parts before 2026-12-07 ran on SGLang's own dummy weights, under which attention does not reach the outputs
+        init = smoke.get("dummy_init", "sglang")
         out["exactness"] = {"compared": smoke["exactness"]["compared"], "identical": smoke["exactness"]["identical"],
-                            "model": "llama-3.1-8b shape (dummy weights)", "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
-    radix = by.get("smoke_radix")
-    if radix:  # the same check with SGLang's radix cache, follow-ups matching cached prefixes (smoke --radix)
-        out.setdefault("exactness", {})["radix_cache"] = {**radix["exactness"], "date": radix.get("date"), "commit": radix.get("commit")}
+                            "model": f"llama-3.1-8b shape (dummy weights: {init})", "dummy_init": init,
+                            "max_abs_logprob_diff": smoke["exactness"]["max_abs_logprob_diff"]}
+    # the same check with SGLang's radix cache (follow-ups matching cached prefixes, smoke --radix), and the shipped default
+    # (keep-v) against stock within a kernel tolerance (smoke --pair stock,offload-keep), each with its date and commit
+    for key, name in (("radix_cache", "smoke_radix"), ("keep_v_vs_stock", "smoke_keep"), ("radix_cache_keep_v_vs_stock", "smoke_radix_keep")):
+        p = by.get(name)
+        if p:
+            out.setdefault("exactness", {})[key] = {**p["exactness"], "dummy_init": p.get("dummy_init", "sglang"), "date": p.get("date"),
+                                                    "commit": p.get("commit")}
     # accuracy parts (offload_accuracy.py), oldest first: the newest gives the issue's rows; every one is listed
     # (TP 1 only, as the other keys; rows_in names the parts' folder as given, e.g. offload_h200_parts/accuracy.json)
     folder = os.path.basename(os.path.normpath(a.parts))
@@ -847,6 +893,12 @@ def main():
     ap.add_argument("--tp", type=int, default=1, help="smoke, capacity, throughput: tensor parallel size of every server (GPUs 0..N-1)")
     ap.add_argument("--radix", action="store_true", help="smoke: with SGLang's radix cache, and a follow-up of each prompt that the "
                                                          "cache matches (part \"smoke_radix\")")
+    ap.add_argument("--pair", choices=sorted(SMOKE_PAIRS), default="resident,offload",
+                    help="smoke: the two servers compared (stock,offload-keep: the shipped default against stock, within a kernel "
+                         "tolerance; part \"smoke_keep\" / \"smoke_radix_keep\")")
+    ap.add_argument("--dummy-init", choices=("unit", "sglang"), default="unit",
+                    help="smoke: the servers' dummy weights: unit (SGLANG_ELASTIC_DUMMY_INIT=unit, under which wrong attention "
+                         "shows in the outputs) or sglang (SGLang's own U(-1e-3, 1e-3), under which it does not)")
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
@@ -882,6 +934,8 @@ def main():
             ap.error(f"--inputs applies only to merge, not {a.part}")
         if a.radix and a.part != "smoke":
             ap.error(f"--radix applies only to smoke, not {a.part}")
+        if a.part != "smoke" and (a.pair != "resident,offload" or a.dummy_init != "unit"):
+            ap.error(f"--pair / --dummy-init apply only to smoke, not {a.part}")
         if a.part != "throughput" and (a.offload_extra or a.dense_launch):
             ap.error(f"--offload-extra / --dense-launch apply only to throughput, not {a.part}")
         if a.dense_launch:
@@ -901,7 +955,7 @@ def main():
     except RuntimeError as e:
         sys.exit(f"bench_offload {a.part}: {e}")
     if a.part not in ("assemble", "merge"):
-        part = "smoke_radix" if a.radix else a.part
+        part = a.part + ("_radix" if a.radix else "") + ("_keep" if a.part == "smoke" and not SMOKE_PAIRS[a.pair] else "")
         res = {**results.header(), "part": part, "tp": a.tp, "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
     print(json.dumps(res, indent=1)[:4000])

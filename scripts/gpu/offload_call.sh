@@ -3,7 +3,7 @@
 # this package, then run the given steps; every step's output goes to $OUT (the
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
-# STEP: check | sweep | smoke | smoke_radix | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
+# STEP: check | sweep | smoke | smoke_radix | smoke_keep | smoke_radix_keep | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
 #       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore | fa3_stash | fa3_install | decode_bench
 #   decode_bench: scripts/gpu/bench_decode.py (issue 23's kernel bench: both L2 flushes, read floors, XQA, FA3 where
 #     installed) -> $OUT/decode_<gpu>.json (h200, h100: the card's name) and the calibration it fits ->
@@ -23,6 +23,11 @@
 #     (a fresh host's first server start: ~4 min with the compiles, ~1 min without)
 #   smoke_radix: the smoke with SGLang's radix cache on and a follow-up of each prompt sharing 3/4 of it (a cache hit) ->
 #     $OUT/smoke_radix.json (exactness.cache_hits: follow-ups the cache matched in both servers, and how many came out identical)
+#   smoke_keep, smoke_radix_keep: the shipped default (keep-v) against stock SGLang, without and with the radix cache's
+#     follow-ups -> $OUT/smoke_keep.json, $OUT/smoke_radix_keep.json (two kernels: |delta logprob| before each request's first
+#     differing token, fresh prompts and cache hits apart)
+#   every smoke runs its servers with SGLANG_ELASTIC_DUMMY_INIT=unit (sglang_elastic/dummy_init.py: under SGLang's own dummy
+#     weights wrong attention does not show in the outputs); $SMOKE_ARGS: more of bench_offload.py's flags (e.g. "--dummy-init sglang")
 #   smoke, smoke_radix, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: SERVERS default stock,offload, and "offload" is the sparse rule for every request (--no-kv-offload-keep-v);
 #     the shipped default (dense while V fits) is "offload-keep": throughput:WL:offload-keep,stock (bench_offload.py's SERVERS);
@@ -103,8 +108,12 @@ for step in "$@"; do
     sweep) eval "swargs=(${SWEEP_ARGS:-})"
            python3 scripts/gpu/sweep_dense_kept.py --budget-s "${SWEEP_BUDGET_S:-300}" "${swargs[@]}" --out "$out/sweep_dense_kept${arg1:+_$arg1}.json" \
              --pick-file "/tmp/dense_launch${arg1:+_$arg1}.txt" > "$out/sweep${arg1:+_$arg1}.log" 2>&1 ;;
-    smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
-    smoke_radix) python3 scripts/gpu/bench_offload.py smoke --radix --tp "$tp" --out "$out/smoke_radix$sfx.json" > "$out/smoke_radix$sfx.log" 2>&1 ;;
+    smoke) python3 scripts/gpu/bench_offload.py smoke --tp "$tp" ${SMOKE_ARGS:-} --out "$out/smoke$sfx.json" > "$out/smoke$sfx.log" 2>&1 ;;
+    smoke_radix) python3 scripts/gpu/bench_offload.py smoke --radix --tp "$tp" ${SMOKE_ARGS:-} --out "$out/smoke_radix$sfx.json" > "$out/smoke_radix$sfx.log" 2>&1 ;;
+    smoke_keep) python3 scripts/gpu/bench_offload.py smoke --pair stock,offload-keep --tp "$tp" ${SMOKE_ARGS:-} --out "$out/smoke_keep$sfx.json" \
+                  > "$out/smoke_keep$sfx.log" 2>&1 ;;
+    smoke_radix_keep) python3 scripts/gpu/bench_offload.py smoke --radix --pair stock,offload-keep --tp "$tp" ${SMOKE_ARGS:-} \
+                  --out "$out/smoke_radix_keep$sfx.json" > "$out/smoke_radix_keep$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
     throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1
       rc=$?
