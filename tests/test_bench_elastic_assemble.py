@@ -234,3 +234,36 @@ def test_the_benchmark_client_drops_idle_connections_before_sglangs_server_does(
     for script in ("bench_elastic.py", "bench_offload.py"):
         assert "aiohttp.ClientSession(" not in (ROOT / "scripts/gpu" / script).read_text()
     assert (ROOT / "sglang_elastic/eval/client.py").read_text().count("aiohttp.ClientSession(") == 1  # client_session's own
+
+
+def test_the_slow_decode_steps_are_found_merged_across_requests_and_set_beside_the_events_that_ended_in_them():
+    """``long_slow_steps``: a gap over 4x the median is slow; the gaps of one stalled step (all running requests, ending
+    within 5 ms) are one step; each names the lend / reclaim events that ended while it ran. Fresh random timelines."""
+    import random
+
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+    rnd = random.Random()
+    t0, base = 1.7e9 + rnd.uniform(0, 1e6), rnd.uniform(8, 12)
+    stall_at = sorted(rnd.sample(range(20, 180), 3))  # three stalled steps of 10 requests' 200-step decodes
+    stall_ms = [rnd.uniform(60, 150) for _ in stall_at]
+    step_end, t = [], t0
+    for k in range(201):  # one batch: every request's token of a step ends together, give or take 2 ms of streaming
+        t += (base * rnd.uniform(0.9, 1.1) + (stall_ms[stall_at.index(k)] if k in stall_at else 0.0)) / 1e3
+        step_end.append(t)
+    res = []
+    for r in range(10):
+        ends = [e + rnd.uniform(0, 2e-3) for e in step_end]
+        res.append({"ok": True, "gaps_ms": [(b - a) * 1e3 for a, b in zip(ends, ends[1:])], "gap_ends": ends[1:]})
+    res.append({"ok": False, "error": "x"})
+    steps = mod.slow_steps(res)
+    assert len(steps) == 3 and [s["requests"] for s in steps] == [10, 10, 10]
+    for s, k, ms in zip(steps, stall_at, stall_ms):
+        assert abs(s["t"] - step_end[k]) < 3e-3 and 0.9 * base + ms - 2 < s["gap_ms"] < 1.1 * base + ms + 2
+    assert mod.slow_steps(res, keep=1) == [max(steps, key=lambda s: s["gap_ms"])]
+    lend = {"op": "lend", "ms": 1.2, "ahead_empty_cache_ms": 35.1, "t": steps[1]["t"] - steps[1]["gap_ms"] / 2e3}
+    far = {"op": "reclaim", "ms": 0.9, "t": t0 - 1.0}
+    near = mod.beside_events(steps, [lend, far])
+    assert [len(s["events"]) for s in near] == [0, 1, 0] and near[1]["events"][0]["ahead_empty_cache_ms"] == 35.1
+    assert mod.slow_steps([]) == [] and mod.slow_steps([{"ok": True, "gaps_ms": [10.0] * 50, "gap_ends": list(range(50))}]) == []

@@ -145,12 +145,20 @@ def test_the_committed_h100_parts_give_the_committed_h100_rows():
     out = bench().part_assemble(args)
     want = json.loads((ROOT / "docs" / "results" / "offload_h100.json").read_text())
     assert "H100" in out["gpu"] and out["throughput"] == want["throughput"] and out["part_commits"] == want["part_commits"]
-    names = ("throughput_fits_keep_v.json", "throughput_fits_n8_keep_v.json", "throughput_over8k_chunk_mean125_keep_v.json",
-             "throughput_over8k_hostbound_keep_v.json", "throughput_over8k_keep_v.json", "throughput_over8k_same_host_a_default.json",
-             "throughput_over8k_same_host_b_chunk_mean125.json")
-    assert out["part_files"] == list(names)
+    names = ("throughput_fits_keep_v.json", "throughput_fits_n64_keep_v_255a198.json", "throughput_fits_n8_keep_v.json",
+             "throughput_over8k_chunk_mean125_keep_v.json", "throughput_over8k_hostbound_keep_v.json", "throughput_over8k_keep_v.json",
+             "throughput_over8k_same_host_a_default.json", "throughput_over8k_same_host_b_chunk_mean125.json")
+    smokes = ("smoke.json", "smoke_keep.json", "smoke_radix.json", "smoke_radix_keep.json")
+    assert out["part_files"] == list(smokes + names)
     assert [(r["workload"], r["num_prompts"], r["input_len"]) for r in out["throughput"]] == \
-        [("fits", 64, 4096), ("fits", 8, 4096)] + [("over8k", 32, 8448)] * 5
+        [("fits", 64, 4096)] * 2 + [("fits", 8, 4096)] + [("over8k", 32, 8448)] * 5
+    # 2026-12-07 (255a198), unit-scale dummy weights: offload equal to resident V bit for bit, with the radix cache's follow-ups
+    # too (each matched by the cache in both servers); keep-v against stock: the cache hits no further apart than fresh prompts
+    ex = out["exactness"]
+    assert ex == want["exactness"] and ex["dummy_init"] == "unit" and (ex["compared"], ex["identical"], ex["max_abs_logprob_diff"]) == (6, 6, 0.0)
+    assert ex["radix_cache"]["identical"] == ex["radix_cache"]["compared"] == 12 and ex["radix_cache"]["cache_hits"]["matched"] == 6
+    rk = ex["radix_cache_keep_v_vs_stock"]
+    assert rk["cache_hits"]["matched"] == 6 and rk["followups"]["max_abs_logprob_diff"] <= rk["fresh"]["max_abs_logprob_diff"]
     doc = " ".join((ROOT / "docs" / "offload.md").read_text().split())
 
     def quoted(a, b):  # how docs/offload.md writes a comparison of median ITLs

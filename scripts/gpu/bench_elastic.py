@@ -179,6 +179,7 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
     """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
     t0 = time.perf_counter()
+    wall = time.time() - t0  # perf_counter -> time.time(), the clock of the server's events
     stamps, out, err = [], [], None
     try:
         async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=1800)) as r:
@@ -202,7 +203,43 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
     if err or len(out) != max_new:
         return {"ok": False, "error": err or f"{len(out)} of {max_new} tokens", "output_ids": out}
     gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps}
+    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps, "gap_ends": [wall + b for b in stamps[1:]]}
+
+
+def slow_steps(results: List[Dict[str, Any]], factor: float = 4.0, merge_ms: float = 5.0, keep: int = 64) -> List[Dict[str, Any]]:
+    """The decode steps whose token gaps exceed ``factor`` times the median gap, over ``results`` (:func:`generate`'s,
+    streamed together): gaps ending within ``merge_ms`` of each other are one step (every running request waits for
+    it). Each: ``t`` (the first gap's end, ``time.time()``), ``gap_ms`` (the longest), ``requests`` (gaps in it); the
+    ``keep`` longest, in time order. Why: a p999 of the gaps says how long, not when; beside the server's lend and
+    reclaim events (:func:`beside_events`) it says what the scheduler was doing."""
+    pts = sorted((t, g) for r in results if r.get("ok") for t, g in zip(r.get("gap_ends", []), r["gaps_ms"]))
+    if not pts:
+        return []
+    gaps = sorted(g for _, g in pts)
+    bar = factor * gaps[len(gaps) // 2]
+    steps: List[Dict[str, Any]] = []
+    for t, g in pts:
+        if g <= bar:
+            continue
+        if steps and (t - steps[-1]["last"]) * 1e3 <= merge_ms:
+            st = steps[-1]
+            st["gap_ms"], st["requests"], st["last"] = max(st["gap_ms"], g), st["requests"] + 1, t
+        else:
+            steps.append({"t": t, "gap_ms": g, "requests": 1, "last": t})
+    steps = sorted(sorted(steps, key=lambda x: -x["gap_ms"])[:keep], key=lambda x: x["t"])
+    return [{"t": round(x["t"], 4), "gap_ms": round(x["gap_ms"], 2), "requests": x["requests"]} for x in steps]
+
+
+def beside_events(steps: List[Dict[str, Any]], events: List[Dict[str, Any]], slack_ms: float = 50.0) -> List[Dict[str, Any]]:
+    """Each slow step with the lend and reclaim events (``op``, ``ms``, ``ahead_empty_cache_ms`` where set) that ended
+    while its gap ran (from ``slack_ms`` before the gap began to its end): what held the scheduler then, if anything."""
+    out = []
+    for st in steps:
+        lo, hi = st["t"] - (st["gap_ms"] + slack_ms) / 1e3, st["t"]
+        near = [{k: (round(e[k], 3) if isinstance(e[k], float) else e[k]) for k in ("op", "ms", "ahead_empty_cache_ms", "t") if k in e}
+                for e in events if lo <= e.get("t", 0) <= hi]
+        out.append({**st, "events": near})
+    return out
 
 
 def prompts(n: int, lo: int, hi: int, seed: int) -> List[List[int]]:
@@ -244,7 +281,8 @@ async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any
     ttft = [r["ttft_ms"] for r in short_res if r["ok"]]
     return {"identity_outputs": [r.get("output_ids") for r in short_res[:64]], "failed": sum(not r["ok"] for r in short_res + long_res),
             "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5],
-            "long_itl_ms": {**stats(gaps), "p90": pct(gaps, 90), "p999": pct(gaps, 99.9)}, "short_ttft_ms": {**stats(ttft), "p90": pct(ttft, 90)}}
+            "long_itl_ms": {**stats(gaps), "p90": pct(gaps, 90), "p999": pct(gaps, 99.9)}, "short_ttft_ms": {**stats(ttft), "p90": pct(ttft, 90)},
+            "long_slow_steps": slow_steps(long_res)}
 
 
 async def workload_burst(url: str) -> Dict[str, Any]:
@@ -442,6 +480,9 @@ def assemble(args) -> None:
                              "reclaims_idle": sum(str(e.get("why", "")).startswith("idle") for e in d["reclaims"]),
                              "reclaim_wait": reclaim_wait(d),
                              **({k: d["cycles_run"][k] for k in ("long_itl_ms", "short_ttft_ms") if k in d["cycles_run"]} if d.get("cycles_run") else {}),
+                             # the slowest decode steps of the long requests, each beside the lends and reclaims that ended in it
+                             **({"long_slow_steps": beside_events(d["cycles_run"]["long_slow_steps"], d["lends"] + d["reclaims"])}
+                                if (d.get("cycles_run") or {}).get("long_slow_steps") else {}),
                              **(eager_summary(d["eager_prefills"]) if d.get("eager_prefills") else {})}
                       for name, d in (("elastic", el), ("elastic_eager", ele), ("elastic_id", eid), ("elastic_post_capture", epc)) if d},
         # issue 22, build 3: SGLang's post-capture sizing alone (stock-pc) and with the pool lending what it left free (elastic-pc)
