@@ -591,8 +591,9 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     class FakeServer:
         def __init__(self, name, args, port, work, env=None):
             self.name, self.args, self.env = name, args, env
+            self.log = str(tmp_path / f"server_{name}.log")
+            open(self.log, "w").write("[t] Prefill batch, #new-seq: 9, #new-token: 9, #cached-token: 0, token usage: 0.00, #running-req: 9, x\n")
             started.append(self)
-            self.seen = {}
 
         def wait(self):
             return 1.0
@@ -608,6 +609,9 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
                     ids[5] = -1
                     lps = [x + 0.4 for x in lps]
             cached = 10 if i >= n_fresh else 0
+            with open(self.log, "a") as f:  # SGLang's line for this request's prefill
+                f.write(f"[t] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, #cached-token: {cached}, token usage: 0.01, "
+                        f"#running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False\n")
             return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[x, t, None] for x, t in zip(lps, ids)], "cached_tokens": cached}}
 
         def info(self):
@@ -632,6 +636,14 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     assert ex["fresh"]["max_abs_logprob_diff"] == pytest.approx(max(noise[i] for i in range(n_fresh)))
     assert ex["followups"]["max_abs_logprob_diff"] == pytest.approx(0.4 + noise[n_fresh + 2])  # the wrong row stands out
     assert ex["cache_hits"] == {"followups": n_fresh, "matched": n_fresh, "identical": n_fresh - 1}
+    # the batched run: compared across the two servers, with each server's prefill batches as its log gave them (this
+    # phase's only: the start-up line and the sequential requests' lines are before it)
+    b = ex["batched"]
+    assert (b["compared"], b["identical"]) == (2 * n_fresh, 2 * n_fresh - 1)
+    for name in ("stock", "offload-keep"):
+        got = b["schedules"][name]
+        assert sorted(got) == sorted([1, len(p) - (10 if i >= n_fresh else 0), 10 if i >= n_fresh else 0, 0] for i, p in enumerate(ps))
+    assert b["same_schedule"] == (b["schedules"]["stock"] == b["schedules"]["offload-keep"])
 
     started.clear()
     a.pair, a.radix, a.dummy_init = "resident,offload", False, "sglang"
@@ -642,10 +654,31 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     assert out["exactness"]["bit_identical_expected"] is True and "fresh" not in out["exactness"] and out["dummy_init"] == "sglang"
 
 
-def test_pair_and_dummy_init_apply_to_the_smoke_only(tmp_path):
+def test_pair_applies_to_the_smoke_only_and_dummy_init_defaults_by_part(tmp_path):
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_offload.py"), "throughput", "--pair", "stock,offload-keep",
                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "--pair / --dummy-init apply only to smoke, not throughput" in r.stderr and not (tmp_path / "x.json").exists()
+    assert r.returncode == 2 and "--pair applies only to smoke, not throughput" in r.stderr and not (tmp_path / "x.json").exists()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "bench_offload.py"), "assemble", "--dummy-init", "unit",
+                        "--parts", str(tmp_path), "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--dummy-init applies to the parts that start servers, not assemble" in r.stderr
+    mod = bench()
+    A = lambda part, init=None: type("A", (), {"part": part, "dummy_init": init})()  # noqa: E731
+    # the smoke checks exactness: unit weights unless told; the loads stay comparable with the committed runs unless told
+    assert mod.dummy_env(A("smoke")) == {"SGLANG_ELASTIC_DUMMY_INIT": "unit"}
+    assert mod.dummy_env(A("smoke", "sglang")) == {"SGLANG_ELASTIC_DUMMY_INIT": ""}
+    assert mod.dummy_env(A("throughput")) == {"SGLANG_ELASTIC_DUMMY_INIT": ""}
+    assert mod.dummy_env(A("throughput", "unit")) == {"SGLANG_ELASTIC_DUMMY_INIT": "unit"}
+
+
+def test_the_prefill_schedule_is_read_from_sglangs_log_lines():
+    mod = bench()
+    log = ("[2026-12-07 08:31:47] Prefill batch, #new-seq: 2, #new-token: 1100, #cached-token: 0, token usage: 0.01, #running-req: 0, "
+           "#queue-req: 2, #pending-token: 0, cuda graph: False, input throughput (token/s): 3931.31\n"
+           "[2026-12-07 08:31:47] Decode batch, #running-req: 2, #token: 0, token usage: 0.00, cuda graph: True\n"
+           "[2026-12-07 08:31:48] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 750, token usage: 0.03, #running-req: 2, "
+           "#queue-req: 2, #pending-token: 41808, cuda graph: False, input throughput (token/s): 33822.37\n")
+    assert mod.prefill_schedule(log) == [[2, 1100, 0, 0], [1, 8192, 750, 2]]
+    assert mod.prefill_schedule("no batches") == []

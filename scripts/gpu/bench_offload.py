@@ -127,12 +127,40 @@ def tp_args(a) -> List[str]:
     return ["--tp", str(a.tp)] if a.tp > 1 else []
 
 
+def log_size(path: str) -> int:
+    """Bytes in a server log so far (0 before it exists): where a later :func:`log_tail_from` starts."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def log_tail_from(path: str, offset: int) -> str:
+    """A server log from byte ``offset`` on."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def tail(path: str, n: int = 30) -> str:
     try:
         with open(path) as f:
             return "".join(f.readlines()[-n:])
     except OSError:
         return ""
+
+
+def dummy_init(a) -> str:
+    """The servers' dummy weights: ``--dummy-init`` as given, else ``unit`` for the smoke (an exactness check, which SGLang's own
+    dummy weights would pass whatever the attention did) and ``sglang`` for the loads (comparable with the committed runs)."""
+    v = getattr(a, "dummy_init", None)
+    return v if v else ("unit" if getattr(a, "part", "smoke") == "smoke" else "sglang")
+
+
+def dummy_env(a) -> dict:
+    """``SGLANG_ELASTIC_DUMMY_INIT`` for a server (``sglang_elastic/dummy_init.py``), set either way so the caller's
+    environment does not leak in."""
+    return {"SGLANG_ELASTIC_DUMMY_INIT": "unit" if dummy_init(a) == "unit" else ""}
 
 
 _PREFILL_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\].*Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),"
@@ -254,6 +282,16 @@ def logprob_diffs(a_: List[dict], b_: List[dict], idx) -> List[float]:
     return [abs(u - v) for i in idx for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"])]]
 
 
+_SCHEDULE_LINE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),.*?#running-req: (\d+)")
+
+
+def prefill_schedule(log_text: str) -> List[List[int]]:
+    """SGLang's ``Prefill batch`` log lines as ``[new_seq, new_token, cached_token, running_req]``: the order in which the
+    scheduler took a batch of requests in (two servers that took them alike ran the same batches, so their batched outputs
+    must be as identical as their sequential ones)."""
+    return [[int(x) for x in m.groups()] for m in _SCHEDULE_LINE.finditer(log_text)]
+
+
 def part_smoke(a) -> dict:
     """Two servers (``a.pair``, :data:`SMOKE_PAIRS`; by default resident V against offload, the same selection with every V
     row on the GPU), greedy, the same prompts one by one and then at once. ``a.radix``: both servers with SGLang's radix
@@ -265,19 +303,19 @@ def part_smoke(a) -> dict:
     radix = bool(getattr(a, "radix", False))
     pair = getattr(a, "pair", "resident,offload")
     exact = SMOKE_PAIRS[pair]
-    init = getattr(a, "dummy_init", "unit")
+    init = dummy_init(a)
     out = {"lengths": SMOKE_LENGTHS, "max_new_tokens": a.new_tokens, "servers": {}, "radix_cache": radix, "pair": pair, "dummy_init": init}
     ps = prompts(SMOKE_LENGTHS, seed=0)
     if radix:
         ps = ps + radix_followups(ps)
-    runs = {}
+    runs, batched, schedules = {}, {}, {}
     names = pair.split(",")
     for i, name in enumerate(names):
         base = [x for x in SERVERS[name] if not (radix and x == "--disable-radix-cache")]
         if not radix and "--disable-radix-cache" not in base:
             base = base + ["--disable-radix-cache"]
         args = base + SMOKE_FLAGS + ["--max-running-requests", "16"]  # the last occurrence of a flag wins
-        s = Server(name, args + tp_args(a), 30100 + i, a.work, env={"SGLANG_ELASTIC_DUMMY_INIT": "unit" if init == "unit" else ""})
+        s = Server(name, args + tp_args(a), 30100 + i, a.work, env=dummy_env(a))
         try:
             up = s.wait()
             res = []
@@ -289,9 +327,12 @@ def part_smoke(a) -> dict:
             # the same prompts again at once (a batch of 6: hot buffers of several requests in one step)
             import concurrent.futures as cf
 
+            seen = log_size(s.log)
             with cf.ThreadPoolExecutor(len(ps)) as ex:
                 batch = list(ex.map(lambda p: s.generate({"input_ids": p, "sampling_params": {"max_new_tokens": a.new_tokens, "temperature": 0.0,
                                                                                               "ignore_eos": True}}), ps))
+            schedules[name] = prefill_schedule(log_tail_from(s.log, seen))
+            batched[name] = [b["output_ids"] for b in batch]
             info = s.info()
             out["servers"][name] = {"startup_s": round(up, 1), "max_total_num_tokens": info.get("max_total_num_tokens"),
                                     "offload": offload_state(info), "batched_equals_sequential": [b["output_ids"] == r["ids"] for b, r in zip(batch, res)],
@@ -304,6 +345,11 @@ def part_smoke(a) -> dict:
     dlp = max(abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"]))
     out["exactness"] = {"compared": len(same), "identical": sum(same), "max_abs_logprob_diff": dlp,
                         "tokens_compared": sum(len(x["ids"]) for x in a_), "bit_identical_expected": exact}
+    # the same prompts at once: a batch's outputs need not equal one request's (its GEMMs and splits differ), but two servers
+    # that took the batch in alike (the same prefill batches) must agree as the sequential runs do
+    same_b = [x == y for x, y in zip(batched[names[0]], batched[names[1]])]
+    out["exactness"]["batched"] = {"compared": len(same_b), "identical": sum(same_b), "same_schedule": schedules[names[0]] == schedules[names[1]],
+                                   "schedules": schedules}
     fresh, follow = range(len(SMOKE_LENGTHS)), range(len(SMOKE_LENGTHS), len(ps))
     if not exact:  # two kernels: how far apart while their contexts agree, fresh prompts against cache hits
         out["exactness"]["first_divergence"] = [first_divergence(x["ids"], y["ids"]) for x, y in zip(a_, b_)]
@@ -323,7 +369,7 @@ def part_capacity(a) -> dict:
     n_req, plen = a.requests, 32768
     ps = prompts([plen] * n_req, seed=1)
     for i, name in enumerate(a.servers.split(",")):
-        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a), 30200 + i, a.work)
+        s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"] + tp_args(a), 30200 + i, a.work, env=dummy_env(a))
         try:
             up = s.wait()
             info = s.info()
@@ -618,7 +664,7 @@ def part_throughput(a) -> dict:
         s = Server(name, SERVERS[name] + ["--skip-tokenizer-init", "--enable-metrics"]
                    + (["--max-running-requests", cap] if cap is not None and request_cap(server_flags(a, name)) is None else [])
                    + tp_args(a) + a.extra.split() + offload_extra, 30300 + i,
-                   a.work, env={gcstats.ENV: "1"})  # the scheduler's garbage collections, per load (row "gc")
+                   a.work, env={gcstats.ENV: "1", **dummy_env(a)})  # the scheduler's garbage collections, per load (row "gc")
         try:
             up = s.wait()
             # warm-up at the workload's size (a 256-token one left a first-use JIT in stock's measured prefill on fits)
@@ -896,9 +942,11 @@ def main():
     ap.add_argument("--pair", choices=sorted(SMOKE_PAIRS), default="resident,offload",
                     help="smoke: the two servers compared (stock,offload-keep: the shipped default against stock, within a kernel "
                          "tolerance; part \"smoke_keep\" / \"smoke_radix_keep\")")
-    ap.add_argument("--dummy-init", choices=("unit", "sglang"), default="unit",
-                    help="smoke: the servers' dummy weights: unit (SGLANG_ELASTIC_DUMMY_INIT=unit, under which wrong attention "
-                         "shows in the outputs) or sglang (SGLang's own U(-1e-3, 1e-3), under which it does not)")
+    ap.add_argument("--dummy-init", choices=("unit", "sglang"), default=None,
+                    help="smoke, capacity, throughput: the servers' dummy weights: unit (SGLANG_ELASTIC_DUMMY_INIT=unit, under which "
+                         "attention reaches the outputs and a sparse selection moves between steps as it does on random data) or "
+                         "sglang (SGLang's own U(-1e-3, 1e-3): outputs blind to attention, near-equal scores); default: unit for "
+                         "the smoke, sglang for the loads (comparable with the committed runs)")
     ap.add_argument("--extra", default="", help="throughput: extra SGLang flags for every server (one string)")
     ap.add_argument("--offload-extra", default="", help="throughput: extra flags for the --enable-kv-offload servers only (one string), "
                                                      "e.g. --kv-offload-copy-timing")
@@ -934,8 +982,10 @@ def main():
             ap.error(f"--inputs applies only to merge, not {a.part}")
         if a.radix and a.part != "smoke":
             ap.error(f"--radix applies only to smoke, not {a.part}")
-        if a.part != "smoke" and (a.pair != "resident,offload" or a.dummy_init != "unit"):
-            ap.error(f"--pair / --dummy-init apply only to smoke, not {a.part}")
+        if a.part != "smoke" and a.pair != "resident,offload":
+            ap.error(f"--pair applies only to smoke, not {a.part}")
+        if a.part in ("assemble", "merge") and a.dummy_init:
+            ap.error(f"--dummy-init applies to the parts that start servers, not {a.part}")
         if a.part != "throughput" and (a.offload_extra or a.dense_launch):
             ap.error(f"--offload-extra / --dense-launch apply only to throughput, not {a.part}")
         if a.dense_launch:
@@ -956,7 +1006,7 @@ def main():
         sys.exit(f"bench_offload {a.part}: {e}")
     if a.part not in ("assemble", "merge"):
         part = a.part + ("_radix" if a.radix else "") + ("_keep" if a.part == "smoke" and not SMOKE_PAIRS[a.pair] else "")
-        res = {**results.header(), "part": part, "tp": a.tp, "seconds": round(time.time() - t0, 1), **res}
+        res = {**results.header(), "part": part, "tp": a.tp, "dummy_init": dummy_init(a), "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)
     print(json.dumps(res, indent=1)[:4000])
 
