@@ -54,10 +54,7 @@ def load() -> None:
     gcstats.register()  # SGLANG_ELASTIC_GC_STATS=1 only: this process's garbage collections timed, the scheduler's reported
     from sglang_elastic import dummy_init
 
-    try:  # SGLANG_ELASTIC_DUMMY_INIT=unit only: --load-format dummy weights under which attention shows in the outputs
-        dummy_init.register()
-    except ValueError:
-        pass  # another value: the launcher stops with one line (_from_cli_args); no process loads a model before it
+    dummy_init.register()  # SGLANG_ELASTIC_DUMMY_INIT=unit only: --load-format dummy weights under which attention shows in the outputs
     from sglang_elastic import offload
 
     offload.register()

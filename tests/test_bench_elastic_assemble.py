@@ -267,3 +267,48 @@ def test_the_slow_decode_steps_are_found_merged_across_requests_and_set_beside_t
     near = mod.beside_events(steps, [lend, far])
     assert [len(s["events"]) for s in near] == [0, 1, 0] and near[1]["events"][0]["ahead_empty_cache_ms"] == 35.1
     assert mod.slow_steps([]) == [] and mod.slow_steps([{"ok": True, "gaps_ms": [10.0] * 50, "gap_ends": list(range(50))}]) == []
+
+
+def test_the_identity_servers_run_on_unit_scale_dummy_weights_and_the_timed_ones_on_sglangs(tmp_path, monkeypatch):
+    """Under SGLang's own dummy weights a reclaim that moved KV wrong leaves the outputs unchanged (tests/test_dummy_init.py),
+    so the identity servers take SGLANG_ELASTIC_DUMMY_INIT=unit; the timed servers keep SGLang's, whatever the caller set."""
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+    monkeypatch.setenv("SGLANG_ELASTIC_DUMMY_INIT", "unit")
+    assert mod.server_env(tmp_path / "e", True, False)["SGLANG_ELASTIC_DUMMY_INIT"] == "unit"
+    timed = mod.server_env(tmp_path / "e", False, True)
+    assert timed["SGLANG_ELASTIC_DUMMY_INIT"] == "" and timed["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] == "1"
+    assert timed["SGLANG_ELASTIC_EVENTS"] == str(tmp_path / "e")
+
+
+def test_the_identity_compares_logprobs_beside_the_greedy_tokens(tmp_path):
+    """A few wrong KV rows can leave every greedy token as it was; the batch-invariant identity servers' logprobs cannot
+    stay bit-equal. ``identity.logprobs_identical`` counts the requests whose logprobs match too (None for runs that
+    recorded none); fresh random logprobs, one request's off in its last bit."""
+    import random
+    import struct
+
+    rnd = random.Random()
+    ids = [[rnd.randrange(1000) for _ in range(48)] for _ in range(64)]
+    lps = [[-rnd.random() * 5 for _ in range(48)] for _ in range(64)]
+    bg_ids = [[rnd.randrange(1000) for _ in range(8)] for _ in range(32)]
+    off = [list(x) for x in lps]
+    k = rnd.randrange(64)
+    off[k][7] = struct.unpack("<d", struct.pack("<q", struct.unpack("<q", struct.pack("<d", off[k][7]))[0] + 1))[0]
+    files = []
+    for mode, lp in (("stock", lps), ("elastic", off)):
+        run = {"identity_outputs": ids, "background_outputs": bg_ids, "identity_logprobs": lp, "background_logprobs": [[-1.0]] * 32,
+               "failed": 0, "errors": [], "dummy_init": "unit"}
+        part = {"mode": mode, "tp": 1, "identity": True, "command": "x", "server_command": f"{mode} server", "identity_run": run,
+                "lends": [], "reclaims": [], "oom_in_log": False, "alive": True, "lent_tokens_max": 0, "kv_tokens_base": 1}
+        f = tmp_path / f"{mode}-id.json"
+        f.write_text(json.dumps(part))
+        files.append(f)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, files), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ident = json.loads(out.read_text())["identity"]
+    assert (ident["identical"], ident["logprobs_identical"], ident["background_logprobs_identical"]) == (64, 63, 32)
+    assert ident["dummy_init"] == "unit"

@@ -605,9 +605,11 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
             ids, lps = list(range(i, i + n)), [-1.0 - 0.01 * k for k in range(n)]
             if self.name == "offload-keep":
                 lps = [x + noise[i] for x in lps]
-                if i == n_fresh + 2:  # one follow-up: a wrong kept V row; diverges at token 5 and is far off before that
+                if i == n_fresh + 2:  # one follow-up: a wrong kept V row; diverges at token 5 and is far off up to there
                     ids[5] = -1
-                    lps = [x + 0.4 for x in lps]
+                    lps = [x + 0.4 if k <= 5 else -10.0 for k, x in enumerate(lps)]  # after it: another text altogether
+                if i == 1:  # a fresh prompt whose first token already differs (a near-tie): it still counts once
+                    ids[0] = -2
             cached = 10 if i >= n_fresh else 0
             with open(self.log, "a") as f:  # SGLang's line for this request's prefill
                 f.write(f"[t] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, #cached-token: {cached}, token usage: 0.01, "
@@ -630,16 +632,19 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     assert [s.name for s in started] == ["stock", "offload-keep"]
     assert all(s.env == {"SGLANG_ELASTIC_DUMMY_INIT": "unit"} for s in started)
     assert all("--disable-radix-cache" not in s.args for s in started) and "--attention-backend" in started[0].args
-    assert ex["bit_identical_expected"] is False and ex["identical"] == 2 * n_fresh - 1
-    assert ex["first_divergence"] == [8] * (n_fresh + 2) + [5] + [8] * (n_fresh - 3)
-    assert ex["fresh"]["steps"] == 8 * n_fresh and ex["followups"]["steps"] == 8 * (n_fresh - 1) + 5
-    assert ex["fresh"]["max_abs_logprob_diff"] == pytest.approx(max(noise[i] for i in range(n_fresh)))
-    assert ex["followups"]["max_abs_logprob_diff"] == pytest.approx(0.4 + noise[n_fresh + 2])  # the wrong row stands out
+    assert ex["bit_identical_expected"] is False and ex["identical"] == 2 * n_fresh - 2
+    assert ex["first_divergence"] == [8, 0] + [8] * n_fresh + [5] + [8] * (n_fresh - 3)
+    # up to and including each request's first differing token (the wrong follow-up's sixth), cache hits only
+    assert ex["fresh_logprob"]["steps"] == 8 * (n_fresh - 1) + 1 and ex["cache_hits_logprob"]["steps"] == 8 * (n_fresh - 1) + 6
+    assert ex["fresh_logprob"]["requests"] == ex["cache_hits_logprob"]["requests"] == n_fresh
+    assert ex["fresh_logprob"]["max_abs_logprob_diff"] == pytest.approx(max(noise[i] for i in range(n_fresh)))
+    assert ex["cache_hits_logprob"]["max_abs_logprob_diff"] == pytest.approx(0.4 + noise[n_fresh + 2])  # the wrong row stands out
+    assert ex["max_abs_logprob_diff"] == pytest.approx(0.4 + noise[n_fresh + 2])  # over the agreeing steps only
     assert ex["cache_hits"] == {"followups": n_fresh, "matched": n_fresh, "identical": n_fresh - 1}
     # the batched run: compared across the two servers, with each server's prefill batches as its log gave them (this
     # phase's only: the start-up line and the sequential requests' lines are before it)
     b = ex["batched"]
-    assert (b["compared"], b["identical"]) == (2 * n_fresh, 2 * n_fresh - 1)
+    assert (b["compared"], b["identical"]) == (2 * n_fresh, 2 * n_fresh - 2)
     for name in ("stock", "offload-keep"):
         got = b["schedules"][name]
         assert sorted(got) == sorted([1, len(p) - (10 if i >= n_fresh else 0), 10 if i >= n_fresh else 0, 0] for i, p in enumerate(ps))

@@ -87,18 +87,57 @@ def test_unit_init_is_deterministic_by_name_and_scales_each_weight_by_its_layers
     assert torch.equal(row.bias, torch.zeros_like(row.bias))
 
 
+def test_the_tp_ranks_shards_differ_as_an_unsharded_weights_parts_do_and_one_rank_is_the_same_on_two_servers():
+    """Seeded by name alone, both ranks' shards were equal: rank 1's KV equalled rank 0's, so a rank reading the other's could
+    not show, and the row-parallel partial sums added up to variance TP instead of 1."""
+    from sglang.srt.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    def shards(cls, *args, **kw):
+        out = []
+        for rank in (0, 1, 1):
+            m = torch.nn.Module()
+            m.proj = cls(*args, params_dtype=torch.float32, tp_rank=rank, tp_size=2, **kw)
+            dummy_init.unit_init_(m)
+            out.append(m.proj.weight.detach().clone())
+        return out
+
+    for cls, args, kw in ((QKVParallelLinear, (256, 64, 8, 2), {"bias": False}), (RowParallelLinear, (512, 64), {"bias": False})):
+        r0, r1, r1_again = shards(cls, *args, **kw)
+        assert not torch.equal(r0, r1) and torch.equal(r1, r1_again), cls.__name__
+    # the two ranks' o_proj partial sums of unit-variance inputs add up to unit variance, as one unsharded layer's would
+    x = torch.randn(4096, 512, dtype=torch.float64)
+    r0, r1, _ = shards(RowParallelLinear, 512, 64, bias=False)
+    y = x[:, :256] @ r0.double().T + x[:, 256:] @ r1.double().T
+    assert abs(y.var().item() - 1) < 0.1
+
+
 def test_gemma_norms_get_zero_and_low_precision_parameters_keep_their_values():
     class GemmaRMSNorm(torch.nn.Module):  # SGLang's Gemma norms multiply by (1 + weight)
         def __init__(self):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.randn(8))
 
+    class Fp8LinearMethod:  # the class name SGLang's FP8 layers carry; their float32 scales are SGLang's to fill
+        pass
+
     m = torch.nn.Module()
     m.norm = GemmaRMSNorm()
     m.fp8 = torch.nn.Parameter(torch.randn(4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    m.quant = torch.nn.Linear(4, 4)
+    m.quant.quant_method = Fp8LinearMethod()
+    m.quant.weight_scale = torch.nn.Parameter(torch.rand(4) + 0.5, requires_grad=False)
+    m.layer_norm = torch.nn.LayerNorm(8)  # weight 1, bias 0
+    m.normalizer_proj = torch.nn.Linear(16, 8)  # "norm" in its path, not its class: a linear layer
+    for p in (m.layer_norm.weight, m.layer_norm.bias, m.normalizer_proj.bias):
+        p.data.normal_()
     before = m.fp8.detach().clone()
-    assert dummy_init.unit_init_(m) == 1
+    quant_before = [p.detach().clone() for p in m.quant.parameters()]
+    assert dummy_init.unit_init_(m) == 5
     assert torch.equal(m.norm.weight, torch.zeros(8)) and torch.equal(m.fp8.view(torch.uint8), before.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(quant_before, m.quant.parameters()))
+    assert torch.equal(m.layer_norm.weight, torch.ones(8)) and torch.equal(m.layer_norm.bias, torch.zeros(8))
+    w = m.normalizer_proj.weight
+    assert torch.equal(m.normalizer_proj.bias, torch.zeros(8)) and 0.5 * math.sqrt(3 / 16) < w.abs().max() <= math.sqrt(3 / 16)
 
 
 def test_a_bad_value_is_one_line_at_the_launcher_and_unset_registers_nothing(monkeypatch):
@@ -122,6 +161,14 @@ def test_a_bad_value_is_one_line_at_the_launcher_and_unset_registers_nothing(mon
     monkeypatch.setenv(dummy_init.ENV, "unit")
     dummy_init.register()
     assert seen == ["sglang.srt.model_loader.weight_utils.initialize_dummy_weights"]
+    # where no command line is parsed (sgl.Engine), a bad value fails the model load with the same line
+    monkeypatch.setattr(dummy_init, "_registered", False)
+    monkeypatch.setenv(dummy_init.ENV, "uniform")
+    dummy_init.register()
+    assert len(seen) == 2
+    lin = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="SGLANG_ELASTIC_DUMMY_INIT='uniform'"):
+        dummy_init.around_initialize_dummy_weights(lambda m: None, lin)
 
 
 def test_through_sglangs_plugin_loader_the_model_loaders_dummy_fill_is_unit_scale(sglang_python):

@@ -107,6 +107,18 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = Fals
     return cmd
 
 
+def server_env(events: Path, identity: bool, post_capture: bool) -> Dict[str, str]:
+    """A server's environment: its event log, NVLink multicast off, SGLang's post-capture KV sizing where asked (issue 22,
+    build 3: the pool lends on top of it), and the dummy weights: unit scale for the identity servers
+    (``sglang_elastic/dummy_init.py``: under them a reclaim that moved KV wrong changes the outputs; under SGLang's own
+    dummy weights, every run before 2026-12-07, it does not), SGLang's for the timed ones (comparable with earlier runs)."""
+    env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if post_capture:
+        env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "1"
+    env["SGLANG_ELASTIC_DUMMY_INIT"] = "unit" if identity else ""
+    return env
+
+
 class Server:
     def __init__(self, mode: str, tp: int, port: int, workdir: Path, identity: bool = False, eager: bool = False, post_capture: bool = False,
                  extra: List[str] = ()):
@@ -118,12 +130,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self):
-        env = dict(os.environ, SGLANG_ELASTIC_EVENTS=str(self.events), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-        if self.post_capture:  # SGLang's post-capture KV sizing (issue 22, build 3: the pool lends on top of it)
-            env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "1"
-        # the identity servers' weights: unit scale (sglang_elastic/dummy_init.py), under which KV a reclaim moved wrong changes the
-        # outputs; under SGLang's own dummy weights (every run before 2026-12-07) it does not
-        env["SGLANG_ELASTIC_DUMMY_INIT"] = "unit" if self.identity else ""
+        env = server_env(self.events, self.identity, self.post_capture)
         self.events.unlink(missing_ok=True)
         self.cmd = server_cmd(self.mode, self.tp, self.port, self.identity, self.eager, self.extra)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -175,9 +182,13 @@ def client_session() -> "aiohttp.ClientSession":
     return session()
 
 
-async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None) -> Dict[str, Any]:
-    """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms)."""
+async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None, logprobs: bool = False) -> Dict[str, Any]:
+    """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms); ``logprobs``: and each output token's
+    logprob (``logprobs``, as the last chunk gives SGLang's cumulative ``output_token_logprobs``)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    if logprobs:
+        body["return_logprob"] = True
+    lps: List[float] = []
     t0 = time.perf_counter()
     wall = time.time() - t0  # perf_counter -> time.time(), the clock of the server's events
     stamps, out, err = [], [], None
@@ -195,6 +206,8 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
                     continue
                 stamps.append(time.perf_counter())
                 out = chunk.get("output_ids", out)
+                if logprobs:
+                    lps = [x[0] for x in chunk.get("meta_info", {}).get("output_token_logprobs") or []] or lps
                 fin = chunk.get("meta_info", {}).get("finish_reason")
                 if fin and fin.get("type") == "abort":
                     err = f"aborted: {fin}"
@@ -203,7 +216,8 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
     if err or len(out) != max_new:
         return {"ok": False, "error": err or f"{len(out)} of {max_new} tokens", "output_ids": out}
     gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps, "gap_ends": [wall + b for b in stamps[1:]]}
+    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps, "gap_ends": [wall + b for b in stamps[1:]],
+            **({"logprobs": lps} if logprobs else {})}
 
 
 def slow_steps(results: List[Dict[str, Any]], factor: float = 4.0, merge_ms: float = 5.0, keep: int = 64) -> List[Dict[str, Any]]:
@@ -252,16 +266,18 @@ async def workload_identity(url: str) -> Dict[str, Any]:
     requests arriving two at a time (each arrival: a reclaim on the elastic
     server, which must migrate or retract the decodes' lent pages)."""
     async with client_session() as s:
-        longs = [asyncio.create_task(generate(s, url, p, 1024)) for p in prompts(32, 1024, 1024, SEED + 5)]
+        longs = [asyncio.create_task(generate(s, url, p, 1024, logprobs=True)) for p in prompts(32, 1024, 1024, SEED + 5)]
         await asyncio.sleep(2.0)
         shorts = []
         for i, p in enumerate(prompts(64, 256, 768, SEED + 6)):
-            shorts.append(asyncio.create_task(generate(s, url, p, 48)))
+            shorts.append(asyncio.create_task(generate(s, url, p, 48, logprobs=True)))
             if i % 2:
                 await asyncio.sleep(0.3)
         short_res = await asyncio.gather(*shorts)
         long_res = await asyncio.gather(*longs)
     return {"identity_outputs": [r.get("output_ids") for r in short_res], "background_outputs": [r.get("output_ids") for r in long_res],
+            # the greedy tokens can survive a few wrong KV rows; their logprobs (batch-invariant kernels: bit-equal) cannot
+            "identity_logprobs": [r.get("logprobs") for r in short_res], "background_logprobs": [r.get("logprobs") for r in long_res],
             "failed": sum(not r["ok"] for r in short_res + long_res), "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5]}
 
 
@@ -443,7 +459,11 @@ def assemble(args) -> None:
         same = [x is not None and x == y for x, y in zip(a["identity_outputs"], b["identity_outputs"])]
         same_bg = [x is not None and x == y for x, y in zip(a["background_outputs"], b["background_outputs"])]
         ident = len(same) == 64 and all(same)
+        same_lp = [x is not None and x == y for x, y in zip(a.get("identity_logprobs") or [], b.get("identity_logprobs") or [])]
+        same_lp_bg = [x is not None and x == y for x, y in zip(a.get("background_logprobs") or [], b.get("background_logprobs") or [])]
         identity = {"requests": len(same), "identical": sum(same), "background_requests": len(same_bg), "background_identical": sum(same_bg),
+                    # runs before 2026-12-07 #26 compared ids only (None here)
+                    "logprobs_identical": sum(same_lp) if same_lp else None, "background_logprobs_identical": sum(same_lp_bg) if same_lp_bg else None,
                     "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
                     "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
                     "failed_requests": a["failed"] + b["failed"], "dummy_init": a.get("dummy_init", "sglang"), "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}

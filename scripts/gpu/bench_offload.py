@@ -278,8 +278,11 @@ def first_divergence(x: List[int], y: List[int]) -> int:
 
 
 def logprob_diffs(a_: List[dict], b_: List[dict], idx) -> List[float]:
-    """|delta logprob| of requests ``idx``, at the steps before each one's first differing token."""
-    return [abs(u - v) for i in idx for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"])]]
+    """|delta logprob| of requests ``idx`` (each server's greedy token's), at the steps up to and including each one's first
+    differing token: both contexts agree up to there, so even a request whose first token differs counts once (at a
+    near-tie the two greedy tokens' logprobs are close; where one server's attention is wrong, they are not)."""
+    return [abs(u - v) for i in idx
+            for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"]) + 1]]
 
 
 _SCHEDULE_LINE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),.*?#running-req: (\d+)")
@@ -342,7 +345,10 @@ def part_smoke(a) -> dict:
             s.stop()
     a_, b_ = runs[names[0]], runs[names[1]]
     same = [x["ids"] == y["ids"] for x, y in zip(a_, b_)]
-    dlp = max(abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"]))
+    # bit-identical pairs: every step; two kernels: the steps whose contexts agree (after a differing token the two runs
+    # decode different texts, and their logprobs say nothing of each other)
+    dlp = max((abs(u - v) for x, y in zip(a_, b_) for u, v in zip(x["logprobs"], y["logprobs"])) if exact
+              else logprob_diffs(a_, b_, range(len(a_))), default=0.0)
     out["exactness"] = {"compared": len(same), "identical": sum(same), "max_abs_logprob_diff": dlp,
                         "tokens_compared": sum(len(x["ids"]) for x in a_), "bit_identical_expected": exact}
     # the same prompts at once: a batch's outputs need not equal one request's (its GEMMs and splits differ), but two servers
@@ -351,14 +357,15 @@ def part_smoke(a) -> dict:
     out["exactness"]["batched"] = {"compared": len(same_b), "identical": sum(same_b), "same_schedule": schedules[names[0]] == schedules[names[1]],
                                    "schedules": schedules}
     fresh, follow = range(len(SMOKE_LENGTHS)), range(len(SMOKE_LENGTHS), len(ps))
+    hit = [i for i in follow if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]  # matched by the cache in both
     if not exact:  # two kernels: how far apart while their contexts agree, fresh prompts against cache hits
         out["exactness"]["first_divergence"] = [first_divergence(x["ids"], y["ids"]) for x, y in zip(a_, b_)]
-        for key, idx in (("fresh", fresh), ("followups", follow)):
+        for key, idx in (("fresh", fresh), ("cache_hits", hit)):
             d = logprob_diffs(a_, b_, idx)
             if d:
-                out["exactness"][key] = {"steps": len(d), "max_abs_logprob_diff": max(d), "mean_abs_logprob_diff": sum(d) / len(d)}
+                out["exactness"][f"{key}_logprob"] = {"requests": len(idx), "steps": len(d), "max_abs_logprob_diff": max(d),
+                                                      "mean_abs_logprob_diff": sum(d) / len(d)}
     if radix:  # the follow-ups: how many the cache matched in both servers, and whether those came out identical
-        hit = [i for i in follow if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]
         out["exactness"]["cache_hits"] = {"followups": len(follow), "matched": len(hit), "identical": sum(same[i] for i in hit)}
     return out
 
@@ -915,7 +922,8 @@ def tp_summary(parts: List[dict]) -> dict:
             off = p["servers"].get("offload", {})
             sizing = pool_sizing(off, "offload")
             row.update({"date": p.get("date"), "commit": p.get("commit"), "gpu": p.get("gpu"),
-                        "exactness": {k: p["exactness"][k] for k in ("compared", "identical", "max_abs_logprob_diff", "tokens_compared")},
+                        "exactness": {k: p["exactness"][k] for k in ("compared", "identical", "max_abs_logprob_diff", "tokens_compared")}
+                        | {"dummy_init": p.get("dummy_init", "sglang")},  # SGLang's own (every part before 2026-12-07): blind to attention
                         "offload_tokens": off.get("max_total_num_tokens"), "stock_tokens_same_budget": sizing.get("stock_tokens"),
                         "bound": sizing.get("bound"), "host_pool_gb_per_rank": ((off.get("offload") or {}).get("host_pool_bytes") or 0) / 1e9,
                         "batched_equals_sequential": all(all(v.get("batched_equals_sequential") or [False]) for v in p["servers"].values()),
