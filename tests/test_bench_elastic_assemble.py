@@ -312,3 +312,48 @@ def test_the_identity_compares_logprobs_beside_the_greedy_tokens(tmp_path):
     ident = json.loads(out.read_text())["identity"]
     assert (ident["identical"], ident["logprobs_identical"], ident["background_logprobs_identical"]) == (64, 63, 32)
     assert ident["dummy_init"] == "unit"
+
+
+def test_the_identity_requests_come_back_whole_with_each_tokens_logprob_and_an_abort_is_a_failure():
+    """Not streamed (SGLang 0.5.17 would resend the cumulative logprobs in every chunk): one JSON body per request."""
+    import asyncio
+    import http.server
+    import threading
+
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            n = body["sampling_params"]["max_new_tokens"]
+            assert body["return_logprob"] is True and "stream" not in body
+            abort = body["input_ids"][0] == 0
+            res = {"output_ids": list(range(n if not abort else 2)),
+                   "meta_info": {"output_token_logprobs": [[-0.25 * i, i, None] for i in range(n)],
+                                 "finish_reason": {"type": "abort" if abort else "length"}}}
+            data = json.dumps(res).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+
+    async def both():
+        async with mod.client_session() as s:
+            return await mod.generate_whole(s, url, [5, 6], 4), await mod.generate_whole(s, url, [0, 6], 4)
+
+    try:
+        ok, aborted = asyncio.run(both())
+    finally:
+        srv.shutdown()
+    assert ok == {"ok": True, "output_ids": [0, 1, 2, 3], "logprobs": [0.0, -0.25, -0.5, -0.75]}
+    assert not aborted["ok"] and aborted["error"].startswith("aborted")

@@ -589,6 +589,8 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     noise = {i: rnd.uniform(1e-3, 1e-2) for i in range(2 * n_fresh)}  # fresh per run: the kernels' disagreement per request
 
     class FakeServer:
+        lines = True  # SGLang's "Prefill batch" lines in the log (False: another log format or level)
+
         def __init__(self, name, args, port, work, env=None):
             self.name, self.args, self.env = name, args, env
             self.log = str(tmp_path / f"server_{name}.log")
@@ -612,7 +614,7 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
                     ids[0] = -2
             cached = 10 if i >= n_fresh else 0
             with open(self.log, "a") as f:  # SGLang's line for this request's prefill
-                f.write(f"[t] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, #cached-token: {cached}, token usage: 0.01, "
+                f.write("" if not self.lines else f"[t] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, #cached-token: {cached}, token usage: 0.01, "
                         f"#running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False\n")
             return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[x, t, None] for x, t in zip(lps, ids)], "cached_tokens": cached}}
 
@@ -647,16 +649,18 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
     assert (b["compared"], b["identical"]) == (2 * n_fresh, 2 * n_fresh - 2)
     for name in ("stock", "offload-keep"):
         got = b["schedules"][name]
-        assert sorted(got) == sorted([1, len(p) - (10 if i >= n_fresh else 0), 10 if i >= n_fresh else 0, 0] for i, p in enumerate(ps))
+        assert sorted(got) == sorted([1, len(p) - (10 if i >= n_fresh else 0), 10 if i >= n_fresh else 0, 0, 0] for i, p in enumerate(ps))
     assert b["same_schedule"] == (b["schedules"]["stock"] == b["schedules"]["offload-keep"])
 
     started.clear()
+    FakeServer.lines = False  # no line read in either log: no evidence of one schedule
     a.pair, a.radix, a.dummy_init = "resident,offload", False, "sglang"
     monkeypatch.setattr(mod, "radix_followups", lambda ps: [])
     out = mod.part_smoke(a)
     assert [s.name for s in started] == ["resident", "offload"] and all(s.env == {"SGLANG_ELASTIC_DUMMY_INIT": ""} for s in started)
     assert all("--disable-radix-cache" in s.args for s in started)
-    assert out["exactness"]["bit_identical_expected"] is True and "fresh" not in out["exactness"] and out["dummy_init"] == "sglang"
+    assert out["exactness"]["bit_identical_expected"] is True and "fresh_logprob" not in out["exactness"] and out["dummy_init"] == "sglang"
+    assert out["exactness"]["batched"]["schedules"] == {"resident": [], "offload": []} and out["exactness"]["batched"]["same_schedule"] is False
 
 
 def test_pair_applies_to_the_smoke_only_and_dummy_init_defaults_by_part(tmp_path):
@@ -685,5 +689,7 @@ def test_the_prefill_schedule_is_read_from_sglangs_log_lines():
            "[2026-12-07 08:31:47] Decode batch, #running-req: 2, #token: 0, token usage: 0.00, cuda graph: True\n"
            "[2026-12-07 08:31:48] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 750, token usage: 0.03, #running-req: 2, "
            "#queue-req: 2, #pending-token: 41808, cuda graph: False, input throughput (token/s): 33822.37\n")
-    assert mod.prefill_schedule(log) == [[2, 1100, 0, 0], [1, 8192, 750, 2]]
+    assert mod.prefill_schedule(log) == [[2, 1100, 0, 0, 2], [1, 8192, 750, 2, 2]]
+    # with SGLANG_LOG_FORWARD_ITERS=1 SGLang numbers the line
+    assert mod.prefill_schedule(log.replace("Prefill batch,", "Prefill batch [57],")) == [[2, 1100, 0, 0, 2], [1, 8192, 750, 2, 2]]
     assert mod.prefill_schedule("no batches") == []

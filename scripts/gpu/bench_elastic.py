@@ -182,13 +182,30 @@ def client_session() -> "aiohttp.ClientSession":
     return session()
 
 
-async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None, logprobs: bool = False) -> Dict[str, Any]:
-    """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms); ``logprobs``: and each output token's
-    logprob (``logprobs``, as the last chunk gives SGLang's cumulative ``output_token_logprobs``)."""
+async def generate_whole(session, url: str, ids: List[int], max_new: int) -> Dict[str, Any]:
+    """One greedy request, not streamed, with each output token's logprob (``logprobs``): the identity runs' comparison.
+    Not streamed because SGLang 0.5.17 (``incremental_streaming_output`` off, its default) sends the whole cumulative
+    ``output_token_logprobs`` in every chunk: ~22 MB of JSON for a 1,024-token request, on the client's one event loop."""
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    try:
+        async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=1800)) as r:
+            if r.status != 200:
+                return {"ok": False, "error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+            res = await r.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return {"ok": False, "error": repr(e)[:200]}
+    out = res.get("output_ids") or []
+    meta = res.get("meta_info") or {}
+    fin = meta.get("finish_reason") or {}
+    if fin.get("type") == "abort" or len(out) != max_new:
+        return {"ok": False, "error": f"aborted: {fin}" if fin.get("type") == "abort" else f"{len(out)} of {max_new} tokens", "output_ids": out}
+    return {"ok": True, "output_ids": out, "logprobs": [x[0] for x in meta.get("output_token_logprobs") or []]}
+
+
+async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Optional[list] = None) -> Dict[str, Any]:
+    """Stream one greedy request; returns output ids, TTFT and inter-token gaps (ms), and each gap's end (``gap_ends``,
+    ``time.time()``, the clock of the server's events)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
-    if logprobs:
-        body["return_logprob"] = True
-    lps: List[float] = []
     t0 = time.perf_counter()
     wall = time.time() - t0  # perf_counter -> time.time(), the clock of the server's events
     stamps, out, err = [], [], None
@@ -206,8 +223,6 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
                     continue
                 stamps.append(time.perf_counter())
                 out = chunk.get("output_ids", out)
-                if logprobs:
-                    lps = [x[0] for x in chunk.get("meta_info", {}).get("output_token_logprobs") or []] or lps
                 fin = chunk.get("meta_info", {}).get("finish_reason")
                 if fin and fin.get("type") == "abort":
                     err = f"aborted: {fin}"
@@ -216,8 +231,7 @@ async def generate(session, url: str, ids: List[int], max_new: int, t_sent: Opti
     if err or len(out) != max_new:
         return {"ok": False, "error": err or f"{len(out)} of {max_new} tokens", "output_ids": out}
     gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps, "gap_ends": [wall + b for b in stamps[1:]],
-            **({"logprobs": lps} if logprobs else {})}
+    return {"ok": True, "output_ids": out, "ttft_ms": (stamps[0] - t0) * 1e3, "gaps_ms": gaps, "gap_ends": [wall + b for b in stamps[1:]]}
 
 
 def slow_steps(results: List[Dict[str, Any]], factor: float = 4.0, merge_ms: float = 5.0, keep: int = 64) -> List[Dict[str, Any]]:
@@ -266,11 +280,11 @@ async def workload_identity(url: str) -> Dict[str, Any]:
     requests arriving two at a time (each arrival: a reclaim on the elastic
     server, which must migrate or retract the decodes' lent pages)."""
     async with client_session() as s:
-        longs = [asyncio.create_task(generate(s, url, p, 1024, logprobs=True)) for p in prompts(32, 1024, 1024, SEED + 5)]
+        longs = [asyncio.create_task(generate_whole(s, url, p, 1024)) for p in prompts(32, 1024, 1024, SEED + 5)]
         await asyncio.sleep(2.0)
         shorts = []
         for i, p in enumerate(prompts(64, 256, 768, SEED + 6)):
-            shorts.append(asyncio.create_task(generate(s, url, p, 48, logprobs=True)))
+            shorts.append(asyncio.create_task(generate_whole(s, url, p, 48)))
             if i % 2:
                 await asyncio.sleep(0.3)
         short_res = await asyncio.gather(*shorts)

@@ -285,13 +285,17 @@ def logprob_diffs(a_: List[dict], b_: List[dict], idx) -> List[float]:
             for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"]) + 1]]
 
 
-_SCHEDULE_LINE = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),.*?#running-req: (\d+)")
+_SCHEDULE_LINE = re.compile(r"Prefill batch(?: \[\d+\])?, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),"
+                            r".*?#running-req: (\d+), #queue-req: (\d+)")
 
 
 def prefill_schedule(log_text: str) -> List[List[int]]:
-    """SGLang's ``Prefill batch`` log lines as ``[new_seq, new_token, cached_token, running_req]``: the order in which the
-    scheduler took a batch of requests in (two servers that took them alike ran the same batches, so their batched outputs
-    must be as identical as their sequential ones)."""
+    """SGLang's ``Prefill batch`` log lines (``scheduler_components/metrics_reporter.py``; with
+    ``SGLANG_LOG_FORWARD_ITERS`` they carry ``[iteration]``) as ``[new_seq, new_token, cached_token, running_req, queue_req]``:
+    the order in which the scheduler took a batch of requests in, and how many were still waiting. Two servers whose
+    batched outputs differ although these agree ran different batches only if the decode steps between prefills differed
+    (the lines do not show those); two servers whose lines differ took the batch in differently, and their batched outputs
+    need not agree. Agreeing lines are necessary for a verdict, not sufficient."""
     return [[int(x) for x in m.groups()] for m in _SCHEDULE_LINE.finditer(log_text)]
 
 
@@ -354,8 +358,9 @@ def part_smoke(a) -> dict:
     # the same prompts at once: a batch's outputs need not equal one request's (its GEMMs and splits differ), but two servers
     # that took the batch in alike (the same prefill batches) must agree as the sequential runs do
     same_b = [x == y for x, y in zip(batched[names[0]], batched[names[1]])]
-    out["exactness"]["batched"] = {"compared": len(same_b), "identical": sum(same_b), "same_schedule": schedules[names[0]] == schedules[names[1]],
-                                   "schedules": schedules}
+    # no line read (another log format or level) is no evidence of the same schedule
+    agree = bool(schedules[names[0]]) and schedules[names[0]] == schedules[names[1]]
+    out["exactness"]["batched"] = {"compared": len(same_b), "identical": sum(same_b), "same_schedule": agree, "schedules": schedules}
     fresh, follow = range(len(SMOKE_LENGTHS)), range(len(SMOKE_LENGTHS), len(ps))
     hit = [i for i in follow if all((runs[n][i]["cached_tokens"] or 0) > 0 for n in runs)]  # matched by the cache in both
     if not exact:  # two kernels: how far apart while their contexts agree, fresh prompts against cache hits
@@ -847,6 +852,9 @@ def part_assemble(a) -> dict:
             "stock_p99_itl_ms": st.get("p99_itl_ms"), "offload_p99_itl_ms": off.get("p99_itl_ms"),
             "stock_median_ttft_ms": st.get("median_ttft_ms"), "offload_median_ttft_ms": off.get("median_ttft_ms"),
             "hit_rate": off.get("hit_rate"), "pcie_gb_per_s": off.get("pcie_gb_per_s"), "copy_hidden_share": off.get("copy_hidden_share"),
+            # the servers' dummy weights: SGLang's (every load before 2026-12-07; a selection that barely moves, an optimistic
+            # hit rate) or unit scale (one that moves as on random data, a pessimistic one); sglang_elastic/dummy_init.py
+            "dummy_init": p.get("dummy_init", "sglang"),
             "hicache_output_tok_s": p["servers"].get("hicache", {}).get("output_tok_s"),
             "hicache_median_itl_ms": p["servers"].get("hicache", {}).get("median_itl_ms"),
             **{f"{col}_{k}": p["servers"][name].get(k) for name, col in VARIANT_COLUMNS.items() if name in p["servers"]

@@ -28,8 +28,10 @@
 #     differing token, fresh prompts and cache hits apart)
 #   every smoke runs its servers with SGLANG_ELASTIC_DUMMY_INIT=unit (sglang_elastic/dummy_init.py: under SGLang's own dummy
 #     weights wrong attention does not show in the outputs); $SMOKE_ARGS: more of bench_offload.py's flags (e.g. "--dummy-init sglang")
-#   throughput: $DUMMY_INIT=unit starts its servers with unit-scale dummy weights (a sparse selection then moves between steps
-#     as on random data: a pessimistic hit rate; SGLang's own, the default, an optimistic one)
+#   throughput, capacity: $DUMMY_INIT=unit starts their servers with unit-scale dummy weights (a sparse selection then moves
+#     between steps as on random data: a pessimistic hit rate; SGLang's own, the default, an optimistic one); the part's
+#     name ends in _unit and its assembled rows carry dummy_init. $SMOKE_ARGS is for flags such as --dummy-init: a --pair
+#     there would write a smoke_keep part into smoke.json (use the smoke_keep steps)
 #   smoke, smoke_radix, capacity, throughput: $TP (default 1) runs every server at --tp $TP, parts *_tp$TP.json
 #   throughput: SERVERS default stock,offload, and "offload" is the sparse rule for every request (--no-kv-offload-keep-v);
 #     the shipped default (dense while V fits) is "offload-keep": throughput:WL:offload-keep,stock (bench_offload.py's SERVERS);
@@ -116,11 +118,11 @@ for step in "$@"; do
                   > "$out/smoke_keep$sfx.log" 2>&1 ;;
     smoke_radix_keep) python3 scripts/gpu/bench_offload.py smoke --radix --pair stock,offload-keep --tp "$tp" ${SMOKE_ARGS:-} \
                   --out "$out/smoke_radix_keep$sfx.json" > "$out/smoke_radix_keep$sfx.log" 2>&1 ;;
-    capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1
+    capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
+    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}${DUMMY_INIT:+_$DUMMY_INIT}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1
       rc=$?
       if [ -n "${ITL_TRACE:-}" ] && ls "$out"/itl_trace_*.json.xz >/dev/null 2>&1; then
-        python3 scripts/gpu/itl_steps.py "$out"/itl_trace_*.json.xz --part "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}$sfx.json" \
+        python3 scripts/gpu/itl_steps.py "$out"/itl_trace_*.json.xz --part "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}${DUMMY_INIT:+_$DUMMY_INIT}$sfx.json" \
           --out "$out/itl_steps_${arg1}$sfx.json" >/dev/null 2>>"$out/throughput_$arg1$sfx.log"
       fi
       (exit $rc) ;;
