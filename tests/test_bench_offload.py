@@ -594,7 +594,8 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
         def __init__(self, name, args, port, work, env=None):
             self.name, self.args, self.env = name, args, env
             self.log = str(tmp_path / f"server_{name}.log")
-            open(self.log, "w").write("[t] Prefill batch, #new-seq: 9, #new-token: 9, #cached-token: 0, token usage: 0.00, #running-req: 9, x\n")
+            open(self.log, "w").write("[2026-12-07 08:31:40] Prefill batch, #new-seq: 9, #new-token: 9, #cached-token: 0, token usage: 0.00, "
+                                      "#running-req: 9, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 1.0\n")
             started.append(self)
 
         def wait(self):
@@ -614,8 +615,9 @@ def test_the_keep_smoke_compares_stock_and_keep_v_up_to_each_first_differing_tok
                     ids[0] = -2
             cached = 10 if i >= n_fresh else 0
             with open(self.log, "a") as f:  # SGLang's line for this request's prefill
-                f.write("" if not self.lines else f"[t] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, #cached-token: {cached}, token usage: 0.01, "
-                        f"#running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False\n")
+                f.write("" if not self.lines else f"[2026-12-07 08:31:47] Prefill batch, #new-seq: 1, #new-token: {len(p) - cached}, "
+                        f"#cached-token: {cached}, token usage: 0.01, #running-req: 0, #queue-req: 0, #pending-token: 0, "
+                        f"cuda graph: False, input throughput (token/s): 9283.53\n")
             return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[x, t, None] for x, t in zip(lps, ids)], "cached_tokens": cached}}
 
         def info(self):

@@ -163,8 +163,16 @@ def dummy_env(a) -> dict:
     return {"SGLANG_ELASTIC_DUMMY_INIT": "unit" if dummy_init(a) == "unit" else ""}
 
 
-_PREFILL_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\].*Prefill batch.*?#new-seq: (\d+), #new-token: (\d+),"
-                           r".*?#running-req: (\d+), #queue-req: (\d+),.*?input throughput \(token/s\): ([\d.]+)")
+#: SGLang's "Prefill batch" log line (``scheduler_components/metrics_reporter.py``; with ``SGLANG_LOG_FORWARD_ITERS``
+#: numbered ``Prefill batch [57],``), read by :func:`prefill_log` and :func:`prefill_schedule`
+_PREFILL_LINE = re.compile(r"^\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\].*Prefill batch.*?#new-seq: (?P<seq>\d+), "
+                           r"#new-token: (?P<tok>\d+),(?: #cached-token: (?P<cached>\d+),)?.*?#running-req: (?P<running>\d+), "
+                           r"#queue-req: (?P<queue>\d+),.*?input throughput \(token/s\): (?P<rate>[\d.]+)")
+
+
+def _prefill_lines(text: str) -> list:
+    """The :data:`_PREFILL_LINE` matches of ``text``, in order."""
+    return [m for m in map(_PREFILL_LINE.search, text.splitlines()) if m]
 
 
 def prefill_log(text: str) -> Optional[dict]:
@@ -177,12 +185,12 @@ def prefill_log(text: str) -> Optional[dict]:
     attention each DP rank logs its own lines: the queue and running maxima are then per rank. Says whether a
     slow TTFT came from the prefills themselves or from waiting to be admitted. None when the text has no such
     line."""
-    rows = [m.groups() for m in map(_PREFILL_LINE.search, text.splitlines()) if m]
+    rows = _prefill_lines(text)
     if not rows:
         return None
-    stamps = [datetime.datetime.strptime(r[0], "%Y-%m-%d %H:%M:%S") for r in rows]
-    seqs, toks, running, queue = ([int(r[i]) for r in rows] for i in (1, 2, 3, 4))
-    rate = sorted(float(r[5]) for r in rows)
+    stamps = [datetime.datetime.strptime(r["ts"], "%Y-%m-%d %H:%M:%S") for r in rows]
+    seqs, toks, running, queue = ([int(r[k]) for r in rows] for k in ("seq", "tok", "running", "queue"))
+    rate = sorted(float(r["rate"]) for r in rows)
     return {"batches": len(rows), "seq_entries": sum(seqs), "new_tokens": sum(toks), "max_batch_tokens": max(toks),
             "span_s": (stamps[-1] - stamps[0]).total_seconds(), "max_queue": max(queue), "max_running": max(running),
             "median_input_tok_s": rate[len(rate) // 2]}
@@ -285,18 +293,13 @@ def logprob_diffs(a_: List[dict], b_: List[dict], idx) -> List[float]:
             for u, v in list(zip(a_[i]["logprobs"], b_[i]["logprobs"]))[: first_divergence(a_[i]["ids"], b_[i]["ids"]) + 1]]
 
 
-_SCHEDULE_LINE = re.compile(r"Prefill batch(?: \[\d+\])?, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),"
-                            r".*?#running-req: (\d+), #queue-req: (\d+)")
-
-
 def prefill_schedule(log_text: str) -> List[List[int]]:
-    """SGLang's ``Prefill batch`` log lines (``scheduler_components/metrics_reporter.py``; with
-    ``SGLANG_LOG_FORWARD_ITERS`` they carry ``[iteration]``) as ``[new_seq, new_token, cached_token, running_req, queue_req]``:
+    """SGLang's ``Prefill batch`` log lines (:data:`_PREFILL_LINE`) as ``[new_seq, new_token, cached_token, running_req, queue_req]``:
     the order in which the scheduler took a batch of requests in, and how many were still waiting. Two servers whose
     batched outputs differ although these agree ran different batches only if the decode steps between prefills differed
     (the lines do not show those); two servers whose lines differ took the batch in differently, and their batched outputs
     need not agree. Agreeing lines are necessary for a verdict, not sufficient."""
-    return [[int(x) for x in m.groups()] for m in _SCHEDULE_LINE.finditer(log_text)]
+    return [[int(m[k] or 0) for k in ("seq", "tok", "cached", "running", "queue")] for m in _prefill_lines(log_text)]
 
 
 def part_smoke(a) -> dict:

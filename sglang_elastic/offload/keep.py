@@ -355,8 +355,10 @@ def manager_for(allocator) -> Optional[KeepV]:
     m = _STATE.get("keep")
     if m is not None:
         return m if m.allocator is allocator else None
-    pool = getattr(allocator, "_kvcache", None)
-    if not getattr(pool, "keep_v", False):
+    from sglang_elastic.offload.hooks import _offload_pool
+
+    pool = _offload_pool(allocator)
+    if pool is None or not pool.keep_v:
         return None
     from sglang_elastic import config
 
