@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_elastic import config
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT / "docs/results/elastic_h200_parts"
 
@@ -124,6 +126,51 @@ def test_elastic_extra_flags_reach_the_elastic_servers_only():
     el = mod.server_cmd("elastic", 1, 30010, False, True, extra)
     assert el[-2:] == extra and "--enable-elastic-kv" in el and "disabled" in el
     assert not set(extra) & set(mod.server_cmd("stock", 1, 30020, False, True, extra))
+
+
+def test_the_dynamic_identity_server_lends_what_is_free_so_each_arrival_reclaims_and_always_lent_gets_a_size():
+    """A fixed 4 GiB lend left tens of GiB free beside it, so since issue 22's "reclaim only what the forward needs" no
+    short arrival reclaimed and the identity compared servers that never moved KV (0 reclaims at 8516aa6 and 4bfd5a6).
+    The dynamic identity server lends the measured free memory; always-lent still needs a size; each command passes the
+    plugin's own flag checks."""
+    import argparse
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    dyn, always, stock = (mod.server_cmd(m, 1, 30010, True) for m in ("elastic", "always-lent", "stock"))
+    assert "--elastic-kv-lend-bytes" not in dyn and "--enable-deterministic-inference" in dyn
+    assert always[always.index("--elastic-kv-lend-bytes") + 1] == "4GiB"
+    assert not any(f.startswith("--elastic") for f in stock)
+    for cmd, (mode, lend) in ((dyn, ("dynamic", None)), (always, ("always-lent", 4 << 30))):
+        flags = cmd[cmd.index("--enable-elastic-kv"):]
+        cfg = config.from_namespace(p.parse_args(flags))
+        assert (cfg.mode, cfg.lend_bytes) == (mode, lend)
+
+
+def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
+    """``identity.reclaims_moving_kv``: reclaims whose event moved or retracted KV; 0 says the identity saw no migration."""
+    import random
+
+    rnd = random.Random()
+    ids = [[rnd.randrange(1000) for _ in range(8)] for _ in range(64)]
+    moved = [rnd.randrange(1, 50) for _ in range(rnd.randrange(2, 9))]
+    recs = [{"op": "reclaim", "ms": 1.0, "moved_units": m, "retracted": 0} for m in moved] + [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0}]
+    files = []
+    for mode, rs in (("stock", []), ("elastic", recs)):
+        run = {"identity_outputs": ids, "background_outputs": ids[:32], "failed": 0, "errors": [], "dummy_init": "unit"}
+        part = {"mode": mode, "tp": 1, "identity": True, "command": "x", "server_command": f"{mode} server", "identity_run": run,
+                "lends": [], "reclaims": rs, "oom_in_log": False, "alive": True, "lent_tokens_max": 0, "kv_tokens_base": 1}
+        f = tmp_path / f"{mode}-id.json"
+        f.write_text(json.dumps(part))
+        files.append(f)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, files), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ident = json.loads(out.read_text())["identity"]
+    assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"]) == (len(moved) + 1, len(moved), sum(moved))
 
 
 def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_delay_and_the_decodes_gaps(tmp_path):

@@ -77,7 +77,13 @@ SEED = 1234
 #: inference; Triton attention keeps the radix cache there), a small base so
 #: the decodes spill into lent pages and reclaims must migrate or retract.
 ID_FLAGS = ["--attention-backend", "triton", "--enable-deterministic-inference", "--cuda-graph-backend-prefill", "disabled", "--max-total-tokens", "65536"]
-ID_ELASTIC = ["--elastic-kv-lend-bytes", "4GiB", "--elastic-kv-lend-after-steps", "4"]
+#: The dynamic identity server lends what is measured free (the pool's default, one step): each short arrival's eager
+#: prefill then needs more than the margin left free, so its reclaim takes the whole step back, the decodes' lent pages
+#: with it. A fixed 4 GiB lend (the runs up to 2026-12-07 #27) left tens of GiB free beside it, and since issue 22's
+#: "reclaim only what the forward needs" no arrival reclaimed: those identities compared servers that never moved KV.
+ID_ELASTIC = ["--elastic-kv-lend-after-steps", "4"]
+#: always-lent lends once at start-up, a size it must be given.
+ID_ALWAYS_LENT = ["--elastic-kv-lend-bytes", "4GiB"]
 
 
 #: A reclaim event's time split, as the controller logs it (keys an older event lacks are left out of a breakdown).
@@ -103,7 +109,7 @@ def server_cmd(mode: str, tp: int, port: int, identity: bool, eager: bool = Fals
             cmd += ID_ELASTIC if identity else ["--elastic-kv-lend-after-steps", "8"]
             cmd += list(extra)  # e.g. --elastic-kv-activation-rule measured (the dynamic servers only)
         elif identity:
-            cmd += ID_ELASTIC[:2]  # the lend size
+            cmd += ID_ALWAYS_LENT
     return cmd
 
 
@@ -480,6 +486,8 @@ def assemble(args) -> None:
                     "logprobs_identical": sum(same_lp) if same_lp else None, "background_logprobs_identical": sum(same_lp_bg) if same_lp_bg else None,
                     "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
                     "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
+                    # what the identity can vouch for: 0 means no reclaim moved KV, and the comparison says nothing about migration
+                    "reclaims_moving_kv": sum(bool(e.get("moved_units") or e.get("retracted")) for e in eid["reclaims"]),
                     "failed_requests": a["failed"] + b["failed"], "dummy_init": a.get("dummy_init", "sglang"), "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}
     itl_overhead = None
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
