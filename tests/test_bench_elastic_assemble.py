@@ -150,13 +150,16 @@ def test_the_dynamic_identity_server_lends_what_is_free_so_each_arrival_reclaims
 
 
 def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
-    """``identity.reclaims_moving_kv``: reclaims whose event moved or retracted KV; 0 says the identity saw no migration."""
+    """``identity.reclaims_moving_kv``: reclaims made beside running decodes whose event moved or retracted KV (an idle
+    reclaim's moves come after the outputs it could change); 0 says the identity saw no migration."""
     import random
 
     rnd = random.Random()
     ids = [[rnd.randrange(1000) for _ in range(8)] for _ in range(64)]
     moved = [rnd.randrange(1, 50) for _ in range(rnd.randrange(2, 9))]
-    recs = [{"op": "reclaim", "ms": 1.0, "moved_units": m, "retracted": 0} for m in moved] + [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0}]
+    recs = [{"op": "reclaim", "ms": 1.0, "moved_units": m, "retracted": 0, "why": "prefills run outside CUDA graphs"} for m in moved]
+    recs += [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0},  # moved nothing
+             {"op": "reclaim", "ms": 1.0, "moved_units": 99, "retracted": 0, "why": "idle: the next prefill runs outside CUDA graphs"}]
     files = []
     for mode, rs in (("stock", []), ("elastic", recs)):
         run = {"identity_outputs": ids, "background_outputs": ids[:32], "failed": 0, "errors": [], "dummy_init": "unit"}
@@ -170,7 +173,7 @@ def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     ident = json.loads(out.read_text())["identity"]
-    assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"]) == (len(moved) + 1, len(moved), sum(moved))
+    assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"]) == (len(moved) + 2, len(moved), sum(moved) + 99)
 
 
 def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_delay_and_the_decodes_gaps(tmp_path):
@@ -361,46 +364,83 @@ def test_the_identity_compares_logprobs_beside_the_greedy_tokens(tmp_path):
     assert ident["dummy_init"] == "unit"
 
 
+class _StubGenerate:
+    """A stand-in for SGLang's ``/generate`` (non-streamed, logprobs asked): ``max_new_tokens`` ids ``0..n-1``, each with
+    logprob ``-0.25 * i``; a prompt starting with id 0 comes back aborted. ``seen``: ``(prompt length, max_new_tokens,
+    time.monotonic())`` per request, in arrival order."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+        import time
+
+        seen = self.seen = []
+
+        class Stub(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n = body["sampling_params"]["max_new_tokens"]
+                assert body["return_logprob"] is True and "stream" not in body
+                seen.append((len(body["input_ids"]), n, time.monotonic()))
+                abort = body["input_ids"][0] == 0
+                res = {"output_ids": list(range(n if not abort else 2)),
+                       "meta_info": {"output_token_logprobs": [[-0.25 * i, i, None] for i in range(n)],
+                                     "finish_reason": {"type": "abort" if abort else "length"}}}
+                data = json.dumps(res).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+
+
 def test_the_identity_requests_come_back_whole_with_each_tokens_logprob_and_an_abort_is_a_failure():
     """Not streamed (SGLang 0.5.17 would resend the cumulative logprobs in every chunk): one JSON body per request."""
     import asyncio
-    import http.server
-    import threading
 
     from gpu_scripts import load_script
 
     mod = load_script("bench_elastic")
 
-    class Stub(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            n = body["sampling_params"]["max_new_tokens"]
-            assert body["return_logprob"] is True and "stream" not in body
-            abort = body["input_ids"][0] == 0
-            res = {"output_ids": list(range(n if not abort else 2)),
-                   "meta_info": {"output_token_logprobs": [[-0.25 * i, i, None] for i in range(n)],
-                                 "finish_reason": {"type": "abort" if abort else "length"}}}
-            data = json.dumps(res).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}"
-
-    async def both():
+    async def both(url):
         async with mod.client_session() as s:
             return await mod.generate_whole(s, url, [5, 6], 4), await mod.generate_whole(s, url, [0, 6], 4)
 
-    try:
-        ok, aborted = asyncio.run(both())
-    finally:
-        srv.shutdown()
+    with _StubGenerate() as stub:
+        ok, aborted = asyncio.run(both(stub.url))
     assert ok == {"ok": True, "output_ids": [0, 1, 2, 3], "logprobs": [0.0, -0.25, -0.5, -0.75]}
     assert not aborted["ok"] and aborted["error"].startswith("aborted")
+
+
+def test_the_identity_fills_the_radix_cache_to_the_base_before_the_background_decodes_start():
+    """Without the fill the base kept free ids until the cached short prompts reached it, so the decodes wrote into
+    lent ids only near the end and the arrivals' reclaims had nothing to move. Every fill request (one output token)
+    is answered before the first background prompt is sent; together they are at least the 65,536-token base; the
+    shorts come ``lead_s`` after the background prompts."""
+    import asyncio
+
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+    with _StubGenerate() as stub:
+        res = asyncio.run(mod.workload_identity(stub.url, lead_s=0.2))
+    n_fill, fill_len = mod.ID_FILL
+    seen = stub.seen
+    fill, rest = seen[:n_fill], seen[n_fill:]
+    assert all((ln, n) == (fill_len, 1) for ln, n, _ in fill) and n_fill * fill_len >= 65536
+    longs, shorts = [x for x in rest if x[1] == 1024], [x for x in rest if x[1] == 48]
+    assert len(longs) == 32 and all(ln == 1024 for ln, *_ in longs) and len(shorts) == 64 and len(rest) == 96
+    assert min(t for *_, t in longs) >= max(t for *_, t in fill)  # the fill was answered before
+    assert min(t for *_, t in shorts) - min(t for *_, t in longs) >= 0.2
+    assert (res["fill"], res["fill_failed"], res["failed"], len(res["identity_outputs"])) == ({"requests": n_fill, "tokens": fill_len}, 0, 0, 64)

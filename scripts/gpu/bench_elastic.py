@@ -281,13 +281,30 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> List[List[int]]:
     return [[rng.randrange(10, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-async def workload_identity(url: str) -> Dict[str, Any]:
-    """32 background decodes that outgrow the 65,536-token base, and 64 short
-    requests arriving two at a time (each arrival: a reclaim on the elastic
-    server, which must migrate or retract the decodes' lent pages)."""
+#: The identity's fill: prompts answered with one token each, so that SGLang's radix cache holds about the whole
+#: 65,536-token base before the background decodes start (:func:`workload_identity`).
+ID_FILL = (96, 700)
+#: Seconds from the background prompts to the first short arrival: their prefill, the lend after 4 decode-only
+#: steps, then decode tokens written into lent ids.
+ID_LEAD_S = 4.0
+
+
+async def workload_identity(url: str, lead_s: float = ID_LEAD_S) -> Dict[str, Any]:
+    """The fill (``ID_FILL``: the radix cache then holds about the base), 32 background decodes of 1,024 + 1,024
+    tokens, and ``lead_s`` later 64 short requests arriving two at a time, 0.3 s apart.
+
+    On the elastic server (a small base, all free memory lent in one step) each arrival's eager prefill reclaims the
+    step, and every id it holds must move into the base or its request be retracted. Without the fill the base keeps
+    free ids until the cached short prompts reach it (about the 48th arrival), so the decodes wrote into lent ids
+    only near the end: 3 of 33 reclaims moved KV on an H200 (d44b45f), 0 of 0 on an H100 (4bfd5a6). With it the
+    base has at most one evicted leaf free when the pool lends, the decodes write into lent ids from then on, and the
+    first arrival's reclaim moves them (SGLang evicts cached leaves to make room); later ones move what was written
+    since the previous lend, when a leaf's leftover does not take it. ``fill_failed``: fill requests that failed."""
     async with client_session() as s:
+        n_fill, fill_len = ID_FILL
+        fill = await asyncio.gather(*[generate_whole(s, url, p, 1) for p in prompts(n_fill, fill_len, fill_len, SEED + 7)])
         longs = [asyncio.create_task(generate_whole(s, url, p, 1024)) for p in prompts(32, 1024, 1024, SEED + 5)]
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(lead_s)
         shorts = []
         for i, p in enumerate(prompts(64, 256, 768, SEED + 6)):
             shorts.append(asyncio.create_task(generate_whole(s, url, p, 48)))
@@ -298,7 +315,8 @@ async def workload_identity(url: str) -> Dict[str, Any]:
     return {"identity_outputs": [r.get("output_ids") for r in short_res], "background_outputs": [r.get("output_ids") for r in long_res],
             # the greedy tokens can survive a few wrong KV rows; their logprobs (batch-invariant kernels: bit-equal) cannot
             "identity_logprobs": [r.get("logprobs") for r in short_res], "background_logprobs": [r.get("logprobs") for r in long_res],
-            "failed": sum(not r["ok"] for r in short_res + long_res), "errors": [r["error"] for r in short_res + long_res if not r["ok"]][:5]}
+            "fill": {"requests": n_fill, "tokens": fill_len}, "fill_failed": sum(not r["ok"] for r in fill), "lead_s": lead_s,
+            "failed": sum(not r["ok"] for r in short_res + long_res), "errors": [r["error"] for r in fill + short_res + long_res if not r["ok"]][:5]}
 
 
 async def workload_cycles(url: str, n_short: int, gap_s: float) -> Dict[str, Any]:
@@ -486,8 +504,11 @@ def assemble(args) -> None:
                     "logprobs_identical": sum(same_lp) if same_lp else None, "background_logprobs_identical": sum(same_lp_bg) if same_lp_bg else None,
                     "reclaims": len(eid["reclaims"]), "lends": len(eid["lends"]),
                     "migrated_units": sum(e.get("moved_units", 0) for e in eid["reclaims"]), "retracted": sum(e.get("retracted", 0) for e in eid["reclaims"]),
-                    # what the identity can vouch for: 0 means no reclaim moved KV, and the comparison says nothing about migration
-                    "reclaims_moving_kv": sum(bool(e.get("moved_units") or e.get("retracted")) for e in eid["reclaims"]),
+                    # what the identity can vouch for: 0 means no reclaim moved KV, and the comparison says nothing about
+                    # migration; an idle reclaim (no decode batch: after the last output, or between loads) does not count
+                    "reclaims_moving_kv": sum(bool(e.get("moved_units") or e.get("retracted")) and not str(e.get("why", "")).startswith("idle")
+                                              for e in eid["reclaims"]),
+                    "fill": a.get("fill"), "fill_failed": a.get("fill_failed", 0) + b.get("fill_failed", 0),
                     "failed_requests": a["failed"] + b["failed"], "dummy_init": a.get("dummy_init", "sglang"), "server_stock": sid.get("server_command", sid["command"]), "server_elastic": eid.get("server_command", eid["command"])}
     itl_overhead = None
     if st and el and st.get("itl", {}).get("itl_ms_median") and el.get("itl", {}).get("itl_ms_median"):
