@@ -8,7 +8,7 @@
     sglang-elastic patch check       --sglang-src DIR [--report FILE]   (exit 1: a hunk conflicts)
     sglang-elastic patch manifest    --wheel PATH        (maintainers: rewrite patches/manifest.json)
     sglang-elastic serve             [--embedded-model NAME] [--dry-run] [--allow-unpatched] [SGLANG FLAGS...]
-    sglang-elastic advise            --model-config PATH --gpu-mem-gb G --tp N [--chunked-prefill-size C] [--json]
+    sglang-elastic advise            --model-config PATH --gpu-mem-gb G --tp N [--chunked-prefill-size C] [--kv-offload --host-mem-gb H] [--json]
 
 Refusals print one line on stderr and exit 2, having changed nothing.
 """
@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     ad.add_argument("--max-running-requests", type=int, default=None,
                     help="the server's --max-running-requests (default: unset, as SGLang's default); at most the decode CUDA graphs' batch lets SGLang's post-capture sizing keep no eager-decode reserve")
     ad.add_argument("--calibration", type=Path, default=None, help="calibration JSON (default: the packaged one)")
+    ad.add_argument("--kv-offload", action="store_true", help="also predict --enable-kv-offload's pool (its own sizing, the shipped defaults)")
+    ad.add_argument("--host-mem-gb", type=float, default=None, help="with --kv-offload: host RAM free per GPU, GiB (the host pool's bound)")
+    ad.add_argument("--request-tokens", type=int, default=32768, help="with --kv-offload: tokens per request (prompt + output) for the requests-at-once line (default 32768)")
     ad.add_argument("--json", action="store_true", help="print the prediction as JSON")
     return ap
 
@@ -82,10 +85,17 @@ def _parser() -> argparse.ArgumentParser:
 def _advise(args: argparse.Namespace) -> int:
     from sglang_elastic.eval import advisor
 
+    if args.kv_offload and args.host_mem_gb is None:
+        raise advisor.AdviseError("--kv-offload needs --host-mem-gb (host RAM free per GPU, GiB): the host pool holds V")
+    if not args.kv_offload and args.host_mem_gb is not None:
+        raise advisor.AdviseError("--host-mem-gb is read with --kv-offload only: add --kv-offload")
     cal = advisor.load_calibration(args.calibration)
     p = advisor.predict(args.model_config, args.gpu_mem_gb, args.tp, args.chunked_prefill_size, margin_mib=args.margin_mb, calibration=cal,
                         max_running_requests=args.max_running_requests)
-    print(json.dumps(p, indent=2) if args.json else advisor.format_text(p))
+    if args.kv_offload:
+        p["kv_offload"] = advisor.predict_offload(p, args.host_mem_gb, args.request_tokens, args.max_running_requests)
+    text = advisor.format_text(p) + ("\n" + advisor.format_offload_text(p["kv_offload"]) if args.kv_offload else "")
+    print(json.dumps(p, indent=2) if args.json else text)
     return 0
 
 

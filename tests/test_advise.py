@@ -390,3 +390,45 @@ def test_heads_that_do_not_split_over_the_tp_ranks_are_refused(tmp_path, capsys)
         (tmp_path / "ok.json").write_text(json.dumps({**base, "num_key_value_heads": kvh}))
         assert cli.main(["advise", "--model-config", str(tmp_path / "ok.json"), "--gpu-mem-gb", "140.4", "--tp", "4"]) == 0
         capsys.readouterr()
+
+
+@pytest.mark.parametrize("part, gpu_gib", [("offload_h100_parts/long32k/throughput_long32k_offload_unit_4bfd5a6.json", 81559 / 1024),
+                                            ("offload_h200_parts/throughput_long32k.json", H200_MIB / 1024)])
+def test_the_offload_prediction_is_the_servers_own_sizing_on_the_advisors_budget(part, gpu_gib):
+    """``advise --kv-offload`` sizes the pool with the function the server calls, so against a measured server (the
+    sparse rule: keep-v off, radix cache off, cap 48) its only error is the advisor's KV budget, which stock's count
+    shows: the offload and stock predictions miss by the same fraction (within 0.1 %), each within 1 %."""
+    import json
+    from pathlib import Path
+
+    srv = json.loads((Path(__file__).resolve().parents[1] / "docs/results" / part).read_text())["servers"]["offload"]
+    meas = srv["offload_pool"]["sizing"]
+    assert srv.get("max_running_requests") in (None, 48) and meas["requests"] == 48
+    p = advisor.predict("llama-3.1-8b", gpu_gib, 1)
+    o = advisor.predict_offload(p, 130.0, 32768, 48, keep_v=False, radix_cache=False)
+    off, stock = o["tokens"] / meas["tokens"] - 1, o["stock_tokens"] / meas["stock_tokens"] - 1
+    assert abs(off) < 0.01 and abs(stock) < 0.01 and abs(off - stock) < 0.001, (o, meas)
+    assert o["bound"] == meas["bound"] == "hbm"
+    assert abs(o["hot_and_staging_gib"] * 2**30 / meas["device_fixed_bytes"] - 1) < 0.01
+    assert (o["stock_requests_at_once"], o["offload_requests_at_once"]) == (o["stock_tokens"] // 32768, min(48, o["tokens"] // 32768))
+
+
+def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(capsys):
+    """Little host RAM makes the host the bound; less than one request of the model's context gives one line, no
+    exception; each bad flag one line naming it."""
+    p = advisor.predict("llama-3.1-8b", 140.4, 1)
+    host = advisor.predict_offload(p, 20.0)  # 10 GiB usable after the reserve: V of ~175K tokens
+    assert host["bound"] == "host" and host["tokens"] == host["tokens_host"] < host["tokens_hbm"] and host["tokens"] < host["stock_tokens"]
+    tiny = advisor.predict_offload(p, 10.5)
+    assert "less than one 131072-token request" in tiny["error"] and "--kv-offload-host-gb" in tiny["error"]
+    assert "not possible:" in advisor.format_offload_text(tiny)
+    args = ["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]
+    assert cli.main(args + ["--kv-offload", "--host-mem-gb", "128"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"pool: 1,4\d\d,\d\d\d tokens \(1\.6\dx the 906,025", out) and "requests of 32,768 tokens at once: stock 27, offload 4" in out
+    for extra, msg in ((["--kv-offload"], "--kv-offload needs --host-mem-gb"), (["--host-mem-gb", "64"], "--host-mem-gb is read with --kv-offload only"),
+                       (["--kv-offload", "--host-mem-gb", "-1"], "--host-mem-gb must be a positive number"),
+                       (["--kv-offload", "--host-mem-gb", "64", "--request-tokens", "0"], "--request-tokens must be positive, not 0")):
+        assert cli.main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
