@@ -421,14 +421,18 @@ def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(c
     assert host["bound"] == "host" and host["tokens"] == host["tokens_host"] < host["tokens_hbm"] and host["tokens"] < host["stock_tokens"]
     tiny = advisor.predict_offload(p, 10.5)
     assert "less than one 131072-token request" in tiny["error"] and "--kv-offload-host-gb" in tiny["error"]
-    assert "not possible:" in advisor.format_offload_text(tiny)
+    assert "not possible: the server would refuse to start:" in advisor.format_offload_text(tiny)
+    capped = advisor.predict_offload(p, 128.0, 1000, 16)  # a cap binds both servers alike
+    assert (capped["stock_requests_at_once"], capped["offload_requests_at_once"]) == (16, 16)
     args = ["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]
     assert cli.main(args + ["--kv-offload", "--host-mem-gb", "128"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"pool: 1,4\d\d,\d\d\d tokens \(1\.6\dx the 906,025", out) and "requests of 32,768 tokens at once: stock 27, offload 4" in out
     for extra, msg in ((["--kv-offload"], "--kv-offload needs --host-mem-gb"), (["--host-mem-gb", "64"], "--host-mem-gb is read with --kv-offload only"),
                        (["--kv-offload", "--host-mem-gb", "-1"], "--host-mem-gb must be a positive number"),
-                       (["--kv-offload", "--host-mem-gb", "64", "--request-tokens", "0"], "--request-tokens must be positive, not 0")):
+                       (["--kv-offload", "--host-mem-gb", "64", "--request-tokens", "0"], "--request-tokens must be positive, not 0"),
+                       (["--kv-offload", "--host-mem-gb", "64", "--request-tokens", "131073"], "more than the model's context length, 131072"),
+                       (["--request-tokens", "4096"], "--request-tokens is read with --kv-offload only")):
         assert cli.main(args + extra) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err

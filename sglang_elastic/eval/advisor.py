@@ -610,12 +610,13 @@ def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int 
 
     Returns:
         ``tokens``, ``bound`` (``hbm`` or ``host``), ``tokens_hbm``, ``tokens_host``, ``stock_tokens`` (the same budget as
-        SGLang's pool), ``ratio``, ``hot_and_staging_gib``, ``host_pool_gb``, ``requests`` (the cap), ``request_tokens``,
-        ``stock_requests_at_once`` / ``offload_requests_at_once``; or ``error`` (one line) when the pool cannot hold one
-        request of the model's context length.
+        SGLang's pool), ``ratio``, ``hot_and_staging_gib``, ``host_pool_gib``, ``requests`` (the cap), ``request_tokens``,
+        ``stock_requests_at_once`` / ``offload_requests_at_once`` (each pool's tokens over ``request_tokens``, within
+        ``max_running_requests`` where given); or ``error`` (the server's one-line start-up refusal) when the pool cannot
+        hold one request of the model's context length.
 
     Raises:
-        AdviseError: a bad argument.
+        AdviseError: a bad argument, or ``request_tokens`` above the model's context length.
     """
     from sglang_elastic.config import OffloadConfig
     from sglang_elastic.offload.sizing import ModelShape, SizingError, size_pool
@@ -628,6 +629,8 @@ def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int 
         raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
     tp = p["tp"]
     m = model_facts(p["model"])
+    if request_tokens > m.context_len:
+        raise AdviseError(f"--request-tokens {request_tokens}: more than the model's context length, {m.context_len} (SGLang refuses such a request)")
     shape = ModelShape(layers=m.num_hidden_layers, kv_heads=max(1, m.num_key_value_heads // tp), head_dim=m.head_dim, v_head_dim=m.v_head_dim,
                        q_heads=m.num_attention_heads // tp, elem=2, context_len=m.context_len)
     cfg = OffloadConfig(enabled=True)
@@ -640,23 +643,25 @@ def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int 
                        slack=cfg.hot_slack, keep_v=keep_v and shape.head_dim == shape.v_head_dim, hint_by_row=radix_cache)
     except SizingError as e:
         return {**out, "error": str(e)}
+    stock_at_once = sz.stock_tokens // request_tokens  # SGLang's own cap, when unset, is far above what its pool holds
     return {**out, "tokens": sz.tokens, "bound": sz.bound, "tokens_hbm": sz.tokens_hbm, "tokens_host": sz.tokens_host,
             "stock_tokens": sz.stock_tokens, "ratio": sz.tokens / max(sz.stock_tokens, 1),
-            "hot_and_staging_gib": sz.device_fixed_bytes / GIB, "host_pool_gb": sz.host_bytes / 1e9,
-            "stock_requests_at_once": sz.stock_tokens // request_tokens, "offload_requests_at_once": min(requests, sz.tokens // request_tokens)}
+            "hot_and_staging_gib": sz.device_fixed_bytes / GIB, "host_pool_gib": sz.host_bytes / GIB,
+            "stock_requests_at_once": stock_at_once if max_running_requests is None else min(stock_at_once, max_running_requests),
+            "offload_requests_at_once": min(requests, sz.tokens // request_tokens)}
 
 
 def format_offload_text(o: Dict[str, Any]) -> str:
     head = (f"KV offload (--enable-kv-offload: K of every token in HBM, the sparse layers' V in pinned host memory; "
             f"{o['requests']} requests, {o['host_mem_gib']:g} GiB host RAM free per GPU):")
     if "error" in o:
-        return f"{head}\n  not possible: {o['error']}"
+        return f"{head}\n  not possible: the server would refuse to start: {o['error']}"
     other = o["tokens_host"] if o["bound"] == "hbm" else o["tokens_hbm"]
     return "\n".join([
         head,
         f"  pool: {o['tokens']:,} tokens ({o['ratio']:.2f}x the {o['stock_tokens']:,} SGLang's pool holds from the same budget), "
         f"bound: {o['bound']} (the {'host' if o['bound'] == 'hbm' else 'GPU'} would hold {other:,})",
-        f"  of the budget: {o['hot_and_staging_gib']:.1f} GiB of hot buffers and prefix staging; host pool {o['host_pool_gb']:.0f} GB pinned",
+        f"  of the budget: {o['hot_and_staging_gib']:.1f} GiB of hot buffers and prefix staging; host pool {o['host_pool_gib']:.0f} GiB pinned",
         f"  requests of {o['request_tokens']:,} tokens at once: stock {o['stock_requests_at_once']}, offload {o['offload_requests_at_once']}"
         + (f" (the cap, {o['requests']}: raise --max-running-requests)" if o["offload_requests_at_once"] == o["requests"] else ""),
         "  a load that fits in stock's pool runs dense (keep-v): no gain, +0.5 % median ITL measured; past it, requests beyond "
