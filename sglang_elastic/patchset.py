@@ -552,7 +552,9 @@ def apply(inst: Install, series: Optional[Sequence[Patch]] = None, manifest: Opt
     st = status(inst, series, manifest)
     if any(s.state is not State.PRISTINE for s in st):
         s = next(s for s in st if s.state is not State.PRISTINE)
-        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else "") + f"; run 'sglang-elastic patch status --sglang-dir {inst.root}'")
+        fix = (f"'sglang-elastic patch restore --from-wheel [WHEEL] --sglang-dir {inst.root}' puts the wheel's files back"
+               if s.state is State.FOREIGN else f"run 'sglang-elastic patch status --sglang-dir {inst.root}'")
+        raise PatchError(f"refusing: {s.name} {_is(s.state)}" + (f" ({s.detail})" if s.detail else "") + f"; {fix}")
     contents = {p: inst.read(p) for p in touched_files(series)}
     # The stock wheel's RECORD must vouch for the bytes too. (A wheel built by
     # build-wheel, version 0.5.17+elastic<N>, records the patched hashes: there
