@@ -21,6 +21,16 @@ from sglang_elastic import results  # noqa: E402
 from sglang_elastic.eval import advisor, report  # noqa: E402
 
 
+#: The calibration's GPU (an H200, 143,771 MiB): rows measured on another card say which.
+CALIBRATED_MIB = 143771
+
+
+def _on(facts) -> str:
+    """`` on a 79.6 GiB GPU`` for a row measured on another card than the calibration's, else nothing."""
+    mib = facts.get("gpu_mem_mib")
+    return "" if not mib or abs(mib - CALIBRATED_MIB) < 1 else f" on a {mib / 1024:.1f} GiB GPU"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/eval/advisor.json")
@@ -67,10 +77,12 @@ def main() -> int:
             el = f.get("sglang_elastic") or {}
             if not (r.get("ok") and el.get("lendable_tokens") is not None and f.get("gpu_mem_mib")) or r.get("reused_from"):
                 continue
+            if (s.get("env") or {}).get("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING") == "1":
+                continue  # lending on top of post-capture sizing: the advisor predicts its pool (below), not that lend
             chunk = s.get("chunked_prefill_size")
             held, held_out = without(s["model"], s["tp"], chunk)
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], chunk, calibration=held)
-            points.append({"label": f"{s['model']} TP{s['tp']} ({d['experiment'].replace('ttft_vs_chunk', 'E1').replace('capacity', 'E2')} {r['label']}, {el.get('mode', 'dynamic')})", "tp": s["tp"],
+            points.append({"label": f"{s['model']} TP{s['tp']}{_on(f)} ({d['experiment'].replace('ttft_vs_chunk', 'E1').replace('capacity', 'E2')} {r['label']}, {el.get('mode', 'dynamic')})", "tp": s["tp"],
                            "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
                            "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "max_total_num_tokens": f.get("max_total_num_tokens"), "free_after_graphs_gib": f.get("free_after_graphs_gib"), "extra_kv_tokens": el["lendable_tokens"]}, "predicted": pred})
     # E2's post-capture rows: SGLang's own sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1) against
@@ -87,7 +99,7 @@ def main() -> int:
             chunk = s.get("chunked_prefill_size")
             held, held_out = without(s["model"], s["tp"], chunk)
             pred = advisor.predict(s["model"], f["gpu_mem_mib"] / 1024, s["tp"], chunk, calibration=held, max_running_requests=mrr)
-            points.append({"label": f"{s['model']} TP{s['tp']} (E2 {r['label']}, post-capture sizing{'' if r.get('ok') else '; the server failed after start-up'})", "tp": s["tp"],
+            points.append({"label": f"{s['model']} TP{s['tp']}{_on(f)} (E2 {r['label']}, post-capture sizing{'' if r.get('ok') else '; the server failed after start-up'})", "tp": s["tp"],
                            "source": source(f"{path.relative_to(ROOT)} row {r['label']}", pred, held_out, "the stock point of its setup"), "held_out": held_out,
                            "measured": {"mem_fraction_static": f.get("mem_fraction_static"), "post_capture_kv_tokens": f.get("max_total_num_tokens")}, "predicted": pred})
     # The elastic pool's own H200 runs: SGLang's token count and what was lent

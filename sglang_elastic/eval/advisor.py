@@ -480,7 +480,7 @@ def caveats(cal: Dict[str, Any], gpu_mem_gib: float, tp: int, graph_bs: int, f: 
     if mems and not (0.9 * mems[0] <= gpu_mem_gib <= 1.1 * mems[-1]):
         out.append(f"measured on {mems[0]:.1f}{'' if len(mems) == 1 else f'-{mems[-1]:.1f}'} GiB GPUs only: on {gpu_mem_gib:g} GiB SGLang captures other CUDA graphs "
                    f"(decode up to {graph_bs}), and their memory is taken as measured there, so the free memory, the lendable bytes and the "
-                   f"post-capture tokens are rough")
+                   f"post-capture tokens are rough (checked, not fitted, on an 80 GB H100: within 0.5 %; docs/eval.md's advisor table)")
     measured_bs = {p.get("decode_graph_max_bs", 256) for p in cal["points"]}
     if f.get("extrapolated_from_tp"):
         more = graph_bs > max(measured_bs)
