@@ -436,3 +436,23 @@ def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(c
         assert cli.main(args + extra) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
+
+
+def test_the_lend_on_top_of_post_capture_sizing_is_what_sglang_leaves_free_less_the_margin():
+    """Issue 22, build 3, as E2 measured it on an H100 (``capacity_issue22.json``, 2026-12-06): post-capture sizing
+    without a request cap keeps SGLang's activation reserve free (12.5 GiB there), and the pool lent it less its 1 GiB
+    margin, 94,208 tokens on 386,385. The advisor predicts that lend within one lend step, the total within 0.5 %, and
+    none where a cap at the decode graphs' batch leaves no reserve."""
+    import json
+    from pathlib import Path
+
+    rows = {r["label"]: r for r in json.loads((Path(__file__).resolve().parents[1] / "docs/results/eval/capacity_issue22.json").read_text())["rows"]}
+    f = rows["post-capture-elastic"]["facts"]
+    lent, base = f["sglang_elastic"]["lendable_tokens"], f["max_total_num_tokens"]
+    p = advisor.predict("llama-3.1-8b", f["gpu_mem_mib"] / 1024, 1)
+    assert abs(p["post_capture_elastic_extra_kv_tokens"] - lent) <= p["lend_step_tokens"], (p["post_capture_elastic_extra_kv_tokens"], lent)
+    assert abs((p["post_capture_kv_tokens"] + p["post_capture_elastic_extra_kv_tokens"]) / (base + lent) - 1) < 0.005
+    assert abs(p["post_capture_free_gib"] - f["free_after_graphs_gib"]) < 0.2
+    capped = advisor.predict("llama-3.1-8b", f["gpu_mem_mib"] / 1024, 1, max_running_requests=256)
+    assert capped["post_capture_elastic_extra_kv_tokens"] == 0 and "lending on top of it" not in advisor.format_text(capped)
+    assert "lending on top of it (--enable-elastic-kv): +" in advisor.format_text(p)

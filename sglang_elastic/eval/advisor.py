@@ -352,7 +352,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     graph_bs = sa.decode_max_bs
     within = max_running_requests is not None and max_running_requests <= graph_bs  # no eager decodes
     graphs = f["graph_fixed_gib"] + prefill_graphs  # post-capture sizing's req_to_token table follows its own pool
-    pc, pc_mfs = post_capture_tokens(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
+    pc, pc_mfs, pc_free = _post_capture(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
+    # issue 22, build 3: the pool lends what post-capture sizing leaves free (less the margin) while the decodes fit the graphs
+    pc_lend = 0 if pc is None else int(max(0.0, pc_free - margin_mib / 1024) * GIB // cell) // step * step
     # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
     pc_capped = pc if within or pc is None else post_capture_tokens(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
     risk = None if pc_capped is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size)
@@ -386,6 +388,8 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
         "post_capture_mem_fraction_static": pc_mfs,
         "post_capture_kv_tokens": pc,
         "post_capture_extra_kv_tokens": None if pc is None else pc - tokens,
+        "post_capture_free_gib": pc_free,
+        "post_capture_elastic_extra_kv_tokens": None if pc is None else pc_lend,
         "post_capture_capped_kv_tokens": pc_capped,
         "post_capture_unavailable_reason": None if pc is not None else post_capture_unavailable_reason(m, gpu_mem_mib, tp, sa.chunked_prefill_size),
         # with the request cap at most the graphs' batch, SGLang keeps no eager-decode headroom: what was measured to run out of memory
@@ -414,16 +418,24 @@ def post_capture_tokens(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int, 
     workspaces without the ``req_to_token`` table, which is sized here for
     the pool SGLang allocates before capture (the capped one) and stays
     when the pool grows after it."""
+    tokens, mfs, _ = _post_capture(m, gpu_mem_mib, tp, chunk, pre_free, weights, graphs, shape, max_running_requests)
+    return tokens, mfs
+
+
+def _post_capture(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graphs: float, shape: Shape,
+                  max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float], Optional[float]]":
+    """:func:`post_capture_tokens` and the GiB SGLang leaves free after it (its activation headroom: what the elastic
+    pool lends on top, less its margin)."""
     sa = sizing.server_sizing(m.path, gpu_mem_mib, tp, chunk, post_capture=True, max_running_requests=max_running_requests)
     if not sa.post_capture_planned:
-        return None, None
+        return None, None, None
     cell = shape.cell_bytes(tp)
     _, _, cap = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
     graph = graphs + sizing.req_to_token_bytes(cap, shape.context_len, max_running_requests) / GIB
     headroom = pre_free * (1 - sa.mem_fraction_static)
     if max_running_requests is None or max_running_requests > sa.decode_max_bs:  # eager decodes: SGLang keeps its reserve
         headroom = max(headroom, sa.pre_capture_activation_reserve_mb(gpu_mem_mib) / 1024)
-    return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static
+    return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static, headroom
 
 
 def post_capture_oom_risk(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[str]:
@@ -582,7 +594,9 @@ def format_text(p: Dict[str, Any]) -> str:
            + ("" if p["within_decode_graphs"] or p["post_capture_capped_kv_tokens"] is None else
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")
            + ("; with the cap not safe here (caveat)" if p.get("post_capture_oom_risk") else
-              "; with the cap untested here (caveat)" if p.get("post_capture_untested") else "")),
+              "; with the cap untested here (caveat)" if p.get("post_capture_untested") else "")
+           + (f"; lending on top of it (--enable-elastic-kv): +{p['post_capture_elastic_extra_kv_tokens']:,} while only decodes run "
+              f"({p['post_capture_kv_tokens'] + p['post_capture_elastic_extra_kv_tokens']:,} in all)" if p.get("post_capture_elastic_extra_kv_tokens") else "")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
     ] + [f"caveat: {c}" for c in p["caveats"]]
