@@ -417,6 +417,10 @@ def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(c
     """Little host RAM makes the host the bound; less than one request of the model's context gives one line, no
     exception; each bad flag one line naming it."""
     p = advisor.predict("llama-3.1-8b", 140.4, 1)
+    # the shipped defaults: keep-v and SGLang's radix cache on, each taking its bytes from the budget
+    default, bare = advisor.predict_offload(p, 128.0), advisor.predict_offload(p, 128.0, keep_v=False, radix_cache=False)
+    no_radix = advisor.predict_offload(p, 128.0, radix_cache=False)
+    assert default["tokens"] < no_radix["tokens"] < bare["tokens"] and default["hot_and_staging_gib"] > no_radix["hot_and_staging_gib"]
     host = advisor.predict_offload(p, 20.0)  # 10 GiB usable after the reserve: V of ~175K tokens
     assert host["bound"] == "host" and host["tokens"] == host["tokens_host"] < host["tokens_hbm"] and host["tokens"] < host["stock_tokens"]
     tiny = advisor.predict_offload(p, 10.5)

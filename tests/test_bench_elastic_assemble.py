@@ -176,11 +176,12 @@ def test_the_identity_counts_the_reclaims_that_moved_kv(tmp_path):
     ids = [[rnd.randrange(1000) for _ in range(8)] for _ in range(64)]
     moved = [rnd.randrange(1, 50) for _ in range(rnd.randrange(2, 9))]
     recs = [{"op": "reclaim", "ms": 1.0, "moved_units": m, "retracted": 0, "why": "prefills run outside CUDA graphs"} for m in moved]
-    recs += [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0},  # moved nothing
+    recs += [{"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 2, "why": "prefills run outside CUDA graphs"},  # retracted: moved KV out
+             {"op": "reclaim", "ms": 1.0, "moved_units": 0, "retracted": 0},  # moved nothing
              {"op": "reclaim", "ms": 1.0, "moved_units": 99, "retracted": 0, "why": "idle: the next prefill runs outside CUDA graphs"}]
     run = {"identity_outputs": ids, "background_outputs": ids[:32], "failed": 0, "errors": [], "dummy_init": "unit"}
     ident = _identity_summary(tmp_path, {"stock": run, "elastic": run}, recs)
-    assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"]) == (len(moved) + 2, len(moved), sum(moved) + 99)
+    assert (ident["reclaims"], ident["reclaims_moving_kv"], ident["migrated_units"], ident["retracted"]) == (len(moved) + 3, len(moved) + 1, sum(moved) + 99, 2)
 
 
 def test_the_eager_phase_summary_tells_the_schedulers_wait_from_the_prefills_delay_and_the_decodes_gaps(tmp_path):

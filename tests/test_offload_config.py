@@ -252,6 +252,15 @@ def test_sizing_on_the_h200_budget_holds_about_1_7x_stock_with_k_on_the_gpu():
     assert radix.device_fixed_bytes == device_fixed_bytes(LLAMA8B, OffloadPolicy(), 4096, 64, tokens=T) + 65 * 131072 * 30 * 2
     assert T * radix.device_token_bytes + radix.device_fixed_bytes <= STOCK_H200
     assert 0.995 < radix.tokens / sz.tokens < 0.998
+    # keep-v (on by default): 12 bytes a token (its lists) and the kept rows' table, int32 per request row and position
+    # of the context, and the kept lengths (65 x 131,073 int32: 34 MB); the kept V rows are pool slots, not counted here
+    kept = size_pool(STOCK_H200, LLAMA8B, OffloadPolicy(), 4096, 64, 120 << 30, keep_v=True)
+    assert kept.device_token_bytes == sz.device_token_bytes + 12
+    T = kept.tokens + 1
+    assert kept.device_fixed_bytes == device_fixed_bytes(LLAMA8B, OffloadPolicy(), 4096, 64, tokens=T) + 65 * 131073 * 4
+    assert T * kept.device_token_bytes + kept.device_fixed_bytes <= STOCK_H200
+    assert (T + 1) * kept.device_token_bytes + device_fixed_bytes(LLAMA8B, OffloadPolicy(), 4096, 64, tokens=T + 1, keep_v=True) > STOCK_H200
+    assert sz.tokens - 1000 < kept.tokens < sz.tokens
 
 
 @settings(max_examples=200, deadline=None)

@@ -585,3 +585,27 @@ def test_a_row_freed_through_the_hook_starts_afresh_for_a_radix_hit():
     s.reqs[4] = torch.cat([pre, s.alloc.alloc(40)])
     s.hooks["prepare_for_extend"](None, s.batch([4], prefix_lens=[100], extend_lens=[40]))
     assert s.m.kept(4) == 140
+
+
+def test_a_grant_that_evicts_small_prefixes_leaves_two_reserves_free_for_the_decode_steps_after_it():
+    """The grant asks the radix cache for its slots and a reserve more than the reserve it must keep, so the decode
+    steps after it find spare slots without walking the tree each step. With 40 cached prefixes of 10 tokens
+    (eviction in small steps) a 100-token request's kept grant leaves at least two reserves free; asking for one
+    reserve more would leave 12-21 of the 24."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    s = Server()
+    tree = tree_beside(s)
+    for i in range(40):
+        tree.insert(InsertParams(key=RadixKey(array("l", range(10_000 + 100 * i, 10_000 + 100 * i + 10))), value=s.alloc.alloc(10)))
+    assert tree.evictable_size() == 400 and s.m.real_free() == SIZE - 400 and s.m.reserve == 12
+    assert s.admit(1, 100)  # 100 free after its tokens: the kept grant of 100 needs the cache's slots
+    assert s.m.kept(1) == 100 and tree.evictable_size() < 400
+    assert s.m.real_free() >= 2 * s.m.reserve
+    pool = s.pool
+    held = torch.cat(tree_ids(tree) + [s.reqs[1], pool.req_to_vrow[1, :100].long() - pool.keep_base, s.alloc.free_pages,
+                                       s.alloc.release_pages]).tolist()
+    assert sorted(held) == list(range(1, SIZE + 1))  # every slot one owner: the cache, the request, its kept V, the free list
