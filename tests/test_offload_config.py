@@ -498,3 +498,56 @@ def test_the_server_keeps_the_hot_buffers_hint_by_row_and_position_when_the_radi
         lay = hooks.offload_layout(cfg, cfg.policy(), 4, shape, keep_v=True, hint_by_row=on)
         assert lay.hint_by_row == by_row and lay.request_rows == 5 and lay.stage_tokens == 1024
     assert not hooks.radix_cache_on(None)
+
+
+@pytest.mark.parametrize("flags, disable_radix", [(["--enable-kv-offload"], False), (["--enable-kv-offload"], True),
+                                                  (["--enable-kv-offload", "--no-kv-offload-keep-v"], False)])
+def test_the_servers_sizing_counts_the_layout_it_builds(monkeypatch, flags, disable_radix):
+    """(A mutation pass: nothing on the CPU called the pool-size hook, so its sizing could drop the kept rows' table
+    or the per-row hint and hand SGLang more tokens than the GPU holds.) SGLang's ``KVCacheConfigurator`` hook, with
+    a real ``ServerArgs`` (its radix cache on or off) and stand-ins for the scheduler's runtime config bags (no
+    process groups on a CPU): the tokens it gives SGLang are the sizing of the very layout it leaves for the pool
+    builder (keep-v, the radix cache's hint), and that sizing fits the budget."""
+    import types
+
+    import sglang_elastic
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_elastic.offload import hooks
+    from sglang_elastic.offload.sizing import device_fixed_bytes, size_pool
+
+    model = os.path.join(os.path.dirname(sglang_elastic.__file__), "models", "llama-3.1-8b")
+    sa = ServerArgs(model_path=model, device="cpu", disable_radix_cache=disable_radix, max_running_requests=16)
+    cfg = config.from_namespace(namespace(*flags))
+    monkeypatch.setattr(config, "current", lambda: cfg)
+    monkeypatch.setattr(hooks, "_tp_min", lambda v: v)
+    import sglang.srt.runtime_context as rc
+    monkeypatch.setattr(rc, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=1, tp_size=1))  # no process groups on a CPU
+    # the scheduler's config bag as SGLang publishes it from these ServerArgs (not published here: it is process-global)
+    monkeypatch.setattr(rc, "get_schedule", lambda: types.SimpleNamespace(max_running_requests=sa.max_running_requests, max_total_tokens=None,
+                                                                           page_size=1, mem_fraction_static=0.9))
+    import psutil
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=200 << 30))
+    budget = 40 << 30
+    mc = types.SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128, v_head_dim=128, get_max_num_attention_heads=lambda: 32,
+                               context_len=8192, hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    kvc = types.SimpleNamespace(model_config=mc, layer_info=types.SimpleNamespace(num_effective_layers=32), kv_cache_dtype=torch.bfloat16,
+                                use_mla_backend=False, is_hybrid_swa=False, mambaish_config=None, is_draft_worker=False,
+                                sliding_window_size=None, server_args=sa, _profile_available_bytes=lambda pre: budget)
+    hooks._BUILT.clear()
+    out = hooks.resolve_memory_pool_config(None, kvc, 0)
+    lay, sz = hooks._BUILT["layout"], hooks._BUILT["sizing"]
+    assert lay.hint_by_row == (not disable_radix) and lay.keep_v == ("--no-kv-offload-keep-v" not in flags)
+    shape = hooks.model_shape(kvc)
+    pol = cfg.offload.policy()
+    ref = size_pool(budget, shape, pol, cfg.offload.hot_tokens, 16, 200 << 30, slack=cfg.offload.hot_slack,
+                    keep_v=lay.keep_v, hint_by_row=lay.hint_by_row, page_size=1)
+    assert out.max_total_num_tokens == sz.tokens == ref.tokens and out.max_running_requests == 16
+    T = sz.tokens + 1
+    fixed = device_fixed_bytes(shape, pol, cfg.offload.hot_tokens, 16, slack=cfg.offload.hot_slack, tokens=T, keep_v=lay.keep_v,
+                               hint_by_row=lay.hint_by_row)
+    assert T * sz.device_token_bytes + fixed <= budget  # what the pool builder will allocate fits the budget
+    hooks._BUILT.clear()
+
+
+import torch  # noqa: E402  (the test above: the KV dtype SGLang's configurator carries)

@@ -339,12 +339,14 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
     available = kvc._profile_available_bytes(pre_model_load_memory)
     ranks_here = max(1, min(get_parallel().tp_size, torch.cuda.device_count() or 1))
     host_free = psutil.virtual_memory().available // ranks_here
-    hint_by_row = radix_cache_on(getattr(kvc, "server_args", None))
+    # the layout the pool builder gets, and the sizing from the same keep-v and hint choices (one source: a sizing that
+    # left out the kept rows' table or the per-row hint would hand SGLang more tokens than the GPU holds)
+    layout = offload_layout(cfg, policy, requests, shape, keep_v, radix_cache_on(getattr(kvc, "server_args", None)))
     try:
         sz = size_pool(available, shape, policy, cfg.hot_tokens, requests, host_free, slack=cfg.hot_slack,
                        host_limit_bytes=None if cfg.host_gb is None else int(cfg.host_gb * 1e9),
                        max_total_tokens=sched.max_total_tokens, page_size=sched.page_size or 1, resident=cfg.resident_v,
-                       keep_v=keep_v, hint_by_row=hint_by_row)
+                       keep_v=layout.keep_v, hint_by_row=layout.hint_by_row)
     except SizingError as e:
         raise RuntimeError(f"sglang-elastic: {e}") from None
     tokens = _tp_min(sz.tokens)
@@ -356,7 +358,7 @@ def resolve_memory_pool_config(orig, kvc, pre_model_load_memory, *args, **kwargs
         " (resident V: the exactness reference)" if cfg.resident_v else "",
     )
     # KVCacheConfigurator has __slots__: the layout waits here for the pool builder (one target worker per process)
-    _BUILT["layout"] = offload_layout(cfg, policy, requests, shape, keep_v, hint_by_row)
+    _BUILT["layout"] = layout
     _BUILT["sizing"] = sz
     out = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=requests)
     out.mem_fraction_static = sched.mem_fraction_static
