@@ -609,3 +609,25 @@ def test_a_grant_that_evicts_small_prefixes_leaves_two_reserves_free_for_the_dec
     held = torch.cat(tree_ids(tree) + [s.reqs[1], pool.req_to_vrow[1, :100].long() - pool.keep_base, s.alloc.free_pages,
                                        s.alloc.release_pages]).tolist()
     assert sorted(held) == list(range(1, SIZE + 1))  # every slot one owner: the cache, the request, its kept V, the free list
+
+
+def test_inside_sglangs_free_group_a_grant_keeps_the_radix_cache_and_runs_sparse():
+    """Inside a free group SGLang's frees only queue until the group ends, so evicting the cache could not make the
+    grant: the grant leaves the cache as it was and the request runs sparse (it keeps V once the group has ended and
+    the next grant finds the slots)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    s = Server()
+    tree = tree_beside(s)
+    for i in range(3):
+        tree.insert(InsertParams(key=RadixKey(array("l", range(1000 * (i + 1), 1000 * (i + 1) + 150))), value=s.alloc.alloc(150)))
+    s.alloc.free_group_begin()
+    try:
+        assert s.admit(1, 100)  # 50 free after its tokens: the kept grant would need the cache
+        assert tree.evictable_size() == 450 and s.m.kept(1) == 0
+    finally:
+        s.alloc.free_group_end()
+    assert s.admit(2, 40) and s.m.kept(2) == 40 and tree.evictable_size() < 450  # outside the group the cache gives way
