@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     ad.add_argument("--calibration", type=Path, default=None, help="calibration JSON (default: the packaged one)")
     ad.add_argument("--kv-offload", action="store_true", help="also predict --enable-kv-offload's pool (its own sizing, the shipped defaults)")
     ad.add_argument("--host-mem-gb", type=float, default=None, help="with --kv-offload: host RAM free per GPU, GiB (the host pool's bound)")
-    ad.add_argument("--request-tokens", type=int, default=None, help="with --kv-offload: tokens per request (prompt + output) for the requests-at-once line (default 32768)")
+    ad.add_argument("--request-tokens", type=int, default=None, help="with --kv-offload: tokens per request (prompt + output) for the requests-at-once line (default 32768, or the model's context length if shorter)")
     ad.add_argument("--json", action="store_true", help="print the prediction as JSON")
     return ap
 
@@ -94,7 +94,7 @@ def _advise(args: argparse.Namespace) -> int:
     p = advisor.predict(args.model_config, args.gpu_mem_gb, args.tp, args.chunked_prefill_size, margin_mib=args.margin_mb, calibration=cal,
                         max_running_requests=args.max_running_requests)
     if args.kv_offload:
-        p["kv_offload"] = advisor.predict_offload(p, args.host_mem_gb, 32768 if args.request_tokens is None else args.request_tokens, args.max_running_requests)
+        p["kv_offload"] = advisor.predict_offload(p, args.host_mem_gb, args.request_tokens, args.max_running_requests)
     text = advisor.format_text(p) + ("\n" + advisor.format_offload_text(p["kv_offload"]) if args.kv_offload else "")
     print(json.dumps(p, indent=2) if args.json else text)
     return 0

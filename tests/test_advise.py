@@ -421,6 +421,17 @@ def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(c
     default, bare = advisor.predict_offload(p, 128.0), advisor.predict_offload(p, 128.0, keep_v=False, radix_cache=False)
     no_radix = advisor.predict_offload(p, 128.0, radix_cache=False)
     assert default["tokens"] < no_radix["tokens"] < bare["tokens"] and default["hot_and_staging_gib"] > no_radix["hot_and_staging_gib"]
+    # each option reaches the sizing as itself (the server's size_pool on the same budget and shape)
+    from sglang_elastic.config import OffloadConfig
+    from sglang_elastic.offload.sizing import ModelShape, size_pool
+
+    shape = ModelShape(layers=32, kv_heads=8, head_dim=128, v_head_dim=128, q_heads=32, elem=2, context_len=131072)
+    oc = OffloadConfig(enabled=True)
+    for o, kv, radix in ((default, True, True), (no_radix, True, False), (bare, False, False)):
+        ref = size_pool(int(p["kv_pool_gib"] * 2**30), shape, oc.policy(), oc.hot_tokens, 64, 128 << 30, slack=oc.hot_slack, keep_v=kv, hint_by_row=radix)
+        assert (o["tokens"], o["hot_and_staging_gib"] * 2**30) == (ref.tokens, ref.device_fixed_bytes)
+    from sglang_elastic.offload import hooks
+    assert advisor.OFFLOAD_DEFAULT_REQUESTS == hooks.DEFAULT_REQUESTS == default["requests"]  # the server's cap when none is given
     host = advisor.predict_offload(p, 20.0)  # 10 GiB usable after the reserve: V of ~175K tokens
     assert host["bound"] == "host" and host["tokens"] == host["tokens_host"] < host["tokens_hbm"] and host["tokens"] < host["stock_tokens"]
     tiny = advisor.predict_offload(p, 10.5)
@@ -457,6 +468,24 @@ def test_the_lend_on_top_of_post_capture_sizing_is_what_sglang_leaves_free_less_
     assert abs(p["post_capture_elastic_extra_kv_tokens"] - lent) <= p["lend_step_tokens"], (p["post_capture_elastic_extra_kv_tokens"], lent)
     assert abs((p["post_capture_kv_tokens"] + p["post_capture_elastic_extra_kv_tokens"]) / (base + lent) - 1) < 0.005
     assert abs(p["post_capture_free_gib"] - f["free_after_graphs_gib"]) < 0.2
+    empty = advisor.predict("llama-3.1-70b", 79.6, 2)  # post-capture sizing leaves no pool: nothing to lend on top of
+    assert empty["post_capture_kv_tokens"] == 0 and empty["post_capture_elastic_extra_kv_tokens"] == 0
     capped = advisor.predict("llama-3.1-8b", f["gpu_mem_mib"] / 1024, 1, max_running_requests=256)
     assert capped["post_capture_elastic_extra_kv_tokens"] == 0 and "lending on top of it" not in advisor.format_text(capped)
-    assert "lending on top of it (--enable-elastic-kv): +" in advisor.format_text(p)
+    assert "lending on top of it (--enable-elastic-kv): +" in advisor.format_text(p) and "fits the decode CUDA graphs" in advisor.format_text(p)
+
+
+def test_the_offload_prediction_defaults_to_a_request_the_model_can_take(tmp_path):
+    """``--request-tokens`` unset on a model of 8K context: requests of its context length, not a refusal of a flag the
+    user never gave."""
+    import json
+
+    cfg = json.loads((model_path("llama-3.1-8b") / "config.json").read_text())
+    cfg["max_position_embeddings"] = 8192
+    cfg.pop("rope_scaling", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = advisor.predict(str(tmp_path), 79.65, 1)
+    o = advisor.predict_offload(p, 100.0)
+    assert o["request_tokens"] == 8192 and o["offload_requests_at_once"] == min(64, o["tokens"] // 8192)
+    with pytest.raises(advisor.AdviseError, match="more than the model's context length, 8192"):
+        advisor.predict_offload(p, 100.0, 8193)

@@ -393,7 +393,10 @@ class _StubGenerate:
             def log_message(self, *a):
                 pass
 
-        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+        class Server(http.server.ThreadingHTTPServer):
+            request_queue_size = 256  # the identity's fill sends 96 requests at once (the default backlog, 5, reset some)
+
+        self.srv = Server(("127.0.0.1", 0), Stub)
         threading.Thread(target=self.srv.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
         return self

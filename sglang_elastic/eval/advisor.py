@@ -352,9 +352,12 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     graph_bs = sa.decode_max_bs
     within = max_running_requests is not None and max_running_requests <= graph_bs  # no eager decodes
     graphs = f["graph_fixed_gib"] + prefill_graphs  # post-capture sizing's req_to_token table follows its own pool
-    pc, pc_mfs, pc_free = _post_capture(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
-    # issue 22, build 3: the pool lends what post-capture sizing leaves free (less the margin) while the decodes fit the graphs
-    pc_lend = 0 if pc is None else int(max(0.0, pc_free - margin_mib / 1024) * GIB // cell) // step * step
+    pc, pc_mfs, pc_free, pc_cap = _post_capture(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, max_running_requests)
+    # issue 22, build 3: the pool lends what post-capture sizing leaves free (less the margin) while the decode batch
+    # fits the graphs, within the address space SGLang reserved before capture; nothing on a pool of no tokens
+    pc_lend = 0
+    if pc:
+        pc_lend = min(int(max(0.0, pc_free - margin_mib / 1024) * GIB // cell), pc_cap - pc) // step * step
     # the request cap does not decide whether SGLang post-capture-sizes: unavailable is unavailable capped too
     pc_capped = pc if within or pc is None else post_capture_tokens(m, gpu_mem_mib, tp, sa.chunked_prefill_size, pre_free, weights, graphs, shape, graph_bs)[0]
     risk = None if pc_capped is None else post_capture_oom_risk(cal, tp, sa.chunked_prefill_size)
@@ -418,24 +421,25 @@ def post_capture_tokens(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int, 
     workspaces without the ``req_to_token`` table, which is sized here for
     the pool SGLang allocates before capture (the capped one) and stays
     when the pool grows after it."""
-    tokens, mfs, _ = _post_capture(m, gpu_mem_mib, tp, chunk, pre_free, weights, graphs, shape, max_running_requests)
+    tokens, mfs, _, _ = _post_capture(m, gpu_mem_mib, tp, chunk, pre_free, weights, graphs, shape, max_running_requests)
     return tokens, mfs
 
 
 def _post_capture(m: ModelFacts, gpu_mem_mib: float, tp: int, chunk: int, pre_free: float, weights: float, graphs: float, shape: Shape,
-                  max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float], Optional[float]]":
-    """:func:`post_capture_tokens` and the GiB SGLang leaves free after it (its activation headroom: what the elastic
-    pool lends on top, less its margin)."""
+                  max_running_requests: Optional[int]) -> "tuple[Optional[int], Optional[float], Optional[float], Optional[int]]":
+    """:func:`post_capture_tokens`, the GiB SGLang leaves free after it (its activation headroom: what the elastic
+    pool lends on top, less its margin) and the tokens of the pool SGLang reserves before capture (the bound of the
+    pool's address space, so of base and lend together)."""
     sa = sizing.server_sizing(m.path, gpu_mem_mib, tp, chunk, post_capture=True, max_running_requests=max_running_requests)
     if not sa.post_capture_planned:
-        return None, None, None
+        return None, None, None, None
     cell = shape.cell_bytes(tp)
     _, _, cap = _kv_tokens(pre_free, weights, sa.mem_fraction_static, cell)
     graph = graphs + sizing.req_to_token_bytes(cap, shape.context_len, max_running_requests) / GIB
     headroom = pre_free * (1 - sa.mem_fraction_static)
     if max_running_requests is None or max_running_requests > sa.decode_max_bs:  # eager decodes: SGLang keeps its reserve
         headroom = max(headroom, sa.pre_capture_activation_reserve_mb(gpu_mem_mib) / 1024)
-    return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static, headroom
+    return max(0, min(int((pre_free - weights - graph - headroom) * GIB // cell), cap)), sa.mem_fraction_static, headroom, cap
 
 
 def post_capture_oom_risk(cal: Dict[str, Any], tp: int, chunk: int) -> Optional[str]:
@@ -595,8 +599,9 @@ def format_text(p: Dict[str, Any]) -> str:
               f", {p['post_capture_capped_kv_tokens']:,} with {p['decode_graph_max_bs']} (the decode CUDA graphs' batch)")
            + ("; with the cap not safe here (caveat)" if p.get("post_capture_oom_risk") else
               "; with the cap untested here (caveat)" if p.get("post_capture_untested") else "")
-           + (f"; lending on top of it (--enable-elastic-kv): +{p['post_capture_elastic_extra_kv_tokens']:,} while only decodes run "
-              f"({p['post_capture_kv_tokens'] + p['post_capture_elastic_extra_kv_tokens']:,} in all)" if p.get("post_capture_elastic_extra_kv_tokens") else "")),
+           + (f"; lending on top of it (--enable-elastic-kv): +{p['post_capture_elastic_extra_kv_tokens']:,} while the decode batch fits the "
+              f"decode CUDA graphs (at most {p['decode_graph_max_bs']} requests; {p['post_capture_kv_tokens'] + p['post_capture_elastic_extra_kv_tokens']:,} in all)"
+              if p.get("post_capture_elastic_extra_kv_tokens") else "")),
         f"recommendation: {p['recommendation']}: {p['reason']}",
         f"(calibration: {p['calibration']}, {p['calibration_points']} measured point(s))",
     ] + [f"caveat: {c}" for c in p["caveats"]]
@@ -608,7 +613,7 @@ def format_text(p: Dict[str, Any]) -> str:
 OFFLOAD_DEFAULT_REQUESTS = 64
 
 
-def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int = 32768, max_running_requests: Optional[int] = None,
+def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: Optional[int] = None, max_running_requests: Optional[int] = None,
                     keep_v: bool = True, radix_cache: bool = True) -> Dict[str, Any]:
     """What ``--enable-kv-offload`` would hold on the GPU :func:`predict` described (``p``): the offload pool's tokens
     and bound, from the same KV budget stock SGLang gives its pool, by the pool's own sizing
@@ -617,7 +622,8 @@ def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int 
     Args:
         p: :func:`predict`'s result (its ``kv_pool_gib`` is SGLang's KV budget on one GPU).
         host_mem_gib: host RAM free per GPU, GiB (the host pool keeps 10 GiB of it free, as SGLang's host pools do).
-        request_tokens: tokens per request of the workload (prompt + output): how many run at once.
+        request_tokens: tokens per request of the workload (prompt + output): how many run at once (default 32,768,
+            or the model's context length if shorter).
         max_running_requests: the server's cap (default: the offload pool's 64; every request holds hot buffers).
         keep_v, radix_cache: ``--kv-offload-keep-v`` (the default) and SGLang's radix cache (on by default): each
             adds a few bytes per token.
@@ -637,24 +643,27 @@ def predict_offload(p: Dict[str, Any], host_mem_gib: float, request_tokens: int 
 
     if not math.isfinite(host_mem_gib) or host_mem_gib <= 0:
         raise AdviseError(f"--host-mem-gb must be a positive number (free host RAM per GPU, GiB), not {host_mem_gib}")
-    if request_tokens < 1:
+    if request_tokens is not None and request_tokens < 1:
         raise AdviseError(f"--request-tokens must be positive, not {request_tokens}")
     if max_running_requests is not None and max_running_requests < 1:
         raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
     tp = p["tp"]
     m = model_facts(p["model"])
-    if request_tokens > m.context_len:
+    if request_tokens is None:
+        request_tokens = min(32768, m.context_len)
+    elif request_tokens > m.context_len:
         raise AdviseError(f"--request-tokens {request_tokens}: more than the model's context length, {m.context_len} (SGLang refuses such a request)")
     shape = ModelShape(layers=m.num_hidden_layers, kv_heads=max(1, m.num_key_value_heads // tp), head_dim=m.head_dim, v_head_dim=m.v_head_dim,
                        q_heads=m.num_attention_heads // tp, elem=2, context_len=m.context_len)
     cfg = OffloadConfig(enabled=True)
     requests = max_running_requests or OFFLOAD_DEFAULT_REQUESTS
-    out: Dict[str, Any] = {"requests": requests, "request_tokens": request_tokens, "host_mem_gib": host_mem_gib}
+    keep_v = keep_v and shape.head_dim == shape.v_head_dim  # the server's default: no keep-v where a V row cannot take a K slot
+    out: Dict[str, Any] = {"requests": requests, "request_tokens": request_tokens, "host_mem_gib": host_mem_gib, "keep_v": keep_v}
     if p["kv_pool_gib"] <= 0:
         return {**out, "error": "no KV budget on this GPU (above): nothing to offload from"}
     try:
         sz = size_pool(int(p["kv_pool_gib"] * GIB), shape, cfg.policy(), cfg.hot_tokens, requests, int(host_mem_gib * GIB),
-                       slack=cfg.hot_slack, keep_v=keep_v and shape.head_dim == shape.v_head_dim, hint_by_row=radix_cache)
+                       slack=cfg.hot_slack, keep_v=keep_v, hint_by_row=radix_cache)
     except SizingError as e:
         return {**out, "error": str(e)}
     stock_at_once = sz.stock_tokens // request_tokens  # SGLang's own cap, when unset, is far above what its pool holds
@@ -678,6 +687,8 @@ def format_offload_text(o: Dict[str, Any]) -> str:
         f"  of the budget: {o['hot_and_staging_gib']:.1f} GiB of hot buffers and prefix staging; host pool {o['host_pool_gib']:.0f} GiB pinned",
         f"  requests of {o['request_tokens']:,} tokens at once: stock {o['stock_requests_at_once']}, offload {o['offload_requests_at_once']}"
         + (f" (the cap, {o['requests']}: raise --max-running-requests)" if o["offload_requests_at_once"] == o["requests"] else ""),
-        "  a load that fits in stock's pool runs dense (keep-v): no gain, +0.5 % median ITL measured; past it, requests beyond "
-        "V's room attend 5 % of their context (lossy, docs/offload.md) and copy their misses over PCIe",
+        ("  a load that fits in stock's pool runs dense (keep-v): no gain, +0.5 % median ITL measured; past it, requests beyond "
+         "V's room attend 5 % of their context (lossy, docs/offload.md) and copy their misses over PCIe" if o.get("keep_v") else
+         "  no keep-v for this model (V's head_dim differs from K's): every request attends 5 % of its context (lossy, "
+         "docs/offload.md) and copies its misses over PCIe, whether or not the load fits in stock's pool"),
     ])
