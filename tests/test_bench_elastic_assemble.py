@@ -444,3 +444,35 @@ def test_the_identity_fills_the_radix_cache_to_the_base_before_the_background_de
     assert min(t for *_, t in longs) >= max(t for *_, t in fill)  # the fill was answered before
     assert min(t for *_, t in shorts) > min(t for *_, t in longs)  # (order only: a loaded CI machine delays any request)
     assert (res["fill"], res["fill_failed"], res["failed"], len(res["identity_outputs"])) == ({"requests": n_fill, "tokens": fill_len}, 0, 0, 64)
+
+
+def test_digested_identity_parts_compare_as_the_raw_ones(tmp_path):
+    """``bench_elastic.py digest``: the committed identity parts carry each request's output ids and logprobs as a
+    sha256 of their JSON (unit-scale weights' raw logprobs are ~1 MB a pair); ``assemble`` then counts the same
+    identical requests as from the raw parts: fresh random lists, one request's logprob off in its last bit, one
+    background request's ids different, one request missing (None)."""
+    import random
+    import struct
+
+    from gpu_scripts import load_script
+
+    mod = load_script("bench_elastic")
+    rnd = random.Random()
+    ids = [[rnd.randrange(1000) for _ in range(rnd.randint(1, 48))] for _ in range(64)]
+    lps = [[-rnd.random() * 5 for _ in x] for x in ids]
+    bg = [[rnd.randrange(1000) for _ in range(8)] for _ in range(32)]
+    off, bg2 = [list(x) for x in lps], [list(x) for x in bg]
+    k = rnd.randrange(64)
+    off[k][0] = struct.unpack("<d", struct.pack("<q", struct.unpack("<q", struct.pack("<d", off[k][0]))[0] + 1))[0]
+    bg2[rnd.randrange(32)][3] += 1
+    ids2 = list(ids)
+    ids2[(k + 1) % 64] = None
+    runs = {"stock": {"identity_outputs": ids, "background_outputs": bg, "identity_logprobs": lps, "background_logprobs": [[-1.0]] * 32,
+                      "failed": 0, "errors": [], "dummy_init": "unit"},
+            "elastic": {"identity_outputs": ids2, "background_outputs": bg2, "identity_logprobs": off, "background_logprobs": [[-1.0]] * 32,
+                        "failed": 0, "errors": [], "dummy_init": "unit"}}
+    raw = _identity_summary(tmp_path, runs)
+    dig = {m: mod.digest_identity({"identity_run": r})["identity_run"] for m, r in runs.items()}
+    assert all(isinstance(h, str) and h.startswith("sha256:") for h in dig["stock"]["identity_logprobs"]) and dig["elastic"]["identity_outputs"][(k + 1) % 64] is None
+    assert (raw["identical"], raw["logprobs_identical"], raw["background_identical"]) == (63, 63, 31)
+    assert _identity_summary(tmp_path, dig) == raw

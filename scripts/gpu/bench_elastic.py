@@ -416,6 +416,40 @@ def phase(args) -> None:
     print(f"[{args.mode}] wrote {args.out}", flush=True)
 
 
+def _read_part(path: str) -> Dict[str, Any]:
+    """A phase's part as a run writes it (.json) or kept compressed in the repo (.json.gz: the identity runs' outputs; .json.xz)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else lzma.decompress(raw) if path.endswith(".xz") else raw)
+
+
+#: An identity run's per-request lists: the comparison needs their equality only (``assemble``).
+IDENTITY_LISTS = ("identity_outputs", "background_outputs", "identity_logprobs", "background_logprobs")
+
+
+def digest_identity(part: Dict[str, Any]) -> Dict[str, Any]:
+    """``part`` with each request's output ids and logprobs in its identity run replaced by the sha256 of their JSON
+    (``None`` kept): ``assemble`` compares them for equality only, and on unit-scale weights the raw logprobs of one
+    identity pair are ~1 MB compressed (the tracked tree stays under 5 MiB: ``tests/test_packaging.py``). The part
+    records ``identity_run.digested``."""
+    import hashlib
+
+    run = dict(part["identity_run"])
+    for key in IDENTITY_LISTS:
+        if run.get(key) is not None:
+            run[key] = [None if x is None else "sha256:" + hashlib.sha256(json.dumps(x, separators=(",", ":")).encode()).hexdigest()
+                        for x in run[key]]
+    run["digested"] = True
+    return {**part, "identity_run": run}
+
+
+def digest(args) -> None:
+    for src in args.parts:
+        d = digest_identity(_read_part(src))
+        out = Path(args.out_dir) / (Path(src).name.split(".json")[0] + ".json.xz")
+        out.write_bytes(lzma.compress(json.dumps(d, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME))
+        print(f"wrote {out}")
+
+
 def eager_summary(evs: List[dict]) -> Dict[str, object]:
     """What the eager prefill passes of a phase allocated (plain ones: those the measured rule bounds), against
     SGLang's estimate and the need the pass was given (``peak_over_need`` above 1: the rule under-reserved)."""
@@ -434,9 +468,8 @@ def assemble(args) -> None:
     from sglang_elastic import results
 
     parts = {}
-    for p in args.parts:  # as a run writes them (.json) or kept compressed in the repo (.json.gz: the identity runs' outputs; .json.xz)
-        raw = Path(p).read_bytes()
-        d = json.loads(gzip.decompress(raw) if p.endswith(".gz") else lzma.decompress(raw) if p.endswith(".xz") else raw)
+    for p in args.parts:
+        d = _read_part(p)
         parts[(d["mode"] + ("-id" if d.get("identity") else "") + ("-eager" if d.get("eager") else "") + ("-pc" if d.get("post_capture") else ""), d["tp"])] = d
     st, el, al = parts.get(("stock", 1)), parts.get(("elastic", 1)), parts.get(("always-lent", 1))
     sid, eid = parts.get(("stock-id", 1)), parts.get(("elastic-id", 1))
@@ -616,8 +649,11 @@ def main() -> None:
     a.add_argument("--keep-header", default=None, metavar="RESULT",
                    help="summarise the parts of an earlier run again with this code: keep RESULT's date, gpu, commit and command "
                         "(the run's), and record this summary's commit and date under 'summarised'")
+    g = sub.add_parser("digest", help="an identity part with its per-request outputs and logprobs as sha256 digests, xz-compressed")
+    g.add_argument("parts", nargs="+")
+    g.add_argument("--out-dir", required=True)
     args = ap.parse_args()
-    phase(args) if args.cmd == "phase" else assemble(args)
+    {"phase": phase, "assemble": assemble, "digest": digest}[args.cmd](args)
 
 
 if __name__ == "__main__":
