@@ -1232,7 +1232,7 @@ def test_dense_mean_chunk_is_the_share_of_the_mean_context_rounded_up_and_never_
     assert int(dense_mean_chunk(torch.ones(4, dtype=torch.int32), 4, 16, 100)) == 16
 
 
-@pytest.mark.parametrize("failure", ["pin", "allocate"])
+@pytest.mark.parametrize("failure", ["pin", "allocate", "injected"])
 def test_a_host_pool_that_cannot_be_pinned_or_allocated_stops_the_build_with_one_line(monkeypatch, failure):
     """Issue 24, no loss: a pinned-allocation failure gives a one-line error at start-up. SGLang's
     ``cudaHostRegister`` check (``pool_host/common.py``) raises with the pointer and a warning about stale data;
@@ -1246,8 +1246,19 @@ def test_a_host_pool_that_cannot_be_pinned_or_allocated_stops_the_build_with_one
     def no_room(dims, dtype, device, pin_memory, allocator):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
 
-    monkeypatch.setattr(common, "_cuda_host_register", register)
     lay = OffloadLayout(OffloadPolicy(sink=2, window=8, max_topk=24, dense_layers=1), hot_tokens=32, request_rows=5, stage_tokens=1200, hot_page=8)
+    if failure == "injected":  # SGLANG_ELASTIC_TEST_PIN_FAULT: the GPU check's fault, reported as a failed pin
+        from sglang_elastic.offload import host_pool
+
+        monkeypatch.setenv(host_pool.PIN_FAULT_ENV, "1")
+        monkeypatch.setattr(common, "_cuda_host_register", lambda b: pytest.fail("the injected fault registers nothing"))
+        with pytest.raises(RuntimeError) as err:
+            OffloadKVPool(7000, 1, torch.bfloat16, HKV, D, L, "cpu", False, enable_alt_stream=False, layout=lay, pin_memory=True)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("sglang-elastic: could not pin ") and f"{host_pool.PIN_FAULT_ENV}=1: injected" in msg
+        monkeypatch.delenv(host_pool.PIN_FAULT_ENV)
+        return
+    monkeypatch.setattr(common, "_cuda_host_register", register)
     if failure == "allocate":
         from sglang_elastic.offload import host_pool
 
@@ -1377,3 +1388,26 @@ def test_kept_stream_forks_the_kept_launch_beside_the_selection_and_joins_before
         assert seg[:4] == [("wait", "side", "cur"), ("enter", "side"), ("kept", "side"), ("exit", "side")], seg
         assert ("select", "cur") in seg and ("estimate", "cur") in seg and seg[-2] == ("wait", "cur", "side"), seg
         assert seg.index(("wait", "cur", "side")) > max(seg.index(("select", "cur")), seg.index(("estimate", "cur")))
+
+
+def test_the_gpu_pin_fault_check_reads_the_one_line_from_sglangs_log():
+    """``scripts/gpu/check_pin_fault.py`` reads the server log SGLang writes when a scheduler fails at start-up: the
+    line inside SGLang's traceback, once however often it is logged; a line cut short (the advice wrapped onto the
+    next line) is not complete; a log without it has no lines."""
+    from gpu_scripts import load_script
+
+    from sglang_elastic.offload import host_pool
+
+    mod = load_script("check_pin_fault")
+    line = ("sglang-elastic: could not pin 12.3 GB of host memory for the offload V tier (cudaHostRegister failed (rc=2, out of memory) "
+            f"for ptr=0x7f00 size=42 ({host_pool.PIN_FAULT_ENV}=1: injected)): lower --kv-offload-host-gb, or raise the locked-memory limit (ulimit -l)")
+    log = ("[2026-12-07 11:00:00] Load weight end.\n[2026-12-07 11:00:01] Scheduler hit an exception: Traceback (most recent call last):\n"
+           '  File "scheduler.py", line 1, in run_scheduler_process\n'
+           f"RuntimeError: {line}\n\n[2026-12-07 11:00:01] Received sigquit from a child process. It usually means the child failed.\n"
+           f"RuntimeError: {line}\n")
+    seen = mod.parse_log(log)
+    assert seen == {"lines": [line], "injected": True, "complete_on_one_line": True, "traceback": True}
+    cut = mod.parse_log(log.replace(", or raise the locked-memory limit", ",\nor raise the locked-memory limit"))
+    assert cut["lines"] and not cut["complete_on_one_line"]
+    assert mod.parse_log("[x] The server is fired up and ready to roll!\n") == {"lines": [], "injected": False, "complete_on_one_line": False,
+                                                                              "traceback": False}

@@ -4,7 +4,9 @@
 # device tool's folder), with the tails of the server logs.
 #   bash scripts/gpu/offload_call.sh STEP...
 # STEP: check | sweep | smoke | smoke_radix | smoke_keep | smoke_radix_keep | capacity | throughput:WORKLOAD[:SERVERS] | stash | accuracy | decode_e2e
-#       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore | fa3_stash | fa3_install | decode_bench
+#       | decode_serving:MODEL[:WORKLOADS] | jit_save | jit_restore | fa3_stash | fa3_install | decode_bench | pin_fault
+#   pin_fault: scripts/gpu/check_pin_fault.py (issue 24's "no loss": a server whose host V pool fails to pin,
+#     SGLANG_ELASTIC_TEST_PIN_FAULT=1, stops with the one line and leaves the GPU as it found it) -> $OUT/pin_fault.json
 #   decode_bench: scripts/gpu/bench_decode.py (issue 23's kernel bench: both L2 flushes, read floors, XQA, FA3 where
 #     installed) -> $OUT/decode_<gpu>.json (h200, h100: the card's name) and the calibration it fits ->
 #     $OUT/decode_calibration_<gpu>.json (not the shipped file); $DECODE_BENCH_ARGS: more of its flags (e.g. "--sweep")
@@ -165,6 +167,7 @@ for step in "$@"; do
          && python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "./$whl" \
          && python3 -c "import flash_attn_interface; print('fa3 imports')") > "$out/fa3_install.log" 2>&1 \
         || { echo "step $step failed: $(tail -1 "$out/fa3_install.log"); stopping (a decode_bench after it would lack fa3_us)"; exit 1; } ;;
+    pin_fault) python3 scripts/gpu/check_pin_fault.py --out "$out/pin_fault.json" --log "$out/pin_fault_server.log" > "$out/pin_fault.log" 2>&1 ;;
     jit_save) bash scripts/eval/jit_cache.sh save "$out/jit.tgz" > "$out/jit_save.log" 2>&1 ;;
     jit_restore) bash scripts/eval/jit_cache.sh restore "${JIT_FILE:-.gpu/jit/jit.tgz}" > "$out/jit_restore.log" 2>&1 ;;
     *) echo "unknown step $step"; exit 2 ;;

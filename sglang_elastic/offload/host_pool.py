@@ -20,6 +20,7 @@ so copies from or to it are GPU-initiated (``copy_rows_run``), as SGLang's
 from __future__ import annotations
 
 import logging
+import os
 from typing import List, Sequence
 
 import torch
@@ -38,6 +39,10 @@ class _CudaArray:
 
 
 #: typestr of a same-size integer type for each dtype (the interface has no bfloat16)
+#: ``=1``: the host pool is allocated, then its pinning fails as a driver refusal would (issue 24's "no loss" on a GPU:
+#: ``scripts/gpu/check_pin_fault.py`` starts a server so and checks it stops with the one line, freeing the GPU).
+PIN_FAULT_ENV = "SGLANG_ELASTIC_TEST_PIN_FAULT"
+
 _TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -110,8 +115,13 @@ class HostVPool(HostKVCache):
         dp = self.device_pool
         dims = (len(self.layer_ids), self.size, dp.head_num, dp.v_head_dim)
         try:
-            return ALLOC_MEMORY_FUNCS[dp.device](dims, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory,
-                                                 allocator=self.allocator)
+            fault = self.pin_memory and os.environ.get(PIN_FAULT_ENV) == "1"
+            buf = ALLOC_MEMORY_FUNCS[dp.device](dims, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory and not fault,
+                                                allocator=self.allocator)
+            if fault:  # the host memory taken, then the driver's refusal as SGLang's check raises it (the buffer is dropped)
+                raise RuntimeError(f"cudaHostRegister failed (rc=2, out of memory) for ptr={buf.data_ptr():#x} size={buf.numel()} "
+                                   f"({PIN_FAULT_ENV}=1: injected)")
+            return buf
         except (RuntimeError, MemoryError) as e:  # SGLang's cudaHostRegister check, or the host allocation itself
             text = str(e)
             pin = "cudaHostRegister" in text
