@@ -527,11 +527,9 @@ def assemble(args) -> None:
     ident, identity = None, None
     if sid and eid and "identity_run" in sid and "identity_run" in eid:
         a, b = sid["identity_run"], eid["identity_run"]
-        same = [x is not None and x == y for x, y in zip(a["identity_outputs"], b["identity_outputs"])]
-        same_bg = [x is not None and x == y for x, y in zip(a["background_outputs"], b["background_outputs"])]
+        # per request: stock's answer, and the elastic server's equal to it (raw lists, or their digests)
+        same, same_bg, same_lp, same_lp_bg = ([x is not None and x == y for x, y in zip(a.get(k) or [], b.get(k) or [])] for k in IDENTITY_LISTS)
         ident = len(same) == 64 and all(same)
-        same_lp = [x is not None and x == y for x, y in zip(a.get("identity_logprobs") or [], b.get("identity_logprobs") or [])]
-        same_lp_bg = [x is not None and x == y for x, y in zip(a.get("background_logprobs") or [], b.get("background_logprobs") or [])]
         identity = {"requests": len(same), "identical": sum(same), "background_requests": len(same_bg), "background_identical": sum(same_bg),
                     # runs before 2026-12-07 #26 compared ids only (None here)
                     "logprobs_identical": sum(same_lp) if same_lp else None, "background_logprobs_identical": sum(same_lp_bg) if same_lp_bg else None,

@@ -38,11 +38,11 @@ class _CudaArray:
                                          "strides": tuple(strides), "version": 3}
 
 
-#: typestr of a same-size integer type for each dtype (the interface has no bfloat16)
 #: ``=1``: the host pool is allocated, then its pinning fails as a driver refusal would (issue 24's "no loss" on a GPU:
 #: ``scripts/gpu/check_pin_fault.py`` starts a server so and checks it stops with the one line, freeing the GPU).
 PIN_FAULT_ENV = "SGLANG_ELASTIC_TEST_PIN_FAULT"
 
+#: typestr of a same-size integer type for each dtype (the interface has no bfloat16)
 _TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
