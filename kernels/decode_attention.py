@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -163,7 +163,8 @@ def _split_fused_kernel(
     stride_mo_s, stride_mo_h, stride_ml_s, stride_ob, stride_oh,
     max_splits, num_kv_heads, order_ptr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_S: tl.constexpr, ORDERED: tl.constexpr, vidx_ptr=None, SEP_V: tl.constexpr = False, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr, ORDERED: tl.constexpr, vidx_ptr=None, SEP_V: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Split-KV in one launch. Program ``(b, h, s)`` computes chunk ``s`` of
     request ``b`` for KV head ``h``'s query heads; a request of one chunk
@@ -176,6 +177,8 @@ def _split_fused_kernel(
     ``ORDERED``: program row ``i`` takes request ``order[i]`` (longest
     requests first, so their chunks do not start last and set the tail).
     ``SEP_V``: V row ``i`` is ``vidx[i]`` (two id lists, as ``_partial_attn``).
+    ``BLOCK_S`` x ``BLOCK_GM``: the merge's tile, partials x query heads (``BLOCK_GM`` >= G,
+    not the attention's ``BLOCK_G``, which ``tl.dot`` pads to 16): :func:`fused_merge_tile`.
     ``PDL``: launched while the kernel before it (the layer's KV store) still runs; waits
     for it before any load, triggers nothing (the next kernel is not ours)."""
     if PDL:
@@ -211,16 +214,19 @@ def _split_fused_kernel(
             arrived = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
             if arrived == n - 1:  # the last chunk of (b, h) to finish: merge
                 offs_s = tl.arange(0, BLOCK_S)
-                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                l = tl.zeros([BLOCK_G], tl.float32)
-                acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                offs_gm = tl.arange(0, BLOCK_GM)
+                mask_gm = offs_gm < G
+                qh_m = h * G + offs_gm
+                m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_GM], tl.float32)
+                acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
                 for i0 in range(0, n, BLOCK_S):
                     mask_s = (i0 + offs_s) < n
                     slot = b * max_splits + i0 + offs_s
-                    lse = tl.load(mid_lse_ptr + slot[:, None] * stride_ml_s + qh[None, :], mask=mask_s[:, None] & mask_g[None, :],
+                    lse = tl.load(mid_lse_ptr + slot[:, None] * stride_ml_s + qh_m[None, :], mask=mask_s[:, None] & mask_gm[None, :],
                                   other=float("-inf"), cache_modifier=".cg")  # [S, G], from L2: other SMs wrote them
-                    o = tl.load(mid_o_ptr + slot[:, None, None] * stride_mo_s + qh[None, :, None] * stride_mo_h + offs_d[None, None, :],
-                                mask=mask_s[:, None, None] & mask_g[None, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
+                    o = tl.load(mid_o_ptr + slot[:, None, None] * stride_mo_s + qh_m[None, :, None] * stride_mo_h + offs_d[None, None, :],
+                                mask=mask_s[:, None, None] & mask_gm[None, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
                     m_new = tl.maximum(m, tl.max(lse, 0))
                     scale_old = tl.exp(m - m_new)
                     w = tl.exp(lse - m_new[None, :])  # masked rows: exp(-inf) = 0
@@ -228,8 +234,8 @@ def _split_fused_kernel(
                     l = l * scale_old + tl.sum(w, 0)
                     m = m_new
                 out = acc / tl.maximum(l, 1e-30)[:, None]
-                tl.store(o_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-                         mask=mask_g[:, None] & mask_d[None, :])
+                tl.store(o_ptr + b * stride_ob + qh_m[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=mask_gm[:, None] & mask_d[None, :])
                 tl.atomic_xchg(count_ptr + b * num_kv_heads + h, 0, sem="relaxed", scope="gpu")
 
 
@@ -560,8 +566,19 @@ def split_kv_run(
     return out
 
 
-#: Partials the fused kernel's last program loads per step (``[BLOCK_S, G, D]`` float32 in flight).
-FUSED_BLOCK_S = 8
+#: Partial rows x query heads the fused kernel's last program loads per merge step.
+FUSED_MERGE_ROWS = 16
+
+
+def fused_merge_tile(group: int):
+    """``(BLOCK_GM, BLOCK_S)`` of :func:`split_kv_fused_run`'s merge for a GQA group of ``group`` query heads:
+    the group rounded up to a power of two, and as many partials per step as keep ``BLOCK_S * BLOCK_GM`` at
+    :data:`FUSED_MERGE_ROWS` (a ``[BLOCK_S, BLOCK_GM, D]`` float32 tile). The merge once loaded ``[8, 16, D]``
+    (the attention's ``tl.dot``-padded group): compiled for sm_90 at 4 warps that raised the kernel to 206-255
+    registers a thread (two CTAs an SM), against 126-168 with this tile (three or four), every group from 1 to 16
+    (``tests/test_decode_kernels.py``, ptxas's count)."""
+    gm = triton.next_power_of_2(int(group))
+    return gm, max(1, FUSED_MERGE_ROWS // gm)
 
 
 def longest_first(kv_indptr: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -590,6 +607,7 @@ def split_kv_fused_run(
     chunk: torch.Tensor, max_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
     sm_scale: Optional[float] = None, block_n: int = 32, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     order: Optional[torch.Tensor] = None, v_indices: Optional[torch.Tensor] = None, pdl: bool = False,
+    merge_tile: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Split-KV decode of one layer in **one launch** (issue 23's "kernel at
     the floor"): :func:`split_kv_run`'s partials, with the merge done by the
@@ -606,16 +624,22 @@ def split_kv_fused_run(
         ``v_buffer`` (K at ``kv_indices[i]``; the KV offload's all-dense step, whose kept V rows
         are not its K slots: ``sglang_elastic.offload.keep``). ``pdl``: programmatic dependent
         launch where supported (:func:`pdl_supported`): the launch overlaps the kernel before it.
+        ``merge_tile``: ``(BLOCK_GM, BLOCK_S)`` instead of :func:`fused_merge_tile`'s (benchmarks' A/B:
+        ``scripts/gpu/bench_decode.py`` times the old ``(16, 8)`` beside it); powers of two, ``BLOCK_GM`` >= the group.
 
     Returns:
         ``out``; requests of length 0 get zeros.
 
     Raises:
         ValueError: as :func:`split_kv_run`, or ``counters`` too small or not int32, or ``v_indices``
-            of another dtype or device than ``kv_indices``.
+            of another dtype or device than ``kv_indices``, or a ``merge_tile`` that is not two powers of
+            two with ``BLOCK_GM`` >= the group.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
     _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B * max_splits)
+    block_gm, block_s = fused_merge_tile(G) if merge_tile is None else merge_tile
+    if not (block_gm >= G and block_s >= 1 and block_gm & (block_gm - 1) == 0 and block_s & (block_s - 1) == 0):
+        raise ValueError(f"merge_tile must be two powers of two (BLOCK_GM, BLOCK_S) with BLOCK_GM >= the group {G}, not {merge_tile}")
     if counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
         raise ValueError(f"counters must be int32 with >= batch * kv_heads = {B * Hkv} entries on {q.device}, "
                          f"not {counters.dtype} with {counters.numel()} on {counters.device}")
@@ -630,7 +654,8 @@ def split_kv_fused_run(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0), out.stride(1), max_splits, Hkv,
         order if order is not None else chunk,
-        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=FUSED_BLOCK_S, ORDERED=order is not None,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), BLOCK_S=block_s, BLOCK_GM=block_gm,
+        ORDERED=order is not None,
         vidx_ptr=v_indices, SEP_V=v_indices is not None, **_launch_opts(num_warps, num_stages), **_pdl_opts(pdl, q.device),
     )
     return out

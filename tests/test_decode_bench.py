@@ -213,6 +213,13 @@ def test_decode_table_renders_the_acceptance_checks_from_a_result(tmp_path, caps
     assert dt.main([str(p)]) == 0
     out = capsys.readouterr().out
     assert "| B1_32K | 16 | 66.0 | – |" in out and "55.0 / – / – / –" in out and "**missed**" in out
+    assert "old merge tile" not in out  # no run timed it: no column
+    d["cases"][0].update(ours_split_fused_us=61.0, ours_split_fused_wide_merge_us=64.5)
+    p.write_text(__import__("json").dumps(d))
+    assert dt.main([str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "| split | split 1-launch | 1-launch, old merge tile | compact |" in out and "| B1_32K | 16 | 66.0 | 61.0 | 64.5 | – |" in out
+    assert "| B64_8K | 16 | 700.0 | – | – | – |" in out
     assert dt.main([str(p), "--page", "3"]) == 2 and "no case at page size 3 (it has [16])" in capsys.readouterr().err
     for bad in ("{}", '{"cases": 3}', '{"cases": [{"name": "x", "kind": "eager"}]}'):  # the last: the peer kit's result
         p.write_text(bad)

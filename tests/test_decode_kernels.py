@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_elastic.kernels.decode_attention import (longest_first, split_kv_decode, split_kv_fused_counters, split_kv_fused_run,
+from sglang_elastic.kernels.decode_attention import (fused_merge_tile, longest_first, split_kv_decode, split_kv_fused_counters, split_kv_fused_run,
                                                      split_kv_plan, work_queue_decode)
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -60,6 +60,8 @@ CASES = [
     ("gqa1_mha", [50, 200], 4, 4, 64, 1),
     ("gqa8_d128", [300, 3], 16, 2, 128, 16),
     ("gqa16_d256", [40], 16, 1, 256, 1),
+    # Qwen2.5-7B's group (28 / 4): not a power of two, so the fused merge's tile has a masked head row
+    ("gqa7_qwen", [300, 90], 14, 2, 64, 1),
     ("one_long_among_1_token", [1, 1, 1500, 1, 1], 8, 2, 64, 16),
 ]
 
@@ -189,7 +191,7 @@ types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "item_of
 types["sm_scale"] = "fp32"
 attn = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False)
 for fn, cx in ((da._split_kernel, attn), (da._queue_kernel, {**attn, "LOG2_BATCH": 3}), (da._merge_kernel, dict(D=128, BLOCK_D=128, SEGMENTED=False, BLOCK_S=32, FULL_LSE=False, GUARD_ROWS=False, EXTRA=False)),
-               (ko._attend_kernel, attn), (da._split_fused_kernel, {**attn, "BLOCK_S": da.FUSED_BLOCK_S, "ORDERED": False, "SEP_V": True})):
+               (ko._attend_kernel, attn), (da._split_fused_kernel, {**attn, **dict(zip(("BLOCK_GM", "BLOCK_S"), da.fused_merge_tile(4))), "ORDERED": False, "SEP_V": True})):
     for pdl in (False, True):
         sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx and n != "PDL"}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**cx, "PDL": pdl}), target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
@@ -313,6 +315,33 @@ def test_fused_split_with_v_at_its_own_ids_matches_float64_and_the_offload_two_l
         split_kv_fused_run(q, k, vrows, indptr, idx, chunk, 8, mid_o, mid_lse, out, counters, v_indices=vidx.long())
 
 
+def test_fused_merge_tile_override_matches_float64_and_refuses_a_bad_tile():
+    """``merge_tile`` (the benchmark's A/B of the merge's old ``[8, 16, D]`` tile): the old tile and the shipped one
+    (Qwen2.5-7B's group of 7: a masked head row) both match the float64 reference on a batch of many-chunk requests;
+    a tile narrower than the group or not a power of two is refused before any launch."""
+    lens = [700, 257, 1]
+    seed = int(torch.randint(0, 2**31, ()))
+    q, k, v, indptr, idx = make_case(lens, 14, 2, 64, torch.float16, 1, seed=seed)
+    assert fused_merge_tile(7) == (8, 2) and fused_merge_tile(4) == (4, 4) and fused_merge_tile(1) == (1, 16) and fused_merge_tile(16) == (16, 1)
+    ref = reference(q, k, v, indptr, idx, 64 ** -0.5)
+    chunk, nsplit = split_kv_plan(indptr, 16, 64)
+    assert nsplit.tolist() == [11, 5, 1]  # more partials than one merge step of either tile loads
+    counters = split_kv_fused_counters(len(lens), 2, "cpu")
+    outs = {}
+    for tile in (None, (16, 8)):
+        out = torch.full_like(q, float("nan"))
+        split_kv_fused_run(q, k, v, indptr, idx, chunk, 16, torch.empty(48, 14, 64), torch.empty(48, 14), out, counters, merge_tile=tile)
+        assert not counters.any()
+        assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.float16], f"tile {tile}, seed {seed}"
+        outs[tile] = out
+    assert torch.allclose(outs[None].float(), outs[(16, 8)].float(), atol=2e-3, rtol=0)
+    for bad in ((4, 2), (8, 3), (6, 2)):
+        out = torch.full_like(q, float("nan"))
+        with pytest.raises(ValueError, match="merge_tile must be two powers of two"):
+            split_kv_fused_run(q, k, v, indptr, idx, chunk, 16, torch.empty(48, 14, 64), torch.empty(48, 14), out, counters, merge_tile=bad)
+        assert torch.isnan(out.float()).all() and not counters.any()
+
+
 _FUSED_PTX = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -327,7 +356,8 @@ types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
 types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr", "vidx_ptr")})
 types["sm_scale"] = "fp32"
 for tag, extra in (("", dict(ORDERED=True, SEP_V=False)), ("sep_v_", dict(ORDERED=False, SEP_V=True))):
-    cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=da.FUSED_BLOCK_S, **extra)
+    gm, bs = da.fused_merge_tile(4)
+    cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=bs, BLOCK_GM=gm, **extra)
     sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in cx}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = k.asm["ptx"]
@@ -353,3 +383,73 @@ def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_l
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines())
     assert got == {f"{t}{k}": "True" for t in ("", "sep_v_") for k in ("acq_rel_atomic", "cg_loads", "bar_sync")}
+
+
+_FUSED_REGS = r"""
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sglang_elastic.kernels import decode_attention as da
+
+fn = da._split_fused_kernel
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
+types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr", "vidx_ptr")})
+types["sm_scale"] = "fp32"
+strides = {"stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_mo_s", "stride_mo_h", "stride_ml_s",
+           "stride_ob", "stride_oh"}
+# (name, group, merge tile or None for the shipped one, launch): the KV offload's all-dense launch (V at its own ids, PDL,
+# 3 stages: --kv-offload-dense-launch's default) and the decode engine's one-launch split (ordered, 2 stages: the H100 calibration)
+for name, group, tile, extra, stages in (
+        ("dense_g4", 4, None, dict(ORDERED=False, SEP_V=True, PDL=True), 3),
+        ("dense_g1", 1, None, dict(ORDERED=False, SEP_V=True, PDL=True), 3),
+        ("dense_g7", 7, None, dict(ORDERED=False, SEP_V=True, PDL=True), 3),
+        ("dense_g16", 16, None, dict(ORDERED=False, SEP_V=True, PDL=True), 3),
+        ("split_g4", 4, None, dict(ORDERED=True, SEP_V=False, PDL=False), 2),
+        ("dense_g4_old_tile", 4, (16, 8), dict(ORDERED=False, SEP_V=True, PDL=True), 3)):
+    gm, bs = tile or da.fused_merge_tile(group)
+    cx = dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False,
+              BLOCK_S=bs, BLOCK_GM=gm, **extra)
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):  # aligned pointers and strides, as the JIT specialises SGLang's buffers
+        if n in cx:
+            continue
+        sig[n] = types.get(n, "i32")
+        if n in types and n != "sm_scale" or n in strides:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": stages, "launch_pdl": extra["PDL"]})
+    path = os.path.join(sys.argv[2], name + ".cubin")
+    open(path, "wb").write(k.asm["cubin"])
+    usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = int(usage.split("REG:")[1].split()[0])
+    stack = int(usage.split("STACK:")[1].split()[0])
+    print(name, regs, stack)
+"""
+
+
+def test_fused_merge_tile_keeps_three_ctas_an_sm_on_hopper(tmp_path):
+    """The one-launch kernel's registers as ptxas allocates them for sm_90 (no GPU needed; Triton's own
+    ptxas and cuobjdump): with :func:`fused_merge_tile`'s merge tile, at most 168 a thread for groups 1, 4, 7
+    and 16 in the KV offload's all-dense launch and for group 4 in the decode engine's one-launch split, so
+    three 4-warp CTAs fit an SM's 65,536 registers (register files are allocated in 8s: 170 would not), and
+    nothing spills; the merge's old ``[8, 16, D]`` tile (the attention's dot-padded group) takes two CTAs an SM
+    (above 168), which this test tells apart."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-c", _FUSED_REGS, str(Path(__file__).parents[1]), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {name: (int(regs), int(stack)) for name, regs, stack in (line.split() for line in out.stdout.splitlines())}
+    assert set(got) == {"dense_g4", "dense_g1", "dense_g7", "dense_g16", "split_g4", "dense_g4_old_tile"}
+    for name, (regs, stack) in got.items():
+        if name != "dense_g4_old_tile":
+            assert regs <= 168 and stack == 0, (name, regs, stack)
+    assert got["dense_g4_old_tile"][0] > 168, got

@@ -254,13 +254,15 @@ class Ours:
         self.plan("split", indptr)
         self.k.longest_first(indptr, out=self.order)
 
-    def run_fused(self, q, k, v, indptr, idx, out):
-        """The split path in one launch (``split_kv_fused_run``: the last chunk merges), on :meth:`plan_fused`'s plan."""
+    def run_fused(self, q, k, v, indptr, idx, out, merge_tile=None):
+        """The split path in one launch (``split_kv_fused_run``: the last chunk merges), on :meth:`plan_fused`'s plan;
+        ``merge_tile``: the merge's ``(BLOCK_GM, BLOCK_S)`` instead of the shipped one (the A/B of the old tile)."""
         B = q.shape[0]
         c = self.calib.split
         order = self.order[:B]
+        extra = {} if merge_tile is None else {"merge_tile": merge_tile}
         return self.k.split_kv_fused_run(q, k, v, indptr, idx, self.sc[:B], split_max_splits(c, B), self.mid_o, self.mid_lse, out,
-                                         self.counters, SCALE, c.block_n, c.num_warps, c.num_stages, order=order)
+                                         self.counters, SCALE, c.block_n, c.num_warps, c.num_stages, order=order, **extra)
 
 
 def rel_err(x, ref):
@@ -378,10 +380,17 @@ def run_case(case, page_size, k, v, ours, fi_ws, g, notes):
         o = torch.empty_like(q)
         both("ours_split_fused_us", lambda: ours.run_fused(q, k, v, indptr, idx, o))
         outs["ours_split_fused"] = o
+        if hasattr(ours.k, "fused_merge_tile"):  # the merge's old tile, [8, 16, D] (two CTAs an SM on Hopper), same host and case
+            o2 = torch.empty_like(q)
+            both("ours_split_fused_wide_merge_us", lambda: ours.run_fused(q, k, v, indptr, idx, o2, merge_tile=(16, 8)))
+            outs["ours_split_fused_wide_merge"] = o2
     errs = {name: rel_err(o, ref) for name, o in outs.items() if name != "flashinfer"}
     row = bench.make_row(case, page_size, {c: t.get(c) for c in bench.METHODS}, errs)
     if "ours_split_fused_us" in t:
         row["ours_split_fused_us"], row["ours_split_fused_read_us"] = t["ours_split_fused_us"], tr["ours_split_fused_us"]
+    if "ours_split_fused_wide_merge_us" in t:
+        row["ours_split_fused_wide_merge_us"] = t["ours_split_fused_wide_merge_us"]
+        row["ours_split_fused_wide_merge_read_us"] = tr["ours_split_fused_wide_merge_us"]
     if "flashinfer_xqa_us" in t:  # build 3: FlashInfer's XQA decode beside the policy's paths (not one of them yet)
         row["flashinfer_xqa_us"], row["flashinfer_xqa_read_us"] = t["flashinfer_xqa_us"], tr["flashinfer_xqa_us"]
     if "ours_split_small_chunk_us" in t:  # min_chunk_large off, same host and case: settles whether the large-batch chunk pays

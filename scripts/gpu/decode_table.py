@@ -28,6 +28,8 @@ COLUMNS = [("split", "ours_split_us"), ("split 1-launch", "ours_split_fused_us")
            ("FI tc", "flashinfer_us"), ("FI persistent", "flashinfer_persistent_us"), ("FI XQA", "flashinfer_xqa_us"),
            ("FA3", "fa3_us"), ("floor", "read_floor_us")]
 READ_COLUMNS = [("split", "ours_split_us"), ("FI tc", "flashinfer_us"), ("FA3", "fa3_us")]
+#: shown only where a run timed it: the one-launch split with its merge's old [8, 16, D] tile (the same-host A/B)
+OPTIONAL_COLUMNS = [("1-launch, old merge tile", "ours_split_fused_wide_merge_us")]
 
 
 def _f(x: Optional[float], nd: int = 1) -> str:
@@ -40,7 +42,8 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def table(d: dict, page: Optional[int] = None) -> str:
     rows = [c for c in d["cases"] if page is None or c["page_size"] == page]
-    head = ["case", "page", *[n for n, _ in COLUMNS], "read flush: " + " / ".join(n for n, _ in READ_COLUMNS) + " / floor",
+    cols = COLUMNS[:2] + [oc for oc in OPTIONAL_COLUMNS if any(c.get(oc[1]) is not None for c in rows)] + COLUMNS[2:]
+    head = ["case", "page", *[n for n, _ in cols], "read flush: " + " / ".join(n for n, _ in READ_COLUMNS) + " / floor",
             "split ÷ floor (write, read)", "policy", "policy speed vs FI tc"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in rows:
@@ -49,7 +52,7 @@ def table(d: dict, page: Optional[int] = None) -> str:
         fr = c.get("floor_ratio") or {}
         sf = f"{_f((fr.get('write') or {}).get('ours_split_us'), 2)}, {_f((fr.get('read') or {}).get('ours_split_us'), 2)}"
         pol = _ratio(c.get("flashinfer_us"), c.get("policy_us"))  # speed: FI time over the pick's time
-        out.append("| " + " | ".join([c["name"], str(c["page_size"]), *[_f(c.get(k)) for _, k in COLUMNS], read, sf,
+        out.append("| " + " | ".join([c["name"], str(c["page_size"]), *[_f(c.get(k)) for _, k in cols], read, sf,
                                       str(c.get("policy_pick", "–")), _f(pol, 3) + "x"]) + " |")
     return "\n".join(out)
 
