@@ -67,11 +67,15 @@ def _scores_kernel(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_sh, stride_ml_s,
     max_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    CARRY_IDS: tl.constexpr = True,
 ):
     """Program ``(b, h, s)``: the scores of KV head ``h``'s G query heads over
     chunk ``s`` of request ``b``, stored at ``scores[qh, t]`` (``t``: the flat
     index into ``idx``), and the chunk's per-head log-sum-exp (``-inf`` for an
-    empty chunk) at ``mid_lse[b * max_splits + s, qh]``."""
+    empty chunk) at ``mid_lse[b * max_splits + s, qh]``. ``CARRY_IDS``: the token
+    ids of tile i + 1 are loaded while tile i is scored (``decode_attention._partial_attn``'s
+    loop-carried ids, which let Triton's sm_90 pipeliner keep more than one K tile in
+    flight); off: loaded in the iteration that uses them (the kernel before, kept for the A/B)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -87,10 +91,15 @@ def _scores_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     offs_b = tl.arange(0, BLOCK_N)
+    nxt = tl.load(idx_ptr + start + offs_b, mask=start + offs_b < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_b
         mask_n = offs_n < end
-        tok = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if CARRY_IDS:
+            tok = nxt.to(tl.int64)
+            nxt = tl.load(idx_ptr + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
+        else:
+            tok = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
@@ -107,7 +116,7 @@ def _scores_kernel(
 def scores_run(
     q: torch.Tensor, k_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, chunk: torch.Tensor,
     max_splits: int, scores: torch.Tensor, mid_lse: torch.Tensor, sm_scale: Optional[float] = None, block_n: int = 64,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None, carry_ids: bool = True,
 ) -> None:
     """Scores of every position and per-chunk log-sum-exps of one layer.
 
@@ -122,6 +131,8 @@ def scores_run(
             is ``q[b, h] . K[pos i] * sm_scale``.
         mid_lse: ``[>= batch * max_splits, q_heads]`` float32 output (merge with :func:`lse_merge`).
         sm_scale: default ``head_dim ** -0.5``.
+        carry_ids: load each tile's token ids one tile ahead (``_scores_kernel``'s ``CARRY_IDS``; the
+            same scores bit for bit either way; off only for ``scripts/gpu/check_offload.py``'s A/B).
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
     if B == 0:
@@ -130,7 +141,7 @@ def scores_run(
     _scores_kernel[(B, Hkv, max_splits)](
         q, k_buffer, kv_indptr, kv_indices, chunk, scores, mid_lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), scores.stride(0), mid_lse.stride(0),
-        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q),
+        max_splits, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, DOT_F32=_dot_f32(q), CARRY_IDS=bool(carry_ids),
         **_launch_opts(num_warps, num_stages),
     )
 

@@ -33,13 +33,13 @@ def scattered(lens, slots, g):
     return indptr, perm[: int(indptr[-1])]
 
 
-def run_scores(q, kb, indptr, idx, max_splits=4, min_chunk=64):
+def run_scores(q, kb, indptr, idx, max_splits=4, min_chunk=64, carry_ids=True):
     B, Hq, _ = q.shape
     chunk, _ = split_kv_plan(indptr, max_splits, min_chunk, 32)
     T = int(indptr[-1])
     scores = torch.full((Hq, T + 16), NAN)
     mid = torch.full((B * max_splits, Hq), NAN)
-    ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, mid)
+    ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, mid, carry_ids=carry_ids)
     return scores, ko.lse_merge(mid, B, max_splits)
 
 
@@ -51,6 +51,9 @@ def test_scores_and_lse_cover_every_position_and_match_float64(lens, hq, hkv, d)
     q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
     indptr, idx = scattered(lens, slots, g)
     scores, lse = run_scores(q, kb, indptr, idx)
+    # the ids loaded where they are used (the kernel before CARRY_IDS): the same scores and LSEs bit for bit
+    before = run_scores(q, kb, indptr, idx, carry_ids=False)
+    assert torch.equal(scores[:, : int(indptr[-1])], before[0][:, : int(indptr[-1])]) and torch.equal(lse, before[1])
     for b in range(len(lens)):
         lo, hi = int(indptr[b]), int(indptr[b + 1])
         K = kb[idx[lo:hi].long()].double().repeat_interleave(hq // hkv, 1)

@@ -267,6 +267,12 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     t["plan"] = time_ms(lambda: dec.plan(r2t, reqs, seq, bs))
     t["scores"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs], sp.scores_max_splits,
                                                 ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n))
+    # the A/B of the ids loaded a tile ahead: the kernel before (ids loaded where used), same scores bit for bit
+    carried = ws.scores.clone(), ws.score_lse.clone()
+    t["scores_ids_uncarried"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs],
+                                                              sp.scores_max_splits, ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n,
+                                                              carry_ids=False))
+    bit_equal = bool(torch.equal(carried[0], ws.scores) and torch.equal(carried[1], ws.score_lse))
     lse = ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full)
     t["lse_merge"] = time_ms(lambda: ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full))
     t["select"] = time_ms(lambda: ko.select_run(ws.scores, lse, dec.kv_indptr[: bs + 1], dec.s_eff[:bs], dec.w_eff[:bs], dec.k[:bs],
@@ -340,6 +346,8 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
         "sparse_layer_cold_ms": warm_layer - t["swap_in_warm"] + t["swap_in_cold"] + t["copy_cold"],
         "k_bytes_gb": bs * ctx * HKV * D * 2 / 1e9,
         "scores_gb_s": bs * ctx * HKV * D * 2 / t["scores"] / 1e6,
+        "scores_ids_uncarried_gb_s": bs * ctx * HKV * D * 2 / t["scores_ids_uncarried"] / 1e6,
+        "scores_carry_ids_bit_equal": bit_equal,
         "copy_timing": copy_timing,
     }
 
