@@ -575,8 +575,11 @@ def fused_merge_tile(group: int):
     the group rounded up to a power of two, and as many partials per step as keep ``BLOCK_S * BLOCK_GM`` at
     :data:`FUSED_MERGE_ROWS` (a ``[BLOCK_S, BLOCK_GM, D]`` float32 tile). The merge once loaded ``[8, 16, D]``
     (the attention's ``tl.dot``-padded group): compiled for sm_90 at 4 warps that raised the kernel to 206-255
-    registers a thread (two CTAs an SM), against 126-168 with this tile (three or four), every group from 1 to 16
-    (``tests/test_decode_kernels.py``, ptxas's count)."""
+    registers a thread (two CTAs an SM), against 126-168 with this tile for groups 1 to 16 (ptxas's count at the
+    shipped launches: the all-dense one at 3 stages, the decode engine's at 2; ``tests/test_decode_kernels.py``
+    checks 1, 4, 7 and 16), so three CTAs an SM, which their shared memory (~74 KB a CTA at ``block_n`` 128) also
+    allows. At the edge: several groups take 167-168, and ``num_stages=2`` in the all-dense launch puts G = 7 at 174
+    (two CTAs again)."""
     gm = triton.next_power_of_2(int(group))
     return gm, max(1, FUSED_MERGE_ROWS // gm)
 
@@ -625,21 +628,24 @@ def split_kv_fused_run(
         are not its K slots: ``sglang_elastic.offload.keep``). ``pdl``: programmatic dependent
         launch where supported (:func:`pdl_supported`): the launch overlaps the kernel before it.
         ``merge_tile``: ``(BLOCK_GM, BLOCK_S)`` instead of :func:`fused_merge_tile`'s (benchmarks' A/B:
-        ``scripts/gpu/bench_decode.py`` times the old ``(16, 8)`` beside it); powers of two, ``BLOCK_GM`` >= the group.
+        ``scripts/gpu/bench_decode.py`` times the old ``(16, 8)`` beside it); int powers of two, ``BLOCK_GM`` >= the
+        group, at most 256 rows a step.
 
     Returns:
         ``out``; requests of length 0 get zeros.
 
     Raises:
         ValueError: as :func:`split_kv_run`, or ``counters`` too small or not int32, or ``v_indices``
-            of another dtype or device than ``kv_indices``, or a ``merge_tile`` that is not two powers of
-            two with ``BLOCK_GM`` >= the group.
+            of another dtype or device than ``kv_indices``, or a ``merge_tile`` that is not two int powers of
+            two with ``BLOCK_GM`` >= the group and at most 256 rows a step.
     """
     B, Hq, Hkv, D, G, BLOCK_G, BLOCK_D = _shape_args(q, k_buffer)
     _check_run_args(q, k_buffer, v_buffer, out, mid_o, mid_lse, B * max_splits)
     block_gm, block_s = fused_merge_tile(G) if merge_tile is None else merge_tile
-    if not (block_gm >= G and block_s >= 1 and block_gm & (block_gm - 1) == 0 and block_s & (block_s - 1) == 0):
-        raise ValueError(f"merge_tile must be two powers of two (BLOCK_GM, BLOCK_S) with BLOCK_GM >= the group {G}, not {merge_tile}")
+    if not (all(isinstance(x, int) and x >= 1 and x & (x - 1) == 0 for x in (block_gm, block_s)) and block_gm >= G
+            and block_gm * block_s <= 256):
+        raise ValueError(f"merge_tile must be two powers of two (BLOCK_GM, BLOCK_S) with BLOCK_GM >= the group {G} and "
+                         f"BLOCK_GM * BLOCK_S <= 256, not {merge_tile}")
     if counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
         raise ValueError(f"counters must be int32 with >= batch * kv_heads = {B * Hkv} entries on {q.device}, "
                          f"not {counters.dtype} with {counters.numel()} on {counters.device}")

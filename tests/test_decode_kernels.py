@@ -335,11 +335,45 @@ def test_fused_merge_tile_override_matches_float64_and_refuses_a_bad_tile():
         assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.float16], f"tile {tile}, seed {seed}"
         outs[tile] = out
     assert torch.allclose(outs[None].float(), outs[(16, 8)].float(), atol=2e-3, rtol=0)
-    for bad in ((4, 2), (8, 3), (6, 2)):
+    for bad in ((4, 2), (8, 3), (6, 2), (8, 0), (8.0, 2), (16, 32)):
         out = torch.full_like(q, float("nan"))
         with pytest.raises(ValueError, match="merge_tile must be two powers of two"):
             split_kv_fused_run(q, k, v, indptr, idx, chunk, 16, torch.empty(48, 14, 64), torch.empty(48, 14), out, counters, merge_tile=bad)
         assert torch.isnan(out.float()).all() and not counters.any()
+
+
+class _LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel: records each launch's keyword arguments, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_the_ab_switches_reach_the_launch(monkeypatch):
+    """``merge_tile`` and ``carry_ids`` (the benchmarks' A/B of the kernels before) are what the launch gets: a switch
+    validated and then dropped would have the A/B time the shipped kernel twice."""
+    from sglang_elastic.kernels import decode_attention as da
+    from sglang_elastic.kernels import offload as ko
+
+    q, k, v, indptr, idx = make_case([300, 5], 14, 2, 64, torch.float16, 1, seed=int(torch.randint(0, 2**31, ())))
+    chunk, _ = split_kv_plan(indptr, 8, 64)
+    spy = _LaunchSpy(da._split_fused_kernel)
+    monkeypatch.setattr(da, "_split_fused_kernel", spy)
+    for tile, want in ((None, (8, 2)), ((16, 8), (16, 8)), ((8, 1), (8, 1))):
+        split_kv_fused_run(q, k, v, indptr, idx, chunk, 8, torch.empty(16, 14, 64), torch.empty(16, 14), torch.empty_like(q),
+                           split_kv_fused_counters(2, 2, "cpu"), merge_tile=tile)
+        assert (spy.calls[-1]["BLOCK_GM"], spy.calls[-1]["BLOCK_S"]) == want, tile
+    sspy = _LaunchSpy(ko._scores_kernel)
+    monkeypatch.setattr(ko, "_scores_kernel", sspy)
+    for carry in (True, False):
+        ko.scores_run(q, k, indptr, idx, chunk, 8, torch.empty(14, 305), torch.empty(16, 14), carry_ids=carry)
+        assert sspy.calls[-1]["CARRY_IDS"] is carry
 
 
 _FUSED_PTX = r"""
