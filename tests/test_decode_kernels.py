@@ -376,8 +376,9 @@ def test_the_ab_switches_reach_the_launch(monkeypatch):
         assert sspy.calls[-1]["CARRY_IDS"] is carry
 
 
-_FUSED_PTX = r"""
-import sys
+#: the one-launch kernel's argument types, for the sm_90 compiles below (a script run with the repository root as argv[1])
+_FUSED_PRELUDE = r"""
+import os, subprocess, sys
 sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
@@ -389,6 +390,9 @@ types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
 types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
 types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr", "vidx_ptr")})
 types["sm_scale"] = "fp32"
+"""
+
+_FUSED_PTX = _FUSED_PRELUDE + r"""
 for tag, extra in (("", dict(ORDERED=True, SEP_V=False)), ("sep_v_", dict(ORDERED=False, SEP_V=True))):
     gm, bs = da.fused_merge_tile(4)
     cx = dict(G=4, BLOCK_G=16, D=128, BLOCK_D=128, BLOCK_N=128, DOT_F32=False, BLOCK_S=bs, BLOCK_GM=gm, **extra)
@@ -419,20 +423,8 @@ def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_l
     assert got == {f"{t}{k}": "True" for t in ("", "sep_v_") for k in ("acq_rel_atomic", "cg_loads", "bar_sync")}
 
 
-_FUSED_REGS = r"""
-import os, subprocess, sys
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from sglang_elastic.kernels import decode_attention as da
-
-fn = da._split_fused_kernel
+_FUSED_REGS = _FUSED_PRELUDE + r"""
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
-types.update({n: "*fp32" for n in ("mid_o_ptr", "mid_lse_ptr")})
-types.update({n: "*i32" for n in ("indptr_ptr", "idx_ptr", "chunk_ptr", "count_ptr", "order_ptr", "vidx_ptr")})
-types["sm_scale"] = "fp32"
 strides = {"stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_mo_s", "stride_mo_h", "stride_ml_s",
            "stride_ob", "stride_oh"}
 # (name, group, merge tile or None for the shipped one, launch): the KV offload's all-dense launch (V at its own ids, PDL,
