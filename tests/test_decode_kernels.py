@@ -175,6 +175,21 @@ def test_pdl_true_runs_plain_under_the_interpreter_with_the_same_output(kernel):
     assert torch.equal(outs[0], outs[1])
 
 
+def _compile_sm90(script: str, tmp_path, *args: str, timeout: int = 600) -> str:
+    """Run ``script`` (a compile for sm_90: no GPU needed) in a fresh interpreter without ``TRITON_INTERPRET``, the
+    repository root as ``argv[1]`` and ``args`` after it, a Triton cache of its own; its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parents[1]), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 _PTX_CHECK = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -209,15 +224,7 @@ def test_pdl_kernels_wait_before_their_first_global_access_in_the_sm90_ptx(tmp_p
     trigger the merge, the merge and the one-launch kernel (whose next kernel
     is not ours) trigger nothing, and the launch option is in the compiled
     metadata; without PDL neither appears."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", _PTX_CHECK, str(Path(__file__).parents[1])], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    rows = [line.split() for line in _compile_sm90(_PTX_CHECK, tmp_path).splitlines()]
     assert rows == [
         ["_split_kernel", "False", "False", "False", "False"], ["_split_kernel", "True", "True", "True", "True"],
         ["_queue_kernel", "False", "False", "False", "False"], ["_queue_kernel", "True", "True", "True", "True"],
@@ -411,15 +418,7 @@ def test_fused_kernel_compiles_for_sm90_with_an_acquire_release_counter_and_l2_l
     after a CTA barrier, and the last program reads the partials from L2
     (``ld.global.cg``: other SMs wrote them), which the interpreter cannot show;
     also with V at its own ids (``SEP_V``: the KV offload's all-dense step)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", _FUSED_PTX, str(Path(__file__).parents[1])], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = dict(line.split() for line in out.stdout.splitlines())
+    got = dict(line.split() for line in _compile_sm90(_FUSED_PTX, tmp_path).splitlines())
     assert got == {f"{t}{k}": "True" for t in ("", "sep_v_") for k in ("acq_rel_atomic", "cg_loads", "bar_sync")}
 
 
@@ -464,16 +463,8 @@ def test_fused_merge_tile_keeps_three_ctas_an_sm_on_hopper(tmp_path):
     three 4-warp CTAs fit an SM's 65,536 registers (register files are allocated in 8s: 170 would not), and
     nothing spills; the merge's old ``[8, 16, D]`` tile (the attention's dot-padded group) takes two CTAs an SM
     (above 168), which this test tells apart."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    out = subprocess.run([sys.executable, "-c", _FUSED_REGS, str(Path(__file__).parents[1]), str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = {name: (int(regs), int(stack)) for name, regs, stack in (line.split() for line in out.stdout.splitlines())}
+    out = _compile_sm90(_FUSED_REGS, tmp_path, str(tmp_path), timeout=900)
+    got = {name: (int(regs), int(stack)) for name, regs, stack in (line.split() for line in out.splitlines())}
     assert set(got) == {"dense_g4", "dense_g1", "dense_g7", "dense_g16", "split_g4", "dense_g4_old_tile"}
     for name, (regs, stack) in got.items():
         if name != "dense_g4_old_tile":
