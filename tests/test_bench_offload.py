@@ -383,6 +383,46 @@ def test_merge_puts_one_server_per_call_side_by_side_and_refuses_another_workloa
         mod.part_merge(args)
 
 
+def test_ceiling_is_stocks_duration_over_its_prefills_alone_and_refuses_parts_that_do_not_pair(tmp_path):
+    """``ceiling``: a 64 x 32K load whose prefills alone take 96 s of stock's 134.4 s leaves any server at most
+    1.4x stock's output throughput; a server at 1.2x reached half of that gain."""
+    mod = bench()
+    base = {"part": "throughput", "workload": "long32k", "input_len": 32768, "num_prompts": 64, "gpu": "NVIDIA H200", "tp": 1,
+            "commit": "abc", "command": "c"}
+    full = dict(base, output_len=512, date="2026-12-08T10:00:00",
+                servers={"stock": {"completed": 64, "duration_s": 134.4, "output_tok_s": 64 * 512 / 134.4, "median_itl_ms": 31.7},
+                         "offload": {"completed": 64, "duration_s": 112.0, "output_tok_s": 1.2 * 64 * 512 / 134.4, "median_itl_ms": 45.0}})
+    pre = dict(base, output_len=1, date="2026-12-08T10:05:00", servers={"stock": {"completed": 64, "duration_s": 96.0, "output_tok_s": 0.67}})
+    fa, fb = tmp_path / "full.json", tmp_path / "pre.json"
+    fa.write_text(json.dumps(full))
+    fb.write_text(json.dumps(pre))
+    args = type("A", (), {"inputs": [str(fa), str(fb)]})()
+    c = mod.part_ceiling(args)
+    assert c["ceiling_x"] == pytest.approx(1.4) and c["decode_phase_s"] == pytest.approx(38.4)
+    assert c["prefill_only"]["input_tok_s"] == pytest.approx(64 * 32768 / 96.0)
+    off = c["servers"]["offload"]
+    assert off["ratio"] == pytest.approx(1.2) and off["share_of_ceiling"] == pytest.approx(0.5) and "stock" not in c["servers"]
+    assert c["gpu"] == "NVIDIA H200" and c["date"] == pre["date"] and c["output_len"] == 512
+    fb.write_text(json.dumps(dict(pre, num_prompts=32)))  # other prompts: no pair
+    with pytest.raises(RuntimeError, match="pre.json: num_prompts 32 against 64"):
+        mod.part_ceiling(args)
+    fb.write_text(json.dumps(pre))
+    args2 = type("A", (), {"inputs": [str(fb), str(fa)]})()  # the two swapped
+    with pytest.raises(RuntimeError, match="not 1"):
+        mod.part_ceiling(args2)
+    fb.write_text(json.dumps(dict(pre, servers={"stock": {"completed": 60, "duration_s": 90.0}})))
+    with pytest.raises(RuntimeError, match="completed 60 of 64"):
+        mod.part_ceiling(args)
+    fb.write_text(json.dumps(dict(pre, servers={"offload": {"completed": 64, "duration_s": 90.0}})))
+    with pytest.raises(RuntimeError, match="no stock row"):
+        mod.part_ceiling(args)
+    fb.write_text(json.dumps(dict(pre, incomplete=True)))
+    with pytest.raises(RuntimeError, match="incomplete"):
+        mod.part_ceiling(args)
+    with pytest.raises(RuntimeError, match="needs --inputs"):
+        mod.part_ceiling(type("A", (), {"inputs": [str(fa)]})())
+
+
 def test_prefill_log_sums_sglangs_prefill_lines_and_ignores_the_rest():
     """The load's prefill batches from the server log, in SGLang 0.5.17's format (``metrics_reporter.py``; a TP rank's
     prefix in the brackets): count, tokens, span, queue; decode lines and other text do not count."""

@@ -799,6 +799,80 @@ def part_merge(a) -> dict:
             "merged_from": [{"file": os.path.basename(f), "date": p.get("date"), "servers": sorted(p["servers"])} for p, f in zip(parts, a.inputs)]}
 
 
+def part_ceiling(a) -> dict:
+    """The most output throughput any server can gain over stock on a workload whose prefills it runs as stock
+    does: stock's duration on the workload over its duration on the same prompts with one output token (the
+    prefills alone, every request leaving at its first token). A server that holds more requests shortens the
+    decode phase (duration minus prefill), never the prefills themselves.
+
+    ``--inputs FULL.json PREFILL.json [OTHER.json ...]``: throughput parts of one workload, prompt length, prompt
+    count, TP and GPU (:func:`part_throughput`; prompts are drawn from the same seed, so they are the same
+    prompts); FULL and PREFILL each with a ``stock`` row, PREFILL at ``output_len`` 1; any server of FULL and of
+    the OTHER parts gets its ratio to stock and the share of the ceiling it reached.
+
+    Returns:
+        ``{date, gpu, commit, command, workload, input_len, num_prompts, output_len, tp, stock: {duration_s,
+        output_tok_s, median_itl_ms}, prefill_only: {duration_s, input_tok_s, prefill_log}, decode_phase_s,
+        ceiling_x, servers: {name: {output_tok_s, ratio, share_of_ceiling}}}``; ``ceiling_x`` is stock's duration
+        over the prefills' (1.0 where the decode phase took nothing).
+
+    Raises:
+        RuntimeError: an input that is not a throughput part, another workload, length, count, TP or GPU, no
+            stock row, a PREFILL part not at one output token or a FULL one at one, or an incomplete load.
+    """
+    if not a.inputs or len(a.inputs) < 2:
+        raise RuntimeError("ceiling needs --inputs FULL.json PREFILL.json [OTHER.json ...]")
+    parts = []
+    for f in a.inputs:
+        try:
+            parts.append(json.load(open(f)))
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"{f}: {e}") from None
+    keys = ("workload", "input_len", "num_prompts", "gpu", "tp")
+    for p, f in zip(parts, a.inputs):
+        p.setdefault("tp", 1)
+        if p.get("part") != "throughput":
+            raise RuntimeError(f"{f} is not a throughput part")
+        if p.get("incomplete"):
+            raise RuntimeError(f"{f} is an incomplete part (its call was cut off)")
+        diff = [f"{k} {p.get(k)!r} against {parts[0].get(k)!r}" for k in keys if p.get(k) != parts[0].get(k)]
+        if diff:
+            raise RuntimeError(f"{f}: " + ", ".join(diff))
+    full, pre = parts[0], parts[1]
+    for p, f, what in ((full, a.inputs[0], "FULL"), (pre, a.inputs[1], "PREFILL")):
+        row = p["servers"].get("stock")
+        if row is None:
+            raise RuntimeError(f"{f} ({what}) has no stock row")
+        if row.get("completed") != p.get("num_prompts"):
+            raise RuntimeError(f"{f} ({what}): stock completed {row.get('completed')} of {p.get('num_prompts')} requests")
+    if pre.get("output_len") != 1:
+        raise RuntimeError(f"{a.inputs[1]} (PREFILL) ran {pre.get('output_len')} output tokens a request, not 1")
+    if full.get("output_len") == 1:
+        raise RuntimeError(f"{a.inputs[0]} (FULL) ran 1 output token a request: that is a PREFILL part")
+    st, pf = full["servers"]["stock"], pre["servers"]["stock"]
+    ceiling = st["duration_s"] / pf["duration_s"]
+    servers = {}
+    for p, f in zip([full] + parts[2:], [a.inputs[0]] + a.inputs[2:]):
+        if p.get("output_len") != full.get("output_len"):
+            raise RuntimeError(f"{f}: output_len {p.get('output_len')} against {full.get('output_len')}")
+        for name, row in p["servers"].items():
+            if name == "stock" or row.get("output_tok_s") is None:
+                continue
+            ratio = row["output_tok_s"] / st["output_tok_s"]
+            servers[name] = {"output_tok_s": row["output_tok_s"], "median_itl_ms": row.get("median_itl_ms"), "ratio": ratio,
+                             "share_of_ceiling": (ratio - 1) / (ceiling - 1) if ceiling > 1 else None, "file": os.path.basename(f)}
+    commits = sorted({str(p.get("commit")) for p in parts})
+    return {"date": max(p.get("date", "") for p in parts), "gpu": full.get("gpu"), "commit": "; ".join(commits),
+            "command": "; ".join(p.get("command", "?") for p in parts) + "; python " + " ".join(sys.argv),
+            "part": "ceiling", **{k: full.get(k) for k in keys}, "output_len": full.get("output_len"),
+            "stock": {k: st.get(k) for k in ("duration_s", "output_tok_s", "median_itl_ms", "median_ttft_ms")},
+            "prefill_only": {"duration_s": pf["duration_s"],
+                             "input_tok_s": full["input_len"] * full["num_prompts"] / pf["duration_s"],
+                             "prefill_log": pf.get("prefill_log")},
+            "decode_phase_s": st["duration_s"] - pf["duration_s"], "ceiling_x": ceiling, "servers": servers,
+            "inputs": [os.path.basename(f) for f in a.inputs]}
+
+
 def pool_sizing(server: dict, key: str = "offload_pool") -> dict:
     """An offload server's pool sizing (``sglang_elastic.offload.sizing``: tokens, bound, stock_tokens, ...) from its
     row in a part: under ``offload_pool`` in throughput rows, under ``offload`` in capacity and smoke rows; ``{}`` for
@@ -944,7 +1018,7 @@ def tp_summary(parts: List[dict]) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=("smoke", "capacity", "throughput", "assemble", "merge"))
+    ap.add_argument("part", choices=("smoke", "capacity", "throughput", "assemble", "merge", "ceiling"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/bench_offload")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long32k")
@@ -983,7 +1057,8 @@ def main():
                          "/start_profile, GPU only): each server's per-step kernel time by category and GPU idle time (0: none)")
     ap.add_argument("--parts", default=None, help="assemble: the folder of part JSONs")
     ap.add_argument("--command", default=None, help="assemble: the command line recorded in the result")
-    ap.add_argument("--inputs", nargs="+", default=None, help="merge: throughput parts of one workload and size (one server per call)")
+    ap.add_argument("--inputs", nargs="+", default=None, help="merge: throughput parts of one workload and size (one server per call); "
+                                                                "ceiling: FULL.json PREFILL.json [OTHER.json ...] (part_ceiling)")
     a = ap.parse_args()
     for flag, v in (("--num-prompts", a.num_prompts), ("--output-len", a.output_len), ("--tp", a.tp)):
         if v is not None and v < 1:
@@ -995,15 +1070,15 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     try:
-        if a.part == "merge" and not a.inputs:
-            ap.error("merge needs --inputs PART.json ...")
-        if a.part != "merge" and a.inputs:
-            ap.error(f"--inputs applies only to merge, not {a.part}")
+        if a.part in ("merge", "ceiling") and not a.inputs:
+            ap.error(f"{a.part} needs --inputs PART.json ...")
+        if a.part not in ("merge", "ceiling") and a.inputs:
+            ap.error(f"--inputs applies only to merge and ceiling, not {a.part}")
         if a.radix and a.part != "smoke":
             ap.error(f"--radix applies only to smoke, not {a.part}")
         if a.part != "smoke" and a.pair != "resident,offload":
             ap.error(f"--pair applies only to smoke, not {a.part}")
-        if a.part in ("assemble", "merge") and a.dummy_init:
+        if a.part in ("assemble", "merge", "ceiling") and a.dummy_init:
             ap.error(f"--dummy-init applies to the parts that start servers, not {a.part}")
         if a.part != "throughput" and (a.offload_extra or a.dense_launch):
             ap.error(f"--offload-extra / --dense-launch apply only to throughput, not {a.part}")
@@ -1020,10 +1095,10 @@ def main():
             except (ValueError, KeyError) as e:
                 ap.error(str(e))  # before any server starts
         res = {"smoke": part_smoke, "capacity": part_capacity, "throughput": part_throughput, "assemble": part_assemble,
-               "merge": part_merge}[a.part](a)
+               "merge": part_merge, "ceiling": part_ceiling}[a.part](a)
     except RuntimeError as e:
         sys.exit(f"bench_offload {a.part}: {e}")
-    if a.part not in ("assemble", "merge"):
+    if a.part not in ("assemble", "merge", "ceiling"):
         part = a.part + ("_radix" if a.radix else "") + ("_keep" if a.part == "smoke" and not SMOKE_PAIRS[a.pair] else "")
         res = {**results.header(), "part": part, "tp": a.tp, "dummy_init": dummy_init(a), "seconds": round(time.time() - t0, 1), **res}
     results.write(a.out, res)

@@ -38,7 +38,7 @@
 #   throughput: SERVERS default stock,offload, and "offload" is the sparse rule for every request (--no-kv-offload-keep-v);
 #     the shipped default (dense while V fits) is "offload-keep": throughput:WL:offload-keep,stock (bench_offload.py's SERVERS);
 #     $EXTRA (SGLang flags for every server), $OFFLOAD_EXTRA (for the offload servers only, e.g.
-#     --kv-offload-copy-timing), $DENSE_LAUNCH (--kv-offload-dense-launch for the keep-v servers; "sweep": the sweep's pick), $NUM_PROMPTS (requests, default the workload's), $REPEAT_LOADS (the measured load again that many times on each server, new prompts: row "repeats"), $ITL_TRACE=1 (each server's client timeline of every load: $OUT/itl_trace_<server>.json.xz), $PROFILE_STEPS (after the measured load, a
+#     --kv-offload-copy-timing), $DENSE_LAUNCH (--kv-offload-dense-launch for the keep-v servers; "sweep": the sweep's pick), $NUM_PROMPTS (requests, default the workload's), $OUTPUT_LEN (output tokens a request, default the workload's; 1: the load's prefill alone, part *_o1), $REPEAT_LOADS (the measured load again that many times on each server, new prompts: row "repeats"), $ITL_TRACE=1 (each server's client timeline of every load: $OUT/itl_trace_<server>.json.xz), $PROFILE_STEPS (after the measured load, a
 #     second one with SGLang's torch profiler over that many decode steps: each server's per-step kernel time by category and GPU
 #     idle time, in its row's "profile"; traces in /tmp/bench_offload/profile)
 #   decode_e2e: the persistentkv decode backend against FlashInfer on SmolLM2's real weights (issue 23, build 5):
@@ -121,11 +121,12 @@ for step in "$@"; do
     smoke_radix_keep) python3 scripts/gpu/bench_offload.py smoke --radix --pair stock,offload-keep --tp "$tp" ${SMOKE_ARGS:-} \
                   --out "$out/smoke_radix_keep$sfx.json" > "$out/smoke_radix_keep$sfx.log" 2>&1 ;;
     capacity) python3 scripts/gpu/bench_offload.py capacity --tp "$tp" --servers "${arg1:-stock,offload}" ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$out/capacity$sfx.json" > "$out/capacity$sfx.log" 2>&1 ;;
-    throughput) python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}${DUMMY_INIT:+_$DUMMY_INIT}$sfx.json" > "$out/throughput_$arg1$sfx.log" 2>&1
+    throughput) part="$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}${OUTPUT_LEN:+_o$OUTPUT_LEN}_${arg2//,/-}${DUMMY_INIT:+_$DUMMY_INIT}$sfx.json"
+      python3 scripts/gpu/bench_offload.py throughput --tp "$tp" --workload "$arg1" --servers "${arg2:-stock,offload}" --extra="${EXTRA:-}" --offload-extra="${OFFLOAD_EXTRA:-}" ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${REPEAT_LOADS:+--repeat-loads "$REPEAT_LOADS"} ${ITL_TRACE:+--itl-trace "$out"} ${DENSE_LAUNCH:+--dense-launch "$(dense_launch)"} ${DUMMY_INIT:+--dummy-init "$DUMMY_INIT"} --out "$part" > "${part%.json}.log" 2>&1
       rc=$?
       if [ -n "${ITL_TRACE:-}" ] && ls "$out"/itl_trace_*.json.xz >/dev/null 2>&1; then
-        python3 scripts/gpu/itl_steps.py "$out"/itl_trace_*.json.xz --part "$out/throughput_${arg1}${NUM_PROMPTS:+_n$NUM_PROMPTS}_${arg2//,/-}${DUMMY_INIT:+_$DUMMY_INIT}$sfx.json" \
-          --out "$out/itl_steps_${arg1}$sfx.json" >/dev/null 2>>"$out/throughput_$arg1$sfx.log"
+        python3 scripts/gpu/itl_steps.py "$out"/itl_trace_*.json.xz --part "$part" \
+          --out "$out/itl_steps_${arg1}$sfx.json" >/dev/null 2>>"${part%.json}.log"
       fi
       (exit $rc) ;;
     stash) mkdir -p /tmp/smol && cp -v .gpu/smol/* /tmp/smol/ > "$out/stash.log" 2>&1 && find /tmp/smol -maxdepth 1 -type f -exec sha256sum {} + >> "$out/stash.log" ;;
