@@ -10,12 +10,14 @@ cd "$(dirname "$0")/.."
 venv=${SGLANG_ELASTIC_VENV:-.venv}
 py=${PYTHON:-python3}
 uv_pin="uv==0.13.9"
+"$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
+  echo "ci/test.sh: needs Python 3.11 or newer (the pinned test packages do), $py is $("$py" -V 2>&1); set PYTHON=" >&2; exit 2; }
 
-# uv through its Python module: no reliance on a shim being on PATH.
+# uv through its Python module: no reliance on a shim being on PATH (installed into $PYTHON's own packages when it is missing).
 "$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install -q "$uv_pin"
 uv() { "$py" -m uv "$@"; }
 [ -x "$venv/bin/python" ] || uv venv -q --seed -p "$py" "$venv"
-vpy=$PWD/$venv/bin/python
+case $venv in /*) vpy=$venv/bin/python ;; *) vpy=$PWD/$venv/bin/python ;; esac  # an absolute $SGLANG_ELASTIC_VENV too
 # SGLang's own dependency list pulls GPU-only packages: take it without deps,
 # then exactly the runtime packages it imports on CPU. (-p: uv run as a module
 # would otherwise target the interpreter that runs it.)

@@ -133,7 +133,7 @@ def test_recommendations():
     assert re.search(r"gives 8,\d{3} KV tokens", big["reason"]) and "fewer than 32,768" in big["reason"]  # post-capture sizing's few thousand tokens, named
     short = advisor.predict("llama-3.1-70b", 79.2, 1)  # 131 GiB of weights on an 80 GB GPU: no pool, said so (not "-66.88 GiB")
     line = [l for l in advisor.format_text(short).splitlines() if l.startswith("  KV pool:")][0]
-    assert line.startswith("  KV pool: none: the weights and SGLang's reserve exceed the GPU by ") and f"{-short['kv_pool_gib']:.2f} GiB" in line and short["kv_pool_gib"] < -60
+    assert line.startswith("  KV pool: none: the weights and SGLang's reserve take ") and f"{-short['kv_pool_gib']:.2f} GiB" in line and short["kv_pool_gib"] < -60
     # E1 measured it: at a 32,768-token chunk the pool lends 336,896 tokens,
     # more than a 2,048-token chunk would add (935,704 - 610,724 = 324,980)
     huge_chunk = advisor.predict("llama-3.1-8b", H200_MIB / 1024, 1, 32768)
@@ -245,6 +245,21 @@ def test_a_shape_outside_the_weight_count_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(advisor.AdviseError, match="not a dense MHA decoder of llama, qwen2, mistral"):
         advisor.predict(str(tmp_path / "config.json"), 140.4, 1)
+
+
+def test_a_quantized_model_is_refused_not_advised_as_16_bit_weights(tmp_path):
+    """An AWQ Llama-3.1-70B config at 79.6 GiB, TP 1, was told its 131 GiB of weights leave no KV pool (they are ~37 GiB),
+    and an AWQ 8B got the bf16 answer with no caveat (new-user finding): the advisor counts 2 bytes a parameter."""
+    import json
+
+    cfg = json.loads((model_path("llama-3.1-70b") / "config.json").read_text())
+    for i, q in enumerate(({"quant_method": "awq", "bits": 4, "group_size": 128}, {"quant_method": "fp8"}, {"format": "float-quantized"})):
+        key = "compression_config" if "format" in q else "quantization_config"
+        (tmp_path / f"q{i}.json").write_text(json.dumps({**cfg, key: q}))
+        with pytest.raises(advisor.AdviseError, match=r"quantized weights \(" + (q.get("quant_method") or q["format"]) + r"\): the advisor counts 16-bit"):
+            advisor.predict(str(tmp_path / f"q{i}.json"), 79.6, 1)
+    (tmp_path / "none.json").write_text(json.dumps({**cfg, "quantization_config": None}))  # a null entry is no quantization
+    assert advisor.predict(str(tmp_path / "none.json"), 140.4, 4)["max_total_num_tokens"] == advisor.predict("llama-3.1-70b", 140.4, 4)["max_total_num_tokens"]
 
 
 def test_post_capture_sizing_is_not_recommended_where_it_ran_out_of_memory():
@@ -437,6 +452,7 @@ def test_the_offload_prediction_names_the_host_bound_and_what_cannot_be_served(c
     tiny = advisor.predict_offload(p, 10.5)
     assert "less than one 131072-token request" in tiny["error"] and "--kv-offload-host-gb" in tiny["error"]
     assert "not possible: the server would refuse to start:" in advisor.format_offload_text(tiny)
+    assert "here --host-mem-gb gives the host RAM" in advisor.format_offload_text(tiny).splitlines()[-1]  # advise's own flag beside the server's
     capped = advisor.predict_offload(p, 128.0, 1000, 16)  # a cap binds both servers alike
     assert (capped["stock_requests_at_once"], capped["offload_requests_at_once"]) == (16, 16)
     args = ["advise", "--model-config", "llama-3.1-8b", "--gpu-mem-gb", "140.4", "--tp", "1"]

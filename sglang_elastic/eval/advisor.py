@@ -587,7 +587,8 @@ def format_text(p: Dict[str, Any]) -> str:
         f"  reserve (kept out of the KV pool): {p['reserve_gib']:.2f} GiB = {p['reserve_fraction_of_hbm']:.1%} of HBM"
         + (f", {p['reserve_fraction_of_kv_pool']:.1%} of the KV pool" if p["reserve_fraction_of_kv_pool"] else ""),
         (f"  KV pool: {p['kv_pool_gib']:.2f} GiB = {p['max_total_num_tokens']:,} tokens ({p['kv_cell_bytes']:,} B/token/GPU)" if p["kv_pool_gib"] >= 0 else
-         f"  KV pool: none: the weights and SGLang's reserve exceed the GPU by {-p['kv_pool_gib']:.2f} GiB ({p['kv_cell_bytes']:,} B/token/GPU)"),
+         f"  KV pool: none: the weights and SGLang's reserve take {-p['kv_pool_gib']:.2f} GiB more than SGLang finds free on the GPU before "
+         f"loading them ({p['kv_cell_bytes']:,} B/token/GPU)"),
         f"  free after CUDA graphs (reserve - {p['factors']['graph_fixed_gib']:.2f} GiB fixed - {p['req_to_token_gib']:.2f} GiB req_to_token - "
         f"{p['prefill_graphs_gib']:.2f} GiB prefill graphs at {p['factors']['graph_bytes_per_layer_token'] / 1024:.1f} KiB per layer and chunk token): "
         f"{p['free_after_graphs_gib']:.2f} GiB; lendable: {p['lendable_gib']:.2f} GiB = +{p['extra_kv_tokens']:,} KV tokens",
@@ -678,7 +679,8 @@ def format_offload_text(o: Dict[str, Any]) -> str:
     head = (f"KV offload (--enable-kv-offload: K of every token in HBM, the sparse layers' V in pinned host memory; "
             f"{o['requests']} requests, {o['host_mem_gib']:g} GiB host RAM free per GPU):")
     if "error" in o:
-        return f"{head}\n  not possible: the server would refuse to start: {o['error']}"
+        return (f"{head}\n  not possible: the server would refuse to start: {o['error']}\n"
+                "  (the server's flags named there; here --host-mem-gb gives the host RAM, and the context length is the model config's)")
     other = o["tokens_host"] if o["bound"] == "hbm" else o["tokens_hbm"]
     return "\n".join([
         head,

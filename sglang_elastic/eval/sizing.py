@@ -160,6 +160,11 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
     outside = [k for k in _OUTSIDE if cfg.get(k)]
     if outside:
         raise AdviseError(f"{where}: {', '.join(outside)} set: not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
+    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    if quant:  # AWQ, GPTQ, FP8, ...: the weight bytes (and so the KV pool) are not 2 bytes a parameter
+        method = quant.get("quant_method") or quant.get("format") if isinstance(quant, dict) else None
+        raise AdviseError(f"{where}: quantized weights ({method or 'quantization_config'}): the advisor counts 16-bit weights "
+                          "only and would misjudge the KV pool; advise the unquantized model's config.json")
     if mt == "qwen2" and cfg.get("use_sliding_window"):
         raise AdviseError(f"{where}: use_sliding_window is on: SGLang sizes a sliding-window pool there, which the advisor does not model")
     d = {**_DEFAULTS[mt], **{k: v for k, v in cfg.items() if v is not None or k == "num_key_value_heads"}}
