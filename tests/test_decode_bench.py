@@ -221,6 +221,13 @@ def test_decode_table_renders_the_acceptance_checks_from_a_result(tmp_path, caps
     assert "| split | split 1-launch | 1-launch, old merge tile | compact |" in out and "| B1_32K | 16 | 66.0 | 61.0 | 64.5 | – |" in out
     assert "| B64_8K | 16 | 700.0 | – | – | – |" in out
     assert dt.main([str(p), "--page", "3"]) == 2 and "no case at page size 3 (it has [16])" in capsys.readouterr().err
+    import lzma
+
+    x = tmp_path / "r.json.xz"  # the committed benches are xz-compressed: the same table from the .xz
+    x.write_bytes(lzma.compress(p.read_bytes()))
+    assert dt.main([str(x)]) == 0 and "| B1_32K | 16 | 66.0 | 61.0 | 64.5 | – |" in capsys.readouterr().out
+    x.write_bytes(p.read_bytes())  # not xz inside
+    assert dt.main([str(x)]) == 2 and "not a bench_decode.py result" in capsys.readouterr().err
     for bad in ("{}", '{"cases": 3}', '{"cases": [{"name": "x", "kind": "eager"}]}'):  # the last: the peer kit's result
         p.write_text(bad)
         assert dt.main([str(p)]) == 2

@@ -3,7 +3,7 @@ markdown table of ``docs/decode.md``, with issue 23's kernel acceptance checks u
 
 Usage::
 
-    python scripts/gpu/decode_table.py docs/results/decode_h100.json [--page 16]
+    python scripts/gpu/decode_table.py docs/results/decode_h100.json.xz [--page 16]
 
 Columns are µs per layer (CUDA-graph replay, do_bench median) under the write flush,
 then the read flush where the bench timed it; "floor" is the case's contiguous read of
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import sys
 from typing import Optional
 
@@ -78,16 +79,16 @@ def checks(d: dict, page: Optional[int] = None) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result", help="a bench_decode.py result JSON (docs/results/decode_h100.json)")
+    ap.add_argument("result", help="a bench_decode.py result JSON, or one xz-compressed (docs/results/decode_h100.json.xz)")
     ap.add_argument("--page", type=int, default=None, help="only cases of this page size")
     a = ap.parse_args(argv)
     try:
-        with open(a.result) as f:
+        with (lzma.open(a.result, "rt") if a.result.endswith(".xz") else open(a.result)) as f:
             d = json.load(f)
         cases = d["cases"]
         if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c and "page_size" in c for c in cases):
             raise ValueError("its cases are not the kernel bench's (a name and a page_size each)")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, lzma.LZMAError, EOFError) as e:
         print(f"decode_table: {a.result} is not a bench_decode.py result ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     if a.page is not None and not any(c["page_size"] == a.page for c in cases):
