@@ -136,3 +136,23 @@ def test_every_server_the_elastic_benchmark_starts_passes_the_plugins_checks(mod
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     err = serve.check_flags(cmd[3:])
     assert err is None, err
+
+
+def test_dry_run_refuses_a_tp_the_heads_do_not_split_over_and_a_local_model_path_that_does_not_exist(tmp_path):
+    """New-user finding (2026-12-07): ``serve --dry-run --tp 3`` printed a command that SGLang refuses (32 heads over 3
+    ranks) and ``--model-path /nonexistent`` passed; both now get the advisor's one line. A Hugging Face id and a
+    model the advisor does not read are left to SGLang."""
+    import json
+
+    assert check("--tp", "3") == "--tp 3: the model's 32 attention heads do not split evenly over 3 GPUs (SGLang refuses it)"
+    assert check("--tp", "2") is None and check("--tp", "8") is None  # 8 KV heads replicate or split over 2 and 8
+    assert check("--model-path", str(tmp_path / "none")) == (f"--model-path {tmp_path / 'none'}: no such file or directory "
+                                                             "(a Hugging Face id, org/name, is downloaded by SGLang)")
+    assert check("--model-path", "meta-llama/Llama-3.1-8B", "--tp", "3") is None  # a hub id: SGLang's to fetch and check
+    cfg = json.loads((serve.model_path("llama-3.1-8b") / "config.json").read_text())
+    (tmp_path / "kv6").mkdir()
+    (tmp_path / "kv6" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 6, "num_attention_heads": 24, "hidden_size": 3072}))
+    assert "6 KV heads neither split evenly over 4 GPUs" in check("--model-path", str(tmp_path / "kv6"), "--tp", "4")
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
+    assert check("--model-path", str(tmp_path / "moe"), "--tp", "3") is None  # not the advisor's to judge

@@ -278,6 +278,20 @@ def _kv_tokens(pre_free_gib: float, weights_gib: float, mfs: float, cell: int):
     return reserve, kv, max(0, int(kv * GIB // cell))
 
 
+def tp_split_error(m, tp: int) -> Optional[str]:
+    """Why SGLang 0.5.17 refuses to split model ``m`` (:func:`model_facts`) over ``tp`` GPUs, in one line, or None.
+    QKVParallelLinear splits the query heads evenly and the KV heads evenly, or replicates them when they are fewer
+    than the ranks; MergedColumnParallelLinear divides the MLP width by the ranks."""
+    if m.num_attention_heads % tp:
+        return f"--tp {tp}: the model's {m.num_attention_heads} attention heads do not split evenly over {tp} GPUs (SGLang refuses it)"
+    kvh = m.num_key_value_heads
+    if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
+        return f"--tp {tp}: the model's {kvh} KV heads neither split evenly over {tp} GPUs nor replicate onto them (SGLang refuses it)"
+    if m.intermediate_size % tp:
+        return f"--tp {tp}: the model's MLP width {m.intermediate_size} does not split evenly over {tp} GPUs (SGLang refuses it)"
+    return None
+
+
 def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optional[int] = None, margin_mib: float = DEFAULT_MARGIN_MIB,
             calibration: Optional[Dict[str, Any]] = None, max_running_requests: Optional[int] = None) -> Dict[str, Any]:
     """Reserve, lendable bytes, extra KV tokens, SGLang's post-capture
@@ -315,14 +329,9 @@ def predict(model: str, gpu_mem_gib: float, tp: int, chunked_prefill_size: Optio
     if max_running_requests is not None and max_running_requests < 1:
         raise AdviseError(f"--max-running-requests must be positive, not {max_running_requests}")
     m = model_facts(model)
-    # SGLang's QKVParallelLinear: query heads split evenly; KV heads split evenly, or replicated when fewer than the ranks
-    if m.num_attention_heads % tp:
-        raise AdviseError(f"--tp {tp}: the model's {m.num_attention_heads} attention heads do not split evenly over {tp} GPUs (SGLang refuses it)")
-    kvh = m.num_key_value_heads
-    if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
-        raise AdviseError(f"--tp {tp}: the model's {kvh} KV heads neither split evenly over {tp} GPUs nor replicate onto them (SGLang refuses it)")
-    if m.intermediate_size % tp:  # MergedColumnParallelLinear divides the MLP width by the ranks
-        raise AdviseError(f"--tp {tp}: the model's MLP width {m.intermediate_size} does not split evenly over {tp} GPUs (SGLang refuses it)")
+    why = tp_split_error(m, tp)
+    if why:
+        raise AdviseError(why)
     cal = calibration or load_calibration()
     f = factors(cal, tp)
     gpu_mem_mib = gpu_mem_gib * 1024
