@@ -761,6 +761,22 @@ def part_throughput(a) -> dict:
     return out
 
 
+def read_parts(paths: List[str]) -> List[dict]:
+    """The part JSONs at ``paths``, in order.
+
+    Raises:
+        RuntimeError: one cannot be read or is not JSON (the message names it).
+    """
+    parts = []
+    for f in paths:
+        try:
+            with open(f) as fh:
+                parts.append(json.load(fh))
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"{f}: {e}") from None
+    return parts
+
+
 def part_merge(a) -> dict:
     """One throughput part from several of the same workload and size run in calls in a row on one host
     (one server per call where two do not fit in a call's time): servers side by side, commands joined.
@@ -768,12 +784,7 @@ def part_merge(a) -> dict:
     Raises:
         RuntimeError: not throughput parts, another workload or size, one server twice, or another GPU.
     """
-    parts = []
-    for f in a.inputs:
-        try:
-            parts.append(json.load(open(f)))
-        except (OSError, ValueError) as e:
-            raise RuntimeError(f"{f}: {e}") from None
+    parts = read_parts(a.inputs)
     keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu", "tp")
     for p in parts:  # parts from before --tp ran at TP 1
         p.setdefault("tp", 1)
@@ -822,12 +833,7 @@ def part_ceiling(a) -> dict:
     """
     if not a.inputs or len(a.inputs) < 2:
         raise RuntimeError("ceiling needs --inputs FULL.json PREFILL.json [OTHER.json ...]")
-    parts = []
-    for f in a.inputs:
-        try:
-            parts.append(json.load(open(f)))
-        except (OSError, ValueError) as e:
-            raise RuntimeError(f"{f}: {e}") from None
+    parts = read_parts(a.inputs)
     keys = ("workload", "input_len", "num_prompts", "gpu", "tp")
     for p, f in zip(parts, a.inputs):
         p.setdefault("tp", 1)
