@@ -179,7 +179,7 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
     if not has_nvidia_gpu():
         print(
             "sglang-elastic serve: no NVIDIA GPU on this machine, so no server is started. "
-            f"To check the project here, run the CPU test suite: {TEST_COMMAND}",
+            f"To check the project here, run the CPU test suite from a clone of this repository: {TEST_COMMAND}",
             file=sys.stderr,
         )
         return 2
