@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 venv=${SGLANG_ELASTIC_VENV:-.venv}
 py=${PYTHON:-python3}
 uv_pin="uv==0.13.9"
+command -v "$py" >/dev/null || { echo "ci/test.sh: no Python at '$py'; set PYTHON= to a Python 3.11 or newer" >&2; exit 2; }
 "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
   echo "ci/test.sh: needs Python 3.11 or newer (the pinned test packages do), $py is $("$py" -V 2>&1); set PYTHON=" >&2; exit 2; }
 

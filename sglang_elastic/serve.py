@@ -148,9 +148,14 @@ def _model_error(path: Optional[str], tp: int) -> Optional[str]:
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(local):
         return f"--model-path {path}: no such file or directory (a Hugging Face id, org/name, is downloaded by SGLang)"
     if tp > 1 and os.path.isdir(local):
+        from sglang_elastic.eval import sizing
+
         try:
-            m = advisor.model_facts(local)
-        except advisor.AdviseError:  # a model the advisor does not read (MoE, quantized, ...): SGLang checks it
+            mpath, cfg = sizing.read_config(local, {})
+            if isinstance(cfg, dict):  # the heads split alike whatever the weights' format: the advisor's refusal of it is for sizing
+                cfg = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
+            m = sizing.model_facts(str(mpath), cfg, f"--model-path {path}")
+        except advisor.AdviseError:  # a model the advisor does not read (MoE, sliding window, ...): SGLang checks it
             return None
         return advisor.tp_split_error(m, tp)
     return None

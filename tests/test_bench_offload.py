@@ -416,6 +416,19 @@ def test_ceiling_is_stocks_duration_over_its_prefills_alone_and_refuses_parts_th
     fb.write_text(json.dumps(dict(pre, servers={"offload": {"completed": 64, "duration_s": 90.0}})))
     with pytest.raises(RuntimeError, match="no stock row"):
         mod.part_ceiling(args)
+    fb.write_text(json.dumps(dict(pre, servers={"stock": dict(pre["servers"]["stock"], extra_flags="--chunked-prefill-size 4096")})))
+    with pytest.raises(RuntimeError, match="another stock server than .*extra_flags '--chunked-prefill-size 4096' against None"):
+        mod.part_ceiling(args)  # the prefills of another server are no ceiling for this one
+    fb.write_text(json.dumps(pre))
+    short = dict(full, servers={**full["servers"], "offload": dict(full["servers"]["offload"], completed=50)})
+    fa.write_text(json.dumps(short))
+    with pytest.raises(RuntimeError, match="offload completed 50 of 64"):
+        mod.part_ceiling(args)
+    fa.write_text(json.dumps(full))
+    fc = tmp_path / "other.json"
+    fc.write_text(json.dumps(full))  # the same offload row again
+    with pytest.raises(RuntimeError, match="server offload is in two parts"):
+        mod.part_ceiling(type("A", (), {"inputs": [str(fa), str(fb), str(fc)]})())
     fb.write_text(json.dumps(dict(pre, incomplete=True)))
     with pytest.raises(RuntimeError, match="incomplete"):
         mod.part_ceiling(args)

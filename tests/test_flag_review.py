@@ -156,3 +156,7 @@ def test_dry_run_refuses_a_tp_the_heads_do_not_split_over_and_a_local_model_path
     (tmp_path / "moe").mkdir()
     (tmp_path / "moe" / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
     assert check("--model-path", str(tmp_path / "moe"), "--tp", "3") is None  # not the advisor's to judge
+    (tmp_path / "awq").mkdir()  # quantized weights split their heads as the 16-bit ones do
+    (tmp_path / "awq" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    assert check("--model-path", str(tmp_path / "awq"), "--tp", "3").startswith("--tp 3: the model's 32 attention heads")
+    assert check("--model-path", str(tmp_path / "awq"), "--tp", "2") is None

@@ -183,7 +183,9 @@ class Sim:
                     pol = pool.layout.policy  # a request that keeps V attends to every position
                     pol = dataclasses.replace(pol, dense_layers=L) if self.kept(r, lens[b]) else pol
                     ref = attend_reference(q[b], self.k[l, r, : lens[b]], self.v[l, r, : lens[b]], pol, l)
-                    worst = max(worst, float((o[b].double() - ref).abs().max() / ref.abs().max()))
+                    err = float((o[b].double() - ref).abs().max() / ref.abs().max())
+                    assert err == err, f"request row {r}, layer {l}: NaN in the output"  # max(worst, nan) would drop it
+                    worst = max(worst, err)
         return outs, worst
 
 

@@ -829,7 +829,8 @@ def part_ceiling(a) -> dict:
 
     Raises:
         RuntimeError: an input that is not a throughput part, another workload, length, count, TP or GPU, no
-            stock row, a PREFILL part not at one output token or a FULL one at one, or an incomplete load.
+            stock row, a PREFILL part not at one output token or a FULL one at one, a PREFILL stock server with other
+            flags, pool, request cap or dummy weights than FULL's, a server in two parts, or a load that did not complete.
     """
     if not a.inputs or len(a.inputs) < 2:
         raise RuntimeError("ceiling needs --inputs FULL.json PREFILL.json [OTHER.json ...]")
@@ -851,6 +852,13 @@ def part_ceiling(a) -> dict:
             raise RuntimeError(f"{f} ({what}) has no stock row")
         if row.get("completed") != p.get("num_prompts"):
             raise RuntimeError(f"{f} ({what}): stock completed {row.get('completed')} of {p.get('num_prompts')} requests")
+    same = ("extra_flags", "max_running_requests", "max_total_num_tokens")  # stock the same server in both, by its flags and pool
+    diff = [f"stock's {k} {pre['servers']['stock'].get(k)!r} against {full['servers']['stock'].get(k)!r}"
+            for k in same if pre["servers"]["stock"].get(k) != full["servers"]["stock"].get(k)]
+    if pre.get("dummy_init") != full.get("dummy_init"):
+        diff.append(f"dummy_init {pre.get('dummy_init')!r} against {full.get('dummy_init')!r}")
+    if diff:
+        raise RuntimeError(f"{a.inputs[1]} (PREFILL) ran another stock server than {a.inputs[0]}: " + ", ".join(diff))
     if pre.get("output_len") != 1:
         raise RuntimeError(f"{a.inputs[1]} (PREFILL) ran {pre.get('output_len')} output tokens a request, not 1")
     if full.get("output_len") == 1:
@@ -864,6 +872,10 @@ def part_ceiling(a) -> dict:
         for name, row in p["servers"].items():
             if name == "stock" or row.get("output_tok_s") is None:
                 continue
+            if name in servers:
+                raise RuntimeError(f"{f}: server {name} is in two parts")
+            if row.get("completed") != p.get("num_prompts"):
+                raise RuntimeError(f"{f}: {name} completed {row.get('completed')} of {p.get('num_prompts')} requests")
             ratio = row["output_tok_s"] / st["output_tok_s"]
             servers[name] = {"output_tok_s": row["output_tok_s"], "median_itl_ms": row.get("median_itl_ms"), "ratio": ratio,
                              "share_of_ceiling": (ratio - 1) / (ceiling - 1) if ceiling > 1 else None, "file": os.path.basename(f)}
