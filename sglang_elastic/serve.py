@@ -151,9 +151,9 @@ def _model_error(path: Optional[str], tp: int) -> Optional[str]:
         from sglang_elastic.eval import sizing
 
         try:
-            mpath, cfg = sizing.read_config(local, {})
-            if isinstance(cfg, dict):  # the heads split alike whatever the weights' format: the advisor's refusal of it is for sizing
-                cfg = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
+            mpath, cfg = sizing.read_config(local, {})  # a JSON object, or AdviseError
+            # the heads split alike whatever the weights' format: the advisor refuses quantized configs for its sizing only
+            cfg = {k: v for k, v in cfg.items() if k not in sizing.QUANTIZATION_KEYS}
             m = sizing.model_facts(str(mpath), cfg, f"--model-path {path}")
         except advisor.AdviseError:  # a model the advisor does not read (MoE, sliding window, ...): SGLang checks it
             return None

@@ -761,19 +761,29 @@ def part_throughput(a) -> dict:
     return out
 
 
-def read_parts(paths: List[str]) -> List[dict]:
-    """The part JSONs at ``paths``, in order.
+def read_parts(paths: List[str], keys: tuple) -> List[dict]:
+    """The throughput part JSONs at ``paths``, in order, each agreeing with the first on ``keys`` (a part from
+    before ``--tp`` ran at TP 1: its ``tp`` is set to 1).
 
     Raises:
-        RuntimeError: one cannot be read or is not JSON (the message names it).
+        RuntimeError: one cannot be read, is not JSON or not a throughput part, or differs from the first on a key
+            (the message names the file and the keys).
     """
     parts = []
     for f in paths:
         try:
             with open(f) as fh:
-                parts.append(json.load(fh))
+                p = json.load(fh)
         except (OSError, ValueError) as e:
             raise RuntimeError(f"{f}: {e}") from None
+        p.setdefault("tp", 1)
+        if p.get("part") != "throughput":
+            raise RuntimeError(f"{f} is not a throughput part")
+        first = (parts or [p])[0]
+        diff = [f"{k} {p.get(k)!r} against {first.get(k)!r}" for k in keys if p.get(k) != first.get(k)]
+        if diff:
+            raise RuntimeError(f"{f}: " + ", ".join(diff))
+        parts.append(p)
     return parts
 
 
@@ -784,16 +794,9 @@ def part_merge(a) -> dict:
     Raises:
         RuntimeError: not throughput parts, another workload or size, one server twice, or another GPU.
     """
-    parts = read_parts(a.inputs)
     keys = ("part", "workload", "input_len", "output_len", "num_prompts", "gpu", "tp")
-    for p in parts:  # parts from before --tp ran at TP 1
-        p.setdefault("tp", 1)
+    parts = read_parts(a.inputs, keys)
     first = parts[0]
-    for p, f in zip(parts, a.inputs):
-        if p.get("part") != "throughput":
-            raise RuntimeError(f"{f} is not a throughput part")
-        if any(p.get(k) != first.get(k) for k in keys):
-            raise RuntimeError(f"{f}: " + ", ".join(f"{k} {p.get(k)!r} against {first.get(k)!r}" for k in keys if p.get(k) != first.get(k)))
     servers = {}
     for p, f in zip(parts, a.inputs):
         for name, row in p["servers"].items():
@@ -834,17 +837,11 @@ def part_ceiling(a) -> dict:
     """
     if not a.inputs or len(a.inputs) < 2:
         raise RuntimeError("ceiling needs --inputs FULL.json PREFILL.json [OTHER.json ...]")
-    parts = read_parts(a.inputs)
     keys = ("workload", "input_len", "num_prompts", "gpu", "tp")
+    parts = read_parts(a.inputs, keys)
     for p, f in zip(parts, a.inputs):
-        p.setdefault("tp", 1)
-        if p.get("part") != "throughput":
-            raise RuntimeError(f"{f} is not a throughput part")
         if p.get("incomplete"):
             raise RuntimeError(f"{f} is an incomplete part (its call was cut off)")
-        diff = [f"{k} {p.get(k)!r} against {parts[0].get(k)!r}" for k in keys if p.get(k) != parts[0].get(k)]
-        if diff:
-            raise RuntimeError(f"{f}: " + ", ".join(diff))
     full, pre = parts[0], parts[1]
     for p, f, what in ((full, a.inputs[0], "FULL"), (pre, a.inputs[1], "PREFILL")):
         row = p["servers"].get("stock")

@@ -50,6 +50,8 @@ _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
 #: Keys that make SGLang size another kind of KV pool or count other heads (model_config.py:
 #: get_total_num_kv_heads' attributes before num_key_value_heads, is_hybrid_swa_model's opt-in).
+#: Keys of a config whose weights are quantized (HF ``quantization_config``; compressed-tensors' ``compression_config``).
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
 _OUTSIDE = ("multi_query", "n_head_kv", "num_kv_heads", "is_hybrid_swa", "num_local_experts", "num_experts", "kv_lora_rank")
 
 
@@ -160,7 +162,7 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
     outside = [k for k in _OUTSIDE if cfg.get(k)]
     if outside:
         raise AdviseError(f"{where}: {', '.join(outside)} set: not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
-    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    quant = next((cfg[k] for k in QUANTIZATION_KEYS if cfg.get(k)), None)
     if quant:  # AWQ, GPTQ, FP8, ...: the weight bytes (and so the KV pool) are not 2 bytes a parameter
         method = quant.get("quant_method") or quant.get("format") if isinstance(quant, dict) else None
         raise AdviseError(f"{where}: quantized weights ({method or 'quantization_config'}): the advisor counts 16-bit weights "
