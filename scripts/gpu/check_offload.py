@@ -353,6 +353,55 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     }
 
 
+def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
+    """The scores kernel (``ko.scores_run``, 78 % of a sparse layer at 44 x 32K on an H100) over its launch
+    settings: ``scores_max_splits`` 16 / 32 / 64 (the plan's chunks) x ``num_warps`` 2 / 4 / 8 x ``num_stages``
+    2 to 5, each timed as :func:`time_layer` times it (K rows scattered over the pool, page 1) and compared with the
+    shipped setting's output: the scores bit for bit and the merged log-sum-exp (max |diff|). Writes
+    ``out[key] = {batch, context, k_bytes_gb, shipped: {...}, configs: [{max_splits, num_warps, num_stages, ms, gb_s,
+    scores_bit_equal, lse_max_abs_diff} | {..., error}], best: {...}, best_vs_shipped}``; a setting Triton cannot
+    compile is recorded with its error, never fatal."""
+    from sglang_elastic.kernels.decode_attention import split_kv_plan
+    from sglang_elastic.offload.decode import SplitConfig
+    sp = SplitConfig()
+    size = bs * ctx + 8
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kb = torch.randn(size, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    idx = (torch.randperm(size - 1, device="cuda", generator=gen)[: bs * ctx] + 1).to(torch.int32)
+    indptr = torch.arange(0, bs * ctx + 1, ctx, device="cuda", dtype=torch.int32)
+    q = (2 * torch.randn(bs, HQ, D, device="cuda", generator=gen)).bfloat16()
+    scores = torch.empty((HQ, bs * ctx), device="cuda", dtype=torch.float32)
+    k_gb = bs * ctx * HKV * D * 2 / 1e9
+
+    def run(max_splits, nw, ns):
+        chunk, _ = split_kv_plan(indptr, max_splits, sp.scores_min_chunk, sp.scores_block_n)
+        lse_mid = torch.empty((bs * max_splits, HQ), device="cuda", dtype=torch.float32)
+        fn = lambda: ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, lse_mid, D ** -0.5, sp.scores_block_n,
+                                   num_warps=nw, num_stages=ns)
+        ms = time_ms(fn)
+        return ms, ko.lse_merge(lse_mid, bs, max_splits)
+
+    shipped = dict(max_splits=sp.scores_max_splits, num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages)
+    ms0, lse0 = run(**shipped)
+    ref = scores.clone()
+    rows = []
+    for ms_, nw, ns in [(m, w, st) for m in (16, 32, 64) for w in (2, 4, 8) for st in (2, 3, 4, 5)]:
+        row = dict(max_splits=ms_, num_warps=nw, num_stages=ns)
+        try:
+            scores.fill_(float("nan"))
+            ms, lse = run(ms_, nw, ns)
+        except Exception as e:  # shared memory or registers out of range for this setting: recorded
+            rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            continue
+        rows.append({**row, "ms": ms, "gb_s": k_gb / ms * 1e3, "scores_bit_equal": bool(torch.equal(scores, ref)),
+                     "lse_max_abs_diff": (lse - lse0).abs().max().item()})
+    ok = [r for r in rows if "ms" in r and r["scores_bit_equal"]]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    out[key] = {"batch": bs, "context": ctx, "k_bytes_gb": k_gb, "shipped": {**shipped, "ms": ms0, "gb_s": k_gb / ms0 * 1e3},
+                "configs": rows, "best": best, "best_vs_shipped": (best["ms"] / ms0) if best else None}
+    del kb, scores, ref
+
+
 def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hview, replays=12):
     """``--kv-offload-copy-timing``'s events inside a CUDA graph (external event-record nodes), as the
     backend records them: the next sparse layer's prefetch (its own query as the guess, so it copies
@@ -625,9 +674,10 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=("keep_v_step", "layer_timing"), default=None,
+    ap.add_argument("--only", choices=("keep_v_step", "layer_timing", "scores_sweep"), default=None,
                     help="run only this timing and write it (keep_v_step: the all-dense and mixed keep-v steps; layer_timing: a "
-                         "sparse layer per kernel at 44 x 32K and at 64 x 4.6K, as the full check times them)")
+                         "sparse layer per kernel at 44 x 32K and at 64 x 4.6K, as the full check times them; scores_sweep: the "
+                         "scores kernel's launch settings at those two shapes)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("check_offload: needs a CUDA GPU")
@@ -645,6 +695,15 @@ def main():
         out["seconds"] = round(time.time() - t0, 1)
         results.write(a.out, out)
         print("layer", out["layer_timing"], "\nlayer fits", out["layer_timing_fits"], "\nwrote", a.out, flush=True)
+        return
+    if a.only == "scores_sweep":
+        time_scores_sweep(out)
+        time_scores_sweep(out, bs=64, ctx=4608, key="scores_sweep_fits")
+        out["seconds"] = round(time.time() - t0, 1)
+        results.write(a.out, out)
+        for k in ("scores_sweep", "scores_sweep_fits"):
+            print(k, "shipped", out[k]["shipped"], "best", out[k]["best"], flush=True)
+        print("wrote", a.out, flush=True)
         return
     check_pinned(out)
     print("pinned", out["pinned"], flush=True)

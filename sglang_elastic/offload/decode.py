@@ -84,6 +84,10 @@ class SplitConfig:
     scores_max_splits: int = 32
     scores_min_chunk: int = 512
     scores_block_n: int = 64
+    # the scores kernel's Triton launch (None: Triton's 4 warps, 3 stages); timed per setting by
+    # ``scripts/gpu/check_offload.py --only scores_sweep``
+    scores_num_warps: Optional[int] = None
+    scores_num_stages: Optional[int] = None
     attend_max_splits: int = 8
     attend_min_chunk: int = 256
     attend_block_n: int = 32
@@ -556,7 +560,7 @@ class OffloadDecoder:
 
         bs, sp, pol, lay = self.bs, self.split, self.policy, self.layout
         scores_run(q, k_buffer, self.sc_indptr[: bs + 1], self.sc_indices, self.sc_chunk[:bs], sp.scores_max_splits, ws.scores,
-                   ws.score_lse, sm_scale, sp.scores_block_n)
+                   ws.score_lse, sm_scale, sp.scores_block_n, num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages)
         stamp = self.stamp if mark else None
         lse = lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=stamp)
         select_run(ws.scores, lse, self.sc_indptr[: bs + 1], self.s_eff[:bs], self.w_eff[:bs], self.k[:bs], ws.p_buf,
