@@ -135,6 +135,36 @@ def test_profile_decode_starts_the_profiler_once_every_request_decodes_and_reads
     assert prof["per_step_us"] == {"span": 1000.0, "busy": 900.0, "idle": 100.0, "kernels": {"attention": 600.0, "gemm": 300.0}}
 
 
+def test_the_profile_sends_one_batch_the_pool_holds_not_the_request_cap():
+    """2026-12-07 #30 on an H100: 64 x 32K with --profile-steps sent the cap (48) where the pool held ~19, so the
+    profile waited for the 48th request's first token and traced the queue's tail (~8 requests decoding)."""
+    b = bench()
+    # the H100's offload pool: 662,747 tokens over 32,768 + 10 + 64 each
+    assert b.profile_batch({"max_running_requests": 48, "max_total_num_tokens": 662747}, 32768, 10) == 20
+    # the cap binds where the pool holds more
+    assert b.profile_batch({"max_running_requests": 48, "max_total_num_tokens": 1483807}, 4096, 10) == 48
+    assert b.profile_batch({"max_total_num_tokens": 1000}, 4096, 10) == 1
+    assert b.profile_batch({}, 4096, 10) is None
+
+
+def test_the_committed_h100_ceiling_parts_give_the_committed_ceilings():
+    """docs/offload.md quotes these: #29's ceiling (1.68x, stock alone) and #30's offload beside stock on one H100
+    (1.036x, 5 % of the ceiling), each recomputed from its committed parts."""
+    mod = bench()
+    d = ROOT / "docs" / "results"
+    c = d / "offload_h100_parts" / "ceiling"
+    for want, inputs in (("offload_ceiling_long32k_h100.json", ["throughput_long32k_stock_046d41d.json", "throughput_long32k_o1_stock_046d41d.json"]),
+                         ("offload_ceiling_long32k_h100_794e27f.json", ["throughput_long32k_stock_794e27f.json",
+                                                                      "throughput_long32k_o1_stock_046d41d.json",
+                                                                      "throughput_long32k_offload_794e27f.json"])):
+        got = mod.part_ceiling(type("A", (), {"inputs": [str(c / f) for f in inputs]})())
+        committed = json.loads((d / want).read_text())
+        for k in ("ceiling_x", "decode_phase_s", "stock", "servers", "gpu"):
+            assert got[k] == committed[k], (want, k)
+    assert committed["servers"]["offload"]["ratio"] == pytest.approx(1.0355, abs=1e-4)
+    assert committed["ceiling_x"] == pytest.approx(1.6747, abs=1e-4)
+
+
 def test_the_committed_h100_parts_give_the_committed_h100_rows():
     """The H100 loads of 2026-12-05 (keep-v beside stock in one call each, or alone where said): the assembled file
     matches its parts, each row names its size, every load's median ITL is within the issue's 5 % of stock's, no

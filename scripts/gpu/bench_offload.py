@@ -557,6 +557,20 @@ def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], facto
                            "token_indices": sorted({i for (_, i, _), g in mine if g > thr})}}
 
 
+def profile_batch(info: dict, input_len: int, steps: int) -> Optional[int]:
+    """How many requests :func:`profile_decode` sends: as many as the server runs at once, by its request cap
+    (``max_running_requests``) and by its KV pool (``max_total_num_tokens`` over a request's prompt and the
+    profile load's ``steps + 64`` output tokens), so that the profiled steps are one full batch. Sending the cap
+    alone where the pool binds (64 x 32K: 48 sent, ~19 held on an H100) profiled the queue's tail, a batch of a
+    few requests. None: neither is known (send them all)."""
+    caps = []
+    if info.get("max_running_requests"):
+        caps.append(int(info["max_running_requests"]))
+    if info.get("max_total_num_tokens"):
+        caps.append(max(1, int(info["max_total_num_tokens"]) // (input_len + steps + 64)))
+    return min(caps) if caps else None
+
+
 def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, timeout: float, running: Optional[int] = None) -> dict:
     """A second load (new prompts: no prefix cache hit) with SGLang's torch profiler
     (``/start_profile``, GPU activity only) over ``steps`` forward steps once every request decodes;
@@ -749,7 +763,7 @@ def part_throughput(a) -> dict:
             if a.profile_steps:
                 try:
                     row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout,
-                                                    running=s.info().get("max_running_requests"))
+                                                    running=profile_batch(s.info(), ilen, a.profile_steps))
                 except RuntimeError as e:  # the measured load stands; the profile's failure is named
                     row["profile"] = {"error": str(e)[:2000]}
             if trace:

@@ -382,7 +382,7 @@ def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
         return ms, ko.lse_merge(lse_mid, bs, max_splits)
 
     shipped = dict(max_splits=sp.scores_max_splits, num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages)
-    ms0, lse0 = run(**shipped)
+    ms0, lse0 = run(sp.scores_max_splits, sp.scores_num_warps, sp.scores_num_stages)
     ref = scores.clone()
     rows = []
     for ms_, nw, ns in [(m, w, st) for m in (16, 32, 64) for w in (2, 4, 8) for st in (2, 3, 4, 5)]:
