@@ -557,13 +557,16 @@ def itl_tail(per_request: List[List[tuple]], decode_from: Optional[float], facto
                            "token_indices": sorted({i for (_, i, _), g in mine if g > thr})}}
 
 
-def profile_batch(info: dict, input_len: int, steps: int) -> Optional[int]:
-    """How many requests :func:`profile_decode` sends: as many as the server runs at once, by its request cap
-    (``max_running_requests``) and by its KV pool (``max_total_num_tokens`` over a request's prompt and the
-    profile load's ``steps + 64`` output tokens), so that the profiled steps are one full batch. Sending the cap
-    alone where the pool binds (64 x 32K: 48 sent, ~19 held on an H100) profiled the queue's tail, a batch of a
-    few requests. None: neither is known (send them all)."""
-    caps = []
+def profile_batch(info: dict, input_len: int, steps: int, held: int = 0) -> Optional[int]:
+    """How many requests :func:`profile_decode` sends: as many as the server runs at once, so that the profiled
+    steps are one full batch and every request is admitted at once. The least of its request cap
+    (``max_running_requests``), what its KV pool holds of a prompt and the profile load's ``steps + 64`` output
+    tokens (``max_total_num_tokens``), and ``held``: the most requests the measured load ran at once (0: not
+    known), since SGLang's admission also reserves output tokens and the offload pool counts per-request costs
+    (64 x 32K on an H100: a pool of 20 such requests held 19). Sending the cap alone where the pool binds (48
+    there) profiled the queue's tail, a batch of a few requests; sending one more than fits would profile a lone
+    late request. None: nothing is known (send them all)."""
+    caps = [int(held)] if held and held > 0 else []
     if info.get("max_running_requests"):
         caps.append(int(info["max_running_requests"]))
     if info.get("max_total_num_tokens"):
@@ -576,8 +579,8 @@ def profile_decode(s: "Server", ps: List[List[int]], steps: int, work: str, time
     (``/start_profile``, GPU activity only) over ``steps`` forward steps once every request decodes;
     the trace's per-step GPU time by kernel category and the GPU's idle time
     (:func:`sglang_elastic.eval.steptrace.summarize`: ``steps - 1`` whole steps between the first and
-    the last graph launch). Only as many of ``ps`` as the server runs at once (``running``, its
-    ``max_running_requests``) are sent, so that the profiled steps are a full batch of them, not the
+    the last graph launch). Only as many of ``ps`` as the server runs at once (``running``:
+    :func:`profile_batch`) are sent, so that the profiled steps are a full batch of them, not the
     tail of a queue. Not the measured load: the profiler's own cost stays out of the ITL reported.
 
     Raises:
@@ -763,7 +766,7 @@ def part_throughput(a) -> dict:
             if a.profile_steps:
                 try:
                     row["profile"] = profile_decode(s, prompts([ilen] * n, seed=3), a.profile_steps, a.work, a.timeout,
-                                                    running=profile_batch(s.info(), ilen, a.profile_steps))
+                                                    running=profile_batch(s.info(), ilen, a.profile_steps, held=peak["running"]))
                 except RuntimeError as e:  # the measured load stands; the profile's failure is named
                     row["profile"] = {"error": str(e)[:2000]}
             if trace:

@@ -266,12 +266,13 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
     t = {}
     t["plan"] = time_ms(lambda: dec.plan(r2t, reqs, seq, bs))
     t["scores"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs], sp.scores_max_splits,
-                                                ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n))
+                                                ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n,
+                                                num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages))
     # the A/B of the ids loaded a tile ahead: the kernel before (ids loaded where used), same scores bit for bit
     carried = ws.scores.clone(), ws.score_lse.clone()
     t["scores_ids_uncarried"] = time_ms(lambda: ko.scores_run(q, kb, dec.kv_indptr[: bs + 1], dec.kv_indices, dec.chunk[:bs],
                                                               sp.scores_max_splits, ws.scores, ws.score_lse, D ** -0.5, sp.scores_block_n,
-                                                              carry_ids=False))
+                                                              num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages, carry_ids=False))
     bit_equal = bool(torch.equal(carried[0], ws.scores) and torch.equal(carried[1], ws.score_lse))
     del carried  # ~184 MB at 44 x 32K
     lse = ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full)
@@ -354,13 +355,15 @@ def time_layer(out, bs=44, ctx=32768, key="layer_timing"):
 
 
 def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
-    """The scores kernel (``ko.scores_run``, 78 % of a sparse layer at 44 x 32K on an H100) over its launch
+    """The scores kernel (``ko.scores_run``, about 70 % of a sparse layer at 44 x 32K on an H100) over its launch
     settings: ``scores_max_splits`` 16 / 32 / 64 (the plan's chunks) x ``num_warps`` 2 / 4 / 8 x ``num_stages``
     2 to 5, each timed as :func:`time_layer` times it (K rows scattered over the pool, page 1) and compared with the
-    shipped setting's output: the scores bit for bit and the merged log-sum-exp (max |diff|). Writes
-    ``out[key] = {batch, context, k_bytes_gb, shipped: {...}, configs: [{max_splits, num_warps, num_stages, ms, gb_s,
-    scores_bit_equal, lse_max_abs_diff} | {..., error}], best: {...}, best_vs_shipped}``; a setting Triton cannot
-    compile is recorded with its error, never fatal."""
+    shipped setting's output: the scores bit for bit and the merged log-sum-exp (bit for bit, and its max |diff|:
+    another chunking sums the log-sum-exp in another order, and the selection reads it, so a setting whose
+    ``lse_bit_equal`` is false is not output-neutral). Writes ``out[key] = {batch, context, k_bytes_gb, shipped:
+    {...}, configs: [{max_splits, num_warps, num_stages, ms, gb_s, scores_bit_equal, lse_bit_equal,
+    lse_max_abs_diff} | {..., error}], best: {...}, best_vs_shipped}`` (``best``: the fastest with the scores
+    bit-equal); a setting Triton cannot compile is recorded with its error, never fatal."""
     from sglang_elastic.kernels.decode_attention import split_kv_plan
     from sglang_elastic.offload.decode import SplitConfig
     sp = SplitConfig()
@@ -375,7 +378,7 @@ def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
 
     def run(max_splits, nw, ns):
         chunk, _ = split_kv_plan(indptr, max_splits, sp.scores_min_chunk, sp.scores_block_n)
-        lse_mid = torch.empty((bs * max_splits, HQ), device="cuda", dtype=torch.float32)
+        lse_mid = torch.full((bs * max_splits, HQ), float("nan"), device="cuda", dtype=torch.float32)  # a stale block cannot pass
         fn = lambda: ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, lse_mid, D ** -0.5, sp.scores_block_n,
                                    num_warps=nw, num_stages=ns)
         ms = time_ms(fn)
@@ -394,7 +397,7 @@ def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue
         rows.append({**row, "ms": ms, "gb_s": k_gb / ms * 1e3, "scores_bit_equal": bool(torch.equal(scores, ref)),
-                     "lse_max_abs_diff": (lse - lse0).abs().max().item()})
+                     "lse_bit_equal": bool(torch.equal(lse, lse0)), "lse_max_abs_diff": (lse - lse0).abs().max().item()})
     ok = [r for r in rows if "ms" in r and r["scores_bit_equal"]]
     best = min(ok, key=lambda r: r["ms"]) if ok else None
     out[key] = {"batch": bs, "context": ctx, "k_bytes_gb": k_gb, "shipped": {**shipped, "ms": ms0, "gb_s": k_gb / ms0 * 1e3},
