@@ -674,10 +674,31 @@ def time_keep_v_step(out, bs=64, ctx=4608, layers=32, hq=HQ, hkv=HKV, d=D, devic
     del pool, stock
 
 
+#: ``--only NAME``: the timings NAME runs alone (each writes its keys of the result).
+ONLY = {
+    "keep_v_step": lambda out: time_keep_v_step(out, kernels=kernel_us),
+    "layer_timing": lambda out: (time_layer(out), time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")),
+    "scores_sweep": lambda out: (time_scores_sweep(out), time_scores_sweep(out, bs=64, ctx=4608, key="scores_sweep_fits")),
+}
+
+
+def run_only(name, out, t0, path):
+    """``--only name``: that timing alone, written to ``path`` with the seconds it took; prints each key it added
+    (a sweep's shipped and best settings only)."""
+    before = set(out)
+    ONLY[name](out)
+    out["seconds"] = round(time.time() - t0, 1)
+    results.write(path, out)
+    for k in [k for k in out if k not in before and k != "seconds"]:
+        v = out[k]
+        print(k, {x: v[x] for x in ("shipped", "best")} if isinstance(v, dict) and "best" in v else v, flush=True)
+    print("wrote", path, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=("keep_v_step", "layer_timing", "scores_sweep"), default=None,
+    ap.add_argument("--only", choices=tuple(ONLY), default=None,
                     help="run only this timing and write it (keep_v_step: the all-dense and mixed keep-v steps; layer_timing: a "
                          "sparse layer per kernel at 44 x 32K and at 64 x 4.6K, as the full check times them; scores_sweep: the "
                          "scores kernel's launch settings at those two shapes)")
@@ -686,27 +707,8 @@ def main():
         sys.exit("check_offload: needs a CUDA GPU")
     out = results.header()
     t0 = time.time()
-    if a.only == "keep_v_step":
-        time_keep_v_step(out, kernels=kernel_us)
-        out["seconds"] = round(time.time() - t0, 1)
-        results.write(a.out, out)
-        print("keep-v step", out["keep_v_step"], "\nwrote", a.out, flush=True)
-        return
-    if a.only == "layer_timing":
-        time_layer(out)
-        time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")
-        out["seconds"] = round(time.time() - t0, 1)
-        results.write(a.out, out)
-        print("layer", out["layer_timing"], "\nlayer fits", out["layer_timing_fits"], "\nwrote", a.out, flush=True)
-        return
-    if a.only == "scores_sweep":
-        time_scores_sweep(out)
-        time_scores_sweep(out, bs=64, ctx=4608, key="scores_sweep_fits")
-        out["seconds"] = round(time.time() - t0, 1)
-        results.write(a.out, out)
-        for k in ("scores_sweep", "scores_sweep_fits"):
-            print(k, "shipped", out[k]["shipped"], "best", out[k]["best"], flush=True)
-        print("wrote", a.out, flush=True)
+    if a.only:
+        run_only(a.only, out, t0, a.out)
         return
     check_pinned(out)
     print("pinned", out["pinned"], flush=True)
