@@ -376,23 +376,23 @@ def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
     scores = torch.empty((HQ, bs * ctx), device="cuda", dtype=torch.float32)
     k_gb = bs * ctx * HKV * D * 2 / 1e9
 
-    def run(max_splits, nw, ns):
+    def run(max_splits, num_warps, num_stages):
         chunk, _ = split_kv_plan(indptr, max_splits, sp.scores_min_chunk, sp.scores_block_n)
         lse_mid = torch.full((bs * max_splits, HQ), float("nan"), device="cuda", dtype=torch.float32)  # a stale block cannot pass
         fn = lambda: ko.scores_run(q, kb, indptr, idx, chunk, max_splits, scores, lse_mid, D ** -0.5, sp.scores_block_n,
-                                   num_warps=nw, num_stages=ns)
+                                   num_warps=num_warps, num_stages=num_stages)
         ms = time_ms(fn)
         return ms, ko.lse_merge(lse_mid, bs, max_splits)
 
     shipped = dict(max_splits=sp.scores_max_splits, num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages)
-    ms0, lse0 = run(sp.scores_max_splits, sp.scores_num_warps, sp.scores_num_stages)
+    ms0, lse0 = run(**shipped)
     ref = scores.clone()
     rows = []
     for ms_, nw, ns in [(m, w, st) for m in (16, 32, 64) for w in (2, 4, 8) for st in (2, 3, 4, 5)]:
         row = dict(max_splits=ms_, num_warps=nw, num_stages=ns)
         try:
             scores.fill_(float("nan"))
-            ms, lse = run(ms_, nw, ns)
+            ms, lse = run(**row)
         except Exception as e:  # shared memory or registers out of range for this setting: recorded
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue

@@ -48,10 +48,10 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
 _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: sglang/srt/utils/hf_transformers/common.py CONTEXT_LENGTH_KEYS, in its order of preference.
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
-#: Keys that make SGLang size another kind of KV pool or count other heads (model_config.py:
-#: get_total_num_kv_heads' attributes before num_key_value_heads, is_hybrid_swa_model's opt-in).
 #: Keys of a config whose weights are quantized (HF ``quantization_config``; compressed-tensors' ``compression_config``).
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+#: Keys that make SGLang size another kind of KV pool or count other heads (model_config.py:
+#: get_total_num_kv_heads' attributes before num_key_value_heads, is_hybrid_swa_model's opt-in).
 _OUTSIDE = ("multi_query", "n_head_kv", "num_kv_heads", "is_hybrid_swa", "num_local_experts", "num_experts", "kv_lora_rank")
 
 
