@@ -152,9 +152,7 @@ def _model_error(path: Optional[str], tp: int) -> Optional[str]:
 
         try:
             mpath, cfg = sizing.read_config(local, {})  # a JSON object, or AdviseError
-            # the heads split alike whatever the weights' format: the advisor refuses quantized configs for its sizing only
-            cfg = {k: v for k, v in cfg.items() if k not in sizing.QUANTIZATION_KEYS}
-            m = sizing.model_facts(str(mpath), cfg, f"--model-path {path}")
+            m = sizing.model_facts(str(mpath), cfg, f"--model-path {path}", quantized_ok=True)
         except advisor.AdviseError:  # a model the advisor does not read (MoE, sliding window, ...): SGLang checks it
             return None
         return advisor.tp_split_error(m, tp)

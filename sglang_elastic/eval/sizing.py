@@ -49,7 +49,7 @@ _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 #: sglang/srt/utils/hf_transformers/common.py CONTEXT_LENGTH_KEYS, in its order of preference.
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
 #: Keys of a config whose weights are quantized (HF ``quantization_config``; compressed-tensors' ``compression_config``).
-QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+_QUANTIZATION_KEYS = ("quantization_config", "compression_config")
 #: Keys that make SGLang size another kind of KV pool or count other heads (model_config.py:
 #: get_total_num_kv_heads' attributes before num_key_value_heads, is_hybrid_swa_model's opt-in).
 _OUTSIDE = ("multi_query", "n_head_kv", "num_kv_heads", "is_hybrid_swa", "num_local_experts", "num_experts", "kv_lora_rank")
@@ -140,10 +140,13 @@ def _context_length(cfg: Dict[str, Any], max_pos_default: int) -> int:
     return 2048
 
 
-def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
+def model_facts(path: str, cfg: Dict[str, Any], where: str, *, quantized_ok: bool = False) -> ModelFacts:
     """SGLang's ``ModelConfig`` values for a dense decoder of
     :data:`DENSE_MODEL_TYPES` (model_config.py ``_derive_model_shapes``,
     ``_derive_context_length``, ``get_total_num_kv_heads``).
+
+    ``quantized_ok``: read a quantized model's shapes too (its heads split over TP ranks as the
+    16-bit model's do); the advisor's sizing leaves it False, since it counts 2 bytes a weight.
 
     Raises:
         AdviseError: another model type or architecture, a key that makes
@@ -162,7 +165,7 @@ def model_facts(path: str, cfg: Dict[str, Any], where: str) -> ModelFacts:
     outside = [k for k in _OUTSIDE if cfg.get(k)]
     if outside:
         raise AdviseError(f"{where}: {', '.join(outside)} set: not a dense MHA decoder of {', '.join(DENSE_MODEL_TYPES)}; the advisor's weight count covers those only")
-    quant = next((cfg[k] for k in QUANTIZATION_KEYS if cfg.get(k)), None)
+    quant = None if quantized_ok else next((cfg[k] for k in _QUANTIZATION_KEYS if cfg.get(k)), None)
     if quant:  # AWQ, GPTQ, FP8, ...: the weight bytes (and so the KV pool) are not 2 bytes a parameter
         method = quant.get("quant_method") or quant.get("format") if isinstance(quant, dict) else None
         raise AdviseError(f"{where}: quantized weights ({method or 'quantization_config'}): the advisor counts 16-bit weights "
