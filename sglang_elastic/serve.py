@@ -163,20 +163,20 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
     """Replace this process with the patched server (``os.execv``).
 
     Exits with 2 and a one-line message, starting nothing, for an unknown
-    embedded model, when there is no NVIDIA GPU, or when the series is not
-    applied to the installed SGLang. ``dry_run``: print the command after
-    :func:`check_flags` (exit 2 with its reason when it refuses).
+    embedded model, flags :func:`check_flags` refuses, when there is no NVIDIA
+    GPU, or when the series is not applied to the installed SGLang (checked in
+    that order). ``dry_run``: print the command once the flags pass.
     """
     if not (_given(extra, "--model-path") or _given(extra, "--model")) and model not in model_names():
         print(f"sglang-elastic serve: --embedded-model {model}: no such embedded model; use one of {', '.join(model_names())}, "
               "or --model-path DIR for a real model", file=sys.stderr)
         return 2
     cmd = build_command(model, extra)
+    err = check_flags(cmd[3:])  # on every path: a bad flag is one line here, not SGLang's usage text after the GPU checks
+    if err:
+        print(f"sglang-elastic serve: {err}", file=sys.stderr)
+        return 2
     if dry_run:
-        err = check_flags(cmd[3:])
-        if err:
-            print(f"sglang-elastic serve: {err}", file=sys.stderr)
-            return 2
         print(" ".join(cmd))
         return 0
     if not has_nvidia_gpu():

@@ -52,6 +52,19 @@ def test_without_a_gpu_serve_exits_at_once_naming_the_test_command():
     assert "no NVIDIA GPU" in r.stderr and serve.TEST_COMMAND in r.stderr
 
 
+def test_a_bad_flag_is_one_line_without_dry_run_too(monkeypatch, capsys):
+    """Only ``--dry-run`` checked the flags (new-user finding): a start printed SGLang's usage text with the
+    error at its end, and on a machine without a GPU said nothing of the flag. Every path checks them first."""
+    execs = []
+    monkeypatch.setattr(serve, "has_nvidia_gpu", lambda: True)  # a GPU host: the flags are what stops the start
+    monkeypatch.setattr(serve.os, "execv", lambda *a: execs.append(a))
+    rc = serve.serve("llama-3.1-8b", ["--enable-elastic-kv", "--elastic-kv-mode", "bogus"], require_patched=False)
+    err = capsys.readouterr().err
+    assert rc == 2 and execs == [] and len(err.splitlines()) == 1, err
+    assert err.startswith("sglang-elastic serve: ") and "invalid choice: 'bogus'" in err
+    assert serve.serve("llama-3.1-8b", ["--port", "31000"], require_patched=False) == 0 and len(execs) == 1  # good flags go on to the exec
+
+
 def test_launch_script_refuses_on_this_cpu_machine_before_installing_anything():
     if serve.has_nvidia_gpu():
         pytest.skip("GPU present")
