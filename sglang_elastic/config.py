@@ -229,6 +229,11 @@ class OffloadConfig:
             raise ConfigError(f"--kv-offload-eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.prefetch != "off" and self.resident_v:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
+        if self.resident_v:  # no hot buffers and no host pool there: a flag that sets them would do nothing
+            unused = {"hot_slack": "no hot buffers to size", "eviction": "no hot buffers to evict from", "host_gb": "no host pool to cap"}
+            for f, why in unused.items():
+                if getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
+                    raise ConfigError(f"--kv-offload-{f.replace('_', '-')} has {why} with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_reserve is not None:

@@ -656,6 +656,22 @@ def test_gpu_script_exactness_compares_the_host_tier_with_its_resident_copy_one_
         assert says in capsys.readouterr().err
 
 
+def test_the_resident_copy_drops_the_host_tier_flags_that_resident_v_refuses():
+    """Resident V refuses the hot-buffer and host-pool flags (they would set nothing); the exactness copy of a
+    server that sets them runs the same selection without them, and the copy passes the server's own checks."""
+    gpu = _load_script("scripts/gpu/offload_accuracy.py")
+    from sglang_elastic.serve import build_command, check_flags
+
+    argv = ["--enable-kv-offload", "--no-kv-offload-keep-v", "--kv-offload-hot-slack", "4", "--kv-offload-eviction=lfu",
+            "--kv-offload-topk", "1024", "--kv-offload-host-gb", "20", "--kv-offload-hot-slack-max=8", "--disable-radix-cache"]
+    res = gpu.resident_copy(argv)
+    assert res == ["--enable-kv-offload", "--no-kv-offload-keep-v", "--kv-offload-topk", "1024", "--disable-radix-cache",
+                   "--kv-offload-resident-v"]
+    assert check_flags(build_command("llama-3.1-8b", argv)[3:]) is None
+    assert check_flags(build_command("llama-3.1-8b", res)[3:]) is None
+    assert "has no hot buffers" in check_flags(build_command("llama-3.1-8b", argv + ["--kv-offload-resident-v"])[3:])
+
+
 def test_gpu_script_refuses_nonsense_counts_and_lengths_with_one_line(model_dir, tmp_path, capsys):
     """New-user findings: ``--concurrency 0`` ended in a traceback, ``--samples -1``
     ran natural text only and reported a pass, ``--lengths 0`` spoke of -12

@@ -538,6 +538,24 @@ def sample_set(a, model: "Model") -> List[tasks.Sample]:
     return samples
 
 
+#: Flags of the host tier that resident V refuses (no hot buffers, no host pool): the selection does not read them.
+HOST_TIER_FLAGS = ("--kv-offload-hot-slack", "--kv-offload-hot-slack-max", "--kv-offload-eviction", "--kv-offload-host-gb")
+
+
+def resident_copy(argv: List[str]) -> List[str]:
+    """``argv`` with V resident (``--kv-offload-resident-v``) and without :data:`HOST_TIER_FLAGS` (as ``--flag V``
+    or ``--flag=V``), which set only the hot buffers and the host pool: the same selection, every V row on the GPU."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in HOST_TIER_FLAGS:
+            skip = True
+        elif not x.startswith(tuple(f + "=" for f in HOST_TIER_FLAGS)):
+            out.append(x)
+    return out + ["--kv-offload-resident-v"]
+
+
 def preflight(a, servers: Dict[str, List[str]]) -> None:
     """Before any server starts: the output paths can be written, and every
     server's flags pass SGLang's parse with this project's checks
@@ -664,7 +682,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                 raise Failure("--exactness compares the first --offload-args server with its resident-V copy: drop --kv-offload-resident-v there")
             if offload_config(offload_sets[0]).keep_v_wanted:  # resident V keeps nothing: the two would not run the same selection
                 raise Failure("--exactness compares the sparse rule with its resident-V copy: add --no-kv-offload-keep-v to the first --offload-args")
-            servers["resident"] = servers["offload"] + ["--kv-offload-resident-v"]
+            servers["resident"] = resident_copy(servers["offload"])
         preflight(a, servers)  # before the samples (minutes to draw) and any server
         samples = sample_set(a, model)
     except (Failure, ValueError) as e:  # PolicyError and TaskError are ValueErrors
