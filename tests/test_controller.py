@@ -135,8 +135,8 @@ class Bed:
     # -- SGLang's request life cycle, as the scheduler drives it ------------
     def _write(self, ids):
         for l in range(LAYERS):
-            k = torch.randn(len(ids), self.pool.head_num, self.pool.head_dim, generator=self.gen).bfloat16()
-            self.pool.set_kv_buffer(layer(l), ids, k, -k)
+            k, v = torch.randn(2, len(ids), self.pool.head_num, self.pool.head_dim, generator=self.gen).bfloat16()
+            self.pool.set_kv_buffer(layer(l), ids, k, v)
 
     def open_session(self, sid: str):
         """A streaming session (``/open_session`` with ``streaming=True``)."""
@@ -206,8 +206,10 @@ class Bed:
         slot = self.tree.slots[sid]
         return self.r2t.req_to_token[slot.req_pool_idx, : slot.kv.kv_allocated_len].to(torch.int64).clone()
 
-    def k_of(self, ids):
-        return torch.stack([self.pool.get_key_buffer(l)[ids] for l in range(LAYERS)])
+    def kv_of(self, ids):
+        """K and V of ``ids`` in every layer, ``[LAYERS, 2, len(ids), heads, head_dim]`` (V apart from K: a move that
+        loses V alone shows; the first version compared K only, and a relocation that zeroed V passed)."""
+        return torch.stack([torch.stack((self.pool.get_key_buffer(l)[ids], self.pool.get_value_buffer(l)[ids])) for l in range(LAYERS)])
 
     def check_ownership_and_accounting(self):
         a = self.alloc
@@ -260,7 +262,7 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
         assert bed.decode()
     rows = bed.rows()
     assert max(int(r.max()) for r in rows.values()) >= bed.alloc.base_tokens  # something really is lent
-    k = {rid: bed.k_of(r) for rid, r in rows.items()}
+    k = {rid: bed.kv_of(r) for rid, r in rows.items()}
     bed.finish(0)  # the first request finishes: its tokens go to the tree; base room appears
     bed.check_ownership_and_accounting()
     bed.ctl.reclaim(bed.batch)
@@ -268,7 +270,7 @@ def test_lend_grows_capacity_and_a_reclaim_migrates_every_running_request_bit_ex
     assert bed.sched.waiting_queue == []  # nothing retracted: the base had room
     for rid, r in bed.rows().items():
         assert int(r.max()) < bed.alloc.base_tokens
-        assert torch.equal(bed.k_of(r), k[rid]), "K bytes changed across the migration"
+        assert torch.equal(bed.kv_of(r), k[rid]), "K or V bytes changed across the migration"
     bed.check_ownership_and_accounting()
 
 
@@ -489,13 +491,13 @@ def test_random_serving_with_lend_and_reclaim_keeps_ownership_accounting_and_kv_
             bed.ctl.lend()
         elif op == "reclaim" and bed.ctl.lent:
             rows = bed.rows()
-            k = {rid: bed.k_of(r) for rid, r in rows.items()}
+            k = {rid: bed.kv_of(r) for rid, r in rows.items()}
             bed.ctl.reclaim(bed.batch)
             retracted = {r.rid for r in bed.sched.waiting_queue}
             for rid, r in bed.rows().items():
                 assert rid not in retracted
                 assert int(r.max()) < bed.alloc.base_tokens
-                assert torch.equal(bed.k_of(r), k[rid])
+                assert torch.equal(bed.kv_of(r), k[rid])
             bed.sched.waiting_queue.clear()
         bed.check_ownership_and_accounting()
 
@@ -655,12 +657,12 @@ def test_a_reclaim_also_moves_the_chunked_request_held_out_of_the_running_batch(
     chunked = bed.batch.reqs.pop()  # SGLang keeps the chunked request out of the batch between chunks
     bed.sched.chunked_req = chunked
     before = bed.r2t.req_to_token[chunked.req_pool_idx, :60].to(torch.int64).clone()
-    k = bed.k_of(before)
+    k = bed.kv_of(before)
     bed.finish(0)
     bed.ctl.reclaim(bed.batch)
     after = bed.r2t.req_to_token[chunked.req_pool_idx, :60].to(torch.int64)
     assert int(before.max()) >= bed.alloc.base_tokens > int(after.max())
-    assert torch.equal(bed.k_of(after), k)
+    assert torch.equal(bed.kv_of(after), k)
     assert int(chunked.prefix_indices.max()) < bed.alloc.base_tokens
 
 
@@ -1042,7 +1044,7 @@ def test_an_eager_prefill_reclaims_only_the_steps_sglangs_estimate_needs():
     top = bed.alloc.base_tokens + 64
     assert int(row_b.max()) >= top
     kept = row_b[(row_b >= bed.alloc.base_tokens) & (row_b < top)]
-    k = bed.k_of(row_b)
+    k = bed.kv_of(row_b)
     # the device has all but half a step of what an 8,192-token eager prefill needs
     need = eager_activation_bytes(8192)
     bed.be.capacity = sum(bed.be._handle_bytes.values()) + need - bed.pool.arena.step_bytes() // 2
@@ -1051,6 +1053,6 @@ def test_an_eager_prefill_reclaims_only_the_steps_sglangs_estimate_needs():
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == 64 and bed.pool.arena.lent_steps == 1  # one step back, one still lent
     after = bed.rows()[b.rid]
-    assert int(after.max()) < top and torch.equal(bed.k_of(after), k)
+    assert int(after.max()) < top and torch.equal(bed.kv_of(after), k)
     assert torch.equal(after[(after >= bed.alloc.base_tokens)], kept)  # ids in the kept step did not move
     bed.check_ownership_and_accounting()

@@ -605,14 +605,14 @@ def test_a_reclaim_vacates_while_the_last_forward_runs_and_its_unmap_waits_for_t
     req = bed.admit(list(range(1000, 1100)))
     row = bed.rows()[req.rid]
     assert int(row.max()) >= bed.alloc.base_tokens  # in lent rows
-    k = bed.k_of(row)
+    k = bed.kv_of(row)
     bed.ctl.after_forward()  # SGLang launched a forward reading these rows
     [fwd] = fences.made
     assert not fwd.is_set()
     lent_va = bed.pool.arena.token_va(0, bed.alloc.base_tokens)
     assert bed.ctl.reclaim(bed.batch, why="test")  # returns while the forward still runs: the scheduler does not wait for it
     moved = bed.rows()[req.rid]
-    assert int(moved.max()) < bed.alloc.base_tokens and torch.equal(bed.k_of(moved), k)  # vacated
+    assert int(moved.max()) < bed.alloc.base_tokens and torch.equal(bed.kv_of(moved), k)  # vacated
     assert fences.waiting.wait(JOIN)  # the helper thread waits on the forward's fence ...
     assert lent_va in bed.be._maps and syncs == [] and bed.pool.arena.busy  # ... before it unmaps; no device-wide synchronize
     assert fences.order[0] is fwd  # the vacate's device work was queued after the forward
