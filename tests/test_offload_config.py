@@ -505,6 +505,11 @@ def test_the_server_keeps_the_hot_buffers_hint_by_row_and_position_when_the_radi
         lay = hooks.offload_layout(cfg, cfg.policy(), 4, shape, keep_v=True, hint_by_row=on)
         assert lay.hint_by_row == by_row and lay.request_rows == 5 and lay.stage_tokens == 1024
     assert not hooks.radix_cache_on(None)
+    # the hot-buffer flags reach the layout the decoder reads (the flag's path; the kernels' rules are tested apart)
+    cfg = config.from_namespace(namespace("--enable-kv-offload", "--kv-offload-eviction", "lfu", "--kv-offload-hot-slack", "3",
+                                          "--kv-offload-hot-slack-max", "6", "--kv-offload-hot-tokens", "6000")).offload
+    lay = hooks.offload_layout(cfg, cfg.policy(), 4, shape, keep_v=False, hint_by_row=False)
+    assert (lay.eviction, lay.hot_slack, lay.hot_slack_max, lay.hot_tokens, lay.keep_v) == ("lfu", 3.0, 6.0, 6000, False)
 
 
 @pytest.mark.parametrize("flags, disable_radix", [(["--enable-kv-offload"], False), (["--enable-kv-offload"], True),
