@@ -676,11 +676,12 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--kv-offload-dense-layers {dense} leaves none of the model's {layers} layers sparse: nothing would be "
                           f"offloaded (use at most {layers - 1})")
     if env_on("SGLANG_ENABLE_DETERMINISTIC_INFERENCE"):
-        raise ConfigError("--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1: it needs one of SGLang's own "
+        raise ConfigError(f"--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE="
+                          f"{os.environ['SGLANG_ENABLE_DETERMINISTIC_INFERENCE']}: it needs one of SGLang's own "
                           "attention backends, and a sparse decode is not batch-invariant")
     for env, why in _OFFLOAD_RADIX_ENV:  # SGLang's default radix cache is supported (a matched prefix is rebuilt per request)
         if not getattr(ns, "disable_radix_cache", False) and env_on(env):
-            raise ConfigError(f"--enable-kv-offload does not support {env}=1: {why}")
+            raise ConfigError(f"--enable-kv-offload does not support {env}={os.environ[env]}: {why}")
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         v = getattr(ns, flag, None)
         if v not in (None, OFFLOAD_BACKEND):

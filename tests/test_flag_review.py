@@ -25,7 +25,7 @@ def test_env_switches_are_read_as_sglang_reads_them(raw, monkeypatch):
 
 
 @pytest.mark.parametrize("env,flags,message", [
-    ("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", BASE_OFFLOAD, "--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE"),
+    ("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", BASE_OFFLOAD, "--enable-kv-offload does not support SGLANG_ENABLE_DETERMINISTIC_INFERENCE=y: it needs"),
     ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", BASE_OFFLOAD, "unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"),
     ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", ["--enable-elastic-kv"], "--enable-elastic-kv does not support SGLANG_ENABLE_UNIFIED_RADIX_TREE=y"),
     ("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", ["--enable-elastic-kv"], "--enable-elastic-kv does not support SGLANG_EXPERIMENTAL_CPP_RADIX_TREE=y"),

@@ -79,7 +79,7 @@ def test_the_radix_cache_is_accepted_and_other_radix_trees_are_refused_with_one_
     monkeypatch.setenv(env, "y")
     with pytest.raises(SystemExit) as e:
         plugin._from_cli_args(None, namespace("--enable-kv-offload"))
-    assert str(e.value) == (f"sglang-elastic: --enable-kv-offload does not support {env}=1: validated with SGLang's default radix "
+    assert str(e.value) == (f"sglang-elastic: --enable-kv-offload does not support {env}=y: validated with SGLang's default radix "
                             "cache only (unset it, or pass --disable-radix-cache)")
     assert plugin._from_cli_args(None, namespace("--enable-kv-offload", disable_radix_cache=True)) is None
 
