@@ -27,7 +27,7 @@ Flags (all off by default; nothing changes unless ``--enable-elastic-kv``):
   lending (hysteresis, default 32).
 - ``--elastic-kv-activation-rule {sglang,measured}``: what a plain eager
   prefill is taken to need while lent (default ``sglang``: SGLang's estimate,
-  512 MiB + 1.5 MiB a token; ``measured``, experimental: bounded by what the
+  512 MiB + 1.5 MiB a token + 128 MiB a rank; ``measured``, experimental: bounded by what the
   server's eager prefill passes took, never more than SGLang's estimate).
 - ``--elastic-kv-reclaim-wait {decode,block}``: while a reclaim's unmap
   gives its memory back on the helper thread, the prefill it is for waits

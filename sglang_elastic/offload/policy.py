@@ -19,11 +19,12 @@ layer at or above ``dense_layers`` (layers below attend densely):
   the lower position.
 
 The output over the attended set ``T``: ``o_h = sum_{i in T} exp(s_hi - lse_h) v_i``
-with ``lse_h`` the log-sum-exp over ``T`` (``denominator="selected"``, the
-default: renormalised, what the selectors of the anchors' accuracy study
+with ``lse_h`` the log-sum-exp over ``T`` (``denominator="selected"``, this
+class's default: renormalised, what the selectors of the anchors' accuracy study
 computed) or over **all** ``L`` positions (``"full"``: exact scores, only the
-V sum is sparse, as issue 24's Build 3 words it). The default is
-``selected`` because it is measured better: on SmolLM2-135M at a 5 % budget
+V sum is sparse, as issue 24's Build 3 words it). The server's default
+(``--kv-offload-denominator``, :class:`sglang_elastic.config.OffloadConfig`) is
+``"estimate"``, below. ``selected`` measured better than ``full``: on SmolLM2-135M at a 5 % budget
 ``full`` has 3-9x the next-token KL of ``selected`` in every task and length
 (natural text at 2K: 0.177 against 0.037) and keeps fewer dense-solved
 answers (4-value NIAH at 20 %: 2 of 5 against 5 of 5):

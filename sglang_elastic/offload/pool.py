@@ -24,7 +24,12 @@ sparse layers in pinned host memory plus per-request hot buffers.
   rows per selected row, at most ``hot_tokens``) and go back with the row
   (``ReqToTokenPool.free``, hooked): the pool holds pages for the tokens
   SGLang can hold (:func:`~sglang_elastic.offload.sizing.hot_pages`), not a
-  full buffer per request row.
+  full buffer per request row. With ``keep_v`` (``--kv-offload-keep-v``, on by
+  default) a sparse layer's K and V share one buffer of ``[hot_rows + size +
+  page, kv_heads, head_dim]`` (``hot_rows = rows * R + pages * P + 1``):
+  ``v_buffer[l]`` is all of it, hot rows first, and ``k_buffer[l]`` the part
+  after them, so that a pool slot SGLang's allocator leaves idle holds a kept
+  request's V row at ``keep_base + slot`` (:mod:`sglang_elastic.offload.keep`).
 
 Writes (``set_kv_buffer``): K to the pool; for sparse layers V to the host
 row of its token id and, when the step's write plan
