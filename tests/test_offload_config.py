@@ -458,7 +458,7 @@ def test_dense_launch_text_sets_only_the_all_dense_fields_and_round_trips(text, 
     assert got.scores_min_chunk == SplitConfig().scores_min_chunk and got.attend_block_n == SplitConfig().attend_block_n
 
 
-@pytest.mark.parametrize("given,share", [(None, config.KEEP_RESERVE), ("0", 0.0), ("0.5", 0.5), ("0.125", 0.125)])
+@pytest.mark.parametrize("given,share", [(None, 0.02), ("0", 0.0), ("0.5", 0.5), ("0.125", 0.125)])
 def test_the_keep_reserve_takes_its_bounds_and_defaults_to_the_shipped_share(given, share):
     """``--kv-offload-keep-reserve`` accepts 0 and 0.5 (its bounds) and, not given, is None and resolves to
     :data:`config.KEEP_RESERVE` (the manager reads ``reserve_share``)."""

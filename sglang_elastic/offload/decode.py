@@ -264,6 +264,10 @@ class OffloadDecoder:
         device: where the buffers live.
         split: :class:`SplitConfig`.
         prefetch: also keep the buffers of :meth:`prefetch` (a second selection).
+
+    Raises:
+        ValueError: ``estimate``'s chunk (``--kv-offload-chunk``) does not divide the scores'
+            block of ``split.scores_block_n`` positions.
     """
 
     def __init__(self, layout: OffloadLayout, q_heads: int, kv_heads: int, head_dim: int, max_bs: int, token_capacity: int,
@@ -598,8 +602,13 @@ class OffloadDecoder:
         (``estimate``: plus the unattended rows' share through their chunks' mean V).
 
         Args:
-            q: ``[bs, q_heads, head_dim]``; k_buffer: the pool's K of the layer.
-            v_buffer: the layer's hot-buffer V rows (or, resident, the pool's V).
+            q: ``[bs, q_heads, head_dim]`` bf16/fp16; k_buffer: the pool's K of the layer,
+                ``[slots, kv_heads, head_dim]``, q's dtype.
+            v_buffer: the layer's hot-buffer V rows (or, resident, the pool's V), ``[rows, kv_heads, head_dim]``.
+            out: ``[bs, q_heads, head_dim]``, q's dtype, written (and returned).
+            sm_scale: the softmax scale (SGLang's ``layer.scaling``).
+            req_to_token, req_pool_indices, seq_lens: SGLang's ``[rows, context]`` int32 token ids, ``[bs]``
+                request rows and ``[bs]`` lengths (this step's token included).
             hot_state: the layer's :class:`~sglang_elastic.offload.pool.HotState` (not resident; its
                 page table must cover this step's selection: :meth:`grant_pages`).
             host_v: the layer's host V rows seen by the GPU (not resident).
@@ -610,6 +619,9 @@ class OffloadDecoder:
                 (:meth:`OffloadKVPool.miss_record`, the adaptive hot pages), or None.
             clock: ``f(0)`` / ``f(1)`` called around the miss copy (records timing events:
                 :meth:`sglang_elastic.offload.copytime.CopyTimer.clock`), or None.
+
+        Returns:
+            ``out``.
 
         Raises:
             ValueError: ``estimate`` without ``v_summary``.

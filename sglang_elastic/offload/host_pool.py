@@ -142,11 +142,17 @@ class HostVPool(HostKVCache):
 
     # HiCache's transfer interface, for the V rows (token id = host row)
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel") -> None:
+        """Copy V rows ``host_indices`` of layer ``layer_id`` into ``device_pool``'s V rows ``device_indices``
+        (``HostKVCache``'s method: ``[n]`` int32/int64 token ids each, same length; a negative index skips its row),
+        on the GPU from pinned memory (:func:`~sglang_elastic.kernels.offload.copy_rows_run`; ``io_backend`` is
+        SGLang's argument, unused). Raises ValueError where the two pools' rows differ in size or dtype."""
         from sglang_elastic.kernels.offload import copy_rows_run
 
         copy_rows_run(self.view(layer_id), device_pool.get_value_buffer(layer_id), host_indices, device_indices, n=int(host_indices.numel()))
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend="kernel") -> None:
+        """Copy ``device_pool``'s V rows ``device_indices`` of every layer this pool holds to its host rows
+        ``host_indices`` (``[n]`` int32/int64 token ids each; as :meth:`load_to_device_per_layer`, the other way)."""
         from sglang_elastic.kernels.offload import copy_rows_run
 
         for layer_id in self.layer_ids:

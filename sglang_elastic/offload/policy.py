@@ -83,8 +83,9 @@ class OffloadPolicy:
     float64 reference and CPU oracle only).
 
     Raises:
-        PolicyError: a negative size, a budget outside (0, 1], an unknown
-            denominator, a chunk not in :data:`CHUNKS` or (``estimate``) above the window.
+        PolicyError: a negative size, a budget outside (0, 1] or with more than
+            6 decimals, an unknown denominator or granularity, a chunk not in
+            :data:`CHUNKS` or (``estimate``) above the window.
     """
 
     sink: int = 4

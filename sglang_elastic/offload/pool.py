@@ -93,9 +93,10 @@ class OffloadLayout:
     row again, every step, each moving the hint to its own slot.
 
     Raises:
-        ValueError: ``hot_tokens < policy.max_topk``, a non-positive size, an
-            unknown ``eviction``, ``lfu`` with a context of 2**21 tokens or more,
-            a slack outside [1, 16], a ``hot_slack_max`` below ``hot_slack`` (other than 0) or above 16.
+        ValueError: ``hot_tokens < policy.max_topk`` or ``>= 32768``, a non-positive
+            size or ``hot_page``, an unknown ``eviction``, ``lfu`` with a context of
+            2**21 tokens or more, a policy granularity other than ``token``, a slack
+            outside [1, 16], a ``hot_slack_max`` below ``hot_slack`` (other than 0) or above 16.
     """
 
     policy: OffloadPolicy
@@ -184,6 +185,8 @@ class OffloadKVPool(MHATokenToKVPool):
         NotImplementedError: a quantized KV cache, the HND layout, or a
             layer range (pipeline parallelism).
         ValueError: not enough host memory for the V rows (SGLang's check).
+        RuntimeError: the host V pool could not be allocated or pinned (one
+            ``sglang-elastic:`` line with the size and the flag to lower, :class:`~.host_pool.HostVPool`).
     """
 
     def __init__(self, *args, layout: OffloadLayout, pin_memory: bool = True, **kwargs):

@@ -218,7 +218,7 @@ def size_pool(
     Raises:
         SizingError: when the pool would hold less than one request of
             ``shape.context_len`` tokens (names the bound and the flag to change),
-            or when ``policy.dense_layers`` leaves no sparse layer.
+            when ``policy.dense_layers`` leaves no sparse layer, or ``requests < 1``.
     """
     if requests < 1:
         raise SizingError(f"--max-running-requests must be >= 1 with --enable-kv-offload, not {requests}")
