@@ -159,15 +159,36 @@ def test_the_committed_h100_ceiling_parts_give_the_committed_ceilings():
     for want, inputs in (("offload_ceiling_long32k_h100.json", ["throughput_long32k_stock_046d41d.json", "throughput_long32k_o1_stock_046d41d.json"]),
                          ("offload_ceiling_long32k_h100_794e27f.json", ["throughput_long32k_stock_794e27f.json",
                                                                       "throughput_long32k_o1_stock_046d41d.json",
-                                                                      "throughput_long32k_offload_794e27f.json"])):
+                                                                      "throughput_long32k_offload_794e27f.json.xz"]),
+                         ("offload_ceiling_long32k_h100_b079e67.json", ["throughput_long32k_stock_b079e67.json.xz",
+                                                                      "throughput_long32k_o1_stock_046d41d.json",
+                                                                      "throughput_long32k_offload_b079e67.json.xz"])):
         got = mod.part_ceiling(type("A", (), {"inputs": [str(c / f) for f in inputs]})())
         committed = json.loads((d / want).read_text())
         for k in ("ceiling_x", "decode_phase_s", "stock", "servers", "gpu"):
             assert got[k] == committed[k], (want, k)
-        pinned = {"offload_ceiling_long32k_h100.json": (1.6779, None), "offload_ceiling_long32k_h100_794e27f.json": (1.6747, 1.0355)}[want]
+        pinned = {"offload_ceiling_long32k_h100.json": (1.6779, None), "offload_ceiling_long32k_h100_794e27f.json": (1.6747, 1.0355),
+                  "offload_ceiling_long32k_h100_b079e67.json": (1.6788, 1.0350)}[want]
         assert committed["ceiling_x"] == pytest.approx(pinned[0], abs=1e-4), want
         if pinned[1] is not None:
             assert committed["servers"]["offload"]["ratio"] == pytest.approx(pinned[1], abs=1e-4)
+
+
+def test_the_full_batch_step_profiles_place_the_offload_step_in_its_selection():
+    """#31's step profiles, both servers at their full batch on one H100 (docs/offload.md quotes them): stock's step is
+    its attention (FlashInfer reading all K and V), offload's is its selection, the scores kernel's K read first."""
+    import lzma
+
+    c = ROOT / "docs" / "results" / "offload_h100_parts" / "ceiling"
+    prof = {n: json.load(lzma.open(c / f"throughput_long32k_{n}_b079e67.json.xz", "rt"))["servers"][n]["profile"] for n in ("stock", "offload")}
+    st, off = prof["stock"], prof["offload"]
+    assert (st["requests"], off["requests"], st["steps"], off["steps"]) == (12, 19, 9, 9)
+    assert st["per_step_us"]["span"] == pytest.approx(22840.56) and off["per_step_us"]["span"] == pytest.approx(29584.02)
+    assert st["per_step_us"]["kernels"]["attention"] == pytest.approx(16648.64)
+    sel = off["per_step_us"]["kernels"]["offload_select"]
+    assert sel == pytest.approx(19443.06) and sel / off["per_step_us"]["busy"] == pytest.approx(0.664, abs=1e-3)
+    by = {k["name"]: k["us_per_step"] for k in off["kernels"]}
+    assert (by["_scores_kernel"], by["_estimate_kernel"], by["_select_hist_kernel"]) == pytest.approx((13703.23, 2394.06, 2183.25))
 
 
 def test_the_committed_h100_parts_give_the_committed_h100_rows():

@@ -34,6 +34,7 @@ import datetime
 import glob
 import json
 import os
+import lzma
 import random
 import re
 import signal
@@ -494,7 +495,6 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
 def write_trace(directory: str, server: str, loads: list) -> str:
     """Write one server's load timelines (:func:`load`'s ``trace``) to ``directory/itl_trace_<server>.json.xz``
     and return its path (the row names it; the file stays out of the part's JSON: ~1 MB a 64-request load)."""
-    import lzma
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"itl_trace_{server}.json.xz")
@@ -779,8 +779,8 @@ def part_throughput(a) -> dict:
 
 
 def read_parts(paths: List[str], keys: tuple) -> List[dict]:
-    """The throughput part JSONs at ``paths``, in order, each agreeing with the first on ``keys`` (a part from
-    before ``--tp`` ran at TP 1: its ``tp`` is set to 1).
+    """The throughput part JSONs at ``paths`` (``.json``, or ``.json.xz`` as committed where the tree has no room),
+    in order, each agreeing with the first on ``keys`` (a part from before ``--tp`` ran at TP 1: its ``tp`` is set to 1).
 
     Raises:
         RuntimeError: one cannot be read, is not JSON or not a throughput part, or differs from the first on a key
@@ -789,9 +789,9 @@ def read_parts(paths: List[str], keys: tuple) -> List[dict]:
     parts = []
     for f in paths:
         try:
-            with open(f) as fh:
+            with (lzma.open(f, "rt") if f.endswith(".xz") else open(f)) as fh:
                 p = json.load(fh)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, lzma.LZMAError) as e:
             raise RuntimeError(f"{f}: {e}") from None
         p.setdefault("tp", 1)
         if p.get("part") != "throughput":
