@@ -41,21 +41,21 @@ def test_a_reclaim_remaps_a_streaming_sessions_slot_and_its_next_turn_reads_the_
     bed.finish(turn)  # SGLang saves the turn's KV into the session's slot
     row = bed.slot_row("s1")
     assert row.numel() == 220 and _lent(row, bed) == 17
-    k = bed.k_of(row)
+    k = bed.kv_of(row)
     bed.check_ownership_and_accounting()
 
     bed.ctl.reclaim(bed.batch)
     assert bed.alloc.lent_tokens == 0
     row_after = bed.slot_row("s1")
     assert _lent(row_after, bed) == 0, "the slot's row still points into the unmapped range"
-    assert torch.equal(bed.k_of(row_after), k)
+    assert torch.equal(bed.kv_of(row_after), k)
     assert torch.equal(row_after[:200], row[:200])  # the prompt stayed in the base: only the lent tail moved
     bed.check_ownership_and_accounting()  # SGLang's session-held accounting and its page check agree
 
     bed.ctl.lend()  # fresh lent memory where the old ids pointed
     nxt = bed.admit(list(range(100, 300)) + list(turn.output_ids) + list(range(7000, 7010)), session=s)
     assert nxt.req_pool_idx == bed.tree.slots["s1"].req_pool_idx and nxt.prefix_indices.numel() == 220  # restored from the slot
-    assert torch.equal(bed.k_of(nxt.prefix_indices), k), "the next turn reads other bytes than its own KV"
+    assert torch.equal(bed.kv_of(nxt.prefix_indices), k), "the next turn reads other bytes than its own KV"
     bed.finish(nxt)
     bed.sessions.close(close_request("s1"))  # SGLang's release_session: every id back on the free list once
     assert "s1" not in bed.tree.slots
@@ -86,14 +86,14 @@ def test_without_base_room_an_idle_sessions_kv_is_dropped_before_a_running_reque
     running = bed.admit(list(range(9000, 9060)))  # the base is full: 60 lent tokens
     rows = bed.rows()
     assert _lent(rows[running.rid], bed) == 60
-    k = bed.k_of(rows[running.rid])
+    k = bed.kv_of(rows[running.rid])
 
     bed.ctl.reclaim(bed.batch)
     assert bed.alloc.lent_tokens == 0 and bed.sched.waiting_queue == []  # nothing retracted
     assert {r.rid for r in bed.batch.reqs} == {filler.rid, running.rid}
     assert "s1" not in bed.tree.slots  # the idle session's KV was dropped
     after = bed.rows()[running.rid]
-    assert _lent(after, bed) == 0 and torch.equal(bed.k_of(after), k)
+    assert _lent(after, bed) == 0 and torch.equal(bed.kv_of(after), k)
     bed.check_ownership_and_accounting()
     # the session still works: its next turn matches the radix tree and prefills the rest
     bed.finish(running)
@@ -135,7 +135,7 @@ def _stuck_reclaim_bed():
 def test_a_reclaim_that_cannot_finish_stops_keeps_the_pool_lent_and_loses_no_request(caplog):
     bed, nxt, chunked, victim = _stuck_reclaim_bed()
     rows = {"slot": bed.slot_row("s1"), "chunked": bed.r2t.req_to_token[chunked.req_pool_idx, :110].to(torch.int64).clone()}
-    k = {n: bed.k_of(r) for n, r in rows.items()}
+    k = {n: bed.kv_of(r) for n, r in rows.items()}
     with caplog.at_level(logging.INFO, logger=controller.__name__):
         done = bed.ctl.reclaim(bed.batch)  # before: RuntimeError, and the retracted request was never re-queued
     assert done is False
@@ -145,7 +145,7 @@ def test_a_reclaim_that_cannot_finish_stops_keeps_the_pool_lent_and_loses_no_req
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "reclaim stopped" in errors[0] and "lending is off" in errors[0]
     for n, r in rows.items():
-        assert torch.equal(bed.k_of(r), k[n])  # nothing moved, nothing unmapped
+        assert torch.equal(bed.kv_of(r), k[n])  # nothing moved, nothing unmapped
     assert torch.equal(bed.slot_row("s1"), rows["slot"])
     bed.check_ownership_and_accounting()
 
@@ -158,7 +158,7 @@ def test_a_reclaim_that_cannot_finish_stops_keeps_the_pool_lent_and_loses_no_req
     bed.ctl.before_prefill(bed.batch)
     assert bed.alloc.lent_tokens == 0 and bed.pool.arena.lent_steps == 0
     slot = bed.slot_row("s1")
-    assert _lent(slot, bed) == 0 and torch.equal(bed.k_of(slot), k["slot"])
+    assert _lent(slot, bed) == 0 and torch.equal(bed.kv_of(slot), k["slot"])
     bed.check_ownership_and_accounting()
     assert bed.ctl.lend() == 0 and bed.ctl.disabled  # lending stays off
     bed.check_ownership_and_accounting()
@@ -175,18 +175,18 @@ def test_an_exception_inside_a_reclaim_does_not_escape_and_leaves_the_pool_lent_
     while bed.decode() and bed.alloc.available_size() > 0:
         pass
     rows = bed.rows()
-    k = {rid: bed.k_of(r) for rid, r in rows.items()}
+    k = {rid: bed.kv_of(r) for rid, r in rows.items()}
     monkeypatch.setattr(controller, "remap_many", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("injected")))
     with caplog.at_level(logging.INFO, logger=controller.__name__):
         assert bed.ctl.reclaim(bed.batch) is False
     assert any(r.levelname == "ERROR" and "RuntimeError: injected" in r.getMessage() for r in caplog.records)
     assert bed.alloc.lent_tokens == ELASTIC
     assert [r.rid for r in bed.sched.waiting_queue] == [big.rid]  # retracted to make room, then re-queued
-    assert torch.equal(bed.k_of(bed.rows()[small.rid]), k[small.rid])
+    assert torch.equal(bed.kv_of(bed.rows()[small.rid]), k[small.rid])
     bed.check_ownership_and_accounting()
     monkeypatch.undo()
     bed.ctl.before_prefill(bed.batch)  # a request waits: tried again, goes through
     assert bed.alloc.lent_tokens == 0
     after = bed.rows()[small.rid]
-    assert _lent(after, bed) == 0 and torch.equal(bed.k_of(after), k[small.rid])
+    assert _lent(after, bed) == 0 and torch.equal(bed.kv_of(after), k[small.rid])
     bed.check_ownership_and_accounting()
