@@ -718,6 +718,25 @@ def test_lend_bytes_above_the_free_memory_are_capped_at_what_was_measured(caplog
     assert pool.arena.max_elastic_tokens * row <= (256 + 512) * row
 
 
+def test_lend_bytes_below_one_tokens_kv_says_nothing_is_lent(caplog):
+    """``--elastic-kv-lend-bytes 1`` started a pool that lent 0 tokens with no word of why (new-user finding)."""
+    from sglang_elastic.sched import controller
+
+    row = 2 * LAYERS * 2 * 64 * 2
+    quantum = Bed(free_bytes=64 * row, margin_mb=0).pool.arena.quantum  # the smallest lend step, in tokens
+    assert quantum > 1
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        bed = Bed(lend_bytes=quantum * row - 1, free_bytes=64 * row, margin_mb=0)
+    assert bed.ctl.lendable_tokens == 0
+    [line] = [r.getMessage() for r in caplog.records if "smallest lend step" in r.getMessage()]
+    assert f"--elastic-kv-lend-bytes {quantum * row - 1} is less than the smallest lend step ({quantum} tokens, {quantum * row} bytes" in line
+    assert "nothing is lent" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=controller.__name__):
+        assert Bed(lend_bytes=quantum * row, free_bytes=64 * row, margin_mb=0).ctl.lendable_tokens == quantum  # one step: lent, no warning
+    assert not [r for r in caplog.records if "smallest lend step" in r.getMessage()]
+
+
 def test_a_lend_without_device_memory_for_its_free_list_rolls_back_instead_of_stopping_the_scheduler(monkeypatch, caplog):
     """Seen on an H100 (2026-12-06): with ``--elastic-kv-margin-mb 0`` the
     start-up lend mapped the last free memory, then the allocator's new free
