@@ -107,7 +107,7 @@ import json
 import logging
 import os
 import re
-from typing import Optional
+from typing import List, Optional, Sequence
 
 #: JSON-lines file that receives one record per lend/reclaim of TP rank 0's
 #: scheduler (:mod:`sglang_elastic.sched.controller`; read by the benchmarks
@@ -149,6 +149,27 @@ OFFLOAD_BACKEND = "kvoffload"
 #: is for good, so a larger share only demotes earlier: 1/8 (the default until 2026-12-06) demoted 2 requests a load
 #: with ~85,000 slots free at 64 x 4K + 512 on an H100 (warm p99 ITL +24 % against stock), 0.02 none (-2.3 %).
 KEEP_RESERVE = 0.02
+
+
+#: The host tier's fields (the hot buffers and the host pool), which --kv-offload-resident-v refuses: they set nothing there.
+_HOST_TIER = {"hot_slack": "no hot buffers to size", "hot_slack_max": "no hot buffers to grow", "eviction": "no hot buffers to evict from",
+              "host_gb": "no host pool to cap"}
+
+
+def without_host_tier_flags(argv: Sequence[str]) -> List[str]:
+    """``argv`` without the host tier's flags (``--kv-offload-hot-slack``, ``-hot-slack-max``, ``-eviction``,
+    ``-host-gb``; as ``--flag V`` or ``--flag=V``, names in full): what a resident-V copy of an offload server
+    (``--kv-offload-resident-v``, which refuses them) keeps; they do not change the selection."""
+    flags = tuple(f"--kv-offload-{f.replace('_', '-')}" for f in _HOST_TIER)
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in flags:
+            skip = True
+        elif not x.startswith(tuple(f + "=" for f in flags)):
+            out.append(x)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,9 +251,8 @@ class OffloadConfig:
         if self.prefetch != "off" and self.resident_v:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         if self.resident_v:  # no hot buffers and no host pool there: a flag that sets them would do nothing
-            unused = {"hot_slack": "no hot buffers to size", "eviction": "no hot buffers to evict from", "host_gb": "no host pool to cap"}
-            for f, why in unused.items():
-                if getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
+            for f, why in _HOST_TIER.items():
+                if f != "hot_slack_max" and getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
                     raise ConfigError(f"--kv-offload-{f.replace('_', '-')} has {why} with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")

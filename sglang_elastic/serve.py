@@ -122,10 +122,18 @@ def check_flags(argv: Sequence[str]) -> Optional[str]:
     ServerArgs.add_cli_args(parser)
     if not any(a.dest == "enable_kv_offload" for a in parser._actions):  # the plugin is not loaded in this process
         config.add_cli_args(parser)
+    argv = list(argv)
+    if "--config" in argv:  # SGLang's YAML file, merged as prepare_server_args merges it (CLI > file > defaults)
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+
+        try:
+            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        except Exception as e:  # ValueError (no file, not YAML, not a mapping) or YAML's own error
+            return f"--config: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            ns = parser.parse_args(list(argv))
+            ns = parser.parse_args(argv)
     except SystemExit:
         return (err.getvalue().strip().splitlines() or ["SGLang's parser refused the flags"])[-1]
     try:

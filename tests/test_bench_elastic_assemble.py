@@ -304,7 +304,9 @@ def test_the_slow_decode_steps_are_found_merged_across_requests_and_set_beside_t
     mod = load_script("bench_elastic")
     rnd = random.Random()
     t0, base = 1.7e9 + rnd.uniform(0, 1e6), rnd.uniform(8, 12)
-    stall_at = sorted(rnd.sample(range(20, 180), 3))  # three stalled steps of 10 requests' 200-step decodes
+    # three stalled steps of 10 requests' 200-step decodes, 25 steps apart at least: an event is set beside every step whose
+    # gap, from 50 ms before it, holds it, so two stalls a step or two apart could share the lend (a CI run drew such a pair)
+    stall_at = sorted(rnd.sample(range(20, 180, 25), 3))
     stall_ms = [rnd.uniform(60, 150) for _ in stall_at]
     step_end, t = [], t0
     for k in range(201):  # one batch: every request's token of a step ends together, give or take 2 ms of streaming

@@ -588,6 +588,19 @@ def test_every_throughput_server_runs_under_the_same_request_cap():
     assert b.running_cap(info) == 2048 and b.running_cap({"max_running_requests": 48}) == 48
 
 
+def test_the_resident_server_gets_the_offload_extra_less_the_host_tier_flags_it_refuses():
+    """``OFFLOAD_EXTRA="--kv-offload-host-gb 8 ..."`` goes to every offload server; the resident-V one refuses the host
+    tier's flags (review finding: such a run stopped at its start), so it gets the rest, and both pass the checks."""
+    from sglang_elastic.serve import build_command, check_flags
+
+    b = bench()
+    a = type("A", (), {"offload_extra": "--kv-offload-host-gb 8 --kv-offload-eviction=lfu --kv-offload-topk 1024", "dense_launch": ""})()
+    assert b.offload_flags(a, "offload") == ["--kv-offload-host-gb", "8", "--kv-offload-eviction=lfu", "--kv-offload-topk", "1024"]
+    assert b.offload_flags(a, "resident") == ["--kv-offload-topk", "1024"] and b.offload_flags(a, "stock") == []
+    for name in ("offload", "resident"):
+        assert check_flags(build_command("llama-3.1-8b", b.SERVERS[name] + b.offload_flags(a, name))[3:]) is None, name
+
+
 def test_the_committed_p99_part_shows_a_first_load_cost_on_both_servers_and_keep_v_within_5_percent_warm():
     """2026-12-06, one H100, 8 x 4K + 512, three loads a server: both first loads have their periodic slow steps
     (stock's too), the warm loads none but the prefill's, and keep-v's warm p99 is within 5 % of stock's in each

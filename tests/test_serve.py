@@ -65,6 +65,19 @@ def test_a_bad_flag_is_one_line_without_dry_run_too(monkeypatch, capsys):
     assert serve.serve("llama-3.1-8b", ["--port", "31000"], require_patched=False) == 0 and len(execs) == 1  # good flags go on to the exec
 
 
+def test_check_flags_merges_sglangs_config_file_as_the_server_does(tmp_path):
+    """An enable switch given only in SGLang's ``--config`` YAML counts, as ``prepare_server_args`` merges the file
+    (review finding: checking the flags on every path refused such a start); a missing file is one line."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("enable-elastic-kv: true\n")
+    argv = serve.build_command("llama-3.1-8b", ["--config", str(cfg), "--elastic-kv-mode", "always-lent"])[3:]
+    assert serve.check_flags(argv) is None
+    cfg.write_text("elastic-kv-mode: always-lent\n")  # the mode without the switch, now from the file
+    assert "needs --enable-elastic-kv" in serve.check_flags(serve.build_command("llama-3.1-8b", ["--config", str(cfg)])[3:])
+    err = serve.check_flags(serve.build_command("llama-3.1-8b", ["--config", str(tmp_path / "none.yaml")])[3:])
+    assert err.startswith("--config: Config file not found") and "\n" not in err
+
+
 def test_launch_script_refuses_on_this_cpu_machine_before_installing_anything():
     if serve.has_nvidia_gpu():
         pytest.skip("GPU present")

@@ -48,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from sglang_elastic import gcstats, results  # noqa: E402
+from sglang_elastic.config import without_host_tier_flags  # noqa: E402
 
 MODEL = os.path.join(ROOT, "sglang_elastic", "models", "llama-3.1-8b")
 COMMON = ["--model-path", MODEL, "--load-format", "dummy", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -650,8 +651,11 @@ def request_cap(flags: List[str]) -> Optional[str]:
 
 
 def offload_flags(a, name: str) -> List[str]:
-    """The flags a throughput server gets as an offload server (``--offload-extra``; ``--dense-launch`` for keep-v)."""
+    """The flags a throughput server gets as an offload server (``--offload-extra``, less the host tier's flags for a
+    resident-V server, which refuses them; ``--dense-launch`` for keep-v)."""
     flags = a.offload_extra.split() if "--enable-kv-offload" in SERVERS[name] else []
+    if "--kv-offload-resident-v" in SERVERS[name]:
+        flags = without_host_tier_flags(flags)
     if a.dense_launch and "--kv-offload-keep-v" in SERVERS[name]:
         flags.append(f"--kv-offload-dense-launch={a.dense_launch}")
     return flags

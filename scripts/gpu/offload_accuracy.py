@@ -38,8 +38,8 @@ values of ``--offload-args``) over the same steps.
 samples spread over every task and length are sent one at a time (batch 1,
 so no batch composition can change a GEMM's kernel) to the first offload
 server, after its accuracy samples, and to a ``resident`` server: the same
-flags plus ``--kv-offload-resident-v`` (the same selection, every V row on
-the GPU, no host tier). ``exactness`` compares their greedy tokens and the
+flags plus ``--kv-offload-resident-v``, less the host tier's flags it refuses
+(:func:`resident_copy`: the same selection, every V row on the GPU, no host tier). ``exactness`` compares their greedy tokens and the
 hidden state behind every token bit for bit. The first offload server must
 name ``--no-kv-offload-keep-v`` then (dense while V fits is on by default,
 and resident V keeps nothing: the two would not run the same selection).
@@ -538,22 +538,12 @@ def sample_set(a, model: "Model") -> List[tasks.Sample]:
     return samples
 
 
-#: Flags of the host tier that resident V refuses (no hot buffers, no host pool): the selection does not read them.
-HOST_TIER_FLAGS = ("--kv-offload-hot-slack", "--kv-offload-hot-slack-max", "--kv-offload-eviction", "--kv-offload-host-gb")
-
-
 def resident_copy(argv: List[str]) -> List[str]:
-    """``argv`` with V resident (``--kv-offload-resident-v``) and without :data:`HOST_TIER_FLAGS` (as ``--flag V``
-    or ``--flag=V``), which set only the hot buffers and the host pool: the same selection, every V row on the GPU."""
-    out, skip = [], False
-    for x in argv:
-        if skip:
-            skip = False
-        elif x in HOST_TIER_FLAGS:
-            skip = True
-        elif not x.startswith(tuple(f + "=" for f in HOST_TIER_FLAGS)):
-            out.append(x)
-    return out + ["--kv-offload-resident-v"]
+    """``argv`` with V resident (``--kv-offload-resident-v``) and without the host tier's flags, which resident V
+    refuses (:func:`sglang_elastic.config.without_host_tier_flags`): the same selection, every V row on the GPU."""
+    from sglang_elastic.config import without_host_tier_flags
+
+    return without_host_tier_flags(argv) + ["--kv-offload-resident-v"]
 
 
 def preflight(a, servers: Dict[str, List[str]]) -> None:
@@ -780,7 +770,7 @@ def main(argv=None, post: Optional[Callable] = None) -> int:
                offload_policy=dataclasses.asdict(policies[0]), server_stats={n: compact_stats(got[n].get(STATS)) for n in servers if n in got},
                accuracy=rows, acceptance={"passed": passed, "failing": failing}, two_way=two(per_sample),
                variants=variants, control=control_block, prefill_kl={"mean": sum(floor) / len(floor) if floor else None, "max": max(floor, default=None)},
-               exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v",
+               exactness=({"model": os.path.basename(os.path.normpath(a.model)), "against": "the same flags with --kv-offload-resident-v (less the host tier's)",
                            "batch": 1, **exactness(got.get("offload", {}), got.get("resident", {}), len(serial))} if serial else None),
                kl_coverage=missing, errors=errors, per_sample=per_sample)
     if a.per_sample:
