@@ -833,7 +833,7 @@ class ElasticController:
         tokens = agree_min(self.sched, max(want, 0) // row_bytes)
         step = self.cfg.handle_mb * 2**20 // max(self.arena.row_bytes) if self.cfg.handle_mb else None
         lendable = self.arena.set_steps(tokens, step)
-        if lendable == 0 and self.cfg.lend_bytes is not None and 0 < want < self.arena.quantum * row_bytes:
+        if lendable == 0 and self.cfg.lend_bytes is not None and self.cfg.lend_bytes < self.arena.quantum * row_bytes:
             logger.warning("sglang-elastic: --elastic-kv-lend-bytes %d is less than the smallest lend step (%d tokens, %d bytes "
                            "over all layers): nothing is lent", self.cfg.lend_bytes, self.arena.quantum, self.arena.quantum * row_bytes)
         return lendable
