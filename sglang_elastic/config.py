@@ -240,8 +240,6 @@ class OffloadConfig:
         if self.hot_slack_max and not self.hot_slack <= self.hot_slack_max <= 16.0:
             raise ConfigError(f"--kv-offload-hot-slack-max must be between --kv-offload-hot-slack ({self.hot_slack}) and 16, "
                               f"or 0 (off), not {self.hot_slack_max}")
-        if self.hot_slack_max and self.resident_v:
-            raise ConfigError("--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v (V stays on the GPU)")
         if self.host_gb is not None and not 0 < self.host_gb < float("inf"):
             raise ConfigError(f"--kv-offload-host-gb must be a positive number of GB (omit it for free host RAM), not {self.host_gb}")
         if self.prefetch not in PREFETCH:
@@ -252,7 +250,7 @@ class OffloadConfig:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         if self.resident_v:  # no hot buffers and no host pool there: a flag that sets them would do nothing
             for f, why in _HOST_TIER.items():
-                if f != "hot_slack_max" and getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
+                if getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
                     raise ConfigError(f"--kv-offload-{f.replace('_', '-')} has {why} with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")

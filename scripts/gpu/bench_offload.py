@@ -33,8 +33,8 @@ import argparse
 import datetime
 import glob
 import json
-import os
 import lzma
+import os
 import random
 import re
 import signal
@@ -496,7 +496,6 @@ def load(url: str, ps: List[List[int]], out_len: int, timeout: float, when_all_s
 def write_trace(directory: str, server: str, loads: list) -> str:
     """Write one server's load timelines (:func:`load`'s ``trace``) to ``directory/itl_trace_<server>.json.xz``
     and return its path (the row names it; the file stays out of the part's JSON: ~1 MB a 64-request load)."""
-
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"itl_trace_{server}.json.xz")
     with lzma.open(path, "wt") as f:
