@@ -84,3 +84,22 @@ def dumps(result: Any) -> str:
     newlines removed are only whitespace between items."""
     text = json.dumps(result, indent=1, separators=(",", ":"))
     return _FLAT_LIST.sub(lambda m: re.sub(r"\n *", "", m.group(0)), text)
+
+
+def read_json(path: str) -> Any:
+    """A result or part as a run writes it (``.json``) or as the repo keeps it compressed
+    (``.json.xz``; ``.json.gz`` for the older parts), chosen by the name's ending.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        ValueError: not JSON, or a damaged or truncated ``.xz`` / ``.gz`` stream (the message names the file).
+    """
+    import gzip
+    import lzma
+
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            return json.load(f)
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+        raise ValueError(f"{path}: damaged compressed stream ({type(e).__name__}: {e})") from None

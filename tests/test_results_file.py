@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,3 +38,25 @@ def test_lists_of_plain_values_stay_on_one_line_and_the_rest_one_item_per_line(t
     assert '"lens":[1,2,3]' in text
     assert '["a]b","c{",null,true]' not in text  # a string with a bracket keeps the one-item-per-line layout (still valid)
     assert '\n "cases":[\n  {\n' in text  # lists of objects: one item per line
+
+
+def test_read_json_opens_each_kept_form_and_names_a_damaged_one(tmp_path):
+    """read_json: plain, .xz and .gz give the same object; a truncated or damaged stream is a ValueError naming the file."""
+    import gzip
+    import lzma
+
+    rnd = random.Random()
+    d = {"commit": "%040x" % rnd.getrandbits(160), "rows": [[rnd.random() for _ in range(4)] for _ in range(3)]}
+    raw = json.dumps(d).encode()
+    forms = {"r.json": raw, "r.json.xz": lzma.compress(raw), "r.json.gz": gzip.compress(raw)}
+    for name, data in forms.items():
+        (tmp_path / name).write_bytes(data)
+        assert results.read_json(str(tmp_path / name)) == d, name
+    for name in ("r.json.xz", "r.json.gz"):
+        bad = tmp_path / f"cut.{name}"
+        bad.write_bytes(forms[name][: len(forms[name]) // 2])
+        with pytest.raises(ValueError, match=re.escape(str(bad))):
+            results.read_json(str(bad))
+    (tmp_path / "junk.json.xz").write_bytes(b"not xz at all")
+    with pytest.raises(ValueError, match="junk.json.xz"):
+        results.read_json(str(tmp_path / "junk.json.xz"))

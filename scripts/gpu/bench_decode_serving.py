@@ -326,10 +326,7 @@ def part_run(a) -> dict:
 
 def read_part(path: str) -> dict:
     """A part file, ``.json`` or ``.json.xz``."""
-    import lzma
-
-    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
-        return json.load(f)
+    return results.read_json(path)
 
 
 def part_assemble(a) -> dict:

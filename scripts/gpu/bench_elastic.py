@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import lzma
 import os
@@ -418,8 +417,10 @@ def phase(args) -> None:
 
 def _read_part(path: str) -> Dict[str, Any]:
     """A phase's part as a run writes it (.json) or kept compressed in the repo (.json.gz: the identity runs' outputs; .json.xz)."""
-    raw = Path(path).read_bytes()
-    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else lzma.decompress(raw) if path.endswith(".xz") else raw)
+    sys.path.insert(0, str(ROOT))
+    from sglang_elastic import results
+
+    return results.read_json(path)
 
 
 #: An identity run's per-request lists: the comparison needs their equality only (``assemble``).

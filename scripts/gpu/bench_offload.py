@@ -792,9 +792,8 @@ def read_parts(paths: List[str], keys: tuple) -> List[dict]:
     parts = []
     for f in paths:
         try:
-            with (lzma.open(f, "rt") if f.endswith(".xz") else open(f)) as fh:
-                p = json.load(fh)
-        except (OSError, ValueError, lzma.LZMAError) as e:
+            p = results.read_json(f)
+        except (OSError, ValueError) as e:
             raise RuntimeError(f"{f}: {e}") from None
         p.setdefault("tp", 1)
         if p.get("part") != "throughput":

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import lzma
 import math
@@ -508,9 +507,9 @@ def check_trace(mode: str, counts: dict):
 def load_part(path: str) -> dict:
     """A part file, plain (``.json``, as a run writes it), xz (``.json.xz``, as kept in the repo)
     or gzipped (``.json.gz``, as kept before)."""
-    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else None
-    with (opener(path, "rt") if opener else open(path)) as f:
-        return json.load(f)
+    from sglang_elastic import results
+
+    return results.read_json(path)
 
 
 def round_floats(x, digits: int = 6):

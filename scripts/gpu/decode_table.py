@@ -20,10 +20,13 @@ A missing column prints "–"; a file without ``cases`` is refused with one line
 from __future__ import annotations
 
 import argparse
-import json
-import lzma
+import os
 import sys
 from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from sglang_elastic import results  # noqa: E402
 
 COLUMNS = [("split", "ours_split_us"), ("split 1-launch", "ours_split_fused_us"), ("compact", "ours_compact_us"),
            ("FI tc", "flashinfer_us"), ("FI persistent", "flashinfer_persistent_us"), ("FI XQA", "flashinfer_xqa_us"),
@@ -83,12 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=None, help="only cases of this page size")
     a = ap.parse_args(argv)
     try:
-        with (lzma.open(a.result, "rt") if a.result.endswith(".xz") else open(a.result)) as f:
-            d = json.load(f)
+        d = results.read_json(a.result)
         cases = d["cases"]
         if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c and "page_size" in c for c in cases):
             raise ValueError("its cases are not the kernel bench's (a name and a page_size each)")
-    except (OSError, ValueError, KeyError, TypeError, lzma.LZMAError, EOFError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"decode_table: {a.result} is not a bench_decode.py result ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     if a.page is not None and not any(c["page_size"] == a.page for c in cases):
