@@ -430,7 +430,7 @@ IDENTITY_LISTS = ("identity_outputs", "background_outputs", "identity_logprobs",
 def digest_identity(part: Dict[str, Any]) -> Dict[str, Any]:
     """``part`` with each request's output ids and logprobs in its identity run replaced by the sha256 of their JSON
     (``None`` kept): ``assemble`` compares them for equality only, and on unit-scale weights the raw logprobs of one
-    identity pair are ~1 MB compressed (the tracked tree stays under 5 MiB: ``tests/test_packaging.py``). The part
+    identity pair are ~1 MB compressed (the tracked tree stays under 5.5 MiB: ``tests/test_packaging.py``). The part
     records ``identity_run.digested``."""
     import hashlib
 
