@@ -1365,7 +1365,8 @@ def estimate_run(
     scores: torch.Tensor, lse: torch.Tensor, kv_indptr: torch.Tensor, chunk: torch.Tensor, max_splits: int,
     s_eff: torch.Tensor, w_eff: torch.Tensor, k: torch.Tensor, attended: torch.Tensor, v_summary: torch.Tensor,
     rows: torch.Tensor, table: torch.Tensor, summary_chunk: int, out_partial: torch.Tensor, kv_heads: int,
-    stamp: Optional[torch.Tensor] = None, reduce: bool = True,
+    stamp: Optional[torch.Tensor] = None, reduce: bool = True, block_positions: int = ESTIMATE_POSITIONS,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """The unattended positions' share of the V sum, through chunk-mean V.
 
@@ -1393,17 +1394,24 @@ def estimate_run(
         reduce: sum the splits' partials here; False: return them, ``[batch * max_splits, q_heads, head_dim]``
             (:func:`attend_run` adds them in its merge: no extra launch). Rows of the splits past a
             request's length (``s * chunk[b] >= L``) are not written: add ``nsplit[b]`` rows only.
+        block_positions, num_warps: scores per head one step of a program reads (a power of two, at least
+            ``summary_chunk``; the chunks a step takes) and its Triton warps (None: 4), timed by
+            ``scripts/gpu/check_offload.py --only select_sweep`` (another ``block_positions`` sums the chunks in
+            another order: the same value to float32 rounding, not bit for bit).
 
     Returns:
         ``[batch, q_heads, head_dim]`` float32 (``reduce``), else the partials.
 
     Raises:
-        ValueError: ``summary_chunk`` not a power of two, or q heads not a multiple of ``kv_heads``.
+        ValueError: ``summary_chunk`` or ``block_positions`` not a power of two, ``block_positions`` below
+            ``summary_chunk``, or q heads not a multiple of ``kv_heads``.
     """
     B = kv_indptr.shape[0] - 1
     Hq, D = out_partial.shape[1], out_partial.shape[2]
     if summary_chunk < 1 or summary_chunk & (summary_chunk - 1):
         raise ValueError(f"estimate_run: summary_chunk must be a power of two, not {summary_chunk}")
+    if block_positions < summary_chunk or block_positions & (block_positions - 1):
+        raise ValueError(f"estimate_run: block_positions must be a power of two of at least summary_chunk {summary_chunk}, not {block_positions}")
     if Hq % kv_heads:
         raise ValueError(f"estimate_run: q heads {Hq} not a multiple of kv heads {kv_heads}")
     if B == 0:
@@ -1415,7 +1423,7 @@ def estimate_run(
         scores, lse, kv_indptr, chunk, s_eff, w_eff, k, attended, stamp, v_summary, rows, table, out_partial,
         scores.stride(0), lse.stride(0), v_summary.stride(0), v_summary.stride(1), out_partial.stride(0), out_partial.stride(1),
         table.stride(0), max_splits, C=summary_chunk, G=G, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_CH=max(1, ESTIMATE_POSITIONS // summary_chunk),
+        BLOCK_CH=block_positions // summary_chunk, **_launch_opts(num_warps, None),
     )
     if not reduce:
         return out_partial[: B * max_splits]

@@ -564,14 +564,12 @@ def test_kv_head_granularity_is_each_kv_head_on_its_own(denominator):
 
 
 @pytest.mark.parametrize("C,positions,heads", [(8, 256, (6, 2)), (16, 256, (6, 2)), (8, 32, (6, 2)), (8, 64, (2, 2))])
-def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monkeypatch):
+def test_estimate_kernel_matches_the_float64_reference(C, positions, heads):
     """``estimate_run`` over a real selection (scores, lse and top-k from the
     kernels), chunk means from the V rows, against ``estimate_reference``;
     ``positions``: scores per head a kernel step reads (32: several steps per
     split, the last one partly masked); ``heads``: (q, kv), MHA included."""
     from sglang_elastic.offload.policy import estimate_reference
-
-    monkeypatch.setattr(ko, "ESTIMATE_POSITIONS", positions)
 
     g = torch.Generator().manual_seed(22 + C)
     lens, (hq, hkv), d = [150, 700, 20, 5], heads, 32  # heads (2, 2): MHA, one query head per group
@@ -601,7 +599,7 @@ def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monk
         attended[int(indptr[b]) + sel[b, : int(k[b])].long()] = 1
     out = torch.full((len(lens) * max_splits, hq, d), NAN)
     table = (torch.arange(4)[:, None] * n_chunks + torch.arange(n_chunks)[None, :]).to(torch.int32)  # row r's chunk c: slot r * n + c
-    est = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, attended, vsum, rows, table, C, out, hkv)
+    est = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, attended, vsum, rows, table, C, out, hkv, block_positions=positions)
     # the decode step's way: lse_merge bumps a stamp, the top-k's last pass writes it at the selected positions, the
     # estimate reads "attended" as "holds this stamp"; older stamps everywhere (never cleared) count as unattended
     marks = torch.randint(0, 6, (T,), generator=g, dtype=torch.int32)
@@ -616,7 +614,7 @@ def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monk
     want[attended[:T].bool()] = 6
     assert torch.equal(marks, want)
     part = ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, marks, vsum, rows, table, C,
-                           torch.full_like(out, NAN), hkv, stamp=stamp, reduce=False)
+                           torch.full_like(out, NAN), hkv, stamp=stamp, reduce=False, block_positions=positions)
     assert part.shape == (len(lens) * max_splits, hq, d)
     _, nsplit = split_kv_plan(indptr, max_splits, 64, 32)
     part = part.view(len(lens), max_splits, hq, d)
@@ -636,6 +634,9 @@ def test_estimate_kernel_matches_the_float64_reference(C, positions, heads, monk
             assert ref.abs().max() > 1e-3
             assert float((est[b].double() - ref).abs().max() / ref.abs().max()) < 1e-2, (b, L)
     assert (est[1].abs().max() > 0) and not torch.isnan(est).any()
+    for bad in (C // 2, 3 * C):  # below the chunk, or not a power of two: refused before any launch
+        with pytest.raises(ValueError, match=f"block_positions must be a power of two of at least summary_chunk {C}, not {bad}"):
+            ko.estimate_run(scores, lse, indptr, chunk, max_splits, s, w, k, attended, vsum, rows, table, C, out, hkv, block_positions=bad)
 
 
 def test_summary_slots_come_from_one_free_stack_and_go_back_per_row():

@@ -1416,3 +1416,35 @@ def test_the_gpu_pin_fault_check_reads_the_one_line_from_sglangs_log():
     assert cut["lines"] and not cut["complete_on_one_line"]
     assert mod.parse_log("[x] The server is fired up and ready to roll!\n") == {"lines": [], "injected": False, "complete_on_one_line": False,
                                                                               "traceback": False}
+
+
+def test_the_select_sweep_of_check_offload_finds_every_setting_equal_on_a_small_shape():
+    """``scripts/gpu/check_offload.py --only select_sweep`` on the CPU at a small shape (wall-clock timer): the top-k
+    at other ``parts`` / ``block_n`` gives the shipped setting's positions and marks bit for bit (an exact select
+    whatever its launch), the estimate at other blocks the shipped partials to float32 rounding; a setting that
+    cannot run is recorded, not fatal; a real selection ran (k below the middle)."""
+    import time
+
+    from gpu_scripts import load_script
+
+    mod = load_script("check_offload")
+
+    def wall(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    out = {}
+    bad = dict(parts=3, block_n=64, num_warps=None)  # parts not a power of two: select_run refuses it
+    mod.time_select_sweep(out, bs=2, ctx=1280, key="s", device="cpu", timed=wall, hq=4, hkv=2, d=32,
+                          select_grid=[dict(parts=4, block_n=64, num_warps=None), dict(parts=2, block_n=256, num_warps=None), bad],
+                          estimate_grid=[dict(block_positions=16, num_warps=None), dict(block_positions=64, num_warps=None)])
+    r = out["s"]
+    k = OffloadPolicy().counts(1280)[2]  # 5 % of the 1,280 positions less sink and window: 28 of a 1,244-position middle
+    assert r["marked"] == 2 * k and 0 < k < 1280 - 4 - 32  # a real select, not all of the middle
+    sel, es = r["select"], r["estimate"]
+    assert sel["shipped"]["equal"] and es["shipped"]["equal"]
+    assert [c["equal"] for c in sel["configs"][:2]] == [True, True] and "power of two" in sel["configs"][2]["error"]
+    assert all(c["equal"] and 0 <= c["max_rel_diff"] <= 1e-5 for c in es["configs"])
+    assert sel["best"] in sel["configs"][:2] and es["best"] in es["configs"]
+    assert sel["best_vs_shipped"] == sel["best"]["ms"] / sel["shipped"]["ms"]

@@ -405,6 +405,96 @@ def time_scores_sweep(out, bs=44, ctx=32768, key="scores_sweep"):
     del kb, scores, ref
 
 
+#: ``select_sweep``'s settings: the top-k's (``parts``, ``block_n``, ``num_warps``) and the estimate's (``block_positions``, ``num_warps``)
+SELECT_GRID = [dict(parts=p, block_n=b, num_warps=w) for p in (16, 32, 64, 128) for b in (128, 256, 512) for w in (4, 8)]
+ESTIMATE_GRID = [dict(block_positions=b, num_warps=w) for b in (64, 128, 256, 512) for w in (2, 4, 8)]
+
+
+def time_select_sweep(out, bs=44, ctx=32768, key="select_sweep", device="cuda", timed=time_ms, select_grid=SELECT_GRID,
+                      estimate_grid=ESTIMATE_GRID, hq=HQ, hkv=HKV, d=D):
+    """The passes beside the scores kernel over their launch settings: the top-k (``ko.select_run``: four radix
+    histogram passes, a count and a compaction; 2.2 + 0.5 ms of a 29.6 ms step at 19 x 33K on an H100, 2026-12-07
+    #31, where ~1 ms would read its bytes at the scores kernel's rate) over :data:`SELECT_GRID`, each checked
+    against the shipped setting's positions and attended marks bit for bit (an exact select: every setting must
+    give the same list); and the ``estimate`` pass (2.4 ms there) over :data:`ESTIMATE_GRID`, against the shipped
+    partials (another block sums the chunks in another order: ``max_rel_diff``, and the same unwritten splits).
+    Inputs as :func:`time_layer` builds them (K rows scattered, chunk 16). Writes ``out[key] = {batch, context,
+    chunk, topk, marked, select: {shipped, configs, best, best_vs_shipped}, estimate: {...}}`` (``best``: the fastest
+    equal to the shipped output: bit for bit for the top-k, within 1e-5 relative for the estimate); a setting
+    Triton cannot compile is recorded with its error, never fatal. ``device``, ``timed`` and the grids: the
+    CPU test's small run (Triton's interpreter, wall-clock timer)."""
+    from sglang_elastic.offload.decode import SplitConfig
+    sp0 = SplitConfig()
+    C = 16
+    pol = OffloadPolicy(denominator="estimate", chunk=C)
+    size = bs * ctx + 8
+    gen = torch.Generator(device=device).manual_seed(7)
+    kb = torch.randn(size, hkv, d, device=device, generator=gen).bfloat16()
+    r2t = (torch.randperm(size - 1, device=device, generator=gen)[: bs * ctx] + 1).view(bs, ctx).to(torch.int32)
+    r2t = torch.cat([torch.zeros(1, ctx, dtype=torch.int32, device=device), r2t])
+    reqs = torch.arange(1, bs + 1, dtype=torch.int32, device=device)
+    seq = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+    est = OffloadDecoder(OffloadLayout(pol, hot_tokens=4096, request_rows=bs + 1, stage_tokens=ctx, resident_v=False), hq, hkv, d,
+                         max_bs=bs, token_capacity=size, device=device)
+    est.plan(r2t, reqs, seq, bs)
+    sp, ws = est.split, est.sel
+    q = (2 * torch.randn(bs, hq, d, device=device, generator=gen)).bfloat16()
+    indptr = est.kv_indptr[: bs + 1]
+    ko.scores_run(q, kb, indptr, est.kv_indices, est.chunk[:bs], sp.scores_max_splits, ws.scores, ws.score_lse, d ** -0.5,
+                  sp.scores_block_n, num_warps=sp.scores_num_warps, num_stages=sp.scores_num_stages)
+    lse = ko.lse_merge(ws.score_lse, bs, sp.scores_max_splits, ws.lse_full, stamp=est.stamp)
+    sum_table = (torch.arange(bs + 1, device=device)[:, None] * (ctx // C) + torch.arange(ctx // C, device=device)[None, :]).to(torch.int32)
+    vsum = torch.randn(((bs + 1) * (ctx // C) + 2, hkv, d), device=device, generator=gen).bfloat16()
+    del kb
+
+    def select(parts, block_n, num_warps):
+        counts = torch.zeros(bs * parts * 2, dtype=torch.int32, device=device)
+        ws.sel_pos.fill_(-1)
+        est.marks.zero_()
+        fn = lambda: ko.select_run(ws.scores, lse, indptr, est.s_eff[:bs], est.w_eff[:bs], est.k[:bs], ws.p_buf, ws.sel_pos, hq,
+                                   block_n, parts, ws.sel_hist, counts, num_warps=num_warps, marks=est.marks, stamp=est.stamp)
+        return timed(fn), (ws.sel_pos.clone(), est.marks.clone())
+
+    def estimate(block_positions, num_warps):
+        est.est_o.fill_(float("nan"))  # the splits past a request's length stay NaN: the same ones in every setting
+        fn = lambda: ko.estimate_run(ws.scores, lse, indptr, est.chunk[:bs], sp.scores_max_splits, est.s_eff[:bs], est.w_eff[:bs],
+                                     est.k[:bs], est.marks, vsum, reqs, sum_table, C, est.est_o, hkv, stamp=est.stamp, reduce=False,
+                                     block_positions=block_positions, num_warps=num_warps)
+        return timed(fn), est.est_o.clone()
+
+    def same_select(got, ref):
+        return {"equal": bool(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))}
+
+    def same_estimate(got, ref):
+        nan = torch.isnan(ref)
+        if not torch.equal(torch.isnan(got), nan):
+            return {"equal": False, "max_rel_diff": None}
+        rel = float(((got - ref)[~nan].abs().max() / ref[~nan].abs().max().clamp_min(1e-30)).item())
+        return {"max_rel_diff": rel, "equal": rel <= 1e-5}
+
+    def sweep(run, shipped, grid, same):
+        ms0, ref = run(**shipped)
+        rows = []
+        for row in grid:
+            try:
+                ms, got = run(**row)
+            except Exception as e:  # registers or shared memory out of range for this setting: recorded
+                rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                continue
+            rows.append({**row, "ms": ms, **same(got, ref)})
+        ms1, again = run(**shipped)  # the shipped setting again, last: its spread, and its output left for the next pass
+        ok = [r for r in rows if "ms" in r and r["equal"]]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        return {"shipped": {**shipped, "ms": ms0, "ms_again": ms1, **same(again, ref)}, "configs": rows, "best": best,
+                "best_vs_shipped": best["ms"] / ms0 if best else None}
+
+    res = {"batch": bs, "context": ctx, "chunk": C, "topk": pol.max_topk}
+    res["select"] = sweep(select, dict(parts=sp0.select_parts, block_n=sp0.select_block_n, num_warps=None), select_grid, same_select)
+    res["marked"] = int((est.marks == est.stamp).sum())  # positions the shipped select took (k of each middle: a real select)
+    res["estimate"] = sweep(estimate, dict(block_positions=ko.ESTIMATE_POSITIONS, num_warps=None), estimate_grid, same_estimate)
+    out[key] = res
+
+
 def time_copy_overlap(dec, q, o, kb, vfull, vhot, r2t, reqs, seq, hot_state, hview, replays=12):
     """``--kv-offload-copy-timing``'s events inside a CUDA graph (external event-record nodes), as the
     backend records them: the next sparse layer's prefetch (its own query as the guess, so it copies
@@ -679,6 +769,7 @@ ONLY = {
     "keep_v_step": lambda out: time_keep_v_step(out, kernels=kernel_us),
     "layer_timing": lambda out: (time_layer(out), time_layer(out, bs=64, ctx=4608, key="layer_timing_fits")),
     "scores_sweep": lambda out: (time_scores_sweep(out), time_scores_sweep(out, bs=64, ctx=4608, key="scores_sweep_fits")),
+    "select_sweep": lambda out: (time_select_sweep(out), time_select_sweep(out, bs=19, ctx=33280, key="select_sweep_h100_batch")),
 }
 
 
@@ -701,7 +792,8 @@ def main():
     ap.add_argument("--only", choices=tuple(ONLY), default=None,
                     help="run only this timing and write it (keep_v_step: the all-dense and mixed keep-v steps; layer_timing: a "
                          "sparse layer per kernel at 44 x 32K and at 64 x 4.6K, as the full check times them; scores_sweep: the "
-                         "scores kernel's launch settings at those two shapes)")
+                         "scores kernel's launch settings at those two shapes; select_sweep: the top-k's and the estimate's at "
+                         "44 x 32K and at the 19 x 33K batch an H100 holds)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("check_offload: needs a CUDA GPU")
