@@ -79,18 +79,68 @@ def _given(extra: Sequence[str], flag: str) -> bool:
 
 def build_command(model: str, extra: Sequence[str], python: Optional[str] = None) -> List[str]:
     """The ``launch_server`` command line: defaults the user did not give, then
-    the user's flags as given."""
+    the user's flags as given. A flag set in SGLang's ``--config`` YAML file
+    counts as given (the file's ``model-path`` is not replaced by the embedded
+    shape, its ``enable-kv-offload: true`` gets no ``--attention-backend``); a
+    file that cannot be read is :func:`check_flags`'s to report."""
     cmd = [python or sys.executable, "-m", "sglang.launch_server"]
+    given = list(extra)
+    if "--config" in given:
+        try:
+            given = _merge_config(given, _parser())
+        except Exception:  # no file, not YAML, an option the merger refuses: check_flags says which, in one line
+            pass
     defaults = list(BACKEND_FLAGS)
-    if _given(extra, "--enable-kv-offload"):  # the plugin selects its own backend (kvoffload; prefill on FlashInfer inside it)
+    if _given(given, "--enable-kv-offload"):  # the plugin selects its own backend (kvoffload; prefill on FlashInfer inside it)
         defaults = [(f, v) for f, v in defaults if f != "--attention-backend"]
-    if not (_given(extra, "--model-path") or _given(extra, "--model")):
+    if not (_given(given, "--model-path") or _given(given, "--model")):
         cmd += ["--model-path", str(model_path(model))]
         defaults = list(EMBEDDED_MODEL_FLAGS) + defaults
     for flag, value in defaults:
-        if not _given(extra, flag):
+        if not _given(given, flag):
             cmd += [flag] if value is None else [flag, value]
     return cmd + list(extra)
+
+
+def _parser():
+    """SGLang 0.5.17's ``launch_server`` parser with this project's flags, as at a server start (the plugin's
+    backends among ``--attention-backend``'s choices).
+
+    Raises:
+        ImportError: SGLang cannot be imported.
+    """
+    import argparse
+    import contextlib
+    import io
+    import warnings
+
+    from sglang_elastic import config
+
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")  # SGLang's import warns about Triton on a machine without a GPU
+        from sglang.srt.server_args import ServerArgs
+
+        from sglang_elastic import attention, offload
+
+        attention.register()
+        offload.register()
+    parser = argparse.ArgumentParser(prog="launch_server", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    if not any(a.dest == "enable_kv_offload" for a in parser._actions):  # the plugin is not loaded in this process
+        config.add_cli_args(parser)
+    return parser
+
+
+def _merge_config(argv: Sequence[str], parser) -> List[str]:
+    """``argv`` with SGLang's ``--config`` YAML file merged in as ``prepare_server_args`` merges it (CLI > file >
+    defaults: the file's options first).
+
+    Raises:
+        ValueError: no file, not YAML, not a mapping, or an option SGLang's merger refuses; YAML's own errors.
+    """
+    from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+
+    return ConfigArgumentMerger(parser).merge_config_with_args(list(argv))
 
 
 def check_flags(argv: Sequence[str]) -> Optional[str]:
@@ -99,36 +149,20 @@ def check_flags(argv: Sequence[str]) -> Optional[str]:
     our flags, then this project's checks (``config.check_server_args``, as
     the plugin runs them). Returns the one-line reason, or None. SGLang's
     device-dependent checks (``ServerArgs.__post_init__``) are not run."""
-    import argparse
     import contextlib
     import io
 
     from sglang_elastic import config
 
-    import warnings
-
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")  # SGLang's import warns about Triton on a machine without a GPU
-            from sglang.srt.server_args import ServerArgs
-
-            from sglang_elastic import attention, offload
-
-            attention.register()  # the plugin's backends among SGLang's --attention-backend choices, as at a server start
-            offload.register()
+        parser = _parser()
     except ImportError as e:  # pragma: no cover - SGLang is a dependency
         return f"cannot import SGLang to check the flags ({e})"
-    parser = argparse.ArgumentParser(prog="launch_server", add_help=False)
-    ServerArgs.add_cli_args(parser)
-    if not any(a.dest == "enable_kv_offload" for a in parser._actions):  # the plugin is not loaded in this process
-        config.add_cli_args(parser)
     argv = list(argv)
-    if "--config" in argv:  # SGLang's YAML file, merged as prepare_server_args merges it (CLI > file > defaults)
-        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
-
+    if "--config" in argv:
         try:
-            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
-        except Exception as e:  # ValueError (no file, not YAML, not a mapping) or YAML's own error
+            argv = _merge_config(argv, parser)
+        except Exception as e:  # ValueError (no file, not YAML, not a mapping, an unsupported option) or YAML's own error
             return f"--config: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     err = io.StringIO()
     try:

@@ -122,3 +122,22 @@ def test_check_flags_names_the_first_refusal(flags, message):
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "bf16"])[3:]) is None
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--disable-radix-cache", "--attention-backend",
                                                                   "kvoffload"])[3:]) is None
+
+
+def test_a_flag_set_in_the_config_file_gets_no_default_beside_it(tmp_path):
+    """Review finding (#32): ``serve`` added its defaults for flags the user had set in ``--config``'s YAML, and the
+    command line beats the file: the file's model became the embedded dummy shape, its backend FlashInfer, and its
+    ``enable-kv-offload: true`` was refused for a ``--attention-backend`` the user never gave."""
+    model = tmp_path / "mymodel"
+    model.mkdir()
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"model-path: {model}\nattention-backend: triton\ngrammar-backend: xgrammar\n")
+    cmd = serve.build_command("llama-3.1-8b", ["--config", str(cfg)])
+    assert not any(f in cmd for f in ("--model-path", "--load-format", "--skip-tokenizer-init", "--attention-backend", "--grammar-backend"))
+    assert cmd[3:] == ["--sampling-backend", "pytorch", "--config", str(cfg)]  # the one default the file left unset
+    cfg.write_text("enable-kv-offload: true\n")
+    cmd = serve.build_command("llama-3.1-8b", ["--config", str(cfg)])
+    assert "--attention-backend" not in cmd and "--model-path" in cmd  # the embedded shape: the file names no model
+    assert serve.check_flags(cmd[3:]) is None
+    cfg.write_text("enable-kv-offload: false\n")  # off in the file: the backend default comes back
+    assert "--attention-backend" in serve.build_command("llama-3.1-8b", ["--config", str(cfg)])
