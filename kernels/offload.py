@@ -385,7 +385,7 @@ def select_run(
     B = kv_indptr.shape[0] - 1
     if B == 0:
         return
-    if parts & (parts - 1):
+    if parts < 1 or parts & (parts - 1):
         raise ValueError(f"select_run: parts must be a power of two, not {parts}")
     dev = scores.device
     hist = torch.zeros(B * 4 * 256, dtype=torch.int32, device=dev) if hist is None else hist

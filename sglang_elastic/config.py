@@ -70,8 +70,8 @@ KV offload to host memory (:mod:`sglang_elastic.offload`; all need
 - ``--kv-offload-copy-timing``: CUDA events around a sampled decode step's V
   copies and prefetch waits; the share of copy time hidden behind compute on
   ``/metrics`` (:mod:`sglang_elastic.offload.copytime`).
-- ``--kv-offload-keep-v`` / ``--no-kv-offload-keep-v`` (on unless
-  ``--kv-offload-resident-v``): dense while V fits: a request keeps its V in
+- ``--kv-offload-keep-v [BOOL]`` / ``--no-kv-offload-keep-v`` (on unless
+  ``--kv-offload-resident-v``; ``kv-offload-keep-v: false`` in SGLang's ``--config`` YAML): dense while V fits: a request keeps its V in
   idle pool slots lent by SGLang's allocator and attends to every position,
   until the allocator runs short (then the largest such requests continue
   sparse) (:mod:`sglang_elastic.offload.keep`). Off quietly for a model whose
@@ -154,6 +154,11 @@ KEEP_RESERVE = 0.02
 #: The host tier's fields (the hot buffers and the host pool), which --kv-offload-resident-v refuses: they set nothing there.
 _HOST_TIER = {"hot_slack": "no hot buffers to size", "hot_slack_max": "no hot buffers to grow", "eviction": "no hot buffers to evict from",
               "host_gb": "no host pool to cap"}
+
+
+def _host_tier_refusal(field: str) -> str:
+    """The one-line refusal of a host-tier flag (:data:`_HOST_TIER`) beside ``--kv-offload-resident-v``."""
+    return f"--kv-offload-{field.replace('_', '-')} has {_HOST_TIER[field]} with --kv-offload-resident-v (V stays on the GPU)"
 
 
 def without_host_tier_flags(argv: Sequence[str]) -> List[str]:
@@ -249,9 +254,9 @@ class OffloadConfig:
         if self.prefetch != "off" and self.resident_v:
             raise ConfigError("--kv-offload-prefetch has nothing to fetch with --kv-offload-resident-v (V stays on the GPU)")
         if self.resident_v:  # no hot buffers and no host pool there: a flag that sets them would do nothing
-            for f, why in _HOST_TIER.items():
+            for f in _HOST_TIER:
                 if getattr(self, f) != OffloadConfig.__dataclass_fields__[f].default:
-                    raise ConfigError(f"--kv-offload-{f.replace('_', '-')} has {why} with --kv-offload-resident-v (V stays on the GPU)")
+                    raise ConfigError(_host_tier_refusal(f))
         if self.keep_v and self.resident_v:
             raise ConfigError("--kv-offload-keep-v has nothing to keep with --kv-offload-resident-v (V stays on the GPU)")
         if self.keep_reserve is not None:
@@ -408,6 +413,32 @@ def parse_bytes(text: str) -> int:
     return n
 
 
+class _OnOff(argparse._StoreAction):
+    """``--X [BOOL]`` / ``--no-X``: an on/off flag that SGLang's ``--config`` YAML can set (its merger takes only
+    store and store_true actions: ``X: false`` in the file becomes ``--X false``). ``--X`` alone is on; ``--X true``
+    / ``false`` (also yes/no, on/off, 1/0) as written; ``--no-X`` is off (``--no-X false``: on)."""
+
+    _WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+    def __init__(self, option_strings, dest, **kw):
+        name = option_strings[0]
+        super().__init__([name, "--no-" + name[2:]], dest, nargs="?", const=True, metavar="BOOL", **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = True if values is True else self._WORDS.get(str(values).strip().lower())
+        if value is None:
+            parser.error(f"argument {option_string}: expected true or false, not {values!r}")
+        setattr(namespace, self.dest, value != option_string.startswith("--no-"))
+
+
+class _Once(argparse._StoreAction):
+    """A value flag given at most once, kept as a one-item list (a second one is :func:`_offload_config`'s refusal:
+    argparse's ``store`` would keep the last silently); a store action, so SGLang's ``--config`` YAML can set it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or []) + [values])
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add the sglang-elastic flags to an argparse parser (SGLang's)."""
     g = parser.add_argument_group("sglang-elastic: elastic KV pool")
@@ -434,10 +465,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB of 1e9 bytes as SGLang's --hicache-size (default: free host RAM less 10 GiB).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
-    o.add_argument("--kv-offload-keep-v", action=argparse.BooleanOptionalAction, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
+    o.add_argument("--kv-offload-keep-v", action=_OnOff, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
     o.add_argument("--kv-offload-keep-reserve", type=float, default=None, metavar="SHARE", help="With --kv-offload-keep-v: the share of the KV pool a kept request's next slot must leave free, else the largest kept requests are demoted to the sparse rule (0 to 0.5; default 0.02). A demotion is for good, so a larger share moves demotions earlier rather than avoiding them: on an H100 at 64 x 4K + 512, 0.125 (the default before 2026-12-06) demoted 2 requests with ~85,000 slots free and the steps after ran 30 %% slower, 0.02 demoted none (warm p99 ITL 19.7 ms against stock's 20.2). No admission waits on it at any share: the allocator demotes before it could fail.")
     o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). Under SGLang's overlap scheduler the graph of a step due for a read is launched again before the GPU has passed it: the host then waits for that step once (copy_waits, copy_wait_ms) instead of losing it. Off by default.")
-    o.add_argument("--kv-offload-dense-launch", default=None, action="append", metavar="KEY=VALUE,...", help="The kept requests' attention launch (with --kv-offload-keep-v: the all-dense step, while every request keeps its V, and the kept requests of a general step; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1, whatever min_ctas is: in a general step, with sparse requests, the kept requests' launch on a side stream beside the sparse requests' selection; bit-equal, -1.3 to -4.6 %% a sparse layer at 64 x 4.6K on an H100, kernel level only). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
+    o.add_argument("--kv-offload-dense-launch", default=None, action=_Once, metavar="KEY=VALUE,...", help="The kept requests' attention launch (with --kv-offload-keep-v: the all-dense step, while every request keeps its V, and the kept requests of a general step; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1, whatever min_ctas is: in a general step, with sparse requests, the kept requests' launch on a side stream beside the sparse requests' selection; bit-equal, -1.3 to -4.6 %% a sparse layer at 64 x 4.6K on an H100, kernel level only). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer: +57 %% median ITL on the Llama-3.1-8B shape at 64 x 32K on the H200 (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
@@ -544,11 +575,15 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     given = {f: getattr(ns, f"kv_offload_{f}", None) for f in fields if f != "enabled"}
     # a store_true flag not given reads False; --no-kv-offload-keep-v (an on/off flag, None when not given) is a value
     given = {f: v for f, v in given.items() if v is not None and (v is not False or f in ON_OFF_FLAGS)}
-    if isinstance(given.get("dense_launch"), list):  # (action="append": argparse would keep only the last silently)
+    if isinstance(given.get("dense_launch"), list):  # (action=_Once: argparse's store would keep only the last silently)
         if len(given["dense_launch"]) > 1:
             raise ConfigError("--kv-offload-dense-launch given more than once: put every key in one KEY=VALUE,... value")
         given["dense_launch"] = given["dense_launch"][0]
     enabled = bool(getattr(ns, "enable_kv_offload", False))
+    if given.get("resident_v"):  # given at its default value too (OffloadConfig's own check sees only changed values)
+        for f in _HOST_TIER:
+            if f in given:
+                raise ConfigError(_host_tier_refusal(f))
     if given and not enabled:
         first = next(iter(given))
         _refuse_without_enable("kv-offload", first, given[first])

@@ -103,6 +103,13 @@ def test_the_radix_cache_is_accepted_and_other_radix_trees_are_refused_with_one_
      "--kv-offload-eviction has no hot buffers to evict from with --kv-offload-resident-v"),
     (["--kv-offload-host-gb", "10", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
      "--kv-offload-host-gb has no host pool to cap with --kv-offload-resident-v"),
+    # given at their default values: refused as well (review #32: the check compared values with the defaults)
+    (["--kv-offload-resident-v", "--kv-offload-hot-slack", "2"], dict(disable_radix_cache=True),
+     "--kv-offload-hot-slack has no hot buffers to size with --kv-offload-resident-v (V stays on the GPU)"),
+    (["--kv-offload-resident-v", "--kv-offload-hot-slack-max", "0"], dict(disable_radix_cache=True),
+     "--kv-offload-hot-slack-max has no hot buffers to grow with --kv-offload-resident-v"),
+    (["--kv-offload-resident-v", "--kv-offload-eviction", "lru"], dict(disable_radix_cache=True),
+     "--kv-offload-eviction has no hot buffers to evict from with --kv-offload-resident-v"),
     (["--kv-offload-dense-launch", "fused=1", "--kv-offload-resident-v"], dict(disable_radix_cache=True),
      "--kv-offload-dense-launch sets the all-dense step of --kv-offload-keep-v, which is off (off with --kv-offload-resident-v)"),
     (["--kv-offload-dense-launch", "fused=1", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),

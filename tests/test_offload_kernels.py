@@ -71,6 +71,28 @@ def select(scores, lse, indptr, pol, hq):
     return sel, s, w, k
 
 
+def test_select_refuses_a_part_count_that_is_not_a_power_of_two_before_writing():
+    """``parts`` 0 (review #32: ``0 & -1`` passed the check and the empty grid wrote nothing) and 3: a ValueError,
+    ``sel_pos`` untouched; 1 and 4 select."""
+    g = torch.Generator().manual_seed(31)
+    scores = torch.randn(2, 100, generator=g)
+    lse = torch.logsumexp(scores, 1)[None]
+    indptr = torch.tensor([0, 100], dtype=torch.int32)
+    s, w, k = (torch.tensor([x], dtype=torch.int32) for x in (2, 3, 5))
+    for parts in (0, 3):
+        sel = torch.full((1, 9), -7, dtype=torch.int32)
+        with pytest.raises(ValueError, match=f"parts must be a power of two, not {parts}"):
+            ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(100), sel, 2, block_n=16, parts=parts)
+        assert (sel == -7).all()
+    picks = []
+    for parts in (1, 4):
+        sel = torch.full((1, 9), -7, dtype=torch.int32)
+        ko.select_run(scores, lse, indptr, s, w, k, torch.zeros(100), sel, 2, block_n=16, parts=parts)
+        picks.append(sel[0, :5].tolist())
+    p = torch.exp(scores.double() - lse.double().T).sum(0)[2:97]
+    assert picks[0] == picks[1] and sorted(picks[0]) == sorted((p.topk(5).indices + 2).tolist())  # (the threshold's own last)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_radix_select_returns_the_exact_top_k_of_the_summed_softmax(seed):
     g = torch.Generator().manual_seed(seed)

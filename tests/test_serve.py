@@ -141,3 +141,30 @@ def test_a_flag_set_in_the_config_file_gets_no_default_beside_it(tmp_path):
     assert serve.check_flags(cmd[3:]) is None
     cfg.write_text("enable-kv-offload: false\n")  # off in the file: the backend default comes back
     assert "--attention-backend" in serve.build_command("llama-3.1-8b", ["--config", str(cfg)])
+
+
+def test_the_offload_flags_that_are_not_plain_values_can_be_set_in_the_config_file(tmp_path):
+    """Review finding (#32): SGLang's ``--config`` merger takes only store and store_true options, so
+    ``kv-offload-keep-v: false`` and ``kv-offload-dense-launch`` in the YAML stopped the launch with a traceback.
+    Now ``--kv-offload-keep-v [BOOL]`` / ``--no-kv-offload-keep-v`` and the once-only dense launch are store
+    options: the file sets them as the command line does, and a bad value is one line."""
+    import argparse
+
+    from sglang_elastic import config
+
+    cfg = tmp_path / "o.yaml"
+    parser = serve._parser()
+    for text, keep_v, launch in (("kv-offload-keep-v: false\n", False, ""), ("kv-offload-keep-v: true\n", True, ""),
+                                 ("no-kv-offload-keep-v: true\n", False, ""), ("kv-offload-dense-launch: fused=0,pdl=0\n", None, "fused=0,pdl=0")):
+        cfg.write_text("enable-kv-offload: true\n" + text)
+        argv = serve.build_command("llama-3.1-8b", ["--config", str(cfg)])[3:]
+        assert serve.check_flags(argv) is None, text
+        c = config.from_namespace(parser.parse_args(serve._merge_config(argv, parser))).offload
+        assert (c.keep_v, c.dense_launch) == (keep_v, launch), text
+    p = argparse.ArgumentParser()
+    config.add_cli_args(p)
+    for argv, want in ((["--kv-offload-keep-v"], True), (["--kv-offload-keep-v=off"], False), (["--no-kv-offload-keep-v"], False),
+                       (["--no-kv-offload-keep-v", "false"], True), ([], None)):
+        assert p.parse_args(argv).kv_offload_keep_v is want, argv
+    err = serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--kv-offload-keep-v", "maybe"])[3:])
+    assert err == "launch_server: error: argument --kv-offload-keep-v: expected true or false, not 'maybe'"
