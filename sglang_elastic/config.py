@@ -691,20 +691,41 @@ _OFFLOAD_RADIX_ENV = (
 )
 
 
-def _model_layers(model_path: Optional[str]) -> Optional[int]:
-    """``num_hidden_layers`` of a local model's ``config.json`` (or of its ``text_config``), read as the
-    advisor reads it (:func:`sglang_elastic.eval.sizing.read_config`), else None (a hub id, no file, not a
-    JSON object, another layout): then the pool's sizing checks it after the weights load."""
-    if not model_path:
+def model_config(ns: argparse.Namespace) -> Optional[dict]:
+    """A local model's ``config.json`` (``--model-path``) with ``--json-model-override-args`` applied over it, as
+    SGLang applies them (a shallow update), read as the advisor reads it (:func:`sglang_elastic.eval.sizing.read_config`);
+    None for a hub id, no file, not a JSON object, or overrides that are not a JSON object (SGLang reports those):
+    then the pool's sizing checks the model after the weights load."""
+    path = getattr(ns, "model_path", None)
+    if not path:
         return None
     from sglang_elastic.eval.sizing import AdviseError, read_config
 
     try:
-        _, c = read_config(model_path, {})
-    except AdviseError:
+        _, c = read_config(path, {})
+        over = json.loads(getattr(ns, "json_model_override_args", None) or "{}")
+    except (AdviseError, ValueError):
         return None
-    n = c.get("num_hidden_layers", (c.get("text_config") or {}).get("num_hidden_layers"))
-    return n if isinstance(n, int) and n > 0 else None
+    return {**c, **over} if isinstance(over, dict) else None
+
+
+def _model_int(c: Optional[dict], key: str) -> Optional[int]:
+    """A positive integer ``key`` of a model config (or of its ``text_config``), else None."""
+    if c is None:
+        return None
+    n = c.get(key, (c.get("text_config") or {}).get(key))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+#: ``--kv-offload-eviction lfu`` packs a slot's last use in 21 bits (``kernels/offload.py`` ``LFU_MAX_LEN``)
+LFU_MAX_LEN = 1 << 21
+
+
+def _fp32_kv(ns: argparse.Namespace) -> bool:
+    """The KV cache would be float32: ``--kv-cache-dtype auto`` (the model's dtype) with ``--dtype float32`` (SGLang's
+    ``auto`` dtype never picks float32: a float32 checkpoint runs in float16)."""
+    kv = str(getattr(ns, "kv_cache_dtype", None) or "auto")
+    return kv == "auto" and str(getattr(ns, "dtype", None) or "auto").lower() in ("float32", "float")
 
 
 def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
@@ -723,7 +744,15 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
                                (f"--cuda-graph-config {phase} backend", json_backend)):
             if backend not in ok:
                 raise ConfigError(f"--enable-kv-offload does not support {where} {backend!r}: {_OFFLOAD_GRAPHS_WHY[phase]}")
-    layers = _model_layers(getattr(ns, "model_path", None))
+    if _fp32_kv(ns):
+        raise ConfigError(f"--enable-kv-offload does not support --dtype {ns.dtype}: the kernels read bf16/fp16 KV, and the KV cache "
+                          "takes the model's dtype (pass --dtype bfloat16 or float16)")
+    mc = model_config(ns)
+    context = getattr(ns, "context_length", None) or _model_int(mc, "max_position_embeddings")
+    if cfg.offload.eviction == "lfu" and context is not None and context >= LFU_MAX_LEN:
+        raise ConfigError(f"--kv-offload-eviction lfu packs a slot's last use in 21 bits: contexts below {LFU_MAX_LEN:,} positions, "
+                          f"not {context:,} (use lru, or a shorter --context-length)")
+    layers = _model_int(mc, "num_hidden_layers")
     dense = cfg.offload.dense_layers
     if layers is not None and dense >= layers and not cfg.offload.resident_v:  # as sizing refuses it, before the weights load
         raise ConfigError(f"--kv-offload-dense-layers {dense} leaves none of the model's {layers} layers sparse: nothing would be "
@@ -776,6 +805,12 @@ def _check_backends(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         kv = str(getattr(ns, "kv_cache_dtype", None) or "auto")
         if kv not in _BF16_FP16_KV:  # (fp8_*, fp4_e2m1, mxfp8, nvfp4, ...)
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} reads bf16/fp16 KV caches, not --kv-cache-dtype {kv}; {fix}")
+        if _fp32_kv(ns):
+            raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} reads bf16/fp16 KV caches, not the float32 one --dtype "
+                              f"{ns.dtype} gives; pass --dtype bfloat16 or float16, or {fix}")
+        if (getattr(ns, "dcp_size", None) or 1) > 1:
+            raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} does not support --dcp-size {ns.dcp_size} (decode context "
+                              f"parallelism splits each request's KV over ranks); {fix}")
         if getattr(ns, "speculative_algorithm", None):
             raise ConfigError(f"--decode-attention-backend {DECODE_BACKEND} has no target-verify path for "
                               f"--speculative-algorithm {ns.speculative_algorithm}; {fix}")

@@ -174,27 +174,29 @@ def check_flags(argv: Sequence[str]) -> Optional[str]:
         config.check_server_args(config.from_namespace(ns), ns)
     except config.ConfigError as e:
         return str(e)
-    return _model_error(ns.model_path, ns.tp_size)
+    return _model_error(ns)
 
 
-def _model_error(path: Optional[str], tp: int) -> Optional[str]:
+def _model_error(ns) -> Optional[str]:
     """What the start would refuse of ``--model-path`` and ``--tp``: a local path (absolute, ``./``, ``~``) that does
     not exist (anything else may be a Hugging Face id, which SGLang downloads), or heads that do not split over the
-    TP ranks (:func:`sglang_elastic.eval.advisor.tp_split_error`, for the dense models the advisor reads; others are
-    left to SGLang). None when neither."""
+    TP ranks (:func:`sglang_elastic.eval.advisor.tp_split_error`, for the dense models the advisor reads, with
+    ``--json-model-override-args`` applied; others are left to SGLang). None when neither."""
+    from sglang_elastic import config
     from sglang_elastic.eval import advisor
 
+    path, tp = ns.model_path, ns.tp_size
     if not path:
         return None
     local = os.path.expanduser(path)
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(local):
         return f"--model-path {path}: no such file or directory (a Hugging Face id, org/name, is downloaded by SGLang)"
-    if tp > 1 and os.path.isdir(local):
+    cfg = config.model_config(ns) if tp > 1 and os.path.isdir(local) else None
+    if cfg is not None:
         from sglang_elastic.eval import sizing
 
         try:
-            mpath, cfg = sizing.read_config(local, {})  # a JSON object, or AdviseError
-            m = sizing.model_facts(str(mpath), cfg, f"--model-path {path}", quantized_ok=True)
+            m = sizing.model_facts(local, cfg, f"--model-path {path}", quantized_ok=True)
         except advisor.AdviseError:  # a model the advisor does not read (MoE, sliding window, ...): SGLang checks it
             return None
         return advisor.tp_split_error(m, tp)

@@ -88,6 +88,15 @@ def test_dense_layers_that_leave_nothing_sparse_are_refused_before_the_weights_l
     assert err is not None and "--kv-offload-dense-layers 32 leaves none of the model's 32 layers sparse" in err, err
     assert check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "31") is None
     assert check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "32", "--kv-offload-resident-v") is None
+    # with --json-model-override-args, the layers SGLang will build (review #32: the file's count was read alone)
+    over = ["--json-model-override-args", '{"num_hidden_layers": 64}']
+    assert check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "40", *over) is None
+    err = check(*BASE_OFFLOAD, "--kv-offload-dense-layers", "4", "--json-model-override-args", '{"num_hidden_layers": 4}')
+    assert err is not None and "--kv-offload-dense-layers 4 leaves none of the model's 4 layers sparse" in err, err
+    from sglang_elastic import config
+    from sglang_elastic.kernels import offload as ko
+
+    assert config.LFU_MAX_LEN == ko.LFU_MAX_LEN  # the flag check's bound (config stays torch-free) is the kernel's
 
 
 def test_serve_reads_an_abbreviated_flag_as_sglangs_parser_does():
@@ -160,3 +169,8 @@ def test_dry_run_refuses_a_tp_the_heads_do_not_split_over_and_a_local_model_path
     (tmp_path / "awq" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
     assert check("--model-path", str(tmp_path / "awq"), "--tp", "3").startswith("--tp 3: the model's 32 attention heads")
     assert check("--model-path", str(tmp_path / "awq"), "--tp", "2") is None
+    # the heads SGLang builds with --json-model-override-args (review #32: the file's were read alone)
+    over = json.dumps({"num_attention_heads": 48, "num_key_value_heads": 12, "hidden_size": 6144, "intermediate_size": 12288})
+    assert check("--tp", "3", "--json-model-override-args", over) is None
+    assert check("--tp", "4", "--json-model-override-args", json.dumps({"num_attention_heads": 30, "hidden_size": 3840})).startswith(
+        "--tp 4: the model's 30 attention heads")

@@ -111,6 +111,15 @@ def test_dry_run_refuses_what_the_server_start_would_refuse():
      "--decode-attention-backend persistentkv reads bf16/fp16 KV caches, not --kv-cache-dtype mxfp8"),
     (["--decode-attention-backend", "persistentkv", "--speculative-algorithm", "EAGLE"],
      "--decode-attention-backend persistentkv has no target-verify path for --speculative-algorithm EAGLE"),
+    # review #32: refused only when the backend was built, after the weights (and the pinned host pool) loaded
+    (["--decode-attention-backend", "persistentkv", "--dtype", "float32"],
+     "--decode-attention-backend persistentkv reads bf16/fp16 KV caches, not the float32 one --dtype float32 gives"),
+    (["--decode-attention-backend", "persistentkv", "--dcp-size", "2"], "--decode-attention-backend persistentkv does not support --dcp-size 2"),
+    (["--enable-kv-offload", "--dtype", "float"], "--enable-kv-offload does not support --dtype float: the kernels read bf16/fp16 KV"),
+    (["--enable-kv-offload", "--kv-offload-eviction", "lfu", "--context-length", "4194304"],
+     "--kv-offload-eviction lfu packs a slot's last use in 21 bits: contexts below 2,097,152 positions, not 4,194,304"),
+    (["--enable-kv-offload", "--kv-offload-eviction", "lfu", "--json-model-override-args", '{"max_position_embeddings": 2097152}'],
+     "not 2,097,152 (use lru, or a shorter --context-length)"),
 ])
 def test_check_flags_names_the_first_refusal(flags, message):
     argv = serve.build_command("llama-3.1-8b", flags)[3:]
@@ -120,6 +129,10 @@ def test_check_flags_names_the_first_refusal(flags, message):
     # the project's own backends are choices there, as at a server start (the first version refused them)
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv"])[3:]) is None
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--decode-attention-backend", "persistentkv", "--kv-cache-dtype", "bf16"])[3:]) is None
+    for ok in (["--decode-attention-backend", "persistentkv", "--dtype", "float16"], ["--enable-kv-offload", "--dtype", "auto"],
+               ["--enable-kv-offload", "--kv-offload-eviction", "lfu", "--context-length", "131072"],
+               ["--enable-kv-offload", "--dtype", "float32", "--kv-cache-dtype", "bf16"]):  # the KV cache's own dtype given
+        assert serve.check_flags(serve.build_command("llama-3.1-8b", ok)[3:]) is None, ok
     assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--disable-radix-cache", "--attention-backend",
                                                                   "kvoffload"])[3:]) is None
 
