@@ -187,7 +187,7 @@ class OffloadConfig:
     layer); ``hot_slack`` (hot rows granted per selected row, 1 to 16); ``hot_slack_max``
     (adaptive growth up to this slack while a request's selection misses; 0: off);
     ``host_gb`` (cap on the host pool, GB of 1e9 bytes; None: free host RAM
-    less 10 GiB); ``resident_v`` (no host tier: the exactness reference);
+    less 10 GiB; at TP > 1 an equal share per rank on the host, less 10 GiB each); ``resident_v`` (no host tier: the exactness reference);
     ``prefetch``; ``eviction`` (the hot buffer's victim rule); ``keep_v`` (a request
     keeps V in idle pool slots and attends densely while SGLang's allocator has
     them: :mod:`sglang_elastic.offload.keep`; None, the default: on unless
@@ -462,7 +462,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-hot-tokens", type=int, default=None, help="The most LRU V rows one request keeps per sparse layer on the GPU (>= --kv-offload-topk) (default 4096).")
     o.add_argument("--kv-offload-hot-slack", type=float, default=None, help="Hot-buffer rows granted per selected row as a request grows, in pages from one pool sized by the tokens held (1 to 16) (default 2).")
     o.add_argument("--kv-offload-hot-slack-max", type=float, default=None, help="Adaptive hot buffers: a request whose selection missed at least 1/16 of its rows in the last step grows by one row per selected row a step, up to this many, in hot pages nobody needs now (an eighth of the pool stays free), and gives them back when the pool runs short (between --kv-offload-hot-slack and 16; default 0: off; not yet measured on a GPU).")
-    o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB of 1e9 bytes as SGLang's --hicache-size (default: free host RAM less 10 GiB).")
+    o.add_argument("--kv-offload-host-gb", type=float, default=None, help="Cap on the pinned host pool, GB of 1e9 bytes as SGLang's --hicache-size (default: free host RAM less 10 GiB; at TP > 1 each rank on the host an equal share of the free RAM, less 10 GiB each).")
     o.add_argument("--kv-offload-resident-v", action="store_true", help="Keep V on the GPU as well (same selection, no host tier): the exactness reference, stock capacity.")
     o.add_argument("--kv-offload-eviction", choices=EVICTIONS, default=None, help="Hot-buffer victims: lru (least recently used) or lfu (InfiniGen's least often selected, then least recently; a measured option) (default lru).")
     o.add_argument("--kv-offload-keep-v", action=_OnOff, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
@@ -507,6 +507,10 @@ def from_namespace(ns: argparse.Namespace) -> ElasticKVConfig:
                                   "forces one path; drop one of the two")
     if calibration is not None:
         from sglang_elastic.attention.policy import CalibrationError, load_calibration
+
+        if not calibration.strip():
+            raise ConfigError("--decode-calibration needs the path of a calibration JSON, not an empty value "
+                              "(omit it for this GPU and shape's own)")
 
         try:
             load_calibration(calibration)
@@ -845,6 +849,12 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     for env, reason in _UNSUPPORTED_ENV:
         if env_on(env):
             raise ConfigError(f"--enable-elastic-kv does not support {env}={os.environ[env]} ({reason})")
+    events = os.environ.get(EVENTS_ENV)
+    if events:  # opened (append) by the scheduler after the weights load and the graphs capture: a bad path fails here
+        where = os.path.dirname(os.path.abspath(events))
+        if os.path.isdir(events) or not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK) or (
+                os.path.exists(events) and not os.access(events, os.W_OK)):
+            raise ConfigError(f"{EVENTS_ENV}={events}: not a file that can be written (the lend/reclaim records are appended there)")
 
 
 def publish(cfg: ElasticKVConfig) -> None:

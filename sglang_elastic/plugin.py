@@ -41,11 +41,17 @@ def load() -> None:
     if _loaded:
         return
     _loaded = True
+    from sglang_elastic import config
+
+    try:  # SGLang's loader reports a plugin's exception with a traceback and starts without it: a bad value stops here instead
+        config.current()
+    except config.ConfigError as e:
+        raise SystemExit(f"sglang-elastic: {e} (the launcher sets it for its server processes: unset it)") from None
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.BEFORE)
-    from sglang_elastic import attention, config
+    from sglang_elastic import attention
 
     attention.register()
     _features.append("decode-attention:" + attention.NAME)

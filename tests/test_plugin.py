@@ -41,6 +41,17 @@ def test_sglang_plugin_loader_discovers_and_runs_the_plugin(sglang_python):
     assert (got["before"], got["after"]) == (False, True)
 
 
+def test_a_bad_config_in_the_environment_stops_the_load_with_one_line(sglang_python):
+    """Review #32: a bad ``SGLANG_ELASTIC_CONFIG`` (the launcher's channel to its server processes) raised inside
+    SGLang's plugin loader, which logs a traceback and starts without the plugin; it now stops with one line."""
+    code = "from sglang.srt.plugins import load_plugins\nload_plugins()\nprint('started')\n"
+    r = sglang_python.run(code, env={**os.environ, "SGLANG_ELASTIC_CONFIG": "garbage"})
+    assert r.returncode != 0 and "started" not in r.stdout
+    assert r.stderr.strip().splitlines()[-1] == ("sglang-elastic: SGLANG_ELASTIC_CONFIG is not a valid sglang-elastic config: Expecting "
+                                                "value: line 1 column 1 (char 0) (the launcher sets it for its server processes: unset it)")
+    assert "Traceback" not in r.stderr
+
+
 def test_sglang_plugins_whitelist_can_exclude_the_plugin(sglang_python):
     code = "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group\nprint(sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP)))\n"
     assert "sglang_elastic" not in run_py(code, sglang_python, SGLANG_PLUGINS="someone_else")

@@ -120,6 +120,8 @@ def test_dry_run_refuses_what_the_server_start_would_refuse():
      "--kv-offload-eviction lfu packs a slot's last use in 21 bits: contexts below 2,097,152 positions, not 4,194,304"),
     (["--enable-kv-offload", "--kv-offload-eviction", "lfu", "--json-model-override-args", '{"max_position_embeddings": 2097152}'],
      "not 2,097,152 (use lru, or a shorter --context-length)"),
+    (["--decode-attention-backend", "persistentkv", "--decode-calibration", ""],
+     "--decode-calibration needs the path of a calibration JSON, not an empty value"),
 ])
 def test_check_flags_names_the_first_refusal(flags, message):
     argv = serve.build_command("llama-3.1-8b", flags)[3:]
@@ -181,3 +183,14 @@ def test_the_offload_flags_that_are_not_plain_values_can_be_set_in_the_config_fi
         assert p.parse_args(argv).kv_offload_keep_v is want, argv
     err = serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-kv-offload", "--kv-offload-keep-v", "maybe"])[3:])
     assert err == "launch_server: error: argument --kv-offload-keep-v: expected true or false, not 'maybe'"
+
+
+def test_an_events_file_that_cannot_be_written_is_refused_before_the_start(tmp_path, monkeypatch):
+    """Review #32: ``SGLANG_ELASTIC_EVENTS`` under a missing directory passed ``serve --dry-run``; the scheduler opened it
+    after the weights loaded and the graphs captured, without a handler. A writable path passes."""
+    argv = serve.build_command("llama-3.1-8b", ["--enable-elastic-kv"])[3:]
+    for bad in (tmp_path / "none" / "ev.jsonl", tmp_path):
+        monkeypatch.setenv("SGLANG_ELASTIC_EVENTS", str(bad))
+        assert serve.check_flags(argv) == f"SGLANG_ELASTIC_EVENTS={bad}: not a file that can be written (the lend/reclaim records are appended there)"
+    monkeypatch.setenv("SGLANG_ELASTIC_EVENTS", str(tmp_path / "ev.jsonl"))
+    assert serve.check_flags(argv) is None and not (tmp_path / "ev.jsonl").exists()  # checked, not created
