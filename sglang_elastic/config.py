@@ -583,6 +583,8 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
         if len(given["dense_launch"]) > 1:
             raise ConfigError("--kv-offload-dense-launch given more than once: put every key in one KEY=VALUE,... value")
         given["dense_launch"] = given["dense_launch"][0]
+        if not given["dense_launch"].strip():  # (an empty value would read as the defaults, and pass where keep-v is off)
+            raise ConfigError("--kv-offload-dense-launch needs KEY=VALUE,... (omit it for the defaults)")
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given.get("resident_v"):  # given at its default value too (OffloadConfig's own check sees only changed values)
         for f in _HOST_TIER:

@@ -132,6 +132,8 @@ def test_the_radix_cache_is_accepted_and_other_radix_trees_are_refused_with_one_
     (["--kv-offload-dense-launch", "chunk_mean=125", "--kv-offload-dense-launch", "pdl=0"], dict(disable_radix_cache=True),
      "--kv-offload-dense-launch given more than once: put every key in one KEY=VALUE,... value"),
     (["--kv-offload-dense-launch", "pdl=1,pdl=0"], dict(disable_radix_cache=True), "pdl given twice"),
+    (["--kv-offload-dense-launch", "", "--no-kv-offload-keep-v"], dict(disable_radix_cache=True),
+     "--kv-offload-dense-launch needs KEY=VALUE,... (omit it for the defaults)"),
     (["--kv-offload-budget", "1.5"], dict(disable_radix_cache=True), "--kv-offload-budget must be in (0, 1]"),
     (["--kv-offload-window", "0"], dict(disable_radix_cache=True), "--kv-offload-window must be >= 1"),
     (["--kv-offload-host-gb", "inf"], dict(disable_radix_cache=True), "--kv-offload-host-gb must be a positive number of GB (omit it for free host RAM), not inf"),
