@@ -394,7 +394,7 @@ class ElasticKVConfig:
             d = json.loads(text)
             d["offload"] = OffloadConfig(**d.get("offload", {}))
             return cls(**d)
-        except (TypeError, AttributeError, json.JSONDecodeError) as e:
+        except (TypeError, AttributeError, json.JSONDecodeError, ConfigError) as e:
             raise ConfigError(f"{ENV} is not a valid sglang-elastic config: {e}") from e
 
 
@@ -431,9 +431,9 @@ class _OnOff(argparse._StoreAction):
         setattr(namespace, self.dest, value != option_string.startswith("--no-"))
 
 
-class _Once(argparse._StoreAction):
-    """A value flag given at most once, kept as a one-item list (a second one is :func:`_offload_config`'s refusal:
-    argparse's ``store`` would keep the last silently); a store action, so SGLang's ``--config`` YAML can set it."""
+class _Keys(argparse._StoreAction):
+    """A ``KEY=VALUE,...`` flag whose occurrences are all kept, in order (:func:`_merged_launch` joins their keys:
+    argparse's ``store`` would keep the last value whole); a store action, so SGLang's ``--config`` YAML can set it."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or []) + [values])
@@ -468,7 +468,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-offload-keep-v", action=_OnOff, default=None, help="Dense while V fits (on by default, off with --kv-offload-resident-v): a request keeps its V in idle KV-pool slots lent by SGLang's allocator and attends to every position (no selection, no PCIe); when the allocator runs short the largest such requests continue sparse from their host V. On the H200: +0.5 %% median ITL against stock on a load that fits in HBM (one run, 2026-12-05; +31 %% with --no-kv-offload-keep-v), unchanged past HBM (docs/offload.md). --no-kv-offload-keep-v: every request on the sparse rule (the prefetch and adaptive hot buffers were measured that way).")
     o.add_argument("--kv-offload-keep-reserve", type=float, default=None, metavar="SHARE", help="With --kv-offload-keep-v: the share of the KV pool a kept request's next slot must leave free, else the largest kept requests are demoted to the sparse rule (0 to 0.5; default 0.02). A demotion is for good, so a larger share moves demotions earlier rather than avoiding them: on an H100 at 64 x 4K + 512, 0.125 (the default before 2026-12-06) demoted 2 requests with ~85,000 slots free and the steps after ran 30 %% slower, 0.02 demoted none (warm p99 ITL 19.7 ms against stock's 20.2). No admission waits on it at any share: the allocator demotes before it could fail.")
     o.add_argument("--kv-offload-copy-timing", action="store_true", help="Time the V copies of one decode step in 16 with CUDA events inside the decode graphs (4 event records per sparse layer and step, 6 with prefetch) and report the share of copy time hidden behind compute (sglang_elastic:offload_copy_hidden_share, offload_copy_ms_per_step on /metrics; copy_* in the counters). Under SGLang's overlap scheduler the graph of a step due for a read is launched again before the GPU has passed it: the host then waits for that step once (copy_waits, copy_wait_ms) instead of losing it. Off by default.")
-    o.add_argument("--kv-offload-dense-launch", default=None, action=_Once, metavar="KEY=VALUE,...", help="The kept requests' attention launch (with --kv-offload-keep-v: the all-dense step, while every request keeps its V, and the kept requests of a general step; given once): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1, whatever min_ctas is: in a general step, with sparse requests, the kept requests' launch on a side stream beside the sparse requests' selection; bit-equal, -1.3 to -4.6 %% a sparse layer at 64 x 4.6K on an H100, kernel level only). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
+    o.add_argument("--kv-offload-dense-launch", default=None, action=_Keys, metavar="KEY=VALUE,...", help="The kept requests' attention launch (with --kv-offload-keep-v: the all-dense step, while every request keeps its V, and the kept requests of a general step; given again, here or in --config's YAML, its keys join, a later value of a key winning): min_chunk (positions; 0: 512), fused (one launch: the last chunk merges), pdl (programmatic dependent launch behind the KV store), block_n (0: 64, 16, 32, 64, 128), num_warps (none, 1, 2, 4, 8, 16), num_stages (none, 1-6), min_ctas (every setting here applies only to batches of at least this many programs a chunk, requests x KV heads), chunk_mean (an integer percent, 0-1000, 0 turning it off: the minimum chunk raised to that share of the real requests' mean context where no request is longer than twice that, else min_chunk, which stays its floor; a min_chunk given without chunk_mean turns it off; 125 gave -2.3 %% median ITL against chunk_mean=0 at 32 x 8,448 on an H100, one run), kept_stream (0/1, whatever min_ctas is: in a general step, with sparse requests, the kept requests' launch on a side stream beside the sparse requests' selection; bit-equal, -1.3 to -4.6 %% a sparse layer at 64 x 4.6K on an H100, kernel level only). Default: min_chunk=8192,fused=1,pdl=1,block_n=128,num_warps=none,num_stages=3,min_ctas=256,chunk_mean=125,kept_stream=0 (scripts/gpu/sweep_dense_kept.py's pick on the H200, chunk_mean measured on an H100; docs/offload.md); the keys given replace those.")
     o.add_argument("--kv-offload-prefetch", choices=PREFETCH, default=None, help="speculative: while layer l runs, select layer l+1's rows with layer l's input through layer l+1's query weights and copy their misses ahead (InfiniGen); costs a second K read per layer: +57 %% median ITL on the Llama-3.1-8B shape at 64 x 32K on the H200 (default off).")
     d = parser.add_argument_group("sglang-elastic: decode attention (with --decode-attention-backend persistentkv)")
     d.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None, help="Decode path per batch: auto (calibrated cost model, default), or force flashinfer, split (split-KV) or compact (work queue). Applies only with --decode-attention-backend persistentkv.")
@@ -567,8 +567,31 @@ _NO_RECLAIM_MODES = {"off": "never lends or reclaims", "always-lent": "lends onc
 
 def _refuse_without_enable(prefix: str, field: str, value) -> None:
     """Raise the one-line refusal of ``--PREFIX-FIELD`` (``--no-...`` for an on/off flag given off) without its enable flag."""
-    flag = ("no-" if value is False and field in ON_OFF_FLAGS else "") + f"{prefix}-{field.replace('_', '-')}"
-    raise ConfigError(f"--{flag} (and every --{prefix}-* flag) needs --enable-{prefix}")
+    flag = f"--{prefix}-{field.replace('_', '-')}"
+    if value is False and field in ON_OFF_FLAGS:
+        flag = f"{flag} false (--no-{flag[2:]})"
+    raise ConfigError(f"{flag} (and every --{prefix}-* flag) needs --enable-{prefix}")
+
+
+def _merged_launch(items: Sequence[str]) -> str:
+    """``--kv-offload-dense-launch`` given several times (in ``--config``'s YAML and on the command line, which
+    SGLang's merger puts after the file's, or twice on the command line): one ``KEY=VALUE,...`` value whose keys are
+    every occurrence's, a later occurrence's value of a key replacing an earlier one's. A key twice in one value stays
+    twice (:meth:`~sglang_elastic.offload.decode.SplitConfig.with_dense_launch` refuses it).
+
+    Raises:
+        ConfigError: an empty value (it would read as the defaults).
+    """
+    if any(not x.strip() for x in items):
+        raise ConfigError("--kv-offload-dense-launch needs KEY=VALUE,... (omit it for the defaults)")
+    key = lambda part: part.split("=", 1)[0].strip()
+    later: set = set()
+    kept: List[List[str]] = []
+    for item in reversed(items):
+        parts = item.split(",")
+        kept.append([x for x in parts if key(x) not in later])
+        later |= {key(x) for x in parts}
+    return ",".join(x for parts in reversed(kept) for x in parts)
 
 
 def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
@@ -579,12 +602,8 @@ def _offload_config(ns: argparse.Namespace) -> "OffloadConfig":
     given = {f: getattr(ns, f"kv_offload_{f}", None) for f in fields if f != "enabled"}
     # a store_true flag not given reads False; --no-kv-offload-keep-v (an on/off flag, None when not given) is a value
     given = {f: v for f, v in given.items() if v is not None and (v is not False or f in ON_OFF_FLAGS)}
-    if isinstance(given.get("dense_launch"), list):  # (action=_Once: argparse's store would keep only the last silently)
-        if len(given["dense_launch"]) > 1:
-            raise ConfigError("--kv-offload-dense-launch given more than once: put every key in one KEY=VALUE,... value")
-        given["dense_launch"] = given["dense_launch"][0]
-        if not given["dense_launch"].strip():  # (an empty value would read as the defaults, and pass where keep-v is off)
-            raise ConfigError("--kv-offload-dense-launch needs KEY=VALUE,... (omit it for the defaults)")
+    if isinstance(given.get("dense_launch"), list):  # (action=_Keys: every occurrence, in order)
+        given["dense_launch"] = _merged_launch(given["dense_launch"])
     enabled = bool(getattr(ns, "enable_kv_offload", False))
     if given.get("resident_v"):  # given at its default value too (OffloadConfig's own check sees only changed values)
         for f in _HOST_TIER:
@@ -708,7 +727,7 @@ def model_config(ns: argparse.Namespace) -> Optional[dict]:
     from sglang_elastic.eval.sizing import AdviseError, read_config
 
     try:
-        _, c = read_config(path, {})
+        _, c = read_config(os.path.expanduser(path), {})
         over = json.loads(getattr(ns, "json_model_override_args", None) or "{}")
     except (AdviseError, ValueError):
         return None
@@ -721,6 +740,18 @@ def _model_int(c: Optional[dict], key: str) -> Optional[int]:
         return None
     n = c.get(key, (c.get("text_config") or {}).get(key))
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _context_length(c: Optional[dict]) -> Optional[int]:
+    """The context length SGLang 0.5.17 derives from a model config (``get_context_length``: the first of its
+    context keys, times the RoPE scaling factor), or None without a config."""
+    if c is None:
+        return None
+    import types
+
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+
+    return get_context_length(types.SimpleNamespace(**{k: v for k, v in c.items() if isinstance(k, str) and k.isidentifier()}))
 
 
 #: ``--kv-offload-eviction lfu`` packs a slot's last use in 21 bits (``kernels/offload.py`` ``LFU_MAX_LEN``)
@@ -754,7 +785,7 @@ def _check_offload(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--enable-kv-offload does not support --dtype {ns.dtype}: the kernels read bf16/fp16 KV, and the KV cache "
                           "takes the model's dtype (pass --dtype bfloat16 or float16)")
     mc = model_config(ns)
-    context = getattr(ns, "context_length", None) or _model_int(mc, "max_position_embeddings")
+    context = getattr(ns, "context_length", None) or _context_length(mc)
     if cfg.offload.eviction == "lfu" and context is not None and context >= LFU_MAX_LEN:
         raise ConfigError(f"--kv-offload-eviction lfu packs a slot's last use in 21 bits: contexts below {LFU_MAX_LEN:,} positions, "
                           f"not {context:,} (use lru, or a shorter --context-length)")
@@ -854,8 +885,8 @@ def check_server_args(cfg: ElasticKVConfig, ns: argparse.Namespace) -> None:
     events = os.environ.get(EVENTS_ENV)
     if events:  # opened (append) by the scheduler after the weights load and the graphs capture: a bad path fails here
         where = os.path.dirname(os.path.abspath(events))
-        if os.path.isdir(events) or not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK) or (
-                os.path.exists(events) and not os.access(events, os.W_OK)):
+        if os.path.isdir(events) or (not os.access(events, os.W_OK) if os.path.exists(events) else
+                                     not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK))):
             raise ConfigError(f"{EVENTS_ENV}={events}: not a file that can be written (the lend/reclaim records are appended there)")
 
 

@@ -84,12 +84,7 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
     shape, its ``enable-kv-offload: true`` gets no ``--attention-backend``); a
     file that cannot be read is :func:`check_flags`'s to report."""
     cmd = [python or sys.executable, "-m", "sglang.launch_server"]
-    given = list(extra)
-    if "--config" in given:
-        try:
-            given = _merge_config(given, _parser())
-        except Exception:  # no file, not YAML, an option the merger refuses: check_flags says which, in one line
-            pass
+    given = _with_file(extra)
     defaults = list(BACKEND_FLAGS)
     if _given(given, "--enable-kv-offload"):  # the plugin selects its own backend (kvoffload; prefill on FlashInfer inside it)
         defaults = [(f, v) for f, v in defaults if f != "--attention-backend"]
@@ -100,6 +95,17 @@ def build_command(model: str, extra: Sequence[str], python: Optional[str] = None
         if not _given(given, flag):
             cmd += [flag] if value is None else [flag, value]
     return cmd + list(extra)
+
+
+def _with_file(extra: Sequence[str]) -> List[str]:
+    """``extra`` with the options of its ``--config`` YAML file merged in (:func:`_merge_config`): what the user gave,
+    wherever; ``extra`` as it is when the file cannot be read (:func:`check_flags` says why, in one line)."""
+    if "--config" not in extra:
+        return list(extra)
+    try:
+        return _merge_config(extra, _parser())
+    except Exception:  # no file, not YAML, an option the merger refuses
+        return list(extra)
 
 
 def _parser():
@@ -211,7 +217,8 @@ def serve(model: str, extra: Sequence[str], dry_run: bool = False, require_patch
     GPU, or when the series is not applied to the installed SGLang (checked in
     that order). ``dry_run``: print the command once the flags pass.
     """
-    if not (_given(extra, "--model-path") or _given(extra, "--model")) and model not in model_names():
+    given = _with_file(extra)
+    if not (_given(given, "--model-path") or _given(given, "--model")) and model not in model_names():
         print(f"sglang-elastic serve: --embedded-model {model}: no such embedded model; use one of {', '.join(model_names())}, "
               "or --model-path DIR for a real model", file=sys.stderr)
         return 2

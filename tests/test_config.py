@@ -250,3 +250,15 @@ def test_the_activation_rule_is_sglangs_estimate_by_default_and_measured_by_flag
     assert cfg.activation_rule == "measured" and config.ElasticKVConfig.from_env(cfg.to_env()).activation_rule == "measured"
     with pytest.raises(config.ConfigError, match="--elastic-kv-activation-rule must be one of sglang, measured, not 'guess'"):
         config.ElasticKVConfig(enabled=True, activation_rule="guess")
+
+
+def test_a_bad_value_in_the_published_config_names_the_variable(monkeypatch):
+    """Review #32: a field error in ``SGLANG_ELASTIC_CONFIG`` named only the flag (the plugin load then said "unset it"
+    of nothing); every error now names the variable."""
+    import pytest
+
+    from sglang_elastic import config
+
+    monkeypatch.setenv(config.ENV, '{"offload": {"topk": -1}}')
+    with pytest.raises(config.ConfigError, match=r"^SGLANG_ELASTIC_CONFIG is not a valid sglang-elastic config: --kv-offload-topk must be >= 0, not -1$"):
+        config.current()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -194,3 +195,46 @@ def test_an_events_file_that_cannot_be_written_is_refused_before_the_start(tmp_p
         assert serve.check_flags(argv) == f"SGLANG_ELASTIC_EVENTS={bad}: not a file that can be written (the lend/reclaim records are appended there)"
     monkeypatch.setenv("SGLANG_ELASTIC_EVENTS", str(tmp_path / "ev.jsonl"))
     assert serve.check_flags(argv) is None and not (tmp_path / "ev.jsonl").exists()  # checked, not created
+
+
+def test_dense_launch_keys_join_over_the_config_file_and_the_command_line(tmp_path):
+    """Review #32: a ``kv-offload-dense-launch`` in the YAML and one on the command line were refused as given twice;
+    now their keys join, the command line's value of a key winning (CLI > file, as for every option), and a key twice in
+    one value is still refused."""
+    from sglang_elastic import config
+
+    cfg = tmp_path / "dl.yaml"
+    cfg.write_text("enable-kv-offload: true\nkv-offload-dense-launch: min_chunk=1024,pdl=0\n")
+    parser = serve._parser()
+    argv = serve.build_command("llama-3.1-8b", ["--config", str(cfg), "--kv-offload-dense-launch", "min_chunk=2048,fused=0"])[3:]
+    assert serve.check_flags(argv) is None
+    c = config.from_namespace(parser.parse_args(serve._merge_config(argv, parser))).offload
+    assert c.dense_launch == "pdl=0,min_chunk=2048,fused=0"
+    sp = c.split_config()
+    assert (sp.dense_min_chunk, sp.dense_pdl, sp.dense_fused) == (2048, False, False)
+    assert config._merged_launch(["a=1,b=2", "b=3", "a=4,c=5"]) == "b=3,a=4,c=5"
+
+
+def test_the_start_up_checks_read_the_model_as_sglang_does(tmp_path, monkeypatch):
+    """Review #32 follow-ups: the lfu bound takes SGLang's own context length (its first context key, times the RoPE
+    factor), a ``~`` model path is expanded, an events file that exists needs only to be writable (``/dev/null``),
+    and ``--embedded-model`` is not checked when the YAML names a model."""
+    import json
+
+    base = ["--enable-kv-offload", "--kv-offload-eviction", "lfu"]
+    for over, refused in (({"rope_scaling": {"rope_type": "linear", "factor": 32.0}}, True), ({"seq_length": 4194304}, True),
+                          ({"max_position_embeddings": 4194304, "max_sequence_length": 8192}, False)):
+        err = serve.check_flags(serve.build_command("llama-3.1-8b", base + ["--json-model-override-args", json.dumps(over)])[3:])
+        assert (err is not None and "lfu packs a slot's last use in 21 bits" in err) == refused, (over, err)
+    home = tmp_path / "home"
+    (home / "m").mkdir(parents=True)
+    (home / "m" / "config.json").write_text((serve.model_path("llama-3.1-8b") / "config.json").read_text())
+    monkeypatch.setenv("HOME", str(home))
+    assert serve.check_flags(serve.build_command("x", ["--model-path", "~/m", "--tp", "3"])[3:]).startswith("--tp 3: the model's 32")
+    monkeypatch.setenv("SGLANG_ELASTIC_EVENTS", os.devnull)
+    assert serve.check_flags(serve.build_command("llama-3.1-8b", ["--enable-elastic-kv"])[3:]) is None
+    monkeypatch.delenv("SGLANG_ELASTIC_EVENTS")
+    cfg = tmp_path / "mp.yaml"
+    cfg.write_text(f"model-path: {home / 'm'}\n")
+    assert serve.serve("nope", ["--config", str(cfg)], dry_run=True) == 0
+    assert serve.serve("nope", []) == 2
