@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from sglang_elastic.config import LFU_MAX_LEN  # noqa: F401  (the swap-in kernel's bound; offload/pool.py reads it here)
 from sglang_elastic.kernels.decode_attention import (
     MERGE_BLOCK_S, _chunk_span, _dot_f32, _launch_opts, _merge_kernel, _partial_attn, _pdl_opts, _shape_args,
 )
@@ -408,8 +409,8 @@ def select_run(
 # ---------------------------------------------------------------------------
 
 
-#: ``lfu`` eviction: ``slot_time`` packs (uses << 21) | last use (the kernel's literals); lengths must stay below 2**21.
-LFU_MAX_LEN = 1 << 21
+# ``lfu`` eviction: ``slot_time`` packs (uses << 21) | last use (the kernel's literals); lengths must stay below
+# ``LFU_MAX_LEN`` = 2**21, the torch-free config's value, which checks it at start-up (imported above: one value for both).
 
 
 @triton.jit

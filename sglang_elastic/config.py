@@ -754,7 +754,8 @@ def _context_length(c: Optional[dict]) -> Optional[int]:
     return get_context_length(types.SimpleNamespace(**{k: v for k, v in c.items() if isinstance(k, str) and k.isidentifier()}))
 
 
-#: ``--kv-offload-eviction lfu`` packs a slot's last use in 21 bits (``kernels/offload.py`` ``LFU_MAX_LEN``)
+#: ``--kv-offload-eviction lfu`` packs a slot's last use in 21 bits (``kernels/offload.py``'s ``_swap_in_kernel`` literals;
+#: the kernels module takes this value)
 LFU_MAX_LEN = 1 << 21
 
 

@@ -11,6 +11,7 @@ shape with its ``--load-format dummy`` and ``--skip-tokenizer-init``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -108,9 +109,11 @@ def _with_file(extra: Sequence[str]) -> List[str]:
         return list(extra)
 
 
+@functools.lru_cache(maxsize=1)
 def _parser():
     """SGLang 0.5.17's ``launch_server`` parser with this project's flags, as at a server start (the plugin's
-    backends among ``--attention-backend``'s choices).
+    backends among ``--attention-backend``'s choices); built once per process (``serve`` reads the flags up to three
+    times: the YAML merge for its defaults and the embedded-model check, then :func:`check_flags`).
 
     Raises:
         ImportError: SGLang cannot be imported.

@@ -96,7 +96,7 @@ def test_dense_layers_that_leave_nothing_sparse_are_refused_before_the_weights_l
     from sglang_elastic import config
     from sglang_elastic.kernels import offload as ko
 
-    assert config.LFU_MAX_LEN == ko.LFU_MAX_LEN  # the flag check's bound (config stays torch-free) is the kernel's
+    assert config.LFU_MAX_LEN == ko.LFU_MAX_LEN == 1 << 21  # one bound for the flag check and the kernels, their literals' 21 bits
 
 
 def test_serve_reads_an_abbreviated_flag_as_sglangs_parser_does():
